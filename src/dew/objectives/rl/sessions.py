@@ -1,0 +1,279 @@
+"""Sessions: what a source returns for one rollout, checked, and cut into chains to train on.
+
+A `Session` is one rollout of one task: its status, the model calls it made, and the verifier's
+reward. The scheduler stamps it with its task and `Label` (group, sample, attempt). Consecutive
+calls whose prompt extends the previous chain's tokens merge into one *chain*, a single token
+sequence to train on; only completion tokens are trained, prompt and environment tokens are
+context.
+
+Truncation policies (`TRUNCATION`), for a TRUNCATED session:
+- `mask`: zero loss weight, and it leaves its group's baseline (agentic context, turn and
+  wall-clock limits);
+- `score`: trains on its verifier reward (single-turn RLVR); one without a reward is resubmitted
+  by the scheduler as `unscored`;
+- `zero`: trains with reward 0 (a length penalty).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+import numpy as np
+
+from dew.data import Task
+
+ESTIMATORS = ("group", "mean", "rloo")
+TRUNCATION = ("mask", "score", "zero")
+TRUNCATION_REASONS = ("length", "turns", "context", "wall_clock")
+
+
+class Status(enum.Enum):
+    """How a session ended. Only COMPLETED, AGENT_ERROR and TRUNCATED were scored."""
+
+    COMPLETED = "completed"
+    AGENT_ERROR = "agent_error"
+    TRUNCATED = "truncated"
+    INFRA_ERROR = "infra_error"
+    CANCELLED = "cancelled"
+
+
+class SessionError(ValueError):
+    """A session that breaks the source contract; the message names task, label and field."""
+
+
+@attrs.frozen
+class Label:
+    """Where a rollout belongs: the scheduler's group id, its sample in the group, its attempt."""
+
+    group: int
+    sample: int
+    attempt: int
+
+    def __str__(self) -> str:
+        return f"group {self.group} sample {self.sample} attempt {self.attempt}"
+
+
+@attrs.frozen(eq=False)
+class Call:
+    """One model call as the engine served it.
+
+    Args:
+        prompt: int32[P] token ids the engine saw.
+        completion: int32[C] sampled token ids.
+        logprobs: float32[C] behaviour log-prob of each completion token, under the distribution
+            it was really drawn from.
+        version: the weights version the engine served at the call's start.
+        support: where a filtered sampler (top-k/top-p) drew the token, the token ids it kept at
+            each completion position: C int32 arrays.
+    """
+
+    prompt: np.ndarray
+    completion: np.ndarray
+    logprobs: np.ndarray
+    version: int
+    support: tuple[np.ndarray, ...] | None = None
+
+
+@attrs.frozen(eq=False)
+class Session:
+    """One rollout of one task, as a source returns it and the scheduler stamps it.
+
+    Args:
+        status: how it ended.
+        calls: the model calls it made, in order.
+        reward: the verifier's reward; required for COMPLETED and AGENT_ERROR.
+        components: named parts of the reward.
+        truncation: why a TRUNCATED session stopped (one of TRUNCATION_REASONS).
+        error: what went wrong, for the error statuses.
+        task, label: stamped by the scheduler.
+        submitted, finished: the scheduler's clock at submission and at finish, stamped by it.
+    """
+
+    status: Status
+    calls: tuple[Call, ...] = attrs.field(default=(), converter=tuple)
+    reward: float | None = None
+    components: Mapping[str, float] = attrs.field(factory=dict)
+    truncation: str | None = None
+    error: str | None = None
+    task: Task | None = None
+    label: Label | None = None
+    submitted: float | None = None
+    finished: float | None = None
+
+    @property
+    def min_version(self) -> int | None:
+        """The version of its oldest call: a rollout is as stale as its oldest call."""
+        return min((call.version for call in self.calls), default=None)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(call.completion) for call in self.calls)
+
+
+@runtime_checkable
+class SessionSource(Protocol):
+    """Runs one rollout of a task. It returns a Session for every outcome it can classify;
+    raising means the source is broken."""
+
+    async def run(self, task: Task, label: Label) -> Session: ...
+
+
+def _fail(session: Session, field: str, problem: str) -> SessionError:
+    task = session.task.name if session.task is not None else "?"
+    return SessionError(f"task {task!r} {session.label or 'unlabelled'}: {field} {problem}")
+
+
+def _check_tokens(session: Session, field: str, array) -> None:
+    if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype != np.int32:
+        described = (
+            f"{array.dtype}[{','.join(map(str, array.shape))}]"
+            if isinstance(array, np.ndarray)
+            else type(array).__name__
+        )
+        raise _fail(session, field, f"must be a 1-D int32 array, got {described}")
+    if array.size and array.min() < 0:
+        raise _fail(session, field, f"holds a negative token id {int(array.min())}")
+
+
+def check_session(session: Session) -> Session:
+    """Check that a stamped session keeps the source contract, and return it.
+
+    Raises:
+        SessionError: naming the session's task, label and the field that is wrong.
+    """
+    if not isinstance(session, Session):
+        raise SessionError(f"a source returned {type(session).__name__}, not a Session")
+    if not isinstance(session.status, Status):
+        raise _fail(session, "status", f"is unknown: {session.status!r}")
+    for i, call in enumerate(session.calls):
+        where = f"calls[{i}]"
+        if not isinstance(call, Call):
+            raise _fail(session, where, f"is a {type(call).__name__}, not a Call")
+        _check_tokens(session, f"{where}.prompt", call.prompt)
+        _check_tokens(session, f"{where}.completion", call.completion)
+        lp = call.logprobs
+        if not isinstance(lp, np.ndarray) or lp.ndim != 1 or lp.dtype != np.float32:
+            raise _fail(session, f"{where}.logprobs", "must be a 1-D float32 array")
+        if len(lp) != len(call.completion):
+            raise _fail(
+                session,
+                f"{where}.logprobs",
+                f"has {len(lp)} entries for {len(call.completion)} completion tokens",
+            )
+        if not np.all(np.isfinite(lp)):
+            raise _fail(session, f"{where}.logprobs", "holds a non-finite log-prob")
+        if lp.size and lp.max() > 0:
+            raise _fail(session, f"{where}.logprobs", f"holds a positive log-prob {lp.max()}")
+        if isinstance(call.version, bool) or not isinstance(call.version, int | np.integer):
+            raise _fail(session, f"{where}.version", f"must be an int, got {call.version!r}")
+        if call.version < 0:
+            raise _fail(session, f"{where}.version", f"must be >= 0, got {call.version}")
+        if call.support is not None:
+            if len(call.support) != len(call.completion):
+                raise _fail(
+                    session,
+                    f"{where}.support",
+                    f"has {len(call.support)} positions for {len(call.completion)} tokens",
+                )
+            for j, (kept, token) in enumerate(zip(call.support, call.completion, strict=True)):
+                _check_tokens(session, f"{where}.support[{j}]", kept)
+                if token not in kept:
+                    raise _fail(session, f"{where}.support[{j}]", f"lacks sampled token {token}")
+    if session.reward is not None and not (
+        isinstance(session.reward, float | int | np.floating) and math.isfinite(session.reward)
+    ):
+        raise _fail(session, "reward", f"must be a finite number, got {session.reward!r}")
+    scored = session.status in (Status.COMPLETED, Status.AGENT_ERROR)
+    if scored and session.reward is None:
+        raise _fail(session, "reward", f"is missing on a {session.status.name} session")
+    for name, value in session.components.items():
+        if not isinstance(value, float | int | np.floating) or not math.isfinite(value):
+            raise _fail(session, f"components[{name!r}]", f"must be a finite number, got {value!r}")
+    if session.status is Status.TRUNCATED and session.truncation not in TRUNCATION_REASONS:
+        raise _fail(
+            session,
+            "truncation",
+            f"must be one of {TRUNCATION_REASONS} on a TRUNCATED session, got {session.truncation!r}",
+        )
+    return session
+
+
+@attrs.frozen(eq=False)
+class Chain:
+    """One token sequence to train on: merged calls of a session.
+
+    Args:
+        tokens: int32[L] context and completion tokens in order.
+        trained: bool[L], True at completion tokens.
+        logprobs: float32[L] behaviour log-probs, 0 where not trained.
+        versions: int32[L] the served version of each completion token's call, -1 elsewhere.
+        support: per position, the kept token ids where the call carried support, else None.
+        calls: how many calls merged into it.
+    """
+
+    tokens: np.ndarray
+    trained: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    support: tuple[np.ndarray | None, ...] | None
+    calls: int
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def chains(session: Session) -> list[Chain]:
+    """Cut a session's calls into chains: a call whose prompt extends the previous chain's tokens
+    (its prompt plus completion) merges into it; any other call starts a new chain."""
+    built: list[dict] = []
+    for call in session.calls:
+        current = built[-1] if built else None
+        seen = np.concatenate(current["tokens"]) if current else None
+        extends = (
+            current is not None
+            and len(call.prompt) >= len(seen)
+            and np.array_equal(call.prompt[: len(seen)], seen)
+        )
+        context = call.prompt[len(seen) :] if extends else call.prompt
+        if not extends:
+            current = {
+                "tokens": [],
+                "trained": [],
+                "logprobs": [],
+                "versions": [],
+                "support": [],
+                "calls": 0,
+            }
+            built.append(current)
+        n, c = len(context), len(call.completion)
+        current["tokens"] += [context, call.completion]
+        current["trained"] += [np.zeros(n, bool), np.ones(c, bool)]
+        current["logprobs"] += [np.zeros(n, np.float32), call.logprobs.astype(np.float32)]
+        current["versions"] += [np.full(n, -1, np.int32), np.full(c, call.version, np.int32)]
+        current["support"] += [None] * n + (
+            list(call.support) if call.support is not None else [None] * c
+        )
+        current["calls"] += 1
+    return [
+        Chain(
+            tokens=np.concatenate(c["tokens"]).astype(np.int32),
+            trained=np.concatenate(c["trained"]),
+            logprobs=np.concatenate(c["logprobs"]),
+            versions=np.concatenate(c["versions"]),
+            support=tuple(c["support"]) if any(s is not None for s in c["support"]) else None,
+            calls=c["calls"],
+        )
+        for c in built
+    ]
+
+
+def merge_ratio(sessions: Sequence[Session]) -> float:
+    """Merged calls / calls over the sessions: 1 - chains / calls (0 when there are no calls)."""
+    calls = sum(len(s.calls) for s in sessions)
+    if calls == 0:
+        return 0.0
+    return 1.0 - sum(len(chains(s)) for s in sessions) / calls
