@@ -1,4 +1,4 @@
-"""A small decoder-only transformer in pure JAX: the model the objective, the engine and the demos use.
+"""A small decoder-only transformer in pure JAX, for the objective, the engine and the demos.
 
 Params are a plain pytree of arrays. `apply` takes packed rows: tokens, positions (restarting at 0
 in each segment) and segment ids (0 = padding); attention is causal and never crosses a segment.

@@ -197,7 +197,8 @@ def check_session(session: Session) -> Session:
         raise _fail(
             session,
             "truncation",
-            f"must be one of {TRUNCATION_REASONS} on a TRUNCATED session, got {session.truncation!r}",
+            f"must be one of {TRUNCATION_REASONS} on a TRUNCATED session, "
+            f"got {session.truncation!r}",
         )
     return session
 
