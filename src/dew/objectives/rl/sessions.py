@@ -278,3 +278,6 @@ def merge_ratio(sessions: Sequence[Session]) -> float:
     if calls == 0:
         return 0.0
     return 1.0 - sum(len(chains(s)) for s in sessions) / calls
+
+
+from dew.objectives.rl._packing import Cut, Packed, pack, session_metrics  # noqa: E402, F401

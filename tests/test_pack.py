@@ -1,0 +1,545 @@
+"""pack and session_metrics: chains laid into fixed rows whole, advantages, truncation, support."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dew.data import Task
+from dew.objectives.rl.sessions import (
+    ESTIMATORS,
+    TRUNCATION,
+    TRUNCATION_REASONS,
+    Call,
+    Chain,
+    Cut,
+    Label,
+    Session,
+    SessionError,
+    Status,
+    chains,
+    check_session,
+    pack,
+    session_metrics,
+)
+
+VOCAB = 40
+PACKABLE = (Status.COMPLETED, Status.AGENT_ERROR, Status.TRUNCATED)
+PROPERTY = settings(max_examples=150, deadline=None, derandomize=True, database=None)
+
+
+@st.composite
+def session_strategy(draw, group: int, sample: int) -> Session:
+    """A checked session of random multi-call structure: some calls extend the chain before
+    them, others start a new one; some carry support."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    calls, seen = [], None
+    for _ in range(draw(st.integers(0, 4))):
+        extend = seen is not None and draw(st.booleans())
+        context = rng.integers(0, VOCAB, size=draw(st.integers(0, 4)), dtype=np.int32)
+        prompt = np.concatenate([seen, context]) if extend else context
+        completion = rng.integers(0, VOCAB, size=draw(st.integers(0, 5)), dtype=np.int32)
+        support = None
+        if draw(st.booleans()):
+            support = tuple(
+                np.unique(np.append(rng.integers(0, VOCAB, size=rng.integers(0, 4)), token)).astype(
+                    np.int32
+                )
+                for token in completion
+            )
+        calls.append(
+            Call(
+                prompt=prompt,
+                completion=completion,
+                logprobs=-rng.exponential(size=len(completion)).astype(np.float32),
+                version=draw(st.integers(0, 3)),
+                support=support,
+            )
+        )
+        seen = np.concatenate([prompt, completion])
+    status = draw(st.sampled_from(PACKABLE))
+    truncated = status is Status.TRUNCATED
+    reward = None
+    if not truncated or draw(st.booleans()):
+        reward = draw(st.sampled_from([0.0, 0.5, 1.0]) | st.floats(-5, 5))
+    return check_session(
+        Session(
+            status=status,
+            calls=calls,
+            reward=reward,
+            truncation=draw(st.sampled_from(TRUNCATION_REASONS)) if truncated else None,
+            task=Task(f"task-{group}"),
+            label=Label(group, sample, 0),
+        )
+    )
+
+
+@st.composite
+def groups_strategy(draw, max_groups: int = 5, max_size: int = 4) -> list[list[Session]]:
+    return [
+        [draw(session_strategy(g, s)) for s in range(draw(st.integers(1, max_size)))]
+        for g in range(draw(st.integers(0, max_groups)))
+    ]
+
+
+def scorable(groups: list[list[Session]], truncation: str) -> list[list[Session]]:
+    """The groups with a reward on every TRUNCATED session under `score`, as the scheduler
+    hands them over (it resubmits the others)."""
+    if truncation != "score":
+        return groups
+    return [
+        [s if s.reward is not None else attrs.evolve(s, reward=0.25) for s in g] for g in groups
+    ]
+
+
+def training_reward(session: Session, truncation: str) -> float | None:
+    """What a session trains on under a truncation policy; None when it does not train."""
+    if session.status is not Status.TRUNCATED:
+        return session.reward
+    return {"mask": None, "score": session.reward, "zero": 0.0}[truncation]
+
+
+def reference_advantages(rewards: list[float], estimator: str) -> np.ndarray:
+    r = np.asarray(rewards, np.float64)
+    if len(r) < 2 or np.ptp(r) == 0:
+        return np.zeros(len(r))
+    if estimator == "rloo":
+        return np.array([r[i] - np.mean(np.delete(r, i)) for i in range(len(r))])
+    if estimator == "mean":
+        return r - r.mean()
+    return (r - r.mean()) / (r.std() + 1e-6)
+
+
+def loss_positions(chain: Chain) -> np.ndarray:
+    mask = chain.trained.copy()
+    mask[:1] = False
+    return mask
+
+
+def chain_key(chain: Chain, with_support: bool) -> tuple:
+    """A chain as pack must lay it: tokens, log-probs, versions, loss mask, kept support."""
+    mask = loss_positions(chain)
+    kept = ()
+    if with_support and chain.support is not None:
+        kept = tuple(
+            (int(p), chain.support[p].astype(np.int32).tobytes())
+            for p in np.flatnonzero(mask)
+            if chain.support[p] is not None
+        )
+    return (
+        chain.tokens.tobytes(),
+        chain.logprobs.tobytes(),
+        chain.versions.tobytes(),
+        mask.tobytes(),
+        kept,
+    )
+
+
+def laid_segments(batch: dict[str, np.ndarray]) -> Counter:
+    """The segments of a batch as chain keys, checking each segment's own layout on the way."""
+    found: Counter = Counter()
+    for r, ids in enumerate(batch["segment_ids"]):
+        used = np.unique(ids[ids > 0])
+        assert np.array_equal(used, np.arange(1, len(used) + 1)), "segment ids are 1.. in a row"
+        for segment in used:
+            where = np.flatnonzero(ids == segment)
+            start, stop = int(where[0]), int(where[-1]) + 1
+            assert len(where) == stop - start, "a segment is contiguous"
+            cells = slice(start, stop)
+            assert np.array_equal(batch["positions"][r, cells], np.arange(stop - start))
+            mask = batch["loss_mask"][r, cells]
+            assert np.isin(mask, [0.0, 1.0]).all()
+            advantages = batch["advantages"][r, cells]
+            assert np.all(advantages[mask == 0] == 0)
+            assert len(np.unique(advantages[mask == 1])) <= 1, "one advantage per rollout"
+            kept = ()
+            if "support_positions" in batch:
+                at, tokens = batch["support_positions"][r], batch["support_tokens"][r]
+                inside = (at >= start) & (at < stop)
+                kept = tuple(
+                    (int(p) - start, tokens[at == p].tobytes()) for p in np.unique(at[inside])
+                )
+            key = (
+                batch["tokens"][r, cells].tobytes(),
+                batch["behavior_logprobs"][r, cells].tobytes(),
+                batch["versions"][r, cells].tobytes(),
+                (mask == 1).tobytes(),
+                kept,
+            )
+            found[key] += 1
+    return found
+
+
+@PROPERTY
+@given(
+    groups=groups_strategy(),
+    width=st.integers(1, 40),
+    rows=st.integers(1, 4),
+    estimator=st.sampled_from(ESTIMATORS),
+    truncation=st.sampled_from(TRUNCATION),
+    support_capacity=st.none() | st.integers(1, 30),
+)
+def test_each_trained_chain_is_laid_once_whole(
+    groups, width, rows, estimator, truncation, support_capacity
+):
+    groups = scorable(groups, truncation)
+    packed = pack(
+        groups,
+        width=width,
+        rows=rows,
+        estimator=estimator,
+        truncation=truncation,
+        support_capacity=support_capacity,
+    )
+    batch = packed.batch
+
+    with_support = support_capacity is not None
+    expected: Counter = Counter()
+    for g in packed.packed:
+        for session in groups[g]:
+            if training_reward(session, truncation) is not None:
+                for chain in chains(session):
+                    if loss_positions(chain).any():
+                        expected[chain_key(chain, with_support)] += 1
+    assert laid_segments(batch) == expected
+
+    assert sorted(packed.packed + tuple(c.group for c in packed.cut)) == list(range(len(groups)))
+    assert list(packed.packed) == sorted(packed.packed)
+    for c in packed.cut:
+        longest = max(
+            (
+                len(chain)
+                for s in groups[c.group]
+                if training_reward(s, truncation) is not None
+                for chain in chains(s)
+                if loss_positions(chain).any()
+            ),
+            default=0,
+        )
+        assert (c.reason == "too_long") == (longest > width)
+        assert c.reason != "support" or with_support
+
+    padding = batch["segment_ids"] == 0
+    assert packed.fill == pytest.approx(1 - padding.mean())
+    assert np.all(batch["tokens"][padding] == 0)
+    assert np.all(batch["loss_mask"][padding] == 0)
+    assert np.all(batch["versions"][padding] == -1)
+    assert np.all(batch["versions"][batch["loss_mask"] == 1] >= 0)
+    assert np.all(batch["loss_mask"][batch["positions"] == 0] == 0)
+
+    shapes = {key: (value.shape, value.dtype) for key, value in batch.items()}
+    cells = {"tokens", "positions", "segment_ids", "versions"}
+    floats = {"loss_mask", "advantages", "behavior_logprobs"}
+    expect_shapes = {k: ((rows, width), np.dtype(np.int32)) for k in cells}
+    expect_shapes |= {k: ((rows, width), np.dtype(np.float32)) for k in floats}
+    if with_support:
+        at = batch["support_positions"]
+        expect_shapes |= {
+            k: ((rows, support_capacity), np.dtype(np.int32))
+            for k in ("support_tokens", "support_positions")
+        }
+        for r in range(rows):
+            used = at[r] >= 0
+            n = int(used.sum())
+            assert used[:n].all(), "a row's support entries come first"
+            assert np.all(np.diff(at[r, :n]) >= 0), "in position order"
+            assert np.all(batch["support_tokens"][r, n:] == -1)
+            assert np.all(batch["loss_mask"][r, at[r, :n]] == 1), "support only where trained"
+    assert shapes == expect_shapes
+
+    again = pack(
+        groups,
+        width=width,
+        rows=rows,
+        estimator=estimator,
+        truncation=truncation,
+        support_capacity=support_capacity,
+    )
+    assert again.packed == packed.packed and again.cut == packed.cut
+    for key, value in batch.items():
+        np.testing.assert_array_equal(again.batch[key], value)
+
+
+@st.composite
+def marked_groups(draw) -> list[list[Session]]:
+    """Groups of one-call sessions whose prompt is (group, sample), so each segment says which
+    rollout it is, and whose completion is trained."""
+    groups = []
+    for g in range(draw(st.integers(1, 4))):
+        group = []
+        for s in range(draw(st.integers(1, 6))):
+            status = draw(st.sampled_from(PACKABLE))
+            truncated = status is Status.TRUNCATED
+            reward = None
+            if not truncated or draw(st.booleans()):
+                reward = draw(st.sampled_from([0.0, 1.0]) | st.floats(-5, 5))
+            n = draw(st.integers(1, 3))
+            call = Call(
+                prompt=np.array([g, s], np.int32),
+                completion=np.full(n, 7, np.int32),
+                logprobs=np.full(n, -0.5, np.float32),
+                version=0,
+            )
+            group.append(
+                Session(
+                    status=status,
+                    calls=(call,),
+                    reward=reward,
+                    truncation="length" if truncated else None,
+                    task=Task(f"task-{g}"),
+                    label=Label(g, s, 0),
+                )
+            )
+        groups.append(group)
+    return groups
+
+
+def advantages_by_rollout(packed) -> dict[tuple[int, int], float]:
+    batch = packed.batch
+    found = {}
+    starts = (batch["positions"] == 0) & (batch["segment_ids"] > 0)
+    for r, p in zip(*np.nonzero(starts), strict=True):
+        rollout = (int(batch["tokens"][r, p]), int(batch["tokens"][r, p + 1]))
+        assert rollout not in found
+        assert batch["loss_mask"][r, p + 1] == 0 and batch["loss_mask"][r, p + 2] == 1
+        found[rollout] = float(batch["advantages"][r, p + 2])
+    return found
+
+
+@PROPERTY
+@given(
+    groups=marked_groups(),
+    estimator=st.sampled_from(ESTIMATORS),
+    truncation=st.sampled_from(TRUNCATION),
+)
+def test_advantages_follow_the_estimator_over_training_rollouts(groups, estimator, truncation):
+    groups = scorable(groups, truncation)
+    packed = pack(groups, width=4 * 6 * 5, rows=4, estimator=estimator, truncation=truncation)
+    assert packed.packed == tuple(range(len(groups))) and packed.cut == ()
+    found = advantages_by_rollout(packed)
+
+    expected = {}
+    for g, group in enumerate(groups):
+        training = [
+            (s, training_reward(session, truncation))
+            for s, session in enumerate(group)
+            if training_reward(session, truncation) is not None
+        ]
+        reference = reference_advantages([reward for _, reward in training], estimator)
+        expected |= {(g, s): a for (s, _), a in zip(training, reference, strict=True)}
+        if estimator in ("group", "mean"):
+            assert math.fsum(found[g, s] for s, _ in training) == pytest.approx(0, abs=1e-4)
+    assert found.keys() == expected.keys()
+    for rollout, advantage in expected.items():
+        np.testing.assert_allclose(found[rollout], advantage, rtol=1e-5, atol=1e-5)
+
+
+def one_call(
+    status: Status,
+    reward: float | None,
+    *,
+    sample: int = 0,
+    group: int = 0,
+    length: int = 3,
+    support: bool = False,
+    version: int = 0,
+    truncation: str | None = None,
+    **stamps,
+) -> Session:
+    """A session of one call: a one-token prompt and `length - 1` completion tokens, each
+    with three kept support tokens where `support`."""
+    completion = np.arange(1, length, dtype=np.int32)
+    kept = tuple(np.array([t, 100, 101], np.int32) for t in completion)
+    call = Call(
+        prompt=np.array([50 + sample], np.int32),
+        completion=completion,
+        logprobs=np.full(length - 1, -0.25, np.float32),
+        version=version,
+        support=kept if support else None,
+    )
+    if status is Status.TRUNCATED and truncation is None:
+        truncation = "length"
+    return Session(
+        status=status,
+        calls=(call,),
+        reward=reward,
+        truncation=truncation,
+        task=Task(f"task-{group}"),
+        label=Label(group, sample, 0),
+        **stamps,
+    )
+
+
+@pytest.mark.parametrize(
+    ("truncation", "expected"),
+    [
+        ("mask", {50: 0.5, 51: -0.5}),
+        ("score", {50: 1 / 3, 51: -2 / 3, 52: 1 / 3}),
+        ("zero", {50: 2 / 3, 51: -1 / 3, 52: -1 / 3}),
+    ],
+)
+def test_each_truncation_policy_sets_the_masks_and_rewards(truncation, expected):
+    group = [
+        one_call(Status.COMPLETED, 1.0, sample=0),
+        one_call(Status.AGENT_ERROR, 0.0, sample=1),
+        one_call(Status.TRUNCATED, 1.0, sample=2),
+    ]
+    packed = pack([group], width=12, rows=1, estimator="mean", truncation=truncation)
+    batch = packed.batch
+    starts = np.flatnonzero(batch["positions"][0] == 0)
+    starts = starts[batch["segment_ids"][0, starts] > 0]
+    found = {int(batch["tokens"][0, p]): float(batch["advantages"][0, p + 1]) for p in starts}
+    assert found == pytest.approx(expected)
+    assert batch["loss_mask"].sum() == 2 * len(expected)
+
+
+def test_score_without_a_reward_names_the_rollout():
+    group = [one_call(Status.COMPLETED, 1.0), one_call(Status.TRUNCATED, None, sample=3)]
+    with pytest.raises(ValueError, match=r"task-0.*group 0 sample 3 attempt 0.*reward"):
+        pack([group], width=8, rows=1, truncation="score")
+    assert pack([group], width=8, rows=1, truncation="mask").packed == (0,)
+
+
+def test_a_status_pack_cannot_train_names_the_rollout():
+    group = [attrs.evolve(one_call(Status.COMPLETED, 1.0, sample=2), status=Status.INFRA_ERROR)]
+    with pytest.raises(SessionError, match=r"task-0.*sample 2.*status.*INFRA_ERROR"):
+        pack([group], width=8, rows=1)
+
+
+def test_a_cut_group_does_not_stop_later_ones():
+    groups = [
+        [one_call(Status.COMPLETED, 1.0, length=5, group=0)],
+        [one_call(Status.COMPLETED, 1.0, length=8, group=1)],
+        [one_call(Status.COMPLETED, 1.0, length=11, group=2)],
+        [one_call(Status.COMPLETED, 1.0, length=4, group=3)],
+    ]
+    packed = pack(groups, width=10, rows=1)
+    assert packed.packed == (0, 3)
+    assert packed.cut == (Cut(1, "no_room"), Cut(2, "too_long"))
+    assert packed.fill == pytest.approx(0.9)
+    np.testing.assert_array_equal(packed.batch["segment_ids"][0], [1] * 5 + [2] * 4 + [0])
+
+
+def test_a_group_goes_in_whole_or_not_at_all():
+    group = [one_call(Status.COMPLETED, float(s), sample=s, length=6) for s in range(3)]
+    packed = pack([group], width=10, rows=2)
+    assert packed.packed == () and packed.cut == (Cut(0, "no_room"),)
+    assert packed.fill == 0 and not packed.batch["segment_ids"].any()
+
+
+def test_a_group_is_placed_longest_chain_first():
+    group = [
+        one_call(Status.COMPLETED, float(s), sample=s, length=n) for s, n in enumerate([3, 3, 7, 7])
+    ]
+    packed = pack([group], width=10, rows=2)
+    assert packed.packed == (0,) and packed.fill == 1.0
+    np.testing.assert_array_equal(packed.batch["segment_ids"], [[1] * 7 + [2] * 3] * 2)
+
+
+def test_a_chain_goes_to_the_fullest_row_that_holds_it():
+    groups = [
+        [one_call(Status.COMPLETED, 1.0, group=g, length=n)] for g, n in enumerate([4, 7, 3, 6])
+    ]
+    packed = pack(groups, width=10, rows=2)
+    # First fit would put the 3 beside the 4, leaving no row for the 6.
+    assert packed.packed == (0, 1, 2, 3) and packed.fill == 1.0
+    np.testing.assert_array_equal(
+        packed.batch["segment_ids"], [[1] * 4 + [2] * 6, [1] * 7 + [2] * 3]
+    )
+
+
+def test_support_that_does_not_fit_cuts_its_group():
+    groups = [
+        [one_call(Status.COMPLETED, 1.0, group=0, length=2, support=True)],
+        [one_call(Status.COMPLETED, 1.0, group=1, length=2, support=True)],
+        [one_call(Status.COMPLETED, 1.0, group=2)],
+    ]
+    packed = pack(groups, width=20, rows=1, support_capacity=5)
+    assert packed.packed == (0, 2)
+    assert packed.cut == (Cut(1, "support"),)
+    np.testing.assert_array_equal(packed.batch["support_positions"][0], [1, 1, 1, -1, -1])
+    np.testing.assert_array_equal(packed.batch["support_tokens"][0], [1, 100, 101, -1, -1])
+
+    unsupported = pack(groups, width=20, rows=1)
+    assert unsupported.packed == (0, 1, 2)
+    assert "support_tokens" not in unsupported.batch
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("width", 0),
+        ("rows", -1),
+        ("rows", 2.0),
+        ("estimator", "ppo"),
+        ("truncation", "drop"),
+        ("support_capacity", 0),
+    ],
+)
+def test_bad_arguments_are_named(argument, value):
+    arguments = {"width": 8, "rows": 1} | {argument: value}
+    with pytest.raises(ValueError, match=rf"{argument}.*{value!r}"):
+        pack([], **arguments)
+
+
+def test_session_metrics_of_a_known_step():
+    sessions = [
+        one_call(
+            Status.COMPLETED,
+            1.0,
+            sample=0,
+            version=3,
+            components={"format": 1.0},
+            submitted=0.0,
+            finished=10.0,
+        ),
+        one_call(Status.AGENT_ERROR, 0.0, sample=1, version=5, submitted=5.0, finished=25.0),
+        one_call(Status.TRUNCATED, None, sample=2, truncation="context", finished=4.0),
+        one_call(Status.TRUNCATED, 0.5, sample=3, components={"format": 0.0}),
+    ]
+    packed = pack([sessions], width=6, rows=1)
+    metrics = session_metrics(sessions, packed, version=6)
+
+    assert metrics["merge_ratio"] == 0.0
+    assert metrics["status/completed"] == metrics["status/agent_error"] == 0.25
+    assert metrics["status/truncated"] == 0.5
+    assert metrics["status/infra_error"] == metrics["status/cancelled"] == 0.0
+    assert metrics["masked/share"] == 0.5
+    assert metrics["masked/context"] == metrics["masked/length"] == 0.25
+    assert metrics["masked/turns"] == metrics["masked/wall_clock"] == 0.0
+    assert metrics["reward/mean"] == pytest.approx(0.5)
+    assert metrics["reward/format"] == 0.5
+    assert metrics["latency/p50"] == 15.0
+    assert metrics["latency/p90"] == pytest.approx(19.0)
+    assert metrics["latency/max"] == 20.0
+    assert metrics["tokens/trained"] == 4.0
+    assert metrics["lag/token_mean"] == 2.0 and metrics["lag/token_max"] == 3.0
+    assert metrics["fill"] == 1.0
+
+    masked_by_none = session_metrics(sessions, pack([sessions], width=8, rows=2, truncation="zero"))
+    assert masked_by_none["masked/share"] == masked_by_none["masked/context"] == 0.0
+    assert masked_by_none["tokens/trained"] == 8.0
+    assert "lag/token_mean" not in masked_by_none
+
+
+def test_session_metrics_of_nothing_are_zero():
+    metrics = session_metrics([], pack([], width=4, rows=2), version=0)
+    assert metrics["fill"] == 0.0 and metrics["lag/token_max"] == 0.0
+    assert all(isinstance(v, float) and v == 0.0 for v in metrics.values())
+    assert set(metrics) >= {f"status/{s.value}" for s in Status} | {
+        "merge_ratio",
+        "masked/share",
+        "reward/mean",
+        "latency/p50",
+        "latency/p90",
+        "latency/p99",
+        "latency/max",
+        "tokens/trained",
+        "lag/token_mean",
+    }
