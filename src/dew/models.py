@@ -2,6 +2,9 @@
 
 Params are a plain pytree of arrays. `apply` takes packed rows: tokens, positions (restarting at 0
 in each segment) and segment ids (0 = padding); attention is causal and never crosses a segment.
+
+For sampling, `init_cache`, `prefill` and `decode` compute the same logits incrementally over a
+key/value cache of fixed [slots, max_len] sequences, one token per slot per step.
 """
 
 from __future__ import annotations
@@ -75,10 +78,17 @@ def init(key: jax.Array, config: TransformerConfig) -> dict:
     }
 
 
+def _lead(array: jax.Array, ndim: int) -> jax.Array:
+    """`array` with leading unit axes up to `ndim`: explicit broadcasting, clean under strict
+    rank promotion."""
+    return array.reshape((1,) * (ndim - array.ndim) + array.shape)
+
+
 def layer_norm(params: dict, x: jax.Array) -> jax.Array:
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * params["scale"] + params["bias"]
+    normed = (x - mean) * jax.lax.rsqrt(var + 1e-5)
+    return normed * _lead(params["scale"], x.ndim) + _lead(params["bias"], x.ndim)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
@@ -140,7 +150,7 @@ def apply(
     width = tokens.shape[-1]
     causal = jnp.tril(jnp.ones((width, width), bool))
     same = segment_ids[..., :, None] == segment_ids[..., None, :]
-    allowed = causal & same & (segment_ids[..., :, None] != 0)
+    allowed = _lead(causal, same.ndim) & same & (segment_ids[..., :, None] != 0)
     x = embed(params, tokens, positions)
     for block in params["blocks"]:
         q, k, v = block_qkv(block, x, config)
@@ -156,3 +166,103 @@ def model(config: TransformerConfig):
         return apply(params, tokens, positions, segment_ids, config=config)
 
     return bound
+
+
+def init_cache(config: TransformerConfig, *, slots: int, max_len: int) -> list[dict]:
+    """An empty key/value cache for `slots` sequences of up to `max_len` tokens.
+
+    Heads lead positions, so a decode step's attention reads each slot's head as one contiguous
+    [max_len, head_dim] block.
+
+    Returns:
+        One dict per layer with "k" and "v": float32[slots, heads, max_len, head_dim].
+    """
+    shape = (slots, config.heads, max_len, config.head_dim)
+    return [
+        {"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32)}
+        for _ in range(config.layers)
+    ]
+
+
+def prefill(
+    params: dict,
+    cache: list[dict],
+    tokens: jax.Array,
+    slot: jax.Array,
+    *,
+    config: TransformerConfig,
+) -> tuple[list[dict], jax.Array]:
+    """Run one prompt from position 0, writing its keys and values into one slot of the cache.
+
+    The slot's cache holds the prompt afterwards, so `decode` can continue it. Padding after the
+    prompt writes keys and values that later decode steps overwrite before they attend to them.
+
+    Args:
+        params: from `init`.
+        cache: from `init_cache`, with max_len >= T.
+        tokens: int32[T], the prompt (padded at its end to a length that compiles once).
+        slot: int32 scalar, the cache slot to fill.
+        config: the params' config.
+
+    Returns:
+        The cache with the slot's positions 0..T-1 written, and float32[T, vocab]: at each
+        position, the logits of the next token (as `apply` gives them for one segment).
+    """
+    width = tokens.shape[0]
+    positions = jnp.arange(width, dtype=jnp.int32)
+    causal = jnp.tril(jnp.ones((width, width), bool))
+    zero = jnp.int32(0)
+    x = embed(params, tokens, positions)
+    written = []
+    for block, layer in zip(params["blocks"], cache, strict=True):
+        q, k, v = block_qkv(block, x, config)
+        written.append(
+            {
+                name: jax.lax.dynamic_update_slice(
+                    layer[name], new.transpose(1, 0, 2)[None], (slot, zero, zero, zero)
+                )
+                for name, new in (("k", k), ("v", v))
+            }
+        )
+        x = block_finish(block, x, attend(q, k, v, causal))
+    return written, unembed(params, x)
+
+
+def decode(
+    params: dict,
+    cache: list[dict],
+    tokens: jax.Array,
+    positions: jax.Array,
+    *,
+    config: TransformerConfig,
+) -> tuple[list[dict], jax.Array]:
+    """Advance every slot of the cache by one token.
+
+    Each slot's token is written at its position and attends to the slot's cached positions up to
+    and including it, so a slot's logits equal `apply`'s over the slot's whole sequence.
+
+    Args:
+        params: from `init`.
+        cache: from `init_cache`: float32[slots, heads, max_len, head_dim] per layer.
+        tokens: int32[slots], each slot's next token.
+        positions: int32[slots], its position, below max_len.
+        config: the params' config.
+
+    Returns:
+        The cache with each slot's key and value written at its position, and
+        float32[slots, vocab]: each slot's logits of the token after it.
+    """
+    slots, _, max_len, _ = cache[0]["k"].shape
+    rows = jnp.arange(slots, dtype=jnp.int32)
+    allowed = jnp.arange(max_len, dtype=jnp.int32)[None, None, :] <= positions[:, None, None]
+    x = embed(params, tokens, positions)
+    written = []
+    for block, layer in zip(params["blocks"], cache, strict=True):
+        q, k, v = block_qkv(block, x, config)
+        keys = layer["k"].at[rows, :, positions].set(k)
+        values = layer["v"].at[rows, :, positions].set(v)
+        written.append({"k": keys, "v": values})
+        scores = jnp.einsum("shd,shld->shl", q, keys) / jnp.sqrt(jnp.float32(config.head_dim))
+        weights = jax.nn.softmax(jnp.where(allowed, scores, jnp.float32(-1e30)), axis=-1)
+        x = block_finish(block, x, jnp.einsum("shl,shld->shd", weights, values))
+    return written, unembed(params, x)

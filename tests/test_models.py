@@ -1,0 +1,124 @@
+"""The small transformer: config validation and the packed-attention guarantees the objective
+relies on (segments isolated, causal, padding inert, positions restarting per segment)."""
+
+import jax
+import numpy as np
+import pytest
+
+from dew import models
+
+CONFIG = models.TransformerConfig(vocab=32, d_model=32, heads=2, layers=2, d_ff=64, max_len=64)
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def strict_promotion():
+    with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def params():
+    return models.init(jax.random.key(0), CONFIG)
+
+
+apply = jax.jit(models.model(CONFIG))
+
+
+def logits(params, tokens, positions, segment_ids) -> np.ndarray:
+    """The model's logits as numpy, for rows given as nested lists or arrays."""
+    arrays = (np.asarray(rows, np.int32) for rows in (tokens, positions, segment_ids))
+    return np.asarray(apply(params, *arrays))
+
+
+@pytest.mark.parametrize("field", ["vocab", "d_model", "heads", "layers", "d_ff", "max_len"])
+def test_config_refuses_sizes_below_one(field):
+    with pytest.raises(ValueError, match=f"{field} must be >= 1, got 0"):
+        models.TransformerConfig(**{field: 0})
+
+
+def test_config_refuses_heads_that_do_not_divide_d_model():
+    with pytest.raises(ValueError, match="d_model 30 must divide by heads 4"):
+        models.TransformerConfig(d_model=30, heads=4)
+
+
+def test_config_head_dim():
+    assert models.TransformerConfig(d_model=48, heads=3).head_dim == 16
+
+
+def test_logits_shape_and_dtype(params):
+    out = logits(params, np.ones((3, 7)), np.zeros((3, 7)), np.ones((3, 7)))
+    assert out.shape == (3, 7, CONFIG.vocab)
+    assert out.dtype == np.float32
+
+
+# One row of three segments (lengths 4, 5, 3) and three padding slots.
+SEGMENTS = np.array([1] * 4 + [2] * 5 + [3] * 3 + [0] * 3)
+POSITIONS = np.concatenate([np.arange(4), np.arange(5), np.arange(3), np.zeros(3, int)])
+
+
+def test_attention_never_crosses_a_segment(params):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, CONFIG.vocab, SEGMENTS.shape)
+    changed = tokens.copy()
+    middle = SEGMENTS == 2
+    changed[middle] = (tokens[middle] + 1 + rng.integers(0, CONFIG.vocab - 1, middle.sum())) % (
+        CONFIG.vocab
+    )
+    before = logits(params, [tokens], [POSITIONS], [SEGMENTS])[0]
+    after = logits(params, [changed], [POSITIONS], [SEGMENTS])[0]
+    np.testing.assert_allclose(after[~middle], before[~middle], **TOLERANCE)
+    assert not np.allclose(after[middle], before[middle], **TOLERANCE)
+
+
+def test_attention_is_causal(params):
+    rng = np.random.default_rng(1)
+    width = 10
+    tokens = rng.integers(0, CONFIG.vocab, width)
+    changed = tokens.copy()
+    changed[6] = (tokens[6] + 1) % CONFIG.vocab
+    row = ([np.arange(width)], [np.ones(width)])
+    before = logits(params, [tokens], *row)[0]
+    after = logits(params, [changed], *row)[0]
+    np.testing.assert_allclose(after[:6], before[:6], **TOLERANCE)
+    assert not np.allclose(after[6:], before[6:], **TOLERANCE)
+
+
+def test_padding_does_not_affect_real_tokens(params):
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, CONFIG.vocab, SEGMENTS.shape)
+    padding = SEGMENTS == 0
+    changed_tokens, changed_positions = tokens.copy(), POSITIONS.copy()
+    changed_tokens[padding] = (tokens[padding] + 7) % CONFIG.vocab
+    changed_positions[padding] = [5, 9, 2]
+    before = logits(params, [tokens], [POSITIONS], [SEGMENTS])[0]
+    after = logits(params, [changed_tokens], [changed_positions], [SEGMENTS])[0]
+    np.testing.assert_allclose(after[~padding], before[~padding], **TOLERANCE)
+
+
+@pytest.mark.parametrize("offset", [1, 5, 9])
+def test_chain_at_an_offset_scores_as_alone(params, offset):
+    rng = np.random.default_rng(offset)
+    length, width = 6, 20
+    chain = rng.integers(0, CONFIG.vocab, length)
+    alone = logits(params, [chain], [np.arange(length)], [np.ones(length)])[0]
+    # A different chain fills the row before the offset, padding after the chain.
+    tokens = rng.integers(0, CONFIG.vocab, width)
+    tokens[offset : offset + length] = chain
+    positions = np.zeros(width, int)
+    positions[:offset] = np.arange(offset)
+    positions[offset : offset + length] = np.arange(length)
+    segments = np.zeros(width, int)
+    segments[:offset] = 4
+    segments[offset : offset + length] = 9
+    packed = logits(params, [tokens], [positions], [segments])[0]
+    np.testing.assert_allclose(packed[offset : offset + length], alone, **TOLERANCE)
+
+
+def test_positions_matter(params):
+    """The guard on the test above: shifting a chain's positions does change its logits."""
+    chain = np.arange(6) % CONFIG.vocab
+    ones = [np.ones(6)]
+    at_zero = logits(params, [chain], [np.arange(6)], ones)[0]
+    shifted = logits(params, [chain], [np.arange(6) + 3], ones)[0]
+    assert not np.allclose(at_zero, shifted, **TOLERANCE)
