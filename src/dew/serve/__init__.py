@@ -1,0 +1,6 @@
+"""Serving: an in-process JAX sampling engine and a byte-level tokenizer with a chat template."""
+
+from dew.serve import tokenizer
+from dew.serve._engine import EngineStats, RolloutServer, sample
+
+__all__ = ["EngineStats", "RolloutServer", "sample", "tokenizer"]

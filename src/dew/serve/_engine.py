@@ -1,0 +1,554 @@
+"""RolloutServer: an in-process JAX sampling engine that batches concurrent calls into shared steps.
+
+The engine keeps a key/value cache of fixed [slots, max_len] sequences. Each step runs in a worker
+thread (`trio.to_thread.run_sync`), so the trio loop stays free: one decode step advances every
+running call by one token (one compiled function for the fixed [slots] shape), and calls that
+joined since the last step are prefilled into free slots (one compilation per power-of-two prompt
+bucket). Calls beyond `slots` queue in arrival order.
+
+Weights pushed with `load` are swapped in between steps: calls in flight continue under the new
+weights, and each call reports the version it started under (that of its first token). Each token
+is drawn from the distribution the sampler really used (temperature, then top-k, then top-p over
+the top-k renormalised distribution), and its behaviour log-prob is taken under that distribution;
+a filtered call also reports the token ids each position kept (its support).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import math
+import numbers
+import threading
+from collections.abc import Sequence
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+import trio
+
+from dew import models
+from dew.objectives.rl.sessions import Call
+
+_MIN_BUCKET = 16
+
+
+def sample(
+    logits: jax.Array,
+    *,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    keys: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Draw one token per row from temperature-scaled, top-k and top-p filtered logits.
+
+    Tokens are ranked by scaled logit, ties broken by the lower token id. Top-k keeps the first
+    `top_k` ranks; top-p then keeps each rank whose preceding ranks hold less than `top_p` of the
+    top-k renormalised probability (so the most likely token is always kept). The token is drawn
+    from the kept tokens' renormalised distribution, and its log-prob is taken under it.
+
+    Args:
+        logits: float32[rows, vocab].
+        temperature: float32[rows]; 0 draws the most likely token.
+        top_k: int32[rows]; vocab (or more) keeps every token.
+        top_p: float32[rows]; inf keeps every token.
+        keys: uint32[rows, 2], each row's PRNG key.
+
+    Returns:
+        int32[rows] the drawn tokens, float32[rows] their log-probs under the filtered
+        distribution, bool[rows, vocab] the kept tokens.
+    """
+    rows, vocab = logits.shape
+    greedy = temperature == 0
+    scaled = logits / jnp.where(greedy, jnp.float32(1), temperature)[:, None]
+    k = jnp.where(greedy, jnp.int32(1), top_k)
+
+    def rank_filter(scaled):
+        order = jnp.argsort(-scaled, axis=-1, stable=True)
+        ranked = jnp.take_along_axis(scaled, order, axis=-1)
+        in_top_k = jnp.arange(vocab, dtype=jnp.int32)[None, :] < k[:, None]
+        probs = jax.nn.softmax(jnp.where(in_top_k, ranked, -jnp.inf), axis=-1)
+        mass_before = jnp.concatenate(
+            [jnp.zeros((rows, 1), jnp.float32), jnp.cumsum(probs, axis=-1)[:, :-1]], axis=-1
+        )
+        keep_ranked = in_top_k & (mass_before < top_p[:, None])
+        row_ids = jnp.arange(rows, dtype=jnp.int32)[:, None]
+        return jnp.zeros((rows, vocab), bool).at[row_ids, order].set(keep_ranked)
+
+    # Sorting is most of a step's sampling cost on CPU: a step whose rows all keep every token
+    # skips it.
+    filtering = jnp.any((k < vocab) | (top_p < jnp.inf))
+    kept = jax.lax.cond(
+        filtering, rank_filter, lambda scaled: jnp.ones((rows, vocab), bool), scaled
+    )
+    filtered = jnp.where(kept, scaled, -jnp.inf)
+    tokens = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    log_probs = jax.nn.log_softmax(filtered, axis=-1)
+    return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0], kept
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def _decode_step(
+    params, cache, tokens, positions, temperature, top_k, top_p, keys, counters, *, config
+):
+    """One decode step over every slot: the new cache and each slot's drawn token.
+
+    keys: uint32[slots, 2] each call's key; counters: int32[slots] the index of the token drawn,
+    folded into the key so each token of a call has its own randomness.
+    """
+    cache, logits = models.decode(params, cache, tokens, positions, config=config)
+    folded = jax.vmap(jax.random.fold_in)(keys, counters)
+    return (cache, *sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, keys=folded))
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def _prefill_step(params, cache, tokens, length, slot, temperature, top_k, top_p, key, *, config):
+    """Prefill one prompt (int32[bucket], `length` real tokens) into `slot` and draw its first
+    token: the new cache, the token, its log-prob and the kept tokens."""
+    cache, logits = models.prefill(params, cache, tokens, slot, config=config)
+    last = jax.lax.dynamic_slice_in_dim(logits, length - 1, 1, axis=0)
+    drawn = sample(
+        last,
+        temperature=temperature[None],
+        top_k=top_k[None],
+        top_p=top_p[None],
+        keys=jax.random.fold_in(key, jnp.int32(0))[None],
+    )
+    return (cache, *(value[0] for value in drawn))
+
+
+@attrs.frozen
+class EngineStats:
+    """What a RolloutServer is doing, for status lines, benchmarks and tests.
+
+    Args:
+        version: the weights version calls submitted now start under.
+        active: calls holding a slot.
+        queued: calls waiting for a slot.
+        steps: engine steps run (each decodes the running calls and prefills the joining ones).
+        tokens: tokens drawn.
+    """
+
+    version: int
+    active: int
+    queued: int
+    steps: int
+    tokens: int
+
+
+@attrs.define(eq=False)
+class _Request:
+    """One call's arguments and progress; touched only by the trio thread."""
+
+    prompt: np.ndarray
+    max_tokens: int
+    temperature: np.float32
+    top_k: np.int32
+    top_p: np.float32
+    filtered: bool
+    stop: frozenset[int]
+    key: np.ndarray
+    done: trio.Event = attrs.field(factory=trio.Event)
+    version: int | None = None
+    tokens: list[int] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    support: list[np.ndarray] = attrs.field(factory=list)
+    cancelled: bool = False
+    closed: bool = False
+
+    def call(self) -> Call:
+        return Call(
+            prompt=self.prompt,
+            completion=np.array(self.tokens, np.int32),
+            logprobs=np.array(self.logprobs, np.float32),
+            version=self.version,
+            support=tuple(self.support) if self.filtered else None,
+        )
+
+
+def _signature(variables) -> tuple:
+    """The tree layout and each leaf's path, shape and (canonical) dtype, without device work."""
+    shapes = jax.eval_shape(lambda tree: tree, variables)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    return treedef, [(jax.tree_util.keystr(path), leaf.shape, leaf.dtype) for path, leaf in leaves]
+
+
+def _copy(variables):
+    # A copy the caller cannot change or donate away after handing it over.
+    return jax.tree.map(lambda leaf: jnp.array(leaf, copy=True), variables)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value, *, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
+class RolloutServer:
+    """An in-process sampling engine for a `dew.models` transformer; a Publisher of weights.
+
+    `async with server:` runs the engine's step loop as a background task of the caller's trio
+    run; `generate` calls made inside share its steps. `load` may be called from any thread, or
+    from inside trio, at any time.
+
+    Args:
+        config: the model's config.
+        params: its params, as `dew.models.init` lays them out.
+        slots: calls decoded together; more wait in a FIFO queue.
+        max_len: the longest prompt + completion, at most config.max_len (the default).
+        version: the version of `params`.
+        seed: draws each call's randomness when the call gives no `key`, with its arrival index.
+
+    Raises:
+        ValueError: naming the argument that is out of bounds, or the params leaf that does not
+            match `config`.
+    """
+
+    def __init__(
+        self,
+        config: models.TransformerConfig,
+        params,
+        *,
+        slots: int = 32,
+        max_len: int | None = None,
+        version: int = 0,
+        seed: int = 0,
+    ):
+        self._config = config
+        self._slots = _check_int("slots", slots, low=1)
+        self._max_len = _check_int("max_len", config.max_len if max_len is None else max_len, low=2)
+        if self._max_len > config.max_len:
+            raise ValueError(
+                f"max_len must be <= config.max_len {config.max_len}, got {self._max_len}"
+            )
+        self._seed = _check_int("seed", seed, low=0)
+        self._signature = _signature(
+            jax.eval_shape(functools.partial(models.init, config=config), jax.random.key(0))
+        )
+        self._check_variables("params", params)
+        self._params = _copy(params)
+        self._served = _check_int("version", version, low=0)
+        self._pending: tuple[object, int] | None = None
+        self._lock = threading.Lock()
+        self._cache = models.init_cache(config, slots=self._slots, max_len=self._max_len)
+        self._active: list[_Request | None] = [None] * self._slots
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._arrivals = 0
+        self._steps = 0
+        self._tokens = 0
+        self._running = False
+        self._wake = trio.Event()
+        # Each slot's inputs to the next decode step; a free slot decodes token 0 at position 0,
+        # which its next prefill overwrites.
+        self._next_token = np.zeros(self._slots, np.int32)
+        self._position = np.zeros(self._slots, np.int32)
+        self._counter = np.zeros(self._slots, np.int32)
+        self._temperature = np.ones(self._slots, np.float32)
+        self._top_k = np.full(self._slots, config.vocab, np.int32)
+        self._top_p = np.full(self._slots, np.inf, np.float32)
+        self._keys = np.zeros((self._slots, 2), np.uint32)
+
+    def _check_variables(self, name: str, variables) -> None:
+        treedef, leaves = _signature(variables)
+        if treedef != self._signature[0]:
+            raise ValueError(f"{name} must have the layout of dew.models.init for the config")
+        for (path, shape, dtype), (_, want_shape, want_dtype) in zip(
+            leaves, self._signature[1], strict=True
+        ):
+            if shape != want_shape or dtype != want_dtype:
+                raise ValueError(
+                    f"{name}{path} must be {want_dtype}{list(want_shape)}, got {dtype}{list(shape)}"
+                )
+
+    @property
+    def version(self) -> int:
+        """The weights version calls submitted now start under (the last one loaded)."""
+        with self._lock:
+            return self._served if self._pending is None else self._pending[1]
+
+    def load(self, variables, version: int) -> None:
+        """Serve `variables` under `version` from the next step on.
+
+        Calls already running continue under them; calls that start from now report `version`.
+        The server keeps its own copy, so the caller may change or donate its arrays afterwards.
+
+        Raises:
+            ValueError: if `version` is not an int >= 0, or naming the leaf of `variables` whose
+                shape or dtype differs from the served params.
+        """
+        version = _check_int("version", version, low=0)
+        self._check_variables("variables", variables)
+        copied = _copy(variables)
+        with self._lock:
+            self._pending = (copied, version)
+
+    def stats(self) -> EngineStats:
+        """What the engine is doing now."""
+        return EngineStats(
+            version=self.version,
+            active=sum(request is not None for request in self._active),
+            queued=len(self._queue),
+            steps=self._steps,
+            tokens=self._tokens,
+        )
+
+    async def __aenter__(self) -> RolloutServer:
+        if self._running:
+            raise RuntimeError("RolloutServer is already running")
+        self._stack = contextlib.AsyncExitStack()
+        self._nursery = await self._stack.enter_async_context(trio.open_nursery())
+        self._running = True
+        self._nursery.start_soon(self._loop)
+        return self
+
+    async def __aexit__(self, exc_type, exc, traceback) -> bool:
+        self._nursery.cancel_scope.cancel(reason="closed")
+        try:
+            await self._stack.__aexit__(exc_type, exc, traceback)
+        except BaseExceptionGroup as group:
+            # The body's or the loop's own exception, not the nursery's wrapping of it.
+            if len(group.exceptions) != 1:
+                raise
+            if group.exceptions[0] is exc:
+                return False
+            raise group.exceptions[0] from None
+        finally:
+            self._running = False
+        return False
+
+    async def generate(
+        self,
+        prompt: np.ndarray,
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        stop: Sequence[int] = (),
+        key: int | None = None,
+    ) -> Call:
+        """Sample a completion of `prompt`, sharing the engine's steps with concurrent calls.
+
+        The completion ends after a stop token (which it includes), after `max_tokens` tokens, or
+        when prompt + completion reach max_len. Cancelling the call frees its slot at the next
+        step.
+
+        Args:
+            prompt: 1-D integer token ids, 1 to max_len - 1 of them.
+            max_tokens: the most tokens to draw, >= 1.
+            temperature: >= 0; 0 draws the most likely token at each position.
+            top_k: keep the top_k most likely tokens (>= 1).
+            top_p: keep the most likely tokens until they hold top_p of the probability, in
+                (0, 1].
+            stop: token ids that end the completion.
+            key: the call's seed (an int >= 0), so that a call running alone is reproducible;
+                None draws one from the server's seed and the call's arrival index.
+
+        Returns:
+            The Call: int32 prompt and completion, float32 behaviour log-probs, the version it
+            started under, and where top_k, top_p or temperature 0 filtered the draw, the kept
+            token ids at each position.
+
+        Raises:
+            ValueError: naming the argument that is out of bounds.
+            RuntimeError: outside `async with server:`, or if the server stops first.
+        """
+        if not self._running:
+            raise RuntimeError("RolloutServer.generate needs the step loop: use `async with`")
+        request = self._request(prompt, max_tokens, temperature, top_k, top_p, stop, key)
+        self._queue.append(request)
+        self._wake.set()
+        try:
+            await request.done.wait()
+        finally:
+            if not request.done.is_set():
+                request.cancelled = True
+                if request in self._queue:
+                    self._queue.remove(request)
+        if request.closed:
+            raise RuntimeError("RolloutServer stopped before the call finished")
+        return request.call()
+
+    def _request(self, prompt, max_tokens, temperature, top_k, top_p, stop, key) -> _Request:
+        vocab = self._config.vocab
+        array = np.asarray(prompt)
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(
+                f"prompt must be 1-D integer ids, got {array.dtype}{list(array.shape)}"
+            )
+        if not 1 <= len(array) < self._max_len:
+            raise ValueError(
+                f"prompt must hold 1 to max_len - 1 = {self._max_len - 1} tokens, got {len(array)}"
+            )
+        if array.min() < 0 or array.max() >= vocab:
+            raise ValueError(
+                f"prompt ids must be in [0, {vocab}), got {array.min()}..{array.max()}"
+            )
+        max_tokens = _check_int("max_tokens", max_tokens, low=1)
+        if not _is_number(temperature) or not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if top_k is not None:
+            top_k = min(_check_int("top_k", top_k, low=1), vocab)
+        if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        stop_ids = frozenset(_check_int("stop id", token, low=0) for token in stop)
+        if any(token >= vocab for token in stop_ids):
+            raise ValueError(f"stop ids must be < vocab {vocab}, got {sorted(stop_ids)}")
+        if key is None:
+            entropy = [self._seed, self._arrivals]
+        else:
+            entropy = _check_int("key", key, low=0)
+        self._arrivals += 1
+        return _Request(
+            prompt=array.astype(np.int32),
+            max_tokens=max_tokens,
+            temperature=np.float32(temperature),
+            top_k=np.int32(vocab if top_k is None else top_k),
+            top_p=np.float32(np.inf if top_p is None or top_p == 1 else top_p),
+            filtered=top_k is not None or top_p is not None or temperature == 0,
+            stop=stop_ids,
+            key=np.random.SeedSequence(entropy).generate_state(2, np.uint32),
+        )
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                for slot, request in enumerate(self._active):
+                    if request is not None and request.cancelled:
+                        self._free(slot)
+                if not self._queue and not any(self._active):
+                    await self._wake.wait()
+                    self._wake = trio.Event()
+                    continue
+                with self._lock:
+                    pending, self._pending = self._pending, None
+                if pending is not None:
+                    self._params, self._served = pending
+                decoding = [
+                    slot
+                    for slot, request in enumerate(self._active)
+                    if request is not None and request.tokens
+                ]
+                joining = self._admit()
+                drawn, first = await trio.to_thread.run_sync(
+                    self._compute,
+                    self._params,
+                    self._decode_inputs() if decoding else None,
+                    [self._prefill_inputs(slot) for slot in joining],
+                )
+                self._steps += 1
+                if drawn is not None:
+                    for slot in decoding:
+                        self._record(slot, *(values[slot] for values in drawn))
+                for slot, values in zip(joining, first, strict=True):
+                    self._record(slot, *values)
+        finally:
+            for request in [*self._queue, *self._active]:
+                if request is not None:
+                    request.closed = True
+                    request.done.set()
+            self._queue.clear()
+            for slot in range(self._slots):
+                self._free(slot)
+
+    def _admit(self) -> list[int]:
+        """Move queued calls, in arrival order, into the free slots; return those slots."""
+        joining = []
+        for slot, request in enumerate(self._active):
+            if request is None and self._queue:
+                request = self._queue.popleft()
+                request.version = self._served
+                self._active[slot] = request
+                self._temperature[slot] = request.temperature
+                self._top_k[slot] = request.top_k
+                self._top_p[slot] = request.top_p
+                self._keys[slot] = request.key
+                joining.append(slot)
+        return joining
+
+    def _decode_inputs(self) -> tuple[np.ndarray, ...]:
+        """A copy of every slot's inputs to the next decode step, for the worker thread."""
+        return tuple(
+            values.copy()
+            for values in (
+                self._next_token,
+                self._position,
+                self._temperature,
+                self._top_k,
+                self._top_p,
+                self._keys,
+                self._counter,
+            )
+        )
+
+    def _prefill_inputs(self, slot: int) -> tuple[np.ndarray, ...]:
+        """A joining call's prefill inputs: its prompt padded to a power-of-two bucket (so prompt
+        lengths share few compilations), its length, slot and sampling parameters."""
+        request = self._active[slot]
+        length = len(request.prompt)
+        bucket = min(self._max_len, max(_MIN_BUCKET, 1 << (length - 1).bit_length()))
+        tokens = np.zeros(bucket, np.int32)
+        tokens[:length] = request.prompt
+        return (
+            tokens,
+            np.int32(length),
+            np.int32(slot),
+            request.temperature,
+            request.top_k,
+            request.top_p,
+            request.key,
+        )
+
+    def _compute(self, params, decode, prefills):
+        """The worker thread's part of a step: decode the running slots, then prefill the joining
+        ones (after the decode, whose write at a free slot's position 0 the prefill overwrites).
+
+        Returns:
+            The decode's per-slot tokens, log-probs and kept masks (None without a decode), and
+            each joining call's first token, log-prob and kept mask.
+        """
+        drawn = None
+        if decode is not None:
+            self._cache, *drawn = _decode_step(params, self._cache, *decode, config=self._config)
+        first = []
+        for inputs in prefills:
+            self._cache, *outputs = _prefill_step(params, self._cache, *inputs, config=self._config)
+            first.append(outputs)
+        if drawn is not None:
+            drawn = [np.asarray(values) for values in drawn]
+        return drawn, [[np.asarray(value) for value in outputs] for outputs in first]
+
+    def _record(self, slot: int, token, logprob, kept) -> None:
+        request = self._active[slot]
+        if request is None or request.cancelled:
+            return
+        token = int(token)
+        request.tokens.append(token)
+        request.logprobs.append(float(logprob))
+        if request.filtered:
+            request.support.append(np.flatnonzero(kept).astype(np.int32))
+        self._tokens += 1
+        drawn = len(request.tokens)
+        length = len(request.prompt) + drawn
+        if token in request.stop or drawn == request.max_tokens or length == self._max_len:
+            self._free(slot)
+            request.done.set()
+            return
+        self._next_token[slot] = token
+        self._position[slot] = length - 1
+        self._counter[slot] = drawn
+
+    def _free(self, slot: int) -> None:
+        self._active[slot] = None
+        self._next_token[slot] = 0
+        self._position[slot] = 0
+        self._counter[slot] = 0
