@@ -1,0 +1,476 @@
+"""The scheduler's admission logic as a pure function: `step(state, event) -> (state, commands)`.
+
+The trio shell in `scheduler.py` turns happenings (a rollout finished, a deadline hit, the trainer
+handed over a batch, the stream was reopened) into events, feeds them here, and carries out the
+commands that come back (submit a rollout, cancel one with a reason, deliver a batch's groups,
+fail the trainer). Nothing here touches trio, threads or clocks: replay and property tests drive
+this module directly, and equal inputs give equal outputs.
+
+Every submission ends exactly once, and says how in the event log (`LogEvent`):
+- `admitted`: delivered to the trainer in a complete group;
+- `cancelled` (reason): stopped in flight;
+- `discarded` (reason): finished, but its result was thrown away;
+- `failed` (cause): finished with a failing status that used its sample's last attempt.
+A resubmission is a new `submitted` event whose reason is the cause: infra_error, cancelled,
+stale, timeout or unscored.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+import attrs
+
+from dew.data import Task
+from dew.objectives.rl.sessions import Label, Session, Status
+
+CAUSES = ("infra_error", "cancelled", "stale", "timeout", "unscored")
+REASONS = ("surplus", "stale", "timeout", "reopened", "closed", "abandoned", "broken")
+# Causes that use up one of a sample's max_attempts; stale resubmission does not.
+FAILURES = ("infra_error", "cancelled", "timeout", "unscored")
+
+
+@attrs.frozen
+class Config:
+    """The admission rules of one scheduler (see RolloutScheduler for their meaning)."""
+
+    groups: int
+    oversample: int = 0
+    admit: int | None = None
+    max_lag: int = 1
+    max_attempts: int = 3
+    truncation: str = "mask"
+
+    @property
+    def samples(self) -> int:
+        return self.groups + self.oversample
+
+
+class SampleState(enum.Enum):
+    RUNNING = "running"
+    FINISHED = "finished"  # an admissible result waits in `result`
+    ENDED = "ended"  # cancelled as surplus, or out of attempts
+
+
+class GroupState(enum.Enum):
+    RUNNING = "running"
+    COMPLETE = "complete"
+    SURPLUS = "surplus"
+    ABANDONED = "abandoned"
+    BROKEN = "broken"
+
+
+FINAL = (GroupState.COMPLETE, GroupState.SURPLUS, GroupState.ABANDONED, GroupState.BROKEN)
+
+
+@attrs.frozen
+class Sample:
+    """One sample of a group: its current submission and what came of it."""
+
+    index: int
+    attempt: int  # the attempt of its latest submission; each submission has a new one
+    version: int  # the version served at its latest submission
+    submitted: float  # the time of its latest submission
+    failures: int = 0
+    state: SampleState = SampleState.RUNNING
+    result: Session | None = None
+
+
+@attrs.frozen
+class Group:
+    """One task's group of rollouts."""
+
+    id: int
+    batch: int
+    task: Task
+    samples: tuple[Sample, ...]
+    state: GroupState = GroupState.RUNNING
+    completed: float | None = None
+
+    def label(self, sample: Sample) -> Label:
+        return Label(self.id, sample.index, sample.attempt)
+
+
+@attrs.frozen
+class State:
+    """Everything the core knows: the groups in play and where the trainer is."""
+
+    config: Config
+    updates: int | None = None  # the trainer's updates at its latest hand-over
+    served: int | None = None  # the version the engines serve
+    next_group: int = 0
+    last_submitted: int = -1  # the newest batch submitted
+    groups: Mapping[int, Group] = attrs.field(factory=dict)
+    batches: Mapping[int, tuple[int, ...]] = attrs.field(factory=dict)  # batch -> group ids
+    waiting: int | None = None  # the batch the trainer waits on
+    closed: bool = False
+
+
+# Events: what happened. `time` is the scheduler's clock.
+
+
+@attrs.frozen
+class HandedOver:
+    """The trainer handed over `batch` at `updates`, the engines now serve `served`; `tasks`
+    holds that batch and the registered batches after it, up to `ahead` of them."""
+
+    time: float
+    batch: int
+    updates: int
+    served: int
+    pushed: bool
+    tasks: tuple[tuple[int, tuple[Task, ...]], ...]
+
+
+@attrs.frozen
+class Finished:
+    time: float
+    label: Label
+    session: Session
+
+
+@attrs.frozen
+class TimedOut:
+    time: float
+    label: Label
+
+
+@attrs.frozen
+class SourceFailed:
+    """The source raised instead of returning a session: it is broken."""
+
+    time: float
+    label: Label
+    error: BaseException = attrs.field(eq=False)
+
+
+@attrs.frozen
+class Reopened:
+    time: float
+
+
+@attrs.frozen
+class Closed:
+    time: float
+
+
+Event = HandedOver | Finished | TimedOut | SourceFailed | Reopened | Closed
+
+
+# Commands: what the shell must do.
+
+
+@attrs.frozen
+class Submit:
+    task: Task
+    label: Label
+    batch: int
+    version: int
+
+
+@attrs.frozen
+class Cancel:
+    label: Label
+    reason: str
+
+
+@attrs.frozen
+class Deliver:
+    """Hand batch's admitted groups, in admission order, to the trainer."""
+
+    batch: int
+    groups: tuple[tuple[Session, ...], ...]
+
+
+@attrs.frozen
+class Fail:
+    """Raise `error` to the trainer once `batch`'s rollouts have stopped."""
+
+    batch: int
+    error: BaseException = attrs.field(eq=False)
+
+
+@attrs.frozen
+class LogEvent:
+    """One line of the scheduler's event log.
+
+    kind is one of submitted, admitted, cancelled, discarded, failed (per submission), abandoned,
+    cut (per group) or pushed; reason is the cause or reason where the kind has one.
+    """
+
+    kind: str
+    time: float
+    version: int | None = None
+    group: int | None = None
+    task: str | None = None
+    label: Label | None = None
+    reason: str | None = None
+
+
+Command = Submit | Cancel | Deliver | Fail | LogEvent
+
+
+def initial(config: Config) -> State:
+    return State(config=config)
+
+
+def push_due(served: int | None, updates: int, sync_every: int) -> bool:
+    """Whether the weights must be pushed: at the first call, or once the served version falls
+    sync_every updates behind."""
+    return served is None or updates - served >= sync_every
+
+
+def step(state: State, event: Event) -> tuple[State, list[Command]]:
+    """Apply one event; return the new state and the commands to carry out, in order."""
+    work = _Step(state, event.time)
+    if isinstance(event, HandedOver):
+        work.hand_over(event)
+    elif isinstance(event, Finished):
+        work.finish(event.label, event.session)
+    elif isinstance(event, TimedOut):
+        work.time_out(event.label)
+    elif isinstance(event, SourceFailed):
+        work.source_failed(event.label, event.error)
+    elif isinstance(event, Reopened):
+        work.stop_all("reopened")
+    elif isinstance(event, Closed):
+        work.stop_all("closed")
+        work.state = attrs.evolve(work.state, closed=True)
+    else:
+        raise TypeError(f"unknown event {event!r}")
+    work.deliver_if_ready()
+    return work.state, work.commands
+
+
+def admissible_failure(session: Session, truncation: str) -> str | None:
+    """The failure cause of a finished session, or None when it is admissible."""
+    if session.status in (Status.COMPLETED, Status.AGENT_ERROR):
+        return None
+    if session.status is Status.TRUNCATED:
+        return "unscored" if truncation == "score" and session.reward is None else None
+    return "infra_error" if session.status is Status.INFRA_ERROR else "cancelled"
+
+
+def session_version(session: Session, submitted_version: int) -> int:
+    """A rollout is as stale as its oldest call; one without calls as its submission."""
+    oldest = session.min_version
+    return submitted_version if oldest is None else oldest
+
+
+class _Step:
+    """The working of one `step`: replaces frozen values, collects commands."""
+
+    def __init__(self, state: State, time: float):
+        self.state = state
+        self.time = time
+        self.commands: list[Command] = []
+
+    # --- bookkeeping -------------------------------------------------------------------------
+
+    def log(self, kind: str, group: Group | None = None, label: Label | None = None, **fields):
+        self.commands.append(
+            LogEvent(
+                kind=kind,
+                time=self.time,
+                group=None if group is None else group.id,
+                task=None if group is None else group.task.name,
+                label=label,
+                **fields,
+            )
+        )
+
+    def put(self, group: Group) -> Group:
+        self.state = attrs.evolve(self.state, groups={**self.state.groups, group.id: group})
+        return group
+
+    def put_sample(self, group: Group, sample: Sample) -> Group:
+        samples = group.samples[: sample.index] + (sample,) + group.samples[sample.index + 1 :]
+        return self.put(attrs.evolve(group, samples=samples))
+
+    def submit(self, group: Group, sample: Sample, cause: str | None) -> Group:
+        served = self.state.served
+        assert served is not None, "nothing is submitted before the first push"
+        label = group.label(sample)
+        self.commands.append(Submit(group.task, label, group.batch, served))
+        self.log("submitted", group, label, version=served, reason=cause)
+        return self.put_sample(group, sample)
+
+    def resubmit(self, group: Group, sample: Sample, cause: str) -> Group:
+        failures = sample.failures + (cause in FAILURES)
+        fresh = Sample(sample.index, sample.attempt + 1, self.state.served, self.time, failures)
+        return self.submit(group, fresh, cause)
+
+    def end(self, group: Group, sample: Sample, reason: str) -> Group:
+        """Stop a sample that is still in play: cancel it in flight or discard its result."""
+        label = group.label(sample)
+        if sample.state is SampleState.RUNNING:
+            self.commands.append(Cancel(label, reason))
+            self.log("cancelled", group, label, version=sample.version, reason=reason)
+        elif sample.state is SampleState.FINISHED:
+            self.log("discarded", group, label, version=sample.version, reason=reason)
+        return self.put_sample(group, attrs.evolve(sample, state=SampleState.ENDED, result=None))
+
+    def end_group(self, group: Group, state: GroupState, reason: str) -> Group:
+        for sample in group.samples:
+            group = self.end(group, sample, reason)
+        return self.put(attrs.evolve(group, state=state))
+
+    # --- events ------------------------------------------------------------------------------
+
+    def hand_over(self, event: HandedOver) -> None:
+        config = self.state.config
+        self.state = attrs.evolve(
+            self.state, updates=event.updates, served=event.served, waiting=event.batch
+        )
+        if event.pushed:
+            self.log("pushed", version=event.served)
+        for group in list(self.state.groups.values()):
+            if group.state in (GroupState.RUNNING, GroupState.COMPLETE):
+                self.sweep_stale(group)
+        for batch, tasks in event.tasks:
+            if batch <= self.state.last_submitted:
+                continue
+            ids = tuple(range(self.state.next_group, self.state.next_group + len(tasks)))
+            self.state = attrs.evolve(
+                self.state,
+                next_group=self.state.next_group + len(tasks),
+                last_submitted=batch,
+                batches={**self.state.batches, batch: ids},
+            )
+            for group_id, task in zip(ids, tasks, strict=True):
+                samples = tuple(
+                    Sample(i, 0, event.served, self.time) for i in range(config.samples)
+                )
+                group = Group(group_id, batch, task, samples)
+                for sample in samples:
+                    group = self.submit(group, sample, None)
+
+    def sweep_stale(self, group: Group) -> None:
+        """Resubmit what is already past the bound: running ones by their submission's version,
+        finished ones by their oldest call's."""
+        updates, max_lag = self.state.updates, self.state.config.max_lag
+        for sample in group.samples:
+            if sample.state is SampleState.RUNNING and updates - sample.version > max_lag:
+                group = self.end(group, sample, "stale")
+                group = self.resubmit(group, sample, "stale")
+            elif (
+                sample.state is SampleState.FINISHED
+                and updates - session_version(sample.result, sample.version) > max_lag
+            ):
+                group = self.end(group, sample, "stale")
+                group = self.resubmit(group, sample, "stale")
+                group = self.put(attrs.evolve(group, state=GroupState.RUNNING, completed=None))
+
+    def running(self, label: Label) -> tuple[Group, Sample] | None:
+        """The group and sample of a submission still in flight, or None if it already ended."""
+        group = self.state.groups.get(label.group)
+        if group is None or group.state in FINAL or label.sample >= len(group.samples):
+            return None
+        sample = group.samples[label.sample]
+        if sample.state is not SampleState.RUNNING or sample.attempt != label.attempt:
+            return None
+        return group, sample
+
+    def finish(self, label: Label, session: Session) -> None:
+        found = self.running(label)
+        if found is None:
+            return
+        group, sample = found
+        cause = admissible_failure(session, self.state.config.truncation)
+        if cause is not None:
+            self.fail(group, sample, cause, "failed")
+            return
+        updates = self.state.updates
+        if (
+            updates is not None
+            and updates - session_version(session, sample.version) > self.state.config.max_lag
+        ):
+            self.log("discarded", group, label, version=sample.version, reason="stale")
+            self.resubmit(group, sample, "stale")
+            return
+        finished = attrs.evolve(sample, state=SampleState.FINISHED, result=session)
+        group = self.put_sample(group, finished)
+        if sum(s.state is SampleState.FINISHED for s in group.samples) >= self.state.config.groups:
+            self.complete(group)
+
+    def time_out(self, label: Label) -> None:
+        found = self.running(label)
+        if found is not None:
+            group, sample = found
+            self.commands.append(Cancel(label, "timeout"))
+            self.fail(group, sample, "timeout", "cancelled")
+
+    def fail(self, group: Group, sample: Sample, cause: str, kind: str) -> None:
+        """A failed attempt: resubmit it, or give the group up once the sample is out of
+        attempts."""
+        label = group.label(sample)
+        if sample.failures + 1 < self.state.config.max_attempts:
+            self.log(kind, group, label, version=sample.version, reason=cause)
+            self.resubmit(group, sample, cause)
+            return
+        self.log(kind, group, label, version=sample.version, reason=cause)
+        group = self.put_sample(group, attrs.evolve(sample, state=SampleState.ENDED))
+        self.log("abandoned", group, label, reason=cause)
+        self.end_group(group, GroupState.ABANDONED, "abandoned")
+
+    def complete(self, group: Group) -> None:
+        """The group has its `groups` rollouts: cancel the rest, and with `admit`, once enough
+        groups of its batch are complete, the batch's other groups."""
+        for sample in group.samples:
+            if sample.state is SampleState.RUNNING:
+                group = self.end(group, sample, "surplus")
+        self.put(attrs.evolve(group, state=GroupState.COMPLETE, completed=self.time))
+        admit = self.state.config.admit
+        if admit is None:
+            return
+        members = [self.state.groups[i] for i in self.state.batches[group.batch]]
+        if sum(g.state is GroupState.COMPLETE for g in members) >= admit:
+            for other in members:
+                if other.state is GroupState.RUNNING:
+                    self.end_group(other, GroupState.SURPLUS, "surplus")
+
+    def source_failed(self, label: Label, error: BaseException) -> None:
+        found = self.running(label)
+        if found is None:
+            return
+        batch = found[0].batch
+        for group_id in self.state.batches[batch]:
+            self.end_group(self.state.groups[group_id], GroupState.BROKEN, "broken")
+        self.drop(batch)
+        self.commands.append(Fail(batch, error))
+
+    def drop(self, batch: int) -> None:
+        """Forget a batch that was delivered or broken."""
+        self.state = attrs.evolve(
+            self.state,
+            groups={k: g for k, g in self.state.groups.items() if g.batch != batch},
+            batches={k: v for k, v in self.state.batches.items() if k != batch},
+            waiting=None if self.state.waiting == batch else self.state.waiting,
+        )
+
+    def stop_all(self, reason: str) -> None:
+        for group in list(self.state.groups.values()):
+            self.end_group(group, GroupState.BROKEN, reason)
+        self.state = attrs.evolve(self.state, groups={}, batches={}, waiting=None)
+
+    def deliver_if_ready(self) -> None:
+        batch = self.state.waiting
+        if batch is None or batch not in self.state.batches:
+            return
+        members = [self.state.groups[i] for i in self.state.batches[batch]]
+        if any(g.state not in FINAL for g in members):
+            return
+        admitted = sorted(
+            (g for g in members if g.state is GroupState.COMPLETE),
+            key=lambda g: (g.completed, g.id),
+        )
+        groups = []
+        for group in admitted:
+            sessions = tuple(s.result for s in group.samples if s.state is SampleState.FINISHED)
+            for sample in group.samples:
+                if sample.state is SampleState.FINISHED:
+                    self.log("admitted", group, group.label(sample), version=sample.version)
+            groups.append(sessions)
+        self.drop(batch)
+        self.commands.append(Deliver(batch, tuple(groups)))

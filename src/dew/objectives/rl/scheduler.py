@@ -1,0 +1,754 @@
+"""Keep agent rollouts in flight and admit complete groups within a staleness bound.
+
+`RolloutScheduler` is the trainer's Rollout for any SessionSource. Its admission rules live in the
+pure core `_admission`; this module is the trio shell around it: it turns happenings into the
+core's events, and carries out the core's commands with one cancel scope per rollout inside one
+nursery per task batch.
+
+Determinism: happenings are not applied as they arrive. The shell waits until every task of the
+run is blocked (so nothing more can happen at this instant of trio's clock), then applies what
+arrived in the order of (time, kind, group, sample, attempt). Under a mock clock, records, packed
+batches and the event log are then a function of the seed, the source's behaviour and the clock,
+not of the order in which trio runs ready tasks.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import numpy as np
+import trio
+import trio.testing
+
+from dew.data import Batch, Dataset, Task
+from dew.objectives.rl import _admission as core
+from dew.objectives.rl._admission import LogEvent
+from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.rl.sessions import (
+    ESTIMATORS,
+    TRUNCATION,
+    Label,
+    Session,
+    SessionError,
+    SessionSource,
+    check_session,
+    pack,
+    session_metrics,
+)
+
+__all__ = ["LogEvent", "Publisher", "RolloutScheduler", "SchedulerRecord", "task_ids"]
+
+logger = logging.getLogger(__name__)
+
+Variables = Any
+
+
+@runtime_checkable
+class Publisher(Protocol):
+    """Where the trainer's weights go: load serves them under version.
+
+    A RolloutServer is one; so is an engine fleet's publish sequence.
+    """
+
+    def load(self, variables: Variables, version: int) -> None: ...
+
+
+@attrs.frozen
+class SchedulerRecord:
+    """What one trainer call consumed and what it cost.
+
+    version and lag are the oldest admitted call's; groups counts admitted groups; resubmitted
+    counts resubmissions by cause (infra_error, cancelled, stale, timeout, unscored); cancelled
+    counts in-flight rollouts cancelled as surplus, stale or abandoned; abandoned counts groups
+    given up after max_attempts; cut counts complete groups left out because their chains did
+    not fit the batch's rows beside the groups admitted before them; waited is the seconds the
+    trainer waited. metrics is session_metrics over the admitted rollouts and their packed batch.
+    """
+
+    updates: int
+    version: int
+    lag: int
+    groups: int
+    resubmitted: Mapping[str, int]
+    cancelled: int
+    abandoned: int
+    cut: int
+    waited: float
+    metrics: Mapping[str, float]
+
+
+def task_ids(batch: Batch) -> list[Task]:
+    """One task per integer task_id row, named by its decimal id.
+
+    Raises:
+        ValueError: when the batch has no 1-D integer `task_id` array.
+    """
+    if "task_id" not in batch:
+        raise ValueError(f"task_ids needs a 'task_id' array in the batch, got {sorted(batch)}")
+    ids = np.asarray(batch["task_id"])
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"task_id must be a 1-D integer array, got {ids.dtype}{list(ids.shape)}")
+    return [Task(name=str(int(i))) for i in ids]
+
+
+@attrs.frozen
+class SampleStatus:
+    """One sample of a group the trainer waits on."""
+
+    sample: int
+    attempt: int
+    failures: int
+    state: str  # running, finished or ended
+    age: float  # seconds since its latest submission
+
+
+@attrs.frozen
+class GroupStatus:
+    group: int
+    task: str
+    batch: int
+    state: str
+    samples: tuple[SampleStatus, ...]
+
+
+@attrs.frozen
+class SchedulerStatus:
+    """What the scheduler is doing: the batch the trainer waits on, and every group in play."""
+
+    time: float
+    waiting: int | None
+    updates: int | None
+    served: int | None
+    groups: tuple[GroupStatus, ...]
+
+    def __str__(self) -> str:
+        lines = [
+            f"waiting on batch {self.waiting} at updates {self.updates}, serving {self.served}"
+        ]
+        for g in self.groups:
+            if g.batch != self.waiting:
+                continue
+            samples = ", ".join(
+                f"{s.sample}:{s.state}(attempt {s.attempt}, {s.age:.1f}s)" for s in g.samples
+            )
+            lines.append(f"  group {g.group} task {g.task!r} {g.state}: {samples}")
+        return "\n".join(lines)
+
+
+@attrs.frozen
+class _HandOver:
+    """What the trainer side prepared for one call."""
+
+    event_fields: dict
+    variables: Variables = attrs.field(eq=False)
+
+
+@attrs.frozen
+class _Delivery:
+    groups: tuple[tuple[Session, ...], ...]
+    events: tuple[LogEvent, ...]
+
+
+@attrs.frozen
+class _Failure:
+    error: BaseException = attrs.field(eq=False)
+
+
+def _event_order(item: tuple[int, core.Event]) -> tuple:
+    """The documented order of events at one instant: rollouts by (group, sample, attempt)
+    first, then the trainer's side (hand-over, reopen, close) in the order it posted them."""
+    posted, event = item
+    label = getattr(event, "label", None)
+    if label is not None:
+        return (event.time, 0, label.group, label.sample, label.attempt)
+    return (event.time, 1, posted, 0, 0)
+
+
+def _at_least(name: str, bound: int):
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+        if value < bound:
+            raise ValueError(f"{name} must be >= {bound}, got {value}")
+
+    return check
+
+
+class RolloutScheduler:
+    """Train on complete rollout groups from source, ahead task batches early.
+
+    The trainer's Rollout, twice: `scheduler(batch, variables, updates)` from the trainer's
+    thread (the trio machinery then runs in a background thread the scheduler owns), or
+    `await scheduler.step(batch, variables, updates)` inside `async with scheduler:` in the
+    caller's own trio run (what tests and notebooks drive under a mock clock; packing and
+    rescoring then run inline in that run).
+
+    Args:
+        objective: rescores the packed rows under the trainer's weights (proximal policy).
+        source: runs one rollout of a task.
+        weights: where pushed weights go.
+        width, rows: the packed batch's shape, rows for this process's share.
+        tasks: turns one registered batch into its tasks.
+        groups: rollouts per task that train together.
+        oversample: extra rollouts per group; the first `groups` to finish are admitted.
+        admit: admit the first `admit` groups of a batch to complete, cancel the others.
+        max_lag: the most updates a rollout's oldest call may be behind at consumption.
+        ahead: batches submitted before the trainer hands them over.
+        sync_every: push weights when the served version falls this many updates behind.
+        max_attempts: failures per sample before its group is abandoned.
+        timeout: each rollout's deadline in seconds from its submission.
+        estimator, truncation, support_capacity: pack's advantage family, truncation policy and
+            per-row support length.
+        log: receives a SchedulerRecord per call.
+
+    Raises:
+        ValueError: naming the argument and the bound it broke.
+    """
+
+    def __init__(
+        self,
+        objective: GRPOObjective,
+        source: SessionSource,
+        weights: Publisher,
+        *,
+        width: int,
+        rows: int,
+        tasks: Callable[[Batch], Sequence[Task]] = task_ids,
+        groups: int = 4,
+        oversample: int = 0,
+        admit: int | None = None,
+        max_lag: int = 1,
+        ahead: int = 1,
+        sync_every: int = 1,
+        max_attempts: int = 3,
+        timeout: float | None = None,
+        estimator: str = "group",
+        truncation: str = "mask",
+        support_capacity: int | None = None,
+        log: Callable[[SchedulerRecord], None] | None = None,
+    ):
+        for name, value, bound in [
+            ("width", width, 1),
+            ("rows", rows, 1),
+            ("groups", groups, 1),
+            ("oversample", oversample, 0),
+            ("ahead", ahead, 0),
+            ("sync_every", sync_every, 1),
+            ("max_attempts", max_attempts, 1),
+            ("max_lag", max_lag, 0),
+        ]:
+            _at_least(name, bound)(value)
+        if admit is not None:
+            _at_least("admit", 1)(admit)
+        if support_capacity is not None:
+            _at_least("support_capacity", 1)(support_capacity)
+        if max_lag < ahead + sync_every - 1:
+            raise ValueError(
+                f"max_lag must be >= ahead + sync_every - 1 = {ahead + sync_every - 1} "
+                f"(a first submission can be that stale at consumption), got {max_lag}"
+            )
+        if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+        if truncation not in TRUNCATION:
+            raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
+        self.objective = objective
+        self.source = source
+        self.weights = weights
+        self.width, self.rows = width, rows
+        self.task_fn = tasks
+        self.admit = admit
+        self.ahead = ahead
+        self.sync_every = sync_every
+        self.timeout = timeout
+        self.estimator = estimator
+        self.truncation = truncation
+        self.support_capacity = support_capacity
+        self.log = log
+        self.config = core.Config(
+            groups=groups,
+            oversample=oversample,
+            admit=admit,
+            max_lag=max_lag,
+            max_attempts=max_attempts,
+            truncation=truncation,
+        )
+        # While the trainer waits, what it waits on is logged after this many seconds, then
+        # after twice as many, and so on; None logs nothing (simulations that wait by design).
+        self.long_wait: float | None = 60.0
+        self.last_record: SchedulerRecord | None = None
+        self.last_events: tuple[LogEvent, ...] = ()
+
+        self._state = core.initial(self.config)
+        # The trainer's side: what its stream registered, what it handed over, what it pushed.
+        self._lock = threading.Lock()
+        self._registry: list[tuple[int, Batch]] = []
+        self._next_batch = 0
+        self._generation = 0
+        self._updates: int | None = None
+        self._served: int | None = None
+        self._failed: BaseException | None = None
+        self._closed = False
+        # The trio side.
+        self._trio_thread: int | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._thread: threading.Thread | None = None
+        self._crash: BaseException | None = None
+        self._mode: str | None = None  # "async" inside the caller's run, "thread" in our own
+        self._exit_stack: contextlib.AsyncExitStack | None = None
+        self._nursery: trio.Nursery | None = None
+        self._pending: list[core.Event] = []
+        self._wake = trio.Event()
+        self._scopes: dict[Label, trio.CancelScope] = {}
+        self._deadlines: collections.deque[tuple[float, Label]] = collections.deque()
+        self._deadline_added = trio.Event()
+        self._batches: dict[int, tuple[trio.Nursery, trio.Event]] = {}
+        self._failures: dict[int, BaseException] = {}
+        self._push_variables: Variables = None
+        self._events: list[LogEvent] = []
+        self._watch: trio.CancelScope | None = None
+        self._waiting = False  # a hand-over waits for its delivery
+        self._send, self._receive = trio.open_memory_channel[_Delivery | _Failure](math.inf)
+
+    # --- the data stream ----------------------------------------------------------------------
+
+    def tasks(self, dataset: Dataset) -> Dataset:
+        """dataset with a training stream that registers each task batch ahead of the step.
+
+        Opening the stream again, as a resume does, cancels every rollout the previous stream
+        left in flight.
+        """
+        return _RegisteringDataset(self, dataset)
+
+    def _open_stream(self) -> int:
+        with self._lock:
+            self._generation += 1
+            self._registry.clear()
+            generation = self._generation
+        self._post_anywhere(lambda: core.Reopened(self._now()))
+        return generation
+
+    def _register(self, generation: int, batch: Batch) -> None:
+        with self._lock:
+            if generation == self._generation:
+                self._registry.append((self._next_batch, batch))
+                self._next_batch += 1
+
+    # --- the trainer's side -------------------------------------------------------------------
+
+    def __call__(self, batch: Batch, variables: Variables, updates: int) -> dict[str, np.ndarray]:
+        """Hand batch over from the trainer's thread; return its packed, rescored rows."""
+        if self._mode == "async":
+            raise RuntimeError("inside `async with scheduler:` use `await scheduler.step(...)`")
+        self._start_thread()
+        handover = self._prepare(batch, variables, updates)
+        start = time.perf_counter()
+        try:
+            trio.from_thread.run_sync(self._hand_over, handover, trio_token=self._token)
+            message = trio.from_thread.run(self._receive.receive, trio_token=self._token)
+        except (trio.RunFinishedError, trio.Cancelled) as error:
+            raise RuntimeError("the scheduler's trio thread stopped") from (self._crash or error)
+        return self._finish(message, variables, updates, time.perf_counter() - start)
+
+    async def step(self, batch: Batch, variables: Variables, updates: int) -> dict[str, np.ndarray]:
+        """The same call as `scheduler(batch, variables, updates)`, inside `async with`."""
+        if self._mode != "async" or self._trio_thread != threading.get_ident():
+            raise RuntimeError("`await scheduler.step(...)` runs inside `async with scheduler:`")
+        handover = self._prepare(batch, variables, updates)
+        start = trio.current_time()
+        self._hand_over(handover)
+        message = await self._receive.receive()
+        return self._finish(message, variables, updates, trio.current_time() - start)
+
+    def _prepare(self, batch: Batch, variables: Variables, updates: int) -> _HandOver:
+        """Match the batch to the stream's registry and decide the push, on the trainer's side."""
+        if self._closed:
+            raise RuntimeError("the scheduler is closed")
+        if self._failed is not None:
+            raise RuntimeError("the scheduler stopped after its source failed") from self._failed
+        if isinstance(updates, bool) or not isinstance(updates, int | np.integer) or updates < 0:
+            raise ValueError(f"updates must be an int >= 0, got {updates!r}")
+        updates = int(updates)
+        if self._updates is not None and updates < self._updates:
+            raise ValueError(f"updates went backwards: {updates} after {self._updates}")
+        with self._lock:
+            if self._registry:
+                index, registered = self._registry[0]
+                if not _same_batch(registered, batch):
+                    raise ValueError(
+                        "the batch handed over is not the next one the tasks() stream yielded; "
+                        "hand batches over in the order the stream yields them"
+                    )
+                self._registry.pop(0)
+            else:
+                index = self._next_batch
+                self._next_batch += 1
+            upcoming = [(index, batch)] + self._registry[: self.ahead]
+        tasks = tuple((i, self._tasks_of(b)) for i, b in upcoming)
+        self._updates = updates
+        pushed = core.push_due(self._served, updates, self.sync_every)
+        if pushed:
+            self._served = updates
+        fields = dict(batch=index, updates=updates, served=self._served, pushed=pushed, tasks=tasks)
+        return _HandOver(fields, variables if pushed else None)
+
+    def _tasks_of(self, batch: Batch) -> tuple[Task, ...]:
+        tasks = tuple(self.task_fn(batch))
+        if not all(isinstance(t, Task) for t in tasks):
+            raise ValueError("tasks must turn a batch into a sequence of dew.data.Task")
+        if self.admit is not None and self.admit > len(tasks):
+            raise ValueError(
+                f"admit must be within 1..{len(tasks)} (the task batch size), got {self.admit}"
+            )
+        return tasks
+
+    def _finish(
+        self, message: _Delivery | _Failure, variables: Variables, updates: int, waited: float
+    ) -> dict[str, np.ndarray]:
+        """Pack the delivered groups, rescore them, and record the call."""
+        if isinstance(message, _Failure):
+            self._failed = message.error
+            raise message.error
+        packed = pack(
+            message.groups,
+            width=self.width,
+            rows=self.rows,
+            estimator=self.estimator,
+            truncation=self.truncation,
+            support_capacity=self.support_capacity,
+        )
+        batch = dict(packed.batch)
+        batch["proximal_logprobs"] = np.asarray(
+            self.objective.packed_log_probs(variables, batch), np.float32
+        )
+        now = message.events[-1].time if message.events else 0.0
+        cuts = tuple(
+            LogEvent(
+                "cut", now, group=group[0].label.group, task=group[0].task.name, reason=cut.reason
+            )
+            for cut in packed.cut
+            for group in [message.groups[cut.group]]
+        )
+        events = message.events + cuts
+        sessions = [s for i in packed.packed for s in message.groups[i]]
+        versions = [s.min_version for s in sessions if s.min_version is not None]
+        version = min(versions, default=self._served)
+        resubmitted = {cause: 0 for cause in core.CAUSES}
+        for e in events:
+            if e.kind == "submitted" and e.reason is not None:
+                resubmitted[e.reason] += 1
+        record = SchedulerRecord(
+            updates=updates,
+            version=version,
+            lag=updates - version,
+            groups=len(packed.packed),
+            resubmitted=resubmitted,
+            cancelled=sum(
+                e.kind == "cancelled" and e.reason in ("surplus", "stale", "abandoned")
+                for e in events
+            ),
+            abandoned=sum(e.kind == "abandoned" for e in events),
+            cut=len(packed.cut),
+            waited=float(waited),
+            metrics=session_metrics(sessions, packed, version=updates),
+        )
+        self.last_record, self.last_events = record, events
+        if self.log is not None:
+            self.log(record)
+        return batch
+
+    def status(self) -> SchedulerStatus:
+        """Which groups are in play, which batch the trainer waits on, how old each rollout is
+        and what it is doing."""
+        state = self._state
+        now = self._now()
+        return SchedulerStatus(
+            time=now,
+            waiting=state.waiting,
+            updates=state.updates,
+            served=state.served,
+            groups=tuple(
+                GroupStatus(
+                    g.id,
+                    g.task.name,
+                    g.batch,
+                    g.state.value,
+                    tuple(
+                        SampleStatus(
+                            s.index, s.attempt, s.failures, s.state.value, now - s.submitted
+                        )
+                        for s in g.samples
+                    ),
+                )
+                for g in state.groups.values()
+            ),
+        )
+
+    # --- running the trio side ----------------------------------------------------------------
+
+    async def __aenter__(self) -> RolloutScheduler:
+        if self._mode is not None:
+            raise RuntimeError("the scheduler is already running")
+        self._mode = "async"
+        stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(self._running())
+        self._exit_stack = stack
+        return self
+
+    async def __aexit__(self, *exc_info) -> bool | None:
+        stack, self._exit_stack = self._exit_stack, None
+        try:
+            return await stack.__aexit__(*exc_info)
+        except BaseExceptionGroup as group:
+            # The machinery's nursery wraps what the caller's block raised; give it back as is.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+
+    @contextlib.asynccontextmanager
+    async def _running(self):
+        """The trio side, in the current run: the driver, the deadline watch, and one nursery
+        per task batch inside; closing cancels it all."""
+        if self._closed:
+            raise RuntimeError("the scheduler is closed")
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._trio_thread = threading.get_ident()
+            self._token = trio.lowlevel.current_trio_token()
+            nursery.start_soon(self._drive)
+            if self.timeout is not None:
+                nursery.start_soon(self._watch_deadlines)
+            try:
+                yield
+            finally:
+                self.close()
+
+    def close(self) -> None:
+        """Cancel every rollout in flight; the source belongs to the caller."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._trio_thread == threading.get_ident():
+            self._close_in_trio()
+        elif self._thread is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(self._close_in_trio, trio_token=self._token)
+            self._thread.join()
+
+    def _close_in_trio(self) -> None:
+        self._apply([core.Closed(self._now())])
+        self._fail_trainer(RuntimeError("the scheduler was closed while the trainer waited"))
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel(reason="closed")
+
+    def _start_thread(self) -> None:
+        if self._thread is not None:
+            return
+        self._mode = "thread"
+        ready = threading.Event()
+
+        async def serve():
+            async with self._running():
+                ready.set()
+                await trio.sleep_forever()
+
+        def main():
+            try:
+                trio.run(serve)
+            except BaseException as error:  # kept for the trainer, which is told the thread died
+                self._crash = error
+                ready.set()
+
+        self._thread = threading.Thread(target=main, name="dew-scheduler", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if self._crash is not None:
+            raise RuntimeError("the scheduler's trio thread failed to start") from self._crash
+
+    def _now(self) -> float:
+        if self._trio_thread == threading.get_ident():
+            return trio.current_time()
+        return float("nan")
+
+    def _post_anywhere(self, make_event: Callable[[], core.Event]) -> None:
+        """Post an event from any thread to a running trio side; nothing if none runs."""
+        if self._token is None or self._closed:
+            return
+        if self._trio_thread == threading.get_ident():
+            self._post(make_event())
+            return
+        with contextlib.suppress(trio.RunFinishedError):
+            trio.from_thread.run_sync(lambda: self._post(make_event()), trio_token=self._token)
+
+    def _post(self, event: core.Event) -> None:
+        self._pending.append(event)
+        self._wake.set()
+
+    def _hand_over(self, handover: _HandOver) -> None:
+        self._push_variables = handover.variables
+        self._waiting = True
+        self._post(core.HandedOver(time=trio.current_time(), **handover.event_fields))
+        if self.long_wait is not None:
+            self._watch = trio.CancelScope()
+            self._nursery.start_soon(self._watch_wait, self._watch, self.long_wait)
+
+    async def _watch_wait(self, scope: trio.CancelScope, long_wait: float) -> None:
+        """Log what the trainer waits on when a wait grows long."""
+        with scope:
+            waited = 0.0
+            while True:
+                await trio.sleep(max(long_wait, waited))
+                waited = max(long_wait, 2 * waited)
+                logger.warning("the trainer has waited %.0fs\n%s", waited, self.status())
+
+    async def _watch_deadlines(self) -> None:
+        """Post a rollout's timeout at its deadline. Deadlines are submission + timeout, so they
+        come due in submission order and a queue is enough; the core ignores those of rollouts
+        that already ended."""
+        while True:
+            if not self._deadlines:
+                self._deadline_added = trio.Event()
+                await self._deadline_added.wait()
+            deadline, label = self._deadlines[0]
+            await trio.sleep_until(deadline)
+            self._deadlines.popleft()
+            self._post(core.TimedOut(deadline, label))
+
+    async def _drive(self) -> None:
+        """Apply each instant's happenings in their documented order, then carry out the
+        commands."""
+        while True:
+            await self._wake.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            events = [event for _, event in sorted(enumerate(self._pending), key=_event_order)]
+            self._pending = []
+            self._wake = trio.Event()
+            for event in events:
+                if isinstance(event, core.HandedOver):
+                    for batch, _ in event.tasks:
+                        if batch > self._state.last_submitted and batch not in self._batches:
+                            self._batches[batch] = await self._nursery.start(self._run_batch, batch)
+            self._apply(events)
+
+    def _apply(self, events: list[core.Event]) -> None:
+        for event in events:
+            self._state, commands = core.step(self._state, event)
+            for command in commands:
+                self._carry_out(command)
+        for batch, (_, done) in list(self._batches.items()):
+            if batch not in self._state.batches:
+                done.set()
+
+    def _carry_out(self, command: core.Command) -> None:
+        if isinstance(command, LogEvent):
+            self._events.append(command)
+            if command.kind == "pushed":
+                self._push(command.version)
+        elif isinstance(command, core.Submit):
+            scope = trio.CancelScope()
+            self._scopes[command.label] = scope
+            nursery, _ = self._batches[command.batch]
+            nursery.start_soon(self._rollout, scope, command.task, command.label)
+            if self.timeout is not None:
+                self._deadlines.append((trio.current_time() + self.timeout, command.label))
+                self._deadline_added.set()
+        elif isinstance(command, core.Cancel):
+            scope = self._scopes.get(command.label)
+            if scope is not None:
+                scope.cancel(reason=command.reason)
+        elif isinstance(command, core.Deliver):
+            events, self._events = tuple(self._events), []
+            self._deliver(_Delivery(command.groups, events))
+        elif isinstance(command, core.Fail):
+            self._failures[command.batch] = command.error
+
+    def _push(self, version: int) -> None:
+        variables, self._push_variables = self._push_variables, None
+        try:
+            self.weights.load(variables, version)
+        except Exception as error:
+            self._fail_trainer(error)
+
+    def _deliver(self, message: _Delivery | _Failure) -> None:
+        self._waiting = False
+        if self._watch is not None:
+            self._watch.cancel(reason="delivered")
+            self._watch = None
+        self._send.send_nowait(message)
+
+    def _fail_trainer(self, error: BaseException) -> None:
+        if self._waiting:
+            self._deliver(_Failure(error))
+
+    async def _run_batch(self, batch: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """One task batch's nursery: its rollouts run inside, each in its own cancel scope."""
+        done = trio.Event()
+        async with trio.open_nursery() as nursery:
+            task_status.started((nursery, done))
+            await done.wait()
+        del self._batches[batch]
+        error = self._failures.pop(batch, None)
+        if error is not None:
+            self._deliver(_Failure(error))
+
+    async def _rollout(self, scope: trio.CancelScope, task: Task, label: Label) -> None:
+        submitted = trio.current_time()
+        try:
+            with scope:
+                try:
+                    session = await self.source.run(task, label)
+                except Exception as error:
+                    self._post(core.SourceFailed(trio.current_time(), label, error))
+                    return
+            if scope.cancelled_caught:
+                return
+            now = trio.current_time()
+            if isinstance(session, Session):
+                session = attrs.evolve(
+                    session, task=task, label=label, submitted=submitted, finished=now
+                )
+            try:
+                check_session(session)
+            except SessionError as error:
+                self._post(core.SourceFailed(now, label, error))
+                return
+            self._post(core.Finished(now, label, session))
+        finally:
+            del self._scopes[label]
+
+
+@attrs.frozen
+class _RegisteringDataset:
+    """A dataset whose training stream registers each batch with the scheduler as it is read."""
+
+    scheduler: RolloutScheduler
+    dataset: Dataset
+
+    def stream(self, start: int = 0) -> Iterator[Batch]:
+        generation = self.scheduler._open_stream()
+        return self._registering(self.dataset.stream(start), generation)
+
+    def _registering(self, batches: Iterator[Batch], generation: int) -> Iterator[Batch]:
+        for batch in batches:
+            self.scheduler._register(generation, batch)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def _same_batch(a: Batch, b: Batch) -> bool:
+    if a is b:
+        return True
+    if set(a) != set(b):
+        return False
+    return all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
