@@ -1,0 +1,155 @@
+"""dew.simulate and `dew simulate`: the long-tail figures, their determinism, the command line."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dew import cli, simulate
+
+
+@pytest.fixture(scope="module")
+def smoke() -> tuple[simulate.Workload, list[simulate.Outcome]]:
+    workload = simulate.Workload.smoke()
+    return workload, simulate.long_tail(workload)
+
+
+def by_name(outcomes: list[simulate.Outcome]) -> dict[str, simulate.Outcome]:
+    return {outcome.setting.name: outcome for outcome in outcomes}
+
+
+def test_settings_compare_sync_ahead_oversample_and_admit():
+    names = [s.name for s in simulate.settings(simulate.Workload(tasks=16))]
+    assert names == ["sync", "ahead=1", "ahead=2", "ahead=1 oversample=2", "ahead=1 admit=12"]
+    sync, *_ = simulate.settings(simulate.Workload())
+    assert (sync.ahead, sync.max_lag) == (0, 0)
+
+
+def test_running_ahead_beats_sync_and_keeps_lag_within_bound(smoke):
+    workload, outcomes = smoke
+    rows = by_name(outcomes)
+    assert rows["sync"].goodput < rows["ahead=1"].goodput
+    assert rows["sync"].idle > rows["ahead=1"].idle
+    assert rows["sync"].lags == (0,) * workload.steps
+    for outcome in outcomes:
+        assert max(outcome.lags) <= outcome.setting.max_lag
+        assert 0.0 < outcome.idle < 1.0
+        assert outcome.cut == 0
+
+
+def test_every_step_trains_its_full_batch_and_no_faster_than_the_trainer(smoke):
+    workload, outcomes = smoke
+    for outcome in outcomes:
+        groups = outcome.setting.admit or workload.tasks
+        assert outcome.admitted == workload.steps * groups * workload.groups
+        # Each step takes at least step_time, so the trainer's side of the bound is hard.
+        assert outcome.goodput <= groups * workload.groups / workload.step_time
+        assert outcome.elapsed == pytest.approx(
+            outcome.waited + workload.steps * workload.step_time
+        )
+
+
+def test_cutting_the_tail_wastes_work_and_favours_short_rollouts(smoke):
+    _, outcomes = smoke
+    rows = by_name(outcomes)
+    assert rows["sync"].wasted == 0.0
+    assert rows["ahead=1"].wasted == 0.0
+    for name in ("ahead=1 oversample=2", "ahead=1 admit=3"):
+        assert 0.0 < rows[name].wasted < 1.0
+        assert rows[name].selection < rows["ahead=1"].selection
+        assert rows[name].goodput > rows["ahead=1"].goodput
+
+
+def test_a_setting_is_a_pure_function_of_the_workload(smoke):
+    workload, outcomes = smoke
+    setting = simulate.settings(workload)[3]
+    assert simulate.simulate(workload, setting) == outcomes[3]
+    other = simulate.simulate(simulate.Workload.smoke(seed=1), setting)
+    assert other.elapsed != outcomes[3].elapsed
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"slots": 0}, "slots must be an int >= 1, got 0"),
+        ({"steps": 2.5}, "steps must be an int >= 1, got 2.5"),
+        ({"duration_mean": float("inf")}, "duration_mean must be a finite number > 0, got inf"),
+        ({"step_time": -1.0}, "step_time must be a number >= 0.0, got -1.0"),
+    ],
+)
+def test_a_bad_workload_names_its_field(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        simulate.Workload(**fields)
+
+
+def test_a_setting_refuses_a_lag_bound_below_ahead():
+    with pytest.raises(ValueError, match="max_lag must be >= ahead 2, got 1"):
+        simulate.Setting("x", ahead=2, max_lag=1)
+
+
+def test_simulate_refuses_an_admit_above_the_tasks():
+    setting = simulate.Setting("x", ahead=1, max_lag=1, admit=5)
+    with pytest.raises(ValueError, match="admit must be <= the workload's 4 tasks, got 5"):
+        simulate.simulate(simulate.Workload.smoke(), setting)
+
+
+def printed_goodput(out: str) -> dict[str, float]:
+    """The goodput column of the printed table, by setting name."""
+    rows = {}
+    for line in out.splitlines():
+        match = re.match(r"(\S+(?: \S+=\d+)?)\s+(\d+\.\d+)\s+\d+\.\d+%", line)
+        if match:
+            rows[match.group(1)] = float(match.group(2))
+    return rows
+
+
+def test_dew_simulate_smoke_prints_the_library_table(smoke, capsys):
+    workload, outcomes = smoke
+    assert cli.main(["simulate", "--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert out == simulate.report(workload, outcomes) + "\n"
+    goodput = printed_goodput(out)
+    assert set(goodput) == {o.setting.name for o in outcomes}
+    assert goodput["sync"] < goodput["ahead=1"]
+    assert goodput["sync"] == pytest.approx(by_name(outcomes)["sync"].goodput, abs=0.005)
+
+
+def test_dew_simulate_options_set_the_workload(capsys):
+    assert cli.main(["simulate", "--smoke", "--steps", "2", "--seed", "5", "--slots", "8"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("C=8 slots,")
+    assert first.endswith("T=10s, 2 steps, seed 5")
+
+
+def test_dew_simulate_help_lists_each_option_with_its_default(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["simulate", "--help"])
+    assert exit.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for option, default in [
+        ("--seed", "0"),
+        ("--steps", "30"),
+        ("--slots", "64"),
+        ("--tasks", "16"),
+        ("--groups", "4"),
+        ("--duration-mean", "10.0"),
+        ("--duration-sigma", "1.0"),
+        ("--step-time", "10.0"),
+    ]:
+        assert re.search(rf"{option} \S+ [^-]*\(default: {re.escape(default)}[,)]", out), option
+    assert "--smoke" in out
+
+
+def test_dew_simulate_rejects_a_bad_value_by_name(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["simulate", "--slots", "0"])
+    assert exit.value.code == 2
+    assert "slots must be an int >= 1, got 0" in capsys.readouterr().err
+
+
+def test_dew_needs_a_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main([])
+    assert exit.value.code == 2
+    assert "simulate" in capsys.readouterr().err
