@@ -29,6 +29,7 @@ import trio
 import trio.testing
 
 from dew.data import Batch, Dataset, Task
+from dew.parallel import Pool, default_pool
 from dew.objectives.rl import _admission as core
 from dew.objectives.rl._admission import LogEvent
 from dew.objectives.rl.grpo import GRPOObjective
@@ -285,6 +286,8 @@ class RolloutScheduler:
         # While the trainer waits, what it waits on is logged after this many seconds, then
         # after twice as many, and so on; None logs nothing (simulations that wait by design).
         self.long_wait: float | None = 60.0
+        # Where this process meets the others of a multi-process trainer, twice a call.
+        self.pool: Pool = default_pool()
         self.last_record: SchedulerRecord | None = None
         self.last_events: tuple[LogEvent, ...] = ()
 
@@ -417,7 +420,7 @@ class RolloutScheduler:
         """Pack the delivered groups, rescore them, and record the call."""
         if isinstance(message, _Failure):
             self._failed = message.error
-            raise message.error
+        self.pool.agree(self._failed)
         packed = pack(
             message.groups,
             width=self.width,
@@ -427,9 +430,7 @@ class RolloutScheduler:
             support_capacity=self.support_capacity,
         )
         batch = dict(packed.batch)
-        batch["proximal_logprobs"] = np.asarray(
-            self.objective.packed_log_probs(variables, batch), np.float32
-        )
+        batch["proximal_logprobs"] = self.pool.rescore(self.objective, variables, batch)
         now = message.events[-1].time if message.events else 0.0
         cuts = tuple(
             LogEvent(
