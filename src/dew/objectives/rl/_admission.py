@@ -18,7 +18,7 @@ stale, timeout or unscored.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -76,6 +76,13 @@ class Sample:
     state: SampleState = SampleState.RUNNING
     result: Session | None = None
 
+    # The core replaces samples and groups on every event: these are attrs.evolve without its
+    # reflection, which dominated the core's cost.
+    def with_state(self, state: SampleState, result: Session | None = None) -> Sample:
+        return Sample(
+            self.index, self.attempt, self.version, self.submitted, self.failures, state, result
+        )
+
 
 @attrs.frozen
 class Group:
@@ -91,6 +98,12 @@ class Group:
     def label(self, sample: Sample) -> Label:
         return Label(self.id, sample.index, sample.attempt)
 
+    def with_samples(self, samples: tuple[Sample, ...]) -> Group:
+        return Group(self.id, self.batch, self.task, samples, self.state, self.completed)
+
+    def with_state(self, state: GroupState, completed: float | None = None) -> Group:
+        return Group(self.id, self.batch, self.task, self.samples, state, completed)
+
 
 @attrs.frozen
 class State:
@@ -103,6 +116,7 @@ class State:
     last_submitted: int = -1  # the newest batch submitted
     groups: Mapping[int, Group] = attrs.field(factory=dict)
     batches: Mapping[int, tuple[int, ...]] = attrs.field(factory=dict)  # batch -> group ids
+    unsettled: Mapping[int, int] = attrs.field(factory=dict)  # batch -> groups not yet final
     waiting: int | None = None  # the batch the trainer waits on
     closed: bool = False
 
@@ -223,24 +237,32 @@ def push_due(served: int | None, updates: int, sync_every: int) -> bool:
 
 def step(state: State, event: Event) -> tuple[State, list[Command]]:
     """Apply one event; return the new state and the commands to carry out, in order."""
-    work = _Step(state, event.time)
-    if isinstance(event, HandedOver):
-        work.hand_over(event)
-    elif isinstance(event, Finished):
-        work.finish(event.label, event.session)
-    elif isinstance(event, TimedOut):
-        work.time_out(event.label)
-    elif isinstance(event, SourceFailed):
-        work.source_failed(event.label, event.error)
-    elif isinstance(event, Reopened):
-        work.stop_all("reopened")
-    elif isinstance(event, Closed):
-        work.stop_all("closed")
-        work.state = attrs.evolve(work.state, closed=True)
-    else:
-        raise TypeError(f"unknown event {event!r}")
-    work.deliver_if_ready()
-    return work.state, work.commands
+    return run(state, [event])
+
+
+def run(state: State, events: Sequence[Event]) -> tuple[State, list[Command]]:
+    """Apply events one after the other: the same as successive `step`s, with one working copy
+    of the state for all of them."""
+    work = _Step(state)
+    for event in events:
+        work.time = event.time
+        if isinstance(event, HandedOver):
+            work.hand_over(event)
+        elif isinstance(event, Finished):
+            work.finish(event.label, event.session)
+        elif isinstance(event, TimedOut):
+            work.time_out(event.label)
+        elif isinstance(event, SourceFailed):
+            work.source_failed(event.label, event.error)
+        elif isinstance(event, Reopened):
+            work.stop_all("reopened")
+        elif isinstance(event, Closed):
+            work.stop_all("closed")
+            work.closed = True
+        else:
+            raise TypeError(f"unknown event {event!r}")
+        work.deliver_if_ready()
+    return work.frozen(), work.commands
 
 
 def admissible_failure(session: Session, truncation: str) -> str | None:
@@ -259,12 +281,33 @@ def session_version(session: Session, submitted_version: int) -> int:
 
 
 class _Step:
-    """The working of one `step`: replaces frozen values, collects commands."""
+    """The working of `run`: a private copy of the state to change in place, and the commands
+    collected on the way. The state handed in is never changed."""
 
-    def __init__(self, state: State, time: float):
-        self.state = state
-        self.time = time
+    def __init__(self, state: State):
+        self.config = state.config
+        self.updates, self.served = state.updates, state.served
+        self.next_group, self.last_submitted = state.next_group, state.last_submitted
+        self.waiting, self.closed = state.waiting, state.closed
+        self.groups = dict(state.groups)
+        self.batches = dict(state.batches)
+        self.unsettled = dict(state.unsettled)
+        self.time = 0.0
         self.commands: list[Command] = []
+
+    def frozen(self) -> State:
+        return State(
+            config=self.config,
+            updates=self.updates,
+            served=self.served,
+            next_group=self.next_group,
+            last_submitted=self.last_submitted,
+            groups=self.groups,
+            batches=self.batches,
+            unsettled=self.unsettled,
+            waiting=self.waiting,
+            closed=self.closed,
+        )
 
     # --- bookkeeping -------------------------------------------------------------------------
 
@@ -281,24 +324,30 @@ class _Step:
         )
 
     def put(self, group: Group) -> Group:
-        self.state = attrs.evolve(self.state, groups={**self.state.groups, group.id: group})
+        """Store a group's new value, counting the batch's groups that are not yet final."""
+        old = self.groups.get(group.id)
+        settled = group.state in FINAL
+        if old is None:
+            self.unsettled[group.batch] = self.unsettled.get(group.batch, 0) + (not settled)
+        elif (old.state in FINAL) != settled:
+            self.unsettled[group.batch] += -1 if settled else 1
+        self.groups[group.id] = group
         return group
 
     def put_sample(self, group: Group, sample: Sample) -> Group:
         samples = group.samples[: sample.index] + (sample,) + group.samples[sample.index + 1 :]
-        return self.put(attrs.evolve(group, samples=samples))
+        return self.put(group.with_samples(samples))
 
     def submit(self, group: Group, sample: Sample, cause: str | None) -> Group:
-        served = self.state.served
-        assert served is not None, "nothing is submitted before the first push"
+        assert self.served is not None, "nothing is submitted before the first push"
         label = group.label(sample)
-        self.commands.append(Submit(group.task, label, group.batch, served))
-        self.log("submitted", group, label, version=served, reason=cause)
+        self.commands.append(Submit(group.task, label, group.batch, self.served))
+        self.log("submitted", group, label, version=self.served, reason=cause)
         return self.put_sample(group, sample)
 
     def resubmit(self, group: Group, sample: Sample, cause: str) -> Group:
         failures = sample.failures + (cause in FAILURES)
-        fresh = Sample(sample.index, sample.attempt + 1, self.state.served, self.time, failures)
+        fresh = Sample(sample.index, sample.attempt + 1, self.served, self.time, failures)
         return self.submit(group, fresh, cause)
 
     def end(self, group: Group, sample: Sample, reason: str) -> Group:
@@ -309,38 +358,33 @@ class _Step:
             self.log("cancelled", group, label, version=sample.version, reason=reason)
         elif sample.state is SampleState.FINISHED:
             self.log("discarded", group, label, version=sample.version, reason=reason)
-        return self.put_sample(group, attrs.evolve(sample, state=SampleState.ENDED, result=None))
+        return self.put_sample(group, sample.with_state(SampleState.ENDED))
 
     def end_group(self, group: Group, state: GroupState, reason: str) -> Group:
         for sample in group.samples:
             group = self.end(group, sample, reason)
-        return self.put(attrs.evolve(group, state=state))
+        return self.put(group.with_state(state, group.completed))
 
     # --- events ------------------------------------------------------------------------------
 
     def hand_over(self, event: HandedOver) -> None:
-        config = self.state.config
-        self.state = attrs.evolve(
-            self.state, updates=event.updates, served=event.served, waiting=event.batch
-        )
+        self.updates, self.served, self.waiting = event.updates, event.served, event.batch
         if event.pushed:
             self.log("pushed", version=event.served)
-        for group in list(self.state.groups.values()):
+        for group in list(self.groups.values()):
             if group.state in (GroupState.RUNNING, GroupState.COMPLETE):
                 self.sweep_stale(group)
         for batch, tasks in event.tasks:
-            if batch <= self.state.last_submitted:
+            if batch <= self.last_submitted:
                 continue
-            ids = tuple(range(self.state.next_group, self.state.next_group + len(tasks)))
-            self.state = attrs.evolve(
-                self.state,
-                next_group=self.state.next_group + len(tasks),
-                last_submitted=batch,
-                batches={**self.state.batches, batch: ids},
-            )
+            ids = tuple(range(self.next_group, self.next_group + len(tasks)))
+            self.next_group += len(tasks)
+            self.last_submitted = batch
+            self.batches[batch] = ids
+            self.unsettled[batch] = 0
             for group_id, task in zip(ids, tasks, strict=True):
                 samples = tuple(
-                    Sample(i, 0, event.served, self.time) for i in range(config.samples)
+                    Sample(i, 0, event.served, self.time) for i in range(self.config.samples)
                 )
                 group = Group(group_id, batch, task, samples)
                 for sample in samples:
@@ -349,7 +393,7 @@ class _Step:
     def sweep_stale(self, group: Group) -> None:
         """Resubmit what is already past the bound: running ones by their submission's version,
         finished ones by their oldest call's."""
-        updates, max_lag = self.state.updates, self.state.config.max_lag
+        updates, max_lag = self.updates, self.config.max_lag
         for sample in group.samples:
             if sample.state is SampleState.RUNNING and updates - sample.version > max_lag:
                 group = self.end(group, sample, "stale")
@@ -360,11 +404,11 @@ class _Step:
             ):
                 group = self.end(group, sample, "stale")
                 group = self.resubmit(group, sample, "stale")
-                group = self.put(attrs.evolve(group, state=GroupState.RUNNING, completed=None))
+                group = self.put(group.with_state(GroupState.RUNNING))
 
     def running(self, label: Label) -> tuple[Group, Sample] | None:
         """The group and sample of a submission still in flight, or None if it already ended."""
-        group = self.state.groups.get(label.group)
+        group = self.groups.get(label.group)
         if group is None or group.state in FINAL or label.sample >= len(group.samples):
             return None
         sample = group.samples[label.sample]
@@ -377,21 +421,21 @@ class _Step:
         if found is None:
             return
         group, sample = found
-        cause = admissible_failure(session, self.state.config.truncation)
+        cause = admissible_failure(session, self.config.truncation)
         if cause is not None:
             self.fail(group, sample, cause, "failed")
             return
-        updates = self.state.updates
+        updates = self.updates
         if (
             updates is not None
-            and updates - session_version(session, sample.version) > self.state.config.max_lag
+            and updates - session_version(session, sample.version) > self.config.max_lag
         ):
             self.log("discarded", group, label, version=sample.version, reason="stale")
             self.resubmit(group, sample, "stale")
             return
-        finished = attrs.evolve(sample, state=SampleState.FINISHED, result=session)
+        finished = sample.with_state(SampleState.FINISHED, session)
         group = self.put_sample(group, finished)
-        if sum(s.state is SampleState.FINISHED for s in group.samples) >= self.state.config.groups:
+        if sum(s.state is SampleState.FINISHED for s in group.samples) >= self.config.groups:
             self.complete(group)
 
     def time_out(self, label: Label) -> None:
@@ -405,12 +449,12 @@ class _Step:
         """A failed attempt: resubmit it, or give the group up once the sample is out of
         attempts."""
         label = group.label(sample)
-        if sample.failures + 1 < self.state.config.max_attempts:
+        if sample.failures + 1 < self.config.max_attempts:
             self.log(kind, group, label, version=sample.version, reason=cause)
             self.resubmit(group, sample, cause)
             return
         self.log(kind, group, label, version=sample.version, reason=cause)
-        group = self.put_sample(group, attrs.evolve(sample, state=SampleState.ENDED))
+        group = self.put_sample(group, sample.with_state(SampleState.ENDED))
         self.log("abandoned", group, label, reason=cause)
         self.end_group(group, GroupState.ABANDONED, "abandoned")
 
@@ -420,11 +464,11 @@ class _Step:
         for sample in group.samples:
             if sample.state is SampleState.RUNNING:
                 group = self.end(group, sample, "surplus")
-        self.put(attrs.evolve(group, state=GroupState.COMPLETE, completed=self.time))
-        admit = self.state.config.admit
+        self.put(group.with_state(GroupState.COMPLETE, self.time))
+        admit = self.config.admit
         if admit is None:
             return
-        members = [self.state.groups[i] for i in self.state.batches[group.batch]]
+        members = [self.groups[i] for i in self.batches[group.batch]]
         if sum(g.state is GroupState.COMPLETE for g in members) >= admit:
             for other in members:
                 if other.state is GroupState.RUNNING:
@@ -435,32 +479,29 @@ class _Step:
         if found is None:
             return
         batch = found[0].batch
-        for group_id in self.state.batches[batch]:
-            self.end_group(self.state.groups[group_id], GroupState.BROKEN, "broken")
+        for group_id in self.batches[batch]:
+            self.end_group(self.groups[group_id], GroupState.BROKEN, "broken")
         self.drop(batch)
         self.commands.append(Fail(batch, error))
 
     def drop(self, batch: int) -> None:
         """Forget a batch that was delivered or broken."""
-        self.state = attrs.evolve(
-            self.state,
-            groups={k: g for k, g in self.state.groups.items() if g.batch != batch},
-            batches={k: v for k, v in self.state.batches.items() if k != batch},
-            waiting=None if self.state.waiting == batch else self.state.waiting,
-        )
+        for group_id in self.batches.pop(batch):
+            del self.groups[group_id]
+        del self.unsettled[batch]
+        if self.waiting == batch:
+            self.waiting = None
 
     def stop_all(self, reason: str) -> None:
-        for group in list(self.state.groups.values()):
+        for group in list(self.groups.values()):
             self.end_group(group, GroupState.BROKEN, reason)
-        self.state = attrs.evolve(self.state, groups={}, batches={}, waiting=None)
+        self.groups, self.batches, self.unsettled, self.waiting = {}, {}, {}, None
 
     def deliver_if_ready(self) -> None:
-        batch = self.state.waiting
-        if batch is None or batch not in self.state.batches:
+        batch = self.waiting
+        if batch is None or self.unsettled.get(batch, 1) != 0:
             return
-        members = [self.state.groups[i] for i in self.state.batches[batch]]
-        if any(g.state not in FINAL for g in members):
-            return
+        members = [self.groups[i] for i in self.batches[batch]]
         admitted = sorted(
             (g for g in members if g.state is GroupState.COMPLETE),
             key=lambda g: (g.completed, g.id),

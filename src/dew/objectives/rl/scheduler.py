@@ -29,7 +29,6 @@ import trio
 import trio.testing
 
 from dew.data import Batch, Dataset, Task
-from dew.parallel import Pool, default_pool
 from dew.objectives.rl import _admission as core
 from dew.objectives.rl._admission import LogEvent
 from dew.objectives.rl.grpo import GRPOObjective
@@ -44,6 +43,7 @@ from dew.objectives.rl.sessions import (
     pack,
     session_metrics,
 )
+from dew.parallel import Pool, default_pool
 
 __all__ = ["LogEvent", "Publisher", "RolloutScheduler", "SchedulerRecord", "task_ids"]
 
@@ -641,10 +641,9 @@ class RolloutScheduler:
             self._apply(events)
 
     def _apply(self, events: list[core.Event]) -> None:
-        for event in events:
-            self._state, commands = core.step(self._state, event)
-            for command in commands:
-                self._carry_out(command)
+        self._state, commands = core.run(self._state, events)
+        for command in commands:
+            self._carry_out(command)
         for batch, (_, done) in list(self._batches.items()):
             if batch not in self._state.batches:
                 done.set()
@@ -714,9 +713,7 @@ class RolloutScheduler:
                 return
             now = trio.current_time()
             if isinstance(session, Session):
-                session = attrs.evolve(
-                    session, task=task, label=label, submitted=submitted, finished=now
-                )
+                session = session.stamped(task, label, submitted, now)
             try:
                 check_session(session)
             except SessionError as error:

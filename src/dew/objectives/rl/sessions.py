@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -104,6 +105,22 @@ class Session:
     submitted: float | None = None
     finished: float | None = None
 
+    def stamped(self, task: Task, label: Label, submitted: float, finished: float) -> Session:
+        """This session labelled by the scheduler (attrs.evolve without its reflection: the
+        scheduler stamps every session)."""
+        return Session(
+            self.status,
+            self.calls,
+            self.reward,
+            self.components,
+            self.truncation,
+            self.error,
+            task,
+            label,
+            submitted,
+            finished,
+        )
+
     @property
     def min_version(self) -> int | None:
         """The version of its oldest call: a rollout is as stale as its oldest call."""
@@ -164,7 +181,8 @@ def check_session(session: Session) -> Session:
                 f"{where}.logprobs",
                 f"has {len(lp)} entries for {len(call.completion)} completion tokens",
             )
-        if not np.all(np.isfinite(lp)):
+        # A sum is finite exactly when every term is (log-probs are far from overflow).
+        if lp.size and not math.isfinite(lp.sum()):
             raise _fail(session, f"{where}.logprobs", "holds a non-finite log-prob")
         if lp.size and lp.max() > 0:
             raise _fail(session, f"{where}.logprobs", f"holds a positive log-prob {lp.max()}")
@@ -227,49 +245,62 @@ class Chain:
         return len(self.tokens)
 
 
-def chains(session: Session) -> list[Chain]:
+_CHAINS: weakref.WeakKeyDictionary[Session, tuple[Chain, ...]] = weakref.WeakKeyDictionary()
+
+
+def chains(session: Session) -> tuple[Chain, ...]:
     """Cut a session's calls into chains: a call whose prompt extends the previous chain's tokens
-    (its prompt plus completion) merges into it; any other call starts a new chain."""
-    built: list[dict] = []
-    for call in session.calls:
-        current = built[-1] if built else None
-        seen = np.concatenate(current["tokens"]) if current else None
-        extends = (
-            current is not None
-            and len(call.prompt) >= len(seen)
-            and np.array_equal(call.prompt[: len(seen)], seen)
-        )
-        context = call.prompt[len(seen) :] if extends else call.prompt
-        if not extends:
-            current = {
-                "tokens": [],
-                "trained": [],
-                "logprobs": [],
-                "versions": [],
-                "support": [],
-                "calls": 0,
-            }
-            built.append(current)
-        n, c = len(context), len(call.completion)
-        current["tokens"] += [context, call.completion]
-        current["trained"] += [np.zeros(n, bool), np.ones(c, bool)]
-        current["logprobs"] += [np.zeros(n, np.float32), call.logprobs.astype(np.float32)]
-        current["versions"] += [np.full(n, -1, np.int32), np.full(c, call.version, np.int32)]
-        current["support"] += [None] * n + (
-            list(call.support) if call.support is not None else [None] * c
-        )
-        current["calls"] += 1
-    return [
-        Chain(
-            tokens=np.concatenate(c["tokens"]).astype(np.int32),
-            trained=np.concatenate(c["trained"]),
-            logprobs=np.concatenate(c["logprobs"]),
-            versions=np.concatenate(c["versions"]),
-            support=tuple(c["support"]) if any(s is not None for s in c["support"]) else None,
-            calls=c["calls"],
-        )
-        for c in built
-    ]
+    (its prompt plus completion) merges into it; any other call starts a new chain.
+
+    Sessions are frozen, so each one's chains are cut once and shared: treat them as read-only.
+    """
+    cut = _CHAINS.get(session)
+    if cut is None:
+        cut = _CHAINS[session] = tuple(_cut(session.calls))
+    return cut
+
+
+def _cut(calls: Sequence[Call]) -> list[Chain]:
+    runs: list[list[tuple[np.ndarray, Call]]] = []  # per chain: (new context, call)
+    seen = np.zeros(0, np.int32)
+    for call in calls:
+        n = len(seen)
+        extends = bool(runs) and len(call.prompt) >= n and np.array_equal(call.prompt[:n], seen)
+        if extends:
+            runs[-1].append((call.prompt[n:], call))
+        else:
+            runs.append([(call.prompt, call)])
+        seen = np.concatenate([call.prompt, call.completion])
+    return [_chain(run) for run in runs]
+
+
+def _chain(run: list[tuple[np.ndarray, Call]]) -> Chain:
+    length = sum(len(context) + len(call.completion) for context, call in run)
+    tokens = np.empty(length, np.int32)
+    trained = np.zeros(length, bool)
+    logprobs = np.zeros(length, np.float32)
+    versions = np.full(length, -1, np.int32)
+    support: list[np.ndarray | None] | None = None
+    if any(call.support is not None for _, call in run):
+        support = [None] * length
+    at = 0
+    for context, call in run:
+        start, at = at + len(context), at + len(context) + len(call.completion)
+        tokens[start - len(context) : start] = context
+        tokens[start:at] = call.completion
+        trained[start:at] = True
+        logprobs[start:at] = call.logprobs
+        versions[start:at] = call.version
+        if support is not None and call.support is not None:
+            support[start:at] = call.support
+    return Chain(
+        tokens=tokens,
+        trained=trained,
+        logprobs=logprobs,
+        versions=versions,
+        support=None if support is None else tuple(support),
+        calls=len(run),
+    )
 
 
 def merge_ratio(sessions: Sequence[Session]) -> float:
