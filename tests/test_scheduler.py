@@ -460,6 +460,26 @@ async def test_a_malformed_session_raises_session_error_naming_task_label_and_fi
             await train(sched, dataset(batches=1), 1)
 
 
+async def test_support_without_support_capacity_is_refused(autojump_clock):
+    engine = Engine()
+
+    class Filtered(Scripted):
+        async def run(self, task, label):
+            session = await super().run(task, label)
+            calls = [
+                attrs.evolve(c, support=tuple(c.completion[i : i + 1] for i in range(2)))
+                for c in session.calls
+            ]
+            return attrs.evolve(session, calls=tuple(calls))
+
+    async with scheduler(Filtered(engine), engine, ahead=0, max_lag=0) as sched:
+        with pytest.raises(SessionError, match="support_capacity"):
+            await train(sched, dataset(batches=1), 1)
+    async with scheduler(Filtered(engine), engine, ahead=0, max_lag=0, support_capacity=8) as s:
+        _, batches = await train(s, dataset(batches=1), 1)
+    assert (batches[0]["support_positions"] >= 0).sum() == 8  # 2 tokens x 2 samples x 2 groups
+
+
 # 9. The long tail --------------------------------------------------------------------------------
 
 

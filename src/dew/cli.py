@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
-from dew import replay, simulate
+from dew import replay, simulate, train
 
 
 @attrs.frozen
@@ -98,6 +98,11 @@ def _quiet(name: str) -> Iterator[None]:
 
 
 COMMANDS: dict[str, Command] = {
+    "train": Command(
+        summary="train a policy on a built-in task end to end, and write a run folder",
+        configure=train.configure_cli,
+        run=train.run_cli,
+    ),
     "simulate": Command(
         summary="simulate the rollout long tail under each scheduler setting and tabulate it",
         configure=_configure_simulate,

@@ -716,6 +716,11 @@ class RolloutScheduler:
                 session = session.stamped(task, label, submitted, now)
             try:
                 check_session(session)
+                if self.support_capacity is None and any(c.support for c in session.calls):
+                    raise SessionError(
+                        f"task {task.name!r} {label}: calls carry support (a filtered sampler); "
+                        "the scheduler needs support_capacity to train on it"
+                    )
             except SessionError as error:
                 self._post(core.SourceFailed(now, label, error))
                 return
