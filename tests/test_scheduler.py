@@ -480,6 +480,19 @@ async def test_support_without_support_capacity_is_refused(autojump_clock):
     assert (batches[0]["support_positions"] >= 0).sum() == 8  # 2 tokens x 2 samples x 2 groups
 
 
+async def test_a_call_older_than_its_submission_is_refused_rather_than_resubmitted_forever(
+    autojump_clock,
+):
+    class Deaf(Engine):
+        def load(self, variables, version):
+            self.version = 0  # ignores what it is given
+
+    engine = Deaf()
+    async with scheduler(Scripted(engine), engine, ahead=0, max_lag=0) as sched:
+        with pytest.raises(SessionError, match="older than the version 1 served"):
+            await train(sched, dataset(batches=2), 2)
+
+
 # 9. The long tail --------------------------------------------------------------------------------
 
 

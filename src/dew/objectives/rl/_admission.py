@@ -210,7 +210,8 @@ class LogEvent:
     """One line of the scheduler's event log.
 
     kind is one of submitted, admitted, cancelled, discarded, failed (per submission), abandoned,
-    cut (per group) or pushed; reason is the cause or reason where the kind has one.
+    cut (per group), handed_over (version = the trainer's updates), pushed or reopened; reason is
+    the cause or reason where the kind has one.
     """
 
     kind: str
@@ -255,6 +256,7 @@ def run(state: State, events: Sequence[Event]) -> tuple[State, list[Command]]:
         elif isinstance(event, SourceFailed):
             work.source_failed(event.label, event.error)
         elif isinstance(event, Reopened):
+            work.log("reopened")
             work.stop_all("reopened")
         elif isinstance(event, Closed):
             work.stop_all("closed")
@@ -369,6 +371,7 @@ class _Step:
 
     def hand_over(self, event: HandedOver) -> None:
         self.updates, self.served, self.waiting = event.updates, event.served, event.batch
+        self.log("handed_over", version=event.updates)
         if event.pushed:
             self.log("pushed", version=event.served)
         for group in list(self.groups.values()):

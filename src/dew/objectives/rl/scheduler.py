@@ -657,7 +657,7 @@ class RolloutScheduler:
             scope = trio.CancelScope()
             self._scopes[command.label] = scope
             nursery, _ = self._batches[command.batch]
-            nursery.start_soon(self._rollout, scope, command.task, command.label)
+            nursery.start_soon(self._rollout, scope, command)
             if self.timeout is not None:
                 self._deadlines.append((trio.current_time() + self.timeout, command.label))
                 self._deadline_added.set()
@@ -700,7 +700,8 @@ class RolloutScheduler:
         if error is not None:
             self._deliver(_Failure(error))
 
-    async def _rollout(self, scope: trio.CancelScope, task: Task, label: Label) -> None:
+    async def _rollout(self, scope: trio.CancelScope, submission: core.Submit) -> None:
+        task, label = submission.task, submission.label
         submitted = trio.current_time()
         try:
             with scope:
@@ -716,6 +717,13 @@ class RolloutScheduler:
                 session = session.stamped(task, label, submitted, now)
             try:
                 check_session(session)
+                oldest = session.min_version
+                if oldest is not None and oldest < submission.version:
+                    raise SessionError(
+                        f"task {task.name!r} {label}: a call reports version {oldest}, older than "
+                        f"the version {submission.version} served when it was submitted (does "
+                        "the engine ignore load?)"
+                    )
                 if self.support_capacity is None and any(c.support for c in session.calls):
                     raise SessionError(
                         f"task {task.name!r} {label}: calls carry support (a filtered sampler); "
