@@ -1,0 +1,530 @@
+"""Traces: a recorded scheduler run replays bit for bit, in any trio scheduling order; a changed
+configuration is reported where the run first parts; a bad trace names its file, line and fault.
+
+The recorded run is a SimulatedSource under the mock clock with every happening the scheduler
+knows: infra errors, timeouts, unscored truncations, stale rollouts (every third call the trainer
+reports two updates), surplus cancels (oversample), abandoned groups (max_attempts=2) and cuts
+(few rows, a small support capacity).
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import json
+import pathlib
+
+import attrs
+import jax
+import numpy as np
+import pytest
+import trio
+import trio.testing
+from trio._core._run import _r as trio_scheduler_random
+
+from dew import cli
+from dew.data import Task
+from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
+from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.rl.scheduler import LogEvent, RolloutScheduler
+from dew.objectives.rl.sessions import Call, Label, Session, Status
+from dew.replay import (
+    CONFIG,
+    NoRescoring,
+    Recorder,
+    RecordingPublisher,
+    ReplayNote,
+    ReplaySource,
+    TraceError,
+    read_trace,
+    replay,
+)
+from dew.testing import (
+    assert_exactly_once,
+    assert_record_adds_up,
+    assert_replays,
+    record_run,
+    run_simulated,
+)
+
+MIX = SimulatedConfig(
+    seed=3,
+    infra_error=0.1,
+    truncated=0.15,
+    truncated_unscored=0.5,
+    calls=(1, 3),
+    prompt_tokens=(4, 16),
+    completion_tokens=(4, 24),
+    support_k=3,
+)
+# Every third call the trainer reports two updates: what was submitted a call ahead is then two
+# behind, past max_lag=1.
+UPDATES = [step + step // 3 for step in range(12)]
+OPTIONS = dict(
+    slots=12,
+    width=96,
+    rows=6,
+    groups=4,
+    oversample=1,
+    timeout=25.0,
+    max_attempts=2,
+    truncation="score",
+    support_capacity=150,
+    gap=2.0,
+)
+
+
+def record(path) -> object:
+    """Record the mixed run to path in a trio run of its own; the trace read back."""
+
+    async def main():
+        return await run_simulated(path, updates=UPDATES, config=MIX, **OPTIONS)
+
+    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    return record(tmp_path_factory.mktemp("trace") / "run.trace")
+
+
+def log(trace) -> list[LogEvent]:
+    return [event for call in trace.calls for event in call.events]
+
+
+def same_calls(trace, result) -> None:
+    assert len(result.calls) == len(trace.calls)
+    for recorded, replayed in zip(trace.calls, result.calls, strict=True):
+        assert replayed.record == recorded.record
+        assert replayed.events == recorded.events
+        assert replayed.arrays == recorded.arrays
+
+
+def test_a_trace_holds_every_scheduler_argument_but_the_objects():
+    arguments = set(inspect.signature(RolloutScheduler).parameters)
+    assert set(CONFIG) == arguments - {"objective", "source", "weights", "tasks", "log"}
+
+
+def test_the_recorded_run_has_every_happening(recorded):
+    happened = collections.Counter((e.kind, e.reason) for e in log(recorded))
+    for kind, reason in [
+        ("failed", "infra_error"),
+        ("failed", "unscored"),
+        ("cancelled", "timeout"),
+        ("discarded", "stale"),
+        ("cancelled", "stale"),
+        ("cancelled", "surplus"),
+        ("cancelled", "abandoned"),
+        ("cut", "no_room"),
+        ("cut", "support"),
+    ]:
+        assert happened[kind, reason] > 0, (kind, reason)
+    assert happened["pushed", None] == len(UPDATES)
+    assert sum(e.kind == "abandoned" for e in log(recorded)) > 0
+    outcomes = collections.Counter(s.outcome for s in recorded.sessions.values())
+    assert set(outcomes) == {"returned", "cancelled"}
+
+
+def test_the_trace_holds_every_session_with_its_times_and_accounting(recorded):
+    for call in recorded.calls:
+        assert_record_adds_up(call.record, call.events)
+    in_flight = assert_exactly_once(log(recorded))
+    # What was still in flight at the last call ended by the close, which cancelled the rest.
+    assert all(recorded.sessions[label].ended <= recorded.end for label in in_flight)
+    closed = [
+        label
+        for label in in_flight
+        if (recorded.sessions[label].outcome, recorded.sessions[label].ended)
+        == ("cancelled", recorded.end)
+    ]
+    assert closed
+    for event in log(recorded):
+        session = recorded.sessions.get(event.label)
+        if event.kind == "submitted":
+            assert session.submitted == event.time
+            assert session.task.name == event.task
+        elif event.kind == "cancelled":
+            assert (session.outcome, session.ended) == ("cancelled", event.time)
+        elif event.kind in ("admitted", "failed", "discarded"):
+            assert session.outcome == "returned" and session.ended <= event.time
+    assert [version for _, version in recorded.pushes] == UPDATES
+    pushed = [e for e in log(recorded) if e.kind == "pushed"]
+    assert [(e.time, e.version) for e in pushed] == list(recorded.pushes)
+    assert {t.name for tasks in recorded.batches.values() for t in tasks} >= {
+        e.task for e in log(recorded) if e.task is not None
+    }
+
+
+def test_a_replay_reproduces_every_record_event_and_packed_array(recorded):
+    result = replay(recorded)
+    assert result.matched, str(result)
+    same_calls(recorded, result)
+    assert result.steps == len(UPDATES)
+    assert result.groups == sum(call.record.groups for call in recorded.calls) > 0
+    assert str(result).endswith(
+        f"replay matched: {len(UPDATES)} steps, {result.groups} groups, {len(log(recorded))} events"
+    )
+    # Recorded with NoRescoring too, even the proximal log-probs agree: the whole digests do.
+    assert [c.digest for c in result.calls] == [c.digest for c in recorded.calls]
+
+
+def test_a_replay_is_the_same_under_any_trio_scheduling_order(recorded):
+    state = trio_scheduler_random.getstate()
+    try:
+        for seed in (1, 2, 3):
+            trio_scheduler_random.seed(seed)
+            result = replay(recorded)
+            assert result.matched, (seed, str(result))
+            same_calls(recorded, result)
+    finally:
+        trio_scheduler_random.setstate(state)
+
+
+def test_a_recording_is_the_same_under_any_trio_scheduling_order(recorded, tmp_path):
+    state = trio_scheduler_random.getstate()
+    try:
+        for seed in (4, 5):
+            trio_scheduler_random.seed(seed)
+            again = record(tmp_path / f"run{seed}.trace")
+            assert [(c.record, c.events, c.digest) for c in again.calls] == [
+                (c.record, c.events, c.digest) for c in recorded.calls
+            ]
+    finally:
+        trio_scheduler_random.setstate(state)
+
+
+def test_a_changed_max_lag_is_reported_where_the_run_first_parts(recorded, capsys):
+    # With max_lag=2 nothing the recording threw away as stale (two updates behind at most) is
+    # stale: the replay first parts at the recording's first stale event, and nowhere before.
+    step, index = next(
+        (call.step, i)
+        for call in recorded.calls
+        for i, event in enumerate(call.events)
+        if event.reason == "stale"
+    )
+    stale = recorded.calls[step].events[index]
+    result = replay(recorded, max_lag=2)
+    divergence = result.divergence
+    assert divergence is not None
+    assert (divergence.step, divergence.event, divergence.field) == (
+        step,
+        index,
+        f"events[{index}]",
+    )
+    assert divergence.recorded == stale
+    assert divergence.replayed.reason != "stale"
+    assert (divergence.label, divergence.time) == (stale.label, stale.time)
+    for before in range(step):
+        assert result.calls[before].events == recorded.calls[before].events
+        assert result.calls[before].record == recorded.calls[before].record
+    assert result.calls[step].events[:index] == recorded.calls[step].events[:index]
+    assert f"diverged at step {step}, {stale.label}, event {index} ({stale.kind})" in str(result)
+
+    assert cli.main(["replay", recorded.path, "--max-lag", "2"]) == 1
+    assert f"replay diverged at step {step}, {stale.label}" in capsys.readouterr().out
+    assert cli.main(["replay", recorded.path]) == 0
+    assert "replay matched: 12 steps" in capsys.readouterr().out
+
+
+def test_an_override_the_scheduler_refuses_is_a_usage_error(recorded, capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["replay", recorded.path, "--max-lag", "0"])
+    assert exit.value.code == 2
+    assert "max_lag must be >= ahead + sync_every - 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="cannot override objective"):
+        replay(recorded, objective=None)
+
+
+def rewrite(source, target, change) -> int:
+    """Copy a trace's lines to target with change(lines) applied; the changed line's number."""
+    lines = pathlib.Path(source.path).read_text(encoding="utf-8").split("\n")
+    number = change(lines)
+    target.write_text("\n".join(lines), encoding="utf-8")
+    return number
+
+
+def first(lines, kind) -> int:
+    return next(i for i, line in enumerate(lines) if f'"kind":"{kind}"' in line)
+
+
+def corrupt(lines):
+    i = first(lines, "session")
+    lines[i] = lines[i][: len(lines[i]) // 2]
+    return i + 1
+
+
+def cut_off(lines):
+    # The writer stopped partway through a line: the file ends without its newline.
+    i = first(lines, "call")
+    del lines[i + 1 :]
+    lines[i] = lines[i][:100]
+    return i + 1
+
+
+def unfinished(lines):
+    # The writer stopped between lines: no end line.
+    i = first(lines, "call")
+    del lines[i + 1 :]
+    lines.append("")
+    return i + 1
+
+
+def unknown_version(lines):
+    header = json.loads(lines[0])
+    lines[0] = json.dumps({**header, "version": 2})
+    return 1
+
+
+def unlabelled(lines):
+    i = first(lines, "session")
+    line = json.loads(lines[i])
+    del line["label"]
+    lines[i] = json.dumps(line)
+    return i + 1
+
+
+def short_array(lines):
+    i = first(lines, "session")
+    line = json.loads(lines[i])
+    line["session"]["calls"][0]["prompt"]["shape"] = [1000]
+    lines[i] = json.dumps(line)
+    return i + 1
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (corrupt, "is not JSON"),
+        (cut_off, "is cut off (the file is truncated)"),
+        (unfinished, "no end line follows: the recording was cut off"),
+        (unknown_version, "dew-trace version 2 is not one this dew reads (version 1)"),
+        (unlabelled, "lacks field 'label'"),
+        (short_array, "array calls[0].prompt holds"),
+    ],
+)
+def test_a_bad_trace_names_its_file_line_and_problem(recorded, tmp_path, capsys, change, problem):
+    path = tmp_path / "bad.trace"
+    line = rewrite(recorded, path, change)
+    with pytest.raises(TraceError) as error:
+        read_trace(path)
+    assert (error.value.path, error.value.line) == (str(path), line)
+    assert str(error.value).startswith(f"{path}:{line}: ")
+    assert problem in error.value.problem
+    assert cli.main(["replay", str(path)]) == 2
+    assert f"{path}:{line}: " in capsys.readouterr().err
+
+
+def test_a_nan_time_is_refused(recorded, tmp_path):
+    def nan_push(lines):
+        i = first(lines, "push")
+        lines[i] = lines[i].replace('"time":', '"time":NaN,"was":')
+        return i + 1
+
+    path = tmp_path / "nan.trace"
+    line = rewrite(recorded, path, nan_push)
+    with pytest.raises(TraceError, match=f":{line}: field 'time' must be a finite time"):
+        read_trace(path)
+
+
+def overshooting_pair() -> tuple[float, float]:
+    """Times where MockClock's own jump, base + (target - base), lands past target."""
+    rng = np.random.default_rng(0)
+    while True:
+        base, target = sorted(float(t) for t in rng.random(2) * 100)
+        if base + (target - base) > target:
+            return base, target
+
+
+async def test_replay_lands_the_clock_on_recorded_times_exactly(recorded, autojump_clock):
+    base, target = overshooting_pair()
+    await trio.sleep_until(base)
+    assert trio.current_time() == base
+    async with ReplaySource(recorded) as source:
+        await source.sleep_until(target)
+        assert trio.current_time() == target
+
+
+async def test_a_replayed_rollout_ends_when_and_as_recorded(recorded, autojump_clock):
+    returned = next(s for s in recorded.sessions.values() if s.outcome == "returned")
+    cancelled = next(
+        s
+        for s in recorded.sessions.values()
+        if s.outcome == "cancelled" and s.submitted >= returned.ended
+    )
+    async with ReplaySource(recorded) as source:
+        await source.sleep_until(returned.submitted)
+        session = await source.run(returned.task, returned.label)
+        assert trio.current_time() == returned.ended
+        assert session is returned.session
+        assert [c.version for c in session.calls] == [c.version for c in returned.session.calls]
+
+        # Nobody cancels it: once its recorded cancellation passes, the replay notes it.
+        await source.sleep_until(cancelled.submitted)
+        with trio.move_on_at(cancelled.ended + 1.0):
+            await source.run(cancelled.task, cancelled.label)
+        assert source.notes == [
+            ReplayNote(
+                cancelled.ended,
+                cancelled.task.name,
+                cancelled.label,
+                f"cancelled at {cancelled.ended!r}",
+                "still running",
+            )
+        ]
+
+        unknown = Label(10**6, 0, 0)
+        session = await source.run(Task("nowhere"), unknown)
+        assert session.status is Status.INFRA_ERROR
+        assert source.notes[-1] == ReplayNote(
+            trio.current_time(), "nowhere", unknown, "never ran", f"ran at {trio.current_time()!r}"
+        )
+
+
+async def test_replay_source_needs_a_mock_clock(recorded):
+    with pytest.raises(RuntimeError, match="MockClock at rate 0"):
+        async with ReplaySource(recorded):
+            pass
+
+
+async def test_the_recorder_wants_its_own_source_and_publisher(tmp_path, autojump_clock):
+    engine = SimulatedEngine()
+    recorder = Recorder(tmp_path / "run.trace")
+    scheduler = RolloutScheduler(
+        NoRescoring(),
+        SimulatedSource(engine),
+        RecordingPublisher(engine, recorder),
+        width=64,
+        rows=4,
+    )
+    with pytest.raises(ValueError, match="scheduler's source must be a RecordingSource"):
+        async with recorder.record(scheduler):
+            pass
+
+
+class Served:
+    """A Publisher that serves the version pushed last."""
+
+    version = 0
+
+    def load(self, variables, version):
+        self.version = version
+
+
+@attrs.frozen
+class Coin:
+    """A user's own source: each rollout writes one token after a seeded wait and is rewarded
+    for heads; the first attempt of every fifth sample fails for the infrastructure."""
+
+    engine: Served
+
+    async def run(self, task: Task, label: Label) -> Session:
+        rng = np.random.default_rng([int(task.name), label.group, label.sample, label.attempt])
+        version = self.engine.version
+        await trio.sleep(float(rng.exponential(3.0)))
+        if label.sample == 4 and label.attempt == 0:
+            return Session(Status.INFRA_ERROR, error="the coin rolled away")
+        heads = int(rng.integers(2))
+        completion = np.array([heads + 3], np.int32)
+        call = Call(np.array([1, 2], np.int32), completion, np.array([-0.7], np.float32), version)
+        return Session(Status.COMPLETED, [call], reward=float(heads))
+
+
+async def test_a_users_own_source_replays_in_a_few_lines(tmp_path, autojump_clock):
+    engine = Served()
+    trace = await record_run(
+        Coin(engine),
+        engine,
+        tmp_path / "coin.trace",
+        updates=range(6),
+        width=16,
+        rows=8,
+        groups=2,
+        oversample=3,
+    )
+    for call in trace.calls:
+        assert_record_adds_up(call.record, call.events)
+    assert_exactly_once(log(trace))
+    result = await assert_replays(trace)
+    assert result.steps == 6
+    with pytest.raises(AssertionError, match=r"replay diverged at step 0"):
+        await assert_replays(trace, oversample=2)
+
+
+def test_accounting_helpers_catch_a_broken_log():
+    label = Label(0, 0, 0)
+    submitted = LogEvent("submitted", 0.0, 0, 0, "t", label)
+    admitted = LogEvent("admitted", 1.0, 0, 0, "t", label)
+    assert assert_exactly_once([submitted]) == {label}
+    assert assert_exactly_once([submitted, admitted]) == frozenset()
+    with pytest.raises(AssertionError, match="ended twice"):
+        assert_exactly_once([submitted, admitted, admitted])
+    with pytest.raises(AssertionError, match="ended unsubmitted"):
+        assert_exactly_once([admitted])
+    retried = LogEvent("submitted", 2.0, 0, 0, "t", Label(0, 0, 1), reason="infra_error")
+    with pytest.raises(AssertionError, match="resubmitted before attempt 0 ended"):
+        assert_exactly_once([submitted, retried])
+
+
+def test_a_record_that_does_not_add_up_names_its_field(recorded):
+    call = next(c for c in recorded.calls if c.record.cancelled)
+    wrong = attrs.evolve(call.record, cancelled=call.record.cancelled + 1)
+    with pytest.raises(AssertionError, match="record.cancelled is"):
+        assert_record_adds_up(wrong, call.events)
+
+
+def bigram(table, tokens, positions, segment_ids):
+    """A model small enough to compile at once: each token's next-token logits are its row."""
+    return jax.numpy.asarray(table)[tokens]
+
+
+def test_a_run_rescored_by_a_real_objective_replays_but_for_the_proximal_log_probs(tmp_path):
+    table = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
+
+    async def main():
+        return await run_simulated(
+            tmp_path / "real.trace",
+            updates=range(3),
+            config=SimulatedConfig(seed=1, calls=(1, 2), completion_tokens=(4, 16)),
+            objective=GRPOObjective(bigram),
+            variables=table,
+            width=96,
+            rows=8,
+        )
+
+    with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+        trace = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    result = replay(trace)
+    assert result.matched, str(result)
+    for recorded, replayed in zip(trace.calls, result.calls, strict=True):
+        assert replayed.arrays["proximal_logprobs"] != recorded.arrays["proximal_logprobs"]
+        assert {k: v for k, v in replayed.arrays.items() if k != "proximal_logprobs"} == {
+            k: v for k, v in recorded.arrays.items() if k != "proximal_logprobs"
+        }
+
+
+@attrs.frozen
+class Breaks:
+    """A broken source: one rollout raises instead of returning a session."""
+
+    coin: Coin
+
+    async def run(self, task: Task, label: Label) -> Session:
+        if label == Label(5, 1, 0):
+            await trio.sleep(1.0)
+            raise RuntimeError("the table fell over")
+        return await self.coin.run(task, label)
+
+
+async def test_a_broken_sources_failure_replays_as_recorded(tmp_path, autojump_clock):
+    engine = Served()
+    path = tmp_path / "broken.trace"
+    with pytest.raises(RuntimeError, match="the table fell over"):
+        await record_run(
+            Breaks(Coin(engine)), engine, path, updates=range(6), width=16, rows=8, groups=2
+        )
+    trace = read_trace(path)
+    # Group 5 runs a batch ahead: its failure reaches the trainer at its first call.
+    assert [call.raised for call in trace.calls] == ["RuntimeError: the table fell over"]
+    assert trace.sessions[Label(5, 1, 0)].outcome == "raised"
+    result = await assert_replays(trace)
+    assert result.calls[-1].raised == "RuntimeError: the table fell over"
