@@ -55,6 +55,7 @@ class LocalPool:
         return np.asarray(objective.packed_log_probs(variables, rows), np.float32)
 
     def is_first_reader(self, share_size: int) -> bool:
+        """A lone process reads its share alone: True, for a share_size of 1."""
         _raise(_share_size_problem(share_size, 1))
         return True
 
@@ -85,8 +86,8 @@ class DistributedPool:
         culprits = np.flatnonzero(failed).tolist()
         if culprits:
             raise RuntimeError(
-                f"admission failed on process {', '.join(map(str, culprits))} of "
-                f"{jax.process_count()}; process {jax.process_index()} stops with it"
+                f"admission failed on {_processes(culprits)} of {jax.process_count()}; "
+                f"process {jax.process_index()} stops with it"
             )
 
     def rescore(self, objective: Any, variables: Any, rows: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -112,7 +113,7 @@ class DistributedPool:
                 rows differ in structure, naming the processes.
         """
         arrays = {key: np.asarray(value) for key, value in sorted(rows.items())}
-        count = _agree_on_rows("rows", arrays, _structure(arrays))
+        count = _agree_on_rows(arrays)
         mesh = _mesh()
         by_rows = NamedSharding(mesh, PartitionSpec("rows"))
         padding = -count % jax.local_device_count()
@@ -123,13 +124,16 @@ class DistributedPool:
         replicated = NamedSharding(mesh, PartitionSpec())
         variables = jax.tree.map(lambda leaf: _replicate(leaf, replicated), variables)
         scores = objective.packed_log_probs(variables, batch)
-        return _own_rows(scores, by_rows)[:count].astype(np.float32)
+        return _own_rows(scores, by_rows)[:count].astype(np.float32, copy=False)
 
     def is_first_reader(self, share_size: int) -> bool:
         """Whether this process samples for its share: the share's first process does.
 
         Args:
             share_size: consecutive processes that read one data share.
+
+        Returns:
+            True where process_index % share_size == 0.
 
         Raises:
             ValueError: unless share_size is an int >= 1 dividing the process count.
@@ -205,15 +209,17 @@ def _structure(arrays: Mapping[str, np.ndarray]) -> str:
     return ", ".join(f"{key} {value.dtype}{list(value.shape)}" for key, value in arrays.items())
 
 
-def _agree_on_rows(what: str, arrays: Mapping[str, np.ndarray], description: str) -> int:
-    """Agree across the pool on arrays that share a leading rows axis; return its length."""
+def _agree_on_rows(arrays: Mapping[str, np.ndarray]) -> int:
+    """Agree across the pool on rows: arrays of one structure everywhere, sharing a leading
+    axis; return its length."""
+    description = _structure(arrays)
     leading = {value.shape[0] if value.ndim else None for value in arrays.values()}
     problem = None
     if not arrays:
-        problem = f"{what} must hold at least one array"
+        problem = "rows must hold at least one array"
     elif len(leading) != 1 or None in leading:
-        problem = f"{what} must share one leading rows axis, got {description}"
-    _agree(description, problem, what=what)
+        problem = f"rows must share one leading rows axis, got {description}"
+    _agree(description, problem, what="rows")
     return leading.pop()
 
 
@@ -236,14 +242,19 @@ def _agree(description: str, problem: str | None, *, what: str) -> None:
     _raise(problem)
     failed = np.flatnonzero(answers[:, 1]).tolist()
     if failed:
-        raise ValueError(f"{what} was refused on process {', '.join(map(str, failed))}")
+        raise ValueError(f"{what} was refused on {_processes(failed)}")
     differing = np.flatnonzero(answers[:, 0] != answers[0, 0]).tolist()
     if differing:
         raise ValueError(
-            f"every process must hand {what} of one structure; process "
-            f"{', '.join(map(str, differing))} differ from process 0 "
-            f"(process {jax.process_index()} has {description})"
+            f"every process must hand {what} of one structure, but process 0's differs from "
+            f"that of {_processes(differing)} (process {jax.process_index()} has {description})"
         )
+
+
+def _processes(indices: list[int]) -> str:
+    if len(indices) == 1:
+        return f"process {indices[0]}"
+    return f"processes {', '.join(map(str, indices))}"
 
 
 def _raise(problem: str | None) -> None:

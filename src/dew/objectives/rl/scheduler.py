@@ -43,7 +43,7 @@ from dew.objectives.rl.sessions import (
     pack,
     session_metrics,
 )
-from dew.parallel import Pool, default_pool
+from dew.parallel import Pool, default_pool, first_reader_batch
 
 __all__ = ["LogEvent", "Publisher", "RolloutScheduler", "SchedulerRecord", "task_ids"]
 
@@ -286,8 +286,11 @@ class RolloutScheduler:
         # While the trainer waits, what it waits on is logged after this many seconds, then
         # after twice as many, and so on; None logs nothing (simulations that wait by design).
         self.long_wait: float | None = 60.0
-        # Where this process meets the others of a multi-process trainer, twice a call.
+        # Where this process meets the others of a multi-process trainer, twice a call, and how
+        # many consecutive processes read one data share (a tensor or sequence axis across
+        # processes): only a share's first reader samples, the others train on its rows.
         self.pool: Pool = default_pool()
+        self.share_size = 1
         self.last_record: SchedulerRecord | None = None
         self.last_events: tuple[LogEvent, ...] = ()
 
@@ -352,6 +355,8 @@ class RolloutScheduler:
         """Hand batch over from the trainer's thread; return its packed, rescored rows."""
         if self._mode == "async":
             raise RuntimeError("inside `async with scheduler:` use `await scheduler.step(...)`")
+        if not self.pool.is_first_reader(self.share_size):
+            return self._read_share(variables, updates)
         self._start_thread()
         handover = self._prepare(batch, variables, updates)
         start = time.perf_counter()
@@ -366,23 +371,48 @@ class RolloutScheduler:
         """The same call as `scheduler(batch, variables, updates)`, inside `async with`."""
         if self._mode != "async" or self._trio_thread != threading.get_ident():
             raise RuntimeError("`await scheduler.step(...)` runs inside `async with scheduler:`")
+        if not self.pool.is_first_reader(self.share_size):
+            return self._read_share(variables, updates)
         handover = self._prepare(batch, variables, updates)
         start = trio.current_time()
         self._hand_over(handover)
         message = await self._receive.receive()
         return self._finish(message, variables, updates, trio.current_time() - start)
 
-    def _prepare(self, batch: Batch, variables: Variables, updates: int) -> _HandOver:
-        """Match the batch to the stream's registry and decide the push, on the trainer's side."""
+    def _check_call(self, updates: int) -> int:
         if self._closed:
             raise RuntimeError("the scheduler is closed")
         if self._failed is not None:
             raise RuntimeError("the scheduler stopped after its source failed") from self._failed
         if isinstance(updates, bool) or not isinstance(updates, int | np.integer) or updates < 0:
             raise ValueError(f"updates must be an int >= 0, got {updates!r}")
-        updates = int(updates)
         if self._updates is not None and updates < self._updates:
             raise ValueError(f"updates went backwards: {updates} after {self._updates}")
+        return int(updates)
+
+    def _read_share(self, variables: Variables, updates: int) -> dict[str, np.ndarray]:
+        """A share's later reader: it samples nothing and logs nothing, but meets the pool
+        where the first reader does (the push, the agreement, the rows, the rescoring)."""
+        updates = self._updates = self._check_call(updates)
+        if core.push_due(self._served, updates, self.sync_every):
+            self.weights.load(variables, updates)
+            self._served = updates
+        self.pool.agree(None)
+        empty = pack(
+            [],
+            width=self.width,
+            rows=self.rows,
+            estimator=self.estimator,
+            truncation=self.truncation,
+            support_capacity=self.support_capacity,
+        )
+        batch = first_reader_batch(empty.batch, share_size=self.share_size)
+        batch["proximal_logprobs"] = self.pool.rescore(self.objective, variables, batch)
+        return batch
+
+    def _prepare(self, batch: Batch, variables: Variables, updates: int) -> _HandOver:
+        """Match the batch to the stream's registry and decide the push, on the trainer's side."""
+        updates = self._check_call(updates)
         with self._lock:
             if self._registry:
                 index, registered = self._registry[0]
@@ -429,7 +459,7 @@ class RolloutScheduler:
             truncation=self.truncation,
             support_capacity=self.support_capacity,
         )
-        batch = dict(packed.batch)
+        batch = first_reader_batch(packed.batch, share_size=self.share_size)
         batch["proximal_logprobs"] = self.pool.rescore(self.objective, variables, batch)
         now = message.events[-1].time if message.events else 0.0
         cuts = tuple(

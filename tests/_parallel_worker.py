@@ -1,0 +1,281 @@
+"""One process of a real `jax.distributed` pool, for tests/test_parallel.py.
+
+Run as `python tests/_parallel_worker.py --port P --process I --processes N --out DIR --cases
+a,b`: it joins the pool on the loopback port and runs each case in turn, in lockstep with the
+other processes, writing what it saw to DIR/<case>-<I>.npz and DIR/<case>-<I>.json for the test
+to compare. A case that raises is recorded, not fatal, so every process still reaches the next
+case's collectives; a process still running after --timeout seconds dumps every thread's stack
+and exits, so a hang fails the test rather than blocking it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import functools
+import json
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from dew import models
+from dew.data import ArrayDataset
+from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
+from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.rl.scheduler import RolloutScheduler
+from dew.objectives.rl.sessions import pack
+from dew.parallel import DistributedPool, LocalPool, default_pool, first_reader_batch
+
+# The task rows of one process: its shard of the pool's, two to a batch.
+BATCH_SIZE = 2
+BATCHES = 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--process", type=int, required=True)
+    parser.add_argument("--processes", type=int, required=True)
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--cases", required=True)
+    parser.add_argument("--timeout", type=float, default=90.0)
+    args = parser.parse_args()
+    faulthandler.dump_traceback_later(args.timeout, exit=True)
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    jax.distributed.initialize(
+        f"127.0.0.1:{args.port}", num_processes=args.processes, process_id=args.process
+    )
+    for case in args.cases.split(","):
+        arrays: dict[str, np.ndarray] = {}
+        facts: dict[str, Any] = {}
+        start = time.perf_counter()
+        try:
+            CASES[case](arrays, facts)
+        except Exception as error:
+            facts["raised"] = [type(error).__name__, str(error)]
+        stem = args.out / f"{case}-{args.process}"
+        np.savez(stem.with_suffix(".npz"), **arrays)
+        stem.with_suffix(".json").write_text(json.dumps(facts))
+        print(f"{case}: {time.perf_counter() - start:.2f}s", file=sys.stderr, flush=True)
+    faulthandler.cancel_dump_traceback_later()
+
+
+@functools.cache
+def tiny() -> tuple[Any, Any, Any]:
+    """A tiny transformer's objective for the pool, another for scoring alone, and variables.
+
+    Shared by the cases, so one pool shape compiles once across all of them. The variables are
+    drawn with NumPy (equal on every process): the model's own init runs op by op, slowly.
+    """
+    config = models.TransformerConfig(vocab=32, d_model=16, heads=2, layers=1, d_ff=32, max_len=64)
+    shapes = jax.eval_shape(functools.partial(models.init, config=config), jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    variables = jax.tree.map(
+        lambda shape: rng.normal(0.0, 0.3, shape.shape).astype(shape.dtype), shapes
+    )
+    return GRPOObjective(models.model(config)), GRPOObjective(models.model(config)), variables
+
+
+def synthetic_rows(seed: int, rows: int, width: int) -> dict[str, np.ndarray]:
+    """Packed-looking rows: two segments of random length in each row, then padding."""
+    rng = np.random.default_rng(seed)
+    tokens = np.zeros((rows, width), np.int32)
+    positions = np.zeros((rows, width), np.int32)
+    segment_ids = np.zeros((rows, width), np.int32)
+    for r in range(rows):
+        start = 0
+        for segment, length in enumerate(rng.integers(1, width // 2, size=2), start=1):
+            tokens[r, start : start + length] = rng.integers(1, 32, size=length)
+            positions[r, start : start + length] = np.arange(length)
+            segment_ids[r, start : start + length] = segment
+            start += length
+    return {"tokens": tokens, "positions": positions, "segment_ids": segment_ids}
+
+
+def case_rescore(arrays, facts):
+    """Two calls over the pool, each process's rows its own; each also scored alone."""
+    objective, alone, variables = tiny()
+    pool = DistributedPool()
+    # Three rows a process: over two local devices the pool pads them for the scoring.
+    for call in range(2):
+        rows = synthetic_rows(100 * jax.process_index() + call, rows=3, width=64)
+        arrays[f"pool{call}"] = pool.rescore(objective, variables, rows)
+        arrays[f"alone{call}"] = LocalPool().rescore(alone, variables, rows)
+        arrays[f"segments{call}"] = rows["segment_ids"]
+    facts["local_devices"] = jax.local_device_count()
+
+
+def case_agree(arrays, facts):
+    """Process 0's admission fails once, then every admission succeeds."""
+    pool = default_pool()
+    facts["default_pool"] = type(pool).__name__
+    try:
+        pool.agree(KeyError("task 7 broke") if jax.process_index() == 0 else None)
+    except Exception as error:
+        facts["first"] = [type(error).__name__, str(error)]
+    pool.agree(None)
+    facts["second"] = "agreed"
+
+
+def case_structure(arrays, facts):
+    """The last process hands over rows of another width: every process refuses."""
+    objective, _, variables = tiny()
+    last = jax.process_index() == jax.process_count() - 1
+    rows = synthetic_rows(0, rows=2, width=8 if last else 16)
+    DistributedPool().rescore(objective, variables, rows)
+
+
+def case_first_reader(arrays, facts):
+    """Shares of two: the first reader's rows reach its share; a share of one keeps its own."""
+    index = jax.process_index()
+    first = DistributedPool().is_first_reader(2)
+    if first:
+        own = synthetic_rows(index, rows=4, width=8)
+        own["advantages"] = np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8)
+        own["advantages"] += np.float32(index)
+    else:
+        # A later reader samples nothing: it hands over an empty pack of the same shape.
+        template = pack([], width=8, rows=4).batch
+        own = {key: template[key] for key in ("tokens", "positions", "segment_ids", "advantages")}
+    received = first_reader_batch(own, share_size=2)
+    arrays.update({f"own/{key}": value for key, value in own.items()})
+    arrays.update({f"received/{key}": value for key, value in received.items()})
+    facts["first_reader"] = first
+    alone = first_reader_batch({"x": np.full(3, index, np.int32)}, share_size=1)
+    arrays["alone"] = alone["x"]
+    try:
+        first_reader_batch(own, share_size=3)
+    except ValueError as error:
+        facts["bad_share"] = str(error)
+
+
+def run_scheduler(
+    steps: int, source_for: Callable, arrays, facts, *, ahead: int, share_size: int = 1
+) -> None:
+    """A RolloutScheduler per process on its own task rows, driven by the sync facade."""
+    objective, alone, variables = tiny()
+    engine = SimulatedEngine(slots=8)
+    scheduler = RolloutScheduler(
+        objective,
+        source_for(engine),
+        engine,
+        width=64,
+        rows=3,
+        groups=2,
+        ahead=ahead,
+        max_lag=ahead,
+    )
+    scheduler.pool = DistributedPool()
+    scheduler.share_size = share_size
+    scheduler.long_wait = None
+    index, processes = jax.process_index(), jax.process_count()
+    shard = np.arange(index, BATCHES * BATCH_SIZE * processes, processes)
+    stream = scheduler.tasks(ArrayDataset({"task_id": shard}, batch_size=BATCH_SIZE)).stream(0)
+    prefetched = [next(stream)]
+    facts["tasks"] = []
+    try:
+        for updates in range(steps):
+            prefetched.append(next(stream))
+            # The weights move every step, so a rescoring under stale weights would show.
+            scale = np.float32(1 + updates / 10)
+            weights = jax.tree.map(lambda leaf, scale=scale: leaf * scale, variables)
+            try:
+                packed = scheduler(prefetched.pop(0), weights, updates)
+            except Exception as error:
+                facts["raised_at"] = [updates, type(error).__name__, str(error)]
+                break
+            rows = {k: v for k, v in packed.items() if k != "proximal_logprobs"}
+            arrays[f"pool{updates}"] = packed["proximal_logprobs"]
+            arrays[f"alone{updates}"] = LocalPool().rescore(alone, weights, rows)
+            arrays[f"segments{updates}"] = packed["segment_ids"]
+            arrays[f"tokens{updates}"] = packed["tokens"]
+            events = scheduler.last_events if scheduler.last_record is not None else ()
+            admitted = {e.task for e in events if e.kind == "admitted"}
+            facts["tasks"].append(sorted(admitted, key=int))
+            facts["records"] = scheduler.last_record is not None
+    finally:
+        scheduler.close()
+    facts["compilations"] = objective._jitted_log_probs._cache_size()
+
+
+SMALL = dict(prompt_tokens=(2, 4), completion_tokens=(1, 4), calls=(1, 2), vocab=32)
+
+
+def case_scheduler(arrays, facts):
+    """Three steps of every process's scheduler, rescored over the pool."""
+
+    def source_for(engine):
+        return SimulatedSource(engine, SimulatedConfig(seed=0, duration_mean=0.005, **SMALL))
+
+    run_scheduler(3, source_for, arrays, facts, ahead=1)
+
+
+def case_share(arrays, facts):
+    """Both processes read one share: the first samples, the second trains on its rows."""
+
+    def source_for(engine):
+        source = SimulatedSource(engine, SimulatedConfig(seed=0, duration_mean=0.005, **SMALL))
+        counted = Counting(source)
+        facts_source.append(counted)
+        return counted
+
+    facts_source: list = []
+    run_scheduler(3, source_for, arrays, facts, ahead=1, share_size=2)
+    facts["rollouts"] = facts_source[0].runs
+
+
+class Counting:
+    def __init__(self, inner):
+        self.inner, self.runs = inner, 0
+
+    async def run(self, task, label):
+        self.runs += 1
+        return await self.inner.run(task, label)
+
+
+class BrokenOnTask:
+    """A source that raises on one task and runs the others as `inner` does."""
+
+    def __init__(self, inner, broken: str):
+        self.inner, self.broken = inner, broken
+
+    async def run(self, task, label):
+        if task.name == self.broken:
+            raise LookupError(f"the environment of task {task.name} is gone")
+        return await self.inner.run(task, label)
+
+
+def case_failure(arrays, facts):
+    """The last process's source breaks on its third batch: every process stops at that step."""
+    index, processes = jax.process_index(), jax.process_count()
+    # The first task row of the last process's third batch.
+    broken = str(index + 2 * BATCH_SIZE * processes) if index == processes - 1 else None
+
+    def source_for(engine):
+        inner = SimulatedSource(engine, SimulatedConfig(seed=1, duration_mean=0.005, **SMALL))
+        return BrokenOnTask(inner, broken)
+
+    # Batch i is submitted at call i alone, so the failure reaches that very call.
+    run_scheduler(4, source_for, arrays, facts, ahead=0)
+
+
+CASES = {
+    "rescore": case_rescore,
+    "agree": case_agree,
+    "structure": case_structure,
+    "first_reader": case_first_reader,
+    "scheduler": case_scheduler,
+    "failure": case_failure,
+    "share": case_share,
+}
+
+if __name__ == "__main__":
+    sys.exit(main())

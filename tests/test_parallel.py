@@ -1,0 +1,274 @@
+"""dew.parallel over a real `jax.distributed` pool of processes on the loopback interface.
+
+Each pool is launched once per module: every process runs tests/_parallel_worker.py, which plays
+the cases in lockstep and writes what each process saw; the tests compare the processes' files.
+The two-process pool gives each process two CPU devices, so rows are sharded (and padded) over
+several local devices; the four-process pool has two shares of two for first_reader_batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import dew.parallel
+from _parallel_worker import synthetic_rows, tiny
+from dew.parallel import DistributedPool, LocalPool, default_pool, first_reader_batch
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+WORKER = pathlib.Path(__file__).with_name("_parallel_worker.py")
+# Seconds a pool may take; its workers dump their stacks and exit a little earlier.
+TIMEOUT = 150.0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(out: pathlib.Path, *, processes: int, local_devices: int, cases: str) -> pathlib.Path:
+    """Run one pool of worker processes to the end and return the folder of their results.
+
+    A worker that fails ends the pool at once (the others would wait for it in a collective),
+    and a pool past TIMEOUT is killed; either fails the test with every worker's log.
+    """
+    port = free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={local_devices}"
+    )
+    command = [sys.executable, str(WORKER), "--port", str(port), "--processes", str(processes)]
+    command += ["--out", str(out), "--cases", cases, "--timeout", str(TIMEOUT - 10)]
+    logs = [out / f"log-{i}.txt" for i in range(processes)]
+    with contextlib.ExitStack() as stack:
+        workers = [
+            subprocess.Popen(
+                command + ["--process", str(i)],
+                stdout=stack.enter_context(log.open("w")),
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+            for i, log in enumerate(logs)
+        ]
+        deadline = time.monotonic() + TIMEOUT
+        running = list(workers)
+        while running and time.monotonic() < deadline:
+            if any(worker.returncode for worker in workers if worker not in running):
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                running[0].wait(timeout=0.5)
+            running = [worker for worker in running if worker.poll() is None]
+        for worker in running:
+            worker.kill()
+            worker.wait()
+    codes = [worker.returncode for worker in workers]
+    if any(codes):
+        text = "\n".join(f"--- process {i}\n{log.read_text()}" for i, log in enumerate(logs))
+        pytest.fail(
+            f"the pool of {processes} ended with exit codes {codes} (a worker still running "
+            f"after another failed, or after {TIMEOUT}s, is killed):\n{text}"
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def pool2(tmp_path_factory) -> pathlib.Path:
+    cases = "rescore,agree,structure,first_reader,scheduler,failure,share"
+    out = tmp_path_factory.mktemp("pool2")
+    return launch(out, processes=2, local_devices=2, cases=cases)
+
+
+@pytest.fixture(scope="module")
+def pool4(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("pool4")
+    return launch(out, processes=4, local_devices=1, cases="first_reader,agree")
+
+
+def result(out: pathlib.Path, case: str, process: int) -> tuple[dict[str, np.ndarray], dict]:
+    """What one process wrote for one case: its arrays and its facts."""
+    with np.load(out / f"{case}-{process}.npz") as arrays:
+        loaded = {key: arrays[key] for key in arrays.files}
+    return loaded, json.loads((out / f"{case}-{process}.json").read_text())
+
+
+# --- the proximal rescoring -----------------------------------------------------------------------
+
+
+def test_rescoring_over_the_pool_equals_each_process_scoring_its_rows_alone(pool2):
+    seen = []
+    for process in range(2):
+        arrays, facts = result(pool2, "rescore", process)
+        assert "raised" not in facts
+        assert facts["local_devices"] == 2
+        for call in range(2):
+            scores = arrays[f"pool{call}"]
+            assert scores.dtype == np.float32 and scores.shape == (3, 64)
+            np.testing.assert_allclose(scores, arrays[f"alone{call}"], rtol=1e-5, atol=1e-5)
+            assert np.all(scores[arrays[f"segments{call}"] == 0] == 0)
+            assert np.any(scores < 0)
+        seen.append(arrays["pool0"])
+    # Each process got its own rows back, not another's.
+    assert not np.allclose(seen[0], seen[1])
+
+
+def test_rows_of_another_structure_are_refused_on_every_process(pool2):
+    for process in range(2):
+        _, facts = result(pool2, "structure", process)
+        kind, message = facts["raised"]
+        assert kind == "ValueError"
+        assert "one structure" in message and "differs from that of process 1" in message
+
+
+# --- the agreement --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool, processes", [("pool2", 2), ("pool4", 4)])
+def test_a_failed_admission_raises_on_every_process_at_the_agreement(request, pool, processes):
+    out = request.getfixturevalue(pool)
+    for process in range(processes):
+        _, facts = result(out, "agree", process)
+        assert facts["default_pool"] == "DistributedPool"
+        kind, message = facts["first"]
+        if process == 0:
+            assert (kind, message) == ("KeyError", "'task 7 broke'")
+        else:
+            assert kind == "RuntimeError"
+            assert f"failed on process 0 of {processes}" in message
+            assert f"process {process} stops" in message
+        # The pool goes on agreeing afterwards.
+        assert facts["second"] == "agreed"
+
+
+# --- first readers --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool, processes", [("pool2", 2), ("pool4", 4)])
+def test_later_readers_receive_exactly_their_first_readers_rows(request, pool, processes):
+    out = request.getfixturevalue(pool)
+    for process in range(processes):
+        arrays, facts = result(out, "first_reader", process)
+        assert facts["first_reader"] == (process % 2 == 0)
+        first, _ = result(out, "first_reader", process - process % 2)
+        keys = [key.removeprefix("own/") for key in arrays if key.startswith("own/")]
+        assert sorted(keys) == ["advantages", "positions", "segment_ids", "tokens"]
+        for key in keys:
+            received, sampled = arrays[f"received/{key}"], first[f"own/{key}"]
+            assert received.dtype == sampled.dtype
+            np.testing.assert_array_equal(received, sampled)
+        # The shares differ: each got its own first reader's rows.
+        other, _ = result(out, "first_reader", (process + 2) % processes)
+        if processes == 4:
+            assert not np.array_equal(arrays["received/advantages"], other["received/advantages"])
+        np.testing.assert_array_equal(arrays["alone"], np.full(3, process, np.int32))
+        assert "share_size" in facts["bad_share"] and "got 3" in facts["bad_share"]
+
+
+# --- a scheduler on every process -----------------------------------------------------------------
+
+
+def test_every_processs_scheduler_trains_on_rows_rescored_over_the_pool(pool2):
+    for process in range(2):
+        arrays, facts = result(pool2, "scheduler", process)
+        assert "raised" not in facts and "raised_at" not in facts
+        assert len(facts["tasks"]) == 3
+        for step, tasks in enumerate(facts["tasks"]):
+            # Each step trains on this process's own batch of its own task rows.
+            assert [int(task) for task in tasks] == [process + 2 * (2 * step + i) for i in range(2)]
+            scores = arrays[f"pool{step}"]
+            assert scores.shape == (3, 64)
+            np.testing.assert_allclose(scores, arrays[f"alone{step}"], rtol=1e-5, atol=1e-5)
+            assert np.any(scores[arrays[f"segments{step}"] > 0] < 0)
+        # Every rescoring of the run, and the rescoring case's before it, compiled once.
+        assert facts["compilations"] == 1
+
+
+def test_a_shares_later_reader_samples_nothing_and_trains_on_the_first_readers_rows(pool2):
+    first, first_facts = result(pool2, "share", 0)
+    later, later_facts = result(pool2, "share", 1)
+    assert "raised" not in first_facts and "raised" not in later_facts
+    assert first_facts["rollouts"] > 0 and later_facts["rollouts"] == 0
+    assert first_facts["records"] and not later_facts["records"]  # later readers log nothing
+    for step in range(3):
+        np.testing.assert_array_equal(later[f"tokens{step}"], first[f"tokens{step}"])
+        np.testing.assert_allclose(later[f"pool{step}"], first[f"pool{step}"], rtol=1e-6)
+        assert (first[f"segments{step}"] > 0).any()
+
+
+def test_a_broken_source_stops_every_process_at_the_same_step(pool2):
+    _, healthy = result(pool2, "failure", 0)
+    _, broken = result(pool2, "failure", 1)
+    assert broken["raised_at"] == [2, "LookupError", "the environment of task 9 is gone"]
+    step, kind, message = healthy["raised_at"]
+    assert (step, kind) == (2, "RuntimeError")
+    assert "admission failed on process 1 of 2" in message
+    assert len(healthy["tasks"]) == len(broken["tasks"]) == 2
+
+
+# --- one process ----------------------------------------------------------------------------------
+
+
+def test_a_process_outside_jax_distributed_gets_the_local_pool():
+    assert isinstance(default_pool(), LocalPool)
+
+
+def test_a_lone_process_is_its_own_first_reader():
+    batch = {"tokens": np.arange(6, dtype=np.int32).reshape(2, 3)}
+    received = first_reader_batch(batch, share_size=1)
+    np.testing.assert_array_equal(received["tokens"], batch["tokens"])
+    assert LocalPool().is_first_reader(1) and DistributedPool().is_first_reader(1)
+    for share_size in (0, 2, True, 1.0):
+        with pytest.raises(ValueError, match=f"share_size .* got {share_size!r}"):
+            first_reader_batch(batch, share_size=share_size)
+        with pytest.raises(ValueError, match="share_size"):
+            LocalPool().is_first_reader(share_size)
+        with pytest.raises(ValueError, match="share_size"):
+            DistributedPool().is_first_reader(share_size)
+
+
+def test_the_distributed_pool_of_one_process_is_the_local_pool():
+    objective, alone, variables = tiny()
+    rows = synthetic_rows(7, rows=2, width=16)
+    np.testing.assert_allclose(
+        DistributedPool().rescore(objective, variables, rows),
+        LocalPool().rescore(alone, variables, rows),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+    DistributedPool().agree(None)
+    with pytest.raises(KeyError, match="task 3"):
+        DistributedPool().agree(KeyError("task 3"))
+    ragged = dict(rows, tokens=rows["tokens"][:1])
+    with pytest.raises(ValueError, match="one leading rows axis"):
+        DistributedPool().rescore(objective, variables, ragged)
+
+
+def test_the_public_surface():
+    assert sorted(dew.parallel.__all__) == [
+        "DistributedPool",
+        "LocalPool",
+        "Pool",
+        "default_pool",
+        "first_reader_batch",
+    ]
+    assert str(inspect.signature(first_reader_batch)) == (
+        "(batch: 'Mapping[str, np.ndarray]', *, share_size: 'int') -> 'dict[str, np.ndarray]'"
+    )
+    for pool in (LocalPool, DistributedPool):
+        for name in ("agree", "rescore", "is_first_reader"):
+            assert inspect.signature(getattr(pool, name)) == inspect.signature(
+                getattr(dew.parallel.Pool, name)
+            )
