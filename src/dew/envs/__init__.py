@@ -1,5 +1,32 @@
 """Environments and session sources: in-process, single-turn prompt sets, and simulated."""
 
+from dew.envs.environment import (
+    Environment,
+    EnvironmentSource,
+    Episode,
+    MalformedAction,
+    Sampling,
+    Score,
+    Verifier,
+)
+from dew.envs.prompts import PromptSource
 from dew.envs.simulated import SimulatedConfig, SimulatedEngine, SimulatedSource
+from dew.envs.tasks import CopyDigits, GuessDigit, GuessDigitEnv, task_dataset
 
-__all__ = ["SimulatedConfig", "SimulatedEngine", "SimulatedSource"]
+__all__ = [
+    "CopyDigits",
+    "Environment",
+    "EnvironmentSource",
+    "Episode",
+    "GuessDigit",
+    "GuessDigitEnv",
+    "MalformedAction",
+    "PromptSource",
+    "Sampling",
+    "Score",
+    "SimulatedConfig",
+    "SimulatedEngine",
+    "SimulatedSource",
+    "Verifier",
+    "task_dataset",
+]

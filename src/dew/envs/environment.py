@@ -1,0 +1,426 @@
+"""In-process multi-turn environments, and the session source that runs an agent in them.
+
+An `Environment` is a small synchronous object: `reset(task)` opens an episode and says what the
+agent sees first, `step(action)` takes the agent's reply and says what it sees next and whether
+the episode is over. A `Verifier` scores the episode afterwards. `EnvironmentSource` plays one
+episode per rollout: it renders the conversation with the chat template of `dew.serve.tokenizer`,
+calls the engine once per turn, and steps the environment with the decoded reply.
+
+Each turn's prompt is the previous call's prompt and completion followed by the template's
+tokens for the environment's reply, so the calls of an episode merge into one chain.
+
+Environments are plain blocking code: reset and step (and the verifier) run in trio worker
+threads that a cancel abandons. An abandoned thread cannot be stopped: it keeps running, and
+keeps its slot in trio's default thread limiter, until the environment returns. Environments
+must therefore bound their own step time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import numpy as np
+import trio
+
+from dew.data import Task
+from dew.objectives.rl.sessions import Call, Label, Session, Status
+from dew.serve import tokenizer
+
+Message = Mapping[str, str]
+"""A chat message: `{"role": ..., "content": ...}`."""
+
+Observation = str | Sequence[Message]
+"""What the agent sees: a plain string is one user message."""
+
+CHAT_STOP = (tokenizer.IM_END, tokenizer.EOS)
+"""Tokens that end an assistant message."""
+
+
+class MalformedAction(ValueError):
+    """Raised by `Environment.step` when the agent's action cannot be taken: the session ends as
+    AGENT_ERROR (the agent's fault, still scored), not INFRA_ERROR."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """One episode's world, driven by an agent's text actions.
+
+    Both methods are blocking and run in a worker thread; a cancel abandons that thread, so each
+    call must return in bounded time on its own.
+    """
+
+    def reset(self, task: Task) -> Observation:
+        """Start an episode of `task` and return what the agent sees first."""
+        ...
+
+    def step(self, action: str) -> tuple[Observation | None, bool]:
+        """Take the agent's action and return `(observation, done)`.
+
+        The observation is ignored when `done`. Raise `MalformedAction` for an action the
+        environment cannot take; any other exception is an infrastructure failure.
+        """
+        ...
+
+
+@attrs.frozen
+class Score:
+    """A verifier's verdict: the reward and its named parts (reported, not trained on)."""
+
+    reward: float = attrs.field(converter=float)
+    components: Mapping[str, float] = attrs.field(factory=dict)
+
+    @reward.validator
+    def _finite(self, attribute, value):
+        if not math.isfinite(value):
+            raise ValueError(f"reward must be finite, got {value}")
+
+
+@attrs.frozen(eq=False)
+class Episode:
+    """What the verifier of an environment sees of one episode.
+
+    Args:
+        task: the task played.
+        messages: the conversation as the template rendered it, the agent's replies included.
+        actions: the agent's decoded actions, in order.
+        status: how the episode ended (COMPLETED, AGENT_ERROR or TRUNCATED).
+        truncation: why a TRUNCATED episode stopped.
+    """
+
+    task: Task
+    messages: tuple[Message, ...]
+    actions: tuple[str, ...]
+    status: Status
+    truncation: str | None = None
+
+
+Verifier = Callable[[Environment, Episode], Score | None]
+"""Scores an episode from the environment's final state and the episode; None where it cannot
+score it (e.g. a truncated episode it has no verdict for)."""
+
+
+def _at_least(bound: int):
+    def check(instance, attribute, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < bound:
+            raise ValueError(f"{attribute.name} must be an int >= {bound}, got {value!r}")
+
+    return check
+
+
+def _optional(check):
+    def optional(instance, attribute, value):
+        if value is not None:
+            check(instance, attribute, value)
+
+    return optional
+
+
+def _non_negative(instance, attribute, value):
+    if not (isinstance(value, int | float) and value >= 0):
+        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+def _positive(instance, attribute, value):
+    if not (isinstance(value, int | float) and value > 0):
+        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+def _probability(instance, attribute, value):
+    if not (isinstance(value, int | float) and 0 < value <= 1):
+        raise ValueError(f"{attribute.name} must be in (0, 1], got {value!r}")
+
+
+def _callable(instance, attribute, value):
+    if not callable(value):
+        raise ValueError(f"{attribute.name} must be callable, got {value!r}")
+
+
+def _engine(instance, attribute, value):
+    if not callable(getattr(value, "generate", None)):
+        raise ValueError(f"{attribute.name} must have an async generate(), got {value!r}")
+
+
+def _stop_tokens(instance, attribute, value):
+    if not value or any(not 0 <= token for token in value):
+        raise ValueError(f"{attribute.name} must hold at least one token id >= 0, got {value!r}")
+
+
+@attrs.frozen
+class Sampling:
+    """How a source asks the engine to sample.
+
+    Args:
+        temperature: softmax temperature, >= 0 (0 draws the likeliest token, for evaluation).
+        top_k: keep the k likeliest tokens (the engine then reports the support).
+        top_p: keep the smallest set of tokens of mass >= top_p.
+        seed: where given, each call's sampling key is a function of it, the rollout's label and
+            the call's index, so a replayed rollout draws the same tokens; None leaves the key to
+            the engine.
+    """
+
+    temperature: float = attrs.field(default=1.0, validator=_non_negative)
+    top_k: int | None = attrs.field(default=None, validator=_optional(_at_least(1)))
+    top_p: float | None = attrs.field(default=None, validator=_optional(_probability))
+    seed: int | None = attrs.field(default=None, validator=_optional(_at_least(0)))
+
+    def options(self, label: Label, index: int) -> dict[str, Any]:
+        """The engine's keyword arguments for call `index` of the rollout labelled `label`."""
+        key = None
+        if self.seed is not None:
+            entropy = [self.seed, label.group, label.sample, label.attempt, index]
+            key = int(np.random.SeedSequence(entropy).generate_state(1, np.uint32)[0])
+        return {
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "key": key,
+        }
+
+
+def messages_of(observation: Observation) -> list[Message]:
+    """The chat messages an observation stands for: a string is one user message.
+
+    Raises:
+        TypeError: when it is neither a string nor a sequence (the chat template checks the
+            messages themselves).
+    """
+    if isinstance(observation, str):
+        return [{"role": "user", "content": observation}]
+    if not isinstance(observation, Sequence):
+        raise TypeError(
+            f"an observation must be a string or a sequence of messages, got {observation!r}"
+        )
+    return list(observation)
+
+
+def reply_text(completion: np.ndarray, stop: Sequence[int]) -> str:
+    """The text of a completion, without the stop token that ended it."""
+    if len(completion) and int(completion[-1]) in stop:
+        completion = completion[:-1]
+    return tokenizer.decode(completion)
+
+
+def describe(error: BaseException) -> str:
+    """An exception as a session's `error` text: its type and message."""
+    return f"{type(error).__name__}: {error}"
+
+
+async def blocking(function: Callable[..., Any], *args: Any) -> Any:
+    """Run blocking code in a worker thread that a cancel abandons.
+
+    The abandoned thread runs on to its end and holds its thread-limiter slot until then.
+    """
+    return await trio.to_thread.run_sync(function, *args, abandon_on_cancel=True)
+
+
+def _continuation(
+    messages: list[Message], text: str, completion: np.ndarray, new: list[Message]
+) -> np.ndarray:
+    """The tokens that follow an assistant's completion when the environment replies `new`.
+
+    The chat template is asked, not re-implemented: the template's own rendering of the
+    conversation with the reply gives the tokens that close the assistant's message (minus the
+    stop token, when the completion already ends with it) and the rendering of the new messages
+    with the next generation prompt. The agent's completion itself stays as sampled, so the next
+    prompt extends this call's prompt and completion exactly.
+    """
+    replied = messages + [{"role": "assistant", "content": text}]
+    asked = tokenizer.encode_chat(messages, add_generation_prompt=True)
+    closed = tokenizer.encode_chat(replied, add_generation_prompt=False)
+    following = tokenizer.encode_chat(replied + new, add_generation_prompt=True)
+    body = len(asked) + len(tokenizer.encode(text))
+    close = closed[body:]
+    if len(completion) and len(close) and int(completion[-1]) == int(close[0]):
+        close = close[1:]
+    return np.concatenate([close, following[len(closed) :]]).astype(np.int32)
+
+
+@attrs.define(eq=False)
+class _Play:
+    """An episode in progress: what the session and the verifier are built from."""
+
+    task: Task
+    env: Environment | None = None
+    messages: list[Message] = attrs.Factory(list)
+    actions: list[str] = attrs.Factory(list)
+    calls: list[Call] = attrs.Factory(list)
+    # True while a worker thread may be inside the environment: a deadline that abandons that
+    # thread leaves the environment mid-step, where nothing else may touch it.
+    busy: bool = False
+
+    async def enter(self, function: Callable[..., Any], *args: Any) -> Any:
+        """Call into the environment in a worker thread, `busy` until the thread is done: a
+        cancel (not an `Exception`) is the one way out that leaves the thread running."""
+        self.busy = True
+        try:
+            result = await blocking(function, *args)
+        except Exception:
+            self.busy = False
+            raise
+        self.busy = False
+        return result
+
+
+@attrs.frozen
+class _End:
+    status: Status
+    truncation: str | None = None
+    error: str | None = None
+
+
+@attrs.frozen
+class EnvironmentSource:
+    """Runs one episode of an in-process environment per rollout (a `SessionSource`).
+
+    Each turn renders the conversation with the chat template, calls the engine, decodes the
+    reply and steps the environment with it. The episode ends:
+
+    - COMPLETED when the environment says done;
+    - AGENT_ERROR when the environment raises `MalformedAction`, with its message in `error`;
+    - TRUNCATED with `turns` after `max_turns` steps without done; `context` when the next
+      prompt leaves no room below `max_context` (each call's budget is clipped so that prompt and
+      completion fit it), or a reply ends short of `max_tokens` without a stop token (it ran out
+      of a clipped budget, or of the engine's longest sequence);
+      `length` when a completion hits `max_tokens` without a stop token and `require_stop` holds
+      (an unfinished message is not an action); `wall_clock` when `wall_clock` seconds of trio's
+      clock have passed since the rollout began;
+    - INFRA_ERROR when creating, resetting or stepping the environment raises (other than
+      `MalformedAction`), or the verifier raises or fails to score a COMPLETED or AGENT_ERROR
+      episode; `error` holds the exception's type and text.
+
+    COMPLETED, AGENT_ERROR and TRUNCATED episodes are scored by the verifier once the episode is
+    over (outside the wall-clock deadline), except an episode whose deadline struck inside a
+    reset or step: its environment is still held by the abandoned thread, so it is not scored.
+    The engine's own exceptions propagate: a broken engine is a broken source.
+
+    Args:
+        engine: anything with `RolloutServer.generate`'s signature.
+        make_env: builds a fresh environment for each rollout (in a worker thread).
+        verifier: scores a finished episode from its environment and `Episode`.
+        max_turns: most engine calls (and steps) per episode.
+        max_tokens: most completion tokens per call.
+        max_context: most tokens of a prompt plus its completion; at most the engine's longest
+            sequence, whose prompt-length error would otherwise propagate.
+        wall_clock: seconds of trio's clock an episode may take; None for no limit.
+        require_stop: whether a reply must end with a stop token to count as an action; when
+            False, a reply that fills `max_tokens` is the action, and the template closes it.
+        sampling: temperature, top-k/top-p and seed of the engine's sampling.
+        stop: tokens that end a reply.
+    """
+
+    engine: Any = attrs.field(validator=_engine)
+    make_env: Callable[[], Environment] = attrs.field(validator=_callable)
+    verifier: Verifier = attrs.field(validator=_callable)
+    max_turns: int = attrs.field(kw_only=True, validator=_at_least(1))
+    max_tokens: int = attrs.field(kw_only=True, validator=_at_least(1))
+    max_context: int = attrs.field(kw_only=True, validator=_at_least(2))
+    wall_clock: float | None = attrs.field(
+        default=None, kw_only=True, validator=_optional(_positive)
+    )
+    require_stop: bool = attrs.field(default=True, kw_only=True)
+    sampling: Sampling = attrs.field(
+        factory=Sampling, kw_only=True, validator=attrs.validators.instance_of(Sampling)
+    )
+    stop: tuple[int, ...] = attrs.field(
+        default=CHAT_STOP, kw_only=True, converter=tuple, validator=_stop_tokens
+    )
+
+    async def run(self, task: Task, label: Label) -> Session:
+        """Play one episode of `task` and return its session (never raises for the episode's
+        own failures; see the class)."""
+        play = _Play(task)
+        with trio.move_on_after(math.inf if self.wall_clock is None else self.wall_clock) as limit:
+            end = await self._play(play, label)
+        if limit.cancelled_caught:
+            end = _End(Status.TRUNCATED, "wall_clock")
+        return await self._score(play, end)
+
+    async def _play(self, play: _Play, label: Label) -> _End:
+        try:
+            play.env = await play.enter(self.make_env)
+            play.messages = messages_of(await play.enter(play.env.reset, play.task))
+            prompt = np.asarray(
+                tokenizer.encode_chat(play.messages, add_generation_prompt=True), np.int32
+            )
+        except Exception as error:
+            return _End(Status.INFRA_ERROR, error=describe(error))
+        for turn in range(self.max_turns):
+            budget = min(self.max_tokens, self.max_context - len(prompt))
+            if budget < 1:
+                return _End(Status.TRUNCATED, "context")
+            call = await self.engine.generate(
+                prompt, max_tokens=budget, stop=self.stop, **self.sampling.options(label, turn)
+            )
+            play.calls.append(call)
+            completion = np.asarray(call.completion)
+            if not (len(completion) and int(completion[-1]) in self.stop):
+                # Short of max_tokens without a stop, the reply ran out of room: a clipped budget,
+                # or the engine's own longest sequence.
+                if len(completion) < self.max_tokens:
+                    return _End(Status.TRUNCATED, "context")
+                if self.require_stop:
+                    return _End(Status.TRUNCATED, "length")
+            text = reply_text(completion, self.stop)
+            play.actions.append(text)
+            try:
+                observation, done = await play.enter(play.env.step, text)
+                if done:
+                    play.messages.append({"role": "assistant", "content": text})
+                    return _End(Status.COMPLETED)
+                new = messages_of(observation)
+                following = _continuation(play.messages, text, completion, new)
+            except MalformedAction as error:
+                play.messages.append({"role": "assistant", "content": text})
+                return _End(Status.AGENT_ERROR, error=str(error))
+            except Exception as error:
+                return _End(Status.INFRA_ERROR, error=describe(error))
+            play.messages += [{"role": "assistant", "content": text}, *new]
+            prompt = np.concatenate([call.prompt, completion, following]).astype(np.int32)
+        return _End(Status.TRUNCATED, "turns")
+
+    async def _score(self, play: _Play, end: _End) -> Session:
+        calls = tuple(play.calls)
+        if end.status is Status.INFRA_ERROR or play.busy or play.env is None:
+            return Session(end.status, calls, truncation=end.truncation, error=end.error)
+        episode = Episode(
+            play.task, tuple(play.messages), tuple(play.actions), end.status, end.truncation
+        )
+        try:
+            score = await blocking(self.verifier, play.env, episode)
+        except Exception as error:
+            return Session(Status.INFRA_ERROR, calls, error=f"verifier: {describe(error)}")
+        return scored_session(calls, end.status, end.truncation, end.error, score)
+
+
+def scored_session(
+    calls: tuple[Call, ...],
+    status: Status,
+    truncation: str | None,
+    error: str | None,
+    score: Score | None,
+) -> Session:
+    """The session of a scored outcome: a verifier that cannot score a COMPLETED or AGENT_ERROR
+    outcome, or answers something other than a `Score`, makes it an INFRA_ERROR."""
+    if score is not None and not isinstance(score, Score):
+        return Session(
+            Status.INFRA_ERROR,
+            calls,
+            error=f"verifier returned {type(score).__name__}, not a Score or None",
+        )
+    if score is None:
+        if status is Status.TRUNCATED:
+            return Session(status, calls, truncation=truncation, error=error)
+        return Session(
+            Status.INFRA_ERROR, calls, error=f"verifier could not score a {status.name} rollout"
+        )
+    return Session(
+        status,
+        calls,
+        reward=score.reward,
+        components=dict(score.components),
+        truncation=truncation,
+        error=error,
+    )
