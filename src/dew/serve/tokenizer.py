@@ -12,8 +12,9 @@ The chat template is ChatML's, opened by `<bos>`:
 and a generation prompt ends the encoding with `<|im_start|>assistant\\n`. Each message's encoding
 depends only on the message, so a conversation's encoding (with its generation prompt) is a prefix
 of the encoding after the assistant's reply and the next message are appended. A reply sampled
-with `<|im_end|>` as its stop token is therefore exactly the tokens between one turn's prompt and
-the next, and the turns of a multi-turn session merge into one chain
+with `<|im_end|>` as its stop token is therefore the tokens between one turn's prompt and the
+next but for the newline the template writes after `<|im_end|>`, so a source that appends that
+newline and the next message keeps the turns of a multi-turn session in one chain
 (`dew.objectives.rl.sessions.chains`), as long as the reply's bytes are valid UTF-8 (invalid bytes
 decode to U+FFFD and encode differently).
 """
