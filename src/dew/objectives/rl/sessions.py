@@ -144,8 +144,13 @@ def _fail(session: Session, field: str, problem: str) -> SessionError:
     return SessionError(f"task {task!r} {session.label or 'unlabelled'}: {field} {problem}")
 
 
+# Checked on every session a source returns: the tuples are built once.
+_INTEGER = (int, np.integer)
+_NUMBER = (float, int, np.floating)
+
+
 def _check_tokens(session: Session, field: str, array) -> None:
-    if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype != np.int32:
+    if type(array) is not np.ndarray or array.ndim != 1 or array.dtype != np.int32:
         described = (
             f"{array.dtype}[{','.join(map(str, array.shape))}]"
             if isinstance(array, np.ndarray)
@@ -173,7 +178,7 @@ def check_session(session: Session) -> Session:
         _check_tokens(session, f"{where}.prompt", call.prompt)
         _check_tokens(session, f"{where}.completion", call.completion)
         lp = call.logprobs
-        if not isinstance(lp, np.ndarray) or lp.ndim != 1 or lp.dtype != np.float32:
+        if type(lp) is not np.ndarray or lp.ndim != 1 or lp.dtype != np.float32:
             raise _fail(session, f"{where}.logprobs", "must be a 1-D float32 array")
         if len(lp) != len(call.completion):
             raise _fail(
@@ -186,7 +191,7 @@ def check_session(session: Session) -> Session:
             raise _fail(session, f"{where}.logprobs", "holds a non-finite log-prob")
         if lp.size and lp.max() > 0:
             raise _fail(session, f"{where}.logprobs", f"holds a positive log-prob {lp.max()}")
-        if isinstance(call.version, bool) or not isinstance(call.version, int | np.integer):
+        if isinstance(call.version, bool) or not isinstance(call.version, _INTEGER):
             raise _fail(session, f"{where}.version", f"must be an int, got {call.version!r}")
         if call.version < 0:
             raise _fail(session, f"{where}.version", f"must be >= 0, got {call.version}")
@@ -202,14 +207,14 @@ def check_session(session: Session) -> Session:
                 if token not in kept:
                     raise _fail(session, f"{where}.support[{j}]", f"lacks sampled token {token}")
     if session.reward is not None and not (
-        isinstance(session.reward, float | int | np.floating) and math.isfinite(session.reward)
+        isinstance(session.reward, _NUMBER) and math.isfinite(session.reward)
     ):
         raise _fail(session, "reward", f"must be a finite number, got {session.reward!r}")
     scored = session.status in (Status.COMPLETED, Status.AGENT_ERROR)
     if scored and session.reward is None:
         raise _fail(session, "reward", f"is missing on a {session.status.name} session")
     for name, value in session.components.items():
-        if not isinstance(value, float | int | np.floating) or not math.isfinite(value):
+        if not isinstance(value, _NUMBER) or not math.isfinite(value):
             raise _fail(session, f"components[{name!r}]", f"must be a finite number, got {value!r}")
     if session.status is Status.TRUNCATED and session.truncation not in TRUNCATION_REASONS:
         raise _fail(
