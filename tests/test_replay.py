@@ -5,12 +5,18 @@ The recorded run is a SimulatedSource under the mock clock with every happening 
 knows: infra errors, timeouts, unscored truncations, stale rollouts (every third call the trainer
 reports two updates), surplus cancels (oversample), abandoned groups (max_attempts=2) and cuts
 (few rows, a small support capacity).
+
+Runs driven through the scheduler's thread facade are recorded on the real clock, from the
+trainer's thread: the same simulated mix (but timeouts) with a stream reopened midway, and a
+real RolloutServer sampling a GuessDigit environment; their replays under the mock clock, without
+the engine, reproduce every decision and packed array.
 """
 
 from __future__ import annotations
 
 import collections
 import inspect
+import itertools
 import json
 import pathlib
 
@@ -22,23 +28,28 @@ import trio
 import trio.testing
 from trio._core._run import _r as trio_scheduler_random
 
-from dew import cli
-from dew.data import Task
-from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
+from dew import cli, models
+from dew.data import ArrayDataset, Task
+from dew.envs import GuessDigit, SimulatedConfig, SimulatedEngine, SimulatedSource
+from dew.envs.environment import Sampling
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import LogEvent, RolloutScheduler
 from dew.objectives.rl.sessions import Call, Label, Session, Status
 from dew.replay import (
     CONFIG,
+    PROXIMAL,
+    REAL_CLOCK_METRICS,
     NoRescoring,
     Recorder,
     RecordingPublisher,
+    RecordingSource,
     ReplayNote,
     ReplaySource,
     TraceError,
     read_trace,
     replay,
 )
+from dew.serve import RolloutServer
 from dew.testing import (
     assert_exactly_once,
     assert_record_adds_up,
@@ -46,6 +57,7 @@ from dew.testing import (
     record_run,
     run_simulated,
 )
+from dew.train import ServedSource
 
 MIX = SimulatedConfig(
     seed=3,
@@ -271,7 +283,7 @@ def unfinished(lines):
 
 def unknown_version(lines):
     header = json.loads(lines[0])
-    lines[0] = json.dumps({**header, "version": 2})
+    lines[0] = json.dumps({**header, "version": 3})
     return 1
 
 
@@ -297,7 +309,7 @@ def short_array(lines):
         (corrupt, "is not JSON"),
         (cut_off, "is cut off (the file is truncated)"),
         (unfinished, "no end line follows: the recording was cut off"),
-        (unknown_version, "dew-trace version 2 is not one this dew reads (version 1)"),
+        (unknown_version, "dew-trace version 3 is not one this dew reads (version 2)"),
         (unlabelled, "lacks field 'label'"),
         (short_array, "array calls[0].prompt holds"),
     ],
@@ -412,15 +424,17 @@ class Served:
 
 @attrs.frozen
 class Coin:
-    """A user's own source: each rollout writes one token after a seeded wait and is rewarded
-    for heads; the first attempt of every fifth sample fails for the infrastructure."""
+    """A user's own source: each rollout writes one token after a seeded wait (`mean` seconds on
+    average) and is rewarded for heads; the first attempt of every fifth sample fails for the
+    infrastructure."""
 
     engine: Served
+    mean: float = 3.0
 
     async def run(self, task: Task, label: Label) -> Session:
         rng = np.random.default_rng([int(task.name), label.group, label.sample, label.attempt])
         version = self.engine.version
-        await trio.sleep(float(rng.exponential(3.0)))
+        await trio.sleep(float(rng.exponential(self.mean)))
         if label.sample == 4 and label.attempt == 0:
             return Session(Status.INFRA_ERROR, error="the coin rolled away")
         heads = int(rng.integers(2))
@@ -504,13 +518,14 @@ def test_a_run_rescored_by_a_real_objective_replays_but_for_the_proximal_log_pro
 
 @attrs.frozen
 class Breaks:
-    """A broken source: one rollout raises instead of returning a session."""
+    """A broken source: one rollout raises, `delay` seconds in, instead of returning a session."""
 
     coin: Coin
+    delay: float = 1.0
 
     async def run(self, task: Task, label: Label) -> Session:
         if label == Label(5, 1, 0):
-            await trio.sleep(1.0)
+            await trio.sleep(self.delay)
             raise RuntimeError("the table fell over")
         return await self.coin.run(task, label)
 
@@ -528,3 +543,222 @@ async def test_a_broken_sources_failure_replays_as_recorded(tmp_path, autojump_c
     assert trace.sessions[Label(5, 1, 0)].outcome == "raised"
     result = await assert_replays(trace)
     assert result.calls[-1].raised == "RuntimeError: the table fell over"
+
+
+# --- the thread facade, on the real clock -------------------------------------------------------
+
+
+def drive(recorder, dataset, updates, *, reopen_at=None, variables=None, change=None) -> None:
+    """A trainer on its own thread, calling the scheduler's thread facade through the recorder.
+
+    It opens the stream before its first call, reads one batch beyond the one it hands over,
+    makes one call per entry of `updates` (changing `variables` by `change` after each), and at
+    call `reopen_at` reopens the stream at that position, as a resumed trainer does.
+    """
+    stream = recorder.tasks(dataset).stream()
+    read = collections.deque()
+    for step, count in enumerate(updates):
+        if step == reopen_at:
+            stream, read = recorder.tasks(dataset).stream(step), collections.deque()
+        read.extend(itertools.islice(stream, 2 - len(read)))
+        recorder(read.popleft(), variables, count)
+        if change is not None:
+            variables = change(variables)
+
+
+def real_clock_free(record):
+    """A record without what a thread trace's replay does not compare."""
+    metrics = {k: v for k, v in record.metrics.items() if k not in REAL_CLOCK_METRICS}
+    return attrs.evolve(record, waited=0.0, metrics=metrics)
+
+
+# The mixed run (but timeouts, which count from a moment no event carries) in milliseconds.
+QUICK_MIX = attrs.evolve(MIX, duration_mean=0.02)
+
+
+@pytest.fixture(scope="module")
+def thread_recorded(tmp_path_factory):
+    """The quick mix recorded through the thread facade, on the real clock; read back."""
+    path = tmp_path_factory.mktemp("thread") / "run.trace"
+    engine = SimulatedEngine(slots=12)
+    recorder = Recorder(path)
+    scheduler = RolloutScheduler(
+        NoRescoring(),
+        RecordingSource(SimulatedSource(engine, QUICK_MIX), recorder),
+        RecordingPublisher(engine, recorder),
+        **{k: v for k, v in OPTIONS.items() if k not in ("slots", "gap", "timeout")},
+    )
+    dataset = ArrayDataset({"task_id": np.arange(64)}, 4)
+    with recorder.record(scheduler):
+        drive(recorder, dataset, UPDATES[:10], reopen_at=5)
+    return read_trace(path)
+
+
+def test_a_thread_trace_takes_the_scheduler_s_times_from_its_event_log(thread_recorded):
+    trace = thread_recorded
+    header = json.loads(pathlib.Path(trace.path).read_text(encoding="utf-8").split("\n")[0])
+    assert (header["facade"], header["start"]) == ("thread", None)
+    for call in trace.calls:
+        assert [call.handed_over] == [e.time for e in call.events if e.kind == "handed_over"]
+        assert call.returned == call.events[-1].time >= call.handed_over
+        assert call.record.waited > 0
+    # The first stream opened before the scheduler's thread ran: no clock, nothing reopened.
+    # The second takes its reopened event's time, between the calls it was opened between.
+    first, again = trace.streams
+    assert (first.time, first.running, again.running) == (None, False, True)
+    assert [again.time] == [e.time for e in log(trace) if e.kind == "reopened"]
+    assert trace.calls[4].returned < again.time < trace.calls[5].handed_over
+    assert trace.start == trace.calls[0].handed_over
+    assert all(trace.start <= s.submitted <= s.ended <= trace.end for s in trace.sessions.values())
+    # A returned session's end is the scheduler's own stamp: the time of its finish's events.
+    failed = [e for e in log(trace) if e.kind == "failed"]
+    assert failed
+    assert all(trace.sessions[e.label].ended == e.time for e in failed)
+
+
+def test_a_thread_trace_replays_every_decision_and_packed_array(thread_recorded):
+    result = replay(thread_recorded)
+    assert result.matched, str(result)
+    assert result.steps == 10
+    for recorded, replayed in zip(thread_recorded.calls, result.calls, strict=True):
+        assert replayed.events == recorded.events
+        assert replayed.digest == recorded.digest
+        assert real_clock_free(replayed.record) == real_clock_free(recorded.record)
+    # The trainer thread's real seconds are in the trace, and the replay's mock ones differ.
+    assert [c.record.waited for c in result.calls] != [
+        c.record.waited for c in thread_recorded.calls
+    ]
+    assert [v for _, v in thread_recorded.pushes] == UPDATES[:10]
+    assert replay(thread_recorded, oversample=2).divergence.step == 0
+    assert cli.main(["replay", thread_recorded.path]) == 0
+
+
+def test_a_thread_call_that_raised_replays_as_recorded(tmp_path):
+    engine = Served()
+    recorder = Recorder(tmp_path / "broken.trace")
+    scheduler = RolloutScheduler(
+        NoRescoring(),
+        RecordingSource(Breaks(Coin(engine, mean=0.05), delay=0.0), recorder),
+        RecordingPublisher(engine, recorder),
+        width=16,
+        rows=8,
+        groups=2,
+    )
+    dataset = ArrayDataset({"task_id": np.arange(40)}, 4)
+    with pytest.raises(RuntimeError, match="the table fell over"), recorder.record(scheduler):
+        drive(recorder, dataset, range(6))
+    trace = read_trace(tmp_path / "broken.trace")
+    *returned, broken = trace.calls
+    assert all(call.raised is None for call in returned)
+    # The trainer's thread saw no event log of the call that raised: it has no times.
+    assert (broken.raised, broken.handed_over, broken.returned) == (
+        "RuntimeError: the table fell over",
+        None,
+        None,
+    )
+    result = replay(trace)
+    assert result.matched, str(result)
+    assert result.calls[-1].raised == "RuntimeError: the table fell over"
+
+
+async def test_the_recorder_keeps_each_facade_to_its_own_calls(tmp_path, autojump_clock):
+    engine = Served()
+
+    def scheduler(recorder):
+        return RolloutScheduler(
+            NoRescoring(),
+            RecordingSource(Coin(engine), recorder),
+            RecordingPublisher(engine, recorder),
+            width=16,
+            rows=4,
+            groups=2,
+        )
+
+    batch = {"task_id": np.arange(2)}
+    recorder = Recorder(tmp_path / "thread.trace")
+    with recorder.record(scheduler(recorder)):
+        with pytest.raises(RuntimeError, match=r"call `recorder\(batch, variables, updates\)`"):
+            await recorder.step(batch, None, 0)
+    assert read_trace(recorder.path).calls == ()
+    with pytest.raises(ValueError, match="a Recorder records one run"):
+        with recorder.record(scheduler(recorder)):
+            pass
+    recorder = Recorder(tmp_path / "async.trace")
+    async with recorder.record(scheduler(recorder)):
+        with pytest.raises(RuntimeError, match=r"inside `async with` use `await recorder.step"):
+            recorder(batch, None, 0)
+    with pytest.raises(RuntimeError, match=r"only inside `recorder.record\(...\)`"):
+        recorder(batch, None, 0)
+
+
+# A tiny transformer whose final layer favours the digits: GuessDigit's rollouts then mostly
+# guess, go on for several turns and earn varied rewards.
+TINY = models.TransformerConfig(d_model=32, heads=2, layers=1, d_ff=64, max_len=64)
+
+
+def guessing_params() -> dict:
+    params = models.init(jax.random.key(0), TINY)
+    params["ln_f"]["bias"] = jax.numpy.ones(TINY.d_model)
+    params["unembed"] = params["unembed"].at[:, ord("0") : ord("9") + 1].add(0.2)
+    return params
+
+
+@pytest.fixture
+def strict_promotion():
+    """Strict promotion for every thread (the scheduler's and the engine's included)."""
+    saved = (jax.config.jax_numpy_dtype_promotion, jax.config.jax_numpy_rank_promotion)
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    yield
+    jax.config.update("jax_numpy_dtype_promotion", saved[0])
+    jax.config.update("jax_numpy_rank_promotion", saved[1])
+
+
+def test_a_real_engine_run_replays_without_the_engine(tmp_path, strict_promotion):
+    """A RolloutServer samples GuessDigit episodes in the scheduler's trio run, the trainer
+    pushes changed weights at every call and reopens its stream once; the replay, with no
+    engine, no model and no environment, decides and packs exactly as the run did."""
+    task = GuessDigit(max_turns=3, max_context=TINY.max_len)
+    params = guessing_params()
+    server = RolloutServer(TINY, params, slots=16)
+    recorder = Recorder(tmp_path / "guess.trace")
+    scheduler = RolloutScheduler(
+        GRPOObjective(models.model(TINY)),
+        RecordingSource(
+            ServedSource(task.source(server, sampling=Sampling(seed=1)), server), recorder
+        ),
+        RecordingPublisher(server, recorder),
+        width=TINY.max_len,
+        rows=8,
+        groups=2,
+        oversample=1,
+        max_lag=2,
+        truncation="score",
+    )
+    with recorder.record(scheduler):
+        drive(
+            recorder,
+            task.dataset(40, 2),
+            range(5),
+            reopen_at=3,
+            variables=params,
+            change=lambda variables: jax.tree.map(lambda x: x * 1.01, variables),
+        )
+    trace = read_trace(recorder.path)
+    sessions = [s.session for s in trace.sessions.values() if s.outcome == "returned"]
+    assert max(len(session.calls) for session in sessions) > 1
+    assert len({session.reward for session in sessions}) > 1
+    assert {call.version for session in sessions for call in session.calls} > {0}
+    assert [v for _, v in trace.pushes] == list(range(5))
+    assert any(e.kind == "reopened" for e in log(trace))
+
+    result = replay(trace)
+    assert result.matched, str(result)
+    for recorded, replayed in zip(trace.calls, result.calls, strict=True):
+        assert replayed.events == recorded.events
+        assert real_clock_free(replayed.record) == real_clock_free(recorded.record)
+        assert {k: v for k, v in replayed.arrays.items() if k != PROXIMAL} == {
+            k: v for k, v in recorded.arrays.items() if k != PROXIMAL
+        }
+        # The run rescored under its weights; the replay has none (NoRescoring).
+        assert replayed.arrays[PROXIMAL] != recorded.arrays[PROXIMAL]

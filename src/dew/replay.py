@@ -1,17 +1,21 @@
 """Traces: record a scheduler run, replay it bit for bit, and find where two runs part.
 
 A trace is JSON lines, no pickle. Its first line is a header, `{"format": "dew-trace",
-"version": 1, "config": {...}, "start": ...}`, holding every RolloutScheduler argument but the
-objective, source, weights, tasks and log. Each later line has a `kind`:
+"version": 2, "facade": ..., "config": {...}, "start": ...}`, holding every RolloutScheduler
+argument but the objective, source, weights, tasks and log, and which facade the trainer called:
+`async` (`await step` inside the caller's trio run) or `thread` (`scheduler(batch, ...)` from the
+trainer's thread). Each later line has a `kind`:
 
-- `stream`: the trainer opened the `tasks()` stream (`stream` id, `time`);
+- `stream`: the trainer opened the `tasks()` stream (`stream` id, `time`, and `running`: whether
+  the scheduler's trio side ran then, so that the open logged a `reopened` event);
 - `batch`: a task batch the scheduler took (`batch` index, the `stream` that yielded it or null
   for a batch handed over without one, its `tasks` as name and, where JSON holds it, payload);
 - `session`: one rollout the source ran: its `task`, `label` [group, sample, attempt],
-  `submitted` and `ended` on the scheduler's clock, and its `outcome`: `returned` (with the
-  `session`: status, calls with their arrays, reward, components, truncation, error),
-  `cancelled` (its run got trio.Cancelled at `ended`), `raised` (the source raised `error`) or
-  `invalid` (it returned what no trace holds, said in `error`);
+  `submitted` and `ended` on the scheduler's clock (for a returned session, the times the
+  scheduler stamped on it), and its `outcome`: `returned` (with the `session`: status, calls
+  with their arrays, reward, components, truncation, error), `cancelled` (its run got
+  trio.Cancelled at `ended`), `raised` (the source raised `error`) or `invalid` (it returned
+  what no trace holds, said in `error`);
 - `push`: a weight push (`version`, `time`);
 - `call`: one trainer call: its `step`, `batch`, `updates`, the `stream` and how many batches it
   had yielded (`read`), `handed_over` and `returned` times, and either the SchedulerRecord
@@ -20,6 +24,22 @@ objective, source, weights, tasks and log. Each later line has a `kind`:
 - `end`: the time the scheduler was closed; the last line.
 
 Arrays are stored losslessly: `{"dtype", "shape", "data"}` with the raw bytes in base64.
+
+A `thread` trace is written from two threads, the trainer's (streams, batches, calls) and the
+scheduler's (sessions, pushes), one whole line at a time. The trainer's thread cannot read the
+scheduler's trio clock, so the scheduler's event log tells the times: a call's `handed_over` is
+its `handed_over` event's time and `returned` its last event's (the delivery); a stream opened
+while the scheduler ran has `time` null in its line and takes the time of its `reopened` event
+(the k-th such stream, the k-th `reopened` event of the calls' logs); the header's `start` and
+the end line's `time` are null, read as the first and last times the trace holds. A call that
+raised has null times. The scheduler then runs on the real clock; its readings that no event
+carries are recorded but not compared: each record's `waited` (the trainer thread's seconds)
+and `latency/` metrics (the scheduler stamps a rollout's start a moment after its submission
+event, where a replay starts it), and each push's time (the engine takes the weights a moment
+after the hand-over; versions are compared); nor is what happened after the last call returned
+(the close is off the trainer's clock). A real-clock rollout deadline (`timeout`) counts from
+when the scheduler carried the submission out, which no event carries either: a replay of a run
+that timed rollouts out parts there, a moment early.
 
 Replay runs the recorded configuration (with any overrides) against `ReplaySource`, which plays
 each recorded rollout back by (task name, label) with its recorded duration and outcome, under
@@ -36,11 +56,9 @@ group, sample, event, field, recorded and replayed values.
 
 Time lands exactly: trio's MockClock moves by differences, which can round a jump one ulp past
 its target, so `ReplaySource` keeps the clock itself and lands it on the recorded times (session
-ends, cancellations, hand-overs). A trace recorded under the mock clock replays bit for bit; one
-recorded under the real clock carries its jitter, and replay reports where that matters.
-
-Recording needs the scheduler's async core (`async with`, `await step`): the thread facade gives
-the trainer no reading of the scheduler's clock at a hand-over.
+ends, cancellations, hand-overs). A trace recorded under the mock clock replays bit for bit, and
+so does the event log of one recorded on the real clock, whose event times are the scheduler's
+own readings.
 """
 
 from __future__ import annotations
@@ -56,7 +74,8 @@ import logging
 import math
 import os
 import sys
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -70,6 +89,7 @@ from dew.objectives.rl.sessions import Call, Label, Session, SessionSource, Stat
 
 __all__ = [
     "CONFIG",
+    "FACADES",
     "FORMAT",
     "VERSION",
     "Divergence",
@@ -77,6 +97,7 @@ __all__ = [
     "RecordedCall",
     "RecordedSession",
     "RecordedSourceError",
+    "RecordedStream",
     "Recorder",
     "RecordingPublisher",
     "RecordingSource",
@@ -97,7 +118,8 @@ __all__ = [
 ]
 
 FORMAT = "dew-trace"
-VERSION = 1
+VERSION = 2
+FACADES = ("async", "thread")
 # The RolloutScheduler arguments a trace holds: all but objective, source, weights, tasks, log.
 CONFIG = (
     "width",
@@ -116,6 +138,8 @@ CONFIG = (
 )
 OUTCOMES = ("returned", "cancelled", "raised", "invalid")
 PROXIMAL = "proximal_logprobs"
+# What a thread trace records from the real clock that no event carries: replay skips them.
+REAL_CLOCK_METRICS = ("latency/p50", "latency/p90", "latency/p99", "latency/max")
 # Real seconds every task must stay blocked before the replay clock moves: any positive cushion
 # lets the scheduler's own zero-cushion waits settle an instant first.
 _SETTLE = 1e-9
@@ -301,7 +325,9 @@ class RecordedCall:
         updates: the trainer's updates at the call.
         stream: the tasks() stream open at the call (None if none was).
         read: batches that stream had yielded at the hand-over.
-        handed_over, returned: the scheduler's clock at the call and at its return.
+        handed_over, returned: the scheduler's clock at the call and at its return (for a call
+            from the trainer's thread, its `handed_over` event and its delivery; None when such a
+            call raised).
         record, events: the call's SchedulerRecord and event log.
         digest: batch_digest of the returned packed batch.
         arrays: per key, the digest of that array alone.
@@ -313,8 +339,8 @@ class RecordedCall:
     updates: int
     stream: int | None
     read: int
-    handed_over: float
-    returned: float
+    handed_over: float | None
+    returned: float | None
     record: SchedulerRecord | None
     events: tuple[LogEvent, ...]
     digest: str | None
@@ -323,26 +349,46 @@ class RecordedCall:
 
 
 @attrs.frozen
+class RecordedStream:
+    """One `tasks()` stream the trainer opened.
+
+    Args:
+        time: the scheduler's clock when it was opened; None when no scheduler's clock ran (it
+            was opened before the scheduler's first call from the trainer's thread) or when no
+            delivered call's log holds its `reopened` event.
+        running: whether the scheduler's trio side ran when it was opened (the open then logged
+            a `reopened` event and cancelled what was in flight).
+        batches: the batch indices it yielded, in order.
+    """
+
+    time: float | None
+    running: bool
+    batches: tuple[int, ...]
+
+
+@attrs.frozen
 class Trace:
     """A recorded run, read back.
 
     Args:
         path: the file it was read from.
+        facade: how the trainer called the scheduler, one of FACADES.
         config: the scheduler's configuration, by CONFIG name.
-        start: the scheduler's clock when the recording began.
+        start: the scheduler's clock when the recording began (a thread trace's first time).
         batches: batch index -> its tasks.
-        streams: per stream id, its opening time and the batch indices it yielded, in order.
+        streams: per stream id, in order of opening.
         sessions: label -> the recorded rollout.
         pushes: every weight push, as (time, version).
         calls: the trainer calls, in order.
-        end: the time the scheduler was closed.
+        end: the time the scheduler was closed (a thread trace's last time).
     """
 
     path: str
+    facade: str
     config: Mapping[str, Any]
     start: float
     batches: Mapping[int, tuple[Task, ...]]
-    streams: tuple[tuple[float, tuple[int, ...]], ...]
+    streams: tuple[RecordedStream, ...]
     sessions: Mapping[Label, RecordedSession]
     pushes: tuple[tuple[float, int], ...]
     calls: tuple[RecordedCall, ...]
@@ -377,6 +423,12 @@ class _Line:
         if not math.isfinite(value):
             self.fail(f"field {name!r} must be a finite time, got {value!r}")
         return value
+
+    def optional_time(self, name: str, where: Mapping | None = None) -> float | None:
+        source = self.data if where is None else where
+        if name in source and source[name] is None:
+            return None
+        return self.time(name, where)
 
     def mapping(self, name: str, where: Mapping | None = None) -> dict:
         return self.get(name, (dict,), where)
@@ -497,17 +549,20 @@ def _decode_record(line: _Line, data: dict) -> SchedulerRecord:
     return SchedulerRecord(**fields)
 
 
-def _read_header(line: _Line) -> tuple[dict, float]:
+def _read_header(line: _Line) -> tuple[str, dict, float | None]:
     if line.data.get("format") != FORMAT:
         line.fail(f"is not a {FORMAT} header (its 'format' is {line.data.get('format')!r})")
     version = line.data.get("version")
     if version != VERSION:
         line.fail(f"{FORMAT} version {version!r} is not one this dew reads (version {VERSION})")
+    facade = line.get("facade", (str,))
+    if facade not in FACADES:
+        line.fail(f"facade {facade!r} is not one of {FACADES}")
     config = line.mapping("config")
     missing = [name for name in CONFIG if name not in config]
     if missing:
         line.fail(f"config lacks {', '.join(missing)}")
-    return {name: config[name] for name in CONFIG}, line.time("start")
+    return facade, {name: config[name] for name in CONFIG}, line.optional_time("start")
 
 
 def read_trace(path: str | os.PathLike) -> Trace:
@@ -536,22 +591,25 @@ def read_trace(path: str | os.PathLike) -> Trace:
             problem = f"is not JSON ({error.msg} at column {error.colno})"
             raise TraceError(path, number, problem) from None
 
-    config, start = _read_header(parse(1, lines[0]))
+    facade, config, start = _read_header(parse(1, lines[0]))
     batches: dict[int, tuple[Task, ...]] = {}
-    streams: list[tuple[float, list[int]]] = []
+    streams: list[tuple[float | None, bool, list[int]]] = []
     sessions: dict[Label, RecordedSession] = {}
     pushes: list[tuple[float, int]] = []
     calls: list[RecordedCall] = []
-    end = None
+    ended, end = False, None
     for number, text in enumerate(lines[1:], start=2):
         line = parse(number, text)
-        if end is not None:
+        if ended:
             line.fail("follows the trace's end line")
         kind = line.get("kind", (str,))
         if kind == "stream":
             if line.get("stream", (int,)) != len(streams):
                 line.fail(f"stream {line.data['stream']} is out of order (expected {len(streams)})")
-            streams.append((line.time("time"), []))
+            running = line.get("running", (bool,))
+            if not running and streams and streams[-1][1]:
+                line.fail("opens before the scheduler ran, after a stream opened while it ran")
+            streams.append((line.optional_time("time"), running, []))
         elif kind == "batch":
             index = line.get("batch", (int,))
             if index in batches:
@@ -560,7 +618,7 @@ def read_trace(path: str | os.PathLike) -> Trace:
             if stream is not None:
                 if not 0 <= stream < len(streams):
                     line.fail(f"batch {index} names stream {stream}, which was never opened")
-                streams[stream][1].append(index)
+                streams[stream][2].append(index)
             batches[index] = tuple(line.task(t) for t in line.get("tasks", (list,)))
         elif kind == "session":
             label = line.label(line.get("label", (list,)))
@@ -598,8 +656,8 @@ def read_trace(path: str | os.PathLike) -> Trace:
                     updates=line.get("updates", (int,)),
                     stream=line.get("stream", _OPTIONAL_INT),
                     read=line.get("read", (int,)),
-                    handed_over=line.time("handed_over"),
-                    returned=line.time("returned"),
+                    handed_over=line.optional_time("handed_over"),
+                    returned=line.optional_time("returned"),
                     record=None if raised else _decode_record(line, line.mapping("record")),
                     events=tuple(_decode_event(line, e) for e in line.get("events", (list,))),
                     digest=None if raised else line.get("digest", (str,)),
@@ -608,24 +666,54 @@ def read_trace(path: str | os.PathLike) -> Trace:
                 )
             )
         elif kind == "end":
-            end = line.time("time")
+            ended, end = True, line.optional_time("time")
         else:
             line.fail(f"has unknown kind {kind!r}")
-    if end is None:
+    if not ended:
         raise TraceError(
             path, len(lines), "is the last line, and no end line follows: the recording was cut off"
         )
+    # The k-th stream opened while the scheduler ran, with no time of its own, is the k-th one
+    # the event logs saw reopened.
+    reopened = iter([e.time for call in calls for e in call.events if e.kind == "reopened"])
+    opened = tuple(
+        RecordedStream(
+            next(reopened, None) if time is None and running else time, running, tuple(indices)
+        )
+        for time, running, indices in streams
+    )
+    if start is None or end is None:
+        times = _times(opened, sessions.values(), pushes, calls)
+        start = min(times, default=0.0) if start is None else start
+        end = max(times, default=start) if end is None else end
     return Trace(
         path=path,
+        facade=facade,
         config=config,
         start=start,
         batches=batches,
-        streams=tuple((time, tuple(indices)) for time, indices in streams),
+        streams=opened,
         sessions=sessions,
         pushes=tuple(pushes),
         calls=tuple(calls),
         end=end,
     )
+
+
+def _times(
+    streams: Sequence[RecordedStream],
+    sessions: Iterable[RecordedSession],
+    pushes: Sequence[tuple[float, int]],
+    calls: Sequence[RecordedCall],
+) -> list[float]:
+    """Every scheduler's-clock time a trace holds."""
+    times = [s.time for s in streams if s.time is not None]
+    times += [t for s in sessions for t in (s.submitted, s.ended)]
+    times += [time for time, _ in pushes]
+    for call in calls:
+        times += [t for t in (call.handed_over, call.returned) if t is not None]
+        times += [e.time for e in call.events]
+    return times
 
 
 # --- recording --------------------------------------------------------------------------------
@@ -636,27 +724,38 @@ class Recorder:
 
     Give the scheduler its source and publisher wrapped (RecordingSource, RecordingPublisher),
     then drive it through the recorder, which records each call's hand-over, record, event log
-    and packed batch:
+    and packed batch. From the trainer's thread, where the scheduler runs its trio side in a
+    thread of its own, the recorder is the trainer's Rollout:
 
         recorder = Recorder("run.trace")
         scheduler = RolloutScheduler(
             objective, RecordingSource(source, recorder), RecordingPublisher(engine, recorder),
             width=256, rows=16)
-        async with recorder.record(scheduler):
+        with recorder.record(scheduler):
             for updates, batch in enumerate(recorder.tasks(dataset).stream()):
-                packed = await recorder.step(batch, params, updates)
+                packed = recorder(batch, params, updates)
+
+    Inside a trio run (tests, notebooks, under a mock clock), the same with `async with
+    recorder.record(scheduler)` and `await recorder.step(batch, params, updates)`.
 
     The trainer reads its stream ahead as it likes; the recorder notes how far, so replay reads
     alike. Leaving `record` closes the scheduler; the rollouts that close cancels are recorded.
+    The two threads of a thread recording write whole lines under one lock.
 
     Args:
         path: where the trace goes; written line by line, flushed as it goes.
+
+    Attributes:
+        last_record: the SchedulerRecord of the latest call that returned.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        self.last_record: SchedulerRecord | None = None
         self._file = None
+        self._lock = threading.Lock()
         self._scheduler: RolloutScheduler | None = None
+        self._facade: str | None = None
         self._used = False
         self._next_batch = 0
         # Batches the open stream yielded that the trainer has not handed over yet.
@@ -666,9 +765,10 @@ class Recorder:
         self._read = 0
         self._step = 0
 
-    @contextlib.asynccontextmanager
-    async def record(self, scheduler: RolloutScheduler) -> AsyncIterator[Recorder]:
-        """Run `scheduler` (`async with scheduler`) and record it into the trace.
+    def record(self, scheduler: RolloutScheduler) -> _Recording:
+        """Record `scheduler`'s run: `with` for calls from the trainer's thread, `async with`
+        inside a trio run (which runs `async with scheduler`); either closes the scheduler at
+        its end and writes the trace's end line.
 
         Raises:
             ValueError: when the scheduler's source or weights are not this recorder's
@@ -683,6 +783,90 @@ class Recorder:
                     f"the scheduler's {name} must be a {kind.__name__} of this recorder, "
                     f"got {type(wrapped).__name__}"
                 )
+        return _Recording(self, scheduler)
+
+    def tasks(self, dataset: Dataset) -> Dataset:
+        """The scheduler's `tasks(dataset)`, its streams and batches recorded."""
+        return _RecordingDataset(self, self._recording().tasks(dataset))
+
+    def __call__(self, batch: Batch, variables: Any, updates: int) -> dict[str, np.ndarray]:
+        """`scheduler(batch, variables, updates)` from the trainer's thread, recorded.
+
+        The hand-over and return times are the scheduler's `handed_over` event and its
+        delivery, read from the call's event log.
+        """
+        scheduler = self._recording("thread")
+        line = self._hand_over(batch, updates, None)
+        try:
+            packed = scheduler(batch, variables, updates)
+        except Exception as error:
+            self._returned(line, None, error=error)
+            raise
+        events = scheduler.last_events
+        line["handed_over"] = next(e.time for e in events if e.kind == "handed_over")
+        self._returned(line, events[-1].time, packed=packed)
+        return packed
+
+    async def step(self, batch: Batch, variables: Any, updates: int) -> dict[str, np.ndarray]:
+        """`await scheduler.step(batch, variables, updates)`, recorded."""
+        scheduler = self._recording("async")
+        line = self._hand_over(batch, updates, trio.current_time())
+        try:
+            packed = await scheduler.step(batch, variables, updates)
+        except Exception as error:
+            self._returned(line, trio.current_time(), error=error)
+            raise
+        self._returned(line, trio.current_time(), packed=packed)
+        return packed
+
+    def _hand_over(self, batch: Batch, updates: int, time: float | None) -> dict:
+        """A call's line as far as its hand-over, its batch recorded."""
+        if self._pending:
+            index = self._pending.popleft()
+        else:
+            index = self._take_batch(batch, stream=None)
+        line = {
+            "kind": "call",
+            "step": self._step,
+            "batch": index,
+            "updates": _plain(updates),
+            "stream": self._stream,
+            "read": self._read,
+            "handed_over": time,
+        }
+        self._step += 1
+        return line
+
+    def _returned(
+        self,
+        line: dict,
+        time: float | None,
+        *,
+        packed: Mapping[str, np.ndarray] | None = None,
+        error: Exception | None = None,
+    ) -> None:
+        """Write a call's line: what it returned, or what it raised."""
+        if error is not None:
+            outcome = {"raised": _describe(error), "record": None, "events": [], "digest": None}
+            self._write({**line, "returned": time, **outcome, "arrays": {}})
+            return
+        scheduler = self._recording()
+        self.last_record = scheduler.last_record
+        self._write(
+            {
+                **line,
+                "returned": time,
+                "raised": None,
+                "record": _encode_record(scheduler.last_record),
+                "events": [_encode_event(e) for e in scheduler.last_events],
+                "digest": batch_digest(packed),
+                "arrays": {key: _array_digest(packed[key]) for key in sorted(packed)},
+            }
+        )
+
+    def _begin(self, scheduler: RolloutScheduler, facade: str, start: float | None) -> None:
+        if self._used:
+            raise ValueError("a Recorder records one run; make a new one for another")
         self._used = True
         config = {
             "width": scheduler.width,
@@ -699,82 +883,37 @@ class Recorder:
             "truncation": scheduler.truncation,
             "support_capacity": scheduler.support_capacity,
         }
-        with open(self.path, "w", encoding="utf-8") as file:
-            self._file = file
-            self._scheduler = scheduler
-            header = {"format": FORMAT, "version": VERSION, "config": _plain(config)}
-            self._write({**header, "start": trio.current_time()})
-            end = None
-            try:
-                async with scheduler:
-                    try:
-                        yield self
-                    finally:
-                        # Leaving `async with scheduler` closes it now, cancelling what runs.
-                        end = trio.current_time()
-            finally:
-                if end is not None:
-                    self._write({"kind": "end", "time": end})
-                self._scheduler = None
-                self._file = None
+        # Open until `_stop`: the recording spans a `with` of the caller's.
+        self._file = open(self.path, "w", encoding="utf-8")
+        self._scheduler, self._facade = scheduler, facade
+        header = {"format": FORMAT, "version": VERSION, "facade": facade}
+        self._write({**header, "config": _plain(config), "start": start})
 
-    def tasks(self, dataset: Dataset) -> Dataset:
-        """The scheduler's `tasks(dataset)`, its streams and batches recorded."""
-        return _RecordingDataset(self, self._recording().tasks(dataset))
-
-    async def step(self, batch: Batch, variables: Any, updates: int) -> dict[str, np.ndarray]:
-        """`await scheduler.step(batch, variables, updates)`, recorded."""
-        scheduler = self._recording()
-        if self._pending:
-            index = self._pending.popleft()
-        else:
-            index = self._take_batch(batch, stream=None)
-        line = {
-            "kind": "call",
-            "step": self._step,
-            "batch": index,
-            "updates": _plain(updates),
-            "stream": self._stream,
-            "read": self._read,
-            "handed_over": trio.current_time(),
-        }
-        self._step += 1
+    def _stop(self, end: float | None, *, ended: bool) -> None:
+        """Write the end line if the run ended (not if the scheduler failed to start) and close
+        the trace."""
         try:
-            packed = await scheduler.step(batch, variables, updates)
-        except Exception as error:
-            self._write(
-                {
-                    **line,
-                    "returned": trio.current_time(),
-                    "raised": _describe(error),
-                    "record": None,
-                    "events": [],
-                    "digest": None,
-                    "arrays": {},
-                }
-            )
-            raise
-        self._write(
-            {
-                **line,
-                "returned": trio.current_time(),
-                "raised": None,
-                "record": _encode_record(scheduler.last_record),
-                "events": [_encode_event(e) for e in scheduler.last_events],
-                "digest": batch_digest(packed),
-                "arrays": {key: _array_digest(packed[key]) for key in sorted(packed)},
-            }
-        )
-        return packed
+            if ended:
+                self._write({"kind": "end", "time": end})
+        finally:
+            self._scheduler = None
+            self._file.close()
 
-    def _recording(self) -> RolloutScheduler:
+    def _recording(self, facade: str | None = None) -> RolloutScheduler:
         if self._scheduler is None:
-            raise RuntimeError("the recorder records only inside `async with recorder.record(...)`")
+            raise RuntimeError("the recorder records only inside `recorder.record(...)`")
+        if facade is not None and facade != self._facade:
+            raise RuntimeError(
+                "inside `with recorder.record(...)` call `recorder(batch, variables, updates)`; "
+                "inside `async with` use `await recorder.step(...)`"
+            )
         return self._scheduler
 
     def _write(self, line: dict) -> None:
-        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
-        self._file.flush()
+        text = json.dumps(line, separators=(",", ":")) + "\n"
+        with self._lock:
+            self._file.write(text)
+            self._file.flush()
 
     def _take_batch(self, batch: Batch, stream: int | None) -> int:
         """Record a batch the scheduler takes, under the index the scheduler gives it."""
@@ -790,7 +929,12 @@ class Recorder:
         # Reopening forgets what the old stream yielded, as the scheduler's registry does.
         self._stream, self._read = stream, 0
         self._pending.clear()
-        self._write({"kind": "stream", "stream": stream, "time": trio.current_time()})
+        if self._facade == "async":
+            time, running = trio.current_time(), True
+        else:
+            # The scheduler's thread starts at the trainer's first call.
+            time, running = None, self._step > 0
+        self._write({"kind": "stream", "stream": stream, "time": time, "running": running})
         return stream
 
     def _yielded(self, stream: int, batch: Batch) -> None:
@@ -804,8 +948,9 @@ class Recorder:
         task: Task,
         label: Label,
         submitted: float,
+        ended: float,
         outcome: str,
-        session: Any = None,
+        session: dict | None = None,
         error: str | None = None,
     ) -> None:
         line = {
@@ -813,16 +958,49 @@ class Recorder:
             "task": _encode_task(task),
             "label": _encode_label(label),
             "submitted": submitted,
-            "ended": trio.current_time(),
+            "ended": ended,
             "outcome": outcome,
             "error": error,
         }
-        if outcome == "returned":
-            try:
-                line["session"] = _encode_session(session)
-            except TypeError as problem:
-                line.update(outcome="invalid", error=str(problem))
+        if session is not None:
+            line["session"] = session
         self._write(line)
+
+
+class _Recording:
+    """`Recorder.record`'s context: `with` records calls from the trainer's thread, `async with`
+    runs the scheduler in the caller's trio run; each closes the scheduler at its end."""
+
+    def __init__(self, recorder: Recorder, scheduler: RolloutScheduler):
+        self.recorder, self.scheduler = recorder, scheduler
+
+    def __enter__(self) -> Recorder:
+        self.recorder._begin(self.scheduler, "thread", None)
+        return self.recorder
+
+    def __exit__(self, *exc_info) -> None:
+        try:
+            # Joins the scheduler's thread: every line it writes is written by then.
+            self.scheduler.close()
+        finally:
+            self.recorder._stop(None, ended=True)
+
+    async def __aenter__(self) -> Recorder:
+        self.recorder._begin(self.scheduler, "async", trio.current_time())
+        try:
+            await self.scheduler.__aenter__()
+        except BaseException:
+            self.recorder._stop(None, ended=False)
+            raise
+        return self.recorder
+
+    async def __aexit__(self, *exc_info) -> bool | None:
+        # Leaving `async with scheduler` closes it now, cancelling what runs.
+        end = trio.current_time()
+        try:
+            return await self.scheduler.__aexit__(*exc_info)
+        finally:
+            self.recorder._stop(end, ended=True)
 
 
 @attrs.frozen
@@ -844,30 +1022,63 @@ class _RecordingDataset:
 
 
 @attrs.frozen(eq=False)
+class _Stamping(Session):
+    """A returned session that tells `note` the times the scheduler stamps on it.
+
+    The scheduler stamps a session with its own clock's readings at the rollout's start and its
+    finish; the finish is the time of the rollout's event, which a replay must land on exactly,
+    and on the real clock no reading of the source's own is that time.
+    """
+
+    note: Callable[[float, float], None] = attrs.field(kw_only=True)
+
+    @classmethod
+    def of(cls, session: Session, note: Callable[[float, float], None]) -> _Stamping:
+        fields = {f.name: getattr(session, f.name) for f in attrs.fields(Session)}
+        return cls(**fields, note=note)
+
+    def stamped(self, task: Task, label: Label, submitted: float, finished: float) -> Session:
+        self.note(submitted, finished)
+        return super().stamped(task, label, submitted, finished)
+
+
+@attrs.frozen(eq=False)
 class RecordingSource:
     """A SessionSource that records every rollout of `source` into `recorder`'s trace.
 
-    Each run is written when it ends: what it returned, that it was cancelled (trio.Cancelled
-    reached it), or what it raised, with its start and end on the scheduler's clock. The run
-    itself is untouched: the same session, the same exception.
+    A returned session is written when the scheduler stamps it, with the stamped start and
+    finish (the run gets the session as a Session subclass that notes its stamping, which is a
+    plain Session again); a run that was cancelled (trio.Cancelled reached it), raised, or
+    returned what no trace holds is written when it ends, with its start and end on the
+    scheduler's clock. The run itself is untouched: the same session, the same exception.
     """
 
     source: SessionSource
     recorder: Recorder
 
     async def run(self, task: Task, label: Label) -> Session:
-        self.recorder._recording()
+        recorder = self.recorder
+        recorder._recording()
         submitted = trio.current_time()
         try:
             session = await self.source.run(task, label)
         except trio.Cancelled:
-            self.recorder._session(task, label, submitted, "cancelled")
+            recorder._session(task, label, submitted, trio.current_time(), "cancelled")
             raise
         except Exception as error:
-            self.recorder._session(task, label, submitted, "raised", error=_describe(error))
+            now = trio.current_time()
+            recorder._session(task, label, submitted, now, "raised", error=_describe(error))
             raise
-        self.recorder._session(task, label, submitted, "returned", session=session)
-        return session
+        try:
+            encoded = _encode_session(session)
+        except TypeError as problem:
+            now = trio.current_time()
+            recorder._session(task, label, submitted, now, "invalid", error=str(problem))
+            return session
+        return _Stamping.of(
+            session,
+            functools.partial(recorder._session, task, label, outcome="returned", session=encoded),
+        )
 
 
 @attrs.frozen(eq=False)
@@ -924,8 +1135,9 @@ class ReplayNote:
 class ReplaySource:
     """A SessionSource that plays a trace's rollouts back, on trio's MockClock, exactly.
 
-    A rollout is found by (task name, label). Submitted when it was recorded, it ends at its
-    recorded end; submitted at another time, its recorded duration later. It returns its
+    A rollout is found by (task name, label). Submitted when it was recorded (at its `submitted`
+    event where a call's log holds one, else at its recorded start), it ends at its recorded
+    end; submitted at another time, its recorded duration later. It returns its
     recorded session (calls and versions as recorded; the scheduler stamps it), raises what was
     recorded (as RecordedSourceError), or, recorded as cancelled, waits until cancelled. Use it
     as an async context manager: inside, it keeps trio's MockClock (which must run at rate 0),
@@ -947,6 +1159,11 @@ class ReplaySource:
     def __init__(self, trace: Trace | str | os.PathLike):
         self.trace = trace if isinstance(trace, Trace) else read_trace(trace)
         self.notes: list[ReplayNote] = []
+        # When the scheduler submitted each rollout, by its log: on the real clock the source's
+        # own reading of its start comes a moment later.
+        self._submitted = {
+            e.label: e.time for c in self.trace.calls for e in c.events if e.kind == "submitted"
+        }
         # Times the clock should land on: ends of sleeps (which are deadlines), and recorded
         # cancellations (the scheduler's deadline that caused one lands on it).
         self._targets: collections.Counter[float] = collections.Counter()
@@ -1001,7 +1218,7 @@ class ReplaySource:
         if recorded is None or recorded.task.name != task.name:
             self.notes.append(ReplayNote(now, task.name, label, "never ran", f"ran at {now!r}"))
             return Session(Status.INFRA_ERROR, error="replay: this rollout is not in the trace")
-        if now == recorded.submitted:
+        if now == self._submitted.get(label, recorded.submitted):
             end = recorded.ended
         else:
             end = now + (recorded.ended - recorded.submitted)
@@ -1254,18 +1471,26 @@ def _event_divergence(
     )
 
 
-def _call_divergence(recorded: RecordedCall, replayed: ReplayedCall) -> Divergence | None:
+def _call_divergence(
+    recorded: RecordedCall, replayed: ReplayedCall, *, real_clock: bool
+) -> Divergence | None:
+    """Where a replayed call first differs from its recording: what it raised, its event log,
+    its record (but, for `real_clock`, `waited` and REAL_CLOCK_METRICS), its packed arrays."""
     step = recorded.step
-    end = min(recorded.returned, replayed.returned)
+    end = min((t for t in (recorded.returned, replayed.returned) if t is not None), default=None)
     if recorded.raised != replayed.raised:
         return Divergence(step, "raised", recorded.raised, replayed.raised, time=end)
     found = _event_divergence(step, recorded.events, replayed.events)
     if found is not None or recorded.raised is not None:
         return found
     for field in attrs.fields(SchedulerRecord):
+        if real_clock and field.name == "waited":
+            continue
         a, b = getattr(recorded.record, field.name), getattr(replayed.record, field.name)
         if isinstance(a, Mapping):
             for key in sorted(set(a) | set(b)):
+                if real_clock and field.name == "metrics" and key in REAL_CLOCK_METRICS:
+                    continue
                 if not _same(a.get(key), b.get(key)):
                     name = f"record.{field.name}[{key!r}]"
                     return Divergence(step, name, a.get(key), b.get(key), time=end)
@@ -1290,15 +1515,20 @@ def _divergences(
     notes: Sequence[ReplayNote],
 ) -> list[Divergence]:
     """Where the replay parts from the recording: the first call that differs, the first push,
-    every note; the earliest by (step, time) is the first divergence."""
+    every note; the earliest by (step, time) is the first divergence. A thread trace's pushes
+    are compared by version, and its notes up to its last call's return."""
 
     def step_at(time: float) -> int:
         """The call in progress at `time` in the replay."""
         return next((i for i, c in enumerate(calls) if c.returned >= time), len(calls))
 
+    real_clock = trace.facade == "thread"
+    if real_clock:
+        returned = max((c.returned for c in trace.calls if c.returned is not None), default=None)
+        notes = [n for n in notes if returned is not None and n.time <= returned]
     found: list[Divergence] = []
     for recorded, replayed in zip(trace.calls, calls, strict=False):
-        divergence = _call_divergence(recorded, replayed)
+        divergence = _call_divergence(recorded, replayed, real_clock=real_clock)
         if divergence is not None:
             found.append(divergence)
             break
@@ -1309,7 +1539,7 @@ def _divergences(
             Divergence(step, "call", made[step < len(trace.calls)], made[step < len(calls)])
         )
     for i, (a, b) in enumerate(zip(trace.pushes, pushes, strict=False)):
-        if a != b:
+        if (a[1] != b[1]) if real_clock else (a != b):
             time = min(a[0], b[0])
             found.append(Divergence(step_at(time), f"push[{i}]", a, b, time=time))
             break
@@ -1384,15 +1614,20 @@ async def _replay(trace: Trace | str | os.PathLike, overrides: Mapping[str, Any]
     )
     calls: list[ReplayedCall] = []
     stalled: list[Divergence] = []
+    # Streams opened before the scheduler ran logged no reopening: open them before it runs.
+    streams = [
+        scheduler.tasks(_Batches(stream.batches)).stream()
+        for stream in trace.streams
+        if not stream.running
+    ]
     try:
         async with source, scheduler:
-            await _drive(trace, scheduler, source, calls)
+            await _drive(trace, scheduler, source, calls, streams)
     except ReplayStalled as error:
         step = len(calls)
         recorded = trace.calls[step].returned if step < len(trace.calls) else trace.end
-        stalled.append(
-            Divergence(step, "call", f"returned at {recorded!r}", str(error), time=error.time)
-        )
+        returned = "returned" if recorded is None else f"returned at {recorded!r}"
+        stalled.append(Divergence(step, "call", returned, str(error), time=error.time))
     found = _divergences(trace, calls, publisher.pushes, source.notes) + stalled
     divergence = min(
         found, key=lambda d: (d.step, math.inf if d.time is None else d.time), default=None
@@ -1401,18 +1636,26 @@ async def _replay(trace: Trace | str | os.PathLike, overrides: Mapping[str, Any]
 
 
 async def _drive(
-    trace: Trace, scheduler: RolloutScheduler, source: ReplaySource, calls: list[ReplayedCall]
+    trace: Trace,
+    scheduler: RolloutScheduler,
+    source: ReplaySource,
+    calls: list[ReplayedCall],
+    streams: list[Iterator[Batch]],
 ) -> None:
-    """The replay's trainer: open streams, read them, hand batches over, as recorded."""
-    streams: list[Iterator[Batch]] = []
+    """The replay's trainer: open streams, read them, hand batches over, as recorded.
+
+    Args:
+        streams: the streams opened so far (before the scheduler ran).
+    """
     read = 0
 
     async def open_streams(through: int) -> None:
         nonlocal read
         while len(streams) <= through:
-            time, indices = trace.streams[len(streams)]
-            await source.sleep_until(time)
-            streams.append(scheduler.tasks(_Batches(indices)).stream())
+            stream = trace.streams[len(streams)]
+            if stream.time is not None:
+                await source.sleep_until(stream.time)
+            streams.append(scheduler.tasks(_Batches(stream.batches)).stream())
             read = 0
 
     for call in trace.calls:
@@ -1421,7 +1664,9 @@ async def _drive(
             for _ in range(call.read - read):
                 next(streams[call.stream])
             read = max(read, call.read)
-        await source.sleep_until(call.handed_over)
+        # A call from the trainer's thread that raised has no time: hand it over as soon as
+        # the replay gets to it, but not before the recording began.
+        await source.sleep_until(trace.start if call.handed_over is None else call.handed_over)
         try:
             packed = await scheduler.step(_batch(call.batch), None, call.updates)
         except Exception as error:
