@@ -1,0 +1,539 @@
+"""The trainer, its checkpoints and `dew train`: round trips, crashes, resumes and learning."""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import trio
+
+from dew import models, train
+from dew.cli import main
+from dew.data import ArrayDataset, Task
+from dew.envs.tasks import CopyDigits
+from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.rl.scheduler import SchedulerRecord
+from dew.objectives.rl.sessions import Label, Session, Status
+from dew.train import (
+    Checkpoint,
+    Progress,
+    ServedSource,
+    TrainConfig,
+    Trainer,
+    load_checkpoint,
+    save_checkpoint,
+    write_curves,
+)
+
+CONFIG = models.TransformerConfig(d_model=16, heads=2, layers=1, d_ff=32, max_len=16)
+ROWS, WIDTH = 2, 8
+# A `dew train` small enough to compile and run in seconds.
+TINY = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32"]
+TINY += ["--batch-size", "2", "--groups", "2", "--tasks", "16"]
+
+
+@pytest.fixture(autouse=True)
+def strict_promotion():
+    saved = (jax.config.jax_numpy_dtype_promotion, jax.config.jax_numpy_rank_promotion)
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    yield
+    jax.config.update("jax_numpy_dtype_promotion", saved[0])
+    jax.config.update("jax_numpy_rank_promotion", saved[1])
+
+
+@functools.cache
+def params() -> dict:
+    return models.init(jax.random.key(0), CONFIG)
+
+
+# One objective for every test, so its rescoring and its step compile once.
+OBJECTIVE = GRPOObjective(models.model(CONFIG))
+
+
+def assert_trees_equal(a, b) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert jnp.result_type(x) == jnp.result_type(y)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def moved_state(shift: int = 1) -> tuple[dict, optax.OptState]:
+    """Params and an Adam state with every leaf moved off its initial value by `shift`."""
+    variables = params()
+    state = optax.adam(1e-2).init(variables)
+    return jax.tree.map(lambda leaf: leaf + shift, (variables, state))
+
+
+# 1. Checkpoints -----------------------------------------------------------------------------------
+
+
+def test_a_checkpoint_round_trips_without_pickle(tmp_path):
+    variables, opt_state = moved_state()
+    variables = {**variables, "half": jnp.arange(3, dtype=jnp.bfloat16)}
+    saved = Checkpoint(variables, opt_state, 7, 9, {"note": "x", "elapsed": 1.5})
+    commit = save_checkpoint(tmp_path, saved)
+    record = json.loads(commit.read_text())
+    assert record["updates"] == 7 and record["position"] == 9
+    assert "variables['half']" in [leaf["path"] for leaf in record["leaves"]]
+    with np.load(tmp_path / record["arrays"], allow_pickle=False) as arrays:
+        assert len(arrays.files) == len(record["leaves"])
+
+    templates = jax.tree.map(jnp.zeros_like, (variables, opt_state))
+    loaded = load_checkpoint(tmp_path, *templates)
+    assert (loaded.updates, loaded.position) == (7, 9)
+    assert loaded.metadata == {"note": "x", "elapsed": 1.5}
+    assert_trees_equal(loaded.variables, variables)
+    assert_trees_equal(loaded.opt_state, opt_state)
+    assert load_checkpoint(tmp_path / "empty", *templates) is None
+
+
+def test_a_new_checkpoint_replaces_the_old_and_removes_its_arrays(tmp_path):
+    variables, opt_state = moved_state()
+    save_checkpoint(tmp_path, Checkpoint(variables, opt_state, 1, 1))
+    leftover = tmp_path / ".state-00000002-0000.npz.1234.tmp"  # a write a crash interrupted
+    leftover.write_bytes(b"partial")
+    save_checkpoint(tmp_path, Checkpoint(variables, opt_state, 2, 2))
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".npz"]
+    assert load_checkpoint(tmp_path, variables, opt_state).updates == 2
+
+
+def test_loading_into_other_templates_names_the_leaf(tmp_path):
+    variables, opt_state = moved_state()
+    save_checkpoint(tmp_path, Checkpoint(variables, opt_state, 1, 1))
+    wider = models.init(jax.random.key(0), attrs.evolve(CONFIG, d_ff=64))
+    with pytest.raises(
+        ValueError, match=r"variables\['blocks'\]\[0\]\['down'\].*float32\[32, 16\]"
+    ):
+        load_checkpoint(tmp_path, wider, optax.adam(1e-2).init(wider))
+    with pytest.raises(ValueError, match="leaves"):
+        load_checkpoint(tmp_path, variables, optax.sgd(1e-2).init(variables))
+
+
+def crash_in_savez(monkeypatch):
+    def partial_then_crash(file, **arrays):
+        file.write(b"PK\x03\x04 half an archive")
+        raise KeyboardInterrupt("crash while writing the arrays")
+
+    monkeypatch.setattr(np, "savez", partial_then_crash)
+
+
+def crash_at_commit_rename(monkeypatch):
+    real = os.replace
+
+    def replace(source, target):
+        if str(target).endswith(train.COMMIT):
+            raise KeyboardInterrupt("crash between writing the commit record and renaming it")
+        real(source, target)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def crash_writing_the_commit_record(monkeypatch):
+    real = json.dumps
+
+    def dumps(value, **options):
+        if isinstance(value, dict) and value.get("format") == train.CHECKPOINT_FORMAT:
+            raise KeyboardInterrupt("crash while encoding the commit record")
+        return real(value, **options)
+
+    monkeypatch.setattr(json, "dumps", dumps)
+
+
+@pytest.mark.parametrize(
+    "crash", [crash_in_savez, crash_at_commit_rename, crash_writing_the_commit_record]
+)
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch, crash):
+    old_variables, old_state = moved_state(1)
+    save_checkpoint(tmp_path, Checkpoint(old_variables, old_state, 1, 1, {"n": 1}))
+    new_variables, new_state = moved_state(3)
+    with monkeypatch.context() as patch:
+        crash(patch)
+        with pytest.raises(KeyboardInterrupt, match="crash"):
+            save_checkpoint(tmp_path, Checkpoint(new_variables, new_state, 3, 3, {"n": 3}))
+    loaded = load_checkpoint(tmp_path, old_variables, old_state)
+    assert (loaded.updates, loaded.position, loaded.metadata) == (1, 1, {"n": 1})
+    assert_trees_equal(loaded.variables, old_variables)
+    assert_trees_equal(loaded.opt_state, old_state)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+# 2. The trainer, on a fake rollout ----------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class FakeRollout:
+    """Packs a fixed token pattern per task id (rescored like the scheduler does), remembers
+    what it was handed, and reports a record."""
+
+    objective: GRPOObjective
+    read: list[int]
+    crash_at: int | None = None
+    calls: list[tuple[list[int], int, int]] = attrs.Factory(list)
+    last_record: SchedulerRecord | None = None
+
+    def __call__(self, batch, variables, updates):
+        if updates == self.crash_at:
+            raise KeyboardInterrupt("the trainer's process dies")
+        ids = [int(i) for i in batch["task_id"]]
+        self.calls.append((ids, updates, len(self.read)))
+        rng = np.random.default_rng(ids)
+        packed = {
+            "tokens": rng.integers(0, CONFIG.vocab, (ROWS, WIDTH)).astype(np.int32),
+            "positions": np.tile(np.arange(WIDTH, dtype=np.int32), (ROWS, 1)),
+            "segment_ids": np.ones((ROWS, WIDTH), np.int32),
+            "loss_mask": np.tile((np.arange(WIDTH) >= 3).astype(np.float32), (ROWS, 1)),
+            "advantages": np.repeat(rng.choice([-1.0, 1.0], (ROWS, 1)), WIDTH, 1).astype(
+                np.float32
+            ),
+        }
+        packed["proximal_logprobs"] = np.asarray(
+            self.objective.packed_log_probs(variables, packed), np.float32
+        )
+        packed["behavior_logprobs"] = packed["proximal_logprobs"] - np.float32(0.1)
+        self.last_record = SchedulerRecord(
+            updates=updates,
+            version=updates,
+            lag=0,
+            groups=2,
+            resubmitted={"stale": 1},
+            cancelled=0,
+            abandoned=0,
+            cut=0,
+            waited=0.5,
+            metrics={"reward/mean": float(updates), "latency/p50": float("nan")},
+        )
+        return packed
+
+
+@attrs.frozen
+class CountingDataset:
+    """Task-id batches of 2; `read` counts the batches the stream yielded."""
+
+    read: list[int]
+    batches: int = 12
+
+    def stream(self, start: int = 0):
+        dataset = ArrayDataset({"task_id": np.arange(2 * self.batches)}, 2)
+        for index, batch in enumerate(dataset.stream(start), start):
+            self.read.append(index)
+            yield batch
+
+
+# A stateful optimizer that is clean under strict promotion, so a resume must restore its state.
+MOMENTUM = optax.sgd(1e-2, momentum=0.9)
+
+
+def fake_run(directory, steps, *, ahead=1, resume=False, every=2, crash_at=None):
+    read: list[int] = []
+    trainer = Trainer(OBJECTIVE, MOMENTUM, params(), directory=directory, checkpoint_every=every)
+    if resume:
+        trainer.resume()
+    rollout = FakeRollout(OBJECTIVE, read, crash_at)
+    trainer.run(rollout, CountingDataset(read), steps=steps, ahead=ahead)
+    return trainer, rollout, read
+
+
+def metrics_lines(directory) -> list[dict]:
+    return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("ahead", [0, 2])
+def test_the_trainer_reads_ahead_of_the_batch_it_hands_over(tmp_path, ahead):
+    trainer, rollout, read = fake_run(tmp_path, 5, ahead=ahead)
+    assert (trainer.updates, trainer.position) == (5, 5)
+    assert [updates for _, updates, _ in rollout.calls] == [0, 1, 2, 3, 4]
+    assert [ids for ids, _, _ in rollout.calls] == [[2 * i, 2 * i + 1] for i in range(5)]
+    # Batch i is handed over once i + ahead batches are read, never past the last step's.
+    assert [seen for _, _, seen in rollout.calls] == [min(i + 1 + ahead, 5) for i in range(5)]
+    assert read == [0, 1, 2, 3, 4]
+
+
+def test_the_trainer_logs_one_flat_line_per_step(tmp_path):
+    fake_run(tmp_path, 3)
+    lines = metrics_lines(tmp_path)
+    assert [(x["step"], x["updates"], x["position"]) for x in lines] == [
+        (0, 1, 0),
+        (1, 2, 1),
+        (2, 3, 2),
+    ]
+    assert all(isinstance(v, int | float | None) for line in lines for v in line.values())
+    assert [x["reward/mean"] for x in lines] == [0.0, 1.0, 2.0]
+    assert lines[0]["resubmitted/stale"] == 1 and lines[0]["waited"] == 0.5
+    assert lines[0]["latency/p50"] is None  # NaN is no JSON
+    assert {"loss", "grad_norm", "kl/behavior_proximal", "seconds/update"} <= lines[0].keys()
+
+
+def test_the_stream_ending_ends_the_run_and_its_state_is_saved(tmp_path):
+    trainer, _, _ = fake_run(tmp_path, 100, every=5)
+    assert trainer.updates == 12
+    saved = load_checkpoint(trainer.checkpoints, trainer.variables, trainer.opt_state)
+    assert (saved.updates, saved.position) == (12, 12)
+
+
+def test_a_resumed_trainer_continues_where_the_checkpoint_left_off(tmp_path):
+    straight, _, _ = fake_run(tmp_path / "straight", 7, every=3)
+    with pytest.raises(KeyboardInterrupt):
+        fake_run(tmp_path / "resumed", 7, every=3, crash_at=5)
+    assert len(metrics_lines(tmp_path / "resumed")) == 5
+    resumed, rollout, read = fake_run(tmp_path / "resumed", 7, every=3, resume=True)
+    # The checkpoint at 3 updates: batches 3.. are re-read and handed over again.
+    assert read[0] == 3
+    assert [updates for _, updates, _ in rollout.calls] == [3, 4, 5, 6]
+    assert_trees_equal(resumed.variables, straight.variables)
+    assert_trees_equal(resumed.opt_state, straight.opt_state)
+    ours, theirs = metrics_lines(tmp_path / "resumed"), metrics_lines(tmp_path / "straight")
+    assert [x["step"] for x in ours] == list(range(7))
+    assert [x["loss"] for x in ours] == pytest.approx([x["loss"] for x in theirs])
+
+
+def test_trainer_arguments_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="checkpoint_every must be an int >= 1, got 0"):
+        Trainer(OBJECTIVE, MOMENTUM, params(), directory=tmp_path, checkpoint_every=0)
+    with pytest.raises(ValueError, match="needs a directory"):
+        Trainer(OBJECTIVE, MOMENTUM, params(), checkpoint_every=2)
+    trainer = Trainer(OBJECTIVE, MOMENTUM, params())
+    with pytest.raises(ValueError, match="ahead must be an int >= 0, got -1"):
+        trainer.run(FakeRollout(OBJECTIVE, []), CountingDataset([]), steps=1, ahead=-1)
+    with pytest.raises(ValueError, match="no directory"):
+        trainer.save()
+
+
+# 3. ServedSource ----------------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class FakeServer:
+    fail: bool = False
+    entered: int = 0
+    running: bool = False
+
+    async def __aenter__(self):
+        if self.fail:
+            raise OSError("no accelerator")
+        self.entered += 1
+        self.running = True
+        return self
+
+    async def __aexit__(self, *exc_info):
+        self.running = False
+
+
+@attrs.frozen
+class NeedsServer:
+    server: FakeServer
+
+    async def run(self, task, label):
+        assert self.server.running
+        return Session(Status.COMPLETED, (), reward=1.0)
+
+
+async def test_served_source_runs_the_server_once_in_the_callers_run():
+    server = FakeServer()
+    source = ServedSource(NeedsServer(server), server)
+    sessions = []
+
+    async def one(sample):
+        sessions.append(await source.run(Task("1"), Label(0, sample, 0)))
+
+    async with trio.open_nursery() as nursery:
+        for sample in range(3):
+            nursery.start_soon(one, sample)
+    assert server.entered == 1 and len(sessions) == 3
+    with pytest.raises(RuntimeError, match="first called"):
+        await trio.to_thread.run_sync(trio.run, source.run, Task("1"), Label(0, 0, 0))
+
+
+async def test_served_source_reports_a_server_that_failed():
+    server = FakeServer(fail=True)
+    source = ServedSource(NeedsServer(server), server)
+    with pytest.raises(RuntimeError, match="rollout server stopped") as caught:
+        await source.run(Task("1"), Label(0, 0, 0))
+    assert isinstance(caught.value.__cause__, OSError)
+
+
+# 4. Progress and the plot -------------------------------------------------------------------------
+
+
+def test_progress_redraws_a_bar_on_a_terminal_and_prints_lines_otherwise():
+    line = {"updates": 2, "reward/mean": 0.5, "lag": 1, "waited": 0.25, "resubmitted/stale": 3}
+    plain, tty = io.StringIO(), io.StringIO()
+    Progress(4, out=plain, tty=False, lines=2)(line)
+    Progress(4, out=tty, tty=True)(line)
+    assert plain.getvalue().startswith(
+        "step 2/4  reward 0.500  lag 1  waited 0.250s  resubmitted 3"
+    )
+    assert plain.getvalue().endswith("\n")
+    assert tty.getvalue().startswith("\r[##########..........] step 2/4")
+    quiet = io.StringIO()
+    Progress(4, out=quiet, tty=False, lines=2)({**line, "updates": 1})
+    assert quiet.getvalue() == ""
+
+
+def read_png(path) -> np.ndarray:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    chunks, offset = {}, 8
+    while offset < len(data):
+        (length,) = np.frombuffer(data[offset : offset + 4], ">u4")
+        kind = data[offset + 4 : offset + 8]
+        body = data[offset + 8 : offset + 8 + int(length)]
+        crc = int.from_bytes(data[offset + 8 + int(length) : offset + 12 + int(length)], "big")
+        assert zlib.crc32(kind + body) == crc
+        chunks[kind] = chunks.get(kind, b"") + body
+        offset += 12 + int(length)
+    width, height = np.frombuffer(chunks[b"IHDR"][:8], ">u4")
+    raw = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(height, -1)
+    assert not raw[:, 0].any()  # filter type 0 on every row
+    return raw[:, 1:].reshape(height, width, 3)
+
+
+def test_the_curves_are_a_png_with_both_lines(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [{"step": i, "reward/mean": i / 10, "lag": i % 2} for i in range(10)]
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    write_curves(metrics, tmp_path / "curves.png")
+    pixels = read_png(tmp_path / "curves.png")
+    assert pixels.shape == (400, 640, 3)
+    reward = np.all(pixels == (31, 119, 180), axis=-1)
+    lag = np.all(pixels == (255, 127, 14), axis=-1)
+    rows = np.nonzero(reward)[0]
+    # Rising reward: its line starts low on the left and ends high on the right, in the top panel.
+    assert rows.max() < 200 and np.nonzero(lag)[0].min() > 200
+    left, right = np.nonzero(reward)[1].argmin(), np.nonzero(reward)[1].argmax()
+    assert rows[left] > rows[right]
+
+
+# 5. dew train -------------------------------------------------------------------------------------
+
+
+def test_help_lists_every_option_with_its_default(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    default = TrainConfig()
+    for field in attrs.fields(TrainConfig):
+        option = "--" + field.name.replace("_", "-")
+        assert option in text
+        assert f"(default: {getattr(default, field.name)})" in text
+    assert "--resume" in text and "--run" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "culprit"),
+    [
+        (["--groups", "1"], "groups must be an int >= 2, got 1"),
+        (["--ahead", "2"], "max_lag must be >= ahead + sync_every - 1 = 2, got 1"),
+        (["--learning-rate", "0"], "learning_rate must be a finite number > 0"),
+        (["--resume"], "--resume needs --run"),
+    ],
+)
+def test_bad_options_name_the_culprit(capsys, tmp_path, argv, culprit):
+    with pytest.raises(SystemExit) as exit_:
+        main(
+            ["train", "--run", str(tmp_path / "run"), *argv]
+            if argv != ["--resume"]
+            else ["train", *argv]
+        )
+    assert exit_.value.code == 2
+    assert culprit in capsys.readouterr().err
+
+
+def test_a_run_folder_is_never_mixed(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(attrs.asdict(TrainConfig())))
+    with pytest.raises(SystemExit):
+        main(["train", "--run", str(tmp_path)])
+    assert "already holds a run" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--run", str(tmp_path), "--resume", "--groups", "4"])
+    assert "other groups" in capsys.readouterr().err
+
+
+DEW = [sys.executable, "-c", "import sys; from dew.cli import main; sys.exit(main(sys.argv[1:]))"]
+
+
+def dew_train(run, *options) -> list[str]:
+    return [*DEW, "train", "--run", str(run), *TINY, *options]
+
+
+def compile_once(cache) -> dict[str, str]:
+    """The environment of a `dew train` process that shares its compilations through `cache`, so
+    a resumed process need not compile again."""
+    cache = {
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+    return {**os.environ, **cache}
+
+
+def test_a_killed_run_resumes_from_its_checkpoint_and_trains_nothing_twice(tmp_path):
+    run, steps = tmp_path / "run", 40
+    options = ["--steps", str(steps), "--checkpoint-every", "4"]
+    env = compile_once(tmp_path / "jax-cache")
+    process = subprocess.Popen(
+        dew_train(run, *options), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+    )
+    commit = run / "checkpoints" / train.COMMIT
+    deadline = time.monotonic() + 120
+    while not commit.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    output = process.communicate()[0].decode()
+    assert process.returncode == -signal.SIGKILL, output  # killed mid-run, not finished
+    record = json.loads(commit.read_text())
+    killed_at, position = record["updates"], record["position"]
+    assert 4 <= killed_at < steps and killed_at % 4 == 0 and position == killed_at
+    before = (run / "metrics.jsonl").read_bytes()
+
+    resumed = subprocess.run(
+        dew_train(run, *options, "--resume"), capture_output=True, text=True, timeout=180, env=env
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resuming at step {killed_at}, data position {position}" in resumed.stdout
+    after = (run / "metrics.jsonl").read_bytes()
+    kept = record["metadata"]["metrics_bytes"]
+    assert after[:kept] == before[:kept]  # the checkpointed steps' lines, untouched
+    lines = [json.loads(line) for line in after.decode().splitlines()]
+    assert [x["step"] for x in lines] == list(range(steps))
+    assert [x["updates"] for x in lines] == list(range(1, steps + 1))
+    assert [x["position"] for x in lines] == list(range(steps))
+    # The positions are the stream's batches: no task repeats within an epoch.
+    config = TrainConfig.from_json(json.loads((run / "config.json").read_text()))
+    dataset = CopyDigits().dataset(
+        config.tasks, config.batch_size, shuffle_seed=config.seed, epochs=10
+    )
+    trained = [
+        list(batch["task_id"]) for _, batch in zip(range(steps), dataset.stream(), strict=False)
+    ]
+    per_epoch = config.tasks // config.batch_size
+    for epoch in range(0, steps, per_epoch):
+        ids = [i for batch in trained[epoch : epoch + per_epoch] for i in batch]
+        assert len(ids) == len(set(ids))
+    final = json.loads(commit.read_text())
+    assert (final["updates"], final["position"]) == (steps, steps)
+    assert (run / "curves.png").exists()
+
+
+def test_the_default_task_learns(tmp_path):
+    config = TrainConfig(steps=60)  # the default run, cut short
+    # optax's Adam raises its float decay to its int32 step count, which strict promotion
+    # refuses: the trainer's thread steps under standard promotion (the setting is per thread).
+    with jax.numpy_dtype_promotion("standard"):
+        train.train(config, tmp_path)
+    rewards = [x["reward/mean"] for x in metrics_lines(tmp_path)]
+    start, end = np.mean(rewards[:10]), np.mean(rewards[-10:])
+    assert end > start + 0.1, (start, end)
