@@ -537,3 +537,18 @@ def test_the_default_task_learns(tmp_path):
     rewards = [x["reward/mean"] for x in metrics_lines(tmp_path)]
     start, end = np.mean(rewards[:10]), np.mean(rewards[-10:])
     assert end > start + 0.1, (start, end)
+
+
+def test_a_recorded_training_run_replays_without_the_engine(tmp_path):
+    from dew import replay
+
+    trace = tmp_path / "trace.jsonl"
+    config = train.TrainConfig(steps=4, batch_size=2, groups=2)
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as in the learning test
+        train.train(config, tmp_path / "run", record=trace)
+    result = replay.replay(trace)
+    assert result.matched, result.divergence
+    assert result.steps == 4 and result.groups == 8
+    # and a change of configuration parts the run where it first makes a difference
+    parted = replay.replay(trace, ahead=0, max_lag=0)
+    assert not parted.matched and parted.divergence.step == 0

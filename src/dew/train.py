@@ -47,7 +47,7 @@ import numpy as np
 import optax
 import trio
 
-from dew import models
+from dew import models, replay
 from dew.data import Batch, Dataset, Task
 from dew.envs.environment import Sampling
 from dew.envs.tasks import CopyDigits, GuessDigit
@@ -716,6 +716,7 @@ def train(
     *,
     resume: bool = False,
     on_step: Callable[[Mapping[str, Any]], None] | None = None,
+    record: str | os.PathLike | None = None,
 ) -> Trainer:
     """Train `config`'s built-in task end to end, in the run folder `run`.
 
@@ -729,6 +730,9 @@ def train(
         resume: continue the run in `run` from its last checkpoint (from the start when it has
             none); otherwise `run` must not hold a run yet.
         on_step: called with each step's metrics line.
+        record: write a `dew.replay` trace of the run here: every session the environment
+            returned, every push and every call, so `dew replay` can reproduce the scheduler's
+            decisions and packed batches without the engine.
 
     Returns:
         The trainer, after its last step.
@@ -765,11 +769,17 @@ def train(
         version=trainer.updates,
     )
     source = ServedSource(task.source(server, sampling=_sampling(config, trainer.updates)), server)
+    publisher = server
+    recorder = None
+    if record is not None:
+        recorder = replay.Recorder(record)
+        source = replay.RecordingSource(source, recorder)
+        publisher = replay.RecordingPublisher(server, recorder)
     rollouts = config.batch_size * config.groups
     scheduler = RolloutScheduler(
         objective,
         source,
-        server,
+        publisher,
         width=shape.width,
         rows=-(-rollouts // shape.chains_per_row),
         groups=config.groups,
@@ -785,10 +795,14 @@ def train(
         shuffle_seed=config.seed,
         epochs=-(-config.steps * config.batch_size // per_epoch),
     )
-    try:
-        trainer.run(scheduler, scheduler.tasks(dataset), steps=config.steps, ahead=config.ahead)
-    finally:
-        scheduler.close()
+    if recorder is None:
+        try:
+            trainer.run(scheduler, scheduler.tasks(dataset), steps=config.steps, ahead=config.ahead)
+        finally:
+            scheduler.close()
+    else:
+        with recorder.record(scheduler):  # closes the scheduler, then ends the trace
+            trainer.run(recorder, recorder.tasks(dataset), steps=config.steps, ahead=config.ahead)
     write_curves(run / METRICS, run / "curves.png")
     return trainer
 
@@ -994,6 +1008,12 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         help="the run folder (default: dew-runs/TASK-YYYYmmdd-HHMMSS)",
     )
     parser.add_argument(
+        "--record",
+        metavar="TRACE",
+        default=None,
+        help="write a trace of the run that `dew replay TRACE` reproduces (default: off)",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         help="continue the run in --run from its last checkpoint, with its config "
@@ -1033,7 +1053,9 @@ def run_cli(args: argparse.Namespace) -> int:
             f"resuming at step {record['updates']}, data position {record['position']}",
             flush=True,
         )
-    trainer = train(config, run, resume=args.resume, on_step=Progress(config.steps))
+    trainer = train(
+        config, run, resume=args.resume, on_step=Progress(config.steps), record=args.record
+    )
     print(
         f"trained {trainer.updates} steps in {trainer.elapsed:.0f}s; metrics, checkpoints "
         f"and curves.png in {run}",
