@@ -763,6 +763,9 @@ def test_the_sync_facade_runs_the_trio_side_in_its_own_thread():
     assert all(r.groups == 2 and r.lag <= 1 for r in logged)
     assert [v for _, v in engine.pushes] == [0, 1, 2, 3]
     assert set(threading.enumerate()) - before  # the scheduler's trio thread
+    status = sched.status()  # from the trainer's thread: ages on the scheduler's clock
+    assert status.updates == 3 and status.time >= 0 and status.groups
+    assert all(s.age >= 0 for g in status.groups for s in g.samples)
     with pytest.raises(RuntimeError, match="async with"):
         trio.run(sched.step, prefetched[0], PARAMS, 4)
     sched.close()

@@ -606,8 +606,12 @@ class RolloutScheduler:
             raise RuntimeError("the scheduler's trio thread failed to start") from self._crash
 
     def _now(self) -> float:
+        """The scheduler's clock, from any thread; NaN while no trio side runs."""
         if self._trio_thread == threading.get_ident():
             return trio.current_time()
+        if self._token is not None and not self._closed:
+            with contextlib.suppress(trio.RunFinishedError):
+                return trio.from_thread.run_sync(trio.current_time, trio_token=self._token)
         return float("nan")
 
     def _post_anywhere(self, make_event: Callable[[], core.Event]) -> None:
