@@ -758,7 +758,7 @@ def test_a_truncation_without_reward_under_score_is_an_unscored_failed_attempt()
     assert [(e.label, e.reason) for e in logs(answers[1], "failed")] == [
         (Label(0, 0, 0), "unscored")
     ]
-    assert of_type(answers[1], Submit) == [Submit(Task("a"), Label(0, 0, 1), 0, 0)]
+    assert of_type(answers[1], Submit) == [Submit(Task("a"), Label(0, 0, 1), 0, 0, 1.0)]
     assert logs(answers[1], "submitted")[0].reason == "unscored"
     assert state.groups[0].samples[0].failures == 1
     state, commands = core.step(
@@ -794,7 +794,7 @@ def test_a_finished_rollout_past_the_bound_is_discarded_and_resubmitted_without_
     assert [c.batch for c in of_type(answers[2], Deliver)] == [0]
     sweep = answers[3]
     assert [(e.label, e.reason) for e in logs(sweep, "discarded")] == [(Label(1, 0, 0), "stale")]
-    assert of_type(sweep, Submit) == [Submit(Task("b"), Label(1, 0, 1), 1, 2)]
+    assert of_type(sweep, Submit) == [Submit(Task("b"), Label(1, 0, 1), 1, 2, 2.0)]
     assert logs(sweep, "submitted")[0].reason == "stale"
     assert not logs(sweep, "abandoned") and not of_type(sweep, Deliver)
     assert of_type(answers[4], Deliver) == [Deliver(1, ((fresh,),))]
@@ -813,7 +813,9 @@ def test_a_running_rollout_past_the_bound_is_cancelled_at_the_hand_over(updates,
     # Exactly max_lag behind is within the bound; one more and it is cancelled, then resubmitted.
     resubmitted = Label(1, 0, 1)
     assert of_type(sweep, Cancel) == ([Cancel(Label(1, 0, 0), "stale")] if stale else [])
-    assert of_type(sweep, Submit) == ([Submit(Task("b"), resubmitted, 1, updates)] if stale else [])
+    assert of_type(sweep, Submit) == (
+        [Submit(Task("b"), resubmitted, 1, updates, float(updates))] if stale else []
+    )
     assert [e.reason for e in logs(sweep, "submitted")] == (["stale"] if stale else [])
     if stale:
         assert sweep.index(of_type(sweep, Cancel)[0]) < sweep.index(of_type(sweep, Submit)[0])

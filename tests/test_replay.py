@@ -38,7 +38,6 @@ from dew.objectives.rl.sessions import Call, Label, Session, Status
 from dew.replay import (
     CONFIG,
     PROXIMAL,
-    REAL_CLOCK_METRICS,
     NoRescoring,
     Recorder,
     RecordingPublisher,
@@ -567,12 +566,11 @@ def drive(recorder, dataset, updates, *, reopen_at=None, variables=None, change=
 
 
 def real_clock_free(record):
-    """A record without what a thread trace's replay does not compare."""
-    metrics = {k: v for k, v in record.metrics.items() if k not in REAL_CLOCK_METRICS}
-    return attrs.evolve(record, waited=0.0, metrics=metrics)
+    """A record without what a thread trace's replay does not compare: the trainer's wait."""
+    return attrs.evolve(record, waited=0.0)
 
 
-# The mixed run (but timeouts, which count from a moment no event carries) in milliseconds.
+# The mixed run in milliseconds.
 QUICK_MIX = attrs.evolve(MIX, duration_mean=0.02)
 
 
@@ -587,6 +585,7 @@ def thread_recorded(tmp_path_factory):
         RecordingSource(SimulatedSource(engine, QUICK_MIX), recorder),
         RecordingPublisher(engine, recorder),
         **{k: v for k, v in OPTIONS.items() if k not in ("slots", "gap", "timeout")},
+        timeout=0.05,  # the mix's 25 s at its 10 s mean, in the quick mix's milliseconds
     )
     dataset = ArrayDataset({"task_id": np.arange(64)}, 4)
     with recorder.record(scheduler):
@@ -620,6 +619,9 @@ def test_a_thread_trace_replays_every_decision_and_packed_array(thread_recorded)
     result = replay(thread_recorded)
     assert result.matched, str(result)
     assert result.steps == 10
+    events = [e for c in thread_recorded.calls for e in c.events]
+    # real-clock timeouts replay too: deadlines count from the submission events' times
+    assert any(e.kind == "submitted" and e.reason == "timeout" for e in events)
     for recorded, replayed in zip(thread_recorded.calls, result.calls, strict=True):
         assert replayed.events == recorded.events
         assert replayed.digest == recorded.digest

@@ -34,12 +34,10 @@ while the scheduler ran has `time` null in its line and takes the time of its `r
 the end line's `time` are null, read as the first and last times the trace holds. A call that
 raised has null times. The scheduler then runs on the real clock; its readings that no event
 carries are recorded but not compared: each record's `waited` (the trainer thread's seconds)
-and `latency/` metrics (the scheduler stamps a rollout's start a moment after its submission
-event, where a replay starts it), and each push's time (the engine takes the weights a moment
-after the hand-over; versions are compared); nor is what happened after the last call returned
-(the close is off the trainer's clock). A real-clock rollout deadline (`timeout`) counts from
-when the scheduler carried the submission out, which no event carries either: a replay of a run
-that timed rollouts out parts there, a moment early.
+and each push's time (the engine takes the weights a moment after the hand-over; versions are
+compared); nor is what happened after the last call returned (the close is off the trainer's
+clock). A rollout's latency and deadline count from its submission event's time, so they replay
+exactly.
 
 Replay runs the recorded configuration (with any overrides) against `ReplaySource`, which plays
 each recorded rollout back by (task name, label) with its recorded duration and outcome, under
@@ -138,8 +136,6 @@ CONFIG = (
 )
 OUTCOMES = ("returned", "cancelled", "raised", "invalid")
 PROXIMAL = "proximal_logprobs"
-# What a thread trace records from the real clock that no event carries: replay skips them.
-REAL_CLOCK_METRICS = ("latency/p50", "latency/p90", "latency/p99", "latency/max")
 # Real seconds every task must stay blocked before the replay clock moves: any positive cushion
 # lets the scheduler's own zero-cushion waits settle an instant first.
 _SETTLE = 1e-9
@@ -1475,7 +1471,7 @@ def _call_divergence(
     recorded: RecordedCall, replayed: ReplayedCall, *, real_clock: bool
 ) -> Divergence | None:
     """Where a replayed call first differs from its recording: what it raised, its event log,
-    its record (but, for `real_clock`, `waited` and REAL_CLOCK_METRICS), its packed arrays."""
+    its record (but, for `real_clock`, `waited`), its packed arrays."""
     step = recorded.step
     end = min((t for t in (recorded.returned, replayed.returned) if t is not None), default=None)
     if recorded.raised != replayed.raised:
@@ -1489,8 +1485,6 @@ def _call_divergence(
         a, b = getattr(recorded.record, field.name), getattr(replayed.record, field.name)
         if isinstance(a, Mapping):
             for key in sorted(set(a) | set(b)):
-                if real_clock and field.name == "metrics" and key in REAL_CLOCK_METRICS:
-                    continue
                 if not _same(a.get(key), b.get(key)):
                     name = f"record.{field.name}[{key!r}]"
                     return Divergence(step, name, a.get(key), b.get(key), time=end)

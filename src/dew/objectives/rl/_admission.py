@@ -177,10 +177,13 @@ Event = HandedOver | Finished | TimedOut | SourceFailed | Reopened | Closed
 
 @attrs.frozen
 class Submit:
+    """Start a rollout at `time` (its submission: its deadline and latency count from here)."""
+
     task: Task
     label: Label
     batch: int
     version: int
+    time: float
 
 
 @attrs.frozen
@@ -343,7 +346,7 @@ class _Step:
     def submit(self, group: Group, sample: Sample, cause: str | None) -> Group:
         assert self.served is not None, "nothing is submitted before the first push"
         label = group.label(sample)
-        self.commands.append(Submit(group.task, label, group.batch, self.served))
+        self.commands.append(Submit(group.task, label, group.batch, self.served, self.time))
         self.log("submitted", group, label, version=self.served, reason=cause)
         return self.put_sample(group, sample)
 

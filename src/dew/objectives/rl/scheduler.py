@@ -693,7 +693,7 @@ class RolloutScheduler:
             nursery, _ = self._batches[command.batch]
             nursery.start_soon(self._rollout, scope, command)
             if self.timeout is not None:
-                self._deadlines.append((trio.current_time() + self.timeout, command.label))
+                self._deadlines.append((command.time + self.timeout, command.label))
                 self._deadline_added.set()
         elif isinstance(command, core.Cancel):
             scope = self._scopes.get(command.label)
@@ -735,8 +735,7 @@ class RolloutScheduler:
             self._deliver(_Failure(error))
 
     async def _rollout(self, scope: trio.CancelScope, submission: core.Submit) -> None:
-        task, label = submission.task, submission.label
-        submitted = trio.current_time()
+        task, label, submitted = submission.task, submission.label, submission.time
         try:
             with scope:
                 try:
