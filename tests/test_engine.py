@@ -27,16 +27,6 @@ WIDTH = CONFIG.max_len
 FORCED = 7
 
 
-@pytest.fixture(autouse=True)
-def strict_promotion():
-    saved = (jax.config.jax_numpy_dtype_promotion, jax.config.jax_numpy_rank_promotion)
-    jax.config.update("jax_numpy_dtype_promotion", "strict")
-    jax.config.update("jax_numpy_rank_promotion", "raise")
-    yield
-    jax.config.update("jax_numpy_dtype_promotion", saved[0])
-    jax.config.update("jax_numpy_rank_promotion", saved[1])
-
-
 @functools.cache
 def params(seed: int = 0) -> dict:
     return models.init(jax.random.key(seed), CONFIG)

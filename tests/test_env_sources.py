@@ -33,16 +33,6 @@ LABEL = Label(group=3, sample=1, attempt=0)
 TASK = Task("7")
 
 
-@pytest.fixture(autouse=True)
-def strict_promotion():
-    saved = (jax.config.jax_numpy_dtype_promotion, jax.config.jax_numpy_rank_promotion)
-    jax.config.update("jax_numpy_dtype_promotion", "strict")
-    jax.config.update("jax_numpy_rank_promotion", "raise")
-    yield
-    jax.config.update("jax_numpy_dtype_promotion", saved[0])
-    jax.config.update("jax_numpy_rank_promotion", saved[1])
-
-
 def forced(token: int) -> dict:
     """Transformer params under which `token` is certain: the final norm outputs ones, and only
     that token's unembedding column sees them."""

@@ -15,12 +15,6 @@ CONFIG = models.TransformerConfig(vocab=32, d_model=32, heads=2, layers=2, d_ff=
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
 
-@pytest.fixture(autouse=True)
-def strict_promotion():
-    with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
-        yield
-
-
 @pytest.fixture(scope="module")
 def params():
     return models.init(jax.random.key(0), CONFIG)

@@ -18,16 +18,12 @@ import subprocess
 import sys
 import time
 
-import jax
 import numpy as np
 import pytest
 
 import dew.parallel
 from _parallel_worker import synthetic_rows, tiny
 from dew.parallel import DistributedPool, LocalPool, default_pool, first_reader_batch
-
-jax.config.update("jax_numpy_dtype_promotion", "strict")
-jax.config.update("jax_numpy_rank_promotion", "raise")
 
 WORKER = pathlib.Path(__file__).with_name("_parallel_worker.py")
 # Seconds a pool may take; its workers dump their stacks and exit a little earlier.

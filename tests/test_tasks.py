@@ -23,16 +23,6 @@ CONFIG = models.TransformerConfig(d_model=32, heads=2, layers=2, d_ff=64, max_le
 SLOTS = 4
 
 
-@pytest.fixture(autouse=True)
-def strict_promotion():
-    saved = (jax.config.jax_numpy_dtype_promotion, jax.config.jax_numpy_rank_promotion)
-    jax.config.update("jax_numpy_dtype_promotion", "strict")
-    jax.config.update("jax_numpy_rank_promotion", "raise")
-    yield
-    jax.config.update("jax_numpy_dtype_promotion", saved[0])
-    jax.config.update("jax_numpy_rank_promotion", saved[1])
-
-
 @functools.cache
 def params() -> dict:
     return models.init(jax.random.key(0), CONFIG)

@@ -45,16 +45,6 @@ TINY = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32"]
 TINY += ["--batch-size", "2", "--groups", "2", "--tasks", "16"]
 
 
-@pytest.fixture(autouse=True)
-def strict_promotion():
-    saved = (jax.config.jax_numpy_dtype_promotion, jax.config.jax_numpy_rank_promotion)
-    jax.config.update("jax_numpy_dtype_promotion", "strict")
-    jax.config.update("jax_numpy_rank_promotion", "raise")
-    yield
-    jax.config.update("jax_numpy_dtype_promotion", saved[0])
-    jax.config.update("jax_numpy_rank_promotion", saved[1])
-
-
 @functools.cache
 def params() -> dict:
     return models.init(jax.random.key(0), CONFIG)
