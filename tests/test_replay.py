@@ -764,3 +764,47 @@ def test_a_real_engine_run_replays_without_the_engine(tmp_path, strict_promotion
         }
         # The run rescored under its weights; the replay has none (NoRescoring).
         assert replayed.arrays[PROXIMAL] != recorded.arrays[PROXIMAL]
+
+
+async def test_a_long_simulated_run_replays_bit_for_bit(autojump_clock, tmp_path):
+    """200 steps with every way a submission can end, recorded then replayed exactly."""
+    from dew.testing import assert_exactly_once, assert_replays, run_simulated
+
+    config = SimulatedConfig(
+        seed=5,
+        duration_mean=3.0,
+        infra_error=0.08,
+        truncated=0.1,
+        truncated_unscored=0.5,
+        calls=(1, 3),
+        prompt_tokens=(4, 12),
+        completion_tokens=(2, 12),
+    )
+    trace = await run_simulated(
+        tmp_path / "long.trace",
+        updates=[step + step // 7 for step in range(200)],  # every 7th call two updates
+        config=config,
+        slots=16,
+        width=64,
+        rows=5,
+        groups=3,
+        oversample=1,
+        timeout=9.0,
+        truncation="score",
+    )
+    events = [e for call in trace.calls for e in call.events]
+    seen = {(e.kind, e.reason) for e in events}
+    for kind in [
+        ("submitted", "infra_error"),
+        ("submitted", "unscored"),
+        ("submitted", "timeout"),
+        ("discarded", "stale"),
+        ("cancelled", "stale"),
+        ("cancelled", "surplus"),
+        ("cut", "no_room"),
+    ]:
+        assert kind in seen, kind
+    assert any(e.kind == "abandoned" for e in events)
+    assert_exactly_once(events)
+    result = await assert_replays(trace)
+    assert result.steps == 200 and result.groups == sum(c.record.groups for c in trace.calls)
