@@ -104,6 +104,10 @@ class _Piece:
         return len(self.tokens)
 
 
+# Shared by every piece without support (read-only).
+_NO_SUPPORT = np.zeros(0, np.int32)
+
+
 def _trains(session: Session, truncation: str) -> bool:
     """Whether a session carries loss weight under a truncation policy."""
     if session.status is Status.TRUNCATED:
@@ -168,6 +172,10 @@ def _pieces(
             at: list[int] = []
             if support and chain.support is not None:
                 at = [i for i in np.flatnonzero(loss_mask) if chain.support[i] is not None]
+            support_at = support_tokens = _NO_SUPPORT
+            if at:
+                support_at = np.repeat(np.array(at, np.int32), [len(chain.support[i]) for i in at])
+                support_tokens = np.concatenate([chain.support[i] for i in at]).astype(np.int32)
             pieces.append(
                 _Piece(
                     tokens=chain.tokens,
@@ -175,14 +183,8 @@ def _pieces(
                     versions=chain.versions,
                     loss_mask=loss_mask,
                     advantage=float(advantage),
-                    support_at=np.repeat(
-                        np.array(at, np.int32), [len(chain.support[i]) for i in at]
-                    ),
-                    support_tokens=(
-                        np.concatenate([chain.support[i] for i in at]).astype(np.int32)
-                        if at
-                        else np.zeros(0, np.int32)
-                    ),
+                    support_at=support_at,
+                    support_tokens=support_tokens,
                 )
             )
     return pieces
