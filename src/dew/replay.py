@@ -81,6 +81,7 @@ import numpy as np
 import trio
 import trio.testing
 
+from dew._trio import lone_exception
 from dew.data import Batch, Dataset, Task
 from dew.objectives.rl.scheduler import LogEvent, Publisher, RolloutScheduler, SchedulerRecord
 from dew.objectives.rl.sessions import Call, Label, Session, SessionSource, Status
@@ -1186,14 +1187,10 @@ class ReplaySource:
 
     async def __aexit__(self, *exc_info) -> bool | None:
         stack, self._stack = self._stack, None
-        try:
+        # The clock keeper is the nursery's one child: a lone error is the body's own, or the
+        # keeper's ReplayStalled, and reaches the caller as itself.
+        with lone_exception():
             return await stack.__aexit__(*exc_info)
-        except BaseExceptionGroup as group:
-            # The clock keeper is the nursery's one child: a lone error is the body's own, or
-            # the keeper's ReplayStalled, and reaches the caller as itself.
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
 
     async def sleep_until(self, time: float) -> None:
         """Sleep until `time` on the replay's clock, landing on it exactly."""

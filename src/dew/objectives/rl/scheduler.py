@@ -28,6 +28,7 @@ import numpy as np
 import trio
 import trio.testing
 
+from dew._trio import lone_exception
 from dew.data import Batch, Dataset, Task
 from dew.objectives.rl import _admission as core
 from dew.objectives.rl._admission import LogEvent
@@ -537,13 +538,8 @@ class RolloutScheduler:
 
     async def __aexit__(self, *exc_info) -> bool | None:
         stack, self._exit_stack = self._exit_stack, None
-        try:
+        with lone_exception():  # what the caller's block raised, as it raised it
             return await stack.__aexit__(*exc_info)
-        except BaseExceptionGroup as group:
-            # The machinery's nursery wraps what the caller's block raised; give it back as is.
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
 
     @contextlib.asynccontextmanager
     async def _running(self):
