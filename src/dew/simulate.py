@@ -58,16 +58,6 @@ def _count(bound: int):
     return count
 
 
-def _optional_count(bound: int):
-    check = _count(bound)
-
-    def optional_count(instance, attribute, value):
-        if value is not None:
-            check(instance, attribute, value)
-
-    return optional_count
-
-
 @attrs.frozen
 class Workload:
     """The engine, the rollouts and the trainer every setting of a simulation shares.
@@ -114,7 +104,7 @@ class Setting:
     ahead: int = attrs.field(validator=_count(0))
     max_lag: int = attrs.field(validator=_count(0))
     oversample: int = attrs.field(default=0, validator=_count(0))
-    admit: int | None = attrs.field(default=None, validator=_optional_count(1))
+    admit: int | None = attrs.field(default=None, validator=attrs.validators.optional(_count(1)))
 
     def __attrs_post_init__(self):
         if self.max_lag < self.ahead:

@@ -74,16 +74,6 @@ def _span(low: int):
     return span
 
 
-def _optional_at_least(bound: int):
-    check = _at_least(bound)
-
-    def optional_at_least(instance, attribute, value):
-        if value is not None:
-            check(instance, attribute, value)
-
-    return optional_at_least
-
-
 @attrs.frozen
 class SimulatedConfig:
     """How simulated sessions are drawn.
@@ -135,7 +125,9 @@ class SimulatedConfig:
     agent_error: float = attrs.field(default=0.0, validator=_probability)
     truncated: float = attrs.field(default=0.0, validator=_probability)
     truncated_unscored: float = attrs.field(default=0.0, validator=_probability)
-    support_k: int | None = attrs.field(default=None, validator=_optional_at_least(1))
+    support_k: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_at_least(1))
+    )
 
     def __attrs_post_init__(self):
         failing = self.infra_error + self.agent_error + self.truncated
