@@ -350,7 +350,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             assert (group.batch, group.task) == self.groups[group_id]
             assert group_id in state.batches[group.batch]
             for sample in group.samples:
-                label = group.label(sample)
+                label = sample.label
                 if sample.state is core.SampleState.RUNNING:
                     assert label in self.in_flight, f"the core runs {label}, the shell does not"
                 elif sample.state is core.SampleState.FINISHED:

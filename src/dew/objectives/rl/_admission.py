@@ -68,20 +68,25 @@ FINAL = (GroupState.COMPLETE, GroupState.SURPLUS, GroupState.ABANDONED, GroupSta
 class Sample:
     """One sample of a group: its current submission and what came of it."""
 
-    index: int
-    attempt: int  # the attempt of its latest submission; each submission has a new one
+    label: Label  # of its latest submission; each submission has a new attempt
     version: int  # the version served at its latest submission
     submitted: float  # the time of its latest submission
     failures: int = 0
     state: SampleState = SampleState.RUNNING
     result: Session | None = None
 
+    @property
+    def index(self) -> int:
+        return self.label.sample
+
+    @property
+    def attempt(self) -> int:
+        return self.label.attempt
+
     # The core replaces samples and groups on every event: these are attrs.evolve without its
     # reflection, which dominated the core's cost.
     def with_state(self, state: SampleState, result: Session | None = None) -> Sample:
-        return Sample(
-            self.index, self.attempt, self.version, self.submitted, self.failures, state, result
-        )
+        return Sample(self.label, self.version, self.submitted, self.failures, state, result)
 
 
 @attrs.frozen
@@ -94,9 +99,6 @@ class Group:
     samples: tuple[Sample, ...]
     state: GroupState = GroupState.RUNNING
     completed: float | None = None
-
-    def label(self, sample: Sample) -> Label:
-        return Label(self.id, sample.index, sample.attempt)
 
     def with_samples(self, samples: tuple[Sample, ...]) -> Group:
         return Group(self.id, self.batch, self.task, samples, self.state, self.completed)
@@ -343,21 +345,23 @@ class _Step:
         samples = group.samples[: sample.index] + (sample,) + group.samples[sample.index + 1 :]
         return self.put(group.with_samples(samples))
 
-    def submit(self, group: Group, sample: Sample, cause: str | None) -> Group:
+    def submit(self, group: Group, sample: Sample, cause: str | None) -> None:
+        """Start a sample's submission (its caller stores the sample in its group)."""
         assert self.served is not None, "nothing is submitted before the first push"
-        label = group.label(sample)
+        label = sample.label
         self.commands.append(Submit(group.task, label, group.batch, self.served, self.time))
         self.log("submitted", group, label, version=self.served, reason=cause)
-        return self.put_sample(group, sample)
 
     def resubmit(self, group: Group, sample: Sample, cause: str) -> Group:
         failures = sample.failures + (cause in FAILURES)
-        fresh = Sample(sample.index, sample.attempt + 1, self.served, self.time, failures)
-        return self.submit(group, fresh, cause)
+        label = Label(group.id, sample.index, sample.attempt + 1)
+        fresh = Sample(label, self.served, self.time, failures)
+        self.submit(group, fresh, cause)
+        return self.put_sample(group, fresh)
 
     def end(self, group: Group, sample: Sample, reason: str) -> Group:
         """Stop a sample that is still in play: cancel it in flight or discard its result."""
-        label = group.label(sample)
+        label = sample.label
         if sample.state is SampleState.RUNNING:
             self.commands.append(Cancel(label, reason))
             self.log("cancelled", group, label, version=sample.version, reason=reason)
@@ -390,11 +394,12 @@ class _Step:
             self.unsettled[batch] = 0
             for group_id, task in zip(ids, tasks, strict=True):
                 samples = tuple(
-                    Sample(i, 0, event.served, self.time) for i in range(self.config.samples)
+                    Sample(Label(group_id, i, 0), event.served, self.time)
+                    for i in range(self.config.samples)
                 )
-                group = Group(group_id, batch, task, samples)
+                group = self.put(Group(group_id, batch, task, samples))
                 for sample in samples:
-                    group = self.submit(group, sample, None)
+                    self.submit(group, sample, None)
 
     def sweep_stale(self, group: Group) -> None:
         """Resubmit what is already past the bound: running ones by their submission's version,
@@ -454,7 +459,7 @@ class _Step:
     def fail(self, group: Group, sample: Sample, cause: str, kind: str) -> None:
         """A failed attempt: resubmit it, or give the group up once the sample is out of
         attempts."""
-        label = group.label(sample)
+        label = sample.label
         if sample.failures + 1 < self.config.max_attempts:
             self.log(kind, group, label, version=sample.version, reason=cause)
             self.resubmit(group, sample, cause)
@@ -517,7 +522,7 @@ class _Step:
             sessions = tuple(s.result for s in group.samples if s.state is SampleState.FINISHED)
             for sample in group.samples:
                 if sample.state is SampleState.FINISHED:
-                    self.log("admitted", group, group.label(sample), version=sample.version)
+                    self.log("admitted", group, sample.label, version=sample.version)
             groups.append(sessions)
         self.drop(batch)
         self.commands.append(Deliver(batch, tuple(groups)))

@@ -472,7 +472,7 @@ class RolloutScheduler:
         )
         events = message.events + cuts
         sessions = [s for i in packed.packed for s in message.groups[i]]
-        versions = [s.min_version for s in sessions if s.min_version is not None]
+        versions = [v for s in sessions if (v := s.min_version) is not None]
         version = min(versions, default=self._served)
         resubmitted = {cause: 0 for cause in core.CAUSES}
         for e in events:
