@@ -8,7 +8,7 @@ from collections import Counter
 import attrs
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 
 from dew.data import Task
@@ -106,6 +106,7 @@ def training_reward(session: Session, truncation: str) -> float | None:
 
 
 def reference_advantages(rewards: list[float], estimator: str) -> np.ndarray:
+    """One group's advantages by the estimators' definitions (rloo: less the others' mean)."""
     r = np.asarray(rewards, np.float64)
     if len(r) < 2 or np.ptp(r) == 0:
         return np.zeros(len(r))
@@ -264,6 +265,282 @@ def test_each_trained_chain_is_laid_once_whole(
     assert again.packed == packed.packed and again.cut == packed.cut
     for key, value in batch.items():
         np.testing.assert_array_equal(again.batch[key], value)
+
+
+class Rejected(Exception):
+    """The session and field the reference refuses, as pack's SessionError must name them."""
+
+    def __init__(self, session: Session, field: str):
+        super().__init__(f"{session.label}: {field}")
+        self.session, self.field = session, field
+
+
+def formula_advantages(rewards: list[float], estimator: str) -> np.ndarray:
+    """One group's advantages by its float64 formulas, as pack must give them bit for bit."""
+    r = np.array(rewards, np.float64)
+    if len(r) < 2 or np.ptp(r) == 0:
+        return np.zeros_like(r)
+    if estimator == "rloo":
+        return r - (r.sum() - r) / (len(r) - 1)
+    if estimator == "mean":
+        return r - r.mean()
+    return (r - r.mean()) / (r.std() + 1e-6)
+
+
+def reference_fit(pieces: list[dict], free: np.ndarray, free_support: np.ndarray | None):
+    """Best-fit rows by a pass over every row per piece, or None if one does not fit."""
+    free, rows = free.copy(), []
+    free_support = None if free_support is None else free_support.copy()
+    for piece in pieces:
+        fits = free >= len(piece["tokens"])
+        if free_support is not None:
+            fits &= free_support >= len(piece["support_at"])
+        if not fits.any():
+            return None
+        row = int(np.argmin(np.where(fits, free, np.iinfo(np.int64).max)))
+        free[row] -= len(piece["tokens"])
+        if free_support is not None:
+            free_support[row] -= len(piece["support_at"])
+        rows.append(row)
+    return rows
+
+
+def reference_pieces(group, *, estimator, truncation, with_support) -> list[dict]:
+    """A group's trained chains, each with its arrays, advantage and kept support.
+
+    Raises:
+        Rejected: the group's first session pack must refuse, statuses before rewards.
+    """
+    for session in group:
+        if session.status not in PACKABLE:
+            raise Rejected(session, "status")
+    training = [s for s in group if s.status is not Status.TRUNCATED or truncation != "mask"]
+    rewards = []
+    for session in training:
+        if session.status is Status.TRUNCATED and truncation == "zero":
+            rewards.append(0.0)
+        elif session.reward is None:
+            raise Rejected(session, "reward")
+        else:
+            rewards.append(float(session.reward))
+    pieces = []
+    for session, advantage in zip(training, formula_advantages(rewards, estimator), strict=True):
+        for chain in chains(session):
+            mask = loss_positions(chain)
+            if not mask.any():
+                continue
+            at = []
+            if with_support and chain.support is not None:
+                at = [p for p in np.flatnonzero(mask) if chain.support[p] is not None]
+            pieces.append(
+                {
+                    "tokens": chain.tokens,
+                    "logprobs": chain.logprobs,
+                    "versions": chain.versions,
+                    "loss_mask": mask,
+                    "advantage": np.float32(advantage),
+                    "support_at": [p for p in at for _ in chain.support[p]],
+                    "support_tokens": [t for p in at for t in chain.support[p]],
+                }
+            )
+    return pieces
+
+
+def reference_lay_out(laid, *, width, support_capacity) -> dict[str, np.ndarray]:
+    """The batch arrays of the pieces laid per row, written slice by slice."""
+    rows = len(laid)
+    batch = {
+        "tokens": np.zeros((rows, width), np.int32),
+        "positions": np.zeros((rows, width), np.int32),
+        "segment_ids": np.zeros((rows, width), np.int32),
+        "loss_mask": np.zeros((rows, width), np.float32),
+        "advantages": np.zeros((rows, width), np.float32),
+        "behavior_logprobs": np.zeros((rows, width), np.float32),
+        "versions": np.full((rows, width), -1, np.int32),
+    }
+    if support_capacity is not None:
+        batch["support_tokens"] = np.full((rows, support_capacity), -1, np.int32)
+        batch["support_positions"] = np.full((rows, support_capacity), -1, np.int32)
+    for r, pieces in enumerate(laid):
+        offset = used = 0
+        for segment, piece in enumerate(pieces, start=1):
+            n = len(piece["tokens"])
+            cells = slice(offset, offset + n)
+            batch["tokens"][r, cells] = piece["tokens"]
+            batch["positions"][r, cells] = np.arange(n)
+            batch["segment_ids"][r, cells] = segment
+            batch["loss_mask"][r, cells] = piece["loss_mask"]
+            batch["advantages"][r, cells] = piece["loss_mask"] * piece["advantage"]
+            batch["behavior_logprobs"][r, cells] = piece["logprobs"]
+            batch["versions"][r, cells] = piece["versions"]
+            if support_capacity is not None:
+                k = len(piece["support_at"])
+                batch["support_positions"][r, used : used + k] = np.add(piece["support_at"], offset)
+                batch["support_tokens"][r, used : used + k] = piece["support_tokens"]
+                used += k
+            offset += n
+    return batch
+
+
+def reference_pack(groups, *, width, rows, estimator, truncation, support_capacity):
+    """pack written plainly: each group's advantages on their own, each chain's own arrays,
+    best fit by a pass over every row, slices written per piece. Slow, and the yardstick for
+    pack.
+
+    Returns:
+        (batch, packed, cut as (group, reason) pairs, fill).
+
+    Raises:
+        Rejected: the first session, group by group, pack must refuse.
+    """
+    with_support = support_capacity is not None
+    plans = [
+        reference_pieces(
+            group, estimator=estimator, truncation=truncation, with_support=with_support
+        )
+        for group in groups
+    ]
+    free = np.full(rows, width, np.int64)
+    free_support = np.full(rows, support_capacity, np.int64) if with_support else None
+    laid = [[] for _ in range(rows)]
+    packed, cut = [], []
+    for g, pieces in enumerate(plans):
+        if any(len(piece["tokens"]) > width for piece in pieces):
+            cut.append((g, "too_long"))
+            continue
+        ordered = sorted(pieces, key=lambda piece: -len(piece["tokens"]))
+        placement = reference_fit(ordered, free, free_support)
+        if placement is None:
+            fits = with_support and reference_fit(ordered, free, None) is not None
+            cut.append((g, "support" if fits else "no_room"))
+            continue
+        for piece, row in zip(ordered, placement, strict=True):
+            laid[row].append(piece)
+            free[row] -= len(piece["tokens"])
+            if with_support:
+                free_support[row] -= len(piece["support_at"])
+        packed.append(g)
+    batch = reference_lay_out(laid, width=width, support_capacity=support_capacity)
+    return batch, tuple(packed), tuple(cut), float((width * rows - free.sum()) / (width * rows))
+
+
+@st.composite
+def pack_cases(draw) -> tuple[list[list[Session]], dict]:
+    """Groups and pack's arguments: cuts of every reason, merged chains with support, and now
+    and then a session pack must refuse (a status it cannot train, a reward missing under
+    `score`)."""
+    groups = draw(groups_strategy(max_groups=6, max_size=5))
+    arguments = {
+        "width": draw(st.integers(1, 40)),
+        "rows": draw(st.integers(1, 4)),
+        "estimator": draw(st.sampled_from(ESTIMATORS)),
+        "truncation": draw(st.sampled_from(TRUNCATION)),
+        "support_capacity": draw(st.none() | st.integers(1, 30)),
+    }
+    if draw(st.integers(0, 3)):
+        groups = scorable(groups, arguments["truncation"])
+    if groups and not draw(st.integers(0, 9)):
+        g = draw(st.integers(0, len(groups) - 1))
+        s = draw(st.integers(0, len(groups[g]) - 1))
+        status = draw(st.sampled_from([Status.INFRA_ERROR, Status.CANCELLED]))
+        groups[g][s] = attrs.evolve(groups[g][s], status=status)
+    return groups, arguments
+
+
+def assert_packs_as_the_reference(groups: list[list[Session]], arguments: dict) -> None:
+    try:
+        batch, packed, cut, fill = reference_pack(groups, **arguments)
+    except Rejected as rejected:
+        task = rejected.session.task.name
+        with pytest.raises(SessionError) as raised:
+            pack(groups, **arguments)
+        assert str(raised.value).startswith(f"task {task!r} {rejected}")
+        return
+    result = pack(groups, **arguments)
+    assert result.packed == packed
+    assert tuple((c.group, c.reason) for c in result.cut) == cut
+    assert result.fill == fill
+    assert result.batch.keys() == batch.keys()
+    for name, expected in batch.items():
+        assert result.batch[name].dtype == expected.dtype, name
+        np.testing.assert_array_equal(result.batch[name], expected, err_msg=name, strict=True)
+
+
+@PROPERTY
+@given(case=pack_cases())
+def test_pack_lays_out_exactly_what_the_reference_does(case):
+    assert_packs_as_the_reference(*case)
+
+
+def packs_merged_support(case) -> bool:
+    groups, arguments = case
+    if arguments["support_capacity"] is None:
+        return False
+    try:
+        packed = pack(groups, **arguments)
+    except SessionError:
+        return False
+    return any(
+        chain.calls > 1 and chain.support is not None and loss_positions(chain).any()
+        for g in packed.packed
+        for session in groups[g]
+        if training_reward(session, arguments["truncation"]) is not None
+        for chain in chains(session)
+    )
+
+
+def cuts_for(reason: str):
+    def cuts(case) -> bool:
+        try:
+            return any(c.reason == reason for c in pack(case[0], **case[1]).cut)
+        except SessionError:
+            return False
+
+    return cuts
+
+
+@pytest.mark.parametrize(
+    "condition",
+    [cuts_for("too_long"), cuts_for("no_room"), cuts_for("support"), packs_merged_support],
+    ids=["too_long", "no_room", "support", "merged_support"],
+)
+def test_the_reference_cases_reach_every_cut_reason_and_merged_chains(condition):
+    # The first case found is enough: shrinking it would only cost time.
+    case = find(pack_cases(), condition, settings=settings(PROPERTY, phases=[Phase.generate]))
+    assert_packs_as_the_reference(*case)
+
+
+def test_advantages_of_groups_of_many_sizes_match_the_formulas_bit_for_bit():
+    # Numpy sums 8 or more rewards pairwise, not in order. Rewards that cancel far above the
+    # others make any other order show, even after rounding to float32: 1e17 + 1 is 1e17.
+    rng = np.random.default_rng(7)
+    sizes = [1, 2, 3, 5, 8, 9, 16, 17, 33, 2, 8, 33]
+    groups = []
+    for g, size in enumerate(sizes):
+        small = rng.choice([1.0, -0.5, 0.1, 3.0], size=size).tolist()
+        rewards = rng.permutation([1e17, -1e17, *small[2:]]) if size >= 3 else small
+        groups.append([one_call(Status.COMPLETED, float(r), group=g) for r in rewards])
+    groups.append([one_call(Status.COMPLETED, 0.5, group=len(sizes)) for _ in range(9)])
+    for estimator in ESTIMATORS:
+        arguments = {"width": 150, "rows": 3, "estimator": estimator, "truncation": "mask"}
+        assert_packs_as_the_reference(groups, arguments | {"support_capacity": None})
+        assert pack(groups, **arguments).packed == tuple(range(len(groups)))
+
+
+def test_the_first_group_that_breaks_the_contract_is_named():
+    # Group by group, statuses before rewards: pack names what a check in that order meets
+    # first, before it places anything.
+    unscored = [one_call(Status.COMPLETED, 1.0), one_call(Status.TRUNCATED, None, sample=1)]
+    broken = [
+        attrs.evolve(one_call(Status.COMPLETED, 1.0, group=1, sample=s), status=Status.CANCELLED)
+        for s in range(2)
+    ]
+    with pytest.raises(SessionError, match=r"task-0' group 0 sample 1 attempt 0: reward"):
+        pack([unscored, broken], width=8, rows=1, truncation="score")
+    with pytest.raises(SessionError, match=r"task-1' group 1 sample 0 attempt 0: status"):
+        pack([broken, unscored], width=8, rows=1, truncation="score")
+    with pytest.raises(SessionError, match=r"task-1' group 1 sample 0 attempt 0: status"):
+        pack([unscored + broken], width=8, rows=1, truncation="score")
 
 
 @st.composite

@@ -165,6 +165,15 @@ def test_support_follows_its_completion_positions():
     assert chain.support[1] is kept[0] and chain.support[2] is kept[1]
 
 
+def test_chains_are_cut_once_and_shared():
+    single = Session(status=Status.COMPLETED, calls=(call([1], [2]),), reward=0.0)
+    merged = Session(
+        status=Status.COMPLETED, calls=(call([1], [2]), call([1, 2, 3], [4])), reward=0.0
+    )
+    for session in (single, merged):
+        assert chains(session) is chains(session)
+
+
 def test_merge_ratio_counts_merged_calls_over_all_sessions():
     single = Session(status=Status.COMPLETED, calls=(call([1], [2]),), reward=0.0)
     merged = Session(

@@ -13,6 +13,7 @@ time.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Sequence
 
 import attrs
@@ -25,7 +26,8 @@ from dew.objectives.rl.sessions import (
     Session,
     Status,
     _fail,
-    chains,
+    _Run,
+    _runs,
     merge_ratio,
 )
 
@@ -80,39 +82,17 @@ class Packed:
     truncation: str
 
 
-@attrs.frozen(eq=False)
-class _Piece:
-    """One chain of a training rollout, ready to lay into a row.
-
-    Args:
-        tokens, logprobs, versions: the chain's arrays.
-        loss_mask: bool[L], the chain's trained positions but its first.
-        advantage: its rollout's advantage.
-        support_at: int32[K], the position in the chain of each kept support token.
-        support_tokens: int32[K], the kept token ids, position by position.
-    """
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    loss_mask: np.ndarray
-    advantage: float
-    support_at: np.ndarray
-    support_tokens: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.tokens)
+# One chain of a training rollout, ready to lay into a row: its length, the support tokens it
+# keeps, its run, its rollout's advantage. A plain tuple: a step makes one per rollout, and
+# building records would cost more than placing them.
+_Piece = tuple[int, int, _Run, float]
 
 
-# Shared by every piece without support (read-only).
-_NO_SUPPORT = np.zeros(0, np.int32)
-
-
-def _trains(session: Session, truncation: str) -> bool:
-    """Whether a session carries loss weight under a truncation policy."""
-    if session.status is Status.TRUNCATED:
-        return truncation != "mask"
-    return session.status in (Status.COMPLETED, Status.AGENT_ERROR)
+def _training_statuses(truncation: str) -> frozenset[Status]:
+    """The statuses that carry loss weight under a truncation policy."""
+    if truncation == "mask":
+        return frozenset((Status.COMPLETED, Status.AGENT_ERROR))
+    return frozenset((Status.COMPLETED, Status.AGENT_ERROR, Status.TRUNCATED))
 
 
 def _training_reward(session: Session, truncation: str) -> float:
@@ -133,95 +113,162 @@ def _training_reward(session: Session, truncation: str) -> float:
     return float(session.reward)
 
 
-def _advantages(rewards: np.ndarray, estimator: str) -> np.ndarray:
-    """Per-rollout advantages of one group's training rewards, float64[n]."""
+def _advantages(rewards: list[float], sizes: list[int], estimator: str) -> np.ndarray:
+    """Per-rollout advantages of every group's training rewards at once.
+
+    Groups of one size are the rows of one `[groups, size]` array: a row's reductions run over
+    it exactly as over a lone group's array, so each advantage is bit for bit what the group's
+    own formula gives, for a handful of numpy calls per step rather than per group.
+
+    Args:
+        rewards: float[n] the groups' training rewards, group after group.
+        sizes: how many of them each group has.
+
+    Returns:
+        float64[n] the advantages, in the order of `rewards`.
+    """
+    flat = np.array(rewards, np.float64)
+    advantages = np.zeros_like(flat)
+    counts = np.array(sizes, np.intp)
+    starts = np.cumsum(counts) - counts
+    # A lone training rollout has no baseline: it keeps advantage 0.
+    for size in np.unique(counts[counts >= 2]):
+        at = starts[counts == size][:, None] + np.arange(size)
+        advantages[at] = _group_advantages(flat[at], estimator)
+    return advantages
+
+
+def _group_advantages(rewards: np.ndarray, estimator: str) -> np.ndarray:
+    """Advantages within groups of one size >= 2: float64[groups, size] -> float64[groups, size]."""
+    size = rewards.shape[1]
+    if estimator == "rloo":
+        advantages = rewards - (rewards.sum(axis=1, keepdims=True) - rewards) / (size - 1)
+    else:
+        advantages = rewards - rewards.mean(axis=1, keepdims=True)
+        if estimator == "group":
+            advantages = advantages / (rewards.std(axis=1, keepdims=True) + _EPSILON)
     # A group whose rollouts all scored alike says nothing about which did better; exact zeros
     # keep rounding in the mean from turning into a spurious signal.
-    if len(rewards) < 2 or np.ptp(rewards) == 0:
-        return np.zeros_like(rewards)
-    if estimator == "rloo":
-        return rewards - (rewards.sum() - rewards) / (len(rewards) - 1)
-    centered = rewards - rewards.mean()
-    if estimator == "mean":
-        return centered
-    return centered / (rewards.std() + _EPSILON)
+    alike = np.ptp(rewards, axis=1, keepdims=True) == 0
+    return np.where(alike, 0.0, advantages)
+
+
+def _extent(run: _Run, support: bool) -> tuple[int, int, int]:
+    """A chain's length, its trained positions but its first, and the support tokens kept there
+    (0 unless `support`), read off its parts without building its arrays.
+
+    The first position of a segment has nothing before it to be predicted from, so it never
+    trains and its support is never kept.
+    """
+    length = trained = kept = 0
+    for context, call in run:
+        start = length + len(context)
+        completion = len(call.completion)
+        length = start + completion
+        first = 1 if start == 0 and completion else 0
+        trained += completion - first
+        if support and call.support is not None:
+            kept += sum(map(len, call.support[first:]))
+    return length, trained, kept
 
 
 def _pieces(
-    group: Sequence[Session], *, estimator: str, truncation: str, support: bool
+    training: Sequence[Session], advantages: Sequence[float], support: bool
 ) -> list[_Piece]:
-    """The chains a group trains on, in session and chain order, each with its advantage.
-
-    Raises:
-        SessionError: a session pack cannot take (status, or a missing reward).
-    """
-    for session in group:
-        if session.status not in PACKABLE:
-            raise _fail(session, "status", f"is {session.status.name}, which pack cannot train")
-    training = [s for s in group if _trains(s, truncation)]
-    rewards = np.array([_training_reward(s, truncation) for s in training], np.float64)
+    """The chains a group trains on, in session and chain order, each with its advantage."""
     pieces = []
-    for session, advantage in zip(training, _advantages(rewards, estimator), strict=True):
-        for chain in chains(session):
-            loss_mask = chain.trained.copy()
-            # The first token of a segment has nothing before it to be predicted from.
-            loss_mask[:1] = False
-            if not loss_mask.any():
-                # A segment that trains nothing would only take cells from one that does.
-                continue
-            at: list[int] = []
-            if support and chain.support is not None:
-                at = [i for i in np.flatnonzero(loss_mask) if chain.support[i] is not None]
-            support_at = support_tokens = _NO_SUPPORT
-            if at:
-                support_at = np.repeat(np.array(at, np.int32), [len(chain.support[i]) for i in at])
-                support_tokens = np.concatenate([chain.support[i] for i in at]).astype(np.int32)
-            pieces.append(
-                _Piece(
-                    tokens=chain.tokens,
-                    logprobs=chain.logprobs,
-                    versions=chain.versions,
-                    loss_mask=loss_mask,
-                    advantage=float(advantage),
-                    support_at=support_at,
-                    support_tokens=support_tokens,
-                )
-            )
+    for session, advantage in zip(training, advantages, strict=True):
+        for run in _runs(session):
+            length, trained, kept = _extent(run, support)
+            # A segment that trains nothing would only take cells from one that does.
+            if trained:
+                pieces.append((length, kept, run, advantage))
     return pieces
 
 
-def _fit(
-    pieces: Sequence[_Piece], free: np.ndarray, free_support: np.ndarray | None
-) -> np.ndarray | None:
-    """Best-fit rows for pieces taken in order, or None if one does not fit.
+def _length(piece: _Piece) -> int:
+    return piece[0]
 
-    Each piece goes to the row with the least free width that still holds it (the lowest such
-    row on ties), so large gaps stay open for large chains.
+
+@attrs.define(eq=False)
+class _Rows:
+    """The free cells and support slots of the batch's rows as groups fill them.
+
+    Best fit puts a piece in the row with the least free cells that still holds it (the lowest
+    such row on ties), so large gaps stay open for large chains. Every row's key
+    `free * count + row` sits in one ascending list, so that row is the first key at or above
+    `length * count` whose row has the support room: one bisection, not a pass over every row.
 
     Args:
-        pieces: in the order to place them (longest first packs densest).
-        free: int64[rows] free cells per row.
-        free_support: int64[rows] free support slots per row, or None to ignore support.
-
-    Returns:
-        intp[len(pieces)] the row of each piece.
+        count: rows.
+        free: free cells per row.
+        free_support: free support slots per row (0 without support: no piece then keeps any).
+        order: the rows' keys, ascending.
     """
-    free = free.copy()
-    free_support = None if free_support is None else free_support.copy()
-    unusable = np.iinfo(free.dtype).max
-    rows = np.empty(len(pieces), np.intp)
-    for k, piece in enumerate(pieces):
-        fits = free >= len(piece)
-        if free_support is not None:
-            fits &= free_support >= len(piece.support_at)
-        if not fits.any():
+
+    count: int
+    free: list[int]
+    free_support: list[int]
+    order: list[int]
+
+    @classmethod
+    def empty(cls, *, width: int, count: int, capacity: int) -> _Rows:
+        return cls(
+            count=count,
+            free=[width] * count,
+            free_support=[capacity] * count,
+            order=[width * count + row for row in range(count)],
+        )
+
+    def place(self, pieces: Sequence[_Piece], *, support: bool = True) -> list[int] | None:
+        """Best-fit rows for a group's pieces taken in order, or None if one does not fit.
+
+        A group goes in whole or not at all: when a piece does not fit, the rows its earlier
+        pieces took are given back, and the rows are as before.
+
+        Args:
+            pieces: in the order to place them (longest first packs densest).
+            support: False to place them as if they kept no support.
+        """
+        taken: list[int] = []
+        for length, kept, _, _ in pieces:
+            row = self._take(length, kept if support else 0)
+            if row is None:
+                self._give_back(pieces[: len(taken)], taken, support=support)
+                return None
+            taken.append(row)
+        return taken
+
+    def fits_without_support(self, pieces: Sequence[_Piece]) -> bool:
+        """Whether pieces would fit if they kept no support; leaves the rows as they are."""
+        taken = self.place(pieces, support=False)
+        if taken is not None:
+            self._give_back(pieces, taken, support=False)
+        return taken is not None
+
+    def _take(self, length: int, kept: int) -> int | None:
+        order, count = self.order, self.count
+        i = bisect_left(order, length * count)
+        if kept:
+            while i < len(order) and self.free_support[order[i] % count] < kept:
+                i += 1
+        if i == len(order):
             return None
-        row = int(np.argmin(np.where(fits, free, unusable)))
-        free[row] -= len(piece)
-        if free_support is not None:
-            free_support[row] -= len(piece.support_at)
-        rows[k] = row
-    return rows
+        key = order.pop(i)
+        row = key % count
+        self.free[row] -= length
+        self.free_support[row] -= kept
+        insort(order, key - length * count)
+        return row
+
+    def _give_back(self, pieces: Sequence[_Piece], taken: Sequence[int], *, support: bool) -> None:
+        order, count = self.order, self.count
+        for (length, kept, _, _), row in zip(pieces, taken, strict=True):
+            key = self.free[row] * count + row
+            del order[bisect_left(order, key)]
+            insort(order, key + length * count)
+            self.free[row] += length
+            self.free_support[row] += kept if support else 0
 
 
 def _check_size(name: str, value) -> None:
@@ -275,81 +322,145 @@ def pack(
         _check_size("support_capacity", support_capacity)
     with_support = support_capacity is not None
     # Every group is checked before any is placed, so whether pack raises never depends on fit.
-    plans = [
-        _pieces(group, estimator=estimator, truncation=truncation, support=with_support)
-        for group in groups
-    ]
+    trains = _training_statuses(truncation)
+    trainings: list[list[Session]] = []
+    rewards: list[float] = []
+    for group in groups:
+        for session in group:
+            if session.status not in PACKABLE:
+                raise _fail(session, "status", f"is {session.status.name}, which pack cannot train")
+        training = [s for s in group if s.status in trains]
+        rewards += [_training_reward(s, truncation) for s in training]
+        trainings.append(training)
+    advantages = _advantages(rewards, [len(t) for t in trainings], estimator).tolist()
 
-    free = np.full(rows, width, np.int64)
-    free_support = np.full(rows, support_capacity, np.int64) if with_support else None
+    free = _Rows.empty(width=width, count=rows, capacity=support_capacity or 0)
     laid: list[list[_Piece]] = [[] for _ in range(rows)]
     packed: list[int] = []
     cut: list[Cut] = []
-    for g, pieces in enumerate(plans):
-        if any(len(piece) > width for piece in pieces):
+    at = 0
+    for g, training in enumerate(trainings):
+        pieces = _pieces(training, advantages[at : at + len(training)], with_support)
+        at += len(training)
+        if any(length > width for length, _, _, _ in pieces):
             cut.append(Cut(g, "too_long"))
             continue
-        ordered = sorted(pieces, key=lambda piece: -len(piece))
-        placement = _fit(ordered, free, free_support)
-        if placement is None:
-            fits_without_support = with_support and _fit(ordered, free, None) is not None
+        pieces.sort(key=_length, reverse=True)
+        taken = free.place(pieces)
+        if taken is None:
+            fits_without_support = with_support and free.fits_without_support(pieces)
             cut.append(Cut(g, "support" if fits_without_support else "no_room"))
             continue
-        for piece, row in zip(ordered, placement, strict=True):
+        for piece, row in zip(pieces, taken, strict=True):
             laid[row].append(piece)
-            free[row] -= len(piece)
-            if free_support is not None:
-                free_support[row] -= len(piece.support_at)
         packed.append(g)
 
-    batch = _lay_out(laid, width=width, support_capacity=support_capacity)
+    cells = width * rows
     return Packed(
-        batch=batch,
+        batch=_lay_out(laid, width=width, support_capacity=support_capacity),
         packed=tuple(packed),
         cut=tuple(cut),
-        fill=float((width * rows - free.sum()) / (width * rows)),
+        fill=(cells - sum(free.free)) / cells,
         estimator=estimator,
         truncation=truncation,
     )
 
 
 def _lay_out(
-    laid: list[list[_Piece]], *, width: int, support_capacity: int | None
+    laid: Sequence[Sequence[_Piece]], *, width: int, support_capacity: int | None
 ) -> dict[str, np.ndarray]:
-    """The batch arrays of pieces placed per row, left to right in placement order."""
+    """The batch arrays of the pieces laid in each row, left to right in placement order.
+
+    Walked in row order with each row's padding as one more stretch, every array comes out of
+    one numpy call over the whole batch (joining the parts' arrays, or repeating a value per
+    part or per piece) rather than slices written per piece: a step lays out thousands of
+    small chains.
+    """
     rows = len(laid)
+    # Views of these stand for context and padding.
+    blank = np.zeros(width, np.int32)
+    silent = np.zeros(width, np.float32)
+    tokens: list[np.ndarray] = []  # per part its context, then its completion
+    logprobs: list[np.ndarray] = []  # the same stretches
+    versions: list[int] = []  # per part
+    lengths: list[int] = []  # per piece, then the row's padding
+    offsets: list[int] = []
+    segments: list[int] = []
+    advantages: list[float] = []
+    for pieces in laid:
+        used = 0
+        for segment, (length, _, run, advantage) in enumerate(pieces, start=1):
+            for context, call in run:
+                tokens += (context, call.completion)
+                logprobs += (silent[: len(context)], call.logprobs)
+                versions.append(call.version)
+            lengths.append(length)
+            offsets.append(used)
+            segments.append(segment)
+            advantages.append(advantage)
+            used += length
+        # The padding is a part of context only and a piece of segment 0.
+        tokens += (blank[: width - used], blank[:0])
+        logprobs += (silent[: width - used], silent[:0])
+        versions.append(-1)
+        lengths.append(width - used)
+        offsets.append(used)
+        segments.append(0)
+        advantages.append(0.0)
+
+    part_lengths = np.fromiter(map(len, tokens), np.intp, len(tokens))
+    completion = np.zeros(len(tokens), bool)
+    completion[1::2] = True
+    part_versions = np.full(len(tokens), -1, np.int32)
+    part_versions[1::2] = versions
+    segment_ids = np.repeat(np.array(segments, np.int32), lengths)
+    positions = np.tile(np.arange(width, dtype=np.int32), rows)
+    positions -= np.repeat(np.array(offsets, np.int32), lengths)
+    positions[segment_ids == 0] = 0
+    # The first token of a segment has nothing before it to be predicted from.
+    loss_mask = (np.repeat(completion, part_lengths) & (positions > 0)).astype(np.float32)
     batch = {
-        "tokens": np.zeros((rows, width), np.int32),
-        "positions": np.zeros((rows, width), np.int32),
-        "segment_ids": np.zeros((rows, width), np.int32),
-        "loss_mask": np.zeros((rows, width), np.float32),
-        "advantages": np.zeros((rows, width), np.float32),
-        "behavior_logprobs": np.zeros((rows, width), np.float32),
-        "versions": np.full((rows, width), -1, np.int32),
+        "tokens": np.concatenate(tokens, dtype=np.int32),
+        "positions": positions,
+        "segment_ids": segment_ids,
+        "loss_mask": loss_mask,
+        "advantages": loss_mask * np.repeat(np.array(advantages, np.float32), lengths),
+        "behavior_logprobs": np.concatenate(logprobs, dtype=np.float32),
+        "versions": np.repeat(part_versions, part_lengths),
     }
     if support_capacity is not None:
-        batch["support_tokens"] = np.full((rows, support_capacity), -1, np.int32)
-        batch["support_positions"] = np.full((rows, support_capacity), -1, np.int32)
-    counting = np.arange(width, dtype=np.int32)
-    for r, pieces in enumerate(laid):
+        batch["support_tokens"], batch["support_positions"] = _support(laid, support_capacity)
+    return {name: array.reshape(rows, -1) for name, array in batch.items()}
+
+
+def _support(laid: Sequence[Sequence[_Piece]], capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's kept support, flat: int32[rows * capacity] token ids and positions in row.
+
+    A row's entries are its pieces' in placement order, each piece's by position: every trained
+    position's kept tokens, then -1 in the slots left over.
+    """
+    unused = np.full(capacity, -1, np.int32)
+    tokens: list[np.ndarray] = []  # per kept position its tokens, then a row's unused slots
+    at: list[int] = []  # the position in its row of each, -1 for unused slots
+    for pieces in laid:
         offset = used = 0
-        for segment, piece in enumerate(pieces, start=1):
-            n = len(piece)
-            cells = slice(offset, offset + n)
-            batch["tokens"][r, cells] = piece.tokens
-            batch["positions"][r, cells] = counting[:n]
-            batch["segment_ids"][r, cells] = segment
-            batch["loss_mask"][r, cells] = piece.loss_mask
-            batch["advantages"][r, cells] = piece.loss_mask * np.float32(piece.advantage)
-            batch["behavior_logprobs"][r, cells] = piece.logprobs
-            batch["versions"][r, cells] = piece.versions
-            if support_capacity is not None:
-                k = len(piece.support_at)
-                batch["support_positions"][r, used : used + k] = piece.support_at + offset
-                batch["support_tokens"][r, used : used + k] = piece.support_tokens
-                used += k
-            offset += n
-    return batch
+        for length, kept, run, _ in pieces:
+            if kept:
+                position = offset
+                for context, call in run:
+                    position += len(context)
+                    if call.support is not None:
+                        # A segment's first position never trains, so its support is not kept.
+                        first = 1 if position == offset else 0
+                        at += range(position + first, position + len(call.support))
+                        tokens += call.support[first:]
+                    position += len(call.completion)
+                used += kept
+            offset += length
+        tokens.append(unused[: capacity - used])
+        at.append(-1)
+    sizes = np.fromiter(map(len, tokens), np.intp, len(tokens))
+    return np.concatenate(tokens, dtype=np.int32), np.repeat(np.array(at, np.int32), sizes)
 
 
 def _share(count: int, total: int) -> float:
@@ -385,7 +496,8 @@ def session_metrics(
     metrics = {"merge_ratio": merge_ratio(sessions)}
     for status in Status:
         metrics[f"status/{status.value}"] = _share(sum(s.status is status for s in sessions), total)
-    masked = [s for s in sessions if not _trains(s, packed.truncation)]
+    trains = _training_statuses(packed.truncation)
+    masked = [s for s in sessions if s.status not in trains]
     metrics["masked/share"] = _share(len(masked), total)
     for reason in TRUNCATION_REASONS:
         metrics[f"masked/{reason}"] = _share(sum(s.truncation == reason for s in masked), total)

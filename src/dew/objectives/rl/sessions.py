@@ -124,7 +124,7 @@ class Session:
     @property
     def min_version(self) -> int | None:
         """The version of its oldest call: a rollout is as stale as its oldest call."""
-        return min((call.version for call in self.calls), default=None)
+        return min([call.version for call in self.calls]) if self.calls else None
 
     @property
     def tokens(self) -> int:
@@ -250,6 +250,10 @@ class Chain:
         return len(self.tokens)
 
 
+# One chain as its parts: per merged call, the context it adds to the chain and the call.
+_Run = tuple[tuple[np.ndarray, Call], ...]
+
+_RUNS: weakref.WeakKeyDictionary[Session, tuple[_Run, ...]] = weakref.WeakKeyDictionary()
 _CHAINS: weakref.WeakKeyDictionary[Session, tuple[Chain, ...]] = weakref.WeakKeyDictionary()
 
 
@@ -259,27 +263,54 @@ def chains(session: Session) -> tuple[Chain, ...]:
 
     Sessions are frozen, so each one's chains are cut once and shared: treat them as read-only.
     """
-    cut = _CHAINS.get(session)
-    if cut is None:
-        cut = _CHAINS[session] = tuple(_cut(session.calls))
-    return cut
+    built = _CHAINS.get(session)
+    if built is None:
+        built = _CHAINS[session] = tuple(map(_chain, _runs(session)))
+    return built
 
 
-def _cut(calls: Sequence[Call]) -> list[Chain]:
-    runs: list[list[tuple[np.ndarray, Call]]] = []  # per chain: (new context, call)
-    seen = np.zeros(0, np.int32)
+def _runs(session: Session) -> tuple[_Run, ...]:
+    """A session's chains as their parts, cut once per session and shared (read-only).
+
+    The cut without the chains' token arrays: `pack` and `merge_ratio` need only which calls
+    merge and where each call's tokens fall, and building arrays per chain would cost them more
+    than everything else they do with a small chain.
+    """
+    calls = session.calls
+    if len(calls) == 1:
+        # Most sessions are one call, one chain: describing it again costs less than the cache.
+        return (((calls[0].prompt, calls[0]),),)
+    runs = _RUNS.get(session)
+    if runs is None:
+        runs = _RUNS[session] = _cut(calls)
+    return runs
+
+
+def _cut(calls: Sequence[Call]) -> tuple[_Run, ...]:
+    """The chains of calls in order, each as its parts (see `chains` for when calls merge)."""
+    runs: list[list[tuple[np.ndarray, Call]]] = []
+    before = None
     for call in calls:
-        n = len(seen)
-        extends = bool(runs) and len(call.prompt) >= n and np.array_equal(call.prompt[:n], seen)
-        if extends:
-            runs[-1].append((call.prompt[n:], call))
+        if before is not None and _extends(call.prompt, before):
+            runs[-1].append((call.prompt[len(before.prompt) + len(before.completion) :], call))
         else:
             runs.append([(call.prompt, call)])
-        seen = np.concatenate([call.prompt, call.completion])
-    return [_chain(run) for run in runs]
+        before = call
+    return tuple(map(tuple, runs))
 
 
-def _chain(run: list[tuple[np.ndarray, Call]]) -> Chain:
+def _extends(prompt: np.ndarray, before: Call) -> bool:
+    """Whether a prompt starts with the call before's prompt and completion: the chain so far,
+    compared in place rather than concatenated."""
+    p, c = len(before.prompt), len(before.completion)
+    return (
+        len(prompt) >= p + c
+        and bool((prompt[:p] == before.prompt).all())
+        and bool((prompt[p : p + c] == before.completion).all())
+    )
+
+
+def _chain(run: _Run) -> Chain:
     length = sum(len(context) + len(call.completion) for context, call in run)
     tokens = np.empty(length, np.int32)
     trained = np.zeros(length, bool)
@@ -313,7 +344,7 @@ def merge_ratio(sessions: Sequence[Session]) -> float:
     calls = sum(len(s.calls) for s in sessions)
     if calls == 0:
         return 0.0
-    return 1.0 - sum(len(chains(s)) for s in sessions) / calls
+    return 1.0 - sum(len(_runs(s)) for s in sessions) / calls
 
 
 from dew.objectives.rl._packing import Cut, Packed, pack, session_metrics  # noqa: E402, F401
