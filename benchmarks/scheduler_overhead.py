@@ -47,14 +47,18 @@ WIDTH = 64
 TOKENS = 4
 
 
+# Every session's call shares these read-only arrays, as a prompt set's rollouts share their
+# prompt: the source's own cost is kept to the Call and Session it must build.
+_PROMPT = np.array([1, 2], np.int32)
+_COMPLETION = np.array([3, 4], np.int32)
+_LOGPROBS = np.array([-0.5, -0.25], np.float32)
+for _array in (_PROMPT, _COMPLETION, _LOGPROBS):
+    _array.flags.writeable = False
+
+
 def _session(label: Label, version: int) -> Session:
     """A COMPLETED session of one call of 2 prompt and 2 completion tokens, served at version."""
-    call = Call(
-        prompt=np.array([1, 2], np.int32),
-        completion=np.array([3, 4], np.int32),
-        logprobs=np.array([-0.5, -0.25], np.float32),
-        version=version,
-    )
+    call = Call(prompt=_PROMPT, completion=_COMPLETION, logprobs=_LOGPROBS, version=version)
     return Session(Status.COMPLETED, (call,), reward=float(label.sample))
 
 

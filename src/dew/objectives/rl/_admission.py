@@ -318,17 +318,19 @@ class _Step:
 
     # --- bookkeeping -------------------------------------------------------------------------
 
-    def log(self, kind: str, group: Group | None = None, label: Label | None = None, **fields):
-        self.commands.append(
-            LogEvent(
-                kind=kind,
-                time=self.time,
-                group=None if group is None else group.id,
-                task=None if group is None else group.task.name,
-                label=label,
-                **fields,
-            )
-        )
+    def log(
+        self,
+        kind: str,
+        group: Group | None = None,
+        label: Label | None = None,
+        version: int | None = None,
+        reason: str | None = None,
+    ) -> None:
+        if group is None:
+            event = LogEvent(kind, self.time, version, None, None, label, reason)
+        else:
+            event = LogEvent(kind, self.time, version, group.id, group.task.name, label, reason)
+        self.commands.append(event)
 
     def put(self, group: Group) -> Group:
         """Store a group's new value, counting the batch's groups that are not yet final."""
@@ -446,7 +448,7 @@ class _Step:
             return
         finished = sample.with_state(SampleState.FINISHED, session)
         group = self.put_sample(group, finished)
-        if sum(s.state is SampleState.FINISHED for s in group.samples) >= self.config.groups:
+        if [s.state for s in group.samples].count(SampleState.FINISHED) >= self.config.groups:
             self.complete(group)
 
     def time_out(self, label: Label) -> None:
