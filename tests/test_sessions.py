@@ -127,6 +127,32 @@ def test_a_broken_field_is_named_with_task_and_label(broken):
     assert f": {field} " in message
 
 
+@pytest.mark.parametrize("length", [2, 33, 500], ids=["short", "just-long", "long"])
+@pytest.mark.parametrize(
+    ("field", "bad", "message"),
+    [
+        ("prompt", -3, "negative token id -3"),
+        ("completion", -1, "negative token id -1"),
+        ("logprobs", np.nan, "non-finite log-prob"),
+        ("logprobs", -np.inf, "non-finite log-prob"),
+        ("logprobs", np.inf, "non-finite log-prob"),
+        ("logprobs", 0.5, "positive log-prob 0.5"),
+    ],
+)
+def test_bad_values_are_found_in_calls_of_any_length(length, field, bad, message):
+    """Short arrays are checked through Python lists, long ones by numpy: both find the one
+    bad value at the end of a call."""
+    arrays = {
+        "prompt": np.arange(length, dtype=np.int32),
+        "completion": np.arange(length, dtype=np.int32),
+        "logprobs": np.full(length, -0.5, np.float32),
+    }
+    assert check_session(broken_call(**arrays, support=None)) is not None
+    arrays[field][-1] = bad
+    with pytest.raises(SessionError, match=rf"calls\[0\]\.{field} holds a {message}"):
+        check_session(broken_call(**arrays, support=None))
+
+
 def test_not_a_session_is_named_by_its_type():
     with pytest.raises(SessionError, match="returned dict, not a Session"):
         check_session({"status": "completed"})

@@ -149,16 +149,76 @@ _INTEGER = (int, np.integer)
 _NUMBER = (float, int, np.floating)
 
 
-def _check_tokens(session: Session, field: str, array) -> None:
+# A numpy reduction costs about a microsecond to call, whatever the length; a short array's
+# extremes come sooner from its values as a list. Sessions of tiny calls would otherwise spend
+# most of their check here.
+_SHORT = 32
+
+
+def _least(array: np.ndarray):
+    """The smallest value of a non-empty array."""
+    return min(array.tolist()) if len(array) <= _SHORT else array.min()
+
+
+def _logprobs_problem(logprobs: np.ndarray) -> str | None:
+    """What is wrong with a non-empty array of log-probs, or None."""
+    if len(logprobs) <= _SHORT:
+        values = logprobs.tolist()
+        total, greatest = sum(values), max(values)
+    else:
+        total, greatest = logprobs.sum(), logprobs.max()
+    # A sum is finite exactly when every term is (log-probs are far from overflow).
+    if not math.isfinite(total):
+        return "holds a non-finite log-prob"
+    if greatest > 0:
+        return f"holds a positive log-prob {greatest}"
+    return None
+
+
+def _tokens_problem(array) -> str | None:
+    """What is wrong with an array of token ids, or None."""
     if type(array) is not np.ndarray or array.ndim != 1 or array.dtype != np.int32:
         described = (
             f"{array.dtype}[{','.join(map(str, array.shape))}]"
             if isinstance(array, np.ndarray)
             else type(array).__name__
         )
-        raise _fail(session, field, f"must be a 1-D int32 array, got {described}")
-    if array.size and array.min() < 0:
-        raise _fail(session, field, f"holds a negative token id {int(array.min())}")
+        return f"must be a 1-D int32 array, got {described}"
+    if array.size and (least := _least(array)) < 0:
+        return f"holds a negative token id {int(least)}"
+    return None
+
+
+def _call_problem(call: Call) -> tuple[str, str] | None:
+    """The field of a call that is wrong and what is wrong with it, or None.
+
+    Field names are built only for a problem: every call of every session passes here.
+    """
+    if (problem := _tokens_problem(call.prompt)) is not None:
+        return "prompt", problem
+    if (problem := _tokens_problem(call.completion)) is not None:
+        return "completion", problem
+    lp = call.logprobs
+    if type(lp) is not np.ndarray or lp.ndim != 1 or lp.dtype != np.float32:
+        return "logprobs", "must be a 1-D float32 array"
+    if len(lp) != len(call.completion):
+        return "logprobs", f"has {len(lp)} entries for {len(call.completion)} completion tokens"
+    if lp.size and (problem := _logprobs_problem(lp)) is not None:
+        return "logprobs", problem
+    if isinstance(call.version, bool) or not isinstance(call.version, _INTEGER):
+        return "version", f"must be an int, got {call.version!r}"
+    if call.version < 0:
+        return "version", f"must be >= 0, got {call.version}"
+    if call.support is None:
+        return None
+    if len(call.support) != len(call.completion):
+        return "support", f"has {len(call.support)} positions for {len(call.completion)} tokens"
+    for j, (kept, token) in enumerate(zip(call.support, call.completion, strict=True)):
+        if (problem := _tokens_problem(kept)) is not None:
+            return f"support[{j}]", problem
+        if token not in kept:
+            return f"support[{j}]", f"lacks sampled token {token}"
+    return None
 
 
 def check_session(session: Session) -> Session:
@@ -172,40 +232,11 @@ def check_session(session: Session) -> Session:
     if not isinstance(session.status, Status):
         raise _fail(session, "status", f"is unknown: {session.status!r}")
     for i, call in enumerate(session.calls):
-        where = f"calls[{i}]"
         if not isinstance(call, Call):
-            raise _fail(session, where, f"is a {type(call).__name__}, not a Call")
-        _check_tokens(session, f"{where}.prompt", call.prompt)
-        _check_tokens(session, f"{where}.completion", call.completion)
-        lp = call.logprobs
-        if type(lp) is not np.ndarray or lp.ndim != 1 or lp.dtype != np.float32:
-            raise _fail(session, f"{where}.logprobs", "must be a 1-D float32 array")
-        if len(lp) != len(call.completion):
-            raise _fail(
-                session,
-                f"{where}.logprobs",
-                f"has {len(lp)} entries for {len(call.completion)} completion tokens",
-            )
-        # A sum is finite exactly when every term is (log-probs are far from overflow).
-        if lp.size and not math.isfinite(lp.sum()):
-            raise _fail(session, f"{where}.logprobs", "holds a non-finite log-prob")
-        if lp.size and lp.max() > 0:
-            raise _fail(session, f"{where}.logprobs", f"holds a positive log-prob {lp.max()}")
-        if isinstance(call.version, bool) or not isinstance(call.version, _INTEGER):
-            raise _fail(session, f"{where}.version", f"must be an int, got {call.version!r}")
-        if call.version < 0:
-            raise _fail(session, f"{where}.version", f"must be >= 0, got {call.version}")
-        if call.support is not None:
-            if len(call.support) != len(call.completion):
-                raise _fail(
-                    session,
-                    f"{where}.support",
-                    f"has {len(call.support)} positions for {len(call.completion)} tokens",
-                )
-            for j, (kept, token) in enumerate(zip(call.support, call.completion, strict=True)):
-                _check_tokens(session, f"{where}.support[{j}]", kept)
-                if token not in kept:
-                    raise _fail(session, f"{where}.support[{j}]", f"lacks sampled token {token}")
+            raise _fail(session, f"calls[{i}]", f"is a {type(call).__name__}, not a Call")
+        if (found := _call_problem(call)) is not None:
+            field, problem = found
+            raise _fail(session, f"calls[{i}].{field}", problem)
     if session.reward is not None and not (
         isinstance(session.reward, _NUMBER) and math.isfinite(session.reward)
     ):
