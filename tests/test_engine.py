@@ -18,7 +18,8 @@ import trio.testing
 
 import dew.serve
 from dew import models
-from dew.objectives.rl.sessions import Session, Status, check_session
+from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.rl.sessions import Session, Status, check_session, pack
 from dew.serve import RolloutServer, _engine, sample
 
 CONFIG = models.TransformerConfig(d_model=32, heads=2, layers=2, d_ff=64, max_len=64)
@@ -133,6 +134,40 @@ async def test_filtered_logprobs_and_support_match_a_numpy_reference(temperature
         assert call.support[position].dtype == np.int32
         token = call.completion[position]
         np.testing.assert_allclose(call.logprobs[position], filtered[token], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(0.5, None), (1.6, 12), (1.0, None)])
+async def test_the_objective_at_the_sampling_temperature_rescores_the_engines_logprobs(
+    temperature, top_k
+):
+    """Behaviour (the engine's) and proximal (the trainer's, over packed rows) log-probs of the
+    same weights agree when the objective knows the sampling temperature; then the behaviour
+    importance is 1, as it must be for a rollout that is not stale."""
+    async with server() as engine:
+        calls = [
+            await engine.generate(
+                np.array([3, 1, 4, 1 + i], np.int32),
+                max_tokens=10,
+                temperature=temperature,
+                top_k=top_k,
+                key=i,
+            )
+            for i in range(4)
+        ]
+    group = [Session(Status.COMPLETED, (call,), reward=float(i)) for i, call in enumerate(calls)]
+    packed = pack(
+        [group], width=WIDTH, rows=1, support_capacity=None if top_k is None else 4 * 10 * 12
+    )
+    assert packed.packed == (0,)
+    trained = packed.batch["loss_mask"] > 0
+    objective = GRPOObjective(models.model(CONFIG), temperature=temperature)
+    proximal = np.asarray(objective.packed_log_probs(params(), packed.batch))
+    behavior = packed.batch["behavior_logprobs"]
+    np.testing.assert_allclose(proximal[trained], behavior[trained], rtol=1e-5, atol=1e-4)
+    if temperature != 1.0:
+        # An objective that ignored the temperature would see a mismatch that is not staleness.
+        untempered = GRPOObjective(models.model(CONFIG)).packed_log_probs(params(), packed.batch)
+        assert np.abs(np.asarray(untempered)[trained] - behavior[trained]).max() > 0.1
 
 
 def test_sample_matches_the_reference_under_ties_and_wide_logits():

@@ -72,8 +72,9 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return logits - peak - np.log(np.exp(logits - peak).sum(-1, keepdims=True))
 
 
-def scored_alone(params, placed, rows: int, width: int) -> np.ndarray:
-    """The reference: each chain scored by one model call on just its tokens, [1, length]."""
+def scored_alone(params, placed, rows: int, width: int, temperature: float = 1.0) -> np.ndarray:
+    """The reference: each chain scored by one model call on just its tokens, [1, length], its
+    logits divided by temperature."""
     expected = np.zeros((rows, width))
     for row, start, chain in placed:
         length = len(chain)
@@ -81,7 +82,7 @@ def scored_alone(params, placed, rows: int, width: int) -> np.ndarray:
         logits = np.asarray(
             SCORE_ALONE(params, chain[None], np.arange(length, dtype=np.int32)[None], ones)
         )
-        lp = log_softmax(logits[0])
+        lp = log_softmax(logits[0].astype(np.float64) / temperature)
         expected[row, start + 1 : start + length] = lp[np.arange(length - 1), chain[1:]]
     return expected
 
@@ -97,6 +98,19 @@ def test_packed_log_probs_equal_each_chain_alone(params, seed):
     np.testing.assert_allclose(
         np.asarray(got), scored_alone(params, placed, rows, width), **TOLERANCE
     )
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_packed_log_probs_are_of_the_sampling_temperature(params, temperature):
+    rng = np.random.default_rng(7)
+    rows, width = 3, 24
+    batch, placed = random_packing(rng, rows, width)
+    got = GRPOObjective(MODEL, temperature=temperature).packed_log_probs(params, batch)
+    expected = scored_alone(params, placed, rows, width, temperature)
+    np.testing.assert_allclose(np.asarray(got), expected, **TOLERANCE)
+    # The temperature is not a no-op: at 1 the same rows score otherwise.
+    untempered = np.asarray(OBJECTIVE.packed_log_probs(params, batch))
+    assert np.abs(untempered - expected).max() > 0.05
 
 
 def random_support(rng, batch, capacity: int):
@@ -294,6 +308,10 @@ def test_update_fn_lowers_the_loss(params):
         ("importance_cap", math.inf),
         ("importance_cap", math.nan),
         ("importance_cap", None),
+        ("temperature", 0.0),
+        ("temperature", -1.0),
+        ("temperature", math.inf),
+        ("temperature", "1"),
     ],
 )
 def test_bad_hyper_parameters_raise(argument, value):

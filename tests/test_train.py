@@ -429,6 +429,7 @@ def test_help_lists_every_option_with_its_default(capsys):
         (["--groups", "1"], "groups must be an int >= 2, got 1"),
         (["--ahead", "2"], "max_lag must be >= ahead + sync_every - 1 = 2, got 1"),
         (["--learning-rate", "0"], "learning_rate must be a finite number > 0"),
+        (["--temperature", "0"], "temperature must be a finite number > 0, got 0"),
         (["--resume"], "--resume needs --run"),
     ],
 )

@@ -562,11 +562,6 @@ def _positive_number(instance, attribute, value):
         raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
 
 
-def _non_negative_number(instance, attribute, value):
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
-        raise ValueError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
-
-
 TASKS = ("copy", "guess")
 
 
@@ -592,7 +587,8 @@ class TrainConfig:
         groups: rollouts per task that train together.
         tasks: distinct task ids; the stream goes over them in a seeded order, epoch after epoch.
         learning_rate: Adam's step size.
-        temperature: the engine's sampling temperature.
+        temperature: the engine's sampling temperature; the objective's log-probs are of the
+            same tempered distribution.
         ahead: task batches submitted before the trainer hands them over (the trainer reads
             that far ahead); 0 is synchronous.
         max_lag: the most updates a rollout's oldest call may be behind at training.
@@ -614,7 +610,9 @@ class TrainConfig:
         1000, _int_at_least(1), "distinct task ids the stream goes over, epoch after epoch"
     )
     learning_rate: float = _option(1e-3, _positive_number, "Adam's step size")
-    temperature: float = _option(1.0, _non_negative_number, "the engine's sampling temperature")
+    temperature: float = _option(
+        1.0, _positive_number, "the sampling temperature, which the objective scores at too"
+    )
     ahead: int = _option(
         1, _int_at_least(0), "task batches submitted before the trainer needs them (0 = sync)"
     )
@@ -751,7 +749,7 @@ def train(
     task, shape = _task(config)
     model_config = config.model_config(shape.max_len)
     variables = models.init(jax.random.key(config.seed), model_config)
-    objective = GRPOObjective(models.model(model_config))
+    objective = GRPOObjective(models.model(model_config), temperature=config.temperature)
     trainer = Trainer(
         objective,
         optax.adam(config.learning_rate),

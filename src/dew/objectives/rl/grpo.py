@@ -48,6 +48,11 @@ def _at_least_one(instance, attribute, value) -> None:
         raise ValueError(f"{attribute.name} must be a finite number >= 1, got {value!r}")
 
 
+def _positive(instance, attribute, value) -> None:
+    if not _is_number(value) or not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
+
+
 def _callable(instance, attribute, value) -> None:
     if not callable(value):
         raise ValueError(f"{attribute.name} must be callable, got {type(value).__name__}")
@@ -76,15 +81,22 @@ class GRPOObjective:
         clip: the surrogate clips the ratio to current / proximal to [1 - clip, 1 + clip].
         importance_cap: the behaviour importance weight proximal / behaviour is capped here, so
             one token the engine found unlikely cannot dominate the step.
+        temperature: the engine's sampling temperature. Every log-prob here is of the logits
+            divided by it, the distribution the engine drew from and reported its behaviour
+            log-probs under; at another temperature, behaviour and proximal would differ by
+            the temperature alone and the importance weights would correct for it, not for
+            staleness.
 
     Raises:
-        ValueError: naming the argument, for a model that is not callable, a clip outside (0, 1)
-            or an importance_cap below 1 (an on-policy token weighs 1).
+        ValueError: naming the argument, for a model that is not callable, a clip outside (0, 1),
+            an importance_cap below 1 (an on-policy token weighs 1) or a temperature that is
+            not a finite number > 0 (greedy decoding has no log-probs to train on).
     """
 
     model: Model = attrs.field(validator=_callable)
     clip: float = attrs.field(default=0.2, kw_only=True, validator=_clip_range)
     importance_cap: float = attrs.field(default=5.0, kw_only=True, validator=_at_least_one)
+    temperature: float = attrs.field(default=1.0, kw_only=True, validator=_positive)
     # Built once per objective, so each batch shape compiles once for the objective's lifetime.
     _jitted_log_probs: Callable = attrs.field(
         init=False,
@@ -105,8 +117,8 @@ class GRPOObjective:
                 log-prob is renormalised over the tokens kept at its position.
 
         Returns:
-            float32[rows, width]: log-prob of `tokens[r, p]` from the logits at `p - 1`; 0 at a
-            segment's first position and at padding.
+            float32[rows, width]: log-prob of `tokens[r, p]` from the logits at `p - 1` divided
+            by `temperature`; 0 at a segment's first position and at padding.
 
         Raises:
             KeyError: naming a missing key, or a support key without its partner.
@@ -233,6 +245,7 @@ class GRPOObjective:
         positions = jnp.asarray(batch["positions"], jnp.int32)
         rows, width = tokens.shape
         logits = self.model(variables, tokens, positions, segment_ids).astype(jnp.float32)
+        logits = logits / jnp.float32(self.temperature)
         # Position p is predicted by the logits at p - 1: drop the last logits and first token.
         logits = logits[:, :-1]
         targets = tokens[:, 1:]
