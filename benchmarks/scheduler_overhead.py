@@ -15,8 +15,10 @@ a cancel scope, that sends one item through a memory channel, which the benchmar
 Scheduler and floor are measured in turn `--repeats` times and each keeps its best rate, which
 the load of a shared machine disturbs least. It prints both rates and their ratio (target >=
 0.5), and splits the scheduler's time per rollout into `pack` + `session_metrics` (timed alone
-on the same groups, best of the repeats too) and the rest. `--profile` runs the scheduler loop
-once more under cProfile and prints where its time goes.
+on the same groups, best of the repeats too) and the rest. It measures the same loop through the
+synchronous facade too, `scheduler(batch, variables, updates)` from the trainer's thread with
+the trio side in the scheduler's own thread, as a real trainer calls it. `--profile` runs the
+async loop once more under cProfile and prints where its time goes.
 
     python benchmarks/scheduler_overhead.py             # 256 tasks x 4, 10 steps, best of 5
     python benchmarks/scheduler_overhead.py --profile   # and where the time goes
@@ -32,6 +34,7 @@ import io
 import math
 import pstats
 import time
+from collections.abc import Iterator
 
 import attrs
 import numpy as np
@@ -75,34 +78,59 @@ class _Instant:
         return _session(label, self.version)
 
 
-async def _scheduler_rate(tasks: int, groups: int, steps: int) -> float:
-    """Admitted rollouts per second through the scheduler, over steps after the first."""
+def _scheduler(tasks: int, groups: int, steps: int) -> tuple[RolloutScheduler, Iterator]:
+    """A scheduler over the instant source, and its registering stream of steps + 1 batches."""
     instant = _Instant()
-    samples = tasks * groups
     scheduler = RolloutScheduler(
         BehaviorObjective(),
         instant,
         instant,
         width=WIDTH,
-        rows=math.ceil(samples * TOKENS / WIDTH),
+        rows=math.ceil(tasks * groups * TOKENS / WIDTH),
         groups=groups,
         ahead=1,
         max_lag=1,
     )
-    dataset = scheduler.tasks(
-        ArrayDataset({"task_id": np.arange((steps + 1) * tasks)}, batch_size=tasks)
-    )
-    admitted = 0
+    dataset = ArrayDataset({"task_id": np.arange((steps + 1) * tasks)}, batch_size=tasks)
+    return scheduler, scheduler.tasks(dataset).stream(0)
+
+
+def _steps(stream: Iterator, steps: int) -> Iterator[tuple[int, dict]]:
+    """(updates, batch) per step, the stream read one batch ahead as a trainer's prefetch does
+    (the scheduler submits only what the stream registered)."""
+    prefetched = collections.deque([next(stream)])
+    for updates in range(steps):
+        prefetched.append(next(stream))
+        yield updates, prefetched.popleft()
+
+
+async def _async_rate(tasks: int, groups: int, steps: int) -> float:
+    """Admitted rollouts per second through `await scheduler.step(...)`, after the first step."""
+    scheduler, stream = _scheduler(tasks, groups, steps)
+    start, admitted = time.perf_counter(), 0
     async with scheduler:
-        stream = dataset.stream(0)
-        prefetched = collections.deque([next(stream)])
-        for updates in range(steps):
-            prefetched.append(next(stream))
+        for updates, batch in _steps(stream, steps):
             if updates == 1:
                 start, admitted = time.perf_counter(), 0
-            await scheduler.step(prefetched.popleft(), None, updates)
+            await scheduler.step(batch, None, updates)
             admitted += scheduler.last_record.groups * groups
         seconds = time.perf_counter() - start
+    return admitted / seconds
+
+
+def _thread_rate(tasks: int, groups: int, steps: int) -> float:
+    """The same through `scheduler(...)` from this thread, the trio side in the scheduler's."""
+    scheduler, stream = _scheduler(tasks, groups, steps)
+    start, admitted = time.perf_counter(), 0
+    try:
+        for updates, batch in _steps(stream, steps):
+            if updates == 1:
+                start, admitted = time.perf_counter(), 0
+            scheduler(batch, None, updates)
+            admitted += scheduler.last_record.groups * groups
+        seconds = time.perf_counter() - start
+    finally:
+        scheduler.close()
     return admitted / seconds
 
 
@@ -152,10 +180,11 @@ def main() -> None:
         args.tasks, args.steps, args.repeats = 16, 3, 1
 
     rollouts = args.tasks * args.groups
-    scheduler = floor = 0.0
+    scheduler = thread = floor = 0.0
     trainer_side = math.inf
     for _ in range(args.repeats):
-        scheduler = max(scheduler, trio.run(_scheduler_rate, args.tasks, args.groups, args.steps))
+        scheduler = max(scheduler, trio.run(_async_rate, args.tasks, args.groups, args.steps))
+        thread = max(thread, _thread_rate(args.tasks, args.groups, args.steps))
         floor = max(floor, trio.run(_floor_rate, rollouts, args.steps - 1))
         trainer_side = min(
             trainer_side, _trainer_side_seconds(args.tasks, args.groups, args.steps - 1)
@@ -165,7 +194,7 @@ def main() -> None:
         f"scheduler overhead: zero-latency source, {args.tasks} tasks x {args.groups} rollouts "
         f"per step, {args.steps - 1} timed steps, best of {args.repeats}, real clock"
     )
-    print(f"  scheduler  {scheduler:>12,.0f} admitted rollouts/s")
+    print(f"  scheduler  {scheduler:>12,.0f} admitted rollouts/s (await scheduler.step)")
     print(f"  floor      {floor:>12,.0f} rollouts/s (task + cancel scope + channel send)")
     print(f"  ratio      {scheduler / floor:>12.3f} (target >= 0.5)")
     print(
@@ -173,9 +202,13 @@ def main() -> None:
         f"{1e6 * trainer_side:.0f} us (timed alone on the same groups)"
     )
     print(f"  without    {trio_side:>12,.0f} rollouts/s, ratio {trio_side / floor:.3f}")
+    print(
+        f"  thread     {thread:>12,.0f} admitted rollouts/s (scheduler(...) from the trainer's "
+        f"thread), ratio {thread / floor:.3f}"
+    )
     if args.profile:
         profile = cProfile.Profile()
-        profile.runcall(trio.run, _scheduler_rate, args.tasks, args.groups, args.steps)
+        profile.runcall(trio.run, _async_rate, args.tasks, args.groups, args.steps)
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
         print(out.getvalue())
