@@ -240,8 +240,9 @@ class AdmissionMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.ends and (self.late < 3 or self.broken))
     @rule(data=st.data())
     def late_event(self, data) -> None:
-        """A rollout's result, deadline or failure arriving after the core ended it (it raced
-        a cancel at one instant) changes nothing."""
+        """A rollout's result or deadline arriving after the core ended it (it raced a cancel
+        at one instant) changes nothing; a source that raised is broken all the same, and only
+        its error goes to the trainer."""
         self.late += 1
         label = self.pick(data, self.ends)
         time = self.tick(data)
@@ -256,7 +257,10 @@ class AdmissionMachine(RuleBasedStateMachine):
             label="late",
         )
         state, commands = core.step(self.state, event)
-        assert commands == [], f"a late {type(event).__name__} for {label} gave {commands}"
+        expected = [Fail(None, event.error)] if isinstance(event, SourceFailed) else []
+        assert commands == expected, f"a late {type(event).__name__} for {label} gave {commands}"
+        if expected:
+            assert commands[0].error is event.error
         assert state == self.state
         self.record(event, state, commands)
 

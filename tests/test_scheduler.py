@@ -441,7 +441,7 @@ async def test_a_source_that_raises_reaches_the_trainer_as_itself_after_the_batc
         assert trio.current_time() == 1.0
         assert {reason for _, _, reason in source.cancelled} == {"broken"}
         assert len(source.cancelled) == 3
-        with pytest.raises(RuntimeError, match="source failed"):
+        with pytest.raises(RuntimeError, match="an earlier call failed: Broken"):
             await sched.step({"task_id": np.array([7, 8])}, PARAMS, 1)
 
 

@@ -10,9 +10,10 @@ Every submission ends exactly once, and says how in the event log (`LogEvent`):
 - `admitted`: delivered to the trainer in a complete group;
 - `cancelled` (reason): stopped in flight;
 - `discarded` (reason): finished, but its result was thrown away;
-- `failed` (cause): finished with a failing status that used its sample's last attempt.
-A resubmission is a new `submitted` event whose reason is the cause: infra_error, cancelled,
-stale, timeout or unscored.
+- `failed` (cause): finished with a failing status (infra_error, cancelled, unscored).
+A failed, timed-out or stale submission is followed by a new `submitted` event whose reason is
+the cause (infra_error, cancelled, timeout, stale or unscored), unless the sample is out of
+attempts: then its group is `abandoned` and the group's other submissions end.
 """
 
 from __future__ import annotations
@@ -204,9 +205,11 @@ class Deliver:
 
 @attrs.frozen
 class Fail:
-    """Raise `error` to the trainer once `batch`'s rollouts have stopped."""
+    """Raise `error` to the trainer once `batch`'s rollouts have stopped; with batch None (a
+    source that raised for a submission already ended, say while it was being cancelled), at
+    once."""
 
-    batch: int
+    batch: int | None
     error: BaseException = attrs.field(eq=False)
 
 
@@ -488,8 +491,11 @@ class _Step:
                     self.end_group(other, GroupState.SURPLUS, "surplus")
 
     def source_failed(self, label: Label, error: BaseException) -> None:
+        """A source that raises is broken, whenever it raises: its batch is stopped (when the
+        submission was still in play) and the error goes to the trainer."""
         found = self.running(label)
         if found is None:
+            self.commands.append(Fail(None, error))
             return
         batch = found[0].batch
         for group_id in self.batches[batch]:

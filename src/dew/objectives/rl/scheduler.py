@@ -7,9 +7,10 @@ nursery per task batch.
 
 Determinism: happenings are not applied as they arrive. The shell waits until every task of the
 run is blocked (so nothing more can happen at this instant of trio's clock), then applies what
-arrived in the order of (time, kind, group, sample, attempt). Under a mock clock, records, packed
-batches and the event log are then a function of the seed, the source's behaviour and the clock,
-not of the order in which trio runs ready tasks.
+arrived in a documented order (`_event_order`): rollouts' events by (group, sample, attempt), a
+finish before a deadline, then the trainer's. Under a mock clock, records, packed batches and the
+event log are then a function of the seed, the source's behaviour and the clock, not of the order
+in which trio runs ready tasks.
 """
 
 from __future__ import annotations
@@ -166,12 +167,15 @@ class _Failure:
 
 def _event_order(item: tuple[int, core.Event]) -> tuple:
     """The documented order of events at one instant: rollouts by (group, sample, attempt)
-    first, then the trainer's side (hand-over, reopen, close) in the order it posted them."""
+    first, a rollout's finish (or failure) before its deadline, so one that finishes exactly at
+    its deadline is not timed out; then the trainer's side (hand-over, reopen, close) in the
+    order it posted them."""
     posted, event = item
     label = getattr(event, "label", None)
     if label is not None:
-        return (event.time, 0, label.group, label.sample, label.attempt)
-    return (event.time, 1, posted, 0, 0)
+        deadline = isinstance(event, core.TimedOut)
+        return (event.time, 0, label.group, label.sample, label.attempt, deadline)
+    return (event.time, 1, posted, 0, 0, False)
 
 
 def _at_least(name: str, bound: int):
@@ -257,7 +261,9 @@ class RolloutScheduler:
                 f"max_lag must be >= ahead + sync_every - 1 = {ahead + sync_every - 1} "
                 f"(a first submission can be that stale at consumption), got {max_lag}"
             )
-        if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
+        ):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
@@ -319,7 +325,8 @@ class RolloutScheduler:
         self._deadlines: collections.deque[tuple[float, Label]] = collections.deque()
         self._deadline_added = trio.Event()
         self._batches: dict[int, tuple[trio.Nursery, trio.Event]] = {}
-        self._failures: dict[int, BaseException] = {}
+        # The first failure in the core's order goes to the trainer; later ones are logged.
+        self._failure: core.Fail | None = None
         self._push_variables: Variables = None
         self._events: list[LogEvent] = []
         self._watch: trio.CancelScope | None = None
@@ -354,6 +361,8 @@ class RolloutScheduler:
 
     def __call__(self, batch: Batch, variables: Variables, updates: int) -> dict[str, np.ndarray]:
         """Hand batch over from the trainer's thread; return its packed, rescored rows."""
+        if self._closed:
+            raise RuntimeError("the scheduler is closed")
         if self._mode == "async":
             raise RuntimeError("inside `async with scheduler:` use `await scheduler.step(...)`")
         if not self.pool.is_first_reader(self.share_size):
@@ -377,14 +386,24 @@ class RolloutScheduler:
         handover = self._prepare(batch, variables, updates)
         start = trio.current_time()
         self._hand_over(handover)
-        message = await self._receive.receive()
+        try:
+            message = await self._receive.receive()
+        except trio.Cancelled:
+            # Its groups, delivered later, would go to the next call: trained at later updates,
+            # past max_lag, while that call's own batch is never delivered.
+            self._failed = RuntimeError(
+                f"the call at updates {updates} was cancelled while it waited for its rollouts"
+            )
+            raise
         return self._finish(message, variables, updates, trio.current_time() - start)
 
     def _check_call(self, updates: int) -> int:
         if self._closed:
             raise RuntimeError("the scheduler is closed")
         if self._failed is not None:
-            raise RuntimeError("the scheduler stopped after its source failed") from self._failed
+            raise RuntimeError(
+                f"the scheduler stopped after an earlier call failed: {self._failed!r}"
+            ) from self._failed
         if isinstance(updates, bool) or not isinstance(updates, int | np.integer) or updates < 0:
             raise ValueError(f"updates must be an int >= 0, got {updates!r}")
         if self._updates is not None and updates < self._updates:
@@ -415,19 +434,23 @@ class RolloutScheduler:
         """Match the batch to the stream's registry and decide the push, on the trainer's side."""
         updates = self._check_call(updates)
         with self._lock:
-            if self._registry:
-                index, registered = self._registry[0]
-                if not _same_batch(registered, batch):
+            registered = bool(self._registry)
+            if registered:
+                index, expected = self._registry[0]
+                if not _same_batch(expected, batch):
                     raise ValueError(
                         "the batch handed over is not the next one the tasks() stream yielded; "
                         "hand batches over in the order the stream yields them"
                     )
-                self._registry.pop(0)
             else:
                 index = self._next_batch
+            upcoming = [(index, batch)] + self._registry[1 : 1 + self.ahead]
+            # Before the registry moves on: a batch `tasks` refuses can be handed over again.
+            tasks = tuple((i, self._tasks_of(b)) for i, b in upcoming)
+            if registered:
+                self._registry.pop(0)
+            else:
                 self._next_batch += 1
-            upcoming = [(index, batch)] + self._registry[: self.ahead]
-        tasks = tuple((i, self._tasks_of(b)) for i, b in upcoming)
         self._updates = updates
         pushed = core.push_due(self._served, updates, self.sync_every)
         if pushed:
@@ -543,21 +566,27 @@ class RolloutScheduler:
 
     @contextlib.asynccontextmanager
     async def _running(self):
-        """The trio side, in the current run: the driver, the deadline watch, and one nursery
-        per task batch inside; closing cancels it all."""
+        """The trio side in the current run, beside the caller's block, which close() leaves
+        running."""
         if self._closed:
             raise RuntimeError("the scheduler is closed")
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            self._trio_thread = threading.get_ident()
-            self._token = trio.lowlevel.current_trio_token()
-            nursery.start_soon(self._drive)
-            if self.timeout is not None:
-                nursery.start_soon(self._watch_deadlines)
+            self._nursery = await nursery.start(self._serve)
             try:
                 yield
             finally:
                 self.close()
+
+    async def _serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The scheduler's own tasks: the driver, the deadline watch, and one nursery per task
+        batch, in a nursery of their own that close() cancels."""
+        self._trio_thread = threading.get_ident()
+        self._token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._drive)
+            if self.timeout is not None:
+                nursery.start_soon(self._watch_deadlines)
+            task_status.started(nursery)
 
     def close(self) -> None:
         """Cancel every rollout in flight; the source belongs to the caller."""
@@ -566,9 +595,10 @@ class RolloutScheduler:
         self._closed = True
         if self._trio_thread == threading.get_ident():
             self._close_in_trio()
-        elif self._thread is not None:
+        elif self._token is not None:
             with contextlib.suppress(trio.RunFinishedError):
                 trio.from_thread.run_sync(self._close_in_trio, trio_token=self._token)
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
     def _close_in_trio(self) -> None:
@@ -584,9 +614,9 @@ class RolloutScheduler:
         ready = threading.Event()
 
         async def serve():
-            async with self._running():
+            async with trio.open_nursery() as nursery:
+                self._nursery = await nursery.start(self._serve)
                 ready.set()
-                await trio.sleep_forever()
 
         def main():
             try:
@@ -604,7 +634,10 @@ class RolloutScheduler:
     def _now(self) -> float:
         """The scheduler's clock, from any thread; NaN while no trio side runs."""
         if self._trio_thread == threading.get_ident():
-            return trio.current_time()
+            try:
+                return trio.current_time()
+            except RuntimeError:  # outside the run, which has ended
+                return float("nan")
         if self._token is not None and not self._closed:
             with contextlib.suppress(trio.RunFinishedError):
                 return trio.from_thread.run_sync(trio.current_time, trio_token=self._token)
@@ -699,7 +732,12 @@ class RolloutScheduler:
             events, self._events = tuple(self._events), []
             self._deliver(_Delivery(command.groups, events))
         elif isinstance(command, core.Fail):
-            self._failures[command.batch] = command.error
+            if self._failure is not None:
+                logger.error("the source failed again", exc_info=command.error)
+                return
+            self._failure = command
+            if command.batch is None:
+                self._deliver(_Failure(command.error))
 
     def _push(self, version: int) -> None:
         variables, self._push_variables = self._push_variables, None
@@ -726,9 +764,8 @@ class RolloutScheduler:
             task_status.started((nursery, done))
             await done.wait()
         del self._batches[batch]
-        error = self._failures.pop(batch, None)
-        if error is not None:
-            self._deliver(_Failure(error))
+        if self._failure is not None and self._failure.batch == batch:
+            self._deliver(_Failure(self._failure.error))
 
     async def _rollout(self, scope: trio.CancelScope, submission: core.Submit) -> None:
         task, label, submitted = submission.task, submission.label, submission.time
