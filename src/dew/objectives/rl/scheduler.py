@@ -300,6 +300,9 @@ class RolloutScheduler:
         self.share_size = 1
         self.last_record: SchedulerRecord | None = None
         self.last_events: tuple[LogEvent, ...] = ()
+        # The rest of the event log at close(): what came after the last call's delivery, and
+        # the `closed` cancellations that end every submission still in flight.
+        self.closing_events: tuple[LogEvent, ...] = ()
 
         self._state = core.initial(self.config)
         # The trainer's side: what its stream registered, what it handed over, what it pushed.
@@ -603,6 +606,7 @@ class RolloutScheduler:
 
     def _close_in_trio(self) -> None:
         self._apply([core.Closed(self._now())])
+        self.closing_events, self._events = tuple(self._events), []
         self._fail_trainer(RuntimeError("the scheduler was closed while the trainer waited"))
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel(reason="closed")
