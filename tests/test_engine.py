@@ -191,6 +191,18 @@ def test_sample_matches_the_reference_under_ties_and_wide_logits():
     np.testing.assert_array_equal(np.flatnonzero(np.asarray(kept[0])), np.arange(5))
 
 
+async def test_the_server_keeps_its_own_copy_of_pushed_weights():
+    """The trainer may delete or donate its arrays once load returns."""
+    pushed = jax.tree.map(jnp.array, forced_params())
+    async with server() as engine:
+        engine.load(pushed, version=1)
+        for leaf in jax.tree.leaves(pushed):
+            leaf.delete()
+        call = await engine.generate(np.array([1, 2], np.int32), max_tokens=3, key=0)
+    assert call.version == 1
+    np.testing.assert_array_equal(call.completion, [FORCED] * 3)
+
+
 async def test_a_weight_push_changes_later_tokens_and_the_call_keeps_its_start_version():
     async with server() as engine, trio.open_nursery() as nursery:
         calls = []

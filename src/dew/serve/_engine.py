@@ -176,8 +176,10 @@ def _signature(variables) -> tuple:
     return treedef, [(jax.tree_util.keystr(path), leaf.shape, leaf.dtype) for path, leaf in leaves]
 
 
+@jax.jit
 def _copy(variables):
-    # A copy the caller cannot change or donate away after handing it over.
+    """A copy the caller cannot change or donate away after handing it over: one dispatch for
+    the whole tree rather than one per leaf, since `load` runs on the scheduler's trio thread."""
     return jax.tree.map(lambda leaf: jnp.array(leaf, copy=True), variables)
 
 
