@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import gc
 import io
 import math
 import pstats
@@ -183,9 +184,14 @@ def main() -> None:
     scheduler = thread = floor = 0.0
     trainer_side = math.inf
     for _ in range(args.repeats):
+        # Each run starts from a collected heap: what one leaves behind would tax the next.
+        gc.collect()
         scheduler = max(scheduler, trio.run(_async_rate, args.tasks, args.groups, args.steps))
+        gc.collect()
         thread = max(thread, _thread_rate(args.tasks, args.groups, args.steps))
+        gc.collect()
         floor = max(floor, trio.run(_floor_rate, rollouts, args.steps - 1))
+        gc.collect()
         trainer_side = min(
             trainer_side, _trainer_side_seconds(args.tasks, args.groups, args.steps - 1)
         )
