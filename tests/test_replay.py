@@ -282,7 +282,7 @@ def unfinished(lines):
 
 def unknown_version(lines):
     header = json.loads(lines[0])
-    lines[0] = json.dumps({**header, "version": 3})
+    lines[0] = json.dumps({**header, "version": 2})
     return 1
 
 
@@ -308,7 +308,7 @@ def short_array(lines):
         (corrupt, "is not JSON"),
         (cut_off, "is cut off (the file is truncated)"),
         (unfinished, "no end line follows: the recording was cut off"),
-        (unknown_version, "dew-trace version 3 is not one this dew reads (version 2)"),
+        (unknown_version, "dew-trace version 2 is not one this dew reads (version 3)"),
         (unlabelled, "lacks field 'label'"),
         (short_array, "array calls[0].prompt holds"),
     ],

@@ -3,7 +3,9 @@
 Each test pins one rule of `seed/scheduler.md` or SPEC.md in an interleaving the rest of the
 suite does not reach: ties at one instant of trio's clock, cancellations of the trainer's own
 call, `close()` from places other than the scheduler's own run, a source that raises while it is
-being cancelled, and the synchronous facade's error paths. Mock-clock tests use pytest-trio's
+being cancelled, the synchronous facade's error paths, reopening the stream (a resume), the
+pool's agreement point, status() under a blocked trio thread, and the accounting a recorded
+trace holds. Mock-clock tests use pytest-trio's
 `autojump_clock`; the determinism tests run the same script under several seeds of trio's
 ready-task shuffling; the facade's tests use a real trainer thread on the real clock,
 synchronised by events, never by sleeps.
@@ -17,6 +19,7 @@ import threading
 import attrs
 import jax
 import numpy as np
+import optax
 import pytest
 import trio
 import trio.testing
@@ -26,6 +29,9 @@ from dew.data import ArrayDataset, Task
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Call, Label, Session, Status
+from dew.replay import replay_async
+from dew.testing import record_run
+from dew.train import Trainer
 
 CONFIG = models.TransformerConfig(vocab=32, d_model=16, heads=2, layers=1, d_ff=32, max_len=64)
 PARAMS = models.init(jax.random.PRNGKey(0), CONFIG)
@@ -34,21 +40,24 @@ WIDTH, ROWS = 64, 8
 
 
 class Engine:
-    """A Publisher that serves whatever version was pushed last."""
+    """A Publisher that serves whatever version was pushed last, and keeps every push."""
 
     def __init__(self):
         self.version: int | None = None
+        self.pushes: list[int] = []
 
     def load(self, variables, version):
         self.version = version
+        self.pushes.append(version)
 
 
 @attrs.frozen
 class Plan:
     """How one scripted rollout goes: `duration` seconds on trio's clock, then `raises` or a
-    COMPLETED session of one call."""
+    one-call session of `status`."""
 
     duration: float = 1.0
+    status: Status = Status.COMPLETED
     raises: BaseException | None = None
     raises_when_cancelled: BaseException | None = None
 
@@ -80,7 +89,8 @@ class Scripted:
             np.full(2, -0.5, np.float32),
             version,
         )
-        return Session(Status.COMPLETED, [call], reward=float(label.sample))
+        reward = None if plan.status is Status.INFRA_ERROR else float(label.sample)
+        return Session(plan.status, [call], reward=reward)
 
 
 def dataset(batches: int, size: int) -> ArrayDataset:
@@ -89,7 +99,9 @@ def dataset(batches: int, size: int) -> ArrayDataset:
 
 def scheduler(source, engine, **kwargs) -> RolloutScheduler:
     kwargs.setdefault("groups", 2)
-    return RolloutScheduler(OBJECTIVE, source, engine, width=WIDTH, rows=ROWS, **kwargs)
+    sched = RolloutScheduler(OBJECTIVE, source, engine, width=WIDTH, rows=ROWS, **kwargs)
+    sched.long_wait = None  # the tests that wait on purpose log nothing
+    return sched
 
 
 def under_scheduling_seed(main, seed: int):
@@ -318,3 +330,292 @@ def test_close_from_another_thread_answers_the_waiting_trainer_thread():
     assert "closed" in str(outcome[0])
     assert {reason for _, reason in source.cancelled} == {"closed"}
     assert set(threading.enumerate()) == before
+
+
+# Reopening the stream ----------------------------------------------------------------------------
+
+
+async def test_reopening_the_stream_while_the_trainer_waits_does_not_leave_it_waiting_forever(
+    autojump_clock,
+):
+    """SPEC: no group can wait forever unnoticed; the page: reopening the stream cancels what
+    the old one left running. A data-loader task that reopens the stream while the trainer
+    waits on batch 0 cancels batch 0 (reason `reopened`) and answers the waiting call with an
+    error, since its batch never comes."""
+    engine = Engine()
+    source = Scripted(engine, lambda task, label: Plan(duration=10.0))
+    outcome: list[object] = []
+    async with scheduler(source, engine, ahead=0, max_lag=0) as sched:
+        data = sched.tasks(dataset(4, 1))
+        stream = data.stream(0)
+
+        async def trainer():
+            try:
+                await sched.step(next(stream), PARAMS, 0)
+                outcome.append("returned")
+            except Exception as error:
+                outcome.append(error)
+
+        with trio.move_on_after(1000.0) as guard:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trainer)
+                await trio.sleep(1.0)
+                data.stream(0)  # the loader reopens the stream, as a resume does
+        status = str(sched.status())
+    assert {reason for _, reason in source.cancelled} == {"reopened"}, source.cancelled
+    assert not guard.cancelled_caught, (
+        "the trainer's call still waits 1000 s after the stream was reopened under it; "
+        f"status() says:\n{status}"
+    )
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+    assert "reopened while the trainer waited for batch 0" in str(outcome[0])
+
+
+async def test_a_batch_of_the_old_stream_handed_over_after_a_reopen_is_not_trained(
+    autojump_clock,
+):
+    """The page: reopening the stream cancels what the old one left running (batch 1 here, which
+    ran a call ahead). A trainer that then hands over batch 1 as its old prefetch held it,
+    though the new stream starts at position 3, is refused: no open stream yielded it."""
+    engine = Engine()
+    source = Scripted(engine, lambda task, label: Plan(duration=5.0 if task.name == "1" else 1.0))
+    async with scheduler(source, engine, ahead=1, max_lag=1) as sched:
+        data = sched.tasks(dataset(6, 1))
+        old = data.stream(0)
+        first, second = next(old), next(old)
+        await sched.step(first, PARAMS, 0)
+        data.stream(3)  # resumed elsewhere; not read yet
+        await trio.sleep(0.5)
+        assert (Label(1, 0, 0), "reopened") in source.cancelled, source.cancelled
+        with pytest.raises(ValueError, match="not read from the current tasks\\(\\) stream"):
+            await sched.step(second, PARAMS, 1)
+        assert sched.last_record is None
+        assert not any(e.kind == "admitted" for e in sched.last_events)
+
+
+class CrashOnce:
+    """A trainer's on_step that raises once, after the step to `updates` (a crash between
+    checkpoints, from the trainer's own code)."""
+
+    def __init__(self, updates: int):
+        self.updates = updates
+        self.fired = False
+
+    def __call__(self, line):
+        if line["updates"] == self.updates and not self.fired:
+            self.fired = True
+            raise KeyError("the trainer's step crashed")
+
+
+def test_a_trainer_resumed_in_the_same_process_trains_on_with_its_scheduler(tmp_path):
+    """The page: a resumed run re-reads and resubmits whatever was in flight, and reopening the
+    stream cancels what the old one left running. A Trainer whose step to updates 4 crashes (its
+    last checkpoint at 2) resumes in the same process: the reopened stream lets its calls go
+    back to updates 2, and the restored weights are pushed before anything is submitted."""
+    engine = Engine()
+    sched = scheduler(Scripted(engine, lambda task, label: Plan(duration=0.0)), engine, ahead=1)
+    trainer = Trainer(
+        OBJECTIVE,
+        optax.sgd(1e-3),
+        PARAMS,
+        directory=tmp_path,
+        checkpoint_every=2,
+        on_step=CrashOnce(4),
+    )
+    data = sched.tasks(dataset(8, 1))
+    try:
+        with pytest.raises(KeyError, match="crashed"):
+            trainer.run(sched, data, steps=5, ahead=1)
+        assert trainer.resume().updates == 2
+        pushed = len(engine.pushes)
+        try:
+            trainer.run(sched, data, steps=5, ahead=1)
+        except ValueError as error:
+            pytest.fail(f"the resumed trainer's call was refused: {error}")
+    finally:
+        sched.close()
+    assert trainer.updates == 5
+    assert engine.pushes[pushed] == 2, (
+        f"after the resume the engine got pushes {engine.pushes[pushed:]}, not the restored "
+        "weights of version 2 first"
+    )
+
+
+# The pool: every failure meets the agreement point -----------------------------------------------
+
+
+class RecordingPool:
+    """A one-process stand-in for a DistributedPool that keeps what each call brought to the
+    agreement; `others_fail` makes the first agreement report another process's failure."""
+
+    def __init__(self, others_fail: bool = False):
+        self.agreed: list[BaseException | None] = []
+        self.others_fail = others_fail
+
+    def agree(self, error):
+        self.agreed.append(error)
+        if error is not None:
+            raise error
+        if self.others_fail and len(self.agreed) == 1:
+            raise RuntimeError("admission failed on process 1 of 2; process 0 stops with it")
+
+    def rescore(self, objective, variables, rows):
+        return np.zeros(np.shape(rows["tokens"]), np.float32)
+
+    def is_first_reader(self, share_size):
+        return True
+
+
+@attrs.frozen
+class Batches:
+    """A dataset of the given task_id batches, of any sizes."""
+
+    ids: list
+
+    def stream(self, start: int = 0):
+        for ids in self.ids[start:]:
+            yield {"task_id": ids}
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def refuse_task_4(batch):
+    if 4 in batch["task_id"]:
+        raise ValueError("task 4 has no environment on this process")
+    return [Task(str(int(i))) for i in batch["task_id"]]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(tasks=refuse_task_4), dict(admit=2)],
+    ids=["tasks-raises", "admit-above-a-short-batch"],
+)
+async def test_a_call_that_fails_on_one_process_raises_at_the_agreement_point(
+    autojump_clock, options
+):
+    """The page: a process whose admission fails raises on every process at the agreement
+    point, rather than leave the others waiting in the rescoring. A call whose tasks cannot be
+    made on this process (its `tasks` refuses a row, or its batch is shorter than `admit`)
+    brings its error to the agreement, where the other processes hear it."""
+    engine = Engine()
+    sched = scheduler(Scripted(engine), engine, ahead=0, max_lag=0, **options)
+    pool = sched.pool = RecordingPool()
+    data = Batches([np.arange(4), np.arange(4, 5), np.arange(5, 9)])
+    async with sched:
+        stream = sched.tasks(data).stream(0)
+        await sched.step(next(stream), PARAMS, 0)
+        with pytest.raises(ValueError):
+            await sched.step(next(stream), PARAMS, 1)
+    assert len(pool.agreed) == 2 and pool.agreed[1] is not None, (
+        f"the failing call brought {pool.agreed[1:]} to the pool's agreement; the other "
+        "processes would wait there forever"
+    )
+
+
+async def test_after_the_pool_agreed_on_a_failure_this_process_refuses_the_next_call_too(
+    autojump_clock,
+):
+    """The page: a failed admission raises on every process at the agreement point. The failed
+    process then refuses every later call before it meets the pool; a process told of another's
+    failure by the agreement stops alike, rather than wait in the next agreement for a process
+    that never comes."""
+    engine = Engine()
+    sched = scheduler(Scripted(engine), engine, ahead=0, max_lag=0)
+    pool = sched.pool = RecordingPool(others_fail=True)
+    async with sched:
+        stream = sched.tasks(dataset(3, 1)).stream(0)
+        with pytest.raises(RuntimeError, match="failed on process 1"):
+            await sched.step(next(stream), PARAMS, 0)
+        with pytest.raises(RuntimeError, match="stopped after an earlier call failed"):
+            await sched.step(next(stream), PARAMS, 1)
+    assert len(pool.agreed) == 1, (
+        f"the call after the pool's agreed failure met the pool again ({len(pool.agreed)} "
+        "agreements), where the failed process never comes"
+    )
+
+
+# status() while a source blocks the trio thread ---------------------------------------------------
+
+
+def test_status_answers_while_a_source_blocks_the_scheduler_thread():
+    """SPEC: while the trainer waits, the scheduler can say which groups it waits on
+    (`status()`). A source that blocks its trio thread in a synchronous call (the environment
+    step the page warns about) stalls the trainer, but not status() from another thread."""
+    engine = Engine()
+    entered, release = threading.Event(), threading.Event()
+
+    class Blocking(Scripted):
+        async def run(self, task, label):
+            if label.sample == 0:
+                entered.set()
+                release.wait(30.0)  # a synchronous environment step, on the trio thread
+            return await super().run(task, label)
+
+    sched = scheduler(Blocking(engine, lambda task, label: Plan(duration=0.0)), engine, ahead=0)
+    stream = sched.tasks(dataset(1, 1)).stream(0)
+    trainer = threading.Thread(target=sched, args=(next(stream), PARAMS, 0))
+    answered = threading.Event()
+    statuses = []
+
+    def ask():
+        statuses.append(sched.status())
+        answered.set()
+
+    asker = threading.Thread(target=ask)
+    trainer.start()
+    try:
+        assert entered.wait(30.0), "no rollout started"
+        asker.start()
+        answered_in_time = answered.wait(30.0)
+    finally:
+        release.set()
+        trainer.join(30.0)
+        asker.join(30.0)
+        sched.close()
+    assert answered_in_time, (
+        "status() did not answer while a source blocked the scheduler's trio thread"
+    )
+    assert statuses[0].waiting == 0
+
+
+# Replay: the trace accounts for every submission -------------------------------------------------
+
+
+async def test_a_trace_accounts_for_what_happened_after_the_last_call(tmp_path, autojump_clock):
+    """SPEC: every submission ends exactly once and says how, and the event log is available
+    for replay. A recorded run whose ahead batch fails an attempt after the last call returned,
+    and is then closed with work in flight, holds how each of its submissions ended: the events
+    after the last call are the trace's closing events, and the replay reproduces them."""
+
+    def script(task, label):
+        if task.name == "3" and label.sample == 0 and label.attempt == 0:
+            return Plan(duration=0.5, status=Status.INFRA_ERROR)
+        return Plan(duration=100.0 if task.name == "3" else 1.0)
+
+    engine = Engine()
+    trace = await record_run(
+        Scripted(engine, script),
+        engine,
+        tmp_path / "run.trace",
+        updates=range(3),
+        batch_size=1,
+        gap=1.0,
+        width=WIDTH,
+        rows=ROWS,
+        groups=2,
+        ahead=1,
+        max_lag=1,
+    )
+    events = [e for call in trace.calls for e in call.events] + list(trace.closing_events)
+    submitted = {e.label for e in events if e.kind == "submitted"}
+    ended = {e.label for e in events if e.kind in ("admitted", "cancelled", "discarded", "failed")}
+    unlogged = sorted(map(str, set(trace.sessions) - submitted))
+    unended = sorted(map(str, submitted - ended))
+    assert not unlogged and not unended, (
+        f"the trace holds sessions no event submitted: {unlogged}, and submissions no event "
+        f"ends: {unended}"
+    )
+    assert any(e.reason == "closed" for e in trace.closing_events)
+    result = await replay_async(trace)
+    assert result.matched, str(result)

@@ -20,8 +20,10 @@ trainer's thread). Each later line has a `kind`:
 - `call`: one trainer call: its `step`, `batch`, `updates`, the `stream` and how many batches it
   had yielded (`read`), `handed_over` and `returned` times, and either the SchedulerRecord
   (`record`, metrics included), the event log (`events`) and digests of the packed batch it
-  returned (`digest` over every array; `arrays`, one per key) — or what it `raised`;
-- `end`: the time the scheduler was closed; the last line.
+  returned (`digest` over every array; `arrays`, one per key) — or what it `raised`, with the
+  event log up to its failure;
+- `end`: the time the scheduler was closed and its `closing_events` (the event log after the
+  last call's, through the close); the last line.
 
 Arrays are stored losslessly: `{"dtype", "shape", "data"}` with the raw bytes in base64.
 
@@ -117,7 +119,7 @@ __all__ = [
 ]
 
 FORMAT = "dew-trace"
-VERSION = 2
+VERSION = 3
 FACADES = ("async", "thread")
 # The RolloutScheduler arguments a trace holds: all but objective, source, weights, tasks, log.
 CONFIG = (
@@ -378,6 +380,8 @@ class Trace:
         pushes: every weight push, as (time, version).
         calls: the trainer calls, in order.
         end: the time the scheduler was closed (a thread trace's last time).
+        closing_events: the scheduler's `closing_events`: its event log after the last call's,
+            through the close.
     """
 
     path: str
@@ -390,6 +394,7 @@ class Trace:
     pushes: tuple[tuple[float, int], ...]
     calls: tuple[RecordedCall, ...]
     end: float
+    closing_events: tuple[LogEvent, ...]
 
 
 class _Line:
@@ -664,6 +669,7 @@ def read_trace(path: str | os.PathLike) -> Trace:
             )
         elif kind == "end":
             ended, end = True, line.optional_time("time")
+            closing = tuple(_decode_event(line, e) for e in line.get("events", (list,)))
         else:
             line.fail(f"has unknown kind {kind!r}")
     if not ended:
@@ -694,6 +700,7 @@ def read_trace(path: str | os.PathLike) -> Trace:
         pushes=tuple(pushes),
         calls=tuple(calls),
         end=end,
+        closing_events=closing,
     )
 
 
@@ -843,11 +850,13 @@ class Recorder:
         error: Exception | None = None,
     ) -> None:
         """Write a call's line: what it returned, or what it raised."""
+        scheduler = self._recording()
         if error is not None:
-            outcome = {"raised": _describe(error), "record": None, "events": [], "digest": None}
+            # A failed call's log runs up to its failure; a refused call has none.
+            events = [_encode_event(e) for e in scheduler.last_events]
+            outcome = {"raised": _describe(error), "record": None, "events": events, "digest": None}
             self._write({**line, "returned": time, **outcome, "arrays": {}})
             return
-        scheduler = self._recording()
         self.last_record = scheduler.last_record
         self._write(
             {
@@ -891,7 +900,8 @@ class Recorder:
         the trace."""
         try:
             if ended:
-                self._write({"kind": "end", "time": end})
+                closing = [_encode_event(e) for e in self._scheduler.closing_events]
+                self._write({"kind": "end", "time": end, "events": closing})
         finally:
             self._scheduler = None
             self._file.close()
@@ -1423,10 +1433,11 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _event_divergence(
-    step: int, recorded: Sequence[LogEvent], replayed: Sequence[LogEvent]
+    step: int, recorded: Sequence[LogEvent], replayed: Sequence[LogEvent], log: str = "events"
 ) -> Divergence | None:
     """The first event where two logs differ: the whole events where they are about different
-    things (kind, group, task, label), else the one field (time, version, reason)."""
+    things (kind, group, task, label), else the one field (time, version, reason). `log` names
+    the log in the divergence's field (a call's `events`, or `closing_events`)."""
     for i, (a, b) in enumerate(zip(recorded, replayed, strict=False)):
         if a == b:
             continue
@@ -1434,9 +1445,9 @@ def _event_divergence(
             f.name for f in attrs.fields(LogEvent) if getattr(a, f.name) != getattr(b, f.name)
         )
         if name in ("kind", "group", "task", "label"):
-            field, values = f"events[{i}]", (a, b)
+            field, values = f"{log}[{i}]", (a, b)
         else:
-            field, values = f"events[{i}].{name}", (getattr(a, name), getattr(b, name))
+            field, values = f"{log}[{i}].{name}", (getattr(a, name), getattr(b, name))
         return Divergence(
             step,
             field,
@@ -1453,7 +1464,7 @@ def _event_divergence(
     extra = recorded[i] if len(recorded) > i else replayed[i]
     return Divergence(
         step,
-        f"events[{i}]",
+        f"{log}[{i}]",
         recorded[i] if len(recorded) > i else None,
         replayed[i] if len(replayed) > i else None,
         time=extra.time,
@@ -1467,12 +1478,17 @@ def _event_divergence(
 def _call_divergence(
     recorded: RecordedCall, replayed: ReplayedCall, *, real_clock: bool
 ) -> Divergence | None:
-    """Where a replayed call first differs from its recording: what it raised, its event log,
-    its record (but, for `real_clock`, `waited`), its packed arrays."""
+    """Where a replayed call first differs from its recording: what it raised, its event log
+    (but, for `real_clock`, that of a call that raised), its record (but, for `real_clock`,
+    `waited`), its packed arrays."""
     step = recorded.step
     end = min((t for t in (recorded.returned, replayed.returned) if t is not None), default=None)
     if recorded.raised != replayed.raised:
         return Divergence(step, "raised", recorded.raised, replayed.raised, time=end)
+    if real_clock and recorded.raised is not None:
+        # Its log runs up to a failure seen on the real clock a moment after the source raised,
+        # a moment the trace does not hold.
+        return None
     found = _event_divergence(step, recorded.events, replayed.events)
     if found is not None or recorded.raised is not None:
         return found
@@ -1504,10 +1520,13 @@ def _divergences(
     calls: Sequence[ReplayedCall],
     pushes: Sequence[tuple[float, int]],
     notes: Sequence[ReplayNote],
+    closing: Sequence[LogEvent],
 ) -> list[Divergence]:
     """Where the replay parts from the recording: the first call that differs, the first push,
-    every note; the earliest by (step, time) is the first divergence. A thread trace's pushes
-    are compared by version, and its notes up to its last call's return."""
+    every note, the closing events; the earliest by (step, time) is the first divergence. A
+    thread trace's pushes are compared by version, and its notes up to its last call's return;
+    its close came at a time of the real clock that no trace holds, so its closing events are
+    not compared."""
 
     def step_at(time: float) -> int:
         """The call in progress at `time` in the replay."""
@@ -1534,6 +1553,12 @@ def _divergences(
             time = min(a[0], b[0])
             found.append(Divergence(step_at(time), f"push[{i}]", a, b, time=time))
             break
+    if not real_clock:
+        divergence = _event_divergence(
+            len(trace.calls), trace.closing_events, closing, log="closing_events"
+        )
+        if divergence is not None:
+            found.append(divergence)
     for note in notes:
         found.append(
             Divergence(
@@ -1619,7 +1644,8 @@ async def _replay(trace: Trace | str | os.PathLike, overrides: Mapping[str, Any]
         recorded = trace.calls[step].returned if step < len(trace.calls) else trace.end
         returned = "returned" if recorded is None else f"returned at {recorded!r}"
         stalled.append(Divergence(step, "call", returned, str(error), time=error.time))
-    found = _divergences(trace, calls, publisher.pushes, source.notes) + stalled
+    closing = scheduler.closing_events
+    found = _divergences(trace, calls, publisher.pushes, source.notes, closing) + stalled
     divergence = min(
         found, key=lambda d: (d.step, math.inf if d.time is None else d.time), default=None
     )
@@ -1661,7 +1687,10 @@ async def _drive(
         try:
             packed = await scheduler.step(_batch(call.batch), None, call.updates)
         except Exception as error:
-            calls.append(ReplayedCall(None, (), None, {}, _describe(error), trio.current_time()))
+            replayed = ReplayedCall(
+                None, scheduler.last_events, None, {}, _describe(error), trio.current_time()
+            )
+            calls.append(replayed)
             continue
         calls.append(
             ReplayedCall(

@@ -265,7 +265,7 @@ def run(state: State, events: Sequence[Event]) -> tuple[State, list[Command]]:
             work.source_failed(event.label, event.error)
         elif isinstance(event, Reopened):
             work.log("reopened")
-            work.stop_all("reopened")
+            work.reopen()
         elif isinstance(event, Closed):
             work.stop_all("closed")
             work.closed = True
@@ -510,6 +510,17 @@ class _Step:
         del self.unsettled[batch]
         if self.waiting == batch:
             self.waiting = None
+
+    def reopen(self) -> None:
+        """The stream was opened again: what the old one left in flight is cancelled, and a
+        trainer still waiting on one of its batches is told, since that batch never comes."""
+        waiting = self.waiting
+        self.stop_all("reopened")
+        if waiting is not None:
+            error = RuntimeError(
+                f"the tasks() stream was reopened while the trainer waited for batch {waiting}"
+            )
+            self.commands.append(Fail(None, error))
 
     def stop_all(self, reason: str) -> None:
         for group in list(self.groups.values()):

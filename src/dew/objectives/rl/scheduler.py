@@ -162,7 +162,10 @@ class _Delivery:
 
 @attrs.frozen
 class _Failure:
+    """A call that fails, with the event log up to its failure."""
+
     error: BaseException = attrs.field(eq=False)
+    events: tuple[LogEvent, ...] = ()
 
 
 def _event_order(item: tuple[int, core.Event]) -> tuple:
@@ -317,6 +320,7 @@ class RolloutScheduler:
         # The trio side.
         self._trio_thread: int | None = None
         self._token: trio.lowlevel.TrioToken | None = None
+        self._clock: trio.abc.Clock | None = None
         self._thread: threading.Thread | None = None
         self._crash: BaseException | None = None
         self._mode: str | None = None  # "async" inside the caller's run, "thread" in our own
@@ -351,7 +355,9 @@ class RolloutScheduler:
             self._generation += 1
             self._registry.clear()
             generation = self._generation
-        self._post_anywhere(lambda: core.Reopened(self._now()))
+            # A resumed trainer may go back in updates, and its restored weights must be pushed.
+            self._updates = self._served = None
+        self._post_anywhere(lambda: core.Reopened(trio.current_time()))
         return generation
 
     def _register(self, generation: int, batch: Batch) -> None:
@@ -364,31 +370,37 @@ class RolloutScheduler:
 
     def __call__(self, batch: Batch, variables: Variables, updates: int) -> dict[str, np.ndarray]:
         """Hand batch over from the trainer's thread; return its packed, rescored rows."""
-        if self._closed:
-            raise RuntimeError("the scheduler is closed")
         if self._mode == "async":
             raise RuntimeError("inside `async with scheduler:` use `await scheduler.step(...)`")
+        self._check_usable()
         if not self.pool.is_first_reader(self.share_size):
             return self._read_share(variables, updates)
-        self._start_thread()
-        handover = self._prepare(batch, variables, updates)
         start = time.perf_counter()
         try:
+            self._start_thread()
+            handover = self._prepare(batch, variables, updates)
             trio.from_thread.run_sync(self._hand_over, handover, trio_token=self._token)
             message = trio.from_thread.run(self._receive.receive, trio_token=self._token)
-        except (trio.RunFinishedError, trio.Cancelled) as error:
-            raise RuntimeError("the scheduler's trio thread stopped") from (self._crash or error)
+        except (trio.RunFinishedError, trio.Cancelled) as stopped:
+            error = RuntimeError("the scheduler's trio thread stopped")
+            error.__cause__ = self._crash or stopped
+            message = _Failure(error)
+        except Exception as error:
+            message = _Failure(error)
         return self._finish(message, variables, updates, time.perf_counter() - start)
 
     async def step(self, batch: Batch, variables: Variables, updates: int) -> dict[str, np.ndarray]:
         """The same call as `scheduler(batch, variables, updates)`, inside `async with`."""
         if self._mode != "async" or self._trio_thread != threading.get_ident():
             raise RuntimeError("`await scheduler.step(...)` runs inside `async with scheduler:`")
+        self._check_usable()
         if not self.pool.is_first_reader(self.share_size):
             return self._read_share(variables, updates)
-        handover = self._prepare(batch, variables, updates)
         start = trio.current_time()
-        self._hand_over(handover)
+        try:
+            self._hand_over(self._prepare(batch, variables, updates))
+        except Exception as error:
+            return self._finish(_Failure(error), variables, updates, 0.0)
         try:
             message = await self._receive.receive()
         except trio.Cancelled:
@@ -400,27 +412,45 @@ class RolloutScheduler:
             raise
         return self._finish(message, variables, updates, trio.current_time() - start)
 
-    def _check_call(self, updates: int) -> int:
+    def _check_usable(self) -> None:
+        """Refuse a call to a closed or stopped scheduler, before it meets the pool: a failure
+        met at the agreement point stopped every process's scheduler alike."""
         if self._closed:
             raise RuntimeError("the scheduler is closed")
         if self._failed is not None:
             raise RuntimeError(
                 f"the scheduler stopped after an earlier call failed: {self._failed!r}"
             ) from self._failed
+
+    def _check_updates(self, updates: int) -> int:
         if isinstance(updates, bool) or not isinstance(updates, int | np.integer) or updates < 0:
             raise ValueError(f"updates must be an int >= 0, got {updates!r}")
         if self._updates is not None and updates < self._updates:
             raise ValueError(f"updates went backwards: {updates} after {self._updates}")
         return int(updates)
 
+    def _agree(self, error: BaseException | None) -> None:
+        """Meet the pool where a failure on any process raises on every one. What it raises
+        stops this scheduler too, so each process refuses its next call alike, before the
+        pool, where a stopped process would never come."""
+        try:
+            self.pool.agree(error)
+        except BaseException as failure:
+            self._failed = failure
+            raise
+
     def _read_share(self, variables: Variables, updates: int) -> dict[str, np.ndarray]:
         """A share's later reader: it samples nothing and logs nothing, but meets the pool
         where the first reader does (the push, the agreement, the rows, the rescoring)."""
-        updates = self._updates = self._check_call(updates)
-        if core.push_due(self._served, updates, self.sync_every):
-            self.weights.load(variables, updates)
-            self._served = updates
-        self.pool.agree(None)
+        error = None
+        try:
+            updates = self._updates = self._check_updates(updates)
+            if core.push_due(self._served, updates, self.sync_every):
+                self.weights.load(variables, updates)
+                self._served = updates
+        except Exception as problem:
+            error = problem
+        self._agree(error)
         empty = pack(
             [],
             width=self.width,
@@ -435,9 +465,14 @@ class RolloutScheduler:
 
     def _prepare(self, batch: Batch, variables: Variables, updates: int) -> _HandOver:
         """Match the batch to the stream's registry and decide the push, on the trainer's side."""
-        updates = self._check_call(updates)
+        updates = self._check_updates(updates)
         with self._lock:
             registered = bool(self._registry)
+            if not registered and self._generation > 0:
+                raise ValueError(
+                    "the batch handed over was not read from the current tasks() stream (the "
+                    "stream was reopened, or has not yielded it yet): hand over what it yields"
+                )
             if registered:
                 index, expected = self._registry[0]
                 if not _same_batch(expected, batch):
@@ -448,7 +483,7 @@ class RolloutScheduler:
             else:
                 index = self._next_batch
             upcoming = [(index, batch)] + self._registry[1 : 1 + self.ahead]
-            # Before the registry moves on: a batch `tasks` refuses can be handed over again.
+            # Before the registry moves on, so a refusal leaves it as it was.
             tasks = tuple((i, self._tasks_of(b)) for i, b in upcoming)
             if registered:
                 self._registry.pop(0)
@@ -474,10 +509,11 @@ class RolloutScheduler:
     def _finish(
         self, message: _Delivery | _Failure, variables: Variables, updates: int, waited: float
     ) -> dict[str, np.ndarray]:
-        """Pack the delivered groups, rescore them, and record the call."""
+        """Meet the pool, pack the delivered groups, rescore them, and record the call."""
         if isinstance(message, _Failure):
-            self._failed = message.error
-        self.pool.agree(self._failed)
+            self.last_record, self.last_events = None, message.events
+            self._agree(message.error)
+        self._agree(None)
         packed = pack(
             message.groups,
             width=self.width,
@@ -585,6 +621,7 @@ class RolloutScheduler:
         batch, in a nursery of their own that close() cancels."""
         self._trio_thread = threading.get_ident()
         self._token = trio.lowlevel.current_trio_token()
+        self._clock = trio.lowlevel.current_clock()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._drive)
             if self.timeout is not None:
@@ -605,7 +642,7 @@ class RolloutScheduler:
             self._thread.join()
 
     def _close_in_trio(self) -> None:
-        self._apply([core.Closed(self._now())])
+        self._apply([core.Closed(trio.current_time())])
         self.closing_events, self._events = tuple(self._events), []
         self._fail_trainer(RuntimeError("the scheduler was closed while the trainer waited"))
         if self._nursery is not None:
@@ -636,16 +673,14 @@ class RolloutScheduler:
             raise RuntimeError("the scheduler's trio thread failed to start") from self._crash
 
     def _now(self) -> float:
-        """The scheduler's clock, from any thread; NaN while no trio side runs."""
-        if self._trio_thread == threading.get_ident():
-            try:
-                return trio.current_time()
-            except RuntimeError:  # outside the run, which has ended
-                return float("nan")
-        if self._token is not None and not self._closed:
-            with contextlib.suppress(trio.RunFinishedError):
-                return trio.from_thread.run_sync(trio.current_time, trio_token=self._token)
-        return float("nan")
+        """The scheduler's clock, from any thread; NaN while no trio side runs.
+
+        Read off the run's clock object rather than through the run, so that status() answers
+        even while a source blocks the trio thread (the stuck environment it is there to show).
+        """
+        if self._clock is None or self._closed:
+            return float("nan")
+        return self._clock.current_time()
 
     def _post_anywhere(self, make_event: Callable[[], core.Event]) -> None:
         """Post an event from any thread to a running trio side; nothing if none runs."""
@@ -737,11 +772,11 @@ class RolloutScheduler:
             self._deliver(_Delivery(command.groups, events))
         elif isinstance(command, core.Fail):
             if self._failure is not None:
-                logger.error("the source failed again", exc_info=command.error)
+                logger.error("a failure after the one the trainer gets", exc_info=command.error)
                 return
             self._failure = command
             if command.batch is None:
-                self._deliver(_Failure(command.error))
+                self._fail(command.error)
 
     def _push(self, version: int) -> None:
         variables, self._push_variables = self._push_variables, None
@@ -757,9 +792,14 @@ class RolloutScheduler:
             self._watch = None
         self._send.send_nowait(message)
 
+    def _fail(self, error: BaseException) -> None:
+        """Hand the trainer a failure, with the event log so far."""
+        events, self._events = tuple(self._events), []
+        self._deliver(_Failure(error, events))
+
     def _fail_trainer(self, error: BaseException) -> None:
         if self._waiting:
-            self._deliver(_Failure(error))
+            self._fail(error)
 
     async def _run_batch(self, batch: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """One task batch's nursery: its rollouts run inside, each in its own cancel scope."""
@@ -769,7 +809,7 @@ class RolloutScheduler:
             await done.wait()
         del self._batches[batch]
         if self._failure is not None and self._failure.batch == batch:
-            self._deliver(_Failure(self._failure.error))
+            self._fail(self._failure.error)
 
     async def _rollout(self, scope: trio.CancelScope, submission: core.Submit) -> None:
         task, label, submitted = submission.task, submission.label, submission.time
