@@ -26,10 +26,12 @@ import trio.testing
 
 from dew import models
 from dew.data import ArrayDataset, Task
+from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Call, Label, Session, Status
 from dew.replay import replay_async
+from dew.simulate import BehaviorObjective
 from dew.testing import record_run
 from dew.train import Trainer
 
@@ -53,13 +55,16 @@ class Engine:
 
 @attrs.frozen
 class Plan:
-    """How one scripted rollout goes: `duration` seconds on trio's clock, then `raises` or a
-    one-call session of `status`."""
+    """How one scripted rollout goes: `delay` seconds, then a call under the version served
+    then that takes `duration` seconds, then `raises` or a one-call session of `status` with
+    `tokens` completion tokens."""
 
     duration: float = 1.0
     status: Status = Status.COMPLETED
     raises: BaseException | None = None
     raises_when_cancelled: BaseException | None = None
+    delay: float = 0.0
+    tokens: int = 2
 
 
 class Scripted:
@@ -73,8 +78,9 @@ class Scripted:
 
     async def run(self, task: Task, label: Label) -> Session:
         plan = self.script(task, label)
-        version = self.engine.version
         try:
+            await trio.sleep(plan.delay)
+            version = self.engine.version
             await trio.sleep(plan.duration)
         except trio.Cancelled as cancelled:
             self.cancelled.append((label, cancelled.reason))
@@ -85,8 +91,8 @@ class Scripted:
             raise plan.raises
         call = Call(
             np.array([1, 2], np.int32),
-            np.full(2, 5 + label.sample, np.int32),
-            np.full(2, -0.5, np.float32),
+            np.full(plan.tokens, 5 + label.sample, np.int32),
+            np.full(plan.tokens, -0.5, np.float32),
             version,
         )
         reward = None if plan.status is Status.INFRA_ERROR else float(label.sample)
@@ -143,6 +149,57 @@ def test_a_rollout_finishing_at_its_deadline_has_one_outcome_whatever_trios_orde
         f"timeouts per scheduling seed differ: {timeouts}; a finish at the deadline must be "
         "ordered against the deadline by a documented key"
     )
+
+
+async def test_a_group_complete_at_a_siblings_deadline_is_admitted(autojump_clock):
+    """groups=1, oversample=1, timeout=2, max_attempts=1: sample 1 finishes at t=2, the instant
+    sample 0 (still running) reaches its deadline. Every finish of an instant comes before its
+    deadlines: the group is complete, and sample 0 is its surplus, not its end."""
+    engine = Engine()
+    source = Scripted(engine, lambda task, label: Plan(duration=5.0 if label.sample == 0 else 2))
+    options = dict(groups=1, oversample=1, ahead=0, max_lag=0, timeout=2.0, max_attempts=1)
+    async with scheduler(source, engine, **options) as sched:
+        stream = sched.tasks(dataset(1, 1)).stream(0)
+        await sched.step(next(stream), PARAMS, 0)
+    assert (sched.last_record.groups, sched.last_record.abandoned) == (1, 0)
+    assert source.cancelled == [(Label(0, 0, 0), "surplus")]
+
+
+def test_a_push_at_the_instant_a_queued_call_gets_its_slot_does_not_depend_on_trios_order():
+    """One engine slot, rollouts of exactly 1 s, two one-task batches of two samples, ahead=1.
+    Batch 1's second rollout waits for the slot until t=3, the instant the trainer hands batch 1
+    over and version 1 is pushed, with no new batch to submit: the push lands at the trainer's
+    call, so the engine, which starts the instant's calls once it has settled, starts that one
+    under version 1 whatever order trio runs the instant's tasks in."""
+
+    async def main():
+        engine = SimulatedEngine(slots=1)
+        config = SimulatedConfig(seed=0, duration_mean=1.0, duration_sigma=0.0, calls=(1, 1))
+        sched = RolloutScheduler(
+            BehaviorObjective(),
+            SimulatedSource(engine, config),
+            engine,
+            width=256,
+            rows=2,
+            groups=2,
+            ahead=1,
+            max_lag=1,
+        )
+        sched.long_wait = None
+        async with sched:
+            stream = sched.tasks(dataset(2, 1)).stream(0)
+            first, second = next(stream), next(stream)
+            await sched.step(first, None, 0)
+            await trio.sleep(1.0)
+            batch = await sched.step(second, None, 1)
+        return sched.last_record.metrics["lag/token_mean"], sorted(
+            set(batch["versions"][batch["loss_mask"] > 0].tolist())
+        )
+
+    outcomes = {seed: under_scheduling_seed(main, seed) for seed in range(8)}
+    assert all(outcome == outcomes[0] for outcome in outcomes.values()), outcomes
+    lag, versions = outcomes[0]
+    assert versions == [0, 1] and 0 < lag < 1, outcomes[0]
 
 
 class Boom(Exception):
@@ -619,3 +676,48 @@ async def test_a_trace_accounts_for_what_happened_after_the_last_call(tmp_path, 
     assert any(e.reason == "closed" for e in trace.closing_events)
     result = await replay_async(trace)
     assert result.matched, str(result)
+
+
+# SchedulerRecord's counts, per the page ----------------------------------------------------------
+
+
+async def test_timeouts_are_resubmissions_not_cancellations_in_the_record(autojump_clock):
+    """The page: `cancelled` counts in-flight rollouts cancelled as surplus, stale or abandoned;
+    a timeout is a failed attempt, counted in `resubmitted`."""
+    engine = Engine()
+    source = Scripted(engine, lambda task, label: Plan(duration=50.0 if label.attempt == 0 else 1))
+    async with scheduler(source, engine, ahead=0, max_lag=0, timeout=10.0) as sched:
+        stream = sched.tasks(dataset(1, 1)).stream(0)
+        await sched.step(next(stream), PARAMS, 0)
+    record = sched.last_record
+    assert {reason for _, reason in source.cancelled} == {"timeout"}
+    assert (record.resubmitted["timeout"], record.cancelled, record.groups) == (2, 0, 1)
+
+
+async def test_version_and_lag_are_the_oldest_packed_call_not_a_cut_groups(autojump_clock):
+    """Batch 1 (two one-sample groups, one row of room) is submitted at t=0 under version 0.
+    Group 3 calls at once under version 0 and finishes at t=5; group 2 waits 2 s, calls under
+    version 1 (pushed at t=1) and finishes first, at t=3. Group 2 is packed and group 3, though
+    complete, cut: the record's version and lag are group 2's call's."""
+
+    def script(task, label):
+        if label.group == 3:
+            return Plan(duration=5.0, tokens=40)
+        if label.group == 2:
+            return Plan(delay=2.0, duration=1.0, tokens=40)
+        return Plan(duration=0.5, tokens=40)
+
+    engine = Engine()
+    sched = RolloutScheduler(
+        OBJECTIVE, Scripted(engine, script), engine, width=64, rows=1, groups=1, ahead=1
+    )
+    async with sched:
+        stream = sched.tasks(dataset(3, 2)).stream(0)
+        first, second = next(stream), next(stream)
+        await sched.step(first, PARAMS, 0)
+        await trio.sleep(0.5)
+        batch = await sched.step(second, PARAMS, 1)
+    record = sched.last_record
+    assert (record.groups, record.cut) == (1, 1)
+    assert set(batch["versions"][batch["loss_mask"] > 0].tolist()) == {1}
+    assert (record.updates, record.version, record.lag) == (1, 1, 0)

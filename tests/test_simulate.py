@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from dew import cli, simulate
+from dew.data import Task
+from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
+from dew.objectives.rl.sessions import Label
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +157,53 @@ def test_dew_needs_a_subcommand(capsys):
         cli.main([])
     assert exit.value.code == 2
     assert "simulate" in capsys.readouterr().err
+
+
+def drawn_source(workload: simulate.Workload) -> SimulatedSource:
+    """A source drawing the workload's sessions, to read their model times off."""
+    config = SimulatedConfig(
+        seed=workload.seed,
+        duration_mean=workload.duration_mean,
+        duration_sigma=workload.duration_sigma,
+    )
+    return SimulatedSource(SimulatedEngine(), config)
+
+
+def test_the_sync_figures_recomputed_from_the_drawn_durations(smoke):
+    """Each figure by its definition, for sync, from the draws alone: a sync step waits for its
+    batch's longest rollout (C covers a batch, so nothing queues), then trains T."""
+    workload, outcomes = smoke
+    assert workload.slots >= workload.tasks * workload.groups
+    source = drawn_source(workload)
+    longest, durations = [], []
+    for step in range(workload.steps):
+        drawn = [
+            source.model_time(Task(str(group)), Label(group, sample, 0))
+            for group in range(step * workload.tasks, (step + 1) * workload.tasks)
+            for sample in range(workload.groups)
+        ]
+        longest.append(max(drawn))
+        durations += drawn
+    elapsed = sum(longest) + workload.steps * workload.step_time
+    samples = workload.tasks * workload.groups
+    sync = by_name(outcomes)["sync"]
+    assert sync.elapsed == pytest.approx(elapsed)
+    assert sync.goodput == pytest.approx(samples * workload.steps / elapsed)
+    bound = min(workload.slots / workload.duration_mean, samples / workload.step_time)
+    assert sync.share == pytest.approx(samples * workload.steps / elapsed / bound)
+    assert sync.idle == pytest.approx(sum(longest) / elapsed)
+    assert sync.lags == (0,) * workload.steps and sync.wasted == 0.0
+    assert sync.selection == pytest.approx(np.mean(durations) / workload.duration_mean)
+
+
+def test_selection_is_of_model_time_so_settings_that_select_nothing_read_alike(smoke):
+    """Selection bias is the admitted rollouts' mean model time over the population's: ahead
+    and sync admit every rollout they submit, so they read alike whatever they queue for a
+    slot; oversample and admit favour short rollouts and read below them."""
+    _, outcomes = smoke
+    rows = by_name(outcomes)
+    assert rows["ahead=1"].selection == pytest.approx(rows["sync"].selection, rel=0.15)
+    assert rows["ahead=2"].selection == pytest.approx(rows["sync"].selection, rel=0.15)
+    for name, row in rows.items():
+        if "oversample" in name or "admit" in name:
+            assert row.selection < rows["sync"].selection, name

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -145,9 +145,10 @@ class Outcome:
             submissions cancelled, discarded or failed. A rollout-second runs from the
             submission to its end (return or cancellation), slot queueing included; work still
             in flight when the run ends counts nowhere.
-        selection: mean finish - submission time of the admitted rollouts over duration_mean,
-            the population's mean model time: above 1 from queueing for a slot, below it where
-            completion-time selection favours short rollouts.
+        selection: the admitted rollouts' mean model time (the seconds they decode, slot
+            queueing left out) over duration_mean, the population's: below 1 where
+            completion-time selection favours short rollouts, about 1 where nothing is
+            selected.
         cut: groups cut for lack of room in the packed rows (0 by construction of the rows).
     """
 
@@ -240,7 +241,8 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
         duration_mean=workload.duration_mean,
         duration_sigma=workload.duration_sigma,
     )
-    source = _Timed(SimulatedSource(engine, config))
+    simulated = SimulatedSource(engine, config)
+    source = _Timed(simulated)
     samples = workload.tasks * workload.groups
     records = []
     scheduler = RolloutScheduler(
@@ -275,7 +277,7 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
         elapsed = trio.current_time() - start
 
     admitted_groups = workload.tasks if setting.admit is None else setting.admit
-    wasted, spent, durations = _account(events, source.spans)
+    wasted, spent, durations = _account(events, source.spans, simulated.model_time)
     return Outcome(
         setting=setting,
         elapsed=elapsed,
@@ -295,24 +297,26 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
 
 
 def _account(
-    events: Sequence[LogEvent], spans: Mapping[Label, tuple[float, float]]
+    events: Sequence[LogEvent],
+    spans: Mapping[Label, tuple[float, float]],
+    model_time: Callable[[Task, Label], float],
 ) -> tuple[float, float, list[float]]:
-    """Rollout-seconds thrown away and spent, over every submission that ended, and the
-    durations of the admitted ones.
+    """Rollout-seconds thrown away and spent, over every submission that ended, and the model
+    times of the admitted ones.
 
     A submission ends in exactly one of admitted, cancelled, discarded or failed; one still in
     flight when the run ends has no such event and counts nowhere.
     """
-    ends = {e.label: e.kind for e in events if e.kind in ("admitted", *WASTED)}
+    ends = {e.label: e for e in events if e.kind in ("admitted", *WASTED)}
     wasted = spent = 0.0
     admitted = []
-    for label, kind in ends.items():
+    for label, end_event in ends.items():
         begin, end = spans[label]
         spent += end - begin
-        if kind in WASTED:
+        if end_event.kind in WASTED:
             wasted += end - begin
         else:
-            admitted.append(end - begin)
+            admitted.append(model_time(Task(end_event.task), label))
     return wasted, spent, admitted
 
 

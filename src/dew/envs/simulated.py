@@ -397,3 +397,9 @@ class SimulatedSource:
         if failing is not None:
             await self.engine.call(failing, key)
         return attrs.evolve(session, calls=calls)
+
+    def model_time(self, task: Task, label: Label) -> float:
+        """The seconds the rollout of (task, label) decodes on the engine, slot queueing left
+        out: drawn from (config seed, task name, label) alone, like the rest of its session."""
+        _, seconds, failing = _draft(self.config, task, label)
+        return sum(seconds) + (failing or 0.0)

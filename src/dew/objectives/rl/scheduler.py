@@ -7,8 +7,8 @@ nursery per task batch.
 
 Determinism: happenings are not applied as they arrive. The shell waits until every task of the
 run is blocked (so nothing more can happen at this instant of trio's clock), then applies what
-arrived in a documented order (`_event_order`): rollouts' events by (group, sample, attempt), a
-finish before a deadline, then the trainer's. Under a mock clock, records, packed batches and the
+arrived in a documented order (`_event_order`): rollouts' finishes by (group, sample, attempt),
+then their deadlines, then the trainer's. Under a mock clock, records, packed batches and the
 event log are then a function of the seed, the source's behaviour and the clock, not of the order
 in which trio runs ready tasks.
 """
@@ -169,16 +169,16 @@ class _Failure:
 
 
 def _event_order(item: tuple[int, core.Event]) -> tuple:
-    """The documented order of events at one instant: rollouts by (group, sample, attempt)
-    first, a rollout's finish (or failure) before its deadline, so one that finishes exactly at
-    its deadline is not timed out; then the trainer's side (hand-over, reopen, close) in the
-    order it posted them."""
+    """The documented order of events at one instant: rollouts' finishes (and failures) by
+    (group, sample, attempt), then their deadlines in the same order, so that what finished
+    by its deadline, or completed its group by a sibling's, counts; then the trainer's side
+    (hand-over, reopen, close) in the order it posted them."""
     posted, event = item
     label = getattr(event, "label", None)
-    if label is not None:
-        deadline = isinstance(event, core.TimedOut)
-        return (event.time, 0, label.group, label.sample, label.attempt, deadline)
-    return (event.time, 1, posted, 0, 0, False)
+    if label is None:
+        return (event.time, 2, posted, 0, 0)
+    deadline = isinstance(event, core.TimedOut)
+    return (event.time, int(deadline), label.group, label.sample, label.attempt)
 
 
 def _at_least(name: str, bound: int):
@@ -199,6 +199,17 @@ class RolloutScheduler:
     `await scheduler.step(batch, variables, updates)` inside `async with scheduler:` in the
     caller's own trio run (what tests and notebooks drive under a mock clock; packing and
     rescoring then run inline in that run).
+
+    Ties are broken by one documented key, so that a run is a function of its seed, its
+    source's behaviour and trio's clock: at one instant, rollouts' finishes apply by (group,
+    sample, attempt), then their deadlines, then the trainer's hand-over, reopen or close; a
+    batch's groups are admitted, and packed, in order of (completion time, group id), and
+    `oversample` and `admit` keep the first to complete in that order. A weight push lands at
+    the trainer's call, before anything else of its instant.
+
+    A call that fails (a broken source, a refused batch, a failed push, another process's
+    failure met at the pool's agreement point) stops the scheduler: later calls raise,
+    naming it.
 
     Args:
         objective: rescores the packed rows under the trainer's weights (proximal policy).
@@ -334,7 +345,6 @@ class RolloutScheduler:
         self._batches: dict[int, tuple[trio.Nursery, trio.Event]] = {}
         # The first failure in the core's order goes to the trainer; later ones are logged.
         self._failure: core.Fail | None = None
-        self._push_variables: Variables = None
         self._events: list[LogEvent] = []
         self._watch: trio.CancelScope | None = None
         self._waiting = False  # a hand-over waits for its delivery
@@ -697,9 +707,15 @@ class RolloutScheduler:
         self._wake.set()
 
     def _hand_over(self, handover: _HandOver) -> None:
-        self._push_variables = handover.variables
+        """Push the weights when due, then post the hand-over. The push lands at the trainer's
+        call, before its instant settles: an engine that starts the calls arriving at an
+        instant once it has settled (as the simulated one does) starts them all under the new
+        version, whatever order trio runs the instant's tasks in."""
+        now = trio.current_time()
+        if handover.event_fields["pushed"]:
+            self.weights.load(handover.variables, handover.event_fields["served"])
         self._waiting = True
-        self._post(core.HandedOver(time=trio.current_time(), **handover.event_fields))
+        self._post(core.HandedOver(time=now, **handover.event_fields))
         if self.long_wait is not None:
             self._watch = trio.CancelScope()
             self._nursery.start_soon(self._watch_wait, self._watch, self.long_wait)
@@ -753,8 +769,6 @@ class RolloutScheduler:
     def _carry_out(self, command: core.Command) -> None:
         if isinstance(command, LogEvent):
             self._events.append(command)
-            if command.kind == "pushed":
-                self._push(command.version)
         elif isinstance(command, core.Submit):
             scope = trio.CancelScope()
             self._scopes[command.label] = scope
@@ -777,13 +791,6 @@ class RolloutScheduler:
             self._failure = command
             if command.batch is None:
                 self._fail(command.error)
-
-    def _push(self, version: int) -> None:
-        variables, self._push_variables = self._push_variables, None
-        try:
-            self.weights.load(variables, version)
-        except Exception as error:
-            self._fail_trainer(error)
 
     def _deliver(self, message: _Delivery | _Failure) -> None:
         self._waiting = False
