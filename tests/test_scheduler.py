@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import trio
 
+from _trio_order import under_scheduling_seed
 from dew import models
 from dew.data import ArrayDataset, Task
 from dew.objectives.rl.grpo import GRPOObjective
@@ -719,17 +720,10 @@ def simulated_run(scheduling_seed: int) -> tuple[list, list, list]:
             events = sched.last_events
         return records, batches, events
 
-    random_state = trio._core._run._r.getstate()
-    trio._core._run._r.seed(scheduling_seed)
-    try:
-        return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    finally:
-        trio._core._run._r.setstate(random_state)
+    return under_scheduling_seed(main, scheduling_seed)
 
 
 def test_the_outcome_does_not_depend_on_trios_ready_task_order():
-    import trio.testing  # noqa: F401  (MockClock)
-
     first = simulated_run(0)
     records, batches, events = first
     assert sum(sum(r.resubmitted.values()) for r in records) > 0

@@ -24,6 +24,7 @@ import pytest
 import trio
 import trio.testing
 
+from _trio_order import under_scheduling_seed
 from dew import models
 from dew.data import ArrayDataset, Task
 from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
@@ -108,16 +109,6 @@ def scheduler(source, engine, **kwargs) -> RolloutScheduler:
     sched = RolloutScheduler(OBJECTIVE, source, engine, width=WIDTH, rows=ROWS, **kwargs)
     sched.long_wait = None  # the tests that wait on purpose log nothing
     return sched
-
-
-def under_scheduling_seed(main, seed: int):
-    """Run `main` on a mock autojump clock with trio's ready-task order shuffled by `seed`."""
-    random_state = trio._core._run._r.getstate()
-    trio._core._run._r.seed(seed)
-    try:
-        return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    finally:
-        trio._core._run._r.setstate(random_state)
 
 
 # Determinism: ties at one instant -----------------------------------------------------------------
