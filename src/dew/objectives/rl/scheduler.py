@@ -133,9 +133,8 @@ class SchedulerStatus:
     groups: tuple[GroupStatus, ...]
 
     def __str__(self) -> str:
-        lines = [
-            f"waiting on batch {self.waiting} at updates {self.updates}, serving {self.served}"
-        ]
+        waiting = "not waiting" if self.waiting is None else f"waiting on batch {self.waiting}"
+        lines = [f"{waiting} at updates {self.updates}, serving {self.served}"]
         for g in self.groups:
             if g.batch != self.waiting:
                 continue
@@ -321,6 +320,8 @@ class RolloutScheduler:
         self._state = core.initial(self.config)
         # The trainer's side: what its stream registered, what it handed over, what it pushed.
         self._lock = threading.Lock()
+        self._calling = threading.Lock()
+        self._tasked = -1  # the newest batch whose tasks the trio side has
         self._registry: list[tuple[int, Batch]] = []
         self._next_batch = 0
         self._generation = 0
@@ -382,6 +383,10 @@ class RolloutScheduler:
         """Hand batch over from the trainer's thread; return its packed, rescored rows."""
         if self._mode == "async":
             raise RuntimeError("inside `async with scheduler:` use `await scheduler.step(...)`")
+        with self._one_call():
+            return self._call(batch, variables, updates)
+
+    def _call(self, batch: Batch, variables: Variables, updates: int) -> dict[str, np.ndarray]:
         self._check_usable()
         if not self.pool.is_first_reader(self.share_size):
             return self._read_share(variables, updates)
@@ -403,6 +408,10 @@ class RolloutScheduler:
         """The same call as `scheduler(batch, variables, updates)`, inside `async with`."""
         if self._mode != "async" or self._trio_thread != threading.get_ident():
             raise RuntimeError("`await scheduler.step(...)` runs inside `async with scheduler:`")
+        with self._one_call():
+            return await self._step(batch, variables, updates)
+
+    async def _step(self, batch: Batch, variables: Variables, updates: int) -> dict:
         self._check_usable()
         if not self.pool.is_first_reader(self.share_size):
             return self._read_share(variables, updates)
@@ -419,8 +428,21 @@ class RolloutScheduler:
             self._failed = RuntimeError(
                 f"the call at updates {updates} was cancelled while it waited for its rollouts"
             )
+            if self._watch is not None:
+                self._watch.cancel(reason="cancelled")
             raise
         return self._finish(message, variables, updates, trio.current_time() - start)
+
+    @contextlib.contextmanager
+    def _one_call(self):
+        """Refuse a second call while one is in progress: the trainer makes one at a time, and
+        a second would take the first's delivery, and leave its own batch undelivered."""
+        if not self._calling.acquire(blocking=False):
+            raise RuntimeError("the scheduler is already serving a call: make one at a time")
+        try:
+            yield
+        finally:
+            self._calling.release()
 
     def _check_usable(self) -> None:
         """Refuse a call to a closed or stopped scheduler, before it meets the pool: a failure
@@ -493,12 +515,14 @@ class RolloutScheduler:
             else:
                 index = self._next_batch
             upcoming = [(index, batch)] + self._registry[1 : 1 + self.ahead]
-            # Before the registry moves on, so a refusal leaves it as it was.
-            tasks = tuple((i, self._tasks_of(b)) for i, b in upcoming)
+            # Each batch's tasks are made once, and before the registry moves on, so that a
+            # refusal leaves it as it was.
+            tasks = tuple((i, self._tasks_of(b)) for i, b in upcoming if i > self._tasked)
             if registered:
                 self._registry.pop(0)
             else:
                 self._next_batch += 1
+            self._tasked = max(self._tasked, upcoming[-1][0])
         self._updates = updates
         pushed = core.push_due(self._served, updates, self.sync_every)
         if pushed:
@@ -598,6 +622,14 @@ class RolloutScheduler:
         )
 
     # --- running the trio side ----------------------------------------------------------------
+
+    def __enter__(self) -> RolloutScheduler:
+        """`with scheduler:` around the synchronous facade's calls closes it at the block's
+        end: its trio thread runs until close(), holding the source and what is in flight."""
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     async def __aenter__(self) -> RolloutScheduler:
         if self._mode is not None:
