@@ -347,6 +347,30 @@ def test_a_broken_source_reaches_the_trainer_thread_as_itself():
     assert set(threading.enumerate()) == before
 
 
+def test_close_just_before_the_trainer_thread_waits_still_answers_it(monkeypatch):
+    """close() from another thread can come between the trainer's hand-over and its wait: the
+    run the trainer would wait in has ended by then, and the answer close() left ("closed") is
+    what the call raises, not that the trio thread stopped."""
+    engine = Engine()
+    source = Scripted(engine, lambda task, label: Plan(duration=math.inf))
+    sched = scheduler(source, engine, ahead=0, max_lag=0)
+    stream = sched.tasks(dataset(1, 1)).stream(0)
+    before = set(threading.enumerate())
+    real_run = trio.from_thread.run
+
+    def late_wait(fn, *args, trio_token):
+        if fn == sched._receive.receive:
+            closer = threading.Thread(target=sched.close)
+            closer.start()
+            closer.join()
+        return real_run(fn, *args, trio_token=trio_token)
+
+    monkeypatch.setattr(trio.from_thread, "run", late_wait)
+    with pytest.raises(RuntimeError, match="closed while the trainer waited"):
+        sched(next(stream), PARAMS, 0)
+    assert set(threading.enumerate()) <= before
+
+
 def test_close_from_another_thread_answers_the_waiting_trainer_thread():
     engine = Engine()
     started = threading.Event()

@@ -397,9 +397,11 @@ class RolloutScheduler:
             trio.from_thread.run_sync(self._hand_over, handover, trio_token=self._token)
             message = trio.from_thread.run(self._receive.receive, trio_token=self._token)
         except (trio.RunFinishedError, trio.Cancelled) as stopped:
-            error = RuntimeError("the scheduler's trio thread stopped")
-            error.__cause__ = self._crash or stopped
-            message = _Failure(error)
+            message = self._left_behind()
+            if message is None:
+                error = RuntimeError("the scheduler's trio thread stopped")
+                error.__cause__ = self._crash or stopped
+                message = _Failure(error)
         except Exception as error:
             message = _Failure(error)
         return self._finish(message, variables, updates, time.perf_counter() - start)
@@ -432,6 +434,16 @@ class RolloutScheduler:
                 self._watch.cancel(reason="cancelled")
             raise
         return self._finish(message, variables, updates, trio.current_time() - start)
+
+    def _left_behind(self) -> _Delivery | _Failure | None:
+        """What the trio side sent this call before its thread stopped, if anything: a close()
+        from another thread answers a call that is about to wait, then ends the run it would
+        have waited in. Read once that thread has ended, so nothing else touches the channel."""
+        self._thread.join()
+        try:
+            return self._receive.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return None
 
     @contextlib.contextmanager
     def _one_call(self):
