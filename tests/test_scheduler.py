@@ -11,83 +11,14 @@ import collections
 import logging
 
 import attrs
-import jax
 import numpy as np
 import pytest
 import trio
 
+from _scripted import OBJECTIVE, PARAMS, ROWS, WIDTH, Engine, Plan, Scripted, dataset
 from _trio_order import under_scheduling_seed
-from dew import models
-from dew.data import ArrayDataset, Task
-from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler, SchedulerRecord, task_ids
-from dew.objectives.rl.sessions import Call, Label, Session, SessionError, Status
-
-CONFIG = models.TransformerConfig(vocab=32, d_model=16, heads=2, layers=1, d_ff=32, max_len=64)
-PARAMS = models.init(jax.random.PRNGKey(0), CONFIG)
-OBJECTIVE = GRPOObjective(models.model(CONFIG))
-WIDTH, ROWS = 64, 8
-
-
-@attrs.frozen
-class Plan:
-    """How one scripted rollout goes: `duration` seconds over `calls` calls, then its outcome."""
-
-    duration: float = 1.0
-    status: Status = Status.COMPLETED
-    reward: float | None = 1.0
-    calls: int = 1
-    truncation: str | None = None
-    raises: BaseException | None = None
-    tokens: int = 2
-
-
-class Engine:
-    """A Publisher that serves whatever version was pushed last."""
-
-    def __init__(self):
-        self.version: int | None = None
-        self.pushes: list[tuple[float, int]] = []
-
-    def load(self, variables, version):
-        self.version = version
-        self.pushes.append((trio.current_time(), version))
-
-
-class Scripted:
-    """A source whose every rollout follows `script(task, label) -> Plan`, and which remembers
-    what it ran and why it was cancelled."""
-
-    def __init__(self, engine: Engine, script=lambda task, label: Plan()):
-        self.engine = engine
-        self.script = script
-        self.started: list[tuple[float, str, Label]] = []
-        self.cancelled: list[tuple[float, Label, str | None]] = []
-
-    async def run(self, task: Task, label: Label) -> Session:
-        plan = self.script(task, label)
-        self.started.append((trio.current_time(), task.name, label))
-        calls = []
-        try:
-            for i in range(plan.calls):
-                version = self.engine.version
-                await trio.sleep(plan.duration / plan.calls)
-                prompt = np.arange(1, 3 + i * (1 + plan.tokens), dtype=np.int32) % 30 + 1
-                completion = np.full(plan.tokens, 5 + label.sample, np.int32)
-                logprobs = np.full(plan.tokens, -0.5, np.float32)
-                calls.append(Call(prompt, completion, logprobs, version))
-        except trio.Cancelled as cancelled:
-            self.cancelled.append((trio.current_time(), label, cancelled.reason))
-            raise
-        if plan.raises is not None:
-            raise plan.raises
-        return Session(
-            plan.status, calls, reward=plan.reward, truncation=plan.truncation, error=None
-        )
-
-
-def dataset(batches: int = 6, size: int = 2) -> ArrayDataset:
-    return ArrayDataset({"task_id": np.arange(batches * size)}, batch_size=size)
+from dew.objectives.rl.sessions import Label, SessionError, Status
 
 
 def scheduler(source, engine, **kwargs) -> RolloutScheduler:

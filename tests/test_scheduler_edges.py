@@ -17,91 +17,22 @@ import math
 import threading
 
 import attrs
-import jax
 import numpy as np
 import optax
 import pytest
 import trio
 import trio.testing
 
+from _scripted import OBJECTIVE, PARAMS, ROWS, WIDTH, Engine, Plan, Scripted, dataset
 from _trio_order import under_scheduling_seed
-from dew import models
-from dew.data import ArrayDataset, Task
+from dew.data import Task
 from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
-from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
-from dew.objectives.rl.sessions import Call, Label, Session, Status
+from dew.objectives.rl.sessions import Label, Status
 from dew.replay import replay_async
 from dew.simulate import BehaviorObjective
 from dew.testing import record_run
 from dew.train import Trainer
-
-CONFIG = models.TransformerConfig(vocab=32, d_model=16, heads=2, layers=1, d_ff=32, max_len=64)
-PARAMS = models.init(jax.random.PRNGKey(0), CONFIG)
-OBJECTIVE = GRPOObjective(models.model(CONFIG))
-WIDTH, ROWS = 64, 8
-
-
-class Engine:
-    """A Publisher that serves whatever version was pushed last, and keeps every push."""
-
-    def __init__(self):
-        self.version: int | None = None
-        self.pushes: list[int] = []
-
-    def load(self, variables, version):
-        self.version = version
-        self.pushes.append(version)
-
-
-@attrs.frozen
-class Plan:
-    """How one scripted rollout goes: `delay` seconds, then a call under the version served
-    then that takes `duration` seconds, then `raises` or a one-call session of `status` with
-    `tokens` completion tokens."""
-
-    duration: float = 1.0
-    status: Status = Status.COMPLETED
-    raises: BaseException | None = None
-    raises_when_cancelled: BaseException | None = None
-    delay: float = 0.0
-    tokens: int = 2
-
-
-class Scripted:
-    """A source whose every rollout follows `script(task, label) -> Plan`, and which remembers
-    why each cancelled rollout was cancelled."""
-
-    def __init__(self, engine: Engine, script=lambda task, label: Plan()):
-        self.engine = engine
-        self.script = script
-        self.cancelled: list[tuple[Label, str | None]] = []
-
-    async def run(self, task: Task, label: Label) -> Session:
-        plan = self.script(task, label)
-        try:
-            await trio.sleep(plan.delay)
-            version = self.engine.version
-            await trio.sleep(plan.duration)
-        except trio.Cancelled as cancelled:
-            self.cancelled.append((label, cancelled.reason))
-            if plan.raises_when_cancelled is not None:
-                raise plan.raises_when_cancelled from None
-            raise
-        if plan.raises is not None:
-            raise plan.raises
-        call = Call(
-            np.array([1, 2], np.int32),
-            np.full(plan.tokens, 5 + label.sample, np.int32),
-            np.full(plan.tokens, -0.5, np.float32),
-            version,
-        )
-        reward = None if plan.status is Status.INFRA_ERROR else float(label.sample)
-        return Session(plan.status, [call], reward=reward)
-
-
-def dataset(batches: int, size: int) -> ArrayDataset:
-    return ArrayDataset({"task_id": np.arange(batches * size)}, batch_size=size)
 
 
 def scheduler(source, engine, **kwargs) -> RolloutScheduler:
@@ -153,7 +84,9 @@ async def test_a_group_complete_at_a_siblings_deadline_is_admitted(autojump_cloc
         stream = sched.tasks(dataset(1, 1)).stream(0)
         await sched.step(next(stream), PARAMS, 0)
     assert (sched.last_record.groups, sched.last_record.abandoned) == (1, 0)
-    assert source.cancelled == [(Label(0, 0, 0), "surplus")]
+    assert [(label, reason) for _, label, reason in source.cancelled] == [
+        (Label(0, 0, 0), "surplus")
+    ]
 
 
 def test_a_push_at_the_instant_a_queued_call_gets_its_slot_does_not_depend_on_trios_order():
@@ -269,7 +202,7 @@ async def test_close_from_another_thread_stops_an_async_scheduler(autojump_clock
             await trio.to_thread.run_sync(sched.close)
             guard.deadline = trio.current_time() + 1000.0
     assert not guard.cancelled_caught, "leaving `async with` hung after close() from a thread"
-    assert {reason for _, reason in source.cancelled} == {"closed"}, source.cancelled
+    assert {reason for *_, reason in source.cancelled} == {"closed"}, source.cancelled
 
 
 def test_status_after_the_run_ended_reports_no_clock_rather_than_raising():
@@ -310,7 +243,7 @@ async def test_a_source_that_raises_while_being_cancelled_is_not_silently_ignore
         stream = sched.tasks(dataset(2, 1)).stream(0)
         first = await sched.step(next(stream), PARAMS, 0)
         await trio.testing.wait_all_tasks_blocked()
-        assert (Label(0, 2, 0), "surplus") in source.cancelled
+        assert (Label(0, 2, 0), "surplus") in [(lab, why) for _, lab, why in source.cancelled]
         assert first["tokens"].shape == (ROWS, WIDTH)
         try:
             await sched.step(next(stream), PARAMS, 1)
@@ -400,7 +333,7 @@ def test_close_from_another_thread_answers_the_waiting_trainer_thread():
     assert not thread.is_alive(), "the trainer thread still waits after close()"
     assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
     assert "closed" in str(outcome[0])
-    assert {reason for _, reason in source.cancelled} == {"closed"}
+    assert {reason for *_, reason in source.cancelled} == {"closed"}
     assert set(threading.enumerate()) == before
 
 
@@ -434,7 +367,7 @@ async def test_reopening_the_stream_while_the_trainer_waits_does_not_leave_it_wa
                 await trio.sleep(1.0)
                 data.stream(0)  # the loader reopens the stream, as a resume does
         status = str(sched.status())
-    assert {reason for _, reason in source.cancelled} == {"reopened"}, source.cancelled
+    assert {reason for *_, reason in source.cancelled} == {"reopened"}, source.cancelled
     assert not guard.cancelled_caught, (
         "the trainer's call still waits 1000 s after the stream was reopened under it; "
         f"status() says:\n{status}"
@@ -458,7 +391,9 @@ async def test_a_batch_of_the_old_stream_handed_over_after_a_reopen_is_not_train
         await sched.step(first, PARAMS, 0)
         data.stream(3)  # resumed elsewhere; not read yet
         await trio.sleep(0.5)
-        assert (Label(1, 0, 0), "reopened") in source.cancelled, source.cancelled
+        assert (Label(1, 0, 0), "reopened") in [(lab, why) for _, lab, why in source.cancelled], (
+            source.cancelled
+        )
         with pytest.raises(ValueError, match="not read from the current tasks\\(\\) stream"):
             await sched.step(second, PARAMS, 1)
         assert sched.last_record is None
@@ -507,7 +442,7 @@ def test_a_trainer_resumed_in_the_same_process_trains_on_with_its_scheduler(tmp_
     finally:
         sched.close()
     assert trainer.updates == 5
-    assert engine.pushes[pushed] == 2, (
+    assert engine.pushes[pushed][1] == 2, (
         f"after the resume the engine got pushes {engine.pushes[pushed:]}, not the restored "
         "weights of version 2 first"
     )
@@ -705,7 +640,7 @@ async def test_timeouts_are_resubmissions_not_cancellations_in_the_record(autoju
         stream = sched.tasks(dataset(1, 1)).stream(0)
         await sched.step(next(stream), PARAMS, 0)
     record = sched.last_record
-    assert {reason for _, reason in source.cancelled} == {"timeout"}
+    assert {reason for *_, reason in source.cancelled} == {"timeout"}
     assert (record.resubmitted["timeout"], record.cancelled, record.groups) == (2, 0, 1)
 
 

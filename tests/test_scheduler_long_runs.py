@@ -16,6 +16,7 @@ import threading
 import numpy as np
 import trio
 
+from _scripted import Engine
 from dew.data import ArrayDataset, Task
 from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.objectives.rl.scheduler import RolloutScheduler, task_ids
@@ -24,16 +25,6 @@ from dew.simulate import BehaviorObjective
 
 # How long a thread that should already have finished is given before the test calls it stuck.
 PATIENCE = 10.0
-
-
-class Engine:
-    """A Publisher that serves whatever version was pushed last."""
-
-    def __init__(self):
-        self.version: int | None = None
-
-    def load(self, variables, version):
-        self.version = version
 
 
 def session(task: Task, version: int) -> Session:
