@@ -413,7 +413,9 @@ class RolloutScheduler:
         with self._one_call():
             return await self._step(batch, variables, updates)
 
-    async def _step(self, batch: Batch, variables: Variables, updates: int) -> dict:
+    async def _step(
+        self, batch: Batch, variables: Variables, updates: int
+    ) -> dict[str, np.ndarray]:
         self._check_usable()
         if not self.pool.is_first_reader(self.share_size):
             return self._read_share(variables, updates)
