@@ -48,6 +48,8 @@ def test_rollout_scheduler_signature_is_the_pages():
         ("truncation", keyword, "mask"),
         ("support_capacity", keyword, None),
         ("log", keyword, None),
+        ("vocab", keyword, None),
+        ("empty_streak", keyword, 5),
     ]
     assert [p[0] for p in parameters(scheduler.RolloutScheduler.tasks)] == ["dataset"]
     assert parameters(scheduler.RolloutScheduler.close) == []

@@ -805,18 +805,8 @@ def test_session_metrics_of_a_known_step():
     assert "lag/token_mean" not in masked_by_none
 
 
-def test_session_metrics_of_nothing_are_zero():
+def test_session_metrics_of_nothing_leave_every_undefined_figure_out():
+    """A mean, share or quantile over nothing is left out, not made 0.0 (a reward of 0 that
+    no session had): only the counts remain."""
     metrics = session_metrics([], pack([], width=4, rows=2), version=0)
-    assert metrics["fill"] == 0.0 and metrics["lag/token_max"] == 0.0
-    assert all(isinstance(v, float) and v == 0.0 for v in metrics.values())
-    assert set(metrics) >= {f"status/{s.value}" for s in Status} | {
-        "merge_ratio",
-        "masked/share",
-        "reward/mean",
-        "latency/p50",
-        "latency/p90",
-        "latency/p99",
-        "latency/max",
-        "tokens/trained",
-        "lag/token_mean",
-    }
+    assert metrics == {"tokens/trained": 0.0, "fill": 0.0}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import attrs
@@ -116,8 +117,33 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+def finite_float(text: str) -> float:
+    """A float option's value, refused unless finite: an infinite or NaN duration, rate or
+    weight makes a command hang or train on NaN rather than fail.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the value (argparse adds the option).
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def _finite_floats(parser: argparse.ArgumentParser) -> None:
+    """Make every `type=float` option of parser take finite floats only, whichever command's
+    configure added it."""
+    for action in parser._actions:
+        if action.type is float:
+            action.type = finite_float
+
+
 def parser() -> argparse.ArgumentParser:
-    """The `dew` argument parser, with one subparser per entry of COMMANDS."""
+    """The `dew` argument parser, with one subparser per entry of COMMANDS; every float option of
+    every command takes finite numbers only."""
     top = argparse.ArgumentParser(
         prog="dew", description="Asynchronous RL of language-model agents."
     )
@@ -125,6 +151,7 @@ def parser() -> argparse.ArgumentParser:
     for name, command in COMMANDS.items():
         sub = subparsers.add_parser(name, help=command.summary, description=command.summary)
         command.configure(sub)
+        _finite_floats(sub)
         sub.set_defaults(run=command.run, parser=sub)
     return top
 

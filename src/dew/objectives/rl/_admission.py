@@ -27,6 +27,10 @@ from dew.data import Task
 from dew.objectives.rl.sessions import Label, Session, Status
 
 CAUSES = ("infra_error", "cancelled", "stale", "timeout", "unscored")
+# The most characters of a session's error text a `failed` event keeps: enough for an exception's
+# type and message, bounded so that a source which dumps a whole traceback or page on every
+# failure cannot grow the event log without bound.
+ERROR_TEXT = 300
 REASONS = ("surplus", "stale", "timeout", "reopened", "closed", "abandoned", "broken")
 # Causes that use up one of a sample's max_attempts; stale resubmission does not.
 FAILURES = ("infra_error", "cancelled", "timeout", "unscored")
@@ -219,7 +223,9 @@ class LogEvent:
 
     kind is one of submitted, admitted, cancelled, discarded, failed (per submission), abandoned,
     cut (per group), handed_over (version = the trainer's updates), pushed or reopened; reason is
-    the cause or reason where the kind has one.
+    the cause or reason where the kind has one. error is the failed session's own error text (an
+    exception's type and message, as a source reports it), at most ERROR_TEXT characters; it is
+    carried from the session, which a trace already holds, so events compare without it.
     """
 
     kind: str
@@ -229,9 +235,17 @@ class LogEvent:
     task: str | None = None
     label: Label | None = None
     reason: str | None = None
+    error: str | None = attrs.field(default=None, eq=False)
 
 
 Command = Submit | Cancel | Deliver | Fail | LogEvent
+
+
+def bounded(text: str | None) -> str | None:
+    """An error text cut to ERROR_TEXT characters, saying that it was cut."""
+    if text is None or len(text) <= ERROR_TEXT:
+        return text
+    return text[: ERROR_TEXT - 1] + "…"
 
 
 def initial(config: Config) -> State:
@@ -328,11 +342,14 @@ class _Step:
         label: Label | None = None,
         version: int | None = None,
         reason: str | None = None,
+        error: str | None = None,
     ) -> None:
         if group is None:
-            event = LogEvent(kind, self.time, version, None, None, label, reason)
+            event = LogEvent(kind, self.time, version, None, None, label, reason, error)
         else:
-            event = LogEvent(kind, self.time, version, group.id, group.task.name, label, reason)
+            event = LogEvent(
+                kind, self.time, version, group.id, group.task.name, label, reason, error
+            )
         self.commands.append(event)
 
     def put(self, group: Group) -> Group:
@@ -439,7 +456,7 @@ class _Step:
         group, sample = found
         cause = admissible_failure(session, self.config.truncation)
         if cause is not None:
-            self.fail(group, sample, cause, "failed")
+            self.fail(group, sample, cause, "failed", bounded(session.error))
             return
         updates = self.updates
         if (
@@ -461,15 +478,16 @@ class _Step:
             self.commands.append(Cancel(label, "timeout"))
             self.fail(group, sample, "timeout", "cancelled")
 
-    def fail(self, group: Group, sample: Sample, cause: str, kind: str) -> None:
-        """A failed attempt: resubmit it, or give the group up once the sample is out of
-        attempts."""
+    def fail(
+        self, group: Group, sample: Sample, cause: str, kind: str, error: str | None = None
+    ) -> None:
+        """A failed attempt, logged with its error text: resubmit it, or give the group up once
+        the sample is out of attempts."""
         label = sample.label
+        self.log(kind, group, label, version=sample.version, reason=cause, error=error)
         if sample.failures + 1 < self.config.max_attempts:
-            self.log(kind, group, label, version=sample.version, reason=cause)
             self.resubmit(group, sample, cause)
             return
-        self.log(kind, group, label, version=sample.version, reason=cause)
         group = self.put_sample(group, sample.with_state(SampleState.ENDED))
         self.log("abandoned", group, label, reason=cause)
         self.end_group(group, GroupState.ABANDONED, "abandoned")

@@ -463,21 +463,16 @@ def _support(laid: Sequence[Sequence[_Piece]], capacity: int) -> tuple[np.ndarra
     return np.concatenate(tokens, dtype=np.int32), np.repeat(np.array(at, np.int32), sizes)
 
 
-def _share(count: int, total: int) -> float:
-    return count / total if total else 0.0
-
-
-def _mean(values: Sequence[float]) -> float:
-    return float(np.mean(values)) if len(values) else 0.0
-
-
 def session_metrics(
     sessions: Sequence[Session], packed: Packed, *, version: int | None = None
 ) -> dict[str, float]:
     """Figures of one step's sessions and their packed batch, for the scheduler's record.
 
-    Every figure is a float and an empty input gives 0.0, so a log always has the same keys
-    (but the lag keys, present only with `version`) and never a NaN.
+    A figure is present exactly when it is defined, and then it is a finite float: a share,
+    mean or quantile over nothing (no sessions, no calls, no rewards, no trained tokens) is left
+    out, as a reward component no session reported is, never 0.0, None or NaN. A step that
+    admitted nothing has only `tokens/trained` and `fill` (0.0 each); a reader of a log that
+    wants a number for every step writes `metrics.get(key, math.nan)`.
 
     Args:
         sessions: the step's rollouts.
@@ -492,33 +487,39 @@ def session_metrics(
         stamped); `tokens/trained`; `lag/token_mean` and `lag/token_max` (with `version`);
         `fill`.
     """
+    metrics: dict[str, float] = {}
     total = len(sessions)
-    metrics = {"merge_ratio": merge_ratio(sessions)}
-    for status in Status:
-        metrics[f"status/{status.value}"] = _share(sum(s.status is status for s in sessions), total)
-    trains = _training_statuses(packed.truncation)
-    masked = [s for s in sessions if s.status not in trains]
-    metrics["masked/share"] = _share(len(masked), total)
-    for reason in TRUNCATION_REASONS:
-        metrics[f"masked/{reason}"] = _share(sum(s.truncation == reason for s in masked), total)
+    if sum(len(s.calls) for s in sessions):
+        metrics["merge_ratio"] = merge_ratio(sessions)
+    if total:
+        for status in Status:
+            metrics[f"status/{status.value}"] = sum(s.status is status for s in sessions) / total
+        trains = _training_statuses(packed.truncation)
+        masked = [s for s in sessions if s.status not in trains]
+        metrics["masked/share"] = len(masked) / total
+        for reason in TRUNCATION_REASONS:
+            metrics[f"masked/{reason}"] = sum(s.truncation == reason for s in masked) / total
     for name in sorted({name for s in sessions for name in s.components}):
-        metrics[f"reward/{name}"] = _mean(
-            [float(s.components[name]) for s in sessions if name in s.components]
+        metrics[f"reward/{name}"] = float(
+            np.mean([float(s.components[name]) for s in sessions if name in s.components])
         )
-    metrics["reward/mean"] = _mean([float(s.reward) for s in sessions if s.reward is not None])
+    rewards = [float(s.reward) for s in sessions if s.reward is not None]
+    if rewards:
+        metrics["reward/mean"] = float(np.mean(rewards))
     latencies = [
         s.finished - s.submitted
         for s in sessions
         if s.finished is not None and s.submitted is not None
     ]
-    quantiles = np.percentile(latencies, [50, 90, 99]) if latencies else np.zeros(3)
-    metrics["latency/p50"], metrics["latency/p90"], metrics["latency/p99"] = map(float, quantiles)
-    metrics["latency/max"] = float(max(latencies, default=0.0))
+    if latencies:
+        p50, p90, p99 = map(float, np.percentile(latencies, [50, 90, 99]))
+        metrics |= {"latency/p50": p50, "latency/p90": p90, "latency/p99": p99}
+        metrics["latency/max"] = float(max(latencies))
     trained = packed.batch["loss_mask"] > 0
     metrics["tokens/trained"] = float(trained.sum())
-    if version is not None:
+    if version is not None and trained.any():
         lags = version - packed.batch["versions"][trained].astype(np.int64)
-        metrics["lag/token_mean"] = float(lags.mean()) if lags.size else 0.0
-        metrics["lag/token_max"] = float(lags.max()) if lags.size else 0.0
+        metrics["lag/token_mean"] = float(lags.mean())
+        metrics["lag/token_max"] = float(lags.max())
     metrics["fill"] = float(packed.fill)
     return metrics

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import logging
 import math
 import threading
@@ -41,6 +42,7 @@ from dew.objectives.rl.sessions import (
     Session,
     SessionError,
     SessionSource,
+    chains,
     check_session,
     pack,
     session_metrics,
@@ -124,17 +126,22 @@ class GroupStatus:
 
 @attrs.frozen
 class SchedulerStatus:
-    """What the scheduler is doing: the batch the trainer waits on, and every group in play."""
+    """What the scheduler is doing: the batch the trainer waits on, every group in play, and
+    the most frequent error texts of failed sessions so far, with their counts."""
 
     time: float
     waiting: int | None
     updates: int | None
     served: int | None
     groups: tuple[GroupStatus, ...]
+    errors: tuple[tuple[str, int], ...] = ()
 
     def __str__(self) -> str:
         waiting = "not waiting" if self.waiting is None else f"waiting on batch {self.waiting}"
         lines = [f"{waiting} at updates {self.updates}, serving {self.served}"]
+        if self.errors:
+            lines.append("  most frequent errors:")
+            lines += [f"    {count}x {error}" for error, count in self.errors]
         for g in self.groups:
             if g.batch != self.waiting:
                 continue
@@ -178,6 +185,73 @@ def _event_order(item: tuple[int, core.Event]) -> tuple:
         return (event.time, 2, posted, 0, 0)
     deadline = isinstance(event, core.TimedOut)
     return (event.time, int(deadline), label.group, label.sample, label.attempt)
+
+
+# Sizes beyond these cannot work on any machine, and would fail late (a MemoryError after minutes,
+# or a hang) rather than at construction: a row of at most MAX_WIDTH tokens, a packed batch of at
+# most MAX_CELLS cells per process (its int32 and float32 arrays take about 32 bytes a cell, so
+# 4 GiB), at most MAX_SAMPLES rollouts per group, and at most MAX_IN_FLIGHT rollouts submitted
+# for one task batch.
+MAX_WIDTH = 2**20
+MAX_CELLS = 2**27
+MAX_SAMPLES = 2**16
+MAX_IN_FLIGHT = 2**20
+# Distinct error texts status() counts, and how many of the most frequent it shows.
+ERRORS_KEPT = 64
+ERRORS_SHOWN = 5
+
+
+def _check_collaborators(objective, source, weights, tasks, log) -> None:
+    """Refuse a collaborator that cannot do its part, before the first call finds out.
+
+    Raises:
+        TypeError: naming the argument and what it needs.
+    """
+
+    def refuse(name: str, needs: str, value) -> TypeError:
+        return TypeError(f"{name} must {needs}, got {type(value).__name__}")
+
+    if not callable(getattr(objective, "packed_log_probs", None)):
+        raise refuse("objective", "have packed_log_probs (a GRPOObjective)", objective)
+    if not inspect.iscoroutinefunction(getattr(source, "run", None)):
+        raise refuse("source", "have an async run(task, label) method (a SessionSource)", source)
+    if not callable(getattr(weights, "load", None)):
+        raise refuse("weights", "have a load(variables, version) method (a Publisher)", weights)
+    if not callable(tasks):
+        raise refuse("tasks", "be callable as tasks(batch) -> Sequence[Task]", tasks)
+    if log is not None and not callable(log):
+        raise refuse("log", "be None or callable as log(record)", log)
+
+
+def _check_sizes(
+    *, width: int, rows: int, groups: int, oversample: int, support_capacity: int | None
+) -> None:
+    """Refuse sizes no run can hold (see MAX_WIDTH and its neighbours).
+
+    Raises:
+        ValueError: naming the argument, the bound and the value.
+    """
+    if width > MAX_WIDTH:
+        raise ValueError(f"width must be <= {MAX_WIDTH} tokens, got {width}")
+    if rows * width > MAX_CELLS:
+        raise ValueError(
+            f"rows * width must be <= {MAX_CELLS} cells (the packed batch), got {rows} * {width}"
+        )
+    if groups > rows * width:
+        raise ValueError(
+            f"groups must be <= rows * width = {rows * width}: each rollout of a group takes at "
+            f"least one cell of the batch, so a larger group could never be packed; got {groups}"
+        )
+    if groups + oversample > MAX_SAMPLES:
+        raise ValueError(
+            f"oversample must keep groups + oversample <= {MAX_SAMPLES} rollouts per group, "
+            f"got {groups} + {oversample}"
+        )
+    if support_capacity is not None and rows * support_capacity > MAX_CELLS:
+        raise ValueError(
+            f"support_capacity must keep rows * support_capacity <= {MAX_CELLS}, "
+            f"got {rows} * {support_capacity}"
+        )
 
 
 def _at_least(name: str, bound: int):
@@ -227,9 +301,23 @@ class RolloutScheduler:
         estimator, truncation, support_capacity: pack's advantage family, truncation policy and
             per-row support length.
         log: receives a SchedulerRecord per call.
+        vocab: the model's vocabulary size. The scheduler cannot read it off the objective (whose
+            model is any callable), so the caller says it: a session holding a token id at or
+            above it is refused as broken (`SessionError`, naming task, label and field) rather
+            than rescored into NaN log-probs. None checks only that ids are not negative.
+        empty_streak: after this many consecutive calls that train on no group (every group
+            cut, abandoned or failed), log a warning that gives the streak's counts and most
+            frequent errors, once per streak; None never warns. A healthy run rarely
+            has even one such call, and 5 wastes few steps before saying so.
+
+    Limits: width <= MAX_WIDTH, rows * width <= MAX_CELLS, groups <= rows * width (a larger
+    group could never be packed), groups + oversample <= MAX_SAMPLES, rows * support_capacity
+    <= MAX_CELLS, and at each call a task batch of at most MAX_IN_FLIGHT rollouts.
 
     Raises:
         ValueError: naming the argument and the bound it broke.
+        TypeError: naming a collaborator (objective, source, weights, tasks, log) that lacks
+            what it needs.
     """
 
     def __init__(
@@ -253,7 +341,10 @@ class RolloutScheduler:
         truncation: str = "mask",
         support_capacity: int | None = None,
         log: Callable[[SchedulerRecord], None] | None = None,
+        vocab: int | None = None,
+        empty_streak: int | None = 5,
     ):
+        _check_collaborators(objective, source, weights, tasks, log)
         for name, value, bound in [
             ("width", width, 1),
             ("rows", rows, 1),
@@ -267,17 +358,34 @@ class RolloutScheduler:
             _at_least(name, bound)(value)
         if admit is not None:
             _at_least("admit", 1)(admit)
-        if support_capacity is not None:
-            _at_least("support_capacity", 1)(support_capacity)
+        for name, value in [
+            ("support_capacity", support_capacity),
+            ("vocab", vocab),
+            ("empty_streak", empty_streak),
+        ]:
+            if value is not None:
+                _at_least(name, 1)(value)
+        _check_sizes(
+            width=width,
+            rows=rows,
+            groups=groups,
+            oversample=oversample,
+            support_capacity=support_capacity,
+        )
         if max_lag < ahead + sync_every - 1:
             raise ValueError(
                 f"max_lag must be >= ahead + sync_every - 1 = {ahead + sync_every - 1} "
                 f"(a first submission can be that stale at consumption), got {max_lag}"
             )
         if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout < math.inf
         ):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+            raise ValueError(
+                f"timeout must be a positive finite number of seconds (None for no deadline), "
+                f"got {timeout!r}"
+            )
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
         if truncation not in TRUNCATION:
@@ -295,6 +403,8 @@ class RolloutScheduler:
         self.truncation = truncation
         self.support_capacity = support_capacity
         self.log = log
+        self.vocab = vocab
+        self.empty_streak = empty_streak
         self.config = core.Config(
             groups=groups,
             oversample=oversample,
@@ -349,6 +459,13 @@ class RolloutScheduler:
         self._events: list[LogEvent] = []
         self._watch: trio.CancelScope | None = None
         self._waiting = False  # a hand-over waits for its delivery
+        self._newest_pushed: int | None = None  # the newest version pushed to the engines
+        # Failed sessions' error texts and how often each came, for status().
+        self._errors: collections.Counter[str] = collections.Counter()
+        # The trainer's side: the records of the current streak of calls that trained on
+        # nothing, and whether a chain too long for any row has been reported.
+        self._empty: list[tuple[SchedulerRecord, tuple[LogEvent, ...]]] = []
+        self._reported_too_long = False
         self._send, self._receive = trio.open_memory_channel[_Delivery | _Failure](math.inf)
 
     # --- the data stream ----------------------------------------------------------------------
@@ -548,6 +665,11 @@ class RolloutScheduler:
         tasks = tuple(self.task_fn(batch))
         if not all(isinstance(t, Task) for t in tasks):
             raise ValueError("tasks must turn a batch into a sequence of dew.data.Task")
+        if len(tasks) * self.config.samples > MAX_IN_FLIGHT:
+            raise ValueError(
+                f"tasks per batch must keep tasks x (groups + oversample) <= {MAX_IN_FLIGHT} "
+                f"rollouts in flight, got {len(tasks)} x {self.config.samples}"
+            )
         if self.admit is not None and self.admit > len(tasks):
             raise ValueError(
                 f"admit must be within 1..{len(tasks)} (the task batch size), got {self.admit}"
@@ -606,11 +728,71 @@ class RolloutScheduler:
         self.last_record, self.last_events = record, events
         if self.log is not None:
             self.log(record)
+        self._report_too_long(message.groups, packed.cut)
+        self._report_empty(record, events)
         return batch
+
+    def _report_too_long(self, groups, cuts) -> None:
+        """Log a warning, once per scheduler, of the first chain longer than a row: its group
+        can never be packed, nor can any like it, so `width` is likely too small for the task."""
+        if self._reported_too_long:
+            return
+        for cut in cuts:
+            if cut.reason != "too_long":
+                continue
+            longest, session = max(
+                ((len(chain), s) for s in groups[cut.group] for chain in chains(s)),
+                key=lambda found: found[0],
+            )
+            self._reported_too_long = True
+            logger.warning(
+                "task %r %s: a chain of %d tokens is longer than a row (width %d), so its group "
+                "is cut; raise width, or bound the task's length",
+                session.task.name,
+                session.label,
+                longest,
+                self.width,
+            )
+            return
+
+    def _report_empty(self, record: SchedulerRecord, events: tuple[LogEvent, ...]) -> None:
+        """Log a warning once per streak of `empty_streak` calls in a row that trained on no
+        group, with what happened to their groups and the errors most often behind it."""
+        if self.empty_streak is None:
+            return
+        if record.groups:
+            self._empty.clear()
+            return
+        if len(self._empty) == self.empty_streak:
+            return  # this streak was reported
+        self._empty.append((record, events))
+        if len(self._empty) < self.empty_streak:
+            return
+        records = [r for r, _ in self._empty]
+        resubmitted = collections.Counter()
+        for r in records:
+            resubmitted.update(r.resubmitted)
+        logged = [e for _, log in self._empty for e in log]
+        cuts = collections.Counter(e.reason for e in logged if e.kind == "cut")
+        errors = collections.Counter(
+            e.error for e in logged if e.kind == "failed" and e.error is not None
+        )
+        counted = ", ".join(f"{cause} {n}" for cause, n in resubmitted.items() if n) or "none"
+        text = (
+            f"{len(records)} calls in a row trained on nothing (updates {records[0].updates}.."
+            f"{records[-1].updates}): cut {sum(cuts.values())}"
+            + "".join(f" ({reason} {n})" for reason, n in sorted(cuts.items()))
+            + f", abandoned {sum(r.abandoned for r in records)}, resubmitted: {counted}"
+        )
+        if errors:
+            text += "; most frequent errors: " + ", ".join(
+                f"{error!r} x{n}" for error, n in errors.most_common(3)
+            )
+        logger.warning(text)
 
     def status(self) -> SchedulerStatus:
         """Which groups are in play, which batch the trainer waits on, how old each rollout is
-        and what it is doing."""
+        and what it is doing, and the most frequent errors of failed sessions."""
         state = self._state
         now = self._now()
         return SchedulerStatus(
@@ -633,6 +815,8 @@ class RolloutScheduler:
                 )
                 for g in state.groups.values()
             ),
+            # A copy first: another thread's status() must not iterate the live counter.
+            errors=tuple(collections.Counter(dict(self._errors)).most_common(ERRORS_SHOWN)),
         )
 
     # --- running the trio side ----------------------------------------------------------------
@@ -760,6 +944,7 @@ class RolloutScheduler:
         now = trio.current_time()
         if handover.event_fields["pushed"]:
             self.weights.load(handover.variables, handover.event_fields["served"])
+            self._newest_pushed = handover.event_fields["served"]
         self._waiting = True
         self._post(core.HandedOver(time=now, **handover.event_fields))
         if self.long_wait is not None:
@@ -815,6 +1000,8 @@ class RolloutScheduler:
     def _carry_out(self, command: core.Command) -> None:
         if isinstance(command, LogEvent):
             self._events.append(command)
+            if command.error is not None:
+                self._count_error(command.error)
         elif isinstance(command, core.Submit):
             scope = trio.CancelScope()
             self._scopes[command.label] = scope
@@ -837,6 +1024,13 @@ class RolloutScheduler:
             self._failure = command
             if command.batch is None:
                 self._fail(command.error)
+
+    def _count_error(self, error: str) -> None:
+        """Count an error text for status(); past ERRORS_KEPT distinct texts (a source whose
+        messages carry ids), the rarer half is forgotten, so the count stays bounded."""
+        self._errors[error] += 1
+        if len(self._errors) > ERRORS_KEPT:
+            self._errors = collections.Counter(dict(self._errors.most_common(ERRORS_KEPT // 2)))
 
     def _deliver(self, message: _Delivery | _Failure) -> None:
         self._waiting = False
@@ -879,14 +1073,8 @@ class RolloutScheduler:
             if isinstance(session, Session):
                 session = session.stamped(task, label, submitted, now)
             try:
-                check_session(session)
-                oldest = session.min_version
-                if oldest is not None and oldest < submission.version:
-                    raise SessionError(
-                        f"task {task.name!r} {label}: a call reports version {oldest}, older than "
-                        f"the version {submission.version} served when it was submitted (does "
-                        "the engine ignore load?)"
-                    )
+                check_session(session, vocab=self.vocab)
+                self._check_versions(session, submission)
                 if self.support_capacity is None and any(c.support for c in session.calls):
                     raise SessionError(
                         f"task {task.name!r} {label}: calls carry support (a filtered sampler); "
@@ -898,6 +1086,29 @@ class RolloutScheduler:
             self._post(core.Finished(now, label, session))
         finally:
             del self._scopes[label]
+
+    def _check_versions(self, session: Session, submission: core.Submit) -> None:
+        """Refuse calls outside the versions served while the rollout ran: one older than its
+        submission's, or one newer than any pushed (its lag would come out negative).
+
+        Raises:
+            SessionError: naming task, label and the version.
+        """
+        if not session.calls:
+            return
+        where = f"task {submission.task.name!r} {submission.label}"
+        oldest = session.min_version
+        if oldest < submission.version:
+            raise SessionError(
+                f"{where}: a call reports version {oldest}, older than the version "
+                f"{submission.version} served when it was submitted (does the engine ignore load?)"
+            )
+        newest = max(call.version for call in session.calls)
+        if self._newest_pushed is not None and newest > self._newest_pushed:
+            raise SessionError(
+                f"{where}: a call reports version {newest}, newer than the newest version "
+                f"{self._newest_pushed} pushed (does the engine number versions itself?)"
+            )
 
 
 @attrs.frozen

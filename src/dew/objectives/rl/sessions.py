@@ -160,6 +160,11 @@ def _least(array: np.ndarray):
     return min(array.tolist()) if len(array) <= _SHORT else array.min()
 
 
+def _greatest(array: np.ndarray):
+    """The largest value of a non-empty array."""
+    return max(array.tolist()) if len(array) <= _SHORT else array.max()
+
+
 def _logprobs_problem(logprobs: np.ndarray) -> str | None:
     """What is wrong with a non-empty array of log-probs, or None."""
     if len(logprobs) <= _SHORT:
@@ -175,8 +180,9 @@ def _logprobs_problem(logprobs: np.ndarray) -> str | None:
     return None
 
 
-def _tokens_problem(array) -> str | None:
-    """What is wrong with an array of token ids, or None."""
+def _tokens_problem(array, vocab: int | None) -> str | None:
+    """What is wrong with an array of token ids (outside [0, vocab) when vocab is given), or
+    None."""
     if type(array) is not np.ndarray or array.ndim != 1 or array.dtype != np.int32:
         described = (
             f"{array.dtype}[{','.join(map(str, array.shape))}]"
@@ -186,17 +192,19 @@ def _tokens_problem(array) -> str | None:
         return f"must be a 1-D int32 array, got {described}"
     if array.size and (least := _least(array)) < 0:
         return f"holds a negative token id {int(least)}"
+    if vocab is not None and array.size and (greatest := _greatest(array)) >= vocab:
+        return f"holds a token id {int(greatest)} outside the vocabulary of {vocab}"
     return None
 
 
-def _call_problem(call: Call) -> tuple[str, str] | None:
+def _call_problem(call: Call, vocab: int | None) -> tuple[str, str] | None:
     """The field of a call that is wrong and what is wrong with it, or None.
 
     Field names are built only for a problem: every call of every session passes here.
     """
-    if (problem := _tokens_problem(call.prompt)) is not None:
+    if (problem := _tokens_problem(call.prompt, vocab)) is not None:
         return "prompt", problem
-    if (problem := _tokens_problem(call.completion)) is not None:
+    if (problem := _tokens_problem(call.completion, vocab)) is not None:
         return "completion", problem
     lp = call.logprobs
     if type(lp) is not np.ndarray or lp.ndim != 1 or lp.dtype != np.float32:
@@ -214,15 +222,21 @@ def _call_problem(call: Call) -> tuple[str, str] | None:
     if len(call.support) != len(call.completion):
         return "support", f"has {len(call.support)} positions for {len(call.completion)} tokens"
     for j, (kept, token) in enumerate(zip(call.support, call.completion, strict=True)):
-        if (problem := _tokens_problem(kept)) is not None:
+        if (problem := _tokens_problem(kept, vocab)) is not None:
             return f"support[{j}]", problem
         if token not in kept:
             return f"support[{j}]", f"lacks sampled token {token}"
     return None
 
 
-def check_session(session: Session) -> Session:
+def check_session(session: Session, *, vocab: int | None = None) -> Session:
     """Check that a stamped session keeps the source contract, and return it.
+
+    Args:
+        session: what a source returned, stamped with its task and label.
+        vocab: the model's vocabulary size: every token id must be below it, since the
+            rescoring would turn a larger one into a NaN log-prob. None checks only that ids
+            are not negative.
 
     Raises:
         SessionError: naming the session's task, label and the field that is wrong.
@@ -234,7 +248,7 @@ def check_session(session: Session) -> Session:
     for i, call in enumerate(session.calls):
         if not isinstance(call, Call):
             raise _fail(session, f"calls[{i}]", f"is a {type(call).__name__}, not a Call")
-        if (found := _call_problem(call)) is not None:
+        if (found := _call_problem(call, vocab)) is not None:
             field, problem = found
             raise _fail(session, f"calls[{i}].{field}", problem)
     if session.reward is not None and not (
@@ -247,6 +261,8 @@ def check_session(session: Session) -> Session:
     for name, value in session.components.items():
         if not isinstance(value, _NUMBER) or not math.isfinite(value):
             raise _fail(session, f"components[{name!r}]", f"must be a finite number, got {value!r}")
+    if session.error is not None and not isinstance(session.error, str):
+        raise _fail(session, "error", f"must be a str or None, got {type(session.error).__name__}")
     if session.status is Status.TRUNCATED and session.truncation not in TRUNCATION_REASONS:
         raise _fail(
             session,

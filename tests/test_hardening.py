@@ -1,0 +1,333 @@
+"""Nothing fails silently: the scheduler's refusals, reports and clean-ups at its edges.
+
+One test (or a few) per numbered item of issue 10, each of which failed before its fix: token ids
+outside the vocabulary, a run that trains on nothing, errors kept with their text, metrics that
+are numbers, collaborators and sizes checked at construction, calls from the future, float
+options that must be finite, a scheduler dropped without close(), and a KeyboardInterrupt that
+comes out as itself. Scheduler tests run under trio's autojump clock.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import numpy as np
+import pytest
+import trio
+
+from _scripted import CONFIG, OBJECTIVE, PARAMS, ROWS, WIDTH, Engine, Scripted, dataset
+from dew import cli
+from dew.data import Task
+from dew.objectives.rl.scheduler import RolloutScheduler
+from dew.objectives.rl.sessions import (
+    Call,
+    Label,
+    Session,
+    SessionError,
+    Status,
+    check_session,
+    pack,
+    session_metrics,
+)
+
+
+def scheduler(source, engine, **kwargs) -> RolloutScheduler:
+    for name, default in [("width", WIDTH), ("rows", ROWS), ("groups", 2), ("ahead", 0)]:
+        kwargs.setdefault(name, default)
+    kwargs.setdefault("max_lag", kwargs["ahead"])
+    return RolloutScheduler(OBJECTIVE, source, engine, **kwargs)
+
+
+async def steps(sched: RolloutScheduler, data, count: int, *, start: int = 0):
+    """Hand over `count` batches one after the other; return the records."""
+    stream = sched.tasks(data).stream(start)
+    records = []
+    for updates in range(count):
+        await sched.step(next(stream), PARAMS, updates)
+        records.append(sched.last_record)
+    return records
+
+
+def session(*, prompt=(1, 2), completion=(3, 4), version=0, **fields) -> Session:
+    completion = np.array(completion, np.int32)
+    call = Call(
+        np.array(prompt, np.int32), completion, np.full(len(completion), -0.5, np.float32), version
+    )
+    fields.setdefault("status", Status.COMPLETED)
+    fields.setdefault("reward", 1.0)
+    return Session(calls=(call,), **fields)
+
+
+class Returning:
+    """A source whose every rollout takes one second and returns `make(task, label)`, its calls
+    under the version `engine` served at the rollout's start."""
+
+    def __init__(self, make, engine: Engine):
+        self.make, self.engine = make, engine
+
+    async def run(self, task: Task, label: Label) -> Session:
+        version = self.engine.version
+        await trio.sleep(1.0)
+        made = self.make(task, label)
+        return attrs.evolve(made, calls=[attrs.evolve(c, version=version) for c in made.calls])
+
+
+# 1. Token ids outside the vocabulary --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["prompt", "completion"])
+def test_check_session_refuses_token_ids_at_or_above_the_vocabulary(field):
+    stamped = dict(task=Task("t"), label=Label(1, 2, 0))
+    bad = session(**{field: (1, 32)}, **stamped)
+    assert check_session(bad) is bad  # without a vocabulary there is nothing to check against
+    with pytest.raises(SessionError, match=rf"'t' group 1 sample 2 attempt 0: calls\[0\]\.{field}"):
+        check_session(bad, vocab=32)
+    with pytest.raises(SessionError, match="token id 32 outside the vocabulary of 32"):
+        check_session(bad, vocab=32)
+    check_session(session(**{field: (1, 31)}, **stamped), vocab=32)
+
+
+async def test_the_scheduler_refuses_a_token_id_beyond_its_vocab(autojump_clock):
+    """The scheduler knows the vocabulary through its `vocab` argument: a source that returns
+    an id the model cannot score is broken, named by task, label and field, rather than turned
+    into NaN log-probs by the rescoring."""
+    engine = Engine()
+    source = Returning(lambda task, label: session(completion=(3, CONFIG.vocab)), engine)
+    async with scheduler(source, engine, vocab=CONFIG.vocab) as sched:
+        with pytest.raises(SessionError, match=r"task '0' group 0 sample \d attempt 0: calls"):
+            await steps(sched, dataset(1), 1)
+
+
+@pytest.mark.parametrize("vocab", [0, -1, 2.5, True, "32"])
+def test_vocab_must_be_a_positive_int(vocab):
+    with pytest.raises(ValueError, match="vocab"):
+        scheduler(Scripted(Engine()), Engine(), vocab=vocab)
+
+
+# 2. A run that trains on nothing ------------------------------------------------------------------
+
+
+async def test_a_chain_longer_than_a_row_is_reported_at_its_first_occurrence(
+    autojump_clock, caplog
+):
+    engine = Engine()
+    source = Returning(lambda task, label: session(completion=tuple(range(1, 31)) * 3), engine)
+    async with scheduler(source, engine, empty_streak=None) as sched:
+        stream = sched.tasks(dataset(3)).stream(0)
+        for updates in range(2):
+            await sched.step(next(stream), PARAMS, updates)
+            assert sched.last_record.cut == 2
+    reports = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(reports) == 1, reports  # at its first occurrence, once
+    assert "task '0' group 0 sample 0 attempt 0: a chain of 92 tokens" in reports[0]
+    assert "longer than a row (width 64)" in reports[0]
+
+
+async def test_calls_that_train_on_nothing_warn_with_the_counts_once_per_streak(
+    autojump_clock, caplog
+):
+    engine = Engine()
+
+    # Tasks 0..11 (batches 0..5) always fail, 12..13 (batch 6) complete, 14.. fail again.
+    def make(task, label):
+        if 12 <= int(task.name) < 14:
+            return session()
+        return session(status=Status.INFRA_ERROR, reward=None, error="OSError: no sandbox")
+
+    warned = []
+    async with scheduler(Returning(make, engine), engine, max_attempts=1, empty_streak=3) as sched:
+        stream = sched.tasks(dataset(10)).stream(0)
+        for updates in range(10):
+            caplog.clear()
+            await sched.step(next(stream), PARAMS, updates)
+            warned += [
+                (updates, r.getMessage()) for r in caplog.records if r.levelname == "WARNING"
+            ]
+    assert [updates for updates, _ in warned] == [2, 9]
+    text = warned[0][1]
+    assert "3 calls in a row trained on nothing (updates 0..2)" in text
+    assert "abandoned 6" in text and "'OSError: no sandbox' x6" in text
+
+
+@pytest.mark.parametrize("streak", [0, -1, 1.5, "3"])
+def test_empty_streak_must_be_a_positive_int_or_none(streak):
+    with pytest.raises(ValueError, match="empty_streak"):
+        scheduler(Scripted(Engine()), Engine(), empty_streak=streak)
+
+
+# 3. Errors keep their text ------------------------------------------------------------------------
+
+
+async def test_a_failed_submission_keeps_its_error_in_the_log_and_status(autojump_clock):
+    engine = Engine()
+
+    def make(task, label):
+        if task.name == "0" and label.sample == 0:
+            return session(status=Status.INFRA_ERROR, reward=None, error="KeyError: 'answer'")
+        if task.name == "1" and label.sample == 0 and label.attempt == 0:
+            return session(status=Status.INFRA_ERROR, reward=None, error="E" * 10_000)
+        return session()
+
+    async with scheduler(Returning(make, engine), engine, empty_streak=None) as sched:
+        await steps(sched, dataset(2), 1)
+        failed = [e for e in sched.last_events if e.kind == "failed"]
+        assert [e.error for e in failed if e.task == "0"] == ["KeyError: 'answer'"] * 3
+        (long,) = [e.error for e in failed if e.task == "1"]
+        assert long.startswith("EEE") and len(long) <= 300
+        errors = sched.status().errors
+        assert errors[0] == ("KeyError: 'answer'", 3)
+        assert errors[1][1] == 1
+        assert "3x KeyError: 'answer'" in str(sched.status())
+
+
+# 4. Metrics are numbers ---------------------------------------------------------------------------
+
+
+def test_session_metrics_of_nothing_leave_undefined_figures_out():
+    metrics = session_metrics([], pack([], width=8, rows=2), version=3)
+    assert metrics == {"tokens/trained": 0.0, "fill": 0.0}
+
+
+async def test_every_figure_of_a_record_is_a_finite_float_or_left_out(autojump_clock):
+    """A call that admits nothing has no reward to average: its record leaves `reward/mean`
+    and `reward/correct` out (never None, NaN or a made-up 0.0), like every undefined figure."""
+    engine = Engine()
+
+    def make(task, label):
+        if int(task.name) >= 2:
+            return session(status=Status.INFRA_ERROR, reward=None, error="OSError: gone")
+        return session(reward=0.5, components={"correct": 1.0})
+
+    async with scheduler(Returning(make, engine), engine, max_attempts=1) as sched:
+        first, second = await steps(sched, dataset(2), 2)
+    assert (first.metrics["reward/mean"], first.metrics["reward/correct"]) == (0.5, 1.0)
+    assert first.metrics["lag/token_max"] == 0.0
+    assert second.groups == 0
+    assert second.metrics == {"tokens/trained": 0.0, "fill": 0.0}
+    for record in (first, second):
+        assert all(type(v) is float and math.isfinite(v) for v in record.metrics.values())
+
+
+# 5. Collaborators are checked at construction -----------------------------------------------------
+
+
+class SyncSource:
+    def run(self, task, label):
+        return session()
+
+
+@pytest.mark.parametrize(
+    "change, culprit",
+    [
+        ({"source": object()}, "source"),
+        ({"source": None}, "source"),
+        ({"source": SyncSource()}, "source"),
+        ({"weights": object()}, "weights"),
+        ({"objective": object()}, "objective"),
+        ({"tasks": 42}, "tasks"),
+        ({"log": 42}, "log"),
+    ],
+)
+def test_collaborators_are_checked_at_construction(change, culprit):
+    engine = Engine()
+    args = {"objective": OBJECTIVE, "source": Scripted(engine), "weights": engine, **change}
+    with pytest.raises(TypeError, match=rf"^{culprit} must"):
+        RolloutScheduler(**args, width=WIDTH, rows=ROWS)
+
+
+# 6. Absurd sizes ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, culprit",
+    [
+        ({"groups": 10**12}, "groups"),
+        ({"groups": 100_000, "rows": 8, "width": 64}, "groups"),
+        ({"groups": 4, "oversample": 10**9}, "oversample"),
+        ({"width": 10**15}, "width"),
+        ({"rows": 10**9, "width": 1024}, r"rows \* width"),
+        ({"timeout": math.inf}, "timeout"),
+        ({"support_capacity": 10**12}, "support_capacity"),
+    ],
+)
+def test_sizes_that_cannot_work_are_refused_at_construction(kwargs, culprit):
+    args = {"width": WIDTH, "rows": ROWS, **kwargs}
+    with pytest.raises(ValueError, match=rf"^{culprit} must"):
+        RolloutScheduler(OBJECTIVE, Scripted(Engine()), Engine(), **args)
+
+
+async def test_a_task_batch_too_large_to_keep_in_flight_is_refused(autojump_clock):
+    engine = Engine()
+    async with scheduler(Scripted(engine), engine, groups=64, width=64, rows=64) as sched:
+        huge = {"task_id": np.arange(20_000)}
+        with pytest.raises(ValueError, match="tasks per batch"):
+            await sched.step(huge, PARAMS, 0)
+
+
+# 7. A call from the future ------------------------------------------------------------------------
+
+
+async def test_a_call_newer_than_any_version_served_is_refused(autojump_clock):
+    class Ahead(Engine):
+        def load(self, variables, version):
+            super().load(variables, version)
+            self.version = version + 99  # reports a version nobody pushed
+
+    engine = Ahead()
+    async with scheduler(Scripted(engine), engine) as sched:
+        with pytest.raises(SessionError, match="version 99, newer than the newest version 0"):
+            await steps(sched, dataset(1), 1)
+
+
+# 8. Float options are finite ----------------------------------------------------------------------
+
+
+def float_options():
+    """(command, option) for every float option of every `dew` command."""
+    top = cli.parser()
+    (commands,) = [a for a in top._actions if a.choices and isinstance(a.choices, dict)]
+    return [
+        (name, action.option_strings[0])
+        for name, sub in commands.choices.items()
+        for action in sub._actions
+        if action.option_strings and getattr(action.type, "__name__", "") == "finite_float"
+    ]
+
+
+def test_every_float_option_is_checked():
+    found = float_options()
+    assert ("simulate", "--step-time") in found
+    assert len(found) >= 3
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e999"])
+def test_dew_simulate_refuses_a_non_finite_step_time(value, capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["simulate", "--smoke", "--step-time", value])
+    assert exit.value.code == 2
+    assert "--step-time" in capsys.readouterr().err
+
+
+def test_every_float_option_of_every_command_refuses_infinity(capsys):
+    for command, option in float_options():
+        with pytest.raises(SystemExit) as exit:
+            cli.main([command, option, "inf"])
+        assert exit.value.code == 2, (command, option)
+        assert "must be a finite number" in capsys.readouterr().err, (command, option)
+
+
+# 16. KeyboardInterrupt and SystemExit come out as themselves --------------------------------------
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+async def test_a_stop_raised_inside_a_source_comes_out_as_itself_once(stop, autojump_clock):
+    class Stopping:
+        async def run(self, task, label):
+            await trio.sleep(1.0)
+            raise stop("stop here")
+
+    with pytest.raises(stop, match="stop here") as raised:
+        async with scheduler(Stopping(), Engine()) as sched:
+            await steps(sched, dataset(2), 1)
+    assert type(raised.value) is stop
