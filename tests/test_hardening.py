@@ -9,17 +9,21 @@ comes out as itself. Scheduler tests run under trio's autojump clock.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import attrs
 import numpy as np
 import pytest
 import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from _scripted import CONFIG, OBJECTIVE, PARAMS, ROWS, WIDTH, Engine, Scripted, dataset
 from dew import cli
 from dew.data import Task
-from dew.objectives.rl.scheduler import RolloutScheduler
+from dew.objectives.rl.scheduler import RolloutScheduler, task_ids
 from dew.objectives.rl.sessions import (
     Call,
     Label,
@@ -30,6 +34,7 @@ from dew.objectives.rl.sessions import (
     pack,
     session_metrics,
 )
+from dew.testing import assert_exactly_once
 
 
 def scheduler(source, engine, **kwargs) -> RolloutScheduler:
@@ -331,3 +336,198 @@ async def test_a_stop_raised_inside_a_source_comes_out_as_itself_once(stop, auto
         async with scheduler(Stopping(), Engine()) as sched:
             await steps(sched, dataset(2), 1)
     assert type(raised.value) is stop
+
+
+# Hypothesis: every constructor combination runs or is refused naming an argument ----------------
+
+PARAMETERS = tuple(inspect.signature(RolloutScheduler).parameters)
+# Values no size or setting takes: each must be refused naming the argument it was given to.
+JUNK = st.sampled_from([0, -1, -(10**12), 10**12, True, 1.5, math.nan, math.inf, "2", object()])
+VALID = {
+    "width": st.sampled_from([16, 64]),
+    "rows": st.sampled_from([2, 8]),
+    "groups": st.integers(1, 4),
+    "oversample": st.integers(0, 2),
+    "admit": st.none() | st.integers(1, 3),
+    "max_lag": st.integers(0, 3),
+    "ahead": st.integers(0, 2),
+    "sync_every": st.integers(1, 2),
+    "max_attempts": st.integers(1, 3),
+    "timeout": st.none() | st.floats(0.5, 5.0),
+    "estimator": st.sampled_from(["group", "mean", "rloo"]),
+    "truncation": st.sampled_from(["mask", "score", "zero"]),
+    "support_capacity": st.none() | st.integers(1, 8),
+    "vocab": st.none() | st.integers(CONFIG.vocab, 64),
+    "empty_streak": st.none() | st.integers(1, 5),
+}
+# Collaborators: what each is when valid, and what it may be instead.
+COLLABORATORS = {
+    "objective": ("objective", [object(), None]),
+    "source": ("scripted", [None, object(), 42]),
+    "weights": ("engine", [object()]),
+    "tasks": ("task_ids", [42, None]),
+    "log": ("append", [42, "log"]),
+}
+
+
+@st.composite
+def constructor_arguments(draw) -> tuple[dict, frozenset[str]]:
+    """Every argument valid on its own but for up to two spoiled ones; which were spoiled."""
+    spoiled = draw(st.sets(st.sampled_from(PARAMETERS), max_size=2))
+    engine = Engine()
+    made = {
+        "objective": OBJECTIVE,
+        "scripted": Scripted(engine),
+        "engine": engine,
+        "task_ids": task_ids,
+        "append": [].append,
+    }
+    kwargs = {}
+    for name in PARAMETERS:
+        if name in COLLABORATORS:
+            valid, junk = COLLABORATORS[name]
+            kwargs[name] = draw(st.sampled_from(junk)) if name in spoiled else made[valid]
+        else:
+            kwargs[name] = draw(JUNK if name in spoiled else VALID[name])
+    return kwargs, frozenset(spoiled)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(constructor_arguments())
+def test_every_constructor_combination_runs_or_is_refused_naming_an_argument(drawn):
+    kwargs, spoiled = drawn
+    try:
+        sched = RolloutScheduler(**kwargs)
+    except (ValueError, TypeError) as error:
+        # Named by the argument at fault, or by one of a combination that cannot work (max_lag
+        # below ahead + sync_every - 1, rows * width, groups + oversample).
+        assert str(error).split()[0] in PARAMETERS, error
+        return
+    # Some junk is a valid value for some arguments (0 oversample, a float timeout).
+    assert not spoiled & set(COLLABORATORS), spoiled
+    sched.long_wait = None
+
+    async def one_step():
+        async with sched:
+            stream = sched.tasks(dataset(4, 3)).stream(0)
+            batches = [next(stream) for _ in range(sched.ahead + 1)]
+            return await sched.step(batches[0], PARAMS, 0)
+
+    try:
+        batch = trio.run(one_step, clock=trio.testing.MockClock(autojump_threshold=0))
+    except ValueError as error:  # admit beyond the task batch is known at the first batch
+        assert str(error).startswith("admit must"), error
+        return
+    assert batch["tokens"].shape == (kwargs["rows"], kwargs["width"])
+    assert sched.last_record.updates == 0
+
+
+# Hypothesis: a malformed session is refused naming its field, and the scheduler stays sound ------
+
+
+def corrupt(session: Session, how: str) -> tuple[Session, str]:
+    """session broken one way; returns it and the field the refusal must name."""
+    call = session.calls[0]
+    calls = {
+        "negative token": ("calls[0].prompt", {"prompt": np.array([1, -3], np.int32)}),
+        "token beyond vocab": ("calls[0].completion", {"completion": np.array([1, 99], np.int32)}),
+        "int64 tokens": ("calls[0].prompt", {"prompt": call.prompt.astype(np.int64)}),
+        "2-D tokens": ("calls[0].completion", {"completion": call.completion[None]}),
+        "short logprobs": ("calls[0].logprobs", {"logprobs": call.logprobs[:1]}),
+        "positive logprob": ("calls[0].logprobs", {"logprobs": np.full(2, 0.5, np.float32)}),
+        "nan logprob": ("calls[0].logprobs", {"logprobs": np.full(2, np.nan, np.float32)}),
+        "negative version": ("calls[0].version", {"version": -1}),
+        "float version": ("calls[0].version", {"version": 1.0}),
+    }
+    if how in calls:
+        field, changes = calls[how]
+        return attrs.evolve(session, calls=(attrs.evolve(call, **changes),)), field
+    fields = {
+        "nan reward": ("reward", {"reward": math.nan}),
+        "missing reward": ("reward", {"reward": None}),
+        "inf component": ("components['correct']", {"components": {"correct": math.inf}}),
+        "truncated without reason": ("truncation", {"status": Status.TRUNCATED}),
+        "string status": ("status", {"status": "completed"}),
+        "not a call": ("calls[0]", {"calls": ("call",)}),
+        "error not text": ("error", {"error": ValueError("boom")}),
+    }
+    field, changes = fields[how]
+    return attrs.evolve(session, **changes), field
+
+
+CORRUPTIONS = [
+    "negative token",
+    "token beyond vocab",
+    "int64 tokens",
+    "2-D tokens",
+    "short logprobs",
+    "positive logprob",
+    "nan logprob",
+    "negative version",
+    "float version",
+    "nan reward",
+    "missing reward",
+    "inf component",
+    "truncated without reason",
+    "string status",
+    "not a call",
+    "error not text",
+]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    how=st.sampled_from(CORRUPTIONS),
+    task=st.integers(0, 5),
+    sample=st.integers(0, 1),
+    delay=st.sampled_from([0.5, 1.0, 3.0]),
+)
+def test_a_malformed_session_is_refused_naming_its_field_and_the_scheduler_stays_sound(
+    how, task, sample, delay
+):
+    engine = Engine()
+    field = corrupt(session(), how)[1]
+    in_flight = set()
+
+    class Malformed:
+        async def run(self, t, label):
+            in_flight.add(label)
+            try:
+                version = engine.version
+                await trio.sleep(delay if (int(t.name), label.sample) == (task, sample) else 1.0)
+                good = session(version=version)
+                if (int(t.name), label.sample) == (task, sample):
+                    return corrupt(good, how)[0]
+                return good
+            finally:
+                in_flight.discard(label)
+
+    sched = scheduler(Malformed(), engine, vocab=CONFIG.vocab, ahead=1)
+    sched.long_wait = None
+
+    events = []
+
+    async def run():
+        async with sched:
+            stream = sched.tasks(dataset(4, 2)).stream(0)
+            queue = [next(stream), next(stream)]
+            with pytest.raises(SessionError) as refused:
+                for updates in range(3):
+                    try:
+                        await sched.step(queue.pop(0), PARAMS, updates)
+                    finally:
+                        events.extend(sched.last_events)
+                    queue.append(next(stream))
+                    await trio.sleep(1.0)
+            assert f"task '{task}' group {task} sample {sample} attempt 0: {field}" in str(
+                refused.value
+            )
+            # Sound: the next call says why it cannot go on, status() still answers.
+            with pytest.raises(RuntimeError, match="an earlier call failed: SessionError"):
+                await sched.step(queue.pop(0), PARAMS, 3)
+            assert sched.status().updates is not None
+        events.extend(sched.closing_events)
+
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert not in_flight, in_flight
+    assert assert_exactly_once(events) == frozenset()
