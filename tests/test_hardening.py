@@ -9,8 +9,10 @@ comes out as itself. Scheduler tests run under trio's autojump clock.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import math
+import weakref
 
 import attrs
 import numpy as np
@@ -531,3 +533,50 @@ def test_a_malformed_session_is_refused_naming_its_field_and_the_scheduler_stays
     trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
     assert not in_flight, in_flight
     assert assert_exactly_once(events) == frozenset()
+
+
+# 15. A scheduler dropped unclosed frees its thread and rollouts ---------------------------------
+
+
+def test_a_scheduler_dropped_unclosed_frees_its_thread_and_rollouts_with_a_resource_warning():
+    """On the real clock, from the trainer's thread: batch 0's rollouts finish at once, batch
+    1's (submitted ahead) run until cancelled. Dropping the scheduler after the first call
+    cancels them and ends its thread; nothing else holds the scheduler."""
+    engine = Engine()
+    cancelled = []
+
+    class Hanging:
+        async def run(self, task, label):
+            if int(task.name) < 2:
+                return session(version=engine.version)
+            try:
+                await trio.sleep_forever()
+            except trio.Cancelled as stop:
+                cancelled.append((label, stop.reason))
+                raise
+
+    sched = RolloutScheduler(
+        OBJECTIVE, Hanging(), engine, width=WIDTH, rows=ROWS, groups=2, ahead=1
+    )
+    stream = sched.tasks(dataset(3)).stream(0)
+    first = next(stream)
+    next(stream)
+    sched(first, PARAMS, 0)
+    thread, collected = sched._thread, weakref.ref(sched)
+    assert thread.is_alive() and not cancelled
+    with pytest.warns(ResourceWarning, match="dropped unclosed with 4 rollouts in flight"):
+        del sched
+        gc.collect()
+    assert collected() is None
+    assert not thread.is_alive()
+    assert sorted(reason for _, reason in cancelled) == ["closed"] * 4
+
+
+def test_a_closed_or_never_started_scheduler_is_collected_without_a_warning():
+    engine = Engine()
+    unused = scheduler(Scripted(engine), engine)
+    del unused  # filterwarnings=error: a warning here fails the test
+    closed = scheduler(Scripted(engine), engine)
+    closed.close()
+    del closed
+    gc.collect()

@@ -22,6 +22,8 @@ import logging
 import math
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -264,60 +266,13 @@ def _at_least(name: str, bound: int):
     return check
 
 
-class RolloutScheduler:
-    """Train on complete rollout groups from source, ahead task batches early.
+class _Scheduler:
+    """The scheduler's workings behind `RolloutScheduler`, which the caller holds.
 
-    The trainer's Rollout, twice: `scheduler(batch, variables, updates)` from the trainer's
-    thread (the trio machinery then runs in a background thread the scheduler owns), or
-    `await scheduler.step(batch, variables, updates)` inside `async with scheduler:` in the
-    caller's own trio run (what tests and notebooks drive under a mock clock; packing and
-    rescoring then run inline in that run).
-
-    Ties are broken by one documented key, so that a run is a function of its seed, its
-    source's behaviour and trio's clock: at one instant, rollouts' finishes apply by (group,
-    sample, attempt), then their deadlines, then the trainer's hand-over, reopen or close; a
-    batch's groups are admitted, and packed, in order of (completion time, group id), and
-    `oversample` and `admit` keep the first to complete in that order. A weight push lands at
-    the trainer's call, before anything else of its instant.
-
-    A call that fails (a broken source, a refused batch, a failed push, another process's
-    failure met at the pool's agreement point) stops the scheduler: later calls raise,
-    naming it.
-
-    Args:
-        objective: rescores the packed rows under the trainer's weights (proximal policy).
-        source: runs one rollout of a task.
-        weights: where pushed weights go.
-        width, rows: the packed batch's shape, rows for this process's share.
-        tasks: turns one registered batch into its tasks.
-        groups: rollouts per task that train together.
-        oversample: extra rollouts per group; the first `groups` to finish are admitted.
-        admit: admit the first `admit` groups of a batch to complete, cancel the others.
-        max_lag: the most updates a rollout's oldest call may be behind at consumption.
-        ahead: batches submitted before the trainer hands them over.
-        sync_every: push weights when the served version falls this many updates behind.
-        max_attempts: failures per sample before its group is abandoned.
-        timeout: each rollout's deadline in seconds from its submission.
-        estimator, truncation, support_capacity: pack's advantage family, truncation policy and
-            per-row support length.
-        log: receives a SchedulerRecord per call.
-        vocab: the model's vocabulary size. The scheduler cannot read it off the objective (whose
-            model is any callable), so the caller says it: a session holding a token id at or
-            above it is refused as broken (`SessionError`, naming task, label and field) rather
-            than rescored into NaN log-probs. None checks only that ids are not negative.
-        empty_streak: after this many consecutive calls that train on no group (every group
-            cut, abandoned or failed), log a warning that gives the streak's counts and most
-            frequent errors, once per streak; None never warns. A healthy run rarely
-            has even one such call, and 5 wastes few steps before saying so.
-
-    Limits: width <= MAX_WIDTH, rows * width <= MAX_CELLS, groups <= rows * width (a larger
-    group could never be packed), groups + oversample <= MAX_SAMPLES, rows * support_capacity
-    <= MAX_CELLS, and at each call a task batch of at most MAX_IN_FLIGHT rollouts.
-
-    Raises:
-        ValueError: naming the argument and the bound it broke.
-        TypeError: naming a collaborator (objective, source, weights, tasks, log) that lacks
-            what it needs.
+    Its trio side (the driver, the deadline watch, every rollout) holds this object, never the
+    `RolloutScheduler` in front of it, so a scheduler its caller drops can be collected, and
+    its collection closes this (see `RolloutScheduler`). Arguments and errors are
+    `RolloutScheduler`'s.
     """
 
     def __init__(
@@ -328,21 +283,21 @@ class RolloutScheduler:
         *,
         width: int,
         rows: int,
-        tasks: Callable[[Batch], Sequence[Task]] = task_ids,
-        groups: int = 4,
-        oversample: int = 0,
-        admit: int | None = None,
-        max_lag: int = 1,
-        ahead: int = 1,
-        sync_every: int = 1,
-        max_attempts: int = 3,
-        timeout: float | None = None,
-        estimator: str = "group",
-        truncation: str = "mask",
-        support_capacity: int | None = None,
-        log: Callable[[SchedulerRecord], None] | None = None,
-        vocab: int | None = None,
-        empty_streak: int | None = 5,
+        tasks: Callable[[Batch], Sequence[Task]],
+        groups: int,
+        oversample: int,
+        admit: int | None,
+        max_lag: int,
+        ahead: int,
+        sync_every: int,
+        max_attempts: int,
+        timeout: float | None,
+        estimator: str,
+        truncation: str,
+        support_capacity: int | None,
+        log: Callable[[SchedulerRecord], None] | None,
+        vocab: int | None,
+        empty_streak: int | None,
     ):
         _check_collaborators(objective, source, weights, tasks, log)
         for name, value, bound in [
@@ -821,15 +776,7 @@ class RolloutScheduler:
 
     # --- running the trio side ----------------------------------------------------------------
 
-    def __enter__(self) -> RolloutScheduler:
-        """`with scheduler:` around the synchronous facade's calls closes it at the block's
-        end: its trio thread runs until close(), holding the source and what is in flight."""
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-    async def __aenter__(self) -> RolloutScheduler:
+    async def __aenter__(self) -> _Scheduler:
         if self._mode is not None:
             raise RuntimeError("the scheduler is already running")
         self._mode = "async"
@@ -880,6 +827,24 @@ class RolloutScheduler:
                 trio.from_thread.run_sync(self._close_in_trio, trio_token=self._token)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+
+    def dropped(self) -> None:
+        """Close a scheduler whose `RolloutScheduler` was collected unclosed, and warn as an
+        unclosed file does: its thread and rollouts would otherwise run until the process ends.
+        Collection may run on the trio thread itself, mid-step: there the close is posted to
+        run after the step."""
+        if self._closed or self._thread is None:
+            return  # closed, or its trio side never started: it holds nothing
+        warnings.warn(
+            f"a RolloutScheduler was dropped unclosed with {len(self._scopes)} rollouts in "
+            "flight; they are cancelled and its thread ends (call close(), or use `with`)",
+            ResourceWarning,
+            stacklevel=2,
+        )
+        if self._trio_thread == threading.get_ident():
+            self._token.run_sync_soon(self.close)
+        else:
+            self.close()
 
     def _close_in_trio(self) -> None:
         self._apply([core.Closed(trio.current_time())])
@@ -1109,6 +1074,169 @@ class RolloutScheduler:
                 f"{where}: a call reports version {newest}, newer than the newest version "
                 f"{self._newest_pushed} pushed (does the engine number versions itself?)"
             )
+
+
+class RolloutScheduler:
+    """Train on complete rollout groups from source, ahead task batches early.
+
+    The trainer's Rollout, twice: `scheduler(batch, variables, updates)` from the trainer's
+    thread (the trio machinery then runs in a background thread the scheduler owns), or
+    `await scheduler.step(batch, variables, updates)` inside `async with scheduler:` in the
+    caller's own trio run (what tests and notebooks drive under a mock clock; packing and
+    rescoring then run inline in that run).
+
+    Ties are broken by one documented key, so that a run is a function of its seed, its
+    source's behaviour and trio's clock: at one instant, rollouts' finishes apply by (group,
+    sample, attempt), then their deadlines, then the trainer's hand-over, reopen or close; a
+    batch's groups are admitted, and packed, in order of (completion time, group id), and
+    `oversample` and `admit` keep the first to complete in that order. A weight push lands at
+    the trainer's call, before anything else of its instant.
+
+    A call that fails (a broken source, a refused batch, a failed push, another process's
+    failure met at the pool's agreement point) stops the scheduler: later calls raise,
+    naming it.
+
+    close() it, or use it in `with`/`async with`: a scheduler dropped unclosed is closed when
+    it is collected (its thread ends, its rollouts are cancelled) with a ResourceWarning, as an
+    unclosed file is; its trio thread holds only its workings (`_Scheduler`), never it.
+
+    Args:
+        objective: rescores the packed rows under the trainer's weights (proximal policy).
+        source: runs one rollout of a task.
+        weights: where pushed weights go.
+        width, rows: the packed batch's shape, rows for this process's share.
+        tasks: turns one registered batch into its tasks.
+        groups: rollouts per task that train together.
+        oversample: extra rollouts per group; the first `groups` to finish are admitted.
+        admit: admit the first `admit` groups of a batch to complete, cancel the others.
+        max_lag: the most updates a rollout's oldest call may be behind at consumption.
+        ahead: batches submitted before the trainer hands them over.
+        sync_every: push weights when the served version falls this many updates behind.
+        max_attempts: failures per sample before its group is abandoned.
+        timeout: each rollout's deadline in seconds from its submission.
+        estimator, truncation, support_capacity: pack's advantage family, truncation policy and
+            per-row support length.
+        log: receives a SchedulerRecord per call.
+        vocab: the model's vocabulary size. The scheduler cannot read it off the objective (whose
+            model is any callable), so the caller says it: a session holding a token id at or
+            above it is refused as broken (`SessionError`, naming task, label and field) rather
+            than rescored into NaN log-probs. None checks only that ids are not negative.
+        empty_streak: after this many consecutive calls that train on no group (every group
+            cut, abandoned or failed), log a warning that gives the streak's counts and most
+            frequent errors, once per streak; None never warns. A healthy run rarely
+            has even one such call, and 5 wastes few steps before saying so.
+
+    Limits: width <= MAX_WIDTH, rows * width <= MAX_CELLS, groups <= rows * width (a larger
+    group could never be packed), groups + oversample <= MAX_SAMPLES, rows * support_capacity
+    <= MAX_CELLS, and at each call a task batch of at most MAX_IN_FLIGHT rollouts.
+
+    Raises:
+        ValueError: naming the argument and the bound it broke.
+        TypeError: naming a collaborator (objective, source, weights, tasks, log) that lacks
+            what it needs.
+    """
+
+    def __init__(
+        self,
+        objective: GRPOObjective,
+        source: SessionSource,
+        weights: Publisher,
+        *,
+        width: int,
+        rows: int,
+        tasks: Callable[[Batch], Sequence[Task]] = task_ids,
+        groups: int = 4,
+        oversample: int = 0,
+        admit: int | None = None,
+        max_lag: int = 1,
+        ahead: int = 1,
+        sync_every: int = 1,
+        max_attempts: int = 3,
+        timeout: float | None = None,
+        estimator: str = "group",
+        truncation: str = "mask",
+        support_capacity: int | None = None,
+        log: Callable[[SchedulerRecord], None] | None = None,
+        vocab: int | None = None,
+        empty_streak: int | None = 5,
+    ):
+        inner = _Scheduler(
+            objective,
+            source,
+            weights,
+            width=width,
+            rows=rows,
+            tasks=tasks,
+            groups=groups,
+            oversample=oversample,
+            admit=admit,
+            max_lag=max_lag,
+            ahead=ahead,
+            sync_every=sync_every,
+            max_attempts=max_attempts,
+            timeout=timeout,
+            estimator=estimator,
+            truncation=truncation,
+            support_capacity=support_capacity,
+            log=log,
+            vocab=vocab,
+            empty_streak=empty_streak,
+        )
+        object.__setattr__(self, "_inner", inner)
+        finalizer = weakref.finalize(self, inner.dropped)
+        # At interpreter exit the process frees the thread; joining it could wait on a stuck
+        # environment step.
+        finalizer.atexit = False
+        object.__setattr__(self, "_finalizer", finalizer)
+
+    # Everything else (records, events, settings such as long_wait) lives on the workings.
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._inner, name, value)
+
+    def tasks(self, dataset: Dataset) -> Dataset:
+        """dataset with a training stream that registers each task batch ahead of the step.
+
+        Opening the stream again, as a resume does, cancels every rollout the previous stream
+        left in flight.
+        """
+        return self._inner.tasks(dataset)
+
+    def __call__(self, batch: Batch, variables: Variables, updates: int) -> dict[str, np.ndarray]:
+        """Hand batch over from the trainer's thread; return its packed, rescored rows."""
+        return self._inner(batch, variables, updates)
+
+    async def step(self, batch: Batch, variables: Variables, updates: int) -> dict[str, np.ndarray]:
+        """The same call as `scheduler(batch, variables, updates)`, inside `async with`."""
+        return await self._inner.step(batch, variables, updates)
+
+    def status(self) -> SchedulerStatus:
+        """Which groups are in play, which batch the trainer waits on, how old each rollout is
+        and what it is doing, and the most frequent errors of failed sessions."""
+        return self._inner.status()
+
+    def close(self) -> None:
+        """Cancel every rollout in flight; the source belongs to the caller."""
+        self._finalizer.detach()
+        self._inner.close()
+
+    def __enter__(self) -> RolloutScheduler:
+        """`with scheduler:` around the synchronous facade's calls closes it at the block's
+        end: its trio thread runs until close(), holding the source and what is in flight."""
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    async def __aenter__(self) -> RolloutScheduler:
+        await self._inner.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info) -> bool | None:
+        self._finalizer.detach()  # the block's end closes the workings
+        return await self._inner.__aexit__(*exc_info)
 
 
 @attrs.frozen
