@@ -580,3 +580,17 @@ def test_a_closed_or_never_started_scheduler_is_collected_without_a_warning():
     closed.close()
     del closed
     gc.collect()
+
+
+def test_a_stop_raised_inside_a_source_reaches_the_trainers_thread_as_itself():
+    engine = Engine()
+
+    class Stopping:
+        async def run(self, task, label):
+            raise KeyboardInterrupt("stop here")
+
+    with RolloutScheduler(OBJECTIVE, Stopping(), engine, width=WIDTH, rows=ROWS, groups=2) as sched:
+        stream = sched.tasks(dataset(2)).stream(0)
+        with pytest.raises(KeyboardInterrupt, match="stop here") as raised:
+            sched(next(stream), PARAMS, 0)
+    assert type(raised.value) is KeyboardInterrupt

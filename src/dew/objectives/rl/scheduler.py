@@ -32,7 +32,7 @@ import numpy as np
 import trio
 import trio.testing
 
-from dew._trio import lone_exception
+from dew._trio import lone_exception, stop_in
 from dew.data import Batch, Dataset, Task
 from dew.objectives.rl import _admission as core
 from dew.objectives.rl._admission import LogEvent
@@ -470,6 +470,10 @@ class _Scheduler:
             message = trio.from_thread.run(self._receive.receive, trio_token=self._token)
         except (trio.RunFinishedError, trio.Cancelled) as stopped:
             message = self._left_behind()
+            if message is None and (stop := stop_in(self._crash)) is not None:
+                # A KeyboardInterrupt or SystemExit inside a source stops the program, as itself.
+                self._failed = stop
+                raise stop from None
             if message is None:
                 error = RuntimeError("the scheduler's trio thread stopped")
                 error.__cause__ = self._crash or stopped
