@@ -295,6 +295,23 @@ def test_update_fn_lowers_the_loss(params):
     assert float(objective.loss(variables, batch)[0]) < float(metrics["loss"])
 
 
+def test_a_non_finite_step_leaves_the_weights_and_optimizer_state_as_they_were(params):
+    """A NaN advantage makes the loss and gradient NaN: the step reports it and changes
+    nothing, so NaN never reaches the weights."""
+    batch, _ = trained_batch(np.random.default_rng(8), params)
+    trained = np.argwhere(np.asarray(batch["loss_mask"]) > 0)[0]
+    advantages = np.array(batch["advantages"])
+    advantages[tuple(trained)] = np.nan
+    batch = {**batch, "advantages": advantages}
+    optimizer = optax.sgd(1e-3, momentum=0.9)  # a state to keep as well
+    state = optimizer.init(params)
+    variables, opt_state, metrics = OBJECTIVE.update_fn(optimizer)(params, state, batch)
+    assert not math.isfinite(float(metrics["loss"]))
+    before, after = jax.tree.leaves((params, state)), jax.tree.leaves((variables, opt_state))
+    for new, old in zip(after, before, strict=True):
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+
+
 @pytest.mark.parametrize(
     ("argument", "value"),
     [

@@ -216,15 +216,26 @@ class GRPOObjective:
         Returns:
             `update(variables, opt_state, batch) -> (variables, opt_state, metrics)`: one
             optimizer update; metrics are `loss`'s plus `grad_norm`, the gradient's global norm.
+            A step whose loss or gradient norm is not finite returns variables and opt_state
+            as they were, so NaN never reaches the weights; its metrics show the non-finite
+            value, for the caller to stop on.
         """
         value_and_grad = jax.value_and_grad(self.loss, has_aux=True)
 
         @jax.jit
         def update(variables, opt_state, batch):
             (_, metrics), grads = value_and_grad(variables, batch)
-            updates, opt_state = optimizer.update(grads, opt_state, variables)
-            metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
-            return optax.apply_updates(variables, updates), opt_state, metrics
+            grad_norm = optax.tree.norm(grads)
+            updates, new_state = optimizer.update(grads, opt_state, variables)
+            new_variables = optax.apply_updates(variables, updates)
+            finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+
+            def unless_finite(new, old):
+                return jnp.where(finite, new, old)
+
+            new_variables = jax.tree.map(unless_finite, new_variables, variables)
+            new_state = jax.tree.map(unless_finite, new_state, opt_state)
+            return new_variables, new_state, {**metrics, "grad_norm": grad_norm}
 
         return update
 
