@@ -414,7 +414,7 @@ class _Scheduler:
         self._events: list[LogEvent] = []
         self._watch: trio.CancelScope | None = None
         self._waiting = False  # a hand-over waits for its delivery
-        self._newest_pushed: int | None = None  # the newest version pushed to the engines
+        self._newest_pushed: int | None = None  # the newest version ever pushed to the engines
         # Failed sessions' error texts and how often each came, for status().
         self._errors: collections.Counter[str] = collections.Counter()
         # The trainer's side: the records of the current streak of calls that trained on
@@ -913,7 +913,10 @@ class _Scheduler:
         now = trio.current_time()
         if handover.event_fields["pushed"]:
             self.weights.load(handover.variables, handover.event_fields["served"])
-            self._newest_pushed = handover.event_fields["served"]
+            # The newest ever: a resumed trainer pushes an older version again, while rollouts
+            # of the old stream may still finish with the newer one before their cancel.
+            served = handover.event_fields["served"]
+            self._newest_pushed = max(served, self._newest_pushed or served)
         self._waiting = True
         self._post(core.HandedOver(time=now, **handover.event_fields))
         if self.long_wait is not None:
