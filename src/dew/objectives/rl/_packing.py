@@ -7,8 +7,8 @@ group is the unit because its advantages are relative to each other: training ha
 train on a baseline its other half set.
 
 Public through `dew.objectives.rl.sessions`, which re-exports `Cut`, `Packed`, `pack` and
-`session_metrics` at its end; this module imports from it, never the other way round at import
-time.
+`session_metrics`; this module builds on `_session` and `_chains`, which import neither it nor
+`sessions`.
 """
 
 from __future__ import annotations
@@ -19,16 +19,14 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from dew.objectives.rl.sessions import (
+from dew.objectives.rl._chains import _Run, _runs, merge_ratio
+from dew.objectives.rl._session import (
     ESTIMATORS,
     TRUNCATION,
     TRUNCATION_REASONS,
     Session,
     Status,
     _fail,
-    _Run,
-    _runs,
-    merge_ratio,
 )
 
 CUT_REASONS = ("no_room", "too_long", "support")
