@@ -428,7 +428,14 @@ def test_construction_and_load_name_the_bad_argument():
 
 
 def test_the_public_surface_keeps_its_signatures():
-    assert set(dew.serve.__all__) == {"EngineStats", "RolloutServer", "sample", "tokenizer"}
+    # ServedSource joined dew.serve (it was dew.train's, which still re-exports it).
+    assert set(dew.serve.__all__) == {
+        "EngineStats",
+        "RolloutServer",
+        "ServedSource",
+        "sample",
+        "tokenizer",
+    }
     generate = inspect.signature(RolloutServer.generate).parameters
     assert list(generate) == [
         "self",
