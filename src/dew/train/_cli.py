@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -17,6 +16,7 @@ import numpy as np
 import optax
 
 from dew import models, replay
+from dew._checks import int_at_least, positive
 from dew.data import Task
 from dew.envs.environment import Sampling
 from dew.envs.tasks import CopyDigits, GuessDigit
@@ -27,20 +27,6 @@ from dew.train._checkpoint import COMMIT, _write_atomically
 from dew.train._curves import write_curves
 from dew.train._progress import Progress
 from dew.train._trainer import METRICS, Trainer
-
-
-def _int_at_least(bound: int):
-    def check(instance, attribute, value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < bound:
-            raise ValueError(f"{attribute.name} must be an int >= {bound}, got {value!r}")
-
-    return check
-
-
-def _positive_number(instance, attribute, value):
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
-
 
 TASKS = ("copy", "guess")
 
@@ -83,29 +69,29 @@ class TrainConfig:
         _task_name,
         "the built-in task: copy (repeat digits, one turn) or guess (find a digit, turns)",
     )
-    steps: int = _option(400, _int_at_least(1), "optimizer updates to train for")
-    batch_size: int = _option(8, _int_at_least(1), "tasks per batch, one group each")
-    groups: int = _option(16, _int_at_least(2), "rollouts per task that train together")
+    steps: int = _option(400, int_at_least(1), "optimizer updates to train for")
+    batch_size: int = _option(8, int_at_least(1), "tasks per batch, one group each")
+    groups: int = _option(16, int_at_least(2), "rollouts per task that train together")
     tasks: int = _option(
-        1000, _int_at_least(1), "distinct task ids the stream goes over, epoch after epoch"
+        1000, int_at_least(1), "distinct task ids the stream goes over, epoch after epoch"
     )
-    learning_rate: float = _option(1e-3, _positive_number, "Adam's step size")
+    learning_rate: float = _option(1e-3, positive, "Adam's step size")
     temperature: float = _option(
-        1.0, _positive_number, "the sampling temperature, which the objective scores at too"
+        1.0, positive, "the sampling temperature, which the objective scores at too"
     )
     ahead: int = _option(
-        1, _int_at_least(0), "task batches submitted before the trainer needs them (0 = sync)"
+        1, int_at_least(0), "task batches submitted before the trainer needs them (0 = sync)"
     )
     max_lag: int = _option(
-        1, _int_at_least(0), "the most updates a rollout may be behind when it trains"
+        1, int_at_least(0), "the most updates a rollout may be behind when it trains"
     )
-    sync_every: int = _option(1, _int_at_least(1), "updates between weight pushes to the engine")
-    checkpoint_every: int = _option(25, _int_at_least(1), "updates between checkpoints")
-    seed: int = _option(0, _int_at_least(0), "seeds the weights, the task order and the sampling")
-    d_model: int = _option(64, _int_at_least(1), "the transformer's width")
-    layers: int = _option(2, _int_at_least(1), "the transformer's blocks")
-    heads: int = _option(4, _int_at_least(1), "the transformer's attention heads")
-    d_ff: int = _option(256, _int_at_least(1), "the transformer's MLP width")
+    sync_every: int = _option(1, int_at_least(1), "updates between weight pushes to the engine")
+    checkpoint_every: int = _option(25, int_at_least(1), "updates between checkpoints")
+    seed: int = _option(0, int_at_least(0), "seeds the weights, the task order and the sampling")
+    d_model: int = _option(64, int_at_least(1), "the transformer's width")
+    layers: int = _option(2, int_at_least(1), "the transformer's blocks")
+    heads: int = _option(4, int_at_least(1), "the transformer's attention heads")
+    d_ff: int = _option(256, int_at_least(1), "the transformer's MLP width")
 
     def __attrs_post_init__(self):
         if self.tasks < self.batch_size:

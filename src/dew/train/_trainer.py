@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import optax
 
+from dew._checks import check_int
 from dew.data import Batch, Dataset
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import SchedulerRecord
@@ -46,12 +47,6 @@ class Rollout(Protocol):
             `[rows, width]` arrays under at least the keys `GRPOObjective.loss` reads.
         """
         ...
-
-
-def _count(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
 
 
 def _json_number(value: Any) -> float | int | None:
@@ -131,7 +126,7 @@ class Trainer:
         on_step: Callable[[Mapping[str, Any]], None] | None = None,
     ):
         if checkpoint_every is not None:
-            _count("checkpoint_every", checkpoint_every, 1)
+            check_int("checkpoint_every", checkpoint_every, low=1)
             if directory is None:
                 raise ValueError("checkpoint_every needs a directory to write checkpoints to")
         self.objective = objective
@@ -207,8 +202,8 @@ class Trainer:
         Raises:
             ValueError: naming the argument out of bounds.
         """
-        steps = _count("steps", steps, 0)
-        ahead = _count("ahead", ahead, 0)
+        steps = check_int("steps", steps, low=0)
+        ahead = check_int("ahead", ahead, low=0)
         stream = dataset.stream(self.position)
         read: collections.deque[Batch] = collections.deque()
         with contextlib.ExitStack() as stack:
