@@ -15,7 +15,7 @@ import numpy as np
 import trio
 import trio.testing
 
-from dew._trio import lone_exception
+from dew._trio import exit_unwrapped
 from dew.data import Batch, Task
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Label, Session, Status
@@ -123,8 +123,7 @@ class ReplaySource:
         stack, self._stack = self._stack, None
         # The clock keeper is the nursery's one child: a lone error is the body's own, or the
         # keeper's ReplayStalled, and reaches the caller as itself.
-        with lone_exception():
-            return await stack.__aexit__(*exc_info)
+        return await exit_unwrapped(stack, *exc_info)
 
     async def sleep_until(self, time: float) -> None:
         """Sleep until `time` on the replay's clock, landing on it exactly."""

@@ -29,6 +29,7 @@ import trio
 
 from dew import models
 from dew._checks import check_int, check_number
+from dew._trio import exit_unwrapped
 from dew.objectives.rl.sessions import Call
 
 _MIN_BUCKET = 16
@@ -302,17 +303,10 @@ class RolloutServer:
     async def __aexit__(self, exc_type, exc, traceback) -> bool:
         self._nursery.cancel_scope.cancel(reason="closed")
         try:
-            await self._stack.__aexit__(exc_type, exc, traceback)
-        except BaseExceptionGroup as group:
             # The body's or the loop's own exception, not the nursery's wrapping of it.
-            if len(group.exceptions) != 1:
-                raise
-            if group.exceptions[0] is exc:
-                return False
-            raise group.exceptions[0] from None
+            return await exit_unwrapped(self._stack, exc_type, exc, traceback)
         finally:
             self._running = False
-        return False
 
     async def generate(
         self,

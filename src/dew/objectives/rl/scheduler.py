@@ -30,7 +30,7 @@ import trio
 import trio.testing
 
 from dew._checks import check_int, check_number
-from dew._trio import lone_exception
+from dew._trio import exit_unwrapped
 from dew.data import Batch, Dataset, Task
 from dew.objectives.rl import _admission as core
 from dew.objectives.rl._admission import LogEvent
@@ -644,8 +644,7 @@ class RolloutScheduler:
 
     async def __aexit__(self, *exc_info) -> bool | None:
         stack, self._exit_stack = self._exit_stack, None
-        with lone_exception():  # what the caller's block raised, as it raised it
-            return await stack.__aexit__(*exc_info)
+        return await exit_unwrapped(stack, *exc_info)
 
     @contextlib.asynccontextmanager
     async def _running(self):
