@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import gc
 import inspect
+import io
 import math
 import weakref
 
 import attrs
+import jax
 import numpy as np
+import optax
 import pytest
 import trio
 import trio.testing
@@ -25,6 +28,7 @@ from hypothesis import strategies as st
 from _scripted import CONFIG, OBJECTIVE, PARAMS, ROWS, WIDTH, Engine, Scripted, dataset
 from dew import cli
 from dew.data import Task
+from dew.envs import SimulatedConfig
 from dew.objectives.rl.scheduler import RolloutScheduler, task_ids
 from dew.objectives.rl.sessions import (
     Call,
@@ -36,7 +40,8 @@ from dew.objectives.rl.sessions import (
     pack,
     session_metrics,
 )
-from dew.testing import assert_exactly_once
+from dew.testing import assert_exactly_once, run_simulated
+from dew.train import Progress, Trainer
 
 
 def scheduler(source, engine, **kwargs) -> RolloutScheduler:
@@ -594,3 +599,50 @@ def test_a_stop_raised_inside_a_source_reaches_the_trainers_thread_as_itself():
         with pytest.raises(KeyboardInterrupt, match="stop here") as raised:
             sched(next(stream), PARAMS, 0)
     assert type(raised.value) is KeyboardInterrupt
+
+
+# 1 and 3, in the trainer and the trace ------------------------------------------------------------
+
+
+def nan_rollout(batch, variables, updates):
+    """A rollout whose packed rows carry a NaN advantage at a trained token."""
+    groups = [
+        [
+            session(reward=r).stamped(Task("0"), Label(0, i, 0), 0.0, 1.0)
+            for i, r in enumerate((0.0, 1.0))
+        ]
+    ]
+    packed = pack(groups, width=WIDTH, rows=ROWS).batch
+    packed["advantages"] = np.where(packed["loss_mask"] > 0, np.nan, 0.0).astype(np.float32)
+    packed["proximal_logprobs"] = OBJECTIVE.packed_log_probs(variables, packed)
+    return packed
+
+
+def test_a_non_finite_loss_stops_training_before_anything_is_written(tmp_path):
+    trainer = Trainer(OBJECTIVE, optax.sgd(1e-3), PARAMS, directory=tmp_path, checkpoint_every=1)
+    with pytest.raises(FloatingPointError, match="step 0: loss nan"):
+        trainer.run(nan_rollout, dataset(2), steps=2)
+    assert trainer.updates == 0
+    assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
+    for new, old in zip(jax.tree.leaves(trainer.variables), jax.tree.leaves(PARAMS), strict=True):
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+    assert trainer.resume() is None  # no checkpoint of NaN weights
+
+
+def test_the_progress_line_shows_the_most_frequent_error():
+    out = io.StringIO()
+    progress = Progress(2, out=out, tty=False, lines=2)
+    progress({"updates": 1, "errors": {"KeyError: 'answer'": 3, "OSError: gone": 1}})
+    assert "errors: 3x KeyError: 'answer'" in out.getvalue()
+    progress({"updates": 2})
+    assert out.getvalue().count("errors:") == 1
+
+
+async def test_a_trace_keeps_each_failed_submissions_error(tmp_path, autojump_clock):
+    config = SimulatedConfig(seed=1, infra_error=0.3)
+    trace = await run_simulated(
+        tmp_path / "run.trace", updates=range(3), config=config, width=96, rows=6
+    )
+    errors = [e.error for call in trace.calls for e in call.events if e.kind == "failed"]
+    assert errors and all(e.startswith("simulated infrastructure error") for e in errors)
+    assert trace.config["vocab"] is None and trace.config["empty_streak"] == 5

@@ -251,6 +251,7 @@ def train(
         ahead=config.ahead,
         sync_every=config.sync_every,
         truncation="score",
+        vocab=model_config.vocab,
     )
     per_epoch = config.tasks // config.batch_size * config.batch_size
     dataset = task.dataset(

@@ -14,7 +14,8 @@ class Progress:
     line every `total / lines` steps.
 
     Each line shows the step, the mean reward of the last 10 steps, and this step's lag, trainer
-    wait and resubmissions.
+    wait and resubmissions; and when a submission failed with an error, the most frequent one
+    and how often it came.
 
     Args:
         total: the steps the run ends at.
@@ -45,6 +46,9 @@ class Progress:
             f"waited {line.get('waited') or 0.0:.3f}s  resubmitted {resubmitted}  "
             f"{time.perf_counter() - self.started:.0f}s"
         )
+        if errors := line.get("errors"):
+            error, count = next(iter(errors.items()))
+            text += f"  errors: {count}x {error[:80]}"
         if self.tty:
             filled = round(20 * updates / self.total)
             bar = "#" * filled + "." * (20 - filled)

@@ -76,6 +76,37 @@ def record_fields(record: SchedulerRecord) -> dict[str, float | int | None]:
     return {name: _json_number(value) for name, value in fields.items()}
 
 
+# The most error texts a metrics line shows.
+ERRORS_SHOWN = 3
+
+
+def call_errors(events) -> dict[str, int]:
+    """The error texts of a call's failed submissions, the most frequent first (at most
+    ERRORS_SHOWN), with how often each came: a metrics line's `errors`, present only when a
+    submission failed with one."""
+    counts = collections.Counter(e.error for e in events if e.kind == "failed" and e.error)
+    return dict(counts.most_common(ERRORS_SHOWN))
+
+
+def _check_finite(metrics: Mapping[str, Any], step: int) -> None:
+    """Stop at a step whose loss or gradient norm is not finite.
+
+    Raises:
+        FloatingPointError: naming the step and the values.
+    """
+    bad = {
+        name: float(metrics[name])
+        for name in ("loss", "grad_norm")
+        if name in metrics and not math.isfinite(float(metrics[name]))
+    }
+    if bad:
+        values = ", ".join(f"{name} {value}" for name, value in bad.items())
+        raise FloatingPointError(
+            f"step {step}: {values}; training stops, the weights left as the step before found "
+            "them (look for NaN or infinite rewards, advantages or log-probs in the batch)"
+        )
+
+
 # Each objective's jitted step per optimizer, so trainers that share both (a trainer resumed in
 # the same process, a notebook's second run) compile it once.
 _UPDATE_FNS: weakref.WeakKeyDictionary[GRPOObjective, dict] = weakref.WeakKeyDictionary()
@@ -110,6 +141,10 @@ class Trainer:
         directory: the run's folder for metrics and checkpoints; None keeps neither.
         checkpoint_every: updates between checkpoints (needs a directory); None saves none.
         on_step: called with each step's metrics line, after it is written.
+
+    A step whose loss or gradient is not finite stops the run with a FloatingPointError naming
+    the step, before its line or any checkpoint is written; the update left the weights as they
+    were (`GRPOObjective.update_fn`), so NaN never reaches them.
 
     Raises:
         ValueError: naming the argument that is out of bounds.
@@ -231,6 +266,7 @@ class Trainer:
             self.variables, self.opt_state, packed
         )
         metrics = jax.device_get(metrics)
+        _check_finite(metrics, self.updates)
         finished = time.perf_counter()
         self.elapsed += finished - started
         line: dict[str, Any] = {
@@ -245,6 +281,8 @@ class Trainer:
         record = getattr(rollout, "last_record", None)
         if isinstance(record, SchedulerRecord):
             line |= record_fields(record)
+            if errors := call_errors(getattr(rollout, "last_events", ())):
+                line["errors"] = errors
         line |= {name: _json_number(value) for name, value in metrics.items()}
         self.updates += 1
         self.position += 1
