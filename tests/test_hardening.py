@@ -646,3 +646,24 @@ async def test_a_trace_keeps_each_failed_submissions_error(tmp_path, autojump_cl
     errors = [e.error for call in trace.calls for e in call.events if e.kind == "failed"]
     assert errors and all(e.startswith("simulated infrastructure error") for e in errors)
     assert trace.config["vocab"] is None and trace.config["empty_streak"] == 5
+
+
+# 9 and 10: `dew train --record` refuses a path before anything is written -------------------------
+
+
+@pytest.mark.parametrize("where", ["existing trace", "folder", "missing folder"])
+def test_dew_train_refuses_a_record_path_before_writing_anything(where, tmp_path, capsys):
+    trace = tmp_path / "old.trace"
+    trace.write_text("an earlier run's trace\n")
+    record = {
+        "existing trace": trace,
+        "folder": tmp_path,
+        "missing folder": tmp_path / "nowhere" / "run.trace",
+    }[where]
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["train", "--run", str(run), "--steps", "1", "--record", str(record)])
+    assert exit.value.code == 2
+    assert "--record" in capsys.readouterr().err
+    assert not run.exists()
+    assert trace.read_text() == "an earlier run's trace\n"

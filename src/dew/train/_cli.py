@@ -174,6 +174,28 @@ def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
         raise ValueError(f"{run} already holds a run; resume it or choose another folder")
 
 
+def _check_record(record: str | os.PathLike) -> None:
+    """Refuse a trace path before anything is written: a trace is one run's, written whole, so
+    an existing file (a resumed run's earlier trace, say) would be silently overwritten, and a
+    folder or a missing or unwritable parent would fail after the run folder was written.
+
+    Raises:
+        ValueError: naming the path and what is wrong with it.
+    """
+    path = Path(record)
+    if path.is_dir():
+        raise ValueError(f"--record {path} is a folder; give the trace's file name")
+    if path.exists():
+        raise ValueError(
+            f"--record {path} already exists and would be overwritten; record to a new file "
+            "(a resumed run records a trace of its own)"
+        )
+    if not path.parent.is_dir():
+        raise ValueError(f"--record {path}: the folder {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK):
+        raise ValueError(f"--record {path}: the folder {path.parent} is not writable")
+
+
 def train(
     config: TrainConfig,
     run: str | os.PathLike,
@@ -202,10 +224,13 @@ def train(
         The trainer, after its last step.
 
     Raises:
-        ValueError: when `run` holds a run and `resume` is not set, or holds a different config.
+        ValueError: when `run` holds a run and `resume` is not set, or holds a different config;
+            when `record` exists already, is a folder, or its folder is missing or unwritable.
     """
     run = Path(run)
     _check_run(config, run, resume=resume)
+    if record is not None:
+        _check_record(record)
     run.mkdir(parents=True, exist_ok=True)
     saved = run / "config.json"
     _write_atomically(
@@ -330,6 +355,8 @@ def run_cli(args: argparse.Namespace) -> int:
         else:
             config = TrainConfig(**given)
         _check_run(config, run, resume=args.resume)
+        if args.record is not None:
+            _check_record(args.record)
     except ValueError as error:
         args.parser.error(str(error))
     print(f"dew train: {config.task} for {config.steps} steps in {run}", flush=True)
