@@ -13,6 +13,7 @@ import gc
 import inspect
 import io
 import math
+import shutil
 import weakref
 
 import attrs
@@ -667,3 +668,38 @@ def test_dew_train_refuses_a_record_path_before_writing_anything(where, tmp_path
     assert "--record" in capsys.readouterr().err
     assert not run.exists()
     assert trace.read_text() == "an earlier run's trace\n"
+
+
+# 11: a damaged run folder is refused naming the file, before anything starts ---------------------
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A one-step run folder with its checkpoint."""
+    run = tmp_path_factory.mktemp("runs") / "run"
+    options = ["--steps", "2", "--checkpoint-every", "1", "--batch-size", "2", "--groups", "2"]
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as test_train.py says
+        cli.main(["train", "--run", str(run), *options])
+    return run
+
+
+@pytest.mark.parametrize("damage", ["checkpoint.json", "npz", "config.json"])
+def test_resuming_a_damaged_run_names_the_file_before_starting(
+    damage, trained_run, tmp_path, capsys
+):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    capsys.readouterr()
+    checkpoints = run / "checkpoints"
+    target = {
+        "checkpoint.json": checkpoints / "checkpoint.json",
+        "npz": next(checkpoints.glob("*.npz")),
+        "config.json": run / "config.json",
+    }[damage]
+    target.write_bytes(target.read_bytes()[: len(target.read_bytes()) // 2])
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["train", "--run", str(run), "--resume", "--steps", "3"])
+    assert exit.value.code == 2
+    captured = capsys.readouterr()
+    assert f"{target} is damaged" in captured.err
+    assert "resuming" not in captured.out and "dew train:" not in captured.out

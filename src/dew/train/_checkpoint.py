@@ -116,6 +116,44 @@ def save_checkpoint(directory: str | os.PathLike, checkpoint: Checkpoint) -> Pat
     return directory / COMMIT
 
 
+def read_commit(directory: str | os.PathLike) -> dict | None:
+    """A checkpoint's commit record, with its array archive read through once, so a damaged
+    checkpoint is refused before a resumed run starts anything.
+
+    Returns:
+        The commit record; None when the directory holds no checkpoint.
+
+    Raises:
+        ValueError: naming the file that is truncated, damaged or not a checkpoint's.
+    """
+    commit = Path(directory) / COMMIT
+    if not commit.exists():
+        return None
+    try:
+        record = json.loads(commit.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{commit} is damaged (not a JSON commit record: {error})") from None
+    if (
+        not isinstance(record, dict)
+        or record.get("format") != CHECKPOINT_FORMAT
+        or record.get("version") != CHECKPOINT_VERSION
+        or not isinstance(record.get("arrays"), str)
+        or not isinstance(record.get("leaves"), list)
+    ):
+        raise ValueError(
+            f"{commit} is not a {CHECKPOINT_FORMAT} version {CHECKPOINT_VERSION} commit record"
+        )
+    arrays = commit.parent / record["arrays"]
+    try:
+        with np.load(arrays, allow_pickle=False) as stored:
+            for name in stored.files:
+                stored[name]  # reads and checks each array whole
+    except Exception as error:  # a zip, npy or file error: the archive is damaged or missing
+        problem = f"{type(error).__name__}: {error}"
+        raise ValueError(f"{arrays} is damaged or missing ({problem})") from None
+    return record
+
+
 def load_checkpoint(
     directory: str | os.PathLike, variables: Variables, opt_state: Any
 ) -> Checkpoint | None:
@@ -134,13 +172,9 @@ def load_checkpoint(
             templates'.
     """
     commit = Path(directory) / COMMIT
-    if not commit.exists():
+    record = read_commit(directory)
+    if record is None:
         return None
-    record = json.loads(commit.read_text())
-    if record.get("format") != CHECKPOINT_FORMAT or record.get("version") != CHECKPOINT_VERSION:
-        raise ValueError(
-            f"{commit} is not a {CHECKPOINT_FORMAT} version {CHECKPOINT_VERSION} commit record"
-        )
     trees = {"variables": variables, "opt_state": opt_state}
     expected = [leaf for name, tree in trees.items() for leaf in _leaves(name, tree)]
     saved = record["leaves"]

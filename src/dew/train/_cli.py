@@ -23,7 +23,7 @@ from dew.envs.tasks import CopyDigits, GuessDigit
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.serve import RolloutServer, ServedSource, tokenizer
-from dew.train._checkpoint import COMMIT, _write_atomically
+from dew.train._checkpoint import _write_atomically, read_commit
 from dew.train._curves import write_curves
 from dew.train._progress import Progress
 from dew.train._trainer import METRICS, Trainer
@@ -161,7 +161,7 @@ def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
     """
     saved = run / "config.json"
     if resume and saved.exists():
-        previous = TrainConfig.from_json(json.loads(saved.read_text()))
+        previous = TrainConfig.from_json(_read_json(saved))
         changed = [
             field.name
             for field in attrs.fields(TrainConfig)
@@ -172,6 +172,18 @@ def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
             raise ValueError(f"{run} was trained with other {', '.join(changed)}: {previous}")
     elif not resume and (saved.exists() or (run / METRICS).exists()):
         raise ValueError(f"{run} already holds a run; resume it or choose another folder")
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file's value.
+
+    Raises:
+        ValueError: naming the file when it is truncated or not JSON.
+    """
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is damaged (not JSON: {error})") from None
 
 
 def _check_record(record: str | os.PathLike) -> None:
@@ -351,18 +363,18 @@ def run_cli(args: argparse.Namespace) -> int:
     saved = run / "config.json"
     try:
         if args.resume and saved.exists():
-            config = attrs.evolve(TrainConfig.from_json(json.loads(saved.read_text())), **given)
+            config = attrs.evolve(TrainConfig.from_json(_read_json(saved)), **given)
         else:
             config = TrainConfig(**given)
         _check_run(config, run, resume=args.resume)
         if args.record is not None:
             _check_record(args.record)
+        # A damaged checkpoint is refused here, before anything starts or is written.
+        record = read_commit(run / "checkpoints") if args.resume else None
     except ValueError as error:
         args.parser.error(str(error))
     print(f"dew train: {config.task} for {config.steps} steps in {run}", flush=True)
-    commit = run / "checkpoints" / COMMIT
-    if args.resume and commit.exists():
-        record = json.loads(commit.read_text())
+    if record is not None:
         print(
             f"resuming at step {record['updates']}, data position {record['position']}",
             flush=True,
