@@ -145,7 +145,8 @@ def read_commit(directory: str | os.PathLike) -> dict | None:
         )
     arrays = commit.parent / record["arrays"]
     try:
-        with np.load(arrays, allow_pickle=False) as stored:
+        # Opened here, so a damaged archive's file is closed too (np.load leaks it).
+        with open(arrays, "rb") as file, np.load(file, allow_pickle=False) as stored:
             for name in stored.files:
                 stored[name]  # reads and checks each array whole
     except Exception as error:  # a zip, npy or file error: the archive is damaged or missing
