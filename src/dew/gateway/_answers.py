@@ -60,6 +60,11 @@ def cut(call: Call, tokenizer, stops: tuple[str, ...]) -> Sample:
     return Sample(kept, text[:at], body[:keep], "stop")
 
 
+def _reported_logprobs(sample: Sample) -> np.ndarray:
+    """The log-probs of the reported tokens (the completion's but a final stop token's)."""
+    return sample.call.logprobs[: len(sample.tokens)]
+
+
 def _token_text(tokenizer, token: int) -> str:
     return tokenizer.decode(np.array([token], np.int32))
 
@@ -197,7 +202,7 @@ def chat_chunks(
 
 def _legacy_logprobs(sample: Sample, tokenizer, start: int, stop: int | None, offset: int):
     tokens = [_token_text(tokenizer, t) for t in sample.tokens[start:stop].tolist()]
-    logprobs = sample.call.logprobs[start:stop].tolist()
+    logprobs = _reported_logprobs(sample)[start:stop].tolist()
     offsets = []
     for text in tokens:
         offsets.append(offset)

@@ -233,21 +233,22 @@ class GatewaySession:
         ).astype(np.int32)
 
     def _restore_dropped(self, messages, head, pieces, matched) -> None:
-        """Put back the last answer when it was empty and the client left it out: the messages
-        before it are the ones it answered, and what follows is not an assistant turn."""
-        if not self._turns:
-            return
-        turn = self._turns[-1]
-        empty = turn.text is None and not turn.tool_call_ids and not turn.content
-        at = turn.messages
-        if not empty or id(turn) in matched or len(messages) < at:
-            return
-        if at < len(messages) and messages[at].role == "assistant":
-            return
-        before = np.concatenate([*head, *pieces[:at]])
-        asked = turn.call.prompt[: len(turn.call.prompt) - len(self.tokenizer.generation_prompt())]
-        if len(before) == len(asked) and (before == asked).all():
-            pieces.insert(at, self._turn_ids(turn))
+        """Put back each empty answer the client left out: where the messages before it are the
+        ones it answered, and what follows is not an assistant turn standing in its place."""
+        inserted = 0
+        generation = len(self.tokenizer.generation_prompt())
+        for turn in self._turns:
+            empty = turn.text is None and not turn.tool_call_ids and not turn.content
+            at = turn.messages
+            if not empty or id(turn) in matched or len(messages) < at:
+                continue
+            if at < len(messages) and messages[at].role == "assistant":
+                continue
+            before = np.concatenate([*head, *pieces[: at + inserted]])
+            asked = turn.call.prompt[: len(turn.call.prompt) - generation]
+            if len(before) == len(asked) and (before == asked).all():
+                pieces.insert(at + inserted, self._turn_ids(turn))
+                inserted += 1
 
     def text_prompt(self, prompt: str) -> np.ndarray:
         """The token ids of a completions prompt: where it starts with an earlier answer's prompt

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import secrets
 import sys
 from typing import Any
@@ -42,6 +43,8 @@ from dew.gateway._schema import (
 from dew.gateway._template import parse_reply
 from dew.gateway._tokenizer import BYTES
 from dew.objectives.rl.sessions import Call, Label
+
+_log = logging.getLogger("dew.gateway")
 
 # Closed sessions remembered (to answer 410 rather than 404); older ones are forgotten.
 _CLOSED_KEPT = 100_000
@@ -76,7 +79,10 @@ def _content_length(scope) -> int | None:
 
 async def _send_json(send, status: int, body: dict[str, Any], headers=()) -> None:
     data = json.dumps(body, ensure_ascii=False).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [*_JSON, *headers]})
+    length = [(b"content-length", str(len(data)).encode())]
+    await send(
+        {"type": "http.response.start", "status": status, "headers": [*_JSON, *length, *headers]}
+    )
     await send({"type": "http.response.body", "body": data})
 
 
@@ -186,15 +192,21 @@ class Gateway:
             print(f"dew gateway: serving on {self.url}", file=sys.stderr)
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info) -> bool:
         for session in list(self._sessions.values()):
             session.close("gateway stopped")
         self._nursery.cancel_scope.cancel(reason="gateway stopped")
         try:
             await self._stack.__aexit__(*exc_info)
+        except BaseExceptionGroup as group:
+            # The body's own exception, not the nursery's wrapping of it.
+            if len(group.exceptions) == 1 and group.exceptions[0] is exc_info[1]:
+                return False
+            raise
         finally:
             self._stack = None
             self.url = None
+        return False
 
     def open(self, label: Label | None = None, *, max_calls: int | None = None) -> GatewaySession:
         """Open a rollout's session under a fresh unguessable URL prefix, on the least-loaded
@@ -260,6 +272,15 @@ class Gateway:
                 headers.append((b"allow", error.param.encode()))
                 error.param = None
             await _send_json(send, error.status, error.body(), headers)
+        except Exception as error:
+            # A fault of the gateway itself: logged with its traceback, answered as a server
+            # error the client must not retry, and the session counts as an infrastructure fault.
+            _log.exception("dew gateway: %s %s failed", scope["method"], scope["path"])
+            session = self._sessions.get(scope["path"].split("/")[1])
+            if session is not None:
+                session.fail(f"gateway: {type(error).__name__}: {error}")
+            failure = ApiError(500, f"the gateway failed: {error}", type="server_error")
+            await _send_json(send, 500, failure.body(), [(b"x-should-retry", b"false")])
 
     async def _lifespan(self, receive, send) -> None:
         while True:
