@@ -41,11 +41,15 @@ class ScriptedEngine:
         replies: the replies' texts in order; the last one repeats.
         version: the version each call reports.
         delay: seconds of trio's clock each call takes; None waits until cancelled.
+        hang_on: a call whose prompt's text holds it waits until cancelled.
+        fail_on: a call whose prompt's text holds it raises RuntimeError (an engine fault).
     """
 
     replies: list[str] = attrs.field(factory=lambda: ["ok"])
     version: int = 0
     delay: float | None = 0.0
+    hang_on: str | None = None
+    fail_on: str | None = None
     served: list[Call] = attrs.field(factory=list)
     cancelled: int = 0
     started: int = 0
@@ -56,8 +60,12 @@ class ScriptedEngine:
         self.started += 1
         self.keys.append(key)
         text = self.replies[min(index, len(self.replies) - 1)]
+        asked = tokenizer.decode(np.asarray(prompt))
+        if self.fail_on is not None and self.fail_on in asked:
+            raise RuntimeError("the engine broke")
+        hang = self.delay is None or (self.hang_on is not None and self.hang_on in asked)
         try:
-            await (trio.sleep_forever() if self.delay is None else trio.sleep(self.delay))
+            await (trio.sleep_forever() if hang else trio.sleep(self.delay))
         except trio.Cancelled:
             self.cancelled += 1
             raise
@@ -67,6 +75,10 @@ class ScriptedEngine:
         call = Call(np.asarray(prompt, np.int32), ids, logprobs, self.version)
         self.served.append(call)
         return call
+
+    def load(self, variables, version: int) -> None:
+        """Serve `version` from the next call on (the Publisher protocol)."""
+        self.version = version
 
 
 def tool_call(name: str, arguments: dict, content: str = "") -> str:

@@ -143,13 +143,13 @@ class HarnessSource:
     async def run(self, task: Task, label: Label) -> Session:
         """Run the harness on `task` in a fresh gateway session and score it."""
         session = self.gateway.open(label, max_calls=self.max_calls)
+        played = False
         try:
             end = await self._play(session, task)
-        except trio.Cancelled:
-            session.close("cancelled")
-            raise
+            played = True
         finally:
-            session.close("finished")
+            # A cancel (which may reach here wrapped in an exception group) closes it too.
+            session.close("finished" if played else "cancelled")
         return await self._score(session, task, end)
 
     async def _play(self, session, task: Task) -> _End:
