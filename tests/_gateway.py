@@ -76,6 +76,12 @@ class ScriptedEngine:
         self.served.append(call)
         return call
 
+    async def __aenter__(self) -> ScriptedEngine:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        return None
+
     def load(self, variables, version: int) -> None:
         """Serve `version` from the next call on (the Publisher protocol)."""
         self.version = version
