@@ -18,10 +18,11 @@ import pytest
 import trio
 import trio.testing
 
-from _gateway import CONFIG, ScriptedEngine, params, tool_call
+from _gateway import CONFIG, ScriptedEngine, params, tiny_server, tool_call
 from dew import models
 from dew.data import ArrayDataset, Task
 from dew.envs import HarnessResult, HarnessSource, Score
+from dew.envs.lookup import LookupTable, lookup_harness
 from dew.gateway import Gateway
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
@@ -345,3 +346,29 @@ def test_bad_arguments_name_the_culprit():
         gw.open()
     with pytest.raises(ValueError, match="max_context"):
         Gateway(ScriptedEngine(), max_context=1)
+
+
+# --- the built-in lookup harness ------------------------------------------------------------------
+
+
+async def test_the_lookup_harness_scores_a_perfect_agent_1_and_truncates_on_a_short_context():
+    table = LookupTable(size=4, seed=0)
+    task = Task("2")
+    value = table.value("k2")
+    engine = ScriptedEngine([table.canonical_call(task), value])
+    async with gateway(engine) as gw:
+        source, dataset = lookup_harness(gw, size=4, batch_size=2)
+        session = await source.run(task, LABEL)
+    assert session.status is Status.COMPLETED, session.error
+    assert session.reward == 1.0 and session.components == {"format": 1.0, "answer": 1.0}
+    assert len(session.calls) == 2 and len(chains(session)) == 1
+    assert next(iter(dataset.stream()))["task_id"].shape == (2,)
+
+    server = tiny_server()
+    async with server, gateway(server, max_context=CONFIG.max_len, max_tokens=8) as gw:
+        source, _ = lookup_harness(gw, size=4)
+        session = await source.run(task, LABEL)
+    # The tools turn alone is longer than this engine's 128 tokens: the first call is refused,
+    # the rollout TRUNCATED and still scored (nothing answered).
+    assert (session.status, session.truncation, session.calls) == (Status.TRUNCATED, "context", ())
+    assert session.reward == 0.0
