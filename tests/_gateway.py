@@ -54,11 +54,13 @@ class ScriptedEngine:
     cancelled: int = 0
     started: int = 0
     keys: list = attrs.field(factory=list)
+    sampling: list = attrs.field(factory=list)
 
     async def generate(self, prompt, *, max_tokens, stop=(), key=None, **sampling) -> Call:
         index = self.started
         self.started += 1
         self.keys.append(key)
+        self.sampling.append(sampling)
         text = self.replies[min(index, len(self.replies) - 1)]
         asked = tokenizer.decode(np.asarray(prompt))
         if self.fail_on is not None and self.fail_on in asked:

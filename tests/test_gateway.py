@@ -8,6 +8,7 @@ and the autojump clock would jump past them. Ordering comes from events and
 from __future__ import annotations
 
 import json
+import pathlib
 
 import numpy as np
 import openai
@@ -17,7 +18,7 @@ import trio.testing
 
 from _gateway import LOOKUP_TOOL, KeepAlive, ScriptedEngine, http, tiny_server, tool_call
 from dew.envs import Sampling
-from dew.gateway import Gateway
+from dew.gateway import CHAT_FIELDS, COMPLETION_FIELDS, Gateway
 from dew.objectives.rl.sessions import Label, Session, Status, chains
 from dew.serve import tokenizer
 
@@ -307,6 +308,70 @@ async def test_completions_and_models_endpoints(client):
     assert one_chain(session)
 
 
+async def test_every_standard_field_real_clients_send_is_accepted(client):
+    engine = ScriptedEngine(['{"city": "Paris"}'])
+    schema = {
+        "name": "place",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "title": "Place",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    }
+    async with gateway(engine, sampling=Sampling(temperature=0.7, top_k=40)) as gw:
+        api = client(gw.open())
+        answer = await api.chat.completions.create(
+            model="m",
+            messages=[
+                {"role": "developer", "content": "Answer in JSON."},
+                {"role": "user", "content": [{"type": "text", "text": "Where?"}], "name": "u"},
+            ],
+            tools=[LOOKUP_TOOL],
+            tool_choice={"type": "function", "function": {"name": "lookup"}},
+            parallel_tool_calls=False,
+            response_format={"type": "json_schema", "json_schema": schema},
+            max_completion_tokens=50,
+            max_tokens=60,
+            temperature=0.0,
+            top_p=0.1,
+            seed=123,
+            stop="\n\n",
+            presence_penalty=1.0,
+            frequency_penalty=1.0,
+            logit_bias={"50": 10},
+            user="someone",
+            metadata={"run": "x"},
+            store=False,
+            service_tier="auto",
+            reasoning_effort="low",
+            modalities=["text"],
+            n=1,
+            logprobs=False,
+        )
+        stream = await api.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "Where?"}],
+            stream=False,
+            extra_headers={"accept": "text/event-stream"},
+        )
+        streamed = await api.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "Where?"}],
+            stream=True,
+            extra_headers={"accept": "application/json"},
+        )
+        chunks = await collect(streamed)
+    assert answer.choices[0].message.content == '{"city": "Paris"}'
+    # The request's temperature and top_p changed nothing: the gateway's sampling is the policy.
+    assert engine.sampling[0] == {"temperature": 0.7, "top_k": 40, "top_p": None}
+    # Streaming is the body's choice, whatever the Accept header says.
+    assert stream.choices[0].message.content == '{"city": "Paris"}'
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == '{"city": "Paris"}'
+
+
 # --- errors --------------------------------------------------------------------------------------
 
 
@@ -561,3 +626,11 @@ async def test_64_sessions_of_20_calls_each_with_slow_clients_beside_them():
     assert [len(s.calls) for s in sessions] == [20] * 64
     assert engine.started == 64 * 20 and slow.calls == ()
     assert all(one_chain(s) for s in sessions)
+
+
+def test_the_docs_say_what_every_standard_field_does():
+    docs = (pathlib.Path(__file__).parent.parent / "docs" / "gateway.md").read_text()
+    for name in CHAT_FIELDS:
+        assert f"| `{name}` |" in docs, name
+    for name in COMPLETION_FIELDS:
+        assert f"`{name}`" in docs, name

@@ -78,7 +78,7 @@ CHAT_FIELDS: Mapping[str, str] = {
     "stream": "honoured: server-sent events ending with [DONE]",
     "stream_options": "honoured: include_usage adds the usage chunk",
     "max_tokens": "honoured: clipped to the gateway's max_tokens and to the context left",
-    "max_completion_tokens": "honoured: as max_tokens (the later name wins when both are sent)",
+    "max_completion_tokens": "honoured: as max_tokens, and it wins when both are sent",
     "n": "honoured: 1 only; above 1 is refused",
     "stop": "honoured: the reply is cut after the token that completes a stop string",
     "logprobs": "honoured: the behaviour log-prob of each sampled token",
