@@ -277,12 +277,36 @@ async def test_a_cancelled_rollout_kills_the_process_group_and_closes_the_sessio
 # --- through the scheduler ------------------------------------------------------------------------
 
 
-async def test_surplus_rollouts_cancelled_by_the_scheduler_reach_harness_and_engine():
+class RecordingGateway(Gateway):
+    """A gateway that keeps every session it opened, by base URL."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.opened = {}
+
+    def open(self, label=None, **kwargs):
+        session = super().open(label, **kwargs)
+        self.opened[session.base_url] = session
+        return session
+
+
+# Surplus: each task's second sample hangs, and its first finishing makes the group; timeout:
+# each task's second sample hangs on its first attempt, and the scheduler's deadline cancels it
+# and submits it again.
+OPTIONS = {
+    "surplus": {"groups": 1, "oversample": 1},
+    "timeout": {"groups": 2, "timeout": 1.0},
+}
+
+
+@pytest.mark.parametrize("cause", OPTIONS)
+async def test_rollouts_the_scheduler_cancels_stop_harness_and_engine_and_train_nothing(cause):
     engine = ScriptedEngine(["answer: 42"], hang_on="slow")
     cancelled = []
 
     async def agent(base_url, api_key, task):
-        content = "slow" if cancelled_label(base_url) else "fast"
+        label = gw.opened[base_url].label
+        content = "slow" if (label.sample, label.attempt) == (1, 0) else "fast"
         try:
             async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key) as api:
                 answer = await api.chat.completions.create(
@@ -293,29 +317,15 @@ async def test_surplus_rollouts_cancelled_by_the_scheduler_reach_harness_and_eng
             raise
         return answer.choices[0].message.content
 
-    async with gateway(engine, max_context=CONFIG.max_len) as gw:
-        sessions_by_url = {}
-        original_open = gw.open
-
-        def open_session(label, **kwargs):
-            session = original_open(label, **kwargs)
-            sessions_by_url[session.base_url] = session
-            return session
-
-        gw.open = open_session
-
-        def cancelled_label(base_url):
-            return sessions_by_url[base_url].label.sample == 1
-
+    async with RecordingGateway(engine, max_context=CONFIG.max_len, announce=False) as gw:
         scheduler = RolloutScheduler(
             GRPOObjective(models.model(CONFIG)),
             HarnessSource(gw, agent, exact),
             engine,
             width=64,
-            rows=2,
-            groups=1,
-            oversample=1,
+            rows=4,
             ahead=0,
+            **OPTIONS[cause],
         )
         dataset = scheduler.tasks(ArrayDataset({"task_id": np.arange(2)}, batch_size=2))
         async with scheduler:
@@ -324,12 +334,16 @@ async def test_surplus_rollouts_cancelled_by_the_scheduler_reach_harness_and_eng
         while engine.cancelled < 2:
             await trio.testing.wait_all_tasks_blocked()
     assert len(cancelled) == 2 and engine.cancelled == 2
-    assert all(sessions_by_url[url].closed == "cancelled" for url in cancelled)
-    assert scheduler.last_record.groups == 2 and scheduler.last_record.cancelled == 2
-    # Only the fast samples' tokens are trained: each admitted chain is one "fast" call.
-    trained = rows["loss_mask"].sum()
-    assert len(engine.served) == 2
-    assert trained == sum(len(call.completion) for call in engine.served)
+    assert all(gw.opened[url].closed == "cancelled" for url in cancelled)
+    record = scheduler.last_record
+    assert record.groups == 2
+    if cause == "surplus":
+        assert record.cancelled == 2
+    else:
+        assert {cause: n for cause, n in record.resubmitted.items() if n} == {"timeout": 2}
+    # What trains is exactly the answered ("fast") calls' tokens.
+    assert rows["loss_mask"].sum() == sum(len(call.completion) for call in engine.served)
+    assert len(engine.served) == (2 if cause == "surplus" else 4)
 
 
 def test_bad_arguments_name_the_culprit():
