@@ -9,7 +9,7 @@ The load comes from a separate process (so the client's own cost is not the gate
 `--connections` HTTP/1.1 keep-alive connections busy, each over its own session, sending the
 multi-turn history back each call, and reports each request's latency.
 
-    python benchmarks/gateway.py            # 4,000 requests over 32 connections
+    python benchmarks/gateway.py            # 4,000 requests over 16 connections
     python benchmarks/gateway.py --smoke    # a few hundred, for CI
 """
 
@@ -107,13 +107,15 @@ async def _through_http(connections: int, calls: int) -> dict[str, float]:
         host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
         paths = [s.base_url.removeprefix(gateway.url) + "/chat/completions" for s in sessions]
         command = [sys.executable, __file__, "--client", host, port, str(calls), *paths]
+        cpu = time.process_time()
         done = await trio.run_process(command, capture_stdout=True)
+        cpu = time.process_time() - cpu
         recorded = sum(len(s.calls) for s in sessions)
     load = json.loads(done.stdout)
     latencies, seconds = load["latencies"], load["seconds"]
     if recorded != connections * calls or len(latencies) != recorded:
         raise RuntimeError(f"recorded {recorded} calls for {len(latencies)} answered requests")
-    return _figures(latencies, seconds)
+    return {**_figures(latencies, seconds), "cpu_ms": 1000 * cpu / recorded}
 
 
 async def _in_process(connections: int, calls: int) -> dict[str, float]:
@@ -153,8 +155,8 @@ async def _in_process(connections: int, calls: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a few hundred requests, for CI")
-    parser.add_argument("--connections", type=int, default=32)
-    parser.add_argument("--calls", type=int, default=125, help="requests per connection")
+    parser.add_argument("--connections", type=int, default=16)
+    parser.add_argument("--calls", type=int, default=250, help="requests per connection")
     args, rest = parser.parse_known_args()
     if args.smoke:
         args.connections, args.calls = 8, 25
@@ -165,6 +167,10 @@ def main() -> None:
     print(
         f"  through HTTP: {http['requests_per_s']:.1f} req/s, p50 {http['p50_ms']:.2f} ms, "
         f"p99 {http['p99_ms']:.2f} ms"
+    )
+    print(
+        f"  gateway process CPU per request: {http['cpu_ms']:.3f} ms "
+        f"(one free core would serve {1000 / http['cpu_ms']:.0f} req/s)"
     )
     print(
         f"  in-process:   {local['requests_per_s']:.1f} req/s, p50 {local['p50_ms']:.3f} ms, "

@@ -374,7 +374,8 @@ class Gateway:
             body = await self._body(scope, receive)
         except _Gone:
             return
-        request = chat_request(parse_json(body))
+        payload = parse_json(body)
+        request = chat_request(payload)
         fingerprint = hashlib.sha256(body).digest()
         index = session.admit(fingerprint, retry=_retry_count(scope) > 0)
         prompt = session.chat_prompt(request)
@@ -392,7 +393,7 @@ class Gateway:
         session.record(turn)
         completion_id = "chatcmpl-" + secrets.token_urlsafe(18)
         answer = chat_body(completion_id, request.model, sample, reply, self.tokenizer, request)
-        session.transcript = [*parse_json(body)["messages"], answer["choices"][0]["message"]]
+        session.transcript = [*payload["messages"], answer["choices"][0]["message"]]
         if request.sampled.stream:
             chunks = chat_chunks(
                 completion_id, request.model, sample, reply, self.tokenizer, request

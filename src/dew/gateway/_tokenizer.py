@@ -16,11 +16,15 @@ from dew.serve import tokenizer
 
 
 class _ByteTokenizer:
-    """`dew.serve.tokenizer`'s module functions as a Tokenizer protocol object."""
+    """`dew.serve.tokenizer`'s module functions as a Tokenizer protocol object (the template's
+    fixed pieces made once: the gateway asks for them on every call)."""
 
     vocab_size = tokenizer.VOCAB
     eos_id = tokenizer.IM_END
     special_ids = frozenset(tokenizer.SPECIAL_TOKENS)
+    _prefix = np.array([tokenizer.BOS], np.int32)
+    _generation = tokenizer.encode_chat([], add_generation_prompt=True)[1:]
+    _suffix = tokenizer.encode("\n")
 
     def encode(self, text: str) -> np.ndarray:
         return tokenizer.encode(text)
@@ -29,16 +33,16 @@ class _ByteTokenizer:
         return tokenizer.decode(ids, skip_special=skip_special)
 
     def chat_prefix(self) -> np.ndarray:
-        return np.array([tokenizer.BOS], np.int32)
+        return self._prefix.copy()
 
     def encode_turn(self, message: Mapping[str, str]) -> np.ndarray:
         return tokenizer.encode_chat([message], add_generation_prompt=False)[1:]
 
     def generation_prompt(self) -> np.ndarray:
-        return tokenizer.encode_chat([], add_generation_prompt=True)[1:]
+        return self._generation.copy()
 
     def turn_suffix(self) -> np.ndarray:
-        return tokenizer.encode("\n")
+        return self._suffix.copy()
 
     def encode_chat(self, messages, *, add_generation_prompt: bool = True) -> np.ndarray:
         return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
