@@ -29,6 +29,11 @@ def params():
     return models.init(jax.random.key(0), CONFIG)
 
 
+# A first message whose chat prompt (33 to 64 tokens) and a second turn's stay in one prefill
+# bucket of the engine, so the tests on the real engine compile one prefill.
+GREETING = "Hi, how are you?"
+
+
 def tiny_server(**kwargs) -> RolloutServer:
     return RolloutServer(CONFIG, params(), slots=8, **kwargs)
 

@@ -8,7 +8,7 @@ import openai
 import pytest
 import trio
 
-from _gateway import CONFIG, ScriptedEngine, tiny_server
+from _gateway import CONFIG, GREETING, ScriptedEngine, tiny_server
 from dew import models
 from dew.gateway import Fleet, Gateway
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 
-async def ask(session, content: str = "hi") -> None:
+async def ask(session, content: str = GREETING) -> None:
     async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key) as api:
         await api.chat.completions.create(
             model="m", messages=[{"role": "user", "content": content}], max_tokens=2
