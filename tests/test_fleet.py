@@ -64,3 +64,40 @@ def test_a_fleet_needs_engines():
         Fleet([])
     with pytest.raises(ValueError, match=r"servers\[1\] has no generate"):
         Fleet([ScriptedEngine(), object()])
+
+
+def test_the_public_surface():
+    import inspect
+
+    import dew.envs
+    import dew.gateway
+
+    assert set(dew.gateway.__all__) >= {"Gateway", "Fleet", "GatewaySession"}
+    assert {"HarnessSource", "HarnessResult"} <= set(dew.envs.__all__)
+    assert list(inspect.signature(dew.gateway.Gateway).parameters) == [
+        "engine",
+        "max_context",
+        "max_tokens",
+        "sampling",
+        "tokenizer",
+        "host",
+        "port",
+        "model",
+        "max_body",
+        "announce",
+    ]
+    assert list(inspect.signature(dew.envs.HarnessSource).parameters) == [
+        "gateway",
+        "harness",
+        "verifier",
+        "max_calls",
+        "wall_clock",
+        "env",
+        "stderr_tail",
+    ]
+    assert inspect.iscoroutinefunction(dew.envs.HarnessSource.run)
+    assert list(inspect.signature(dew.gateway.Fleet.load).parameters) == [
+        "self",
+        "variables",
+        "version",
+    ]
