@@ -14,19 +14,21 @@ import textwrap
 
 import numpy as np
 import openai
+import optax
 import pytest
 import trio
 import trio.testing
 
-from _gateway import CONFIG, ScriptedEngine, params, tiny_server, tool_call
+from _gateway import CONFIG, GREETING, ScriptedEngine, params, tiny_server, tool_call
 from dew import models
 from dew.data import ArrayDataset, Task
 from dew.envs import HarnessResult, HarnessSource, Score
 from dew.envs.lookup import LookupTable, lookup_harness
-from dew.gateway import Gateway
+from dew.gateway import Gateway, ServedGateway
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Label, Status, chains
+from dew.train import Trainer
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Async generator '.*' was garbage collected:ResourceWarning"
@@ -322,7 +324,7 @@ async def test_rollouts_the_scheduler_cancels_stop_harness_and_engine_and_train_
             GRPOObjective(models.model(CONFIG)),
             HarnessSource(gw, agent, exact),
             engine,
-            width=64,
+            width=CONFIG.max_len,  # the shape of the end-to-end test's: one compilation
             rows=4,
             ahead=0,
             **OPTIONS[cause],
@@ -386,3 +388,45 @@ async def test_the_lookup_harness_scores_a_perfect_agent_1_and_truncates_on_a_sh
     # the rollout TRUNCATED and still scored (nothing answered).
     assert (session.status, session.truncation, session.calls) == (Status.TRUNCATED, "context", ())
     assert session.reward == 0.0
+
+
+# --- trained end to end ---------------------------------------------------------------------------
+
+
+def test_a_harness_trains_end_to_end_through_the_synchronous_facade(tmp_path):
+    server = tiny_server()
+
+    async def agent(base_url, api_key, task):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key) as api:
+            messages = [{"role": "user", "content": GREETING}]
+            for _ in range(2):
+                answer = await api.chat.completions.create(
+                    model="m", messages=messages, max_tokens=4
+                )
+                messages += [answer.choices[0].message, {"role": "user", "content": "1"}]
+        return answer.choices[0].message.content
+
+    def verifier(result: HarnessResult) -> Score:
+        return Score(sum(map(ord, result.output or "")) % 7 / 7)  # any varying score trains
+
+    source = ServedGateway(
+        server,
+        lambda gateway: HarnessSource(gateway, agent, verifier),
+        {"max_context": CONFIG.max_len, "max_tokens": 4, "announce": False},
+    )
+    objective = GRPOObjective(models.model(CONFIG))
+    scheduler = RolloutScheduler(
+        objective, source, server, width=CONFIG.max_len, rows=4, groups=2, ahead=0
+    )
+    trainer = Trainer(objective, optax.sgd(1e-3, momentum=0.9), params(), directory=tmp_path)
+    dataset = ArrayDataset({"task_id": np.arange(4)}, batch_size=2)
+    try:
+        trainer.run(scheduler, scheduler.tasks(dataset), steps=2, ahead=0)
+    finally:
+        scheduler.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["updates"] for line in lines] == [1, 2]
+    # Every rollout trained: two calls, merged into one chain.
+    assert all(line["groups"] == 2 and line["merge_ratio"] == 0.5 for line in lines)
+    assert all(line["tokens/trained"] > 0 for line in lines)
+    assert server.version == 1 and source.gateway.open_sessions == 0

@@ -4,6 +4,14 @@ every call of a rollout's session token in / token out, and the engine fleet it 
 from dew.gateway._fleet import Fleet
 from dew.gateway._record import GatewaySession
 from dew.gateway._schema import CHAT_FIELDS, COMPLETION_FIELDS
+from dew.gateway._served import ServedGateway
 from dew.gateway._server import Gateway
 
-__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "Fleet", "Gateway", "GatewaySession"]
+__all__ = [
+    "CHAT_FIELDS",
+    "COMPLETION_FIELDS",
+    "Fleet",
+    "Gateway",
+    "GatewaySession",
+    "ServedGateway",
+]
