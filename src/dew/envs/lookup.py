@@ -15,6 +15,7 @@ signal a small model trained from scratch can climb before it can finish the tas
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -141,6 +142,20 @@ class LookupVerifier:
         return Score(0.5 * form + 0.5 * answered, {"format": form, "answer": answered})
 
 
+def lookup_source(gateway: Any, *, size: int = 16, seed: int = 0) -> HarnessSource:
+    """The lookup agent as a source over a serving `dew.gateway.Gateway` (at most 3 calls per
+    rollout), scored by `LookupVerifier`."""
+    table = LookupTable(size, seed)
+    return HarnessSource(gateway, LookupAgent(table), LookupVerifier(table), max_calls=3)
+
+
+def lookup_dataset(
+    *, size: int = 16, seed: int = 0, batch_size: int = 4, epochs: int = 1000
+) -> ArrayDataset:
+    """The lookup task's `task_id`s, 0..size-1, in a seeded order, epoch after epoch."""
+    return ArrayDataset({"task_id": np.arange(size)}, batch_size, shuffle_seed=seed, epochs=epochs)
+
+
 def lookup_harness(
     gateway: Any, *, size: int = 16, seed: int = 0, batch_size: int = 4, epochs: int = 1000
 ) -> tuple[HarnessSource, ArrayDataset]:
@@ -152,18 +167,34 @@ def lookup_harness(
         seed: the table's values and the task order.
         batch_size: tasks per batch.
         epochs: passes over the tasks.
-
-    Returns:
-        The `HarnessSource` (at most 3 calls per rollout) and the dataset of `task_id`s.
     """
-    table = LookupTable(size, seed)
-    source = HarnessSource(gateway, LookupAgent(table), LookupVerifier(table), max_calls=3)
-    dataset = ArrayDataset(
-        {"task_id": np.arange(size)}, batch_size, shuffle_seed=seed, epochs=epochs
-    )
-    return source, dataset
+    source = lookup_source(gateway, size=size, seed=seed)
+    return source, lookup_dataset(size=size, seed=seed, batch_size=batch_size, epochs=epochs)
 
 
-HARNESSES = {"lookup": lookup_harness}
-"""Built-in harnesses by name (what `dew train --harness NAME` picks): each builds a source over
-a gateway and its task dataset."""
+@attrs.frozen
+class BuiltinHarness:
+    """A built-in harness, as `dew train --harness NAME` needs it.
+
+    For the scheduler's synchronous facade, serve it with
+    `dew.gateway.ServedGateway(server, harness.source, {"max_context": harness.max_len})`.
+
+    Args:
+        source: builds the source over a serving gateway.
+        dataset: builds the task dataset (keyword arguments `seed`, `batch_size`, `epochs`).
+        max_len: the longest prompt and completion a rollout needs (the engine's `max_len`).
+        max_tokens: the most tokens per reply (the gateway's `max_tokens`).
+    """
+
+    source: Callable[[Any], HarnessSource]
+    dataset: Callable[..., ArrayDataset]
+    max_len: int
+    max_tokens: int
+
+
+HARNESSES = {
+    # The tools turn and question take 363 tokens; two replies, the tool's answer and the
+    # template's turns fit in 512.
+    "lookup": BuiltinHarness(lookup_source, lookup_dataset, max_len=512, max_tokens=96),
+}
+"""Built-in harnesses by name (what `dew train --harness NAME` picks)."""
