@@ -358,6 +358,10 @@ def test_bad_arguments_name_the_culprit():
         HarnessSource(gw, tool_agent, exact, max_calls=0)
     with pytest.raises(ValueError, match="verifier"):
         HarnessSource(gw, tool_agent, None)
+    with pytest.raises(ValueError, match="wall_clock"):
+        HarnessSource(gw, tool_agent, exact, wall_clock=0)
+    with pytest.raises(ValueError, match="env"):
+        HarnessSource(gw, tool_agent, exact, env={"A": 1})
     with pytest.raises(RuntimeError, match="serving"):
         gw.open()
     with pytest.raises(ValueError, match="max_context"):

@@ -89,14 +89,28 @@ def _gateway(instance, attribute, value):
         raise ValueError(f"gateway must be a dew.gateway.Gateway, got {value!r}")
 
 
-def _optional_at_least(bound):
-    def check(instance, attribute, value):
-        if value is None:
-            return
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < bound:
-            raise ValueError(f"{attribute.name} must be >= {bound} or None, got {value!r}")
+def _optional_count(instance, attribute, value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{attribute.name} must be an int >= 1 or None, got {value!r}")
 
-    return check
+
+def _optional_seconds(instance, attribute, value):
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+    ):
+        raise ValueError(f"{attribute.name} must be a number of seconds > 0 or None, got {value!r}")
+
+
+def _characters(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{attribute.name} must be an int >= 0, got {value!r}")
+
+
+def _environment(instance, attribute, value):
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise ValueError(f"{attribute.name} must map strings to strings, got {value!r}")
 
 
 def _callable(instance, attribute, value):
