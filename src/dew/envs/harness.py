@@ -147,12 +147,10 @@ class HarnessSource:
     gateway: Any = attrs.field(validator=_gateway)
     harness: AsyncHarness | Sequence[str] = attrs.field(validator=_harness)
     verifier: HarnessVerifier = attrs.field(validator=_callable)
-    max_calls: int | None = attrs.field(default=None, kw_only=True, validator=_optional_at_least(1))
-    wall_clock: float | None = attrs.field(
-        default=None, kw_only=True, validator=_optional_at_least(0)
-    )
-    env: Mapping[str, str] = attrs.field(factory=dict, kw_only=True)
-    stderr_tail: int = attrs.field(default=4000, kw_only=True, validator=_optional_at_least(0))
+    max_calls: int | None = attrs.field(default=None, kw_only=True, validator=_optional_count)
+    wall_clock: float | None = attrs.field(default=None, kw_only=True, validator=_optional_seconds)
+    env: Mapping[str, str] = attrs.field(factory=dict, kw_only=True, validator=_environment)
+    stderr_tail: int = attrs.field(default=4000, kw_only=True, validator=_characters)
 
     async def run(self, task: Task, label: Label) -> Session:
         """Run the harness on `task` in a fresh gateway session and score it."""
