@@ -289,22 +289,25 @@ async def test_stop_strings_cut_the_answer_and_the_record_after_the_stop(client)
 
 
 async def test_completions_and_models_endpoints(client):
-    engine = ScriptedEngine(["world", "again"])
+    engine = ScriptedEngine(["world", "again", "done"])
     async with gateway(engine, model="policy") as gw:
         session = gw.open()
         api = client(session)
         models = await api.models.list()
         assert [m.id for m in models.data] == ["policy"]
-        first = await api.completions.create(model="m", prompt="hello ", logprobs=1)
-        assert first.choices[0].text == "world"
-        assert first.choices[0].logprobs.token_logprobs == session.calls[0].logprobs[:-1].tolist()
-        # A prompt extending the earlier prompt and completion text reuses their exact ids.
-        stream = await api.completions.create(
-            model="m", prompt="hello world<|im_end|> more", stream=True
-        )
-        text = "".join(chunk.choices[0].text for chunk in await collect(stream) if chunk.choices)
-    assert text == "again"
-    assert one_chain(session)
+        first = await api.completions.create(model="m", prompt="hello ", logprobs=1, max_tokens=5)
+        assert (first.choices[0].text, first.choices[0].finish_reason) == ("world", "length")
+        assert first.choices[0].logprobs.token_logprobs == session.calls[0].logprobs.tolist()
+        # A prompt extending the prompt and completion text reuses their exact ids.
+        stream = await api.completions.create(model="m", prompt="hello world, and", stream=True)
+        chunks = await collect(stream)
+        # The second answer ended at its stop token, which its text does not hold: a prompt
+        # extending that text is a new chain.
+        await api.completions.create(model="m", prompt="hello world, andagain.")
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == "again"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    cut = chains(Session(Status.COMPLETED, session.calls, reward=0.0))
+    assert [chain.calls for chain in cut] == [2, 1]
 
 
 async def test_every_standard_field_real_clients_send_is_accepted(client):

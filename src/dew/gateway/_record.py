@@ -34,7 +34,10 @@ class Turn:
         tool_call_ids: the ids of the tool calls answered.
         messages: how many messages the request held (where a dropped empty turn goes back).
         fingerprint: the request body's hash, to recognise a client's retry of it.
-        text: for the completions endpoint, the prompt and completion text.
+        text: for the completions endpoint, the prompt and completion text as answered.
+        text_ids: the ids of `text` as the engine saw and sampled them, where they are known
+            (a completion cut at its stop token or a stop string answers less text than it
+            sampled: its client's text goes on without those tokens).
     """
 
     call: Call
@@ -43,6 +46,7 @@ class Turn:
     messages: int
     fingerprint: bytes
     text: str | None = None
+    text_ids: np.ndarray | None = None
 
 
 def _closing(tokenizer, completion: np.ndarray) -> np.ndarray:
@@ -252,11 +256,10 @@ class GatewaySession:
 
     def text_prompt(self, prompt: str) -> np.ndarray:
         """The token ids of a completions prompt: where it starts with an earlier answer's prompt
-        and completion text, those exact ids, then the rest encoded."""
+        and completion text whose ids are known, those exact ids, then the rest encoded (so a
+        prompt extending an answer cut by its budget extends that call's chain)."""
         for turn in reversed(self._turns):
-            if turn.text is not None and prompt.startswith(turn.text):
+            if turn.text_ids is not None and prompt.startswith(turn.text):
                 rest = self.tokenizer.encode(prompt[len(turn.text) :])
-                return np.concatenate([turn.call.prompt, turn.call.completion, rest]).astype(
-                    np.int32
-                )
+                return np.concatenate([turn.text_ids, rest]).astype(np.int32)
         return np.asarray(self.tokenizer.encode(prompt), np.int32)

@@ -424,8 +424,11 @@ class Gateway:
         sample = await self._sample(session, prompt, request.sampled, index, receive)
         if sample is None:
             return
-        text = prompt_text + sample.text if isinstance(request.prompt, str) else None
-        session.record(Turn(sample.call, None, (), 0, fingerprint, text=text or ""))
+        text_ids = None
+        if sample.finish == "length":
+            text_ids = np.concatenate([sample.call.prompt, sample.call.completion])
+        turn = Turn(sample.call, None, (), 0, fingerprint, prompt_text + sample.text, text_ids)
+        session.record(turn)
         completion_id = "cmpl-" + secrets.token_urlsafe(18)
         parts = (completion_id, request.model, sample, self.tokenizer, request, prompt_text)
         if request.sampled.stream:
