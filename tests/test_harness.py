@@ -23,11 +23,12 @@ from _gateway import CONFIG, GREETING, ScriptedEngine, params, tiny_server, tool
 from dew import models
 from dew.data import ArrayDataset, Task
 from dew.envs import HarnessResult, HarnessSource, Score
-from dew.envs.lookup import LookupTable, lookup_harness
+from dew.envs.lookup import LookupTable, LookupVerifier, lookup_harness
 from dew.gateway import Gateway, ServedGateway
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
-from dew.objectives.rl.sessions import Label, Status, chains
+from dew.objectives.rl.sessions import Call, Label, Status, chains
+from dew.serve import tokenizer
 from dew.train import Trainer
 
 pytestmark = pytest.mark.filterwarnings(
@@ -383,6 +384,12 @@ async def test_the_lookup_harness_scores_a_perfect_agent_1_and_truncates_on_a_sh
     assert session.reward == 1.0 and session.components == {"format": 1.0, "answer": 1.0}
     assert len(session.calls) == 2 and len(chains(session)) == 1
     assert next(iter(dataset.stream()))["task_id"].shape == (2,)
+    # Half the canonical call, in order among other bytes, is half the format reward.
+    canonical = table.canonical_call(task)
+    half = "".join(c + "#" for c in canonical[: len(canonical) // 2])
+    call = Call(np.zeros(1, np.int32), tokenizer.encode(half), np.zeros(len(half), np.float32), 0)
+    partial = LookupVerifier(table)(HarnessResult(task, Status.COMPLETED, value, (), (call,)))
+    assert partial.components == {"format": (len(canonical) // 2) / len(canonical), "answer": 1.0}
 
     server = tiny_server()
     async with server, gateway(server, max_context=CONFIG.max_len, max_tokens=8) as gw:

@@ -7,9 +7,10 @@ knows nothing of dew: it is an ordinary OpenAI-API program, trained through the 
 gateway by `HarnessSource`.
 
 The verifier's reward is half for the answer (exactly the value) and half for how much of the
-canonical first tool call the model's first reply gets right (the longest common prefix with
-`<tool_call>{"name": "lookup", "arguments": {"key": ...}}</tool_call>`, as a fraction): a dense
-signal a small model trained from scratch can climb before it can finish the task.
+canonical first tool call, `<tool_call>{"name": "lookup", "arguments": {"key": ...}}</tool_call>`,
+the model's first reply writes in order (their longest common subsequence, as a fraction): a
+dense signal, one character at a time, that a small model trained from scratch can climb before
+it can finish the task.
 """
 
 from __future__ import annotations
@@ -113,19 +114,21 @@ class LookupAgent:
         return "unknown key" if value is None else value
 
 
-def _common_prefix(a: str, b: str) -> int:
-    length = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        length += 1
-    return length
+def _in_order(text: str, target: str) -> int:
+    """How many of `target`'s characters `text` holds in order (their longest common
+    subsequence): a score that grows by one character at a time, wherever it is written."""
+    row = [0] * (len(target) + 1)
+    for char in text:
+        diagonal = 0
+        for j, wanted in enumerate(target, 1):
+            diagonal, row[j] = row[j], diagonal + 1 if char == wanted else max(row[j], row[j - 1])
+    return row[-1]
 
 
 @attrs.frozen
 class LookupVerifier:
-    """Scores a lookup run: half the answer, half the first reply's closeness to the canonical
-    tool call (see the module)."""
+    """Scores a lookup run: half the answer, half how much of the canonical tool call the first
+    reply writes in order (see the module)."""
 
     table: LookupTable = LookupTable()
 
@@ -136,7 +139,7 @@ class LookupVerifier:
         first = ""
         if result.calls:
             first = tokenizer.decode(result.calls[0].completion, skip_special=True)
-        form = _common_prefix(first, canonical) / len(canonical)
+        form = _in_order(first, canonical) / len(canonical)
         value = self.table.value(self.table.key(result.task))
         answered = float(isinstance(result.output, str) and result.output.strip() == value)
         return Score(0.5 * form + 0.5 * answered, {"format": form, "answer": answered})
