@@ -47,6 +47,7 @@ class Turn:
     fingerprint: bytes
     text: str | None = None
     text_ids: np.ndarray | None = None
+    rendered: np.ndarray | None = None  # the turn's ids in a later prompt, made once
 
 
 def _closing(tokenizer, completion: np.ndarray) -> np.ndarray:
@@ -95,6 +96,8 @@ class GatewaySession:
         self.infra_error: str | None = None
         self.ended = trio.Event()
         self.transcript: list[dict[str, Any]] = []
+        # Harnesses send the whole conversation each call: each message is encoded once.
+        self._encoded: dict[tuple[str, str], np.ndarray] = {}
 
     @property
     def calls(self) -> tuple[Call, ...]:
@@ -201,7 +204,7 @@ class GatewaySession:
         head = [tokenizer.chat_prefix()]
         system = system_text(request)
         if system is not None:
-            head.append(tokenizer.encode_turn({"role": "system", "content": system}))
+            head.append(self._encode("system", system))
         matched: set[int] = set()
         pieces = []
         for message in request.messages:
@@ -211,7 +214,7 @@ class GatewaySession:
                 pieces.append(self._turn_ids(turn))
             else:
                 text = message_text(message)
-                pieces.append(tokenizer.encode_turn({"role": message.role, "content": text}))
+                pieces.append(self._encode(message.role, text))
         self._restore_dropped(request.messages, head, pieces, matched)
         return np.concatenate([*head, *pieces, tokenizer.generation_prompt()]).astype(np.int32)
 
@@ -230,11 +233,25 @@ class GatewaySession:
                 return turn
         return None
 
+    def _encode(self, role: str, content: str) -> np.ndarray:
+        """A message's turn under the template, encoded once per session."""
+        ids = self._encoded.get((role, content))
+        if ids is None:
+            ids = self.tokenizer.encode_turn({"role": role, "content": content})
+            self._encoded[role, content] = ids
+        return ids
+
     def _turn_ids(self, turn: Turn) -> np.ndarray:
-        completion = turn.call.completion
-        return np.concatenate(
-            [self.tokenizer.generation_prompt(), completion, _closing(self.tokenizer, completion)]
-        ).astype(np.int32)
+        if turn.rendered is None:
+            completion = turn.call.completion
+            turn.rendered = np.concatenate(
+                [
+                    self.tokenizer.generation_prompt(),
+                    completion,
+                    _closing(self.tokenizer, completion),
+                ]
+            ).astype(np.int32)
+        return turn.rendered
 
     def _restore_dropped(self, messages, head, pieces, matched) -> None:
         """Put back each empty answer the client left out: where the messages before it are the
