@@ -133,28 +133,76 @@ def case_structure(arrays, facts):
     DistributedPool().rescore(objective, variables, rows)
 
 
+def exact_values(index: int) -> dict[str, np.ndarray]:
+    """Arrays whose values a float32 or int32 path would change: wide ints and floats, -0.0,
+    subnormals, NaN payloads; plus bool, narrow, 0-d, empty and string arrays."""
+    offset = np.int64(index)
+    return {
+        "int64": np.array([2**40 + 3, -(2**62) - 1, 7], np.int64) + offset,
+        "uint64": np.array([2**64 - 1 - index], np.uint64),
+        "float64": np.array([1 / 3, 1e-310, -0.0, np.pi + index], np.float64),
+        "float32": np.array([1e-40, -0.0, -1e-45, np.float32(index)], np.float32),
+        "nan_bits": np.array([0x7FC00001 + index, 0xFFA00000], np.uint32).view(np.float32),
+        "float16": np.array([[6e-8, -0.0], [65504.0, index]], np.float16),
+        "bool": np.array([True, False, index % 2 == 1]),
+        "uint8": np.array([255, index], np.uint8),
+        "scalar": np.array(2**40 + index, np.int64),
+        "empty": np.zeros((0, 3), np.float64),
+        "text": np.array([f"process {index}", "ü"]),
+    }
+
+
 def case_first_reader(arrays, facts):
-    """Shares of two: the first reader's rows reach its share; a share of one keeps its own."""
+    """Shares of two: the first reader's rows reach its share bit for bit; a share of one keeps
+    its own; an array of Python objects is refused on every process."""
     index = jax.process_index()
-    first = DistributedPool().is_first_reader(2)
+    pool = DistributedPool(share_size=2)
+    first = pool.is_first_reader()
     if first:
         own = synthetic_rows(index, rows=4, width=8)
         own["advantages"] = np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8)
         own["advantages"] += np.float32(index)
+        exact = exact_values(index)
     else:
         # A later reader samples nothing: it hands over an empty pack of the same shape.
         template = pack([], width=8, rows=4).batch
         own = {key: template[key] for key in ("tokens", "positions", "segment_ids", "advantages")}
-    received = first_reader_batch(own, share_size=2)
+        exact = {key: np.zeros_like(value) for key, value in exact_values(index).items()}
+    received = first_reader_batch(own, share_size=pool.share_size)
     arrays.update({f"own/{key}": value for key, value in own.items()})
     arrays.update({f"received/{key}": value for key, value in received.items()})
+    received = first_reader_batch(exact, share_size=2)
+    arrays.update({f"exact_own/{key}": value for key, value in exact.items()})
+    arrays.update({f"exact_received/{key}": value for key, value in received.items()})
     facts["first_reader"] = first
     alone = first_reader_batch({"x": np.full(3, index, np.int32)}, share_size=1)
     arrays["alone"] = alone["x"]
+    for share_size in (3, 2):
+        batch = own if share_size == 3 else dict(own, objects=np.array([None, index], object))
+        try:
+            first_reader_batch(batch, share_size=share_size)
+        except ValueError as error:
+            facts[f"refused{share_size}"] = str(error)
     try:
-        first_reader_batch(own, share_size=3)
+        DistributedPool(share_size=3)
     except ValueError as error:
-        facts["bad_share"] = str(error)
+        facts["bad_pool"] = str(error)
+
+
+def case_mesh(arrays, facts):
+    """The share size of meshes over four processes of one device each."""
+    devices = sorted(jax.devices(), key=lambda device: device.process_index)
+    square = jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("data", "model"))
+    line = jax.sharding.Mesh(np.array(devices), ("data",))
+    facts["data_model"] = DistributedPool.from_mesh(square, data_axes=("data",)).share_size
+    facts["both_axes"] = DistributedPool.from_mesh(square, data_axes=("data", "model")).share_size
+    facts["line"] = DistributedPool.from_mesh(line, data_axes=("data",)).share_size
+    facts["replicated"] = DistributedPool.from_mesh(line, data_axes=()).share_size
+    for name, axes in (("strided", ("model",)), ("unknown", ("rows",))):
+        try:
+            DistributedPool.from_mesh(square, data_axes=axes)
+        except ValueError as error:
+            facts[name] = str(error)
 
 
 def run_scheduler(
@@ -173,8 +221,7 @@ def run_scheduler(
         ahead=ahead,
         max_lag=ahead,
     )
-    scheduler.pool = DistributedPool()
-    scheduler.share_size = share_size
+    scheduler.pool = DistributedPool(share_size=share_size)
     scheduler.long_wait = None
     index, processes = jax.process_index(), jax.process_count()
     shard = np.arange(index, BATCHES * BATCH_SIZE * processes, processes)
@@ -272,6 +319,7 @@ CASES = {
     "agree": case_agree,
     "structure": case_structure,
     "first_reader": case_first_reader,
+    "mesh": case_mesh,
     "scheduler": case_scheduler,
     "failure": case_failure,
     "share": case_share,

@@ -18,11 +18,12 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
 import dew.parallel
-from _parallel_worker import synthetic_rows, tiny
+from _parallel_worker import exact_values, synthetic_rows, tiny
 from dew.parallel import DistributedPool, LocalPool, default_pool, first_reader_batch
 
 WORKER = pathlib.Path(__file__).with_name("_parallel_worker.py")
@@ -91,7 +92,7 @@ def pool2(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def pool4(tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("pool4")
-    return launch(out, processes=4, local_devices=1, cases="first_reader,agree")
+    return launch(out, processes=4, local_devices=1, cases="first_reader,agree,mesh")
 
 
 def result(out: pathlib.Path, case: str, process: int) -> tuple[dict[str, np.ndarray], dict]:
@@ -170,7 +171,42 @@ def test_later_readers_receive_exactly_their_first_readers_rows(request, pool, p
         if processes == 4:
             assert not np.array_equal(arrays["received/advantages"], other["received/advantages"])
         np.testing.assert_array_equal(arrays["alone"], np.full(3, process, np.int32))
-        assert "share_size" in facts["bad_share"] and "got 3" in facts["bad_share"]
+        assert "share_size" in facts["refused3"] and "got 3" in facts["refused3"]
+        assert "share_size" in facts["bad_pool"] and "got 3" in facts["bad_pool"]
+        # Every process refuses an array of Python objects, naming it.
+        assert "objects holds Python objects" in facts["refused2"]
+
+
+@pytest.mark.parametrize("pool, processes", [("pool2", 2), ("pool4", 4)])
+def test_first_reader_batch_carries_every_bit_of_every_dtype(request, pool, processes):
+    """int64 past 2**31, float64, -0.0, subnormals and NaN payloads come back as the first
+    reader sent them, on the later readers and on the first reader itself, though JAX runs
+    without 64-bit types there."""
+    out = request.getfixturevalue(pool)
+    for process in range(processes):
+        arrays, _ = result(out, "first_reader", process)
+        first, _ = result(out, "first_reader", process - process % 2)
+        sent = exact_values(process - process % 2)
+        for key, value in sent.items():
+            received = arrays[f"exact_received/{key}"]
+            assert received.dtype == value.dtype and received.shape == value.shape, key
+            assert received.tobytes() == value.tobytes(), (
+                f"{key} came back as {received!r}, the first reader sent {value!r}"
+            )
+            assert received.tobytes() == first[f"exact_own/{key}"].tobytes()
+    assert arrays["exact_received/int64"][0] == 2**40 + 3 + processes - 2
+
+
+def test_the_share_size_of_a_mesh_is_the_processes_that_hold_each_data_slice(pool4):
+    for process in range(4):
+        _, facts = result(pool4, "mesh", process)
+        assert "raised" not in facts, facts
+        assert facts["data_model"] == 2  # processes 0, 1 hold data slice 0; 2, 3 slice 1
+        assert facts["both_axes"] == 1
+        assert facts["line"] == 1
+        assert facts["replicated"] == 4  # one slice, every process reads it
+        assert "consecutive runs" in facts["strided"] and "[[0, 2], [1, 3]]" in facts["strided"]
+        assert "data_axes" in facts["unknown"] and "'rows'" in facts["unknown"]
 
 
 # --- a scheduler on every process -----------------------------------------------------------------
@@ -225,14 +261,26 @@ def test_a_lone_process_is_its_own_first_reader():
     batch = {"tokens": np.arange(6, dtype=np.int32).reshape(2, 3)}
     received = first_reader_batch(batch, share_size=1)
     np.testing.assert_array_equal(received["tokens"], batch["tokens"])
-    assert LocalPool().is_first_reader(1) and DistributedPool().is_first_reader(1)
+    exact = exact_values(0)
+    for key, value in first_reader_batch(exact, share_size=1).items():
+        assert value.dtype == exact[key].dtype and value.tobytes() == exact[key].tobytes()
+    assert LocalPool().is_first_reader() and DistributedPool().is_first_reader()
+    assert LocalPool().share_size == DistributedPool().share_size == 1
     for share_size in (0, 2, True, 1.0):
         with pytest.raises(ValueError, match=f"share_size .* got {share_size!r}"):
             first_reader_batch(batch, share_size=share_size)
-        with pytest.raises(ValueError, match="share_size"):
-            LocalPool().is_first_reader(share_size)
-        with pytest.raises(ValueError, match="share_size"):
-            DistributedPool().is_first_reader(share_size)
+        with pytest.raises(ValueError, match=f"share_size .* got {share_size!r}"):
+            DistributedPool(share_size=share_size)
+    with pytest.raises(ValueError, match="objects holds Python objects"):
+        first_reader_batch(dict(batch, objects=np.array([None], object)), share_size=1)
+
+
+def test_a_mesh_of_one_process_is_a_share_of_one():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    assert DistributedPool.from_mesh(mesh, data_axes=("data",)).share_size == 1
+    for axes in (("rows",), "data"):
+        with pytest.raises(ValueError, match="data_axes must be a tuple"):
+            DistributedPool.from_mesh(mesh, data_axes=axes)
 
 
 def test_the_distributed_pool_of_one_process_is_the_local_pool():

@@ -27,7 +27,13 @@ __all__ = ["DistributedPool", "LocalPool", "Pool", "default_pool", "first_reader
 
 
 class Pool(Protocol):
-    """Where the processes of one trainer meet, once per call for each method."""
+    """Where the processes of one trainer meet, once per call for each method.
+
+    `share_size` is how many consecutive processes read one data share (a tensor or sequence
+    axis across processes): only a share's first reader samples, the others train on its rows.
+    """
+
+    share_size: int
 
     def agree(self, error: BaseException | None) -> None:
         """Raise on every process if any process's admission failed: the failed process
@@ -39,13 +45,15 @@ class Pool(Protocol):
         pool's batch."""
         ...
 
-    def is_first_reader(self, share_size: int) -> bool:
+    def is_first_reader(self) -> bool:
         """Whether this process samples for its data share of `share_size` processes."""
         ...
 
 
 class LocalPool:
-    """The pool of a single-process trainer."""
+    """The pool of a single-process trainer: it reads its data alone, a share of one."""
+
+    share_size = 1
 
     def agree(self, error: BaseException | None) -> None:
         if error is not None:
@@ -54,18 +62,49 @@ class LocalPool:
     def rescore(self, objective: Any, variables: Any, rows: Mapping[str, np.ndarray]) -> np.ndarray:
         return np.asarray(objective.packed_log_probs(variables, rows), np.float32)
 
-    def is_first_reader(self, share_size: int) -> bool:
-        """A lone process reads its share alone: True, for a share_size of 1."""
-        _raise(_share_size_problem(share_size, 1))
+    def is_first_reader(self) -> bool:
+        """A lone process reads its share alone: True."""
         return True
 
 
 class DistributedPool:
     """The pool of every `jax.distributed` process, each with its own scheduler and rows.
 
-    Construct it after `jax.distributed.initialize`; every process must make each call, in the
-    same order, with rows of one structure.
+    Construct it after `jax.distributed.initialize`, with the same `share_size` on every
+    process (or from the trainer's mesh with `from_mesh`); every process must make each call, in
+    the same order, with rows of one structure.
+
+    Args:
+        share_size: consecutive processes that read one data share: the share's first process
+            samples and the others train on its rows (`first_reader_batch`).
+
+    Raises:
+        ValueError: unless share_size is an int >= 1 dividing the process count.
     """
+
+    def __init__(self, *, share_size: int = 1):
+        _raise(_share_size_problem(share_size, jax.process_count()))
+        self.share_size = int(share_size)
+
+    @classmethod
+    def from_mesh(cls, mesh: Mesh, *, data_axes: tuple[str, ...]) -> DistributedPool:
+        """The pool of a trainer whose batch is split over `mesh`'s `data_axes`.
+
+        Processes whose devices sit at the same coordinates of the data axes hold the same data
+        slice (the other axes split the model, or the sequence), so they read one share.
+
+        Args:
+            mesh: the trainer's mesh over every process's devices.
+            data_axes: the mesh axes the batch's rows are split over.
+
+        Returns:
+            The pool, its share_size the processes that read each data slice.
+
+        Raises:
+            ValueError: naming a data axis the mesh lacks, or where processes that share a data
+                slice are not consecutive runs of one length, each holding that slice whole.
+        """
+        return cls(share_size=_mesh_share_size(mesh, data_axes))
 
     def agree(self, error: BaseException | None) -> None:
         """Raise on every process if any process's admission failed this call.
@@ -126,31 +165,23 @@ class DistributedPool:
         scores = objective.packed_log_probs(variables, batch)
         return _own_rows(scores, by_rows)[:count].astype(np.float32, copy=False)
 
-    def is_first_reader(self, share_size: int) -> bool:
-        """Whether this process samples for its share: the share's first process does.
-
-        Args:
-            share_size: consecutive processes that read one data share.
-
-        Returns:
-            True where process_index % share_size == 0.
-
-        Raises:
-            ValueError: unless share_size is an int >= 1 dividing the process count.
-        """
-        _raise(_share_size_problem(share_size, jax.process_count()))
-        return jax.process_index() % share_size == 0
+    def is_first_reader(self) -> bool:
+        """Whether this process samples for its share: True where process_index % share_size
+        == 0, the share's first process."""
+        return jax.process_index() % self.share_size == 0
 
 
 def first_reader_batch(
     batch: Mapping[str, np.ndarray], *, share_size: int
 ) -> dict[str, np.ndarray]:
-    """The rows of each share's first reader, on every process of the share.
+    """The rows of each share's first reader, bit for bit, on every process of the share.
 
     Where consecutive processes read one data share (a tensor or sequence axis across processes),
     their devices must hold the same rows, which independent draws would not give them: the
     share's first process (index % share_size == 0) samples and packs, and the others train on
-    its rows.
+    its rows. The arrays travel as their bytes, so every dtype numpy holds without Python objects
+    comes back exactly as the first reader had it (int64 and float64 unnarrowed, -0.0 and
+    subnormals kept), whatever JAX's own dtype settings.
 
     Args:
         batch: on a share's first reader, its packed arrays; on the others, arrays of the same
@@ -162,29 +193,33 @@ def first_reader_batch(
 
     Raises:
         ValueError: on every process, unless share_size is an int >= 1 dividing the process count
-            on every process, and every process's batch has one structure.
+            on every process, every process's batch has one structure, and no array holds
+            Python objects (whose bytes are pointers, meaningless in another process).
     """
     arrays = {key: np.asarray(value) for key, value in sorted(batch.items())}
     processes = jax.process_count()
-    problem = _share_size_problem(share_size, processes)
+    problem = _share_size_problem(share_size, processes) or _bytes_problem(arrays)
     if processes == 1:
         _raise(problem)
         return arrays
     description = f"share_size {share_size!r}, {_structure(arrays)}"
     _agree(description, problem, what="first_reader_batch")
-    if share_size == 1:
+    if share_size == 1 or not any(value.nbytes for value in arrays.values()):
         return arrays
+    payload = np.concatenate([np.frombuffer(v.tobytes(), np.uint8) for v in arrays.values()])
     local = jax.local_device_count()
     by_process = NamedSharding(_mesh(), PartitionSpec("rows"))
-    # Each local device holds a copy, so the share's rows reach the devices of every process.
-    copies = {
-        key: jax.make_array_from_process_local_data(
-            by_process, np.broadcast_to(value, (local, *value.shape))
-        )
-        for key, value in arrays.items()
-    }
+    # Each local device holds a copy, so the share's bytes reach the devices of every process.
+    copies = jax.make_array_from_process_local_data(
+        by_process, np.broadcast_to(payload, (local, payload.size))
+    )
     spread = _first_of_each_share(copies, shares=processes // share_size, sharding=by_process)
-    return {key: _own_rows(value, by_process)[0] for key, value in spread.items()}
+    received = _own_rows(spread, by_process)[0]
+    ends = np.cumsum([value.nbytes for value in arrays.values()])
+    return {
+        key: received[end - value.nbytes : end].copy().view(value.dtype).reshape(value.shape)
+        for (key, value), end in zip(arrays.items(), ends, strict=True)
+    }
 
 
 def default_pool() -> Pool:
@@ -275,6 +310,46 @@ def _share_size_problem(share_size: object, processes: int) -> str | None:
     return None
 
 
+def _bytes_problem(arrays: Mapping[str, np.ndarray]) -> str | None:
+    """Why some array cannot travel as its bytes, or None."""
+    objects = [key for key, value in arrays.items() if value.dtype.hasobject]
+    if objects:
+        return (
+            f"first_reader_batch carries arrays as their bytes, and {', '.join(objects)} holds "
+            f"Python objects; hand over numeric, bool or fixed-width string arrays"
+        )
+    return None
+
+
+def _mesh_share_size(mesh: Mesh, data_axes: tuple[str, ...]) -> int:
+    """How many consecutive processes hold each data slice of mesh, split over data_axes."""
+    missing = [axis for axis in data_axes if axis not in mesh.axis_names]
+    if isinstance(data_axes, str) or missing:
+        raise ValueError(
+            f"data_axes must be a tuple of the mesh's axis names {mesh.axis_names}, "
+            f"got {data_axes!r}"
+        )
+    kept = [mesh.axis_names.index(axis) for axis in data_axes]
+    slices: dict[int, set] = {}
+    for where, device in np.ndenumerate(mesh.devices):
+        slices.setdefault(device.process_index, set()).add(tuple(where[i] for i in kept))
+    readers: dict[frozenset, list[int]] = {}
+    for process in sorted(slices):
+        readers.setdefault(frozenset(slices[process]), []).append(process)
+    groups = list(readers.values())
+    size = len(groups[0])
+    consecutive = all(
+        group == list(range(group[0], group[0] + size)) and group[0] % size == 0 for group in groups
+    )
+    overlapping = sum(len(key) for key in readers) != len(set().union(*readers))
+    if not consecutive or overlapping:
+        raise ValueError(
+            f"the processes reading each data slice of the mesh over {data_axes} must be "
+            f"consecutive runs of one length, each holding its slices alone; they are {groups}"
+        )
+    return size
+
+
 def _pad_rows(value: np.ndarray, padding: int) -> np.ndarray:
     """value with `padding` zero rows after its own; zero segment ids are padding to score."""
     if padding == 0:
@@ -298,13 +373,9 @@ def _own_rows(array: jax.Array, by_rows: NamedSharding) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames=("shares", "sharding"))
-def _first_of_each_share(arrays: dict, *, shares: int, sharding: NamedSharding) -> dict:
-    """Each share's first row in place of every row of the share: `[shares * k, ...]` arrays,
+def _first_of_each_share(value: jax.Array, *, shares: int, sharding: NamedSharding) -> jax.Array:
+    """Each share's first row in place of every row of the share: a `[shares * k, ...]` array,
     k consecutive rows to a share."""
-
-    def first(value: jax.Array) -> jax.Array:
-        split = value.reshape(shares, -1, *value.shape[1:])
-        spread = jnp.broadcast_to(split[:, :1], split.shape).reshape(value.shape)
-        return jax.lax.with_sharding_constraint(spread, sharding)
-
-    return jax.tree.map(first, arrays)
+    split = value.reshape(shares, -1, *value.shape[1:])
+    spread = jnp.broadcast_to(split[:, :1], split.shape).reshape(value.shape)
+    return jax.lax.with_sharding_constraint(spread, sharding)
