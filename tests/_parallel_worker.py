@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from dew import models
 from dew.data import ArrayDataset
@@ -29,7 +30,14 @@ from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import pack
-from dew.parallel import DistributedPool, LocalPool, default_pool, first_reader_batch
+from dew.parallel import (
+    DataParallelUpdate,
+    DistributedPool,
+    LocalPool,
+    default_pool,
+    first_reader_batch,
+    local_copy,
+)
 
 # The task rows of one process: its shard of the pool's, two to a batch.
 BATCH_SIZE = 2
@@ -189,6 +197,63 @@ def case_first_reader(arrays, facts):
         facts["bad_pool"] = str(error)
 
 
+# The data-parallel steps: each process's rows of every step's global batch, and the step count.
+DATA_PARALLEL_ROWS = 3
+DATA_PARALLEL_STEPS = 3
+
+
+def global_batch(step: int, processes: int) -> dict[str, np.ndarray]:
+    """Step's global training batch, every process's rows in process order: packed rows with
+    advantages, a loss mask, and behaviour and proximal log-probs near the model's."""
+    rows = synthetic_rows(1000 + step, rows=DATA_PARALLEL_ROWS * processes, width=16)
+    rng = np.random.default_rng(step)
+    shape = rows["tokens"].shape
+    follows = (rows["segment_ids"] > 0) & (rows["positions"] > 0)
+    logprobs = np.where(follows, rng.uniform(-4.0, -2.0, shape), 0.0).astype(np.float32)
+    rows["loss_mask"] = follows.astype(np.float32)
+    rows["advantages"] = np.where(follows, rng.normal(0.0, 1.0, shape), 0.0).astype(np.float32)
+    rows["behavior_logprobs"] = logprobs
+    rows["proximal_logprobs"] = logprobs + np.float32(0.01) * follows
+    return rows
+
+
+# optax's Adam raises its float decay to its int32 step count, which strict promotion refuses.
+@jax.numpy_dtype_promotion("standard")
+def train_alone(steps: int, processes: int) -> tuple[Any, list[dict]]:
+    """The single-process trainer's steps over the global batches: its jitted update."""
+    objective, _, variables = tiny()
+    optimizer = optax.adam(1e-2)
+    update = objective.update_fn(optimizer)
+    opt_state = optimizer.init(variables)
+    metrics = []
+    for step in range(steps):
+        variables, opt_state, step_metrics = update(
+            variables, opt_state, global_batch(step, processes)
+        )
+        metrics.append(jax.device_get(step_metrics))
+    return variables, metrics
+
+
+@jax.numpy_dtype_promotion("standard")  # Adam, as in train_alone
+def case_data_parallel(arrays, facts):
+    """Every process steps on its own rows of each global batch; the variables it ends with."""
+    objective, _, variables = tiny()
+    optimizer = optax.adam(1e-2)
+    index, processes = jax.process_index(), jax.process_count()
+    step_fn = DataParallelUpdate(objective.update_fn(optimizer))
+    variables = step_fn.replicate(variables)
+    opt_state = step_fn.replicate(optimizer.init(variables))
+    own = slice(index * DATA_PARALLEL_ROWS, (index + 1) * DATA_PARALLEL_ROWS)
+    for step in range(DATA_PARALLEL_STEPS):
+        rows = {key: value[own] for key, value in global_batch(step, processes).items()}
+        variables, opt_state, metrics = step_fn(variables, opt_state, rows)
+        arrays.update({f"metrics{step}/{key}": value for key, value in metrics.items()})
+    leaves = jax.tree_util.tree_flatten_with_path(local_copy(variables))[0]
+    arrays.update({jax.tree_util.keystr(path): leaf for path, leaf in leaves})
+    facts["replicated"] = all(leaf.is_fully_replicated for leaf in jax.tree.leaves(variables))
+    facts["compilations"] = step_fn._update._cache_size()
+
+
 def case_mesh(arrays, facts):
     """The share size of meshes over four processes of one device each."""
     devices = sorted(jax.devices(), key=lambda device: device.process_index)
@@ -320,6 +385,7 @@ CASES = {
     "structure": case_structure,
     "first_reader": case_first_reader,
     "mesh": case_mesh,
+    "data_parallel": case_data_parallel,
     "scheduler": case_scheduler,
     "failure": case_failure,
     "share": case_share,

@@ -20,11 +20,26 @@ import time
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import dew.parallel
-from _parallel_worker import exact_values, synthetic_rows, tiny
-from dew.parallel import DistributedPool, LocalPool, default_pool, first_reader_batch
+from _parallel_worker import (
+    DATA_PARALLEL_STEPS,
+    exact_values,
+    global_batch,
+    synthetic_rows,
+    tiny,
+    train_alone,
+)
+from dew.parallel import (
+    DataParallelUpdate,
+    DistributedPool,
+    LocalPool,
+    default_pool,
+    first_reader_batch,
+    local_copy,
+)
 
 WORKER = pathlib.Path(__file__).with_name("_parallel_worker.py")
 # Seconds a pool may take; its workers dump their stacks and exit a little earlier.
@@ -84,7 +99,7 @@ def launch(out: pathlib.Path, *, processes: int, local_devices: int, cases: str)
 
 @pytest.fixture(scope="module")
 def pool2(tmp_path_factory) -> pathlib.Path:
-    cases = "rescore,agree,structure,first_reader,scheduler,failure,share"
+    cases = "rescore,agree,structure,first_reader,scheduler,failure,share,data_parallel"
     out = tmp_path_factory.mktemp("pool2")
     return launch(out, processes=2, local_devices=2, cases=cases)
 
@@ -250,6 +265,34 @@ def test_a_broken_source_stops_every_process_at_the_same_step(pool2):
     assert len(healthy["tasks"]) == len(broken["tasks"]) == 2
 
 
+# --- data-parallel training ----------------------------------------------------------------------
+
+
+def test_two_processes_train_to_the_parameters_of_one_over_the_same_global_batches(pool2):
+    """Each process steps on its own rows (padded from three to four over its two devices); JAX
+    reduces the gradients across the pool; both end with the single process's parameters."""
+    alone, alone_metrics = train_alone(DATA_PARALLEL_STEPS, processes=2)
+    expected = {
+        jax.tree_util.keystr(path): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(alone)[0]
+    }
+    initial = tiny()[2]
+    for process in range(2):
+        arrays, facts = result(pool2, "data_parallel", process)
+        assert "raised" not in facts, facts
+        assert facts["replicated"] and facts["compilations"] == 1
+        for key, value in expected.items():
+            np.testing.assert_allclose(arrays[key], value, rtol=2e-5, atol=2e-6, err_msg=key)
+        for step, metrics in enumerate(alone_metrics):
+            for name in ("loss", "tokens", "grad_norm"):
+                np.testing.assert_allclose(
+                    arrays[f"metrics{step}/{name}"], metrics[name], rtol=1e-5, err_msg=name
+                )
+    start = jax.tree_util.tree_flatten_with_path(initial)[0]
+    moved = any(not np.allclose(expected[jax.tree_util.keystr(path)], leaf) for path, leaf in start)
+    assert moved, "the steps left the parameters where they started"
+
+
 # --- one process ----------------------------------------------------------------------------------
 
 
@@ -300,13 +343,34 @@ def test_the_distributed_pool_of_one_process_is_the_local_pool():
         DistributedPool().rescore(objective, variables, ragged)
 
 
+@jax.numpy_dtype_promotion("standard")  # optax's Adam
+def test_the_data_parallel_update_of_one_process_is_the_plain_update():
+    alone, alone_metrics = train_alone(2, processes=1)
+    objective, _, variables = tiny()
+    optimizer = optax.adam(1e-2)
+    step = DataParallelUpdate(objective.update_fn(optimizer))
+    opt_state = optimizer.init(variables)
+    for index in range(2):
+        variables, opt_state, metrics = step(variables, opt_state, global_batch(index, 1))
+        assert metrics["loss"] == pytest.approx(float(alone_metrics[index]["loss"]), rel=1e-6)
+    jax.tree.map(
+        lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7),
+        local_copy(variables),
+        jax.device_get(alone),
+    )
+    with pytest.raises(ValueError, match="one leading rows axis"):
+        step(variables, opt_state, dict(global_batch(0, 1), tokens=np.zeros((1, 16), np.int32)))
+
+
 def test_the_public_surface():
     assert sorted(dew.parallel.__all__) == [
+        "DataParallelUpdate",
         "DistributedPool",
         "LocalPool",
         "Pool",
         "default_pool",
         "first_reader_batch",
+        "local_copy",
     ]
     assert str(inspect.signature(first_reader_batch)) == (
         "(batch: 'Mapping[str, np.ndarray]', *, share_size: 'int') -> 'dict[str, np.ndarray]'"

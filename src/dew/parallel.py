@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import jax
@@ -23,7 +23,15 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["DistributedPool", "LocalPool", "Pool", "default_pool", "first_reader_batch"]
+__all__ = [
+    "DataParallelUpdate",
+    "DistributedPool",
+    "LocalPool",
+    "Pool",
+    "default_pool",
+    "first_reader_batch",
+    "local_copy",
+]
 
 
 class Pool(Protocol):
@@ -222,6 +230,81 @@ def first_reader_batch(
     }
 
 
+class DataParallelUpdate:
+    """One optimizer step over the pool's global batch, each process handing over its own rows.
+
+    The global batch is every process's rows in process order, sharded by rows over every device
+    of the pool; the variables and the optimizer state are replicated on every device. The step
+    is one jitted function over them, so JAX reduces the gradients across the pool and every
+    process ends the step with the same variables and state: the step a single process would
+    take over the whole global batch, to float rounding.
+
+    Every process must make each call, in the same order, with rows of one structure.
+
+    Args:
+        update: `update(variables, opt_state, batch) -> (variables, opt_state, metrics)`, pure
+            and jittable, e.g. `GRPOObjective.update_fn(optimizer)`; rows whose arrays are all
+            zero (padding) must not change it, as for a loss masked by `loss_mask`.
+    """
+
+    def __init__(self, update: Callable):
+        mesh = _mesh()
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.by_rows = NamedSharding(mesh, PartitionSpec("rows"))
+        self._update = jax.jit(
+            update,
+            in_shardings=(self.replicated, self.replicated, self.by_rows),
+            out_shardings=self.replicated,
+        )
+
+    def replicate(self, tree: Any) -> Any:
+        """tree's leaves as arrays replicated over the pool.
+
+        Args:
+            tree: leaves equal on every process (numpy, local jax arrays), or already global.
+        """
+        return jax.tree.map(lambda leaf: _replicate(leaf, self.replicated), tree)
+
+    def __call__(
+        self, variables: Any, opt_state: Any, rows: Mapping[str, np.ndarray]
+    ) -> tuple[Any, Any, dict[str, np.ndarray]]:
+        """Take one step over the pool's global batch.
+
+        Rows are padded with zero rows to a multiple of this process's device count, so that
+        they split evenly over its devices.
+
+        Args:
+            variables, opt_state: replicated over the pool (`replicate`), as this returns them.
+            rows: this process's `[rows, ...]` arrays; every process hands over the same keys,
+                shapes and dtypes.
+
+        Returns:
+            The variables and optimizer state after the step, replicated over the pool, and the
+            step's metrics as numpy, equal on every process.
+
+        Raises:
+            ValueError: on every process, where the rows' leading axes differ or the processes'
+                rows differ in structure, naming the processes.
+        """
+        arrays = {key: np.asarray(value) for key, value in sorted(rows.items())}
+        count = _agree_on_rows(arrays)
+        padding = -count % jax.local_device_count()
+        batch = {
+            key: jax.make_array_from_process_local_data(self.by_rows, _pad_rows(value, padding))
+            for key, value in arrays.items()
+        }
+        variables, opt_state, metrics = self._update(
+            self.replicate(variables), self.replicate(opt_state), batch
+        )
+        return variables, opt_state, jax.tree.map(_local, metrics)
+
+
+def local_copy(tree: Any) -> Any:
+    """tree's leaves as numpy on this process: a replicated global array's own copy, which
+    single-process code (an engine, a checkpoint writer) can read."""
+    return jax.tree.map(_local, tree)
+
+
 def default_pool() -> Pool:
     """The pool of the running trainer: every `jax.distributed` process, or this one alone.
 
@@ -348,6 +431,14 @@ def _mesh_share_size(mesh: Mesh, data_axes: tuple[str, ...]) -> int:
             f"consecutive runs of one length, each holding its slices alone; they are {groups}"
         )
     return size
+
+
+def _local(leaf: Any) -> np.ndarray:
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        if not leaf.is_fully_replicated:
+            raise ValueError(f"a {leaf.sharding} array is not whole on any one process")
+        return np.asarray(leaf.addressable_data(0))
+    return np.asarray(leaf)
 
 
 def _pad_rows(value: np.ndarray, padding: int) -> np.ndarray:
