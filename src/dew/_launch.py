@@ -2,8 +2,9 @@
 
 `dew train --processes N` starts N trainer processes on this machine with `run_pool`. The pool
 lives and dies together: the first process to fail (a non-zero exit, or a signal such as a
-`kill -9`) is named, every other process is stopped, and the pool's exit status is that first
-failure's. An interrupt (Ctrl-C) or a SIGTERM to the launcher stops every process too.
+`kill -9`) is named, every other process is stopped (given a few seconds to stop by itself
+first, saying why), and the pool's exit status is that first failure's. An interrupt (Ctrl-C)
+or a SIGTERM to the launcher stops every process too.
 
 Each process runs in a session of its own, so a terminal's Ctrl-C reaches the launcher alone and
 the launcher stops the processes in a known order, rather than each racing to unwind on its own.
@@ -17,6 +18,7 @@ import queue
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO, TextIO
@@ -137,7 +139,9 @@ def _watch(
             running = [i for i, p in enumerate(processes) if p.poll() is None]
             stopping = f"; stopping {_names(running)}" if running else ""
             _say(report, f"process {index} failed first ({describe_exit(code)}){stopping}")
-            _stop(processes, grace)
+            # The others lose it in their next collective and stop by themselves, each saying
+            # why: they get `grace` seconds to, before they are stopped.
+            _stop(processes, grace, patience=grace)
     return status
 
 
@@ -147,8 +151,13 @@ def _next(ended: queue.Queue[int]) -> int:
             return ended.get(timeout=0.5)
 
 
-def _stop(processes: list[subprocess.Popen], grace: float) -> None:
-    """SIGTERM every running process's session, then SIGKILL what is left after `grace`."""
+def _stop(processes: list[subprocess.Popen], grace: float, *, patience: float = 0.0) -> None:
+    """Wait `patience` seconds for the running processes to end, then SIGTERM every running
+    process's session, then SIGKILL what is left after `grace`."""
+    ends = time.monotonic() + patience
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=max(0.0, ends - time.monotonic()))
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
         running = [p for p in processes if p.poll() is None]
         for process in running:

@@ -23,6 +23,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dew import _pool_guard
+
 __all__ = [
     "DataParallelUpdate",
     "DistributedPool",
@@ -93,6 +95,7 @@ class DistributedPool:
     def __init__(self, *, share_size: int = 1):
         _raise(_share_size_problem(share_size, jax.process_count()))
         self.share_size = int(share_size)
+        self._agreements = 0
 
     @classmethod
     def from_mesh(cls, mesh: Mesh, *, data_axes: tuple[str, ...]) -> DistributedPool:
@@ -127,6 +130,8 @@ class DistributedPool:
             BaseException: `error` itself, on the process it failed on.
             RuntimeError: on every other process, naming the processes that failed.
         """
+        _pool_guard.arrived(self._agreements)
+        self._agreements += 1
         failed = multihost_utils.process_allgather(np.int32(error is not None))
         if error is not None:
             raise error
