@@ -34,9 +34,11 @@ from dew.parallel import (
     DataParallelUpdate,
     DistributedPool,
     LocalPool,
+    ProcessRows,
     default_pool,
     first_reader_batch,
     local_copy,
+    pool_fields,
 )
 
 # The task rows of one process: its shard of the pool's, two to a batch.
@@ -254,6 +256,28 @@ def case_data_parallel(arrays, facts):
     facts["compilations"] = step_fn._update._cache_size()
 
 
+def case_pooled(arrays, facts):
+    """Each process's metrics line pooled, and its rows of a dataset's global batches."""
+    index = jax.process_index()
+    line = {
+        "groups": 3 + index,
+        "resubmitted/timeout": index,
+        "lag": index,
+        "waited": 0.5 * index,
+        "version": 10 - index,
+        "reward/mean": 0.25 + index,
+        "latency/p90": None if index == 0 else 2.0,
+        "loss": None,
+    }
+    facts["pooled"] = pool_fields(line)
+    try:
+        pool_fields({**line, f"only on {index}": 1})
+    except ValueError as error:
+        facts["differing"] = str(error)
+    dataset = ArrayDataset({"task_id": np.arange(12)}, batch_size=4)
+    facts["rows"] = [batch["task_id"].tolist() for batch in ProcessRows(dataset).stream(1)]
+
+
 def case_mesh(arrays, facts):
     """The share size of meshes over four processes of one device each."""
     devices = sorted(jax.devices(), key=lambda device: device.process_index)
@@ -385,6 +409,7 @@ CASES = {
     "structure": case_structure,
     "first_reader": case_first_reader,
     "mesh": case_mesh,
+    "pooled": case_pooled,
     "data_parallel": case_data_parallel,
     "scheduler": case_scheduler,
     "failure": case_failure,

@@ -32,13 +32,16 @@ from _parallel_worker import (
     tiny,
     train_alone,
 )
+from dew.data import ArrayDataset
 from dew.parallel import (
     DataParallelUpdate,
     DistributedPool,
     LocalPool,
+    ProcessRows,
     default_pool,
     first_reader_batch,
     local_copy,
+    pool_fields,
 )
 
 WORKER = pathlib.Path(__file__).with_name("_parallel_worker.py")
@@ -99,7 +102,7 @@ def launch(out: pathlib.Path, *, processes: int, local_devices: int, cases: str)
 
 @pytest.fixture(scope="module")
 def pool2(tmp_path_factory) -> pathlib.Path:
-    cases = "rescore,agree,structure,first_reader,scheduler,failure,share,data_parallel"
+    cases = "rescore,agree,structure,first_reader,scheduler,failure,share,data_parallel,pooled"
     out = tmp_path_factory.mktemp("pool2")
     return launch(out, processes=2, local_devices=2, cases=cases)
 
@@ -293,6 +296,30 @@ def test_two_processes_train_to_the_parameters_of_one_over_the_same_global_batch
     assert moved, "the steps left the parameters where they started"
 
 
+# --- one metrics stream ---------------------------------------------------------------------------
+
+
+def test_the_pools_metrics_line_adds_counts_keeps_the_worst_and_averages_the_rest(pool2):
+    for process in range(2):
+        _, facts = result(pool2, "pooled", process)
+        assert facts["pooled"] == {
+            "groups": 7,
+            "resubmitted/timeout": 1,
+            "lag": 1,
+            "waited": 0.5,
+            "version": 9,
+            "reward/mean": 0.75,
+            "latency/p90": 2.0,  # the mean of the processes that have it
+            "loss": None,
+        }
+        assert "metrics fields of one structure" in facts["differing"]
+        # Batches 1 and 2 of four rows: this process's two.
+        assert facts["rows"] == [
+            [4 + 2 * process, 5 + 2 * process],
+            [8 + 2 * process, 9 + 2 * process],
+        ]
+
+
 # --- one process ----------------------------------------------------------------------------------
 
 
@@ -362,15 +389,33 @@ def test_the_data_parallel_update_of_one_process_is_the_plain_update():
         step(variables, opt_state, dict(global_batch(0, 1), tokens=np.zeros((1, 16), np.int32)))
 
 
+def test_a_lone_process_reads_every_row_and_keeps_its_metrics_line():
+    dataset = ArrayDataset({"task_id": np.arange(6)}, batch_size=3)
+    assert [b["task_id"].tolist() for b in ProcessRows(dataset).stream(1)] == [[3, 4, 5]]
+    line = {"groups": 3, "reward/mean": 0.5, "loss": None}
+    assert pool_fields(line) == line
+    with pytest.raises(ValueError, match=r"task_id has shape \(\)"):
+        next(ProcessRows(Scalars()).stream())
+
+
+class Scalars:
+    """A dataset whose batch has no rows axis."""
+
+    def stream(self, start: int = 0):
+        yield {"task_id": np.int32(3)}
+
+
 def test_the_public_surface():
     assert sorted(dew.parallel.__all__) == [
         "DataParallelUpdate",
         "DistributedPool",
         "LocalPool",
         "Pool",
+        "ProcessRows",
         "default_pool",
         "first_reader_batch",
         "local_copy",
+        "pool_fields",
     ]
     assert str(inspect.signature(first_reader_batch)) == (
         "(batch: 'Mapping[str, np.ndarray]', *, share_size: 'int') -> 'dict[str, np.ndarray]'"

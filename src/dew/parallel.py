@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import functools
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,15 +25,18 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew import _pool_guard
+from dew.data import Dataset
 
 __all__ = [
     "DataParallelUpdate",
     "DistributedPool",
     "LocalPool",
     "Pool",
+    "ProcessRows",
     "default_pool",
     "first_reader_batch",
     "local_copy",
+    "pool_fields",
 ]
 
 
@@ -308,6 +312,86 @@ def local_copy(tree: Any) -> Any:
     """tree's leaves as numpy on this process: a replicated global array's own copy, which
     single-process code (an engine, a checkpoint writer) can read."""
     return jax.tree.map(_local, tree)
+
+
+@attrs.frozen
+class ProcessRows:
+    """This process's rows of each of a dataset's batches, which are the pool's global batches.
+
+    Process p of N reads the p-th of N equal blocks of every batch's rows, so the pool's global
+    batch is every process's rows in process order, as `DataParallelUpdate` lays it out; a
+    single process reads every row. The stream reopens at any batch index, as its dataset's.
+
+    Args:
+        dataset: the global batches: `[rows, ...]` arrays whose rows the processes split.
+    """
+
+    dataset: Dataset
+
+    def stream(self, start: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """This process's block of each batch from batch index `start` on.
+
+        Raises:
+            ValueError: naming the key whose rows do not split evenly over the processes.
+        """
+        index, count = jax.process_index(), jax.process_count()
+        for batch in self.dataset.stream(start):
+            own = {}
+            for key, value in batch.items():
+                value = np.asarray(value)
+                if value.ndim == 0 or len(value) % count:
+                    raise ValueError(
+                        f"every batch's rows must split evenly over the {count} processes; "
+                        f"{key} has shape {value.shape}"
+                    )
+                block = len(value) // count
+                own[key] = value[index * block : (index + 1) * block]
+            yield own
+
+
+# How each field of a step's metrics line combines over the pool's processes: counts add up, the
+# worst lag and wait and the oldest version stand for the pool, and the rest are means.
+_SUMMED = ("groups", "cancelled", "abandoned", "cut", "resubmitted/")
+_WORST = {"lag": np.max, "waited": np.max, "version": np.min}
+
+
+def pool_fields(fields: Mapping[str, float | int | None]) -> dict[str, float | int | None]:
+    """One metrics line for the pool from every process's own: the step's numbers pooled.
+
+    Counts (`groups`, `cancelled`, `abandoned`, `cut`, `resubmitted/...`) are summed, `lag` and
+    `waited` are the pool's largest, `version` its smallest, and every other field is the mean
+    over the processes that have it (None where none has). A single process's line comes back
+    as it is. Every process must call it, with the same field names.
+
+    Args:
+        fields: this process's flat metrics: numbers, or None for a number it lacks.
+
+    Returns:
+        The pooled line, equal on every process; counts stay ints.
+
+    Raises:
+        ValueError: on every process, where the processes' field names differ.
+    """
+    if jax.process_count() == 1:
+        return dict(fields)
+    names = sorted(fields)
+    _agree(", ".join(names), None, what="metrics fields")
+    mine = np.array([np.nan if fields[n] is None else fields[n] for n in names], np.float32)
+    every = multihost_utils.process_allgather(mine)
+    pooled: dict[str, float | int | None] = {}
+    for column, name in enumerate(names):
+        values = every[:, column]
+        known = values[np.isfinite(values)]
+        if name.startswith(_SUMMED):
+            pooled[name] = int(known.sum())
+        elif not known.size:
+            pooled[name] = None
+        elif name in _WORST:
+            worst = _WORST[name](known)
+            pooled[name] = int(worst) if isinstance(fields[name], int) else float(worst)
+        else:
+            pooled[name] = float(known.mean())
+    return pooled
 
 
 def default_pool() -> Pool:
