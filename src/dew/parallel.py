@@ -360,38 +360,58 @@ def pool_fields(fields: Mapping[str, float | int | None]) -> dict[str, float | i
 
     Counts (`groups`, `cancelled`, `abandoned`, `cut`, `resubmitted/...`) are summed, `lag` and
     `waited` are the pool's largest, `version` its smallest, and every other field is the mean
-    over the processes that have it (None where none has). A single process's line comes back
-    as it is. Every process must call it, with the same field names.
+    over the processes that have it (None where none has: a field some processes lack, such as
+    a reward component none of their rollouts had, is theirs alone). A single process's line
+    comes back as it is. Every process must call it.
 
     Args:
         fields: this process's flat metrics: numbers, or None for a number it lacks.
 
     Returns:
-        The pooled line, equal on every process; counts stay ints.
-
-    Raises:
-        ValueError: on every process, where the processes' field names differ.
+        The pooled line, equal on every process, over every field any process has; counts and
+        int fields stay ints.
     """
     if jax.process_count() == 1:
         return dict(fields)
-    names = sorted(fields)
-    _agree(", ".join(names), None, what="metrics fields")
-    mine = np.array([np.nan if fields[n] is None else fields[n] for n in names], np.float32)
+    names = _every_name(fields)
+    mine = np.array([_number(fields.get(name)) for name in names], np.float32)
     every = multihost_utils.process_allgather(mine)
+    kinds = multihost_utils.process_allgather(
+        np.array([isinstance(fields.get(name), int) for name in names], np.int32)
+    )
     pooled: dict[str, float | int | None] = {}
     for column, name in enumerate(names):
         values = every[:, column]
         known = values[np.isfinite(values)]
+        whole = bool(kinds[:, column].any())
         if name.startswith(_SUMMED):
-            pooled[name] = int(known.sum())
+            pooled[name] = int(known.sum()) if whole else float(known.sum())
         elif not known.size:
             pooled[name] = None
         elif name in _WORST:
             worst = _WORST[name](known)
-            pooled[name] = int(worst) if isinstance(fields[name], int) else float(worst)
+            pooled[name] = int(worst) if whole else float(worst)
         else:
             pooled[name] = float(known.mean())
     return pooled
+
+
+def _number(value: float | int | None) -> float:
+    return np.nan if value is None else float(value)
+
+
+def _every_name(fields: Mapping[str, Any]) -> list[str]:
+    """Every field name any process of the pool has, sorted: each process's names travel as
+    their bytes, padded to the longest process's."""
+    mine = np.frombuffer("\n".join(sorted(fields)).encode(), np.uint8)
+    lengths = multihost_utils.process_allgather(np.int32(mine.size))
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: mine.size] = mine
+    every = multihost_utils.process_allgather(padded)
+    names = set()
+    for length, row in zip(lengths.tolist(), every, strict=True):
+        names.update(name for name in row[:length].tobytes().decode().split("\n") if name)
+    return sorted(names)
 
 
 def default_pool() -> Pool:
