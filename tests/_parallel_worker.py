@@ -329,6 +329,7 @@ def run_scheduler(
             arrays[f"alone{updates}"] = LocalPool().rescore(alone, weights, rows)
             arrays[f"segments{updates}"] = packed["segment_ids"]
             arrays[f"tokens{updates}"] = packed["tokens"]
+            arrays.update({f"packed{updates}/{key}": value for key, value in packed.items()})
             events = scheduler.last_events if scheduler.last_record is not None else ()
             admitted = {e.task for e in events if e.kind == "admitted"}
             facts["tasks"].append(sorted(admitted, key=int))
