@@ -1,7 +1,7 @@
 """One process of a real `jax.distributed` pool that breaks, for tests/test_pool_guard.py.
 
 Run as `python tests/_pool_guard_worker.py PORT PROCESS PROCESSES CASE`: it joins the pool, agrees
-once with the others, and then plays CASE, in which process 1 breaks (raises, is killed, or hangs)
+once with the others, and then plays CASE, in which process 1 breaks (raises, or hangs)
 while the others wait for it in the pool's next agreement. Whatever a process's run raises goes
 to `_pool_guard.stop`, whose line it prints before it exits with status 1, as `dew train` does.
 A process past 60 seconds exits, so nothing here outlives its test.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import signal
 import sys
 import time
 
@@ -31,8 +30,6 @@ def main() -> None:
         with deadline.step(0) if deadline else _nothing():
             if index == 1 and case == "raise":
                 raise LookupError("the environment of task 9 is gone")
-            if index == 1 and case == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
             if index == 1 and case == "hang":
                 time.sleep(60)
             pool.agree(None)
