@@ -4,7 +4,8 @@ A process of the pool that fails on its own (its source broke, its engine crashe
 why in the coordination service's key-value store and exits; a process that is killed says
 nothing. Either way the others find out inside a collective: gloo reports the lost peer within
 milliseconds, by address only. `stop` turns that into an error naming the processes that stopped
-the pool and why, from what they wrote, or from their silence.
+the pool and why: from what they wrote, from their pids (each process registers its host and pid
+when it joins, so a process on the same machine sees that one is gone), or from their silence.
 
 A process that hangs (alive, but never reaching the next collective) is found by `Deadline`: a
 step past its deadline says where each process was (which processes had reached the pool's
@@ -19,10 +20,12 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -30,6 +33,7 @@ import jax
 _STOPPED = "dew/stopped/"
 _ARRIVED = "dew/arrived/"
 _HEARD = "dew/heard/"
+_PIDS = "dew/pid/"
 # Seconds a process that lost the pool waits for the others to say why they stopped.
 HEAR_WITHIN = 5.0
 # Seconds between the coordination service's heartbeats that mark a process dead; a pool whose
@@ -65,6 +69,9 @@ def join(coordinator: str, processes: int, index: int, *, timeout: int = 300) ->
         initialization_timeout=timeout,
         heartbeat_timeout_seconds=HEARTBEAT,
     )
+    # Where this process runs, so that a process on the same machine can tell it died.
+    here = f"{socket.gethostname()} {os.getpid()}"
+    _store(lambda client: client.key_value_set(f"{_PIDS}{index}", here, allow_overwrite=True))
 
 
 def lost_the_pool(error: BaseException) -> bool:
@@ -106,25 +113,58 @@ def stop(error: BaseException, *, hear_within: float = HEAR_WITHIN) -> str:
 
 
 def _what_stopped(index: int, count: int, first: str, ends: float) -> str:
-    """The line of a process that lost the pool: who failed and why, or who fell silent."""
-    heard = _wait_for(
-        lambda heard: any(not why.startswith("lost the pool") for why in heard.values()),
-        _STOPPED,
-        ends,
-    )
+    """The line of a process that lost the pool: who failed and why, who died, or who fell
+    silent. It returns as soon as it knows of a failure or a death, so that its own exit frees
+    the processes still blocked in a collective with it."""
+    found: dict[str, Any] = {}
+
+    def known(heard: dict[int, str]) -> bool:
+        found["failed"] = {i: w for i, w in heard.items() if not w.startswith("lost the pool")}
+        found["dead"] = {i: pid for i, pid in _dead_here().items() if i not in heard}
+        return bool(found["failed"] or found["dead"])
+
+    heard = _wait_for(known, _STOPPED, ends)
     if heard is None:
         return (
             f"process {index} of {count} lost the pool, and the coordinator (process 0) is "
             f"unreachable, so process 0 stopped first ({first})"
         )
-    failed = {i: why for i, why in heard.items() if not why.startswith("lost the pool")}
+    failed, dead = found["failed"], found["dead"]
     causes = [f"process {i} failed ({why})" for i, why in sorted(failed.items())]
+    causes += [f"process {i} died (its pid {pid} is gone)" for i, pid in sorted(dead.items())]
     silent = [i for i in range(count) if i not in heard]
-    if not failed and silent:
+    if not causes and silent:
         causes.append(f"{_names(silent)} stopped without a word (killed, or hung)")
     if not causes:
         causes.append(f"every process lost the pool ({first})")
     return f"process {index} of {count} stops with the pool: {'; '.join(causes)}"
+
+
+def _dead_here() -> dict[int, int]:
+    """The pool's processes on this machine whose pid is gone (or a zombie): process -> pid."""
+    entries = _store(lambda client: client.key_value_dir_get(_PIDS)) or []
+    here = socket.gethostname()
+    dead = {}
+    for key, value in entries:
+        host, _, pid = value.rpartition(" ")
+        if host == here and not _alive(int(pid)):
+            dead[int(key.rpartition("/")[2])] = int(pid)
+    return dead
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    # The state follows the command's closing parenthesis; a zombie has exited.
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def _wait_for(
