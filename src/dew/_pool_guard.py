@@ -103,13 +103,18 @@ def stop(error: BaseException, *, hear_within: float = HEAR_WITHIN) -> str:
         line = f"process {index} of {count} failed, stopping the pool: {said}"
     else:
         line = _what_stopped(index, count, first, time.monotonic() + hear_within)
+    _leave(index, hear_within)
+    return line
+
+
+def _leave(index: int, hear_within: float) -> None:
+    """Say this process heard why the pool stops; process 0 then waits for the others to."""
     _store(lambda client: client.key_value_set(f"{_HEARD}{index}", "1", allow_overwrite=True))
     if index == 0:
         # Process 0 holds the coordination service: the others' reads die with it, so it goes
         # last, once every process that said it stops has heard why (or after hear_within).
         stopped = _wait_for(lambda heard: True, _STOPPED, 0.0) or {}
         _wait_for(lambda heard: set(heard) >= set(stopped), _HEARD, time.monotonic() + hear_within)
-    return line
 
 
 def _what_stopped(index: int, count: int, first: str, ends: float) -> str:
@@ -245,6 +250,7 @@ class Deadline:
         _store(lambda client: client.key_value_set(f"{_STOPPED}{index}", said, True))
         print(f"process {index} of {count} {said}; its threads:", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(all_threads=True)
+        _leave(index, HEAR_WITHIN)
         self._exit(3)
 
 
