@@ -112,9 +112,14 @@ def _leave(index: int, hear_within: float) -> None:
     _store(lambda client: client.key_value_set(f"{_HEARD}{index}", "1", allow_overwrite=True))
     if index == 0:
         # Process 0 holds the coordination service: the others' reads die with it, so it goes
-        # last, once every process that said it stops has heard why (or after hear_within).
-        stopped = _wait_for(lambda heard: True, _STOPPED, 0.0) or {}
-        _wait_for(lambda heard: set(heard) >= set(stopped), _HEARD, time.monotonic() + hear_within)
+        # last, once every process has heard why or is gone (or after hear_within).
+        count = jax.process_count()
+
+        def everyone(heard: dict[int, str]) -> bool:
+            missing = set(range(count)) - set(heard)
+            return not missing or missing <= set(_dead_here())
+
+        _wait_for(everyone, _HEARD, time.monotonic() + hear_within)
 
 
 def _what_stopped(index: int, count: int, first: str, ends: float) -> str:
