@@ -30,6 +30,8 @@ from typing import Any
 
 import jax
 
+from dew._checks import check_int, check_number
+
 _STOPPED = "dew/stopped/"
 _ARRIVED = "dew/arrived/"
 _HEARD = "dew/heard/"
@@ -57,10 +59,9 @@ def join(coordinator: str, processes: int, index: int, *, timeout: int = 300) ->
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"coordinator must be HOST:PORT, got {coordinator!r}")
-    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-        raise ValueError(f"num_processes must be an int >= 1, got {processes!r}")
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < processes:
-        raise ValueError(f"process_id must be an int in 0..{processes - 1}, got {index!r}")
+    processes = check_int("num_processes", processes, low=1)
+    if check_int("process_id", index, low=0) >= processes:
+        raise ValueError(f"process_id must be an int < num_processes {processes}, got {index!r}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator,
@@ -207,9 +208,7 @@ class Deadline:
     """
 
     def __init__(self, seconds: float, *, exit: Callable[[int], Any] = os._exit):
-        if not 0 < seconds < float("inf"):
-            raise ValueError(f"deadline must be a finite number of seconds > 0, got {seconds!r}")
-        self.seconds = seconds
+        self.seconds = check_number("deadline", seconds, low=0, low_open=True)
         self._exit = exit
         self._step: int | None = None
         self._changed = threading.Condition()
