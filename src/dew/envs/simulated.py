@@ -192,6 +192,8 @@ class SimulatedConfig:
         default=None, validator=attrs.validators.optional(_at_least(1))
     )
     observed: tuple[ObservedRollout, ...] = attrs.field(default=(), converter=tuple)
+    # The observed rollouts' cumulative weights, which every resampling searches.
+    _cumulative: np.ndarray = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self):
         failing = self.infra_error + self.agent_error + self.truncated
@@ -207,6 +209,8 @@ class SimulatedConfig:
                 raise ValueError(
                     f"observed[{i}] must be an ObservedRollout, got {type(rollout).__name__}"
                 )
+        cumulative = np.cumsum([rollout.weight for rollout in self.observed])
+        object.__setattr__(self, "_cumulative", cumulative)
 
 
 def _draft(
@@ -227,7 +231,7 @@ def _draft(
     )
     status_u, unscored_u, reason_u, fail_at, fail_frac, correct_u, format_u = rng.random(7)
     if config.observed:
-        status, truncation, seconds, failing = _resample(config.observed, rng.random())
+        status, truncation, seconds, failing = _resample(config, rng.random())
         made = len(seconds)
         n = made + (failing is not None)
     else:
@@ -319,13 +323,13 @@ def _parametric(
 
 
 def _resample(
-    observed: tuple[ObservedRollout, ...], u: float
+    config: SimulatedConfig, u: float
 ) -> tuple[Status, str | None, tuple[float, ...], float | None]:
     """The observed rollout that uniform draw `u` picks by weight: its status, truncation,
     call seconds and failing seconds."""
-    weights = np.cumsum([rollout.weight for rollout in observed])
-    index = min(int(np.searchsorted(weights, u * weights[-1], side="right")), len(observed) - 1)
-    picked = observed[index]
+    weights = config._cumulative
+    index = int(np.searchsorted(weights, u * weights[-1], side="right"))
+    picked = config.observed[min(index, len(weights) - 1)]
     return picked.status, picked.truncation, picked.seconds, picked.failing
 
 
