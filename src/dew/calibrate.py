@@ -42,6 +42,7 @@ from dew.objectives.rl.sessions import Status
 from dew.replay import RecordedSession, Trace, read_trace
 from dew.simulate import WASTED, Workload
 
+INFRA = Status.INFRA_ERROR
 # Quantiles the goodness-of-fit table compares, observed (Kaplan-Meier) against fitted.
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
 
@@ -61,7 +62,8 @@ class Calibration:
         durations: each finished rollout's duration, seconds.
         censored: each cancelled rollout's duration so far, seconds (lower bounds).
         beyond: Kaplan-Meier mass beyond the longest finished rollout, given to it.
-        lognormal: (mu, sigma) of the log duration, fitted to the censored sample.
+        lognormal: (mu, sigma) of the log duration, fitted to the censored sample of the
+            rollouts that did not fail partway (INFRA_ERROR).
         calls: per call count, how many finished rollouts made that many calls.
         statuses: per status name, the share of finished rollouts that ended so.
         truncations: per truncation reason, its share of the TRUNCATED rollouts.
@@ -200,7 +202,8 @@ def _kaplan_meier_weights(durations: np.ndarray, censored: np.ndarray) -> tuple[
 
 
 def _fit_lognormal(durations: np.ndarray, censored: np.ndarray) -> tuple[float, float]:
-    """(mu, sigma) of the log duration by maximum likelihood over the censored sample."""
+    """(mu, sigma) of the log duration by maximum likelihood over the censored sample (of
+    rollouts that ran to their end: an infrastructure failure stops partway)."""
     positive = durations[durations > 0]
     if len(positive) < 2 or np.ptp(np.log(positive)) == 0:
         mu = float(np.log(positive).mean()) if len(positive) else 0.0
@@ -272,7 +275,10 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
         durations=tuple(durations.tolist()),
         censored=tuple(censored.tolist()),
         beyond=beyond,
-        lognormal=_fit_lognormal(durations, censored),
+        lognormal=_fit_lognormal(
+            np.array([s.ended - s.submitted for s in finished if s.session.status is not INFRA]),
+            censored,
+        ),
         calls=dict(sorted(collections.Counter(len(s.session.calls) for s in finished).items())),
         statuses={name: n / len(finished) for name, n in sorted(statuses.items())},
         truncations={r: n / len(truncated) for r, n in sorted(reasons.items())},
@@ -305,10 +311,11 @@ def _weighted_quantiles(values: np.ndarray, weights: np.ndarray, probabilities) 
 
 
 def fit_table(calibration: Calibration) -> list[tuple[float, float, float]]:
-    """Goodness of fit: per QUANTILES probability, the observed (Kaplan-Meier) duration and the
-    fitted lognormal's."""
-    values = np.array([rollout.duration for rollout in calibration.observed])
-    weights = np.array([rollout.weight for rollout in calibration.observed])
+    """Goodness of fit: per QUANTILES probability, the observed (Kaplan-Meier) duration of the
+    rollouts that ran to their end and the fitted lognormal's."""
+    whole = [r for r in calibration.observed if r.status is not INFRA] or calibration.observed
+    values = np.array([rollout.duration for rollout in whole])
+    weights = np.array([rollout.weight for rollout in whole])
     observed = _weighted_quantiles(values, weights, QUANTILES)
     mu, sigma = calibration.lognormal
     fitted = scipy.stats.lognorm.ppf(QUANTILES, max(sigma, 1e-12), scale=math.exp(mu))
