@@ -27,7 +27,7 @@ import trio.testing
 from dew.data import ArrayDataset, Task
 from dew.envs.simulated import ObservedRollout, SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.objectives.rl.scheduler import LogEvent, RolloutScheduler
-from dew.objectives.rl.sessions import Label, Session, SessionSource
+from dew.objectives.rl.sessions import Label, Session, SessionSource, Status
 
 # Every chain the default SimulatedConfig draws is at most 32 prompt + 4 x 64 completion + 3 x 8
 # environment tokens, and every session at most 4 x 96 tokens: one row of this width per sample
@@ -101,11 +101,14 @@ class Workload:
 
     @property
     def population_mean(self) -> float:
-        """The mean seconds of a rollout's model time over the population drawn from."""
+        """The mean seconds of a rollout's model time over the population drawn from: of the
+        rollouts that run to their end, for observed ones (a failure that stops partway is
+        never admitted, so it is no part of what admission selects from)."""
         if not self.observed:
             return self.duration_mean
-        weights = np.array([rollout.weight for rollout in self.observed])
-        durations = np.array([rollout.duration for rollout in self.observed])
+        whole = [r for r in self.observed if r.status is not Status.INFRA_ERROR] or self.observed
+        weights = np.array([rollout.weight for rollout in whole])
+        durations = np.array([rollout.duration for rollout in whole])
         return float(weights @ durations / weights.sum())
 
     def sessions(self) -> SimulatedConfig:

@@ -1,0 +1,103 @@
+"""Predicted against measured: calibrate from one real `dew train` run, predict another setting.
+
+For each target setting, in pairs run back to back (so the two runs share the machine's load as
+far as they can): a baseline `dew train --record` run at `--ahead 1 --max-lag 1`, then a
+recorded run at the target setting. The baseline's trace is calibrated (`dew.calibrate`), the
+target setting simulated on it over the target run's window (`Workload.warmup`), and the
+target's trace measured alike (`dew.calibrate.observe`). Prints one row per pair: predicted
+and measured goodput (samples per second) and trainer idle share, and the relative error.
+
+    python benchmarks/what_if.py             # guess task, 40 steps a run, two pairs a target
+    python benchmarks/what_if.py --smoke     # copy task, a tiny model, one short pair
+
+The engine (`dew train`'s RolloutServer) has one slot per rollout that can be in flight, so
+the simulation's engine is unbounded (`slots=None`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from dew import calibrate, simulate
+
+BASELINE = ("ahead=1 sync=1 lag=1", {"ahead": 1, "sync_every": 1, "max_lag": 1})
+TARGETS = (
+    ("ahead=1 sync=2 lag=2", {"ahead": 1, "sync_every": 2, "max_lag": 2}),
+    ("ahead=1 sync=1 lag=2", {"ahead": 1, "sync_every": 1, "max_lag": 2}),
+    ("ahead=1 sync=3 lag=3", {"ahead": 1, "sync_every": 3, "max_lag": 3}),
+    ("ahead=0 sync=1 lag=0", {"ahead": 0, "sync_every": 1, "max_lag": 0}),
+    ("ahead=2 sync=1 lag=2", {"ahead": 2, "sync_every": 1, "max_lag": 2}),
+)
+FULL = ["--task", "guess", "--steps", "40", "--batch-size", "4", "--groups", "8"]
+SMOKE = ["--task", "copy", "--steps", "6", "--batch-size", "2", "--groups", "2"]
+SMOKE += ["--d-model", "16", "--layers", "1", "--heads", "2", "--d-ff", "32"]
+
+
+def train(folder: Path, name: str, knobs: dict, options: list[str]) -> Path:
+    """Run `dew train` in a process of its own at the knobs, recording; return the trace."""
+    trace = folder / f"{name}.trace"
+    flags = [f"--{knob.replace('_', '-')}={value}" for knob, value in knobs.items()]
+    command = "import sys; from dew.cli import main; sys.exit(main())"
+    subprocess.run(
+        [sys.executable, "-c", command, "train", *options, *flags]
+        + ["--run", str(folder / name), "--record", str(trace)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return trace
+
+
+def predict(baseline: Path, target: Path, knobs: dict, warmup: int, seeds: int):
+    """The target setting simulated on the baseline's calibration, over the target's window;
+    and the target run measured."""
+    measured = calibrate.observe(target, warmup=warmup)
+    fitted = calibrate.calibrate([baseline], warmup=warmup)
+    steps = measured.steps + warmup + 1
+    setting = simulate.Setting("target", **knobs)
+    outcomes = [
+        simulate.simulate(fitted.workload(steps=steps, seed=seed, slots=None), setting)
+        for seed in range(seeds)
+    ]
+    goodput = float(np.mean([o.goodput for o in outcomes]))
+    idle = float(np.mean([o.idle for o in outcomes]))
+    return goodput, idle, measured, fitted
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="one tiny pair, for CI")
+    parser.add_argument("--pairs", type=int, default=2, help="baseline/target pairs a target")
+    parser.add_argument("--warmup", type=int, default=3, help="first calls left out")
+    args = parser.parse_args()
+    options, targets, pairs = (SMOKE, TARGETS[:1], 1) if args.smoke else (FULL, TARGETS, args.pairs)
+    warmup = 1 if args.smoke else args.warmup
+    print(
+        f"{'target':<22}{'pair':>5}{'goodput pred':>14}{'meas':>8}{'err':>8}"
+        f"{'idle pred':>11}{'meas':>8}{'T base s':>10}{'T target s':>12}"
+    )
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        for name, knobs in targets:
+            for pair in range(pairs):
+                tag = f"{name.replace(' ', '_')}-{pair}"
+                baseline = train(folder, f"base-{tag}", BASELINE[1], options)
+                target = train(folder, f"target-{tag}", knobs, options)
+                goodput, idle, measured, fitted = predict(baseline, target, knobs, warmup, 2)
+                error = goodput / measured.goodput - 1
+                target_step = calibrate.calibrate([target], warmup=warmup).step_time
+                print(
+                    f"{name:<22}{pair:>5}{goodput:>14.2f}{measured.goodput:>8.2f}{error:>8.1%}"
+                    f"{idle:>11.1%}{measured.idle:>8.1%}{fitted.step_time:>10.3f}"
+                    f"{target_step:>12.3f}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
