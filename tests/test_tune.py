@@ -219,6 +219,13 @@ def test_tune_is_deterministic_for_a_seed(rows):
     assert [r.goodput for r in other] != [r.goodput for r in again]
 
 
+def test_tune_in_processes_gives_the_same_rows(rows):
+    grid = tune.Grid(ahead=(1,), oversample=(2,), sync_every=(1,))
+    assert tune.tune(SMALL, grid, seeds=2, jobs=2) == [
+        r for r in rows if r.setting.name == "ahead=1 sync=1 lag=1 over=2"
+    ]
+
+
 @pytest.fixture(scope="module")
 def brute_force():
     """Each setting of the grid simulated alone, per seed, as tune's rows are not."""
