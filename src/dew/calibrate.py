@@ -14,8 +14,9 @@
   A lognormal is fitted to the same censored sample by maximum likelihood, for reference.
 - a trace holds each rollout's duration, not each call's: a rollout's seconds are split over
   its calls in proportion to their completion tokens, the decode time's main term.
-- the engine's slot count: the most rollouts in flight at once, a lower bound (an engine
-  that never filled up has more).
+- the engine's slot count: the most rollouts in flight at once. It is the slot count of an
+  engine that never queued a call (as `dew train`'s, with one slot per rollout that can be in
+  flight); one with fewer slots queued the rest, and their durations include the queueing.
 - the trainer's step time: from each call's return (the batch's delivery) to the next call's
   hand-over, which covers packing, rescoring, the update and the trainer's own overhead.
 
@@ -39,7 +40,7 @@ import scipy.stats
 
 from dew.envs.simulated import ObservedRollout
 from dew.objectives.rl.sessions import Status
-from dew.replay import RecordedSession, Trace, read_trace
+from dew.replay import RecordedCall, RecordedSession, Trace, read_trace
 from dew.simulate import WASTED, Workload
 
 INFRA = Status.INFRA_ERROR
@@ -131,17 +132,23 @@ class Calibration:
         )
 
 
+def _delivered(trace: Trace) -> list[RecordedCall]:
+    """The trainer calls that delivered a batch, with their times (a call that raised has
+    no record, and from the trainer's thread no times)."""
+    return [c for c in trace.calls if c.record is not None and c.handed_over is not None]
+
+
 def _window_start(trace: Trace, warmup: int) -> float:
     """The scheduler's clock at the hand-over of call `warmup`: where a trace's window opens.
 
     Raises:
         CalibrationError: when the trace has too few calls with times.
     """
-    timed = [call for call in trace.calls if call.handed_over is not None]
+    timed = _delivered(trace)
     if len(timed) < warmup + 2:
         raise CalibrationError(
             f"{trace.path}: needs at least warmup + 2 = {warmup + 2} trainer calls that "
-            f"returned, has {len(timed)}"
+            f"delivered a batch, has {len(timed)}"
         )
     return timed[warmup].handed_over
 
@@ -248,7 +255,7 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
         finished += [s for s in sessions if s.outcome == "returned"]
         cancelled += [s for s in sessions if s.outcome == "cancelled"]
         raised += sum(s.outcome in ("raised", "invalid") for s in sessions)
-        timed = [c for c in trace.calls if c.handed_over is not None]
+        timed = _delivered(trace)
         steps += [b.handed_over - a.returned for a, b in itertools.pairwise(timed[warmup:])]
         slots = max(slots, _most_in_flight(list(trace.sessions.values())))
     if not finished:
@@ -338,8 +345,8 @@ def report(calibration: Calibration) -> str:
         f"calibrated from {len(c.traces)} trace(s), the first {c.warmup} trainer calls of "
         f"each left out: {len(c.durations)} finished rollouts{censored}"
         + (f", {c.raised} raised" if c.raised else ""),
-        f"  batch: {c.tasks} tasks x {c.groups} rollouts; engine: at least {c.slots} slots "
-        f"(the most rollouts in flight at once)",
+        f"  batch: {c.tasks} tasks x {c.groups} rollouts; engine: {c.slots} slots (the most "
+        f"rollouts in flight at once)",
         f"  trainer step: mean {c.step_time:.4g}s, median {np.median(step):.4g}s, "
         f"p90 {np.quantile(step, 0.9):.4g}s over {len(step)} steps",
         f"  rollout duration: mean {c.mean_duration:.4g}s; lognormal fit mu {c.lognormal[0]:.4g} "
@@ -397,7 +404,7 @@ def observe(trace: str | os.PathLike | Trace, *, warmup: int = 2) -> RunFigures:
     """
     trace = trace if isinstance(trace, Trace) else read_trace(trace)
     opens = _window_start(trace, warmup)
-    timed = [c for c in trace.calls if c.handed_over is not None]
+    timed = _delivered(trace)
     window = timed[warmup:-1]
     ends = {
         e.label: e.kind
