@@ -119,15 +119,40 @@ def test_a_simulation_predicts_a_recorded_simulated_run_exactly(plain):
 
 
 def test_a_calibrated_prediction_of_another_setting_is_within_ten_percent(plain, tmp_path):
-    """Calibrated from a run one batch ahead, the simulation predicts a synchronous run."""
+    """Calibrated from a run one batch ahead, the simulation predicts a synchronous run of
+    other draws of the same workload (another seed)."""
     fitted = calibrate.calibrate([plain])
     workload = fitted.workload(steps=STEPS - 1, slots=None)
     predicted = simulate.simulate(workload, simulate.Setting("sync", ahead=0, max_lag=0))
-    sync = calibrate.observe(record(tmp_path / "sync.trace", PLAIN, ahead=0, max_lag=0))
+    other = attrs.evolve(PLAIN, seed=2)
+    sync = calibrate.observe(record(tmp_path / "sync.trace", other, ahead=0, max_lag=0))
     assert predicted.goodput == pytest.approx(sync.goodput, rel=0.1)
     assert predicted.idle == pytest.approx(sync.idle, rel=0.1)
     # The setting matters: one batch ahead the trainer idles far less.
     assert calibrate.observe(plain).idle < 0.8 * sync.idle
+
+
+def test_a_workload_that_drifts_over_training_is_predicted_group_by_group(tmp_path):
+    """Rollouts that grow longer as training goes on (a policy learning to take more turns):
+    each recorded group is resampled for the same group of the simulation, so the simulated
+    run meets the drift when the recorded run did; pooled together they would not."""
+    drifting = SimulatedConfig(
+        seed=1,
+        observed=[
+            ObservedRollout((0.5 + 0.06 * g,), Status.COMPLETED, pool=g)
+            for g in range(4 * (STEPS + 1))
+        ],
+    )
+    trace = record(tmp_path / "drift.trace", drifting)
+    recorded = calibrate.observe(trace)
+    fitted = calibrate.calibrate([trace])
+    setting = simulate.Setting("ahead=1", ahead=1, max_lag=1)
+    predicted = simulate.simulate(fitted.workload(steps=STEPS - 1, slots=None), setting)
+    assert predicted.goodput == pytest.approx(recorded.goodput, rel=1e-6)
+    assert predicted.idle == pytest.approx(recorded.idle, abs=1e-6)
+    pooled = attrs.evolve(fitted, observed=[attrs.evolve(r, pool=0) for r in fitted.observed])
+    blind = simulate.simulate(pooled.workload(steps=STEPS - 1, slots=None), setting)
+    assert abs(blind.idle - recorded.idle) > 0.05
 
 
 def test_calibration_refuses_too_short_a_trace(plain):
@@ -163,6 +188,23 @@ def test_observed_rollouts_are_resampled_by_weight_and_seed():
     assert resampled(SimulatedConfig(seed=5, observed=observed), 50) != times[:50]
 
 
+def test_a_task_draws_from_its_own_pool():
+    """Task n draws from pool n mod the pools' count; a pool without rollouts from them all."""
+    observed = (
+        ObservedRollout((1.0,), Status.COMPLETED, pool=0),
+        ObservedRollout((2.0,), Status.COMPLETED, pool=1),
+        ObservedRollout((4.0,), Status.COMPLETED, pool=3),
+    )
+    source = SimulatedSource(SimulatedEngine(), SimulatedConfig(observed=observed))
+    drawn = {
+        name: {source.model_time(Task(name), Label(0, s, 0)) for s in range(40)}
+        for name in ("0", "1", "2", "3", "4", "9")
+    }
+    assert drawn == {
+        "0": {1.0}, "1": {2.0}, "2": {1.0, 2.0, 4.0}, "3": {4.0}, "4": {1.0}, "9": {2.0},
+    }  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
@@ -172,6 +214,7 @@ def test_observed_rollouts_are_resampled_by_weight_and_seed():
         ({"seconds": (1.0,), "status": Status.INFRA_ERROR}, "failing must be given exactly"),
         ({"seconds": (), "status": Status.COMPLETED}, "makes at least one call"),
         ({"seconds": (1.0,), "status": Status.COMPLETED, "weight": 0.0}, "weight must be a"),
+        ({"seconds": (1.0,), "status": Status.COMPLETED, "pool": -1}, "pool must be an int >= 0"),
     ],
 )
 def test_a_bad_observed_rollout_names_its_field(fields, message):

@@ -105,10 +105,40 @@ class Calibration:
         durations = np.array([rollout.duration for rollout in self.observed])
         return float(weights @ durations / weights.sum())
 
+    def slowed(self, factor: float) -> Calibration:
+        """The same workload on a machine `factor` times slower: every duration and step time
+        multiplied by it (to carry a fit to a run on a machine under another load).
+
+        Raises:
+            ValueError: unless factor is a finite number > 0.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, int | float):
+            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        if not 0 < factor < math.inf:
+            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        observed = tuple(
+            attrs.evolve(
+                r,
+                seconds=tuple(s * factor for s in r.seconds),
+                failing=None if r.failing is None else r.failing * factor,
+            )
+            for r in self.observed
+        )
+        mu, sigma = self.lognormal
+        return attrs.evolve(
+            self,
+            observed=observed,
+            durations=tuple(d * factor for d in self.durations),
+            censored=tuple(d * factor for d in self.censored),
+            lognormal=(mu + math.log(factor), sigma),
+            step_times=tuple(t * factor for t in self.step_times),
+        )
+
     def workload(
         self, *, steps: int, seed: int = 0, slots: int | None | str = "observed"
     ) -> Workload:
-        """The simulation's workload: the observed rollouts resampled, the mean step time.
+        """The simulation's workload: the observed rollouts resampled group by group, the
+        recorded step times in their order, both from the window's first step on.
 
         Args:
             steps: trainer steps per simulated run, `warmup` of them not measured.
@@ -129,6 +159,7 @@ class Calibration:
             step_time=self.step_time,
             warmup=self.warmup,
             observed=self.observed,
+            step_times=self.step_times,
         )
 
 
@@ -151,6 +182,23 @@ def _window_start(trace: Trace, warmup: int) -> float:
             f"delivered a batch, has {len(timed)}"
         )
     return timed[warmup].handed_over
+
+
+def _window(trace: Trace, warmup: int, tasks: int) -> tuple[list[RecordedSession], int]:
+    """The rollouts of the batches that calls `warmup` on handed over and those read after,
+    and how many groups those batches hold (the scheduler numbers a batch's groups in a row,
+    `tasks` a batch, while the trainer keeps its one stream).
+
+    Raises:
+        CalibrationError: when the trace has too few calls, or no rollout of those batches.
+    """
+    _window_start(trace, warmup)
+    first = _delivered(trace)[warmup].batch
+    sessions = [s for s in trace.sessions.values() if s.label.group // tasks >= first]
+    if not sessions:
+        raise CalibrationError(f"{trace.path}: no rollout of batch {first} or later")
+    last = max(s.label.group for s in sessions) // tasks
+    return sessions, (last - first + 1) * tasks
 
 
 def _split(recorded: RecordedSession) -> ObservedRollout:
@@ -243,6 +291,8 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
     read = [t if isinstance(t, Trace) else read_trace(t) for t in traces]
     first = (read[0].config["groups"], _tasks_per_batch(read[0]))
     finished, cancelled, raised, steps, slots = [], [], 0, [], 0
+    pool: dict = {}
+    offset = 0
     for trace in read:
         shape = (trace.config["groups"], _tasks_per_batch(trace))
         if shape != first:
@@ -250,8 +300,12 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
                 f"{trace.path}: (groups, tasks per batch) {shape} differ from the first "
                 f"trace's {first}"
             )
-        opens = _window_start(trace, warmup)
-        sessions = [s for s in trace.sessions.values() if s.submitted >= opens]
+        sessions, pools = _window(trace, warmup, first[1])
+        for session in sessions:
+            # Each recorded group is a pool, numbered so that the simulation's task n (its
+            # group n) draws from the recorded group n while n is within the window.
+            pool[session.label] = offset + session.label.group % pools
+        offset += pools
         finished += [s for s in sessions if s.outcome == "returned"]
         cancelled += [s for s in sessions if s.outcome == "cancelled"]
         raised += sum(s.outcome in ("raised", "invalid") for s in sessions)
@@ -267,7 +321,7 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
     censored = np.array([s.ended - s.submitted for s in cancelled])
     weights, beyond = _kaplan_meier_weights(durations, censored)
     observed = tuple(
-        attrs.evolve(_split(s), weight=float(w))
+        attrs.evolve(_split(s), weight=float(w), pool=pool[s.label])
         for s, w in zip(finished, weights, strict=True)
         if w > 0
     )

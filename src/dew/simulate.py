@@ -77,6 +77,10 @@ class Workload:
         observed: rollouts to resample instead of drawing lognormal durations (see
             SimulatedConfig.observed); duration_mean and duration_sigma are then not used, and
             the population's mean duration is the observed rollouts' weighted mean.
+        step_times: when given, step k (from warmup) spends step_times[(k - warmup) mod their
+            count] instead of step_time: a recorded run's own step times, in its order, so a
+            trainer that slows or speeds up over training does so in the simulation too
+            (step_time, their mean, still sets the capacity bound).
 
     Raises:
         ValueError: naming the field, its bound and the value.
@@ -92,8 +96,14 @@ class Workload:
     step_time: float = attrs.field(default=10.0, validator=_at_least(0.0))
     warmup: int = attrs.field(default=0, validator=_count(0))
     observed: tuple[ObservedRollout, ...] = attrs.field(default=(), converter=tuple)
+    step_times: tuple[float, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self):
+        for i, seconds in enumerate(self.step_times):
+            if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+                raise ValueError(f"step_times[{i}] must be a number >= 0, got {seconds!r}")
+            if not 0 <= seconds < math.inf:
+                raise ValueError(f"step_times[{i}] must be a finite number >= 0, got {seconds!r}")
         if self.warmup >= self.steps:
             raise ValueError(f"warmup must be < steps {self.steps}, got {self.warmup}")
         # Checks every observed rollout's type, naming the first that is not one.
@@ -110,6 +120,12 @@ class Workload:
         weights = np.array([rollout.weight for rollout in whole])
         durations = np.array([rollout.duration for rollout in whole])
         return float(weights @ durations / weights.sum())
+
+    def step_seconds(self, step: int) -> float:
+        """The seconds the trainer spends on step `step`."""
+        if not self.step_times:
+            return self.step_time
+        return self.step_times[(step - self.warmup) % len(self.step_times)]
 
     def sessions(self) -> SimulatedConfig:
         """How this workload's simulated sessions are drawn."""
@@ -312,7 +328,7 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
             await scheduler.step(prefetched.popleft(), None, updates)
             if updates >= workload.warmup:
                 events.extend(scheduler.last_events)
-            await trio.sleep(workload.step_time)
+            await trio.sleep(workload.step_seconds(updates))
         elapsed = trio.current_time() - start
 
     measured = records[workload.warmup :]

@@ -453,7 +453,7 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         "--step-time",
         type=_number(0.0),
         default=None,
-        help="the trainer's seconds per step instead of the traces' mean",
+        help="the trainer's seconds per step instead of the traces' own step times",
     )
     run.add_argument(
         "--jobs", type=_int_at_least(1), default=1, help="processes to simulate in (default: 1)"
@@ -496,7 +496,7 @@ def run_cli(args: argparse.Namespace) -> int:
     print(calibrate.report(fitted))
     workload = fitted.workload(steps=args.steps, seed=args.seed, slots=args.slots)
     if args.step_time is not None:
-        workload = attrs.evolve(workload, step_time=args.step_time)
+        workload = attrs.evolve(workload, step_time=args.step_time, step_times=())
     grid = Grid(args.ahead, args.oversample, args.admit, args.sync_every, args.max_lag)
     try:
         grid.settings(workload.tasks)

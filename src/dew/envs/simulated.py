@@ -84,6 +84,11 @@ def _seconds(instance, attribute, value):
         raise ValueError(f"{attribute.name} must be finite numbers >= 0, got {value!r}")
 
 
+def _pool(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{attribute.name} must be an int >= 0, got {value!r}")
+
+
 @attrs.frozen
 class ObservedRollout:
     """One rollout as a trace saw it, for a simulation that resamples observed rollouts.
@@ -94,8 +99,9 @@ class ObservedRollout:
         status: how it ended; CANCELLED is not a way a rollout ends by itself.
         truncation: why a TRUNCATED rollout stopped (one of TRUNCATION_REASONS), else None.
         failing: for an INFRA_ERROR, the seconds its failing call ran before it failed.
-        weight: its share of the resampling, relative to the others' (a censored sample's
-            weight is spread over the longer ones: see `dew.calibrate`).
+        weight: its share of the resampling, relative to the others' of its pool (a censored
+            sample's weight is spread over the longer ones: see `dew.calibrate`).
+        pool: which pool it is resampled from (see SimulatedConfig.observed).
 
     Raises:
         ValueError: naming the field and the value that breaks it.
@@ -106,6 +112,7 @@ class ObservedRollout:
     truncation: str | None = None
     failing: float | None = None
     weight: float = attrs.field(default=1.0, validator=_observed_weight)
+    pool: int = attrs.field(default=0, validator=_pool)
 
     def __attrs_post_init__(self):
         if self.status is Status.CANCELLED:
@@ -165,7 +172,13 @@ class SimulatedConfig:
         observed: when given, each session resamples one of these rollouts (by its weight) for
             its status, truncation, calls and their seconds, instead of drawing them from
             duration_mean, duration_sigma, calls and the status shares; its tokens and reward
-            are drawn as ever. `dew.calibrate` fits these from a recorded run.
+            are drawn as ever. A task draws from one pool: with pools numbered below P (the
+            largest number + 1), the task named by integer id n draws from pool n mod P, any
+            other from the one its name's stable hash picks; a pool with no rollout draws from
+            them all. Consecutive tasks thus draw from consecutive pools, and `dew.calibrate`
+            makes each recorded group a pool, numbered as the run's batches held them: a
+            simulated run then meets the recorded run's drift over training and the kinship
+            of one task's rollouts.
 
     Raises:
         ValueError: naming the field, its bound and the value that broke it.
@@ -192,8 +205,8 @@ class SimulatedConfig:
         default=None, validator=attrs.validators.optional(_at_least(1))
     )
     observed: tuple[ObservedRollout, ...] = attrs.field(default=(), converter=tuple)
-    # The observed rollouts' cumulative weights, which every resampling searches.
-    _cumulative: np.ndarray = attrs.field(init=False, eq=False, repr=False)
+    # Per pool in order, its rollouts' indices and cumulative weights, which resampling searches.
+    _pools: tuple = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self):
         failing = self.infra_error + self.agent_error + self.truncated
@@ -209,8 +222,16 @@ class SimulatedConfig:
                 raise ValueError(
                     f"observed[{i}] must be an ObservedRollout, got {type(rollout).__name__}"
                 )
-        cumulative = np.cumsum([rollout.weight for rollout in self.observed])
-        object.__setattr__(self, "_cumulative", cumulative)
+        count = max((rollout.pool for rollout in self.observed), default=-1) + 1
+        members: list[list[int]] = [[] for _ in range(count)]
+        for i, rollout in enumerate(self.observed):
+            members[rollout.pool].append(i)
+        every = list(range(len(self.observed)))
+        pools = tuple(
+            (indices, np.cumsum([self.observed[i].weight for i in indices]))
+            for indices in (m or every for m in members)
+        )
+        object.__setattr__(self, "_pools", pools)
 
 
 def _draft(
@@ -231,7 +252,7 @@ def _draft(
     )
     status_u, unscored_u, reason_u, fail_at, fail_frac, correct_u, format_u = rng.random(7)
     if config.observed:
-        status, truncation, seconds, failing = _resample(config, rng.random())
+        status, truncation, seconds, failing = _resample(config, task, rng.random())
         made = len(seconds)
         n = made + (failing is not None)
     else:
@@ -323,13 +344,14 @@ def _parametric(
 
 
 def _resample(
-    config: SimulatedConfig, u: float
+    config: SimulatedConfig, task: Task, u: float
 ) -> tuple[Status, str | None, tuple[float, ...], float | None]:
-    """The observed rollout that uniform draw `u` picks by weight: its status, truncation,
-    call seconds and failing seconds."""
-    weights = config._cumulative
+    """The observed rollout of the task's pool that uniform draw `u` picks by weight: its
+    status, truncation, call seconds and failing seconds."""
+    key = int(task.name) if task.name.isdigit() else stable_hash(task.name)
+    indices, weights = config._pools[key % len(config._pools)]
     index = int(np.searchsorted(weights, u * weights[-1], side="right"))
-    picked = config.observed[min(index, len(weights) - 1)]
+    picked = config.observed[indices[min(index, len(indices) - 1)]]
     return picked.status, picked.truncation, picked.seconds, picked.failing
 
 
