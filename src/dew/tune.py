@@ -11,10 +11,12 @@ selection-bias limit: the Pareto front a user picks from. `table` prints every s
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib.util
 import itertools
 import logging
 import math
+import multiprocessing
 import os
 from collections.abc import Iterator, Sequence
 
@@ -202,15 +204,13 @@ def _quiet_simulate(run: tuple[Workload, Setting]) -> Outcome:
 
 
 def _simulate_all(runs: Sequence[tuple[Workload, Setting]], jobs: int) -> Iterator[Outcome]:
+    """Each run's outcome, in order, simulated here or in `jobs` spawned processes."""
     logger = logging.getLogger("dew.objectives.rl.scheduler")
     level = logger.level
     try:
         if jobs == 1:
             yield from map(_quiet_simulate, runs)
             return
-        import concurrent.futures
-        import multiprocessing
-
         # Spawned workers: a forked copy of a process that runs JAX threads can deadlock.
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
