@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="one tiny pair, for CI")
     parser.add_argument("--pairs", type=int, default=2, help="baseline/target pairs a target")
     parser.add_argument("--warmup", type=int, default=3, help="first calls left out")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the runs in this folder")
     args = parser.parse_args()
     options, targets, pairs = (SMOKE, TARGETS[:1], 1) if args.smoke else (FULL, TARGETS, args.pairs)
     warmup = 1 if args.smoke else args.warmup
@@ -102,7 +103,8 @@ def main() -> None:
         f"{'slowed':>8}{'err':>7}{'idle meas':>10}{'as is':>7}{'slowed':>8}"
     )
     with tempfile.TemporaryDirectory() as scratch:
-        folder = Path(scratch)
+        folder = Path(scratch) if args.keep is None else args.keep
+        folder.mkdir(parents=True, exist_ok=True)
         for name, knobs in targets:
             for pair in range(pairs):
                 tag = f"{name.replace(' ', '_')}-{pair}"
