@@ -155,6 +155,23 @@ def test_a_workload_that_drifts_over_training_is_predicted_group_by_group(tmp_pa
     assert abs(blind.idle - recorded.idle) > 0.05
 
 
+def test_a_slowed_calibration_is_the_same_run_on_a_slower_clock(plain):
+    """Twice every duration and step time: half the goodput, the same idle share and lags."""
+    fitted = calibrate.calibrate([plain])
+    slowed = fitted.slowed(2.0)
+    assert slowed.step_time == pytest.approx(2 * fitted.step_time)
+    assert slowed.mean_duration == pytest.approx(2 * fitted.mean_duration)
+    assert slowed.lognormal[1] == fitted.lognormal[1]
+    setting = simulate.Setting("ahead=1", ahead=1, max_lag=1)
+    fast = simulate.simulate(fitted.workload(steps=12, slots=None), setting)
+    slow = simulate.simulate(slowed.workload(steps=12, slots=None), setting)
+    assert slow.goodput == pytest.approx(fast.goodput / 2)
+    assert slow.idle == pytest.approx(fast.idle)
+    assert slow.lags == fast.lags
+    with pytest.raises(ValueError, match="factor must be a finite number > 0, got nan"):
+        fitted.slowed(float("nan"))
+
+
 def test_calibration_refuses_too_short_a_trace(plain):
     with pytest.raises(calibrate.CalibrationError, match="needs at least warmup \\+ 2 = 40"):
         calibrate.calibrate([plain], warmup=38)
