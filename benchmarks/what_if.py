@@ -68,12 +68,20 @@ def update_seconds(run: Path, warmup: int) -> float:
 
 
 def predict(
-    baseline: Path, target: Path, knobs: dict, warmup: int, seeds: int, slower: float = 1.0
+    baseline: Path,
+    target: Path,
+    knobs: dict,
+    warmup: int,
+    seeds: int,
+    slower: float = 1.0,
+    engine: float = 1.0,
 ):
-    """The target setting simulated on the baseline's calibration (slowed by `slower`), over
-    the target's window; and the target run measured."""
+    """The target setting simulated on the baseline's calibration (slowed by `slower`, its
+    rollouts by `engine` more), over the target's window; and the target run measured."""
     measured = calibrate.observe(target, warmup=warmup)
-    fitted = calibrate.calibrate([baseline], warmup=warmup).slowed(slower)
+    fitted = calibrate.calibrate([baseline], warmup=warmup).scaled(
+        engine=slower * engine, trainer=slower
+    )
     steps = measured.steps + warmup + 1
     setting = simulate.Setting("target", **knobs)
     outcomes = [
@@ -91,35 +99,48 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2, help="baseline/target pairs a target")
     parser.add_argument("--warmup", type=int, default=3, help="first calls left out")
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs in this folder")
+    parser.add_argument(
+        "--analyse", type=Path, default=None, help="predict from the runs kept in this folder"
+    )
     args = parser.parse_args()
     options, targets, pairs = (SMOKE, TARGETS[:1], 1) if args.smoke else (FULL, TARGETS, args.pairs)
     warmup = 1 if args.smoke else args.warmup
     print(
-        "goodput in samples/s, idle as a share; 'as is' predicts from the baseline's times, "
-        "'slowed' first scales them by the trainer update's slowdown from baseline to target"
+        "goodput in samples/s, idle as a share. as is: from the baseline's times; slowed: "
+        "those times scaled by the trainer update's slowdown from baseline to target; "
+        "+slots: the rollouts also scaled by the engine's slots, target over baseline"
     )
     print(
         f"{'target':<22}{'pair':>5}{'slowdown':>9}{'measured':>9}{'as is':>7}{'err':>7}"
-        f"{'slowed':>8}{'err':>7}{'idle meas':>10}{'as is':>7}{'slowed':>8}"
+        f"{'slowed':>8}{'err':>7}{'+slots':>8}{'err':>7}{'idle meas':>10}{'as is':>7}"
+        f"{'slowed':>8}{'+slots':>8}"
     )
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) if args.keep is None else args.keep
+        folder = args.analyse or folder
         folder.mkdir(parents=True, exist_ok=True)
         for name, knobs in targets:
             for pair in range(pairs):
                 tag = f"{name.replace(' ', '_')}-{pair}"
-                baseline = train(folder, f"base-{tag}", BASELINE[1], options)
-                target = train(folder, f"target-{tag}", knobs, options)
+                if args.analyse is None:
+                    train(folder, f"base-{tag}", BASELINE[1], options)
+                    train(folder, f"target-{tag}", knobs, options)
+                baseline, target = folder / f"base-{tag}.trace", folder / f"target-{tag}.trace"
                 slower = update_seconds(folder / f"target-{tag}", warmup) / update_seconds(
                     folder / f"base-{tag}", warmup
                 )
+                # dew train gives its engine batch x groups x (ahead + 1) slots, and the CPU
+                # engine decodes all of them each step: its step costs about in proportion.
+                slots = (knobs["ahead"] + 1) / (BASELINE[1]["ahead"] + 1)
                 plain, plain_idle, measured = predict(baseline, target, knobs, warmup, 2)
                 goodput, idle, _ = predict(baseline, target, knobs, warmup, 2, slower)
+                sized, sized_idle, _ = predict(baseline, target, knobs, warmup, 2, slower, slots)
                 print(
                     f"{name:<22}{pair:>5}{slower:>9.2f}{measured.goodput:>9.2f}{plain:>7.2f}"
                     f"{plain / measured.goodput - 1:>7.1%}{goodput:>8.2f}"
-                    f"{goodput / measured.goodput - 1:>7.1%}{measured.idle:>10.1%}"
-                    f"{plain_idle:>7.1%}{idle:>8.1%}",
+                    f"{goodput / measured.goodput - 1:>7.1%}{sized:>8.2f}"
+                    f"{sized / measured.goodput - 1:>7.1%}{measured.idle:>10.1%}"
+                    f"{plain_idle:>7.1%}{idle:>8.1%}{sized_idle:>8.1%}",
                     flush=True,
                 )
 

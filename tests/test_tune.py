@@ -168,8 +168,13 @@ def test_a_slowed_calibration_is_the_same_run_on_a_slower_clock(plain):
     assert slow.goodput == pytest.approx(fast.goodput / 2)
     assert slow.idle == pytest.approx(fast.idle)
     assert slow.lags == fast.lags
-    with pytest.raises(ValueError, match="factor must be a finite number > 0, got nan"):
+    with pytest.raises(ValueError, match="engine factor must be a finite number > 0, got nan"):
         fitted.slowed(float("nan"))
+    with pytest.raises(ValueError, match="trainer factor must be a finite number > 0, got 0"):
+        fitted.scaled(trainer=0)
+    halved = fitted.scaled(engine=0.5)
+    assert halved.mean_duration == pytest.approx(fitted.mean_duration / 2)
+    assert halved.step_times == fitted.step_times
 
 
 def test_calibration_refuses_too_short_a_trace(plain):

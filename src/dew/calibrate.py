@@ -112,15 +112,27 @@ class Calibration:
         Raises:
             ValueError: unless factor is a finite number > 0.
         """
-        if isinstance(factor, bool) or not isinstance(factor, int | float):
-            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
-        if not 0 < factor < math.inf:
-            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        return self.scaled(engine=factor, trainer=factor)
+
+    def scaled(self, *, engine: float = 1.0, trainer: float = 1.0) -> Calibration:
+        """The workload with every rollout's durations multiplied by `engine` and every
+        trainer step time by `trainer`: an engine or a trainer that runs slower or faster
+        than the recorded one (e.g. an engine whose decode step costs in proportion to its
+        slots, given fewer slots).
+
+        Raises:
+            ValueError: naming the factor that is not a finite number > 0.
+        """
+        for name, factor in (("engine", engine), ("trainer", trainer)):
+            if isinstance(factor, bool) or not isinstance(factor, int | float):
+                raise ValueError(f"{name} factor must be a finite number > 0, got {factor!r}")
+            if not 0 < factor < math.inf:
+                raise ValueError(f"{name} factor must be a finite number > 0, got {factor!r}")
         observed = tuple(
             attrs.evolve(
                 r,
-                seconds=tuple(s * factor for s in r.seconds),
-                failing=None if r.failing is None else r.failing * factor,
+                seconds=tuple(s * engine for s in r.seconds),
+                failing=None if r.failing is None else r.failing * engine,
             )
             for r in self.observed
         )
@@ -128,10 +140,10 @@ class Calibration:
         return attrs.evolve(
             self,
             observed=observed,
-            durations=tuple(d * factor for d in self.durations),
-            censored=tuple(d * factor for d in self.censored),
-            lognormal=(mu + math.log(factor), sigma),
-            step_times=tuple(t * factor for t in self.step_times),
+            durations=tuple(d * engine for d in self.durations),
+            censored=tuple(d * engine for d in self.censored),
+            lognormal=(mu + math.log(engine), sigma),
+            step_times=tuple(t * trainer for t in self.step_times),
         )
 
     def workload(
