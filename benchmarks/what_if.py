@@ -12,8 +12,10 @@ fixed jitted loop is timed before, between and after the two runs; the ratio of 
 around the target to those around the baseline is the slowdown, and the `slowed` prediction
 scales the baseline's durations and step times by it (`Calibration.slowed`) before simulating.
 
-    python benchmarks/what_if.py             # guess task, 40 steps a run, two pairs a target
-    python benchmarks/what_if.py --smoke     # copy task, a tiny model, one short pair
+    python benchmarks/what_if.py                      # guess task, 40 steps, two pairs a target
+    python benchmarks/what_if.py --keep runs/         # the same, keeping the runs
+    python benchmarks/what_if.py --analyse runs/      # the table again from kept runs
+    python benchmarks/what_if.py --smoke              # copy task, a tiny model, one short pair
 
 The engine (`dew train`'s RolloutServer) has one slot per rollout that can be in flight, so
 the simulation's engine is unbounded (`slots=None`).

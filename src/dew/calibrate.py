@@ -12,13 +12,20 @@
   mass that estimate puts on its duration; mass beyond the longest finished rollout (when a
   cancelled one ran longer) goes to the longest finished one and is reported as `beyond`.
   A lognormal is fitted to the same censored sample by maximum likelihood, for reference.
+- each recorded group is a pool of its own, which the simulation's group of the same number
+  resamples (`SimulatedConfig.observed`): rollouts vary from batch to batch, with the tasks and
+  with a policy that learns to take more turns, and one task's rollouts resemble each other;
+  pooled, every simulated batch would meet the run's average mix and the trainer's waits on a
+  batch's slowest rollout would come out wrong. Groups are numbered `tasks` a batch in a row
+  while the trainer keeps one stream, which is how a pool finds its batch.
 - a trace holds each rollout's duration, not each call's: a rollout's seconds are split over
   its calls in proportion to their completion tokens, the decode time's main term.
 - the engine's slot count: the most rollouts in flight at once. It is the slot count of an
   engine that never queued a call (as `dew train`'s, with one slot per rollout that can be in
   flight); one with fewer slots queued the rest, and their durations include the queueing.
-- the trainer's step time: from each call's return (the batch's delivery) to the next call's
-  hand-over, which covers packing, rescoring, the update and the trainer's own overhead.
+- the trainer's step times: from each call's return (the batch's delivery) to the next call's
+  hand-over, which covers packing, rescoring, the update and the trainer's own overhead; the
+  simulation replays them in their order.
 
 The first `warmup` trainer calls are left out of the rollouts and step times (a real run's
 first steps compile), and `observe` measures a recorded run over the same window as a
