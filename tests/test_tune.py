@@ -291,6 +291,21 @@ def test_tune_in_processes_gives_the_same_rows(rows):
     ]
 
 
+def test_an_engine_sized_to_ahead_decodes_each_settings_rollouts_at_its_own_speed(rows):
+    """Recorded at ahead=1 on an engine whose step costs its slots: at ahead=0 the engine has
+    half the slots and every rollout takes half as long."""
+    engine = tune.sized_to_ahead(1, 1.0)
+    sync, ahead = GRID.settings(SMALL.tasks)[0], GRID.settings(SMALL.tasks)[4]
+    assert (sync.ahead, ahead.ahead, engine(sync), engine(ahead)) == (0, 1, 0.5, 1.0)
+    grid = tune.Grid(ahead=(0, 1), sync_every=(1,))
+    sized = tune.tune(SMALL, grid, seeds=1, engine=engine)
+    assert sized[0].outcomes[0] == simulate.simulate(SMALL.engine_scaled(0.5), sync)
+    assert sized[1].outcomes[0] == rows[4].outcomes[0]
+    assert tune.sized_to_ahead(1, 0.0)(sync) == 1.0
+    with pytest.raises(ValueError, match="exponent must be a finite number >= 0, got -1"):
+        tune.sized_to_ahead(1, -1)
+
+
 @pytest.fixture(scope="module")
 def brute_force():
     """Each setting of the grid simulated alone, per seed, as tune's rows are not."""
@@ -361,6 +376,7 @@ def test_dew_tune_prints_the_fit_the_table_and_draws_the_front(plain, tmp_path, 
         (["--max-waste", "1.5"], "argument --max-waste: must be a finite number within [0, 1]"),
         (["--max-bias", "inf"], "argument --max-bias: must be a finite number >= 0, got 'inf'"),
         (["--step-time", "-1"], "argument --step-time: must be a finite number >= 0"),
+        (["--engine-scaling", "nan"], "argument --engine-scaling: must be a finite number >= 0"),
     ],
 )
 def test_dew_tune_rejects_a_bad_option_by_name(plain, capsys, options, message):

@@ -81,6 +81,7 @@ class Calibration:
         step_times: the trainer's seconds between a batch's delivery and its next hand-over.
         tasks: tasks per batch (one group each).
         groups: rollouts per group that train together.
+        aheads: each trace's `ahead`.
     """
 
     traces: tuple[str, ...]
@@ -99,6 +100,7 @@ class Calibration:
     step_times: tuple[float, ...]
     tasks: int
     groups: int
+    aheads: tuple[int, ...]
 
     @property
     def step_time(self) -> float:
@@ -372,6 +374,7 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
         step_times=tuple(steps),
         tasks=tasks,
         groups=groups,
+        aheads=tuple(t.config["ahead"] for t in read),
     )
 
 

@@ -121,6 +121,27 @@ class Workload:
         durations = np.array([rollout.duration for rollout in whole])
         return float(weights @ durations / weights.sum())
 
+    def engine_scaled(self, factor: float) -> Workload:
+        """This workload on an engine `factor` times slower: every rollout's seconds (or the
+        lognormal's mean) multiplied by it.
+
+        Raises:
+            ValueError: unless factor is a finite number > 0.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, int | float):
+            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        if not 0 < factor < math.inf:
+            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        observed = tuple(
+            attrs.evolve(
+                r,
+                seconds=tuple(s * factor for s in r.seconds),
+                failing=None if r.failing is None else r.failing * factor,
+            )
+            for r in self.observed
+        )
+        return attrs.evolve(self, duration_mean=self.duration_mean * factor, observed=observed)
+
     def step_seconds(self, step: int) -> float:
         """The seconds the trainer spends on step `step`."""
         if not self.step_times:

@@ -18,7 +18,7 @@ import logging
 import math
 import multiprocessing
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -166,7 +166,34 @@ class Row:
         return abs(1.0 - self.selection)
 
 
-def tune(workload: Workload, grid: Grid, *, seeds: int = 3, jobs: int = 1) -> list[Row]:
+def sized_to_ahead(recorded: int, exponent: float = 1.0) -> Callable[[Setting], float]:
+    """How much slower a setting's engine decodes than the recorded one's, for an engine sized
+    to `ahead` as `dew train`'s is (batch x groups x (ahead + 1) slots) whose decode step costs
+    slots**exponent (about 1 on a CPU, which decodes every slot each step; near 0 where a step
+    costs the same however full, as on an accelerator with room to spare).
+
+    Args:
+        recorded: the recorded run's ahead.
+        exponent: how a decode step's cost grows with the engine's slots.
+
+    Raises:
+        ValueError: for a recorded ahead below 0 or an exponent that is not finite and >= 0.
+    """
+    if isinstance(recorded, bool) or not isinstance(recorded, int) or recorded < 0:
+        raise ValueError(f"recorded must be an int >= 0, got {recorded!r}")
+    if not (isinstance(exponent, int | float) and 0 <= exponent < math.inf):
+        raise ValueError(f"exponent must be a finite number >= 0, got {exponent!r}")
+    return lambda setting: ((setting.ahead + 1) / (recorded + 1)) ** exponent
+
+
+def tune(
+    workload: Workload,
+    grid: Grid,
+    *,
+    seeds: int = 3,
+    jobs: int = 1,
+    engine: Callable[[Setting], float] | None = None,
+) -> list[Row]:
     """Simulate every setting of `grid` on `workload` under seeds workload.seed, +1, ...
 
     Args:
@@ -174,6 +201,8 @@ def tune(workload: Workload, grid: Grid, *, seeds: int = 3, jobs: int = 1) -> li
         grid: the knob values to cross.
         seeds: simulated runs per setting.
         jobs: processes to simulate in; the figures do not depend on it.
+        engine: per setting, how much slower its engine decodes than the workload's (e.g.
+            `sized_to_ahead`); None for the same engine under every setting.
 
     Returns:
         One row per setting, in the grid's order.
@@ -185,8 +214,9 @@ def tune(workload: Workload, grid: Grid, *, seeds: int = 3, jobs: int = 1) -> li
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     settings = grid.settings(workload.tasks)
+    sized = {s: workload if engine is None else workload.engine_scaled(engine(s)) for s in settings}
     runs = [
-        (attrs.evolve(workload, seed=workload.seed + k), setting)
+        (attrs.evolve(sized[setting], seed=workload.seed + k), setting)
         for setting in settings
         for k in range(seeds)
     ]
@@ -456,6 +486,15 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         help="the trainer's seconds per step instead of the traces' own step times",
     )
     run.add_argument(
+        "--engine-scaling",
+        type=_number(0.0),
+        default=0.0,
+        metavar="EXPONENT",
+        help="for an engine sized to ahead as dew train's is: a setting's rollouts take "
+        "((ahead + 1) / (the trace's ahead + 1)) ** EXPONENT times as long; about 1 for dew "
+        "train's CPU engine (default: 0, one engine for every setting)",
+    )
+    run.add_argument(
         "--jobs", type=_int_at_least(1), default=1, help="processes to simulate in (default: 1)"
     )
     limits = parser.add_argument_group("the front")
@@ -503,7 +542,14 @@ def run_cli(args: argparse.Namespace) -> int:
     except ValueError as error:
         option = "--admit" if str(error).startswith("admit") else "--max-lag"
         args.parser.error(f"argument {option}: {error}")
-    rows = tune(workload, grid, seeds=args.seeds, jobs=args.jobs)
+    engine = None
+    if args.engine_scaling > 0:
+        if len(set(fitted.aheads)) > 1:
+            args.parser.error(
+                f"argument --engine-scaling: the traces ran at different ahead {fitted.aheads}"
+            )
+        engine = sized_to_ahead(fitted.aheads[0], args.engine_scaling)
+    rows = tune(workload, grid, seeds=args.seeds, jobs=args.jobs, engine=engine)
     print(f"simulated {args.seeds} seed(s) per setting: {describe(workload)}")
     limits = {"max_waste": args.max_waste, "max_bias": args.max_bias}
     print(table(rows, **limits))
