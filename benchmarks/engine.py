@@ -58,7 +58,9 @@ def decode_flops(config: models.TransformerConfig, max_len: int) -> int:
     return 2 * (weights + attention)
 
 
-def matmul_flops_per_second(config: models.TransformerConfig, params, rows: int) -> float:
+def matmul_flops_per_second(
+    config: models.TransformerConfig, params, rows: int, *, calls: int = 200
+) -> float:
     """FLOP/s of a jitted chain of the model's weight matmuls on [rows, d_model] activations:
     what this machine computes at the decode's shapes when nothing else is in the way."""
 
@@ -77,10 +79,10 @@ def matmul_flops_per_second(config: models.TransformerConfig, params, rows: int)
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
-        for _ in range(200):
+        for _ in range(calls):
             out = matmuls(params, x)
         out.block_until_ready()
-        best = min(best, (time.perf_counter() - start) / 200)
+        best = min(best, (time.perf_counter() - start) / calls)
     return flops / best
 
 
@@ -92,6 +94,7 @@ async def main(smoke: bool, runs: int, best_of: int) -> None:
     if smoke:
         config = models.TransformerConfig(d_model=32, heads=2, layers=1, d_ff=64, max_len=64)
         prompt_len, tokens, slots = 8, 16, 32
+        runs, best_of = 1, 1
     else:
         config = models.TransformerConfig(d_model=128, heads=4, layers=2, d_ff=512, max_len=256)
         prompt_len, tokens, slots = 16, 200, 32
@@ -133,7 +136,7 @@ async def main(smoke: bool, runs: int, best_of: int) -> None:
 
     per_token = decode_flops(config, config.max_len)
     achieved = statistics.median(together) * per_token
-    machine = matmul_flops_per_second(config, params, slots)
+    machine = matmul_flops_per_second(config, params, slots, calls=10 if smoke else 200)
     print(
         f"hardware: {per_token / 1e6:.2f} MFLOP per decoded token; {slots} calls reach "
         f"{achieved / 1e9:.2f} GFLOP/s, a jitted chain of the same matmuls at [{slots}, "
