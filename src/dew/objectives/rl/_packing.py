@@ -277,6 +277,98 @@ class _Rows:
             self.free_support[row] += kept if support else 0
 
 
+def _check_size(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def pack(
+    groups: Sequence[Sequence[Session]],
+    *,
+    width: int,
+    rows: int,
+    estimator: str = "group",
+    truncation: str = "mask",
+    support_capacity: int | None = None,
+) -> Packed:
+    """Lay admitted groups, in admission order, into fixed `[rows, width]` arrays to train on.
+
+    Each training rollout's chains become segments; a group goes in whole (its chains placed
+    longest first, each into the fullest row that still holds it; if that fails though the
+    rows have the cells, every chain laid so far and the group's are laid again, longest first
+    over all of them, else row by row, each row as full as the chains left can make it) or is
+    cut, and later groups may still go in. TRUNCATED rollouts under
+    `mask` take no rows. The result depends only on the input.
+
+    Args:
+        groups: admitted groups in admission order, each a sequence of checked Sessions of
+            status COMPLETED, AGENT_ERROR or TRUNCATED.
+        width: cells per row.
+        rows: rows in the batch.
+        estimator: advantage family over a group's training rollouts: `group` ((r - mean) /
+            (std + 1e-6), 0 when all rewards are equal), `mean` (r - mean), `rloo` (r - mean of
+            the others, 0 for a lone rollout).
+        truncation: what a TRUNCATED rollout trains on: `mask` (nothing: no loss weight, and it
+            leaves the baseline), `score` (its reward), `zero` (reward 0).
+        support_capacity: support slots per row; None leaves support out.
+
+    Returns:
+        The packed batch (see `Packed`).
+
+    Raises:
+        ValueError: a bad argument, naming it and its value.
+        SessionError: (a ValueError) a session of another status, or a TRUNCATED one without
+            a reward under `score`; naming its task and label.
+    """
+    _check_size("width", width)
+    _check_size("rows", rows)
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    if truncation not in TRUNCATION:
+        raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
+    if support_capacity is not None:
+        _check_size("support_capacity", support_capacity)
+    with_support = support_capacity is not None
+    # Every group is checked before any is placed, so whether pack raises never depends on fit.
+    trains = _training_statuses(truncation)
+    trainings: list[list[Session]] = []
+    rewards: list[float] = []
+    for group in groups:
+        for session in group:
+            if session.status not in PACKABLE:
+                raise _fail(session, "status", f"is {session.status.name}, which pack cannot train")
+        training = [s for s in group if s.status in trains]
+        rewards += [_training_reward(s, truncation) for s in training]
+        trainings.append(training)
+    advantages = _advantages(rewards, [len(t) for t in trainings], estimator).tolist()
+
+    layout = _Layout.empty(width=width, rows=rows, capacity=support_capacity or 0)
+    packed: list[int] = []
+    cut: list[Cut] = []
+    at = 0
+    for g, training in enumerate(trainings):
+        pieces = _pieces(training, advantages[at : at + len(training)], with_support)
+        at += len(training)
+        if any(length > width for length, _, _, _ in pieces):
+            cut.append(Cut(g, "too_long"))
+            continue
+        pieces.sort(key=_length, reverse=True)
+        if layout.admit(pieces):
+            packed.append(g)
+        else:
+            cut.append(Cut(g, "support" if layout.admits_without_support(pieces) else "no_room"))
+
+    cells = width * rows
+    return Packed(
+        batch=_lay_out(layout.laid, width=width, support_capacity=support_capacity),
+        packed=tuple(packed),
+        cut=tuple(cut),
+        fill=(cells - sum(layout.rows.free)) / cells,
+        estimator=estimator,
+        truncation=truncation,
+    )
+
+
 @attrs.define(eq=False)
 class _Layout:
     """The pieces laid in each row so far, and the rows' free room.
@@ -415,98 +507,6 @@ def _densest_subset(lengths: Sequence[int], room: int) -> list[int]:
         chosen.append(item)
         total -= lengths[item]
     return chosen
-
-
-def _check_size(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def pack(
-    groups: Sequence[Sequence[Session]],
-    *,
-    width: int,
-    rows: int,
-    estimator: str = "group",
-    truncation: str = "mask",
-    support_capacity: int | None = None,
-) -> Packed:
-    """Lay admitted groups, in admission order, into fixed `[rows, width]` arrays to train on.
-
-    Each training rollout's chains become segments; a group goes in whole (its chains placed
-    longest first, each into the fullest row that still holds it; if that fails though the
-    rows have the cells, every chain laid so far and the group's are laid again, longest first
-    over all of them, else row by row, each row as full as the chains left can make it) or is
-    cut, and later groups may still go in. TRUNCATED rollouts under
-    `mask` take no rows. The result depends only on the input.
-
-    Args:
-        groups: admitted groups in admission order, each a sequence of checked Sessions of
-            status COMPLETED, AGENT_ERROR or TRUNCATED.
-        width: cells per row.
-        rows: rows in the batch.
-        estimator: advantage family over a group's training rollouts: `group` ((r - mean) /
-            (std + 1e-6), 0 when all rewards are equal), `mean` (r - mean), `rloo` (r - mean of
-            the others, 0 for a lone rollout).
-        truncation: what a TRUNCATED rollout trains on: `mask` (nothing: no loss weight, and it
-            leaves the baseline), `score` (its reward), `zero` (reward 0).
-        support_capacity: support slots per row; None leaves support out.
-
-    Returns:
-        The packed batch (see `Packed`).
-
-    Raises:
-        ValueError: a bad argument, naming it and its value.
-        SessionError: (a ValueError) a session of another status, or a TRUNCATED one without
-            a reward under `score`; naming its task and label.
-    """
-    _check_size("width", width)
-    _check_size("rows", rows)
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    if truncation not in TRUNCATION:
-        raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
-    if support_capacity is not None:
-        _check_size("support_capacity", support_capacity)
-    with_support = support_capacity is not None
-    # Every group is checked before any is placed, so whether pack raises never depends on fit.
-    trains = _training_statuses(truncation)
-    trainings: list[list[Session]] = []
-    rewards: list[float] = []
-    for group in groups:
-        for session in group:
-            if session.status not in PACKABLE:
-                raise _fail(session, "status", f"is {session.status.name}, which pack cannot train")
-        training = [s for s in group if s.status in trains]
-        rewards += [_training_reward(s, truncation) for s in training]
-        trainings.append(training)
-    advantages = _advantages(rewards, [len(t) for t in trainings], estimator).tolist()
-
-    layout = _Layout.empty(width=width, rows=rows, capacity=support_capacity or 0)
-    packed: list[int] = []
-    cut: list[Cut] = []
-    at = 0
-    for g, training in enumerate(trainings):
-        pieces = _pieces(training, advantages[at : at + len(training)], with_support)
-        at += len(training)
-        if any(length > width for length, _, _, _ in pieces):
-            cut.append(Cut(g, "too_long"))
-            continue
-        pieces.sort(key=_length, reverse=True)
-        if layout.admit(pieces):
-            packed.append(g)
-        else:
-            cut.append(Cut(g, "support" if layout.admits_without_support(pieces) else "no_room"))
-
-    cells = width * rows
-    return Packed(
-        batch=_lay_out(layout.laid, width=width, support_capacity=support_capacity),
-        packed=tuple(packed),
-        cut=tuple(cut),
-        fill=(cells - sum(layout.rows.free)) / cells,
-        estimator=estimator,
-        truncation=truncation,
-    )
 
 
 def _lay_out(
