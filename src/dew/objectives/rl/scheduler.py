@@ -739,6 +739,11 @@ class RolloutScheduler:
         self._pending.append(event)
         self._wake.set()
 
+    def _settled(self) -> bool:
+        """Whether the driver has applied everything posted: with every task waiting, the
+        instant is over (replay's clock keeper moves the clock only then)."""
+        return not self._pending
+
     def _hand_over(self, handover: _HandOver) -> None:
         """Push the weights when due, then post the hand-over. The push lands at the trainer's
         call, before its instant settles: an engine that starts the calls arriving at an
