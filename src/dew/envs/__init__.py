@@ -9,6 +9,7 @@ from dew.envs.environment import (
     Score,
     Verifier,
 )
+from dew.envs.harness import HarnessResult, HarnessSource
 from dew.envs.prompts import PromptSource
 from dew.envs.simulated import SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.envs.tasks import CopyDigits, GuessDigit, GuessDigitEnv, task_dataset
@@ -20,6 +21,8 @@ __all__ = [
     "Episode",
     "GuessDigit",
     "GuessDigitEnv",
+    "HarnessResult",
+    "HarnessSource",
     "MalformedAction",
     "PromptSource",
     "Sampling",

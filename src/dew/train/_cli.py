@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import socket
+import sys
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -15,13 +19,15 @@ import jax
 import numpy as np
 import optax
 
-from dew import models, replay
+from dew import _pool_guard, models, replay
 from dew._checks import int_at_least, positive
+from dew._launch import run_pool
 from dew.data import Task
 from dew.envs.environment import Sampling
 from dew.envs.tasks import CopyDigits, GuessDigit
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
+from dew.parallel import ProcessRows, default_pool
 from dew.serve import RolloutServer, ServedSource, tokenizer
 from dew.train._checkpoint import _write_atomically, read_commit
 from dew.train._curves import write_curves
@@ -147,9 +153,21 @@ def _task(config: TrainConfig) -> tuple[CopyDigits | GuessDigit, _Shape]:
 def _sampling(config: TrainConfig, updates: int) -> Sampling:
     """Each call's sampling key a function of the seed, its rollout's label and the updates the
     process started at: reproducible whatever order trio runs the rollouts in, and afresh in a
-    resumed process (whose scheduler numbers its groups from 0 again)."""
-    seed = int(np.random.SeedSequence([config.seed, updates]).generate_state(1)[0])
+    resumed process (whose scheduler numbers its groups from 0 again). In a pool, each process
+    draws its own keys: its index is part of the seed."""
+    entropy = [config.seed, updates]
+    if jax.process_count() > 1:
+        entropy.append(jax.process_index())
+    seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
     return Sampling(config.temperature, seed=seed)
+
+
+def _check_split(config: TrainConfig, processes: int) -> None:
+    """Refuse a batch that the pool's processes cannot share evenly."""
+    if config.batch_size % processes:
+        raise ValueError(
+            f"batch_size {config.batch_size} must split evenly over the {processes} processes"
+        )
 
 
 def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
@@ -215,6 +233,7 @@ def train(
     resume: bool = False,
     on_step: Callable[[Mapping[str, Any]], None] | None = None,
     record: str | os.PathLike | None = None,
+    deadline: float | None = None,
 ) -> Trainer:
     """Train `config`'s built-in task end to end, in the run folder `run`.
 
@@ -230,24 +249,41 @@ def train(
         on_step: called with each step's metrics line.
         record: write a `dew.replay` trace of the run here: every session the environment
             returned, every push and every call, so `dew replay` can reproduce the scheduler's
-            decisions and packed batches without the engine.
+            decisions and packed batches without the engine (a single process's run only).
+        deadline: in a pool, the seconds a step may take before every process stops.
+
+    In a pool of `jax.distributed` processes (`dew train --processes`), every process calls it
+    alike: each runs its own server and scheduler on its own rows of each global batch of
+    `batch_size` tasks, and process 0 writes the run folder, which every process must read.
 
     Returns:
         The trainer, after its last step.
 
     Raises:
-        ValueError: when `run` holds a run and `resume` is not set, or holds a different config;
-            when `record` exists already, is a folder, or its folder is missing or unwritable.
+        ValueError: on every process of a pool, when `run` holds a run and `resume` is not set,
+            or holds a different config, or the batch does not split over the processes; when
+            `record` exists already, is a folder, or its folder is missing or unwritable.
     """
     run = Path(run)
-    _check_run(config, run, resume=resume)
-    if record is not None:
-        _check_record(record)
-    run.mkdir(parents=True, exist_ok=True)
-    saved = run / "config.json"
-    _write_atomically(
-        saved, lambda file: file.write(json.dumps(attrs.asdict(config), indent=1).encode())
-    )
+    index, processes = jax.process_index(), jax.process_count()
+    problem = None
+    try:
+        _check_run(config, run, resume=resume)
+        _check_split(config, processes)
+        if record is not None and processes > 1:
+            raise ValueError("--record traces a single process's run; run it without a pool")
+        if record is not None:
+            _check_record(record)
+    except ValueError as error:
+        problem = error
+    # Every process refuses alike, before process 0 writes anything.
+    default_pool().agree(problem)
+    if index == 0:
+        run.mkdir(parents=True, exist_ok=True)
+        _write_atomically(
+            run / "config.json",
+            lambda file: file.write(json.dumps(attrs.asdict(config), indent=1).encode()),
+        )
 
     task, shape = _task(config)
     model_config = config.model_config(shape.max_len)
@@ -260,13 +296,15 @@ def train(
         directory=run,
         checkpoint_every=config.checkpoint_every,
         on_step=on_step,
+        deadline=deadline,
     )
     if resume:
         trainer.resume()
+    tasks = config.batch_size // processes  # this process's share of each batch
     server = RolloutServer(
         model_config,
         trainer.variables,
-        slots=config.batch_size * config.groups * (config.ahead + 1),
+        slots=tasks * config.groups * (config.ahead + 1),
         version=trainer.updates,
     )
     source = ServedSource(task.source(server, sampling=_sampling(config, trainer.updates)), server)
@@ -276,7 +314,7 @@ def train(
         recorder = replay.Recorder(record)
         source = replay.RecordingSource(source, recorder)
         publisher = replay.RecordingPublisher(server, recorder)
-    rollouts = config.batch_size * config.groups
+    rollouts = tasks * config.groups
     scheduler = RolloutScheduler(
         objective,
         source,
@@ -291,11 +329,13 @@ def train(
         vocab=model_config.vocab,
     )
     per_epoch = config.tasks // config.batch_size * config.batch_size
-    dataset = task.dataset(
-        config.tasks,
-        config.batch_size,
-        shuffle_seed=config.seed,
-        epochs=-(-config.steps * config.batch_size // per_epoch),
+    dataset = ProcessRows(
+        task.dataset(
+            config.tasks,
+            config.batch_size,
+            shuffle_seed=config.seed,
+            epochs=-(-config.steps * config.batch_size // per_epoch),
+        )
     )
     if recorder is None:
         try:
@@ -305,7 +345,8 @@ def train(
     else:
         with recorder.record(scheduler):  # closes the scheduler, then ends the trace
             trainer.run(recorder, recorder.tasks(dataset), steps=config.steps, ahead=config.ahead)
-    write_curves(run / METRICS, run / "curves.png")
+    if index == 0:
+        write_curves(run / METRICS, run / "curves.png")
     return trainer
 
 
@@ -343,10 +384,45 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         help="continue the run in --run from its last checkpoint, with its config "
         "(--steps may extend it) (default: off)",
     )
+    pool = parser.add_argument_group(
+        "a pool of processes",
+        "train data-parallel on several processes: each takes its share of every batch",
+    )
+    pool.add_argument(
+        "--processes",
+        type=int,
+        metavar="N",
+        default=None,
+        help="start N processes on this machine, on the loopback interface; their logs go to "
+        "the run folder's logs/ (default: one process, no pool)",
+    )
+    pool.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        default=None,
+        help="join a pool across machines: process 0's address, where it listens",
+    )
+    pool.add_argument(
+        "--num-processes", type=int, metavar="N", default=None, help="the pool's size"
+    )
+    pool.add_argument(
+        "--process-id", type=int, metavar="I", default=None, help="this process's index, 0..N-1"
+    )
+    pool.add_argument(
+        "--deadline",
+        type=float,
+        metavar="SECONDS",
+        default=600.0,
+        help="in a pool, the seconds a step may take before every process stops, naming the "
+        "processes behind (default: 600)",
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """`dew train [options]`: train a built-in task, showing progress; return the exit status.
+
+    With `--processes N` it starts the pool's N processes and returns the pool's status; with
+    `--coordinator`, `--num-processes` and `--process-id` it is one process of a pool.
 
     Raises:
         SystemExit: with status 2, through the parser, for a bad option or run folder.
@@ -360,28 +436,114 @@ def run_cli(args: argparse.Namespace) -> int:
         if args.run_folder is not None
         else _default_run(given.get("task", "copy"))
     )
+    joining = _pool_options(args)
     saved = run / "config.json"
     try:
         if args.resume and saved.exists():
             config = attrs.evolve(TrainConfig.from_json(_read_json(saved)), **given)
         else:
             config = TrainConfig(**given)
-        _check_run(config, run, resume=args.resume)
+        # A pool's processes check the folder together, once they have joined.
+        if not joining:
+            _check_run(config, run, resume=args.resume)
+        if args.processes is not None:
+            _check_split(config, args.processes)
         if args.record is not None:
             _check_record(args.record)
         # A damaged checkpoint is refused here, before anything starts or is written.
-        record = read_commit(run / "checkpoints") if args.resume else None
+        commit = read_commit(run / "checkpoints") if args.resume else None
     except ValueError as error:
         args.parser.error(str(error))
-    print(f"dew train: {config.task} for {config.steps} steps in {run}", flush=True)
-    if record is not None:
-        print(
-            f"resuming at step {record['updates']}, data position {record['position']}",
-            flush=True,
-        )
+    if args.processes is not None:
+        return _launch(args, given, run)
+    if joining:
+        return _join(args, config, run)
+    _announce(config, run, commit)
     trainer = train(
         config, run, resume=args.resume, on_step=Progress(config.steps), record=args.record
     )
+    print(
+        f"trained {trainer.updates} steps in {trainer.elapsed:.0f}s; metrics, checkpoints "
+        f"and curves.png in {run}",
+        flush=True,
+    )
+    return 0
+
+
+def _pool_options(args: argparse.Namespace) -> bool:
+    """Check the pool's options; return whether this process joins a pool (--coordinator)."""
+    joining = [args.coordinator, args.num_processes, args.process_id]
+    if args.processes is not None:
+        if any(option is not None for option in joining):
+            args.parser.error(
+                "--processes starts a pool of its own: leave out --coordinator, "
+                "--num-processes and --process-id"
+            )
+        if args.processes < 1:
+            args.parser.error(f"--processes must be an int >= 1, got {args.processes}")
+    elif any(option is not None for option in joining) and None in joining:
+        args.parser.error("joining a pool takes --coordinator, --num-processes and --process-id")
+    if not 0 < args.deadline < math.inf:
+        args.parser.error(f"--deadline must be a finite number of seconds > 0, got {args.deadline}")
+    return args.coordinator is not None
+
+
+def _announce(config: TrainConfig, run: Path, commit: Mapping[str, Any] | None) -> None:
+    """Say what runs where, and where a resumed run's checkpoint (`commit`, read and checked
+    by `read_commit`) continues."""
+    print(f"dew train: {config.task} for {config.steps} steps in {run}", flush=True)
+    if commit is not None:
+        print(
+            f"resuming at step {commit['updates']}, data position {commit['position']}",
+            flush=True,
+        )
+
+
+def _launch(args: argparse.Namespace, given: Mapping[str, Any], run: Path) -> int:
+    """Start the pool of `--processes` local processes, each `dew train` joining it; return the
+    pool's status (the first failure's)."""
+    logs = run / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as probe:  # a free port for the coordinator
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    options = [f"--{name.replace('_', '-')}={value}" for name, value in given.items()]
+    options += ["--run", str(run), "--deadline", str(args.deadline)]
+    options += ["--resume"] if args.resume else []
+    commands = [
+        [sys.executable, "-m", "dew", "train", *options, "--coordinator", f"127.0.0.1:{port}"]
+        + ["--num-processes", str(args.processes), "--process-id", str(index)]
+        for index in range(args.processes)
+    ]
+    paths = [logs / f"process-{index}.log" for index in range(args.processes)]
+    print(f"dew train: a pool of {args.processes} processes; their logs in {logs}", flush=True)
+    return run_pool(commands, paths, echo=sys.stdout, report=sys.stderr)
+
+
+def _join(args: argparse.Namespace, config: TrainConfig, run: Path) -> int:
+    """Be process --process-id of the pool at --coordinator: train, or stop the whole pool with
+    a line naming the process that stopped it."""
+    try:
+        _pool_guard.join(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as error:
+        args.parser.error(str(error))
+    print(f"process {args.process_id} of {args.num_processes} (pid {os.getpid()})", flush=True)
+    try:
+        _announce(config, run, read_commit(run / "checkpoints") if args.resume else None)
+        trainer = train(
+            config,
+            run,
+            resume=args.resume,
+            on_step=Progress(config.steps),
+            deadline=args.deadline,
+        )
+    except Exception as error:
+        print(_pool_guard.stop(error), file=sys.stderr, flush=True)
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # An orderly exit would wait in jax.distributed's shutdown for processes that are gone.
+        os._exit(1)
     print(
         f"trained {trainer.updates} steps in {trainer.elapsed:.0f}s; metrics, checkpoints "
         f"and curves.png in {run}",
