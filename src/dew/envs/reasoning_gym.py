@@ -20,8 +20,9 @@ from typing import Any
 import attrs
 import numpy as np
 
+from dew._checks import int_at_least
 from dew.data import ArrayDataset, Batch, Task
-from dew.envs.environment import Sampling, Score, _at_least
+from dew.envs.environment import Sampling, Score
 from dew.envs.prompts import PromptSource
 from dew.envs.tasks import task_id
 from dew.serve.tokenizer import BYTES, Tokenizer
@@ -60,8 +61,8 @@ class ReasoningGym:
 
     name: str = attrs.field(validator=attrs.validators.instance_of(str))
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict, validator=_options)
-    size: int = attrs.field(default=1000, kw_only=True, validator=_at_least(1))
-    seed: int = attrs.field(default=0, kw_only=True, validator=_at_least(0))
+    size: int = attrs.field(default=1000, kw_only=True, validator=int_at_least(1))
+    seed: int = attrs.field(default=0, kw_only=True, validator=int_at_least(0))
     _dataset: Any = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self):
