@@ -39,6 +39,7 @@ from dew.train._checkpoint import (
 )
 from dew.train._cli import TASKS, TrainConfig, configure_cli, run_cli, train
 from dew.train._curves import write_curves
+from dew.train._fit import Sizes, fit, measure, task_list
 from dew.train._progress import Progress
 from dew.train._trainer import METRICS, Rollout, Trainer, record_fields
 
@@ -52,14 +53,18 @@ __all__ = [
     "Progress",
     "Rollout",
     "ServedSource",
+    "Sizes",
     "TrainConfig",
     "Trainer",
     "Variables",
     "configure_cli",
+    "fit",
     "load_checkpoint",
+    "measure",
     "record_fields",
     "run_cli",
     "save_checkpoint",
+    "task_list",
     "train",
     "write_curves",
 ]
