@@ -18,8 +18,8 @@ from dew.envs.prompts import PromptSource
 from dew.envs.tasks import task_dataset
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
-from dew.serve import RolloutServer, tokenizer
-from dew.train import ServedSource, Trainer
+from dew.serve import RolloutServer, ServedSource, tokenizer
+from dew.train import Trainer
 
 MAX_LEN = 64
 TRANSFORMER = models.Transformer(
