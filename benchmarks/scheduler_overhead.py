@@ -2,25 +2,30 @@
 
 A zero-latency source returns a valid COMPLETED session with one tiny call (2 prompt and 2
 completion tokens) at once, so every second spent is the scheduler's. On trio's real clock the
-benchmark drives `async with scheduler: await scheduler.step(...)` for `--steps` steps of
-`--tasks` tasks x `--groups` rollouts (ahead=1, the first step a warm-up that is not timed) and
-prints admitted rollouts per second. In that loop, per rollout: the pure core's submission and
-admission, one trio task in its own cancel scope inside the batch's nursery, the source call,
-the session's stamp and check, the finish event and its ordering at the instant; per step: the
-hand-over, the delivery through the memory channel, `pack` into [rows, 64] rows,
-`session_metrics`, and a rescoring that returns the behaviour log-probs as they are (no model).
+benchmark drives `async with scheduler: await scheduler.step(...)` with steps of a size's
+rollouts (`--groups` per task), as many as make about `--rollouts` timed rollouts (ahead=1, the
+first step a warm-up that is not timed), and prints admitted rollouts per second. In that
+loop, per rollout: the pure core's submission and admission, one trio task in its own cancel
+scope inside the batch's nursery, the source call, the session's stamp and check, the finish
+event and its ordering at the instant; per step: the hand-over, the delivery through the
+memory channel, `pack` into [rows, 64] rows, `session_metrics`, and a rescoring that returns the
+behaviour log-probs as they are (no model).
 
-The floor, measured in the same run: per rollout one bare trio task started in a nursery, inside
-a cancel scope, that sends one item through a memory channel, which the benchmark receives.
-Scheduler and floor are measured in turn `--repeats` times and each keeps its best rate, which
-the load of a shared machine disturbs least. It prints both rates and their ratio (target >=
-0.5), and splits the scheduler's time per rollout into `pack` + `session_metrics` (timed alone
-on the same groups, best of the repeats too) and the rest. It measures the same loop through the
-synchronous facade too, `scheduler(batch, variables, updates)` from the trainer's thread with
-the trio side in the scheduler's own thread, as a real trainer calls it. `--profile` runs the
-async loop once more under cProfile and prints where its time goes.
+The floor, measured in the same process at the same size: per rollout one bare trio task
+started in a nursery, inside a cancel scope, that sends one item through a memory channel, which
+the benchmark receives. The floor's own rate falls as a step grows, so each size (32, 128, 512
+and 1,024 rollouts a step by default) is judged against the floor at that size. At each size the
+async loop, the synchronous facade (`scheduler(batch, variables, updates)` from the trainer's
+thread with the trio side in the scheduler's own thread, as a real trainer calls it) and the
+floor are measured in turn, `--best-of` times each keeping its best rate; a run's ratios are
+scheduler / floor, printed min/median/max over `--runs` runs (target >= 0.5 at every size,
+through both facades). Ratios are given by wall clock (what a trainer waits) and by this
+process's CPU time (what the work costs, which the load of a shared machine disturbs far less
+than the wall clock), with the time per rollout that `pack` + `session_metrics` take on the same
+groups timed alone. The old figure was the async ratio at 1,024 rollouts a step only.
+`--profile` runs the async loop at the first size once more under cProfile.
 
-    python benchmarks/scheduler_overhead.py             # 256 tasks x 4, 10 steps, best of 5
+    python benchmarks/scheduler_overhead.py             # 32, 128, 512, 1024 rollouts a step
     python benchmarks/scheduler_overhead.py --profile   # and where the time goes
     python benchmarks/scheduler_overhead.py --smoke     # a tiny, fast run
 """
@@ -34,6 +39,7 @@ import gc
 import io
 import math
 import pstats
+import statistics
 import time
 from collections.abc import Iterator
 
@@ -49,6 +55,7 @@ from dew.simulate import BehaviorObjective
 WIDTH = 64
 # One session's chain is 4 tokens: a row of WIDTH holds WIDTH // 4 of them.
 TOKENS = 4
+SIZES = (32, 128, 512, 1024)
 
 
 # Every session's call shares these read-only arrays, as a prompt set's rollouts share their
@@ -105,34 +112,36 @@ def _steps(stream: Iterator, steps: int) -> Iterator[tuple[int, dict]]:
         yield updates, prefetched.popleft()
 
 
-async def _async_rate(tasks: int, groups: int, steps: int) -> float:
-    """Admitted rollouts per second through `await scheduler.step(...)`, after the first step."""
+async def _async_rate(tasks: int, groups: int, steps: int) -> tuple[int, float, float]:
+    """Rollouts admitted through `await scheduler.step(...)` after the first step, and the wall
+    and CPU seconds they took."""
     scheduler, stream = _scheduler(tasks, groups, steps)
-    start, admitted = time.perf_counter(), 0
+    start, cpu, admitted = time.perf_counter(), time.process_time(), 0
     async with scheduler:
         for updates, batch in _steps(stream, steps):
             if updates == 1:
-                start, admitted = time.perf_counter(), 0
+                start, cpu, admitted = time.perf_counter(), time.process_time(), 0
             await scheduler.step(batch, None, updates)
             admitted += scheduler.last_record.groups * groups
-        seconds = time.perf_counter() - start
-    return admitted / seconds
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return admitted, wall, cpu
 
 
-def _thread_rate(tasks: int, groups: int, steps: int) -> float:
-    """The same through `scheduler(...)` from this thread, the trio side in the scheduler's."""
+def _thread_rate(tasks: int, groups: int, steps: int) -> tuple[int, float, float]:
+    """The same through `scheduler(...)` from this thread, the trio side in the scheduler's
+    (CPU time counts both threads)."""
     scheduler, stream = _scheduler(tasks, groups, steps)
-    start, admitted = time.perf_counter(), 0
+    start, cpu, admitted = time.perf_counter(), time.process_time(), 0
     try:
         for updates, batch in _steps(stream, steps):
             if updates == 1:
-                start, admitted = time.perf_counter(), 0
+                start, cpu, admitted = time.perf_counter(), time.process_time(), 0
             scheduler(batch, None, updates)
             admitted += scheduler.last_record.groups * groups
-        seconds = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     finally:
         scheduler.close()
-    return admitted / seconds
+    return admitted, wall, cpu
 
 
 def _trainer_side_seconds(tasks: int, groups: int, steps: int) -> float:
@@ -150,71 +159,116 @@ def _trainer_side_seconds(tasks: int, groups: int, steps: int) -> float:
     return (time.perf_counter() - start) / (steps * tasks * groups)
 
 
-async def _floor_rate(rollouts: int, steps: int) -> float:
-    """Rollouts per second of the floor: a bare task, cancel scope and channel send each."""
+async def _floor_rate(rollouts: int, steps: int) -> tuple[int, float, float]:
+    """The floor's rollouts, a bare task, cancel scope and channel send each, and the wall and
+    CPU seconds they took."""
     send, receive = trio.open_memory_channel(math.inf)
 
     async def rollout(index: int) -> None:
         with trio.CancelScope():
             await send.send(index)
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         async with trio.open_nursery() as nursery:
             for index in range(rollouts):
                 nursery.start_soon(rollout, index)
         for _ in range(rollouts):
             await receive.receive()
-    return rollouts * steps / (time.perf_counter() - start)
+    return rollouts * steps, time.perf_counter() - start, time.process_time() - cpu
+
+
+def _timed(run, *args) -> tuple[float, float]:
+    """(rollouts per wall second, rollouts per CPU second of this process) of one measurement.
+
+    `run` returns (rollouts, wall seconds, CPU seconds) of its timed part.
+    """
+    gc.collect()  # what the last measurement left behind would tax this one
+    rollouts, wall, cpu = run(*args)
+    return rollouts / wall, rollouts / cpu
+
+
+def _measure(size: int, groups: int, steps: int, best_of: int) -> dict[str, tuple[float, float]]:
+    """Each loop's best wall and CPU rates at one size, measured in turn `best_of` times."""
+    tasks = size // groups
+    best: dict[str, tuple[float, float]] = {}
+    for _ in range(best_of):
+        for name, rate in (
+            ("async", _timed(trio.run, _async_rate, tasks, groups, steps)),
+            ("thread", _timed(_thread_rate, tasks, groups, steps)),
+            ("floor", _timed(trio.run, _floor_rate, size, steps - 1)),
+        ):
+            old = best.get(name, (0.0, 0.0))
+            best[name] = (max(old[0], rate[0]), max(old[1], rate[1]))
+    return best
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.3f}/{statistics.median(values):.3f}/{max(values):.3f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=256, help="tasks per batch (default 256)")
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=list(SIZES), help="rollouts a step (32 ... 1024)"
+    )
     parser.add_argument("--groups", type=int, default=4, help="rollouts per task (default 4)")
-    parser.add_argument("--steps", type=int, default=10, help="steps, the first untimed (10)")
-    parser.add_argument("--repeats", type=int, default=5, help="best of this many (default 5)")
+    parser.add_argument(
+        "--rollouts", type=int, default=8192, help="timed rollouts per measurement (8192)"
+    )
+    parser.add_argument("--runs", type=int, default=3, help="runs to report (default 3)")
+    parser.add_argument("--best-of", type=int, default=2, help="measurements per run (2)")
     parser.add_argument("--profile", action="store_true", help="profile the scheduler loop")
     parser.add_argument("--smoke", action="store_true", help="a tiny, fast run")
     args = parser.parse_args()
     if args.smoke:
-        args.tasks, args.steps, args.repeats = 16, 3, 1
+        args.sizes, args.rollouts, args.runs, args.best_of = [32, 128], 512, 1, 1
 
-    rollouts = args.tasks * args.groups
-    scheduler = thread = floor = 0.0
-    trainer_side = math.inf
-    for _ in range(args.repeats):
-        # Each run starts from a collected heap: what one leaves behind would tax the next.
-        gc.collect()
-        scheduler = max(scheduler, trio.run(_async_rate, args.tasks, args.groups, args.steps))
-        gc.collect()
-        thread = max(thread, _thread_rate(args.tasks, args.groups, args.steps))
-        gc.collect()
-        floor = max(floor, trio.run(_floor_rate, rollouts, args.steps - 1))
-        gc.collect()
-        trainer_side = min(
-            trainer_side, _trainer_side_seconds(args.tasks, args.groups, args.steps - 1)
+    print(
+        f"scheduler overhead: zero-latency source, {args.groups} rollouts a task, about "
+        f"{args.rollouts} timed rollouts per measurement, {args.runs} runs of best of "
+        f"{args.best_of}, real clock; ratios min/median/max over the runs (target >= 0.5)"
+    )
+    print(
+        "  rollouts/step | rollouts/s  async   thread    floor | wall ratio async  thread"
+        "      | CPU ratio async  thread       | pack+metrics"
+    )
+    verdicts, old = [], None
+    for size in args.sizes:
+        steps = 1 + max(4, args.rollouts // size)
+        runs = [_measure(size, args.groups, steps, args.best_of) for _ in range(args.runs)]
+        ratio = {
+            (name, clock): [run[name][clock] / run["floor"][clock] for run in runs]
+            for name in ("async", "thread")
+            for clock in (0, 1)
+        }
+        median = {
+            name: statistics.median(run[name][0] for run in runs)
+            for name in ("async", "thread", "floor")
+        }
+        side = _trainer_side_seconds(size // args.groups, args.groups, steps - 1)
+        print(
+            f"  {size:13d} | {median['async']:14,.0f} {median['thread']:8,.0f} "
+            f"{median['floor']:8,.0f} | {_spread(ratio['async', 0]):>17} "
+            f"{_spread(ratio['thread', 0]):>17} | {_spread(ratio['async', 1]):>17} "
+            f"{_spread(ratio['thread', 1]):>17} | {1e6 * side:5.1f} us/rollout"
         )
-    trio_side = 1 / (1 / scheduler - trainer_side)
+        verdicts.append(min(min(ratio["async", 0]), min(ratio["thread", 0])) >= 0.5)
+        if size == 1024:
+            old = _spread(ratio["async", 0])
     print(
-        f"scheduler overhead: zero-latency source, {args.tasks} tasks x {args.groups} rollouts "
-        f"per step, {args.steps - 1} timed steps, best of {args.repeats}, real clock"
+        "fair: each size against the floor at that size, both facades (thread: scheduler(...) "
+        f"from the trainer's thread, the trainer's path): target met at "
+        f"{sum(verdicts)} of {len(verdicts)} sizes (wall clock, every run)"
     )
-    print(f"  scheduler  {scheduler:>12,.0f} admitted rollouts/s (await scheduler.step)")
-    print(f"  floor      {floor:>12,.0f} rollouts/s (task + cancel scope + channel send)")
-    print(f"  ratio      {scheduler / floor:>12.3f} (target >= 0.5)")
-    print(
-        f"  split      {1e6 / scheduler:.0f} us per rollout, of which pack + session_metrics "
-        f"{1e6 * trainer_side:.0f} us (timed alone on the same groups)"
-    )
-    print(f"  without    {trio_side:>12,.0f} rollouts/s, ratio {trio_side / floor:.3f}")
-    print(
-        f"  thread     {thread:>12,.0f} admitted rollouts/s (scheduler(...) from the trainer's "
-        f"thread), ratio {thread / floor:.3f}"
-    )
+    if old is not None:
+        print(f"old:  async at 1024 rollouts a step only (the floor's slowest size): {old}")
     if args.profile:
         profile = cProfile.Profile()
-        profile.runcall(trio.run, _async_rate, args.tasks, args.groups, args.steps)
+        size = args.sizes[0]
+        profile.runcall(
+            trio.run, _async_rate, size // args.groups, args.groups, 1 + args.rollouts // size
+        )
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
         print(out.getvalue())

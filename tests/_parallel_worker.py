@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from dew import models
 from dew.data import ArrayDataset
@@ -29,7 +30,16 @@ from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import pack
-from dew.parallel import DistributedPool, LocalPool, default_pool, first_reader_batch
+from dew.parallel import (
+    DataParallelUpdate,
+    DistributedPool,
+    LocalPool,
+    ProcessRows,
+    default_pool,
+    first_reader_batch,
+    local_copy,
+    pool_fields,
+)
 
 # The task rows of one process: its shard of the pool's, two to a batch.
 BATCH_SIZE = 2
@@ -133,28 +143,151 @@ def case_structure(arrays, facts):
     DistributedPool().rescore(objective, variables, rows)
 
 
+def exact_values(index: int) -> dict[str, np.ndarray]:
+    """Arrays whose values a float32 or int32 path would change: wide ints and floats, -0.0,
+    subnormals, NaN payloads; plus bool, narrow, 0-d, empty and string arrays."""
+    offset = np.int64(index)
+    return {
+        "int64": np.array([2**40 + 3, -(2**62) - 1, 7], np.int64) + offset,
+        "uint64": np.array([2**64 - 1 - index], np.uint64),
+        "float64": np.array([1 / 3, 1e-310, -0.0, np.pi + index], np.float64),
+        "float32": np.array([1e-40, -0.0, -1e-45, np.float32(index)], np.float32),
+        "nan_bits": np.array([0x7FC00001 + index, 0xFFA00000], np.uint32).view(np.float32),
+        "float16": np.array([[6e-8, -0.0], [65504.0, index]], np.float16),
+        "bool": np.array([True, False, index % 2 == 1]),
+        "uint8": np.array([255, index], np.uint8),
+        "scalar": np.array(2**40 + index, np.int64),
+        "empty": np.zeros((0, 3), np.float64),
+        "text": np.array([f"process {index}", "ü"]),
+    }
+
+
 def case_first_reader(arrays, facts):
-    """Shares of two: the first reader's rows reach its share; a share of one keeps its own."""
+    """Shares of two: the first reader's rows reach its share bit for bit; a share of one keeps
+    its own; an array of Python objects is refused on every process."""
     index = jax.process_index()
-    first = DistributedPool().is_first_reader(2)
+    pool = DistributedPool(share_size=2)
+    first = pool.is_first_reader()
     if first:
         own = synthetic_rows(index, rows=4, width=8)
         own["advantages"] = np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8)
         own["advantages"] += np.float32(index)
+        exact = exact_values(index)
     else:
         # A later reader samples nothing: it hands over an empty pack of the same shape.
         template = pack([], width=8, rows=4).batch
         own = {key: template[key] for key in ("tokens", "positions", "segment_ids", "advantages")}
-    received = first_reader_batch(own, share_size=2)
+        exact = {key: np.zeros_like(value) for key, value in exact_values(index).items()}
+    received = first_reader_batch(own, share_size=pool.share_size)
     arrays.update({f"own/{key}": value for key, value in own.items()})
     arrays.update({f"received/{key}": value for key, value in received.items()})
+    received = first_reader_batch(exact, share_size=2)
+    arrays.update({f"exact_own/{key}": value for key, value in exact.items()})
+    arrays.update({f"exact_received/{key}": value for key, value in received.items()})
     facts["first_reader"] = first
     alone = first_reader_batch({"x": np.full(3, index, np.int32)}, share_size=1)
     arrays["alone"] = alone["x"]
+    for share_size in (3, 2):
+        batch = own if share_size == 3 else dict(own, objects=np.array([None, index], object))
+        try:
+            first_reader_batch(batch, share_size=share_size)
+        except ValueError as error:
+            facts[f"refused{share_size}"] = str(error)
     try:
-        first_reader_batch(own, share_size=3)
+        DistributedPool(share_size=3)
     except ValueError as error:
-        facts["bad_share"] = str(error)
+        facts["bad_pool"] = str(error)
+
+
+# The data-parallel steps: each process's rows of every step's global batch, and the step count.
+DATA_PARALLEL_ROWS = 3
+DATA_PARALLEL_STEPS = 3
+
+
+def global_batch(step: int, processes: int) -> dict[str, np.ndarray]:
+    """Step's global training batch, every process's rows in process order: packed rows with
+    advantages, a loss mask, and behaviour and proximal log-probs near the model's."""
+    rows = synthetic_rows(1000 + step, rows=DATA_PARALLEL_ROWS * processes, width=16)
+    rng = np.random.default_rng(step)
+    shape = rows["tokens"].shape
+    follows = (rows["segment_ids"] > 0) & (rows["positions"] > 0)
+    logprobs = np.where(follows, rng.uniform(-4.0, -2.0, shape), 0.0).astype(np.float32)
+    rows["loss_mask"] = follows.astype(np.float32)
+    rows["advantages"] = np.where(follows, rng.normal(0.0, 1.0, shape), 0.0).astype(np.float32)
+    rows["behavior_logprobs"] = logprobs
+    rows["proximal_logprobs"] = logprobs + np.float32(0.01) * follows
+    return rows
+
+
+# optax's Adam raises its float decay to its int32 step count, which strict promotion refuses.
+@jax.numpy_dtype_promotion("standard")
+def train_alone(steps: int, processes: int) -> tuple[Any, list[dict]]:
+    """The single-process trainer's steps over the global batches: its jitted update."""
+    objective, _, variables = tiny()
+    optimizer = optax.adam(1e-2)
+    update = objective.update_fn(optimizer)
+    opt_state = optimizer.init(variables)
+    metrics = []
+    for step in range(steps):
+        variables, opt_state, step_metrics = update(
+            variables, opt_state, global_batch(step, processes)
+        )
+        metrics.append(jax.device_get(step_metrics))
+    return variables, metrics
+
+
+@jax.numpy_dtype_promotion("standard")  # Adam, as in train_alone
+def case_data_parallel(arrays, facts):
+    """Every process steps on its own rows of each global batch; the variables it ends with."""
+    objective, _, variables = tiny()
+    optimizer = optax.adam(1e-2)
+    index, processes = jax.process_index(), jax.process_count()
+    step_fn = DataParallelUpdate(objective.update_fn(optimizer))
+    variables = step_fn.replicate(variables)
+    opt_state = step_fn.replicate(optimizer.init(variables))
+    own = slice(index * DATA_PARALLEL_ROWS, (index + 1) * DATA_PARALLEL_ROWS)
+    for step in range(DATA_PARALLEL_STEPS):
+        rows = {key: value[own] for key, value in global_batch(step, processes).items()}
+        variables, opt_state, metrics = step_fn(variables, opt_state, rows)
+        arrays.update({f"metrics{step}/{key}": value for key, value in metrics.items()})
+    leaves = jax.tree_util.tree_flatten_with_path(local_copy(variables))[0]
+    arrays.update({jax.tree_util.keystr(path): leaf for path, leaf in leaves})
+    facts["replicated"] = all(leaf.is_fully_replicated for leaf in jax.tree.leaves(variables))
+    facts["compilations"] = step_fn._update._cache_size()
+
+
+def case_pooled(arrays, facts):
+    """Each process's metrics line pooled, and its rows of a dataset's global batches."""
+    index = jax.process_index()
+    line = {
+        "groups": 3 + index,
+        "resubmitted/timeout": index,
+        "lag": index,
+        "waited": 0.5 * index,
+        "version": 10 - index,
+        "reward/mean": 0.25 + index,
+        "latency/p90": None if index == 0 else 2.0,
+        "loss": None,
+    }
+    facts["pooled"] = pool_fields({**line, f"only on {index}": 1.5 + index})
+    dataset = ArrayDataset({"task_id": np.arange(12)}, batch_size=4)
+    facts["rows"] = [batch["task_id"].tolist() for batch in ProcessRows(dataset).stream(1)]
+
+
+def case_mesh(arrays, facts):
+    """The share size of meshes over four processes of one device each."""
+    devices = sorted(jax.devices(), key=lambda device: device.process_index)
+    square = jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("data", "model"))
+    line = jax.sharding.Mesh(np.array(devices), ("data",))
+    facts["data_model"] = DistributedPool.from_mesh(square, data_axes=("data",)).share_size
+    facts["both_axes"] = DistributedPool.from_mesh(square, data_axes=("data", "model")).share_size
+    facts["line"] = DistributedPool.from_mesh(line, data_axes=("data",)).share_size
+    facts["replicated"] = DistributedPool.from_mesh(line, data_axes=()).share_size
+    for name, axes in (("strided", ("model",)), ("unknown", ("rows",))):
+        try:
+            DistributedPool.from_mesh(square, data_axes=axes)
+        except ValueError as error:
+            facts[name] = str(error)
 
 
 def run_scheduler(
@@ -173,8 +306,7 @@ def run_scheduler(
         ahead=ahead,
         max_lag=ahead,
     )
-    scheduler.pool = DistributedPool()
-    scheduler.share_size = share_size
+    scheduler.pool = DistributedPool(share_size=share_size)
     scheduler.long_wait = None
     index, processes = jax.process_index(), jax.process_count()
     shard = np.arange(index, BATCHES * BATCH_SIZE * processes, processes)
@@ -197,6 +329,7 @@ def run_scheduler(
             arrays[f"alone{updates}"] = LocalPool().rescore(alone, weights, rows)
             arrays[f"segments{updates}"] = packed["segment_ids"]
             arrays[f"tokens{updates}"] = packed["tokens"]
+            arrays.update({f"packed{updates}/{key}": value for key, value in packed.items()})
             events = scheduler.last_events if scheduler.last_record is not None else ()
             admitted = {e.task for e in events if e.kind == "admitted"}
             facts["tasks"].append(sorted(admitted, key=int))
@@ -272,6 +405,9 @@ CASES = {
     "agree": case_agree,
     "structure": case_structure,
     "first_reader": case_first_reader,
+    "mesh": case_mesh,
+    "pooled": case_pooled,
+    "data_parallel": case_data_parallel,
     "scheduler": case_scheduler,
     "failure": case_failure,
     "share": case_share,

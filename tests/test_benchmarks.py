@@ -19,6 +19,7 @@ def test_there_are_benchmarks():
         "scheduler_overhead",
         "long_tail",
         "engine",
+        "gateway",
     }
 
 

@@ -427,6 +427,25 @@ def test_construction_and_load_name_the_bad_argument():
     assert engine.version == 0
 
 
+def test_a_push_checks_shapes_and_dtypes_off_the_leaves_without_tracing(monkeypatch):
+    engine = server()
+
+    def traced(*args, **kwargs):
+        raise AssertionError("load traced the pushed variables")
+
+    # The trainer pushes every step: a trace per push would cost more than the check itself.
+    monkeypatch.setattr(jax, "eval_shape", traced)
+    # NumPy float64 leaves are what JAX would hold as float32 (x64 off): accepted, as JAX does.
+    engine.load(jax.tree.map(lambda leaf: np.asarray(leaf, np.float64), params()), version=1)
+    wrong = jax.tree.map(np.asarray, params())
+    wrong["embed"] = wrong["embed"].astype(np.int32)
+    with pytest.raises(
+        ValueError, match=r"variables\['embed'\] must be float32\[260, 32\], got int32"
+    ):
+        engine.load(wrong, version=2)
+    assert engine.version == 1
+
+
 def test_the_public_surface_keeps_its_signatures():
     # ServedSource joined dew.serve (it was dew.train's, which still re-exports it).
     assert set(dew.serve.__all__) == {

@@ -382,10 +382,44 @@ def reference_lay_out(laid, *, width, support_capacity) -> dict[str, np.ndarray]
     return batch
 
 
-def reference_pack(groups, *, width, rows, estimator, truncation, support_capacity):
+def by_row(pieces, rows_for, laid):
+    """Each row's pieces after `pieces` are added to `laid` at rows `rows_for`."""
+    laid = [list(row) for row in laid]
+    for piece, row in zip(pieces, rows_for, strict=True):
+        laid[row].append(piece)
+    return laid
+
+
+def minimum_bin_slack(pieces, *, width, rows, length):
+    """Rows filled one after another, each with the longest piece left and, of the subsets of
+    the rest, the one with the largest sum that fits (the first reached, item by item); None
+    if pieces are left over."""
+    left, laid = list(pieces), []
+    for _ in range(rows):
+        if not left:
+            laid.append([])
+            continue
+        first, rest = left[0], left[1:]
+        room = width - length(first)
+        best = {0: ()}  # each reachable sum, and the subset that first reached it
+        for i, piece in enumerate(rest):
+            for total in sorted(best):
+                if total + length(piece) <= room and total + length(piece) not in best:
+                    best[total + length(piece)] = best[total] + (i,)
+        chosen = set(best[max(best)])
+        laid.append([first] + [piece for i, piece in enumerate(rest) if i in chosen])
+        left = [piece for i, piece in enumerate(rest) if i not in chosen]
+    return None if left else laid
+
+
+def reference_pack(
+    groups, *, width, rows, estimator, truncation, support_capacity, relay=("best_fit", "slack")
+):
     """pack written plainly: each group's advantages on their own, each chain's own arrays,
-    best fit by a pass over every row, slices written per piece. Slow, and the yardstick for
-    pack.
+    best fit by a pass over every row (beside the laid chains, else all laid again longest
+    first), slices written per piece. Slow, and the yardstick for pack. `relay` names the
+    ways of laying all chains again to try, so that tests can find the cases where each of
+    them keeps a group.
 
     Returns:
         (batch, packed, cut as (group, reason) pairs, fill).
@@ -400,28 +434,59 @@ def reference_pack(groups, *, width, rows, estimator, truncation, support_capaci
         )
         for group in groups
     ]
-    free = np.full(rows, width, np.int64)
-    free_support = np.full(rows, support_capacity, np.int64) if with_support else None
     laid = [[] for _ in range(rows)]
+
+    def length(piece) -> int:
+        return len(piece["tokens"])
+
+    def kept(piece) -> int:
+        return len(piece["support_at"])
+
+    def fit(pieces, *, support: bool):
+        """The rows' pieces with `pieces` beside the laid ones; else all laid again from empty
+        rows, best fit longest first, else by minimum bin slack; None if none holds them."""
+        free = np.array([width - sum(map(length, row)) for row in laid], np.int64)
+        free_support = np.array([(support_capacity or 0) - sum(map(kept, row)) for row in laid])
+        rows_for = reference_fit(pieces, free, free_support if support else None)
+        if rows_for is not None:
+            return by_row(pieces, rows_for, laid)
+        if not relay or sum(map(length, pieces)) > free.sum():
+            return None
+        everything = sorted(
+            [piece for row in laid for piece in row] + pieces, key=lambda piece: -length(piece)
+        )
+        empty = np.full(rows, width, np.int64)
+        full_support = np.full(rows, support_capacity or 0, np.int64)
+        rows_for = None
+        if "best_fit" in relay:
+            rows_for = reference_fit(everything, empty, full_support if support else None)
+        if rows_for is not None:
+            return by_row(everything, rows_for, [[] for _ in range(rows)])
+        if "slack" not in relay:
+            return None
+        relaid = minimum_bin_slack(everything, width=width, rows=rows, length=length)
+        if relaid is None or (
+            support and max(sum(map(kept, row)) for row in relaid) > support_capacity
+        ):
+            return None
+        return relaid
+
     packed, cut = [], []
     for g, pieces in enumerate(plans):
         if any(len(piece["tokens"]) > width for piece in pieces):
             cut.append((g, "too_long"))
             continue
         ordered = sorted(pieces, key=lambda piece: -len(piece["tokens"]))
-        placement = reference_fit(ordered, free, free_support)
-        if placement is None:
-            fits = with_support and reference_fit(ordered, free, None) is not None
+        relaid = fit(ordered, support=with_support)
+        if relaid is None:
+            fits = with_support and fit(ordered, support=False) is not None
             cut.append((g, "support" if fits else "no_room"))
             continue
-        for piece, row in zip(ordered, placement, strict=True):
-            laid[row].append(piece)
-            free[row] -= len(piece["tokens"])
-            if with_support:
-                free_support[row] -= len(piece["support_at"])
+        laid = relaid
         packed.append(g)
     batch = reference_lay_out(laid, width=width, support_capacity=support_capacity)
-    return batch, tuple(packed), tuple(cut), float((width * rows - free.sum()) / (width * rows))
+    used = sum(len(piece["tokens"]) for row in laid for piece in row)
+    return batch, tuple(packed), tuple(cut), float(used / (width * rows))
 
 
 @st.composite
@@ -501,7 +566,12 @@ def cuts_for(reason: str):
 
 @pytest.mark.parametrize(
     "condition",
-    [cuts_for("too_long"), cuts_for("no_room"), cuts_for("support"), packs_merged_support],
+    [
+        cuts_for("too_long"),
+        cuts_for("no_room"),
+        cuts_for("support"),
+        packs_merged_support,
+    ],
     ids=["too_long", "no_room", "support", "merged_support"],
 )
 def test_the_reference_cases_reach_every_cut_reason_and_merged_chains(condition):
@@ -729,6 +799,74 @@ def test_a_chain_goes_to_the_fullest_row_that_holds_it():
     np.testing.assert_array_equal(
         packed.batch["segment_ids"], [[1] * 4 + [2] * 6, [1] * 7 + [2] * 3]
     )
+
+
+def test_a_group_that_fits_only_if_earlier_chains_move_lays_them_all_again():
+    groups = [
+        [one_call(Status.COMPLETED, 1.0, group=0, length=3)],
+        [one_call(Status.COMPLETED, 1.0, group=1, length=3)],
+        [one_call(Status.COMPLETED, float(s), group=2, sample=s, length=7) for s in range(2)],
+    ]
+    packed = pack(groups, width=10, rows=2)
+    # Beside the 3s, both in the fuller row 0, the second 7 would find no row: laid again
+    # longest first, each 7 takes a row and each 3 the gap beside it.
+    assert packed.packed == (0, 1, 2) and packed.cut == () and packed.fill == 1.0
+    np.testing.assert_array_equal(packed.batch["segment_ids"], [[1] * 7 + [2] * 3] * 2)
+    np.testing.assert_array_equal(packed.batch["positions"][:, 7:], [[0, 1, 2]] * 2)
+    arguments = {
+        "width": 10,
+        "rows": 2,
+        "estimator": "group",
+        "truncation": "mask",
+        "support_capacity": None,
+    }
+    assert_packs_as_the_reference(groups, arguments)
+    assert reference_pack(groups, **arguments, relay=())[1] == (0, 1)
+
+
+@pytest.mark.parametrize(("capacity", "cut"), [(24, ()), (23, (Cut(2, "support"),))])
+def test_relaying_keeps_each_row_within_its_support(capacity, cut):
+    groups = [
+        [one_call(Status.COMPLETED, 1.0, group=0, length=3, support=True)],
+        [one_call(Status.COMPLETED, 1.0, group=1, length=3, support=True)],
+        [
+            one_call(Status.COMPLETED, float(s), group=2, sample=s, length=7, support=True)
+            for s in range(2)
+        ],
+    ]
+    # Laid again, each row holds a 7 and a 3: 6 and 2 trained positions, 3 kept tokens each.
+    arguments = {
+        "width": 10,
+        "rows": 2,
+        "estimator": "group",
+        "truncation": "mask",
+        "support_capacity": capacity,
+    }
+    assert pack(groups, **arguments).cut == cut
+    assert_packs_as_the_reference(groups, arguments)
+
+
+def test_chains_best_fit_cannot_hold_fill_the_rows_one_by_one():
+    lengths = [5, 4, 4, 3, 2, 2]
+    group = [
+        one_call(Status.COMPLETED, float(s), sample=s, length=n) for s, n in enumerate(lengths)
+    ]
+    # Best fit, longest first: 5 and 4 in row 0, then 4, 3 and 2 in row 1, and 1 cell left in
+    # each for the last 2. Row by row: 5 with the 3 and 2 that fill it, then 4, 4 and 2.
+    packed = pack([group], width=10, rows=2)
+    assert packed.packed == (0,) and packed.fill == 1.0
+    np.testing.assert_array_equal(
+        packed.batch["segment_ids"], [[1] * 5 + [2] * 3 + [3] * 2, [1] * 4 + [2] * 4 + [3] * 2]
+    )
+    arguments = {
+        "width": 10,
+        "rows": 2,
+        "estimator": "group",
+        "truncation": "mask",
+        "support_capacity": None,
+    }
+    assert_packs_as_the_reference([group], arguments)
+    assert reference_pack([group], **arguments, relay=("best_fit",))[1] == ()
 
 
 def test_support_that_does_not_fit_cuts_its_group():

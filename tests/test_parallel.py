@@ -18,12 +18,31 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
+import optax
 import pytest
 
 import dew.parallel
-from _parallel_worker import synthetic_rows, tiny
-from dew.parallel import DistributedPool, LocalPool, default_pool, first_reader_batch
+from _parallel_worker import (
+    DATA_PARALLEL_STEPS,
+    exact_values,
+    global_batch,
+    synthetic_rows,
+    tiny,
+    train_alone,
+)
+from dew.data import ArrayDataset
+from dew.parallel import (
+    DataParallelUpdate,
+    DistributedPool,
+    LocalPool,
+    ProcessRows,
+    default_pool,
+    first_reader_batch,
+    local_copy,
+    pool_fields,
+)
 
 WORKER = pathlib.Path(__file__).with_name("_parallel_worker.py")
 # Seconds a pool may take; its workers dump their stacks and exit a little earlier.
@@ -83,7 +102,7 @@ def launch(out: pathlib.Path, *, processes: int, local_devices: int, cases: str)
 
 @pytest.fixture(scope="module")
 def pool2(tmp_path_factory) -> pathlib.Path:
-    cases = "rescore,agree,structure,first_reader,scheduler,failure,share"
+    cases = "rescore,agree,structure,first_reader,scheduler,failure,share,data_parallel,pooled"
     out = tmp_path_factory.mktemp("pool2")
     return launch(out, processes=2, local_devices=2, cases=cases)
 
@@ -91,7 +110,7 @@ def pool2(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def pool4(tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("pool4")
-    return launch(out, processes=4, local_devices=1, cases="first_reader,agree")
+    return launch(out, processes=4, local_devices=1, cases="first_reader,agree,mesh")
 
 
 def result(out: pathlib.Path, case: str, process: int) -> tuple[dict[str, np.ndarray], dict]:
@@ -170,7 +189,42 @@ def test_later_readers_receive_exactly_their_first_readers_rows(request, pool, p
         if processes == 4:
             assert not np.array_equal(arrays["received/advantages"], other["received/advantages"])
         np.testing.assert_array_equal(arrays["alone"], np.full(3, process, np.int32))
-        assert "share_size" in facts["bad_share"] and "got 3" in facts["bad_share"]
+        assert "share_size" in facts["refused3"] and "got 3" in facts["refused3"]
+        assert "share_size" in facts["bad_pool"] and "got 3" in facts["bad_pool"]
+        # Every process refuses an array of Python objects, naming it.
+        assert "objects holds Python objects" in facts["refused2"]
+
+
+@pytest.mark.parametrize("pool, processes", [("pool2", 2), ("pool4", 4)])
+def test_first_reader_batch_carries_every_bit_of_every_dtype(request, pool, processes):
+    """int64 past 2**31, float64, -0.0, subnormals and NaN payloads come back as the first
+    reader sent them, on the later readers and on the first reader itself, though JAX runs
+    without 64-bit types there."""
+    out = request.getfixturevalue(pool)
+    for process in range(processes):
+        arrays, _ = result(out, "first_reader", process)
+        first, _ = result(out, "first_reader", process - process % 2)
+        sent = exact_values(process - process % 2)
+        for key, value in sent.items():
+            received = arrays[f"exact_received/{key}"]
+            assert received.dtype == value.dtype and received.shape == value.shape, key
+            assert received.tobytes() == value.tobytes(), (
+                f"{key} came back as {received!r}, the first reader sent {value!r}"
+            )
+            assert received.tobytes() == first[f"exact_own/{key}"].tobytes()
+    assert arrays["exact_received/int64"][0] == 2**40 + 3 + processes - 2
+
+
+def test_the_share_size_of_a_mesh_is_the_processes_that_hold_each_data_slice(pool4):
+    for process in range(4):
+        _, facts = result(pool4, "mesh", process)
+        assert "raised" not in facts, facts
+        assert facts["data_model"] == 2  # processes 0, 1 hold data slice 0; 2, 3 slice 1
+        assert facts["both_axes"] == 1
+        assert facts["line"] == 1
+        assert facts["replicated"] == 4  # one slice, every process reads it
+        assert "consecutive runs" in facts["strided"] and "[[0, 2], [1, 3]]" in facts["strided"]
+        assert "data_axes" in facts["unknown"] and "'rows'" in facts["unknown"]
 
 
 # --- a scheduler on every process -----------------------------------------------------------------
@@ -199,8 +253,14 @@ def test_a_shares_later_reader_samples_nothing_and_trains_on_the_first_readers_r
     assert first_facts["rollouts"] > 0 and later_facts["rollouts"] == 0
     assert first_facts["records"] and not later_facts["records"]  # later readers log nothing
     for step in range(3):
-        np.testing.assert_array_equal(later[f"tokens{step}"], first[f"tokens{step}"])
-        np.testing.assert_allclose(later[f"pool{step}"], first[f"pool{step}"], rtol=1e-6)
+        keys = [key for key in first if key.startswith(f"packed{step}/")]
+        assert {key.rpartition("/")[2] for key in keys} >= {"tokens", "advantages", "loss_mask"}
+        for key in keys:
+            if key.endswith("/proximal_logprobs"):  # rescored on each process's own devices
+                np.testing.assert_allclose(later[key], first[key], rtol=1e-6)
+                continue
+            assert later[key].dtype == first[key].dtype, key
+            assert later[key].tobytes() == first[key].tobytes(), key  # byte for byte
         assert (first[f"segments{step}"] > 0).any()
 
 
@@ -214,6 +274,59 @@ def test_a_broken_source_stops_every_process_at_the_same_step(pool2):
     assert len(healthy["tasks"]) == len(broken["tasks"]) == 2
 
 
+# --- data-parallel training ----------------------------------------------------------------------
+
+
+def test_two_processes_train_to_the_parameters_of_one_over_the_same_global_batches(pool2):
+    """Each process steps on its own rows (padded from three to four over its two devices); JAX
+    reduces the gradients across the pool; both end with the single process's parameters."""
+    alone, alone_metrics = train_alone(DATA_PARALLEL_STEPS, processes=2)
+    expected = {
+        jax.tree_util.keystr(path): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(alone)[0]
+    }
+    initial = tiny()[2]
+    for process in range(2):
+        arrays, facts = result(pool2, "data_parallel", process)
+        assert "raised" not in facts, facts
+        assert facts["replicated"] and facts["compilations"] == 1
+        for key, value in expected.items():
+            np.testing.assert_allclose(arrays[key], value, rtol=2e-5, atol=2e-6, err_msg=key)
+        for step, metrics in enumerate(alone_metrics):
+            for name in ("loss", "tokens", "grad_norm"):
+                np.testing.assert_allclose(
+                    arrays[f"metrics{step}/{name}"], metrics[name], rtol=1e-5, err_msg=name
+                )
+    start = jax.tree_util.tree_flatten_with_path(initial)[0]
+    moved = any(not np.allclose(expected[jax.tree_util.keystr(path)], leaf) for path, leaf in start)
+    assert moved, "the steps left the parameters where they started"
+
+
+# --- one metrics stream ---------------------------------------------------------------------------
+
+
+def test_the_pools_metrics_line_adds_counts_keeps_the_worst_and_averages_the_rest(pool2):
+    for process in range(2):
+        _, facts = result(pool2, "pooled", process)
+        assert facts["pooled"] == {
+            "groups": 7,
+            "resubmitted/timeout": 1,
+            "lag": 1,
+            "waited": 0.5,
+            "version": 9,
+            "reward/mean": 0.75,
+            "latency/p90": 2.0,  # the mean of the processes that have it
+            "loss": None,
+            "only on 0": 1.5,  # a field one process has is that process's
+            "only on 1": 2.5,
+        }
+        # Batches 1 and 2 of four rows: this process's two.
+        assert facts["rows"] == [
+            [4 + 2 * process, 5 + 2 * process],
+            [8 + 2 * process, 9 + 2 * process],
+        ]
+
+
 # --- one process ----------------------------------------------------------------------------------
 
 
@@ -225,14 +338,26 @@ def test_a_lone_process_is_its_own_first_reader():
     batch = {"tokens": np.arange(6, dtype=np.int32).reshape(2, 3)}
     received = first_reader_batch(batch, share_size=1)
     np.testing.assert_array_equal(received["tokens"], batch["tokens"])
-    assert LocalPool().is_first_reader(1) and DistributedPool().is_first_reader(1)
+    exact = exact_values(0)
+    for key, value in first_reader_batch(exact, share_size=1).items():
+        assert value.dtype == exact[key].dtype and value.tobytes() == exact[key].tobytes()
+    assert LocalPool().is_first_reader() and DistributedPool().is_first_reader()
+    assert LocalPool().share_size == DistributedPool().share_size == 1
     for share_size in (0, 2, True, 1.0):
         with pytest.raises(ValueError, match=f"share_size .* got {share_size!r}"):
             first_reader_batch(batch, share_size=share_size)
-        with pytest.raises(ValueError, match="share_size"):
-            LocalPool().is_first_reader(share_size)
-        with pytest.raises(ValueError, match="share_size"):
-            DistributedPool().is_first_reader(share_size)
+        with pytest.raises(ValueError, match=f"share_size .* got {share_size!r}"):
+            DistributedPool(share_size=share_size)
+    with pytest.raises(ValueError, match="objects holds Python objects"):
+        first_reader_batch(dict(batch, objects=np.array([None], object)), share_size=1)
+
+
+def test_a_mesh_of_one_process_is_a_share_of_one():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    assert DistributedPool.from_mesh(mesh, data_axes=("data",)).share_size == 1
+    for axes in (("rows",), "data"):
+        with pytest.raises(ValueError, match="data_axes must be a tuple"):
+            DistributedPool.from_mesh(mesh, data_axes=axes)
 
 
 def test_the_distributed_pool_of_one_process_is_the_local_pool():
@@ -252,13 +377,52 @@ def test_the_distributed_pool_of_one_process_is_the_local_pool():
         DistributedPool().rescore(objective, variables, ragged)
 
 
+@jax.numpy_dtype_promotion("standard")  # optax's Adam
+def test_the_data_parallel_update_of_one_process_is_the_plain_update():
+    alone, alone_metrics = train_alone(2, processes=1)
+    objective, _, variables = tiny()
+    optimizer = optax.adam(1e-2)
+    step = DataParallelUpdate(objective.update_fn(optimizer))
+    opt_state = optimizer.init(variables)
+    for index in range(2):
+        variables, opt_state, metrics = step(variables, opt_state, global_batch(index, 1))
+        assert metrics["loss"] == pytest.approx(float(alone_metrics[index]["loss"]), rel=1e-6)
+    jax.tree.map(
+        lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7),
+        local_copy(variables),
+        jax.device_get(alone),
+    )
+    with pytest.raises(ValueError, match="one leading rows axis"):
+        step(variables, opt_state, dict(global_batch(0, 1), tokens=np.zeros((1, 16), np.int32)))
+
+
+def test_a_lone_process_reads_every_row_and_keeps_its_metrics_line():
+    dataset = ArrayDataset({"task_id": np.arange(6)}, batch_size=3)
+    assert [b["task_id"].tolist() for b in ProcessRows(dataset).stream(1)] == [[3, 4, 5]]
+    line = {"groups": 3, "reward/mean": 0.5, "loss": None}
+    assert pool_fields(line) == line
+    with pytest.raises(ValueError, match=r"task_id has shape \(\)"):
+        next(ProcessRows(Scalars()).stream())
+
+
+class Scalars:
+    """A dataset whose batch has no rows axis."""
+
+    def stream(self, start: int = 0):
+        yield {"task_id": np.int32(3)}
+
+
 def test_the_public_surface():
     assert sorted(dew.parallel.__all__) == [
+        "DataParallelUpdate",
         "DistributedPool",
         "LocalPool",
         "Pool",
+        "ProcessRows",
         "default_pool",
         "first_reader_batch",
+        "local_copy",
+        "pool_fields",
     ]
     assert str(inspect.signature(first_reader_batch)) == (
         "(batch: 'Mapping[str, np.ndarray]', *, share_size: 'int') -> 'dict[str, np.ndarray]'"

@@ -191,6 +191,22 @@ def test_a_replay_is_the_same_under_any_trio_scheduling_order(recorded):
         trio_scheduler_random.setstate(state)
 
 
+def test_a_replay_never_waits_on_real_time(recorded, monkeypatch):
+    # trio sleeps at least a millisecond for any positive cushion: one per instant replayed was
+    # most of a replay's time.
+    cushions = []
+    settle = trio.testing.wait_all_tasks_blocked
+
+    async def recorded_wait(cushion=0.0):
+        cushions.append(cushion)
+        await settle(cushion)
+
+    monkeypatch.setattr(trio.testing, "wait_all_tasks_blocked", recorded_wait)
+    result = replay(recorded)
+    assert result.matched, str(result)
+    assert cushions and set(cushions) == {0.0}
+
+
 def test_a_recording_is_the_same_under_any_trio_scheduling_order(recorded, tmp_path):
     state = trio_scheduler_random.getstate()
     try:

@@ -469,7 +469,9 @@ class RecordingPool:
     def rescore(self, objective, variables, rows):
         return np.zeros(np.shape(rows["tokens"]), np.float32)
 
-    def is_first_reader(self, share_size):
+    share_size = 1
+
+    def is_first_reader(self):
         return True
 
 

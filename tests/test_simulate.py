@@ -88,7 +88,9 @@ def test_a_bad_workload_names_its_field(fields, message):
 
 
 def test_a_setting_refuses_a_lag_bound_below_ahead():
-    with pytest.raises(ValueError, match="max_lag must be >= ahead 2, got 1"):
+    with pytest.raises(
+        ValueError, match=re.escape("max_lag must be >= ahead + sync_every - 1 = 2, got 1")
+    ):
         simulate.Setting("x", ahead=2, max_lag=1)
 
 

@@ -6,6 +6,7 @@ exit status; adding a subcommand is adding an entry.
 
     dew simulate           # the long-tail table: what ahead, oversample and admit buy
     dew simulate --smoke   # the same, tiny
+    dew tune run.trace     # calibrate the simulation from a recorded run and tabulate the knobs
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
-from dew import replay, simulate, train
+from dew import replay, simulate, train, tune
 
 
 @attrs.frozen
@@ -107,6 +108,11 @@ COMMANDS: dict[str, Command] = {
         summary="simulate the rollout long tail under each scheduler setting and tabulate it",
         configure=_configure_simulate,
         run=_run_simulate,
+    ),
+    "tune": Command(
+        summary="calibrate the simulation from recorded runs and tabulate each knob setting",
+        configure=tune.configure_cli,
+        run=tune.run_cli,
     ),
     "replay": Command(
         summary="replay a recorded run under a mock clock and say where it first differs",

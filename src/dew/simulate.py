@@ -26,9 +26,9 @@ import trio.testing
 
 from dew._checks import at_least, int_at_least, positive
 from dew.data import ArrayDataset, Task
-from dew.envs.simulated import SimulatedConfig, SimulatedEngine, SimulatedSource
+from dew.envs.simulated import ObservedRollout, SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.objectives.rl.scheduler import LogEvent, RolloutScheduler
-from dew.objectives.rl.sessions import Label, Session, SessionSource
+from dew.objectives.rl.sessions import Label, Session, SessionSource, Status
 
 # Every chain the default SimulatedConfig draws is at most 32 prompt + 4 x 64 completion + 3 x 8
 # environment tokens, and every session at most 4 x 96 tokens: one row of this width per sample
@@ -45,12 +45,22 @@ class Workload:
     Args:
         seed: seeds the simulated sessions (durations, statuses, tokens).
         steps: trainer steps per setting.
-        slots: calls the engine decodes at once (C).
+        slots: calls the engine decodes at once (C); None for an engine that never queues a
+            call (one sized for every rollout in flight, as `dew train`'s is).
         tasks: tasks per batch, one group each.
         groups: rollouts per task that train together.
         duration_mean: mean seconds of a rollout's model time.
         duration_sigma: sigma of the lognormal duration's log: the tail's weight.
         step_time: seconds the trainer spends on each step (T), during which it waits on nothing.
+        warmup: steps run before the figures start counting: a recorded run's first steps
+            compile and are not what the run is like, so a comparison with one leaves them out.
+        observed: rollouts to resample instead of drawing lognormal durations (see
+            SimulatedConfig.observed); duration_mean and duration_sigma are then not used, and
+            the population's mean duration is the observed rollouts' weighted mean.
+        step_times: when given, step k (from warmup) spends step_times[(k - warmup) mod their
+            count] instead of step_time: a recorded run's own step times, in its order, so a
+            trainer that slows or speeds up over training does so in the simulation too
+            (step_time, their mean, still sets the capacity bound).
 
     Raises:
         ValueError: naming the field, its bound and the value.
@@ -58,12 +68,76 @@ class Workload:
 
     seed: int = attrs.field(default=0, validator=int_at_least(0))
     steps: int = attrs.field(default=30, validator=int_at_least(1))
-    slots: int = attrs.field(default=64, validator=int_at_least(1))
+    slots: int | None = attrs.field(
+        default=64, validator=attrs.validators.optional(int_at_least(1))
+    )
     tasks: int = attrs.field(default=16, validator=int_at_least(1))
     groups: int = attrs.field(default=4, validator=int_at_least(1))
     duration_mean: float = attrs.field(default=10.0, validator=positive)
     duration_sigma: float = attrs.field(default=1.0, validator=at_least(0.0))
     step_time: float = attrs.field(default=10.0, validator=at_least(0.0))
+    warmup: int = attrs.field(default=0, validator=int_at_least(0))
+    observed: tuple[ObservedRollout, ...] = attrs.field(default=(), converter=tuple)
+    step_times: tuple[float, ...] = attrs.field(default=(), converter=tuple)
+
+    def __attrs_post_init__(self):
+        for i, seconds in enumerate(self.step_times):
+            if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+                raise ValueError(f"step_times[{i}] must be a number >= 0, got {seconds!r}")
+            if not 0 <= seconds < math.inf:
+                raise ValueError(f"step_times[{i}] must be a finite number >= 0, got {seconds!r}")
+        if self.warmup >= self.steps:
+            raise ValueError(f"warmup must be < steps {self.steps}, got {self.warmup}")
+        # Checks every observed rollout's type, naming the first that is not one.
+        self.sessions()
+
+    @property
+    def population_mean(self) -> float:
+        """The mean seconds of a rollout's model time over the population drawn from: of the
+        rollouts that run to their end, for observed ones (a failure that stops partway is
+        never admitted, so it is no part of what admission selects from)."""
+        if not self.observed:
+            return self.duration_mean
+        whole = [r for r in self.observed if r.status is not Status.INFRA_ERROR] or self.observed
+        weights = np.array([rollout.weight for rollout in whole])
+        durations = np.array([rollout.duration for rollout in whole])
+        return float(weights @ durations / weights.sum())
+
+    def engine_scaled(self, factor: float) -> Workload:
+        """This workload on an engine `factor` times slower: every rollout's seconds (or the
+        lognormal's mean) multiplied by it.
+
+        Raises:
+            ValueError: unless factor is a finite number > 0.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, int | float):
+            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        if not 0 < factor < math.inf:
+            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        observed = tuple(
+            attrs.evolve(
+                r,
+                seconds=tuple(s * factor for s in r.seconds),
+                failing=None if r.failing is None else r.failing * factor,
+            )
+            for r in self.observed
+        )
+        return attrs.evolve(self, duration_mean=self.duration_mean * factor, observed=observed)
+
+    def step_seconds(self, step: int) -> float:
+        """The seconds the trainer spends on step `step`."""
+        if not self.step_times:
+            return self.step_time
+        return self.step_times[(step - self.warmup) % len(self.step_times)]
+
+    def sessions(self) -> SimulatedConfig:
+        """How this workload's simulated sessions are drawn."""
+        return SimulatedConfig(
+            seed=self.seed,
+            duration_mean=self.duration_mean,
+            duration_sigma=self.duration_sigma,
+            observed=self.observed,
+        )
 
     @classmethod
     def smoke(cls, seed: int = 0) -> Workload:
@@ -76,8 +150,8 @@ class Setting:
     """One way to run the scheduler: its RolloutScheduler arguments and the name a table shows.
 
     Raises:
-        ValueError: naming the field, its bound and the value; or max_lag below ahead, which the
-            scheduler itself refuses.
+        ValueError: naming the field, its bound and the value; or max_lag below
+            ahead + sync_every - 1, which the scheduler itself refuses.
     """
 
     name: str
@@ -87,10 +161,14 @@ class Setting:
     admit: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(int_at_least(1))
     )
+    sync_every: int = attrs.field(default=1, validator=int_at_least(1))
 
     def __attrs_post_init__(self):
-        if self.max_lag < self.ahead:
-            raise ValueError(f"max_lag must be >= ahead {self.ahead}, got {self.max_lag}")
+        least = self.ahead + self.sync_every - 1
+        if self.max_lag < least:
+            raise ValueError(
+                f"max_lag must be >= ahead + sync_every - 1 = {least}, got {self.max_lag}"
+            )
 
 
 def settings(workload: Workload) -> tuple[Setting, ...]:
@@ -112,23 +190,24 @@ def settings(workload: Workload) -> tuple[Setting, ...]:
 
 @attrs.frozen
 class Outcome:
-    """What one setting delivered over a simulated run.
+    """What one setting delivered over a simulated run, from the workload's warmup step on.
 
     Args:
         setting: the setting run.
         elapsed: seconds of trio's clock the trainer ran, waits and steps together.
         admitted: samples the trainer received (packed into its steps).
-        bound: the capacity bound in samples per second, min(slots / duration_mean, admitted
+        bound: the capacity bound in samples per second, min(slots / mean duration, admitted
             samples per step / step_time): no run beats the trainer's side, and none beats the
             engine's but by admitting rollouts shorter than the mean.
         waited: seconds the trainer waited on the scheduler.
         lags: each step's lag, updates behind of its oldest admitted call.
-        wasted: share of the rollout-seconds of every ended submission that went to
-            submissions cancelled, discarded or failed. A rollout-second runs from the
-            submission to its end (return or cancellation), slot queueing included; work still
-            in flight when the run ends counts nowhere.
+        wasted: share of the rollout-seconds of every submission that ended in the measured
+            steps that went to submissions cancelled, discarded or failed. A rollout-second
+            runs from the submission to its end (return or cancellation), slot queueing
+            included; work still in flight when the run ends counts nowhere.
+        wasted_seconds: those wasted rollout-seconds themselves.
         selection: the admitted rollouts' mean model time (the seconds they decode, slot
-            queueing left out) over duration_mean, the population's: below 1 where
+            queueing left out) over the population's mean duration: below 1 where
             completion-time selection favours short rollouts, about 1 where nothing is
             selected.
         cut: groups cut for lack of room in the packed rows (0 by construction of the rows).
@@ -141,6 +220,7 @@ class Outcome:
     waited: float
     lags: tuple[int, ...]
     wasted: float
+    wasted_seconds: float
     selection: float
     cut: int
 
@@ -218,12 +298,7 @@ def long_tail(workload: Workload) -> list[Outcome]:
 
 async def _simulate(workload: Workload, setting: Setting) -> Outcome:
     engine = SimulatedEngine(slots=workload.slots)
-    config = SimulatedConfig(
-        seed=workload.seed,
-        duration_mean=workload.duration_mean,
-        duration_sigma=workload.duration_sigma,
-    )
-    simulated = SimulatedSource(engine, config)
+    simulated = SimulatedSource(engine, workload.sessions())
     source = _Timed(simulated)
     samples = workload.tasks * workload.groups
     records = []
@@ -238,6 +313,7 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
         admit=setting.admit,
         max_lag=setting.max_lag,
         ahead=setting.ahead,
+        sync_every=setting.sync_every,
         log=records.append,
     )
     # The trainer prefetches `ahead` batches, as far as the scheduler may read ahead of it.
@@ -246,35 +322,40 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
         ArrayDataset({"task_id": np.arange(batches * workload.tasks)}, batch_size=workload.tasks)
     )
     events: list[LogEvent] = []
-    start = trio.current_time()
     async with scheduler:
         stream = dataset.stream(0)
         prefetched = collections.deque()
         for updates in range(workload.steps):
+            if updates == workload.warmup:
+                start = trio.current_time()
             while len(prefetched) <= setting.ahead:
                 prefetched.append(next(stream))
             await scheduler.step(prefetched.popleft(), None, updates)
-            events.extend(scheduler.last_events)
-            await trio.sleep(workload.step_time)
+            if updates >= workload.warmup:
+                events.extend(scheduler.last_events)
+            await trio.sleep(workload.step_seconds(updates))
         elapsed = trio.current_time() - start
 
+    measured = records[workload.warmup :]
     admitted_groups = workload.tasks if setting.admit is None else setting.admit
     wasted, spent, durations = _account(events, source.spans, simulated.model_time)
+    engine_bound = math.inf if workload.slots is None else workload.slots / workload.population_mean
+    trainer_bound = (
+        admitted_groups * workload.groups / workload.step_time
+        if workload.step_time > 0
+        else math.inf
+    )
     return Outcome(
         setting=setting,
         elapsed=elapsed,
-        admitted=sum(record.groups for record in records) * workload.groups,
-        bound=min(
-            workload.slots / workload.duration_mean,
-            admitted_groups * workload.groups / workload.step_time
-            if workload.step_time > 0
-            else math.inf,
-        ),
-        waited=sum(record.waited for record in records),
-        lags=tuple(record.lag for record in records),
+        admitted=sum(record.groups for record in measured) * workload.groups,
+        bound=min(engine_bound, trainer_bound),
+        waited=sum(record.waited for record in measured),
+        lags=tuple(record.lag for record in measured),
         wasted=wasted / spent if spent > 0 else 0.0,
-        selection=float(np.mean(durations)) / workload.duration_mean,
-        cut=sum(record.cut for record in records),
+        wasted_seconds=wasted,
+        selection=float(np.mean(durations)) / workload.population_mean,
+        cut=sum(record.cut for record in measured),
     )
 
 
@@ -302,6 +383,25 @@ def _account(
     return wasted, spent, admitted
 
 
+def describe(workload: Workload) -> str:
+    """One line on a workload: the engine, the rollouts, the batch, the trainer and the run."""
+    engine = "unbounded slots" if workload.slots is None else f"C={workload.slots} slots"
+    if workload.observed:
+        rollouts = (
+            f"{len(workload.observed)} observed rollouts resampled, mean "
+            f"{workload.population_mean:.3g}s"
+        )
+    else:
+        rollouts = (
+            f"lognormal rollouts mean {workload.duration_mean:g}s sigma {workload.duration_sigma:g}"
+        )
+    warmup = f" (the first {workload.warmup} not measured)" if workload.warmup else ""
+    return (
+        f"{engine}, {rollouts}, {workload.tasks} tasks x {workload.groups} rollouts per step, "
+        f"T={workload.step_time:.4g}s, {workload.steps} steps{warmup}, seed {workload.seed}"
+    )
+
+
 def report(workload: Workload, outcomes: Sequence[Outcome]) -> str:
     """The table of a simulation's outcomes, one row per setting, under a line on the workload.
 
@@ -312,10 +412,7 @@ def report(workload: Workload, outcomes: Sequence[Outcome]) -> str:
     gives the goodput of `ahead=1` over `sync` where both were run.
     """
     lines = [
-        f"C={workload.slots} slots, lognormal rollouts mean {workload.duration_mean:g}s "
-        f"sigma {workload.duration_sigma:g}, {workload.tasks} tasks x {workload.groups} "
-        f"rollouts per step, T={workload.step_time:g}s, {workload.steps} steps, "
-        f"seed {workload.seed}",
+        describe(workload),
         f"{'setting':<22}{'goodput/s':>10}{'of bound':>10}{'idle':>7}"
         f"{'lag mean':>10}{'lag max':>9}{'wasted':>8}{'admitted/mean':>15}",
     ]

@@ -10,6 +10,7 @@ from dew.envs.environment import (
     Score,
     Verifier,
 )
+from dew.envs.harness import HarnessResult, HarnessSource
 from dew.envs.prompts import PromptSource
 from dew.envs.reasoning_gym import ReasoningGym
 from dew.envs.simulated import SimulatedConfig, SimulatedEngine, SimulatedSource
@@ -22,6 +23,8 @@ __all__ = [
     "Episode",
     "GuessDigit",
     "GuessDigitEnv",
+    "HarnessResult",
+    "HarnessSource",
     "MalformedAction",
     "PromptSource",
     "ReasoningGym",

@@ -57,6 +57,72 @@ def _span(low: int):
     return span
 
 
+def _observed_weight(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
+
+
+def _seconds(instance, attribute, value):
+    if not all(isinstance(s, int | float) and 0 <= s < math.inf for s in value):
+        raise ValueError(f"{attribute.name} must be finite numbers >= 0, got {value!r}")
+
+
+def _pool(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{attribute.name} must be an int >= 0, got {value!r}")
+
+
+@attrs.frozen
+class ObservedRollout:
+    """One rollout as a trace saw it, for a simulation that resamples observed rollouts.
+
+    Args:
+        seconds: the seconds each of its calls decoded, in order (at least one, unless it
+            failed in its first call).
+        status: how it ended; CANCELLED is not a way a rollout ends by itself.
+        truncation: why a TRUNCATED rollout stopped (one of TRUNCATION_REASONS), else None.
+        failing: for an INFRA_ERROR, the seconds its failing call ran before it failed.
+        weight: its share of the resampling, relative to the others' of its pool (a censored
+            sample's weight is spread over the longer ones: see `dew.calibrate`).
+        pool: which pool it is resampled from (see SimulatedConfig.observed).
+
+    Raises:
+        ValueError: naming the field and the value that breaks it.
+    """
+
+    seconds: tuple[float, ...] = attrs.field(converter=tuple, validator=_seconds)
+    status: Status = attrs.field(converter=Status)
+    truncation: str | None = None
+    failing: float | None = None
+    weight: float = attrs.field(default=1.0, validator=_observed_weight)
+    pool: int = attrs.field(default=0, validator=_pool)
+
+    def __attrs_post_init__(self):
+        if self.status is Status.CANCELLED:
+            raise ValueError("status must be how a rollout ends by itself, got CANCELLED")
+        if (self.truncation is not None) != (self.status is Status.TRUNCATED):
+            raise ValueError(
+                f"truncation must be given exactly for a TRUNCATED rollout, got "
+                f"{self.truncation!r} for {self.status.name}"
+            )
+        if self.truncation is not None and self.truncation not in TRUNCATION_REASONS:
+            raise ValueError(
+                f"truncation must be one of {TRUNCATION_REASONS}, got {self.truncation!r}"
+            )
+        if (self.failing is not None) != (self.status is Status.INFRA_ERROR):
+            raise ValueError(
+                f"failing must be given exactly for an INFRA_ERROR rollout, got "
+                f"{self.failing!r} for {self.status.name}"
+            )
+        if not self.seconds and self.status is not Status.INFRA_ERROR:
+            raise ValueError(f"a {self.status.name} rollout makes at least one call")
+
+    @property
+    def duration(self) -> float:
+        """Its model time: every call's seconds, the failing one's included."""
+        return sum(self.seconds) + (self.failing or 0.0)
+
+
 @attrs.frozen
 class SimulatedConfig:
     """How simulated sessions are drawn.
@@ -86,6 +152,16 @@ class SimulatedConfig:
         truncated_unscored: share of truncations that carry no reward.
         support_k: when set, each completion token carries a top-k support of k ids, the sampled
             one among them.
+        observed: when given, each session resamples one of these rollouts (by its weight) for
+            its status, truncation, calls and their seconds, instead of drawing them from
+            duration_mean, duration_sigma, calls and the status shares; its tokens and reward
+            are drawn as ever. A task draws from one pool: with pools numbered below P (the
+            largest number + 1), the task named by integer id n draws from pool n mod P, any
+            other from the one its name's stable hash picks; a pool with no rollout draws from
+            them all. Consecutive tasks thus draw from consecutive pools, and `dew.calibrate`
+            makes each recorded group a pool, numbered as the run's batches held them: a
+            simulated run then meets the recorded run's drift over training and the kinship
+            of one task's rollouts.
 
     Raises:
         ValueError: naming the field, its bound and the value that broke it.
@@ -111,6 +187,9 @@ class SimulatedConfig:
     support_k: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(int_at_least(1))
     )
+    observed: tuple[ObservedRollout, ...] = attrs.field(default=(), converter=tuple)
+    # Per pool in order, its rollouts' indices and cumulative weights, which resampling searches.
+    _pools: tuple = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self):
         failing = self.infra_error + self.agent_error + self.truncated
@@ -121,6 +200,21 @@ class SimulatedConfig:
             )
         if self.support_k is not None and self.support_k > self.vocab:
             raise ValueError(f"support_k must be <= vocab {self.vocab}, got {self.support_k}")
+        for i, rollout in enumerate(self.observed):
+            if not isinstance(rollout, ObservedRollout):
+                raise ValueError(
+                    f"observed[{i}] must be an ObservedRollout, got {type(rollout).__name__}"
+                )
+        count = max((rollout.pool for rollout in self.observed), default=-1) + 1
+        members: list[list[int]] = [[] for _ in range(count)]
+        for i, rollout in enumerate(self.observed):
+            members[rollout.pool].append(i)
+        every = list(range(len(self.observed)))
+        pools = tuple(
+            (indices, np.cumsum([self.observed[i].weight for i in indices]))
+            for indices in (m or every for m in members)
+        )
+        object.__setattr__(self, "_pools", pools)
 
 
 def _draft(
@@ -140,29 +234,15 @@ def _draft(
         [config.seed, stable_hash(task.name), label.group, label.sample, label.attempt]
     )
     status_u, unscored_u, reason_u, fail_at, fail_frac, correct_u, format_u = rng.random(7)
-    mu = math.log(config.duration_mean) - config.duration_sigma**2 / 2
-    total = rng.lognormal(mu, config.duration_sigma)
-    n = int(rng.integers(config.calls[0], config.calls[1] + 1))
-
-    infra = config.infra_error
-    agent = infra + config.agent_error
-    if status_u < infra:
-        status = Status.INFRA_ERROR
-    elif status_u < agent:
-        status = Status.AGENT_ERROR
-    elif status_u < agent + config.truncated:
-        status = Status.TRUNCATED
+    if config.observed:
+        status, truncation, seconds, failing = _resample(config, task, rng.random())
+        made = len(seconds)
+        n = made + (failing is not None)
     else:
-        status = Status.COMPLETED
-    truncation = (
-        TRUNCATION_REASONS[int(reason_u * len(TRUNCATION_REASONS))]
-        if status is Status.TRUNCATED
-        else None
-    )
-    if truncation == "turns":
-        n = config.calls[1]
-    seconds = tuple(float(s) for s in total * rng.dirichlet(np.ones(n)))
-    made = int(fail_at * n) if status is Status.INFRA_ERROR else n
+        status, truncation, n, seconds = _parametric(config, rng, status_u, reason_u)
+        made = int(fail_at * n) if status is Status.INFRA_ERROR else n
+        failing = seconds[made] * float(fail_frac) if status is Status.INFRA_ERROR else None
+        seconds = seconds[:made]
 
     calls = []
     for i in range(made):
@@ -199,7 +279,7 @@ def _draft(
             task=task,
             label=label,
         )
-        return session, seconds[:made], seconds[made] * float(fail_frac)
+        return session, seconds, failing
 
     difficulty = np.random.default_rng([config.seed, stable_hash(task.name)]).random()
     correct = CORRECT if status is not Status.AGENT_ERROR and correct_u < difficulty else 0.0
@@ -216,6 +296,46 @@ def _draft(
         label=label,
     )
     return session, seconds, None
+
+
+def _parametric(
+    config: SimulatedConfig, rng: np.random.Generator, status_u: float, reason_u: float
+) -> tuple[Status, str | None, int, tuple[float, ...]]:
+    """A rollout's status, truncation, planned call count and each planned call's seconds,
+    drawn from the config's lognormal duration, call range and status shares."""
+    mu = math.log(config.duration_mean) - config.duration_sigma**2 / 2
+    total = rng.lognormal(mu, config.duration_sigma)
+    n = int(rng.integers(config.calls[0], config.calls[1] + 1))
+    infra = config.infra_error
+    agent = infra + config.agent_error
+    if status_u < infra:
+        status = Status.INFRA_ERROR
+    elif status_u < agent:
+        status = Status.AGENT_ERROR
+    elif status_u < agent + config.truncated:
+        status = Status.TRUNCATED
+    else:
+        status = Status.COMPLETED
+    truncation = (
+        TRUNCATION_REASONS[int(reason_u * len(TRUNCATION_REASONS))]
+        if status is Status.TRUNCATED
+        else None
+    )
+    if truncation == "turns":
+        n = config.calls[1]
+    return status, truncation, n, tuple(float(s) for s in total * rng.dirichlet(np.ones(n)))
+
+
+def _resample(
+    config: SimulatedConfig, task: Task, u: float
+) -> tuple[Status, str | None, tuple[float, ...], float | None]:
+    """The observed rollout of the task's pool that uniform draw `u` picks by weight: its
+    status, truncation, call seconds and failing seconds."""
+    key = int(task.name) if task.name.isdigit() else stable_hash(task.name)
+    indices, weights = config._pools[key % len(config._pools)]
+    index = int(np.searchsorted(weights, u * weights[-1], side="right"))
+    picked = config.observed[indices[min(index, len(indices) - 1)]]
+    return picked.status, picked.truncation, picked.seconds, picked.failing
 
 
 def _slots(instance, attribute, value):

@@ -7,7 +7,7 @@ import contextlib
 import functools
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -79,6 +79,10 @@ class ReplaySource:
     trace never ran (it returns INFRA_ERROR at once), one recorded as cancelled still running
     after its recorded cancellation.
 
+    `settled`, when set (`replay` sets it to its scheduler's own check), says whether the
+    scheduler has applied everything posted to it: the clock then moves as soon as that is so,
+    rather than after a real-time cushion that costs a millisecond per instant.
+
     Args:
         trace: a Trace, or the path of one.
 
@@ -103,6 +107,7 @@ class ReplaySource:
         # trace holds.
         self._horizon = self.trace.end + (self.trace.end - self.trace.start)
         self._stack: contextlib.AsyncExitStack | None = None
+        self.settled: Callable[[], bool] | None = None
 
     async def __aenter__(self) -> ReplaySource:
         clock = trio.lowlevel.current_clock()
@@ -168,13 +173,30 @@ class ReplaySource:
             if not self._targets[time]:
                 del self._targets[time]
 
+    async def _settle(self) -> None:
+        """Wait until every task waits and the scheduler has applied what was posted to it.
+
+        Without `settled`, a real-time cushion orders this wait after the scheduler's own
+        zero-cushion one; but trio sleeps at least a millisecond for any positive cushion, a
+        millisecond of real time per instant replayed, most of a replay's time. With it, this
+        wait wakes beside the scheduler's and waits again until the scheduler has nothing left
+        to apply and no task can run.
+        """
+        if self.settled is None:
+            await trio.testing.wait_all_tasks_blocked(_SETTLE)
+            return
+        while True:
+            await trio.testing.wait_all_tasks_blocked()
+            if self.settled() and trio.lowlevel.current_statistics().tasks_runnable == 0:
+                return
+
     async def _keep_time(self, clock: trio.testing.MockClock, task_status=trio.TASK_STATUS_IGNORED):
         """Move the clock whenever every task waits: onto the next recorded time if that comes
         before the next deadline or is it (to the ulp), else by the deadline's distance as
         MockClock would."""
         task_status.started()
         while True:
-            await trio.testing.wait_all_tasks_blocked(_SETTLE)
+            await self._settle()
             now = trio.current_time()
             for label, (time, task) in list(self._cancellations.items()):
                 if time <= now:
@@ -287,6 +309,7 @@ async def _replay(trace: Trace | str | os.PathLike, overrides: Mapping[str, Any]
         tasks=lambda batch: trace.batches[int(batch["batch"][0])],
         **config,
     )
+    source.settled = scheduler._settled
     calls: list[ReplayedCall] = []
     stalled: list[Divergence] = []
     # Streams opened before the scheduler ran logged no reopening: open them before it runs.

@@ -173,10 +173,19 @@ class _Request:
 
 
 def _signature(variables) -> tuple:
-    """The tree layout and each leaf's path, shape and (canonical) dtype, without device work."""
-    shapes = jax.eval_shape(lambda tree: tree, variables)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    return treedef, [(jax.tree_util.keystr(path), leaf.shape, leaf.dtype) for path, leaf in leaves]
+    """The tree layout and each leaf's shape and (canonical) dtype, without device work.
+
+    Read off the leaves themselves rather than traced with `jax.eval_shape`: `load` checks every
+    push, once per training step, and a trace costs far more than the check.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(variables)
+    return treedef, [_shape_and_dtype(leaf) for leaf in leaves]
+
+
+def _shape_and_dtype(leaf) -> tuple[tuple[int, ...], np.dtype]:
+    """A leaf's shape and its dtype as JAX would hold it (float64 as float32 without x64)."""
+    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
+    return np.shape(leaf), jax.dtypes.canonicalize_dtype(dtype)
 
 
 @jax.jit
@@ -324,8 +333,13 @@ class RolloutServer:
         treedef, leaves = _signature(variables)
         if treedef != self._signature[0]:
             raise ValueError(f"{name} must have the tree layout of the model's init")
-        for (path, shape, dtype), (_, want_shape, want_dtype) in zip(
-            leaves, self._signature[1], strict=True
+        if leaves == self._signature[1]:
+            return
+        paths = [
+            jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(variables)
+        ]
+        for path, (shape, dtype), (want_shape, want_dtype) in zip(
+            paths, leaves, self._signature[1], strict=True
         ):
             if shape != want_shape or dtype != want_dtype:
                 raise ValueError(
@@ -494,18 +508,23 @@ class RolloutServer:
                     if request is not None and request.tokens
                 ]
                 joining = self._admit()
+                filtered = any(self._active[slot].filtered for slot in decoding)
                 drawn, first = await trio.to_thread.run_sync(
                     self._compute,
                     self._params,
                     self._decode_inputs() if decoding else None,
                     [self._prefill_inputs(slot) for slot in joining],
+                    filtered,
                 )
                 self._steps += 1
                 if drawn is not None:
+                    tokens, logprobs, kept = drawn
                     for slot in decoding:
-                        self._record(slot, *(values[slot] for values in drawn))
-                for slot, values in zip(joining, first, strict=True):
-                    self._record(slot, *values)
+                        self._record(
+                            slot, tokens[slot], logprobs[slot], None if kept is None else kept[slot]
+                        )
+                for slot, (token, logprob, kept) in zip(joining, first, strict=True):
+                    self._record(slot, int(token), float(logprob), kept)
         finally:
             for request in [*self._queue, *self._active]:
                 if request is not None:
@@ -531,18 +550,18 @@ class RolloutServer:
         return joining
 
     def _decode_inputs(self) -> tuple[np.ndarray, ...]:
-        """A copy of every slot's inputs to the next decode step, for the worker thread."""
-        return tuple(
-            values.copy()
-            for values in (
-                self._next_token,
-                self._position,
-                self._temperature,
-                self._top_k,
-                self._top_p,
-                self._keys,
-                self._counter,
-            )
+        """Every slot's inputs to the next decode step, for the worker thread.
+
+        Not copies: only this loop writes them, before the step and after its results are back.
+        """
+        return (
+            self._next_token,
+            self._position,
+            self._temperature,
+            self._top_k,
+            self._top_p,
+            self._keys,
+            self._counter,
         )
 
     def _prefill_inputs(self, slot: int) -> tuple[np.ndarray, ...]:
@@ -563,13 +582,17 @@ class RolloutServer:
             request.key,
         )
 
-    def _compute(self, params, decode, prefills):
+    def _compute(self, params, decode, prefills, filtered: bool):
         """The worker thread's part of a step: decode the running slots, then prefill the joining
         ones (after the decode, whose write at a free slot's position 0 the prefill overwrites).
 
+        Args:
+            filtered: whether a running call keeps its support, and so needs the kept masks.
+
         Returns:
-            The decode's per-slot tokens, log-probs and kept masks (None without a decode), and
-            each joining call's first token, log-prob and kept mask.
+            The decode's tokens and log-probs (lists, one entry per slot) and kept masks (bool
+            [slots, vocab], None unless `filtered`), None without a decode; and each joining
+            call's first token, log-prob and kept mask.
         """
         drawn = None
         if decode is not None:
@@ -579,16 +602,27 @@ class RolloutServer:
             self._cache, *outputs = _prefill_step(params, self._cache, *inputs, model=self._model)
             first.append(outputs)
         if drawn is not None:
-            drawn = [np.asarray(values) for values in drawn]
+            # Whole lists at once: a step reads one token and log-prob per slot, and numpy
+            # scalars one by one cost more than the step's other host work together.
+            tokens, logprobs, kept = drawn
+            drawn = (
+                np.asarray(tokens).tolist(),
+                np.asarray(logprobs).tolist(),
+                np.asarray(kept) if filtered else None,
+            )
         return drawn, [[np.asarray(value) for value in outputs] for outputs in first]
 
-    def _record(self, slot: int, token, logprob, kept) -> None:
+    def _record(self, slot: int, token: int, logprob: float, kept: np.ndarray | None) -> None:
+        """Append a drawn token to its slot's call, and free the slot if the call is done.
+
+        Args:
+            kept: the token's kept mask, bool[vocab]; None only for a call that is not filtered.
+        """
         request = self._active[slot]
         if request is None or request.cancelled:
             return
-        token = int(token)
         request.tokens.append(token)
-        request.logprobs.append(float(logprob))
+        request.logprobs.append(logprob)
         if request.filtered:
             request.support.append(np.flatnonzero(kept).astype(np.int32))
         self._tokens += 1

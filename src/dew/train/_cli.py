@@ -12,8 +12,11 @@ import argparse
 import json
 import math
 import os
+import socket
+import sys
 import time
 import tomllib
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,8 +27,9 @@ import numpy as np
 import optax
 import trio
 
-from dew import models, replay
+from dew import _pool_guard, models, replay
 from dew._checks import int_at_least, positive
+from dew._launch import run_pool
 from dew.data import Batch, Dataset, Task
 from dew.envs.environment import Sampling
 from dew.envs.reasoning_gym import PREFIX, ReasoningGym
@@ -33,6 +37,7 @@ from dew.envs.tasks import CopyDigits, GuessDigit
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler, task_ids
 from dew.objectives.rl.sessions import Label, SessionSource, Status
+from dew.parallel import ProcessRows, default_pool
 from dew.serve import RolloutServer, ServedSource, tokenizer
 from dew.train._checkpoint import COMMIT, _write_atomically
 from dew.train._curves import write_curves
@@ -254,9 +259,21 @@ def _task(config: TrainConfig) -> _RunTask:
 def _sampling(config: TrainConfig, updates: int) -> Sampling:
     """Each call's sampling key a function of the seed, its rollout's label and the updates the
     process started at: reproducible whatever order trio runs the rollouts in, and afresh in a
-    resumed process (whose scheduler numbers its groups from 0 again)."""
-    seed = int(np.random.SeedSequence([config.seed, updates]).generate_state(1)[0])
+    resumed process (whose scheduler numbers its groups from 0 again). In a pool, each process
+    draws its own keys: its index is part of the seed."""
+    entropy = [config.seed, updates]
+    if jax.process_count() > 1:
+        entropy.append(jax.process_index())
+    seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
     return Sampling(config.temperature, seed=seed)
+
+
+def _check_split(config: TrainConfig, processes: int) -> None:
+    """Refuse a batch that the pool's processes cannot share evenly."""
+    if config.batch_size % processes:
+        raise ValueError(
+            f"batch_size {config.batch_size} must split evenly over the {processes} processes"
+        )
 
 
 def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
@@ -288,6 +305,7 @@ def train(
     resume: bool = False,
     on_step: Callable[[Mapping[str, Any]], None] | None = None,
     record: str | os.PathLike | None = None,
+    deadline: float | None = None,
 ) -> Trainer:
     """Train `config`'s built-in task end to end, in the run folder `run`.
 
@@ -303,21 +321,38 @@ def train(
         on_step: called with each step's metrics line.
         record: write a `dew.replay` trace of the run here: every session the environment
             returned, every push and every call, so `dew replay` can reproduce the scheduler's
-            decisions and packed batches without the engine.
+            decisions and packed batches without the engine (a single process's run only).
+        deadline: in a pool, the seconds a step may take before every process stops.
+
+    In a pool of `jax.distributed` processes (`dew train --processes`), every process calls it
+    alike: each runs its own server and scheduler on its own rows of each global batch of
+    `batch_size` tasks, and process 0 writes the run folder, which every process must read.
 
     Returns:
         The trainer, after its last step.
 
     Raises:
-        ValueError: when `run` holds a run and `resume` is not set, or holds a different config.
+        ValueError: on every process of a pool, when `run` holds a run and `resume` is not set,
+            or holds a different config, or the batch does not split over the processes.
     """
     run = Path(run)
-    _check_run(config, run, resume=resume)
-    run.mkdir(parents=True, exist_ok=True)
-    saved = run / "config.json"
-    _write_atomically(
-        saved, lambda file: file.write(json.dumps(attrs.asdict(config), indent=1).encode())
-    )
+    index, processes = jax.process_index(), jax.process_count()
+    problem = None
+    try:
+        _check_run(config, run, resume=resume)
+        _check_split(config, processes)
+        if record is not None and processes > 1:
+            raise ValueError("--record traces a single process's run; run it without a pool")
+    except ValueError as error:
+        problem = error
+    # Every process refuses alike, before process 0 writes anything.
+    default_pool().agree(problem)
+    if index == 0:
+        run.mkdir(parents=True, exist_ok=True)
+        _write_atomically(
+            run / "config.json",
+            lambda file: file.write(json.dumps(attrs.asdict(config), indent=1).encode()),
+        )
 
     task = _task(config)
     shape = task.shape
@@ -330,29 +365,33 @@ def train(
         variables,
         directory=run,
         checkpoint_every=config.checkpoint_every,
+        deadline=deadline,
     )
     if resume:
         trainer.resume()
-    slots = config.batch_size * config.groups * (config.ahead + 1)
+    tasks = config.batch_size // processes  # this process's share of each batch
+    slots = tasks * config.groups * (config.ahead + 1)
     server = RolloutServer(model_config, trainer.variables, slots=slots, version=trainer.updates)
     source = task.source(server, _sampling(config, trainer.updates))
     samples = None
-    if config.samples:
-        source = samples = SampleLog(
-            source, tokenizer.BYTES, batch_size=config.batch_size, keep=config.samples
-        )
+    logs = None
+    if index == 0:  # one process writes the run's logs beside metrics.jsonl
+        if config.samples:
+            source = samples = SampleLog(
+                source, tokenizer.BYTES, batch_size=tasks, keep=config.samples
+            )
+        logs = _RunLogs(config, run, trainer, samples, on_step)
+        if config.eval_every:
+            logs.evaluation = _Evaluation(task, config, model_config, slots)
+    trainer.on_step = on_step if logs is None else logs
     source = ServedSource(source, server)
-    logs = _RunLogs(config, run, trainer, samples, on_step)
-    if config.eval_every:
-        logs.evaluation = _Evaluation(task, config, model_config, slots)
-    trainer.on_step = logs
     publisher = server
     recorder = None
     if record is not None:
         recorder = replay.Recorder(record)
         source = replay.RecordingSource(source, recorder)
         publisher = replay.RecordingPublisher(server, recorder)
-    rollouts = config.batch_size * config.groups
+    rollouts = tasks * config.groups
     scheduler = RolloutScheduler(
         objective,
         source,
@@ -367,11 +406,13 @@ def train(
         truncation="score",
     )
     per_epoch = config.tasks // config.batch_size * config.batch_size
-    dataset = task.dataset(
-        config.tasks,
-        config.batch_size,
-        shuffle_seed=config.seed,
-        epochs=-(-config.steps * config.batch_size // per_epoch),
+    dataset = ProcessRows(
+        task.dataset(
+            config.tasks,
+            config.batch_size,
+            shuffle_seed=config.seed,
+            epochs=-(-config.steps * config.batch_size // per_epoch),
+        )
     )
     try:
         if recorder is None:
@@ -387,8 +428,10 @@ def train(
                     recorder, recorder.tasks(dataset), steps=config.steps, ahead=config.ahead
                 )
     finally:
-        logs.close()
-    write_curves(run / METRICS, run / "curves.png", evaluations=run / EVALUATIONS)
+        if logs is not None:
+            logs.close()
+    if index == 0:
+        write_curves(run / METRICS, run / "curves.png", evaluations=run / EVALUATIONS)
     return trainer
 
 
@@ -536,11 +579,46 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         help="continue the run in --run from its last checkpoint, with its config "
         "(--steps may extend it) (default: off)",
     )
+    pool = parser.add_argument_group(
+        "a pool of processes",
+        "train data-parallel on several processes: each takes its share of every batch",
+    )
+    pool.add_argument(
+        "--processes",
+        type=int,
+        metavar="N",
+        default=None,
+        help="start N processes on this machine, on the loopback interface; their logs go to "
+        "the run folder's logs/ (default: one process, no pool)",
+    )
+    pool.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        default=None,
+        help="join a pool across machines: process 0's address, where it listens",
+    )
+    pool.add_argument(
+        "--num-processes", type=int, metavar="N", default=None, help="the pool's size"
+    )
+    pool.add_argument(
+        "--process-id", type=int, metavar="I", default=None, help="this process's index, 0..N-1"
+    )
+    pool.add_argument(
+        "--deadline",
+        type=float,
+        metavar="SECONDS",
+        default=600.0,
+        help="in a pool, the seconds a step may take before every process stops, naming the "
+        "processes behind (default: 600)",
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """`dew train [options]`: train a built-in or reasoning-gym task, showing progress; return
     the exit status.
+
+    With `--processes N` it starts the pool's N processes and returns the pool's status; with
+    `--coordinator`, `--num-processes` and `--process-id` it is one process of a pool.
 
     Raises:
         SystemExit: with status 2, through the parser, for a bad option or run folder.
@@ -550,6 +628,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.resume and args.run_folder is None:
         args.parser.error("--resume needs --run, the folder of the run to continue")
     run = None if args.run_folder is None else Path(args.run_folder)
+    joining = _pool_options(args)
     try:
         if args.resume and (run / "config.json").exists():
             config = TrainConfig.from_file(run / "config.json", **given)
@@ -558,20 +637,109 @@ def run_cli(args: argparse.Namespace) -> int:
         else:
             config = TrainConfig(**given)
         run = _default_run(config.task) if run is None else run
-        _check_run(config, run, resume=args.resume)
+        # A pool's processes check the folder together, once they have joined.
+        if not joining:
+            _check_run(config, run, resume=args.resume)
+        if args.processes is not None:
+            _check_split(config, args.processes)
     except ValueError as error:
         args.parser.error(str(error))
+    if args.processes is not None:
+        return _launch(args, given, run)
+    if joining:
+        return _join(args, config, run)
+    _announce(config, run, resume=args.resume)
+    trainer = train(
+        config, run, resume=args.resume, on_step=Progress(config.steps), record=args.record
+    )
+    print(
+        f"trained {trainer.updates} steps in {trainer.elapsed:.0f}s; metrics, checkpoints "
+        f"and curves.png in {run}",
+        flush=True,
+    )
+    return 0
+
+
+def _pool_options(args: argparse.Namespace) -> bool:
+    """Check the pool's options; return whether this process joins a pool (--coordinator)."""
+    joining = [args.coordinator, args.num_processes, args.process_id]
+    if args.processes is not None:
+        if any(option is not None for option in joining):
+            args.parser.error(
+                "--processes starts a pool of its own: leave out --coordinator, "
+                "--num-processes and --process-id"
+            )
+        if args.processes < 1:
+            args.parser.error(f"--processes must be an int >= 1, got {args.processes}")
+    elif any(option is not None for option in joining) and None in joining:
+        args.parser.error("joining a pool takes --coordinator, --num-processes and --process-id")
+    if not 0 < args.deadline < math.inf:
+        args.parser.error(f"--deadline must be a finite number of seconds > 0, got {args.deadline}")
+    return args.coordinator is not None
+
+
+def _announce(config: TrainConfig, run: Path, *, resume: bool) -> None:
     print(f"dew train: {config.task} for {config.steps} steps in {run}", flush=True)
     commit = run / "checkpoints" / COMMIT
-    if args.resume and commit.exists():
+    if resume and commit.exists():
         record = json.loads(commit.read_text())
         print(
             f"resuming at step {record['updates']}, data position {record['position']}",
             flush=True,
         )
-    trainer = train(
-        config, run, resume=args.resume, on_step=Progress(config.steps), record=args.record
-    )
+
+
+def _launch(args: argparse.Namespace, given: Mapping[str, Any], run: Path) -> int:
+    """Start the pool of `--processes` local processes, each `dew train` joining it; return the
+    pool's status (the first failure's)."""
+    logs = run / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as probe:  # a free port for the coordinator
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    options = [] if args.config is None else ["--config", str(args.config)]
+    for name, value in given.items():
+        option = name.replace("_", "-")
+        if isinstance(value, bool):  # a --flag/--no-flag pair takes no value
+            options.append(f"--{option}" if value else f"--no-{option}")
+        else:
+            options.append(f"--{option}={value}")
+    options += ["--run", str(run), "--deadline", str(args.deadline)]
+    options += ["--resume"] if args.resume else []
+    commands = [
+        [sys.executable, "-m", "dew", "train", *options, "--coordinator", f"127.0.0.1:{port}"]
+        + ["--num-processes", str(args.processes), "--process-id", str(index)]
+        for index in range(args.processes)
+    ]
+    paths = [logs / f"process-{index}.log" for index in range(args.processes)]
+    print(f"dew train: a pool of {args.processes} processes; their logs in {logs}", flush=True)
+    return run_pool(commands, paths, echo=sys.stdout, report=sys.stderr)
+
+
+def _join(args: argparse.Namespace, config: TrainConfig, run: Path) -> int:
+    """Be process --process-id of the pool at --coordinator: train, or stop the whole pool with
+    a line naming the process that stopped it."""
+    try:
+        _pool_guard.join(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as error:
+        args.parser.error(str(error))
+    print(f"process {args.process_id} of {args.num_processes} (pid {os.getpid()})", flush=True)
+    try:
+        _announce(config, run, resume=args.resume)
+        trainer = train(
+            config,
+            run,
+            resume=args.resume,
+            on_step=Progress(config.steps),
+            deadline=args.deadline,
+        )
+    except Exception as error:
+        print(_pool_guard.stop(error), file=sys.stderr, flush=True)
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # An orderly exit would wait in jax.distributed's shutdown for processes that are gone.
+        os._exit(1)
     print(
         f"trained {trainer.updates} steps in {trainer.elapsed:.0f}s; metrics, checkpoints "
         f"and curves.png in {run}",

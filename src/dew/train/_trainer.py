@@ -16,12 +16,21 @@ from typing import Any, BinaryIO, Protocol, runtime_checkable
 import jax
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
+from dew import _pool_guard
 from dew._checks import check_int
 from dew.data import Batch, Dataset
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import SchedulerRecord
-from dew.train._checkpoint import Checkpoint, Variables, load_checkpoint, save_checkpoint
+from dew.parallel import DataParallelUpdate, local_copy, pool_fields
+from dew.train._checkpoint import (
+    COMMIT,
+    Checkpoint,
+    Variables,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 METRICS = "metrics.jsonl"
 
@@ -81,11 +90,26 @@ def record_fields(record: SchedulerRecord) -> dict[str, float | int | None]:
 _UPDATE_FNS: weakref.WeakKeyDictionary[GRPOObjective, dict] = weakref.WeakKeyDictionary()
 
 
-def _update_fn(objective: GRPOObjective, optimizer: optax.GradientTransformation) -> Callable:
+def _update_fn(
+    objective: GRPOObjective, optimizer: optax.GradientTransformation, *, pooled: bool
+) -> Callable:
+    """The jitted step; in a pool of processes, one step over the pool's global batch that
+    hands back this process's copy of the replicated variables and state."""
     steps = _UPDATE_FNS.setdefault(objective, {})
-    if optimizer not in steps:
-        steps[optimizer] = objective.update_fn(optimizer)
-    return steps[optimizer]
+    if (optimizer, pooled) not in steps:
+        update = objective.update_fn(optimizer)
+        if pooled:
+            update = _pooled(DataParallelUpdate(update))
+        steps[optimizer, pooled] = update
+    return steps[optimizer, pooled]
+
+
+def _pooled(parallel: DataParallelUpdate) -> Callable:
+    def update(variables, opt_state, rows):
+        variables, opt_state, metrics = parallel(variables, opt_state, rows)
+        return local_copy(variables), local_copy(opt_state), metrics
+
+    return update
 
 
 class Trainer:
@@ -94,6 +118,16 @@ class Trainer:
     The trainer's state is its attributes `variables`, `opt_state`, `updates` (optimizer updates
     applied) and `position` (the stream index of the next batch to hand over), plus `elapsed`,
     its training seconds across resumes.
+
+    In a pool of `jax.distributed` processes, every process runs its own trainer over its own
+    rows of each global batch (`dew.parallel.ProcessRows`), and the update is one jitted step
+    over the pool's batch (`dew.parallel.DataParallelUpdate`): JAX reduces the gradients across
+    the pool, so the variables and optimizer state stay equal on every process. The processes
+    step in lockstep, so one `position` is every process's data position. Process 0 alone writes
+    the metrics log, one line a step for the pool (`dew.parallel.pool_fields`), and the
+    checkpoints; `resume` restores every process from them, which the pool's processes must
+    all read (one folder, shared), and a pool of another size may resume them: each process
+    reads its rows of the same global batches from the checkpoint's position on.
 
     With a `directory`, each step appends one JSON line of flat metrics to
     `directory/metrics.jsonl` — `step` (the updates before it), `updates` (after it), `position`
@@ -110,6 +144,9 @@ class Trainer:
         directory: the run's folder for metrics and checkpoints; None keeps neither.
         checkpoint_every: updates between checkpoints (needs a directory); None saves none.
         on_step: called with each step's metrics line, after it is written.
+        deadline: in a pool, seconds a step may take: past it the process stops, naming the
+            processes behind the others (one that hangs), so every process stops rather than
+            wait forever in a collective; None waits as long as it takes.
 
     Raises:
         ValueError: naming the argument that is out of bounds.
@@ -124,6 +161,7 @@ class Trainer:
         directory: str | os.PathLike | None = None,
         checkpoint_every: int | None = None,
         on_step: Callable[[Mapping[str, Any]], None] | None = None,
+        deadline: float | None = None,
     ):
         if checkpoint_every is not None:
             check_int("checkpoint_every", checkpoint_every, low=1)
@@ -139,7 +177,13 @@ class Trainer:
         self.updates = 0
         self.position = 0
         self.elapsed = 0.0
-        self._update = _update_fn(objective, optimizer)
+        self.processes = jax.process_count() if jax.distributed.is_initialized() else 1
+        self._update = _update_fn(objective, optimizer, pooled=self.processes > 1)
+        # Process 0 writes for the pool: the metrics log and the checkpoints.
+        self._writes = self.processes == 1 or jax.process_index() == 0
+        self._deadline = None
+        if deadline is not None and self.processes > 1:
+            self._deadline = _pool_guard.Deadline(deadline)
         # The metrics log's length that goes with the state above: the next run cuts it there.
         self._logged_bytes = 0
 
@@ -155,11 +199,14 @@ class Trainer:
             The checkpoint restored, or None (the state stays as it was).
 
         Raises:
-            ValueError: when the checkpoint does not fit this trainer's variables or optimizer.
+            ValueError: when the checkpoint does not fit this trainer's variables or optimizer;
+                in a pool, on every process, when the processes read different checkpoints.
         """
         if self.checkpoints is None:
             return None
         checkpoint = load_checkpoint(self.checkpoints, self.variables, self.opt_state)
+        if self.processes > 1:
+            _same_checkpoint(checkpoint)
         if checkpoint is not None:
             self.variables, self.opt_state = checkpoint.variables, checkpoint.opt_state
             self.updates, self.position = checkpoint.updates, checkpoint.position
@@ -168,7 +215,7 @@ class Trainer:
         return checkpoint
 
     def save(self) -> Path:
-        """Checkpoint the trainer's state now.
+        """Checkpoint the trainer's state now (in a pool, process 0 writes it for every process).
 
         Returns:
             The commit record's path.
@@ -178,10 +225,16 @@ class Trainer:
         """
         if self.checkpoints is None:
             raise ValueError("the trainer has no directory to save checkpoints to")
-        metadata = {"metrics_bytes": self._logged_bytes, "elapsed": self.elapsed}
+        metadata = {
+            "metrics_bytes": self._logged_bytes,
+            "elapsed": self.elapsed,
+            "processes": self.processes,
+        }
         checkpoint = Checkpoint(
             self.variables, self.opt_state, self.updates, self.position, metadata
         )
+        if not self._writes:
+            return self.checkpoints / COMMIT
         return save_checkpoint(self.checkpoints, checkpoint)
 
     def run(self, rollout: Rollout, dataset: Dataset, *, steps: int, ahead: int = 1) -> None:
@@ -224,6 +277,11 @@ class Trainer:
 
     def _step(self, rollout: Rollout, batch: Batch, log: BinaryIO | None) -> None:
         """Train on one batch: roll it out, update, log the line, checkpoint when due."""
+        watch = self._deadline.step(self.updates) if self._deadline else contextlib.nullcontext()
+        with watch:
+            self._train(rollout, batch, log)
+
+    def _train(self, rollout: Rollout, batch: Batch, log: BinaryIO | None) -> None:
         started = time.perf_counter()
         packed = rollout(batch, self.variables, self.updates)
         rolled = time.perf_counter()
@@ -233,19 +291,22 @@ class Trainer:
         metrics = jax.device_get(metrics)
         finished = time.perf_counter()
         self.elapsed += finished - started
-        line: dict[str, Any] = {
-            "step": self.updates,
-            "updates": self.updates + 1,
-            "position": self.position,
-            "elapsed": self.elapsed,
+        fields: dict[str, Any] = {
             "seconds/step": finished - started,
             "seconds/rollout": rolled - started,
             "seconds/update": finished - rolled,
         }
         record = getattr(rollout, "last_record", None)
         if isinstance(record, SchedulerRecord):
-            line |= record_fields(record)
-        line |= {name: _json_number(value) for name, value in metrics.items()}
+            fields |= record_fields(record)
+        fields |= {name: _json_number(value) for name, value in metrics.items()}
+        line: dict[str, Any] = {
+            "step": self.updates,
+            "updates": self.updates + 1,
+            "position": self.position,
+            "elapsed": self.elapsed,
+        }
+        line |= pool_fields(fields) if self.processes > 1 else fields
         self.updates += 1
         self.position += 1
         if log is not None:
@@ -260,7 +321,7 @@ class Trainer:
     @contextlib.contextmanager
     def _metrics_log(self) -> Iterator[BinaryIO | None]:
         """The metrics log, cut back to the length that goes with the trainer's state."""
-        if self.directory is None:
+        if self.directory is None or not self._writes:
             yield None
             return
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -270,3 +331,17 @@ class Trainer:
             log.truncate(self._logged_bytes)
             log.seek(self._logged_bytes)
             yield log
+
+
+def _same_checkpoint(checkpoint: Checkpoint | None) -> None:
+    """Refuse, on every process of the pool, checkpoints that differ between the processes."""
+    mine = (-1, -1) if checkpoint is None else (checkpoint.updates, checkpoint.position)
+    every = multihost_utils.process_allgather(np.array(mine, np.int32))
+    differing = np.flatnonzero((every != every[0]).any(axis=1)).tolist()
+    if differing:
+        read = ", ".join(f"process {i}: {tuple(every[i].tolist())}" for i in differing)
+        raise ValueError(
+            f"the pool's processes read different checkpoints (updates, position): process 0 "
+            f"read {tuple(every[0].tolist())}, {read}; every process must read the same run "
+            f"folder ((-1, -1) is none)"
+        )

@@ -212,11 +212,17 @@ class _Rows:
 
     @classmethod
     def empty(cls, *, width: int, count: int, capacity: int) -> _Rows:
+        return cls.of([width] * count, [capacity] * count)
+
+    @classmethod
+    def of(cls, free: list[int], free_support: list[int]) -> _Rows:
+        """Rows with these free cells and support slots."""
+        count = len(free)
         return cls(
             count=count,
-            free=[width] * count,
-            free_support=[capacity] * count,
-            order=[width * count + row for row in range(count)],
+            free=free,
+            free_support=free_support,
+            order=sorted(room * count + row for row, room in enumerate(free)),
         )
 
     def place(self, pieces: Sequence[_Piece], *, support: bool = True) -> list[int] | None:
@@ -282,9 +288,11 @@ def pack(
     """Lay admitted groups, in admission order, into fixed `[rows, width]` arrays to train on.
 
     Each training rollout's chains become segments; a group goes in whole (its chains placed
-    longest first, each into the fullest row that still holds it) or is cut, and later groups
-    may still go in. TRUNCATED rollouts under `mask` take no rows. The result depends only on
-    the input.
+    longest first, each into the fullest row that still holds it; if that fails though the
+    rows have the cells, every chain laid so far and the group's are laid again, longest first
+    over all of them, else row by row, each row as full as the chains left can make it) or is
+    cut, and later groups may still go in. TRUNCATED rollouts under
+    `mask` take no rows. The result depends only on the input.
 
     Args:
         groups: admitted groups in admission order, each a sequence of checked Sessions of
@@ -328,8 +336,7 @@ def pack(
         trainings.append(training)
     advantages = _advantages(rewards, [len(t) for t in trainings], estimator).tolist()
 
-    free = _Rows.empty(width=width, count=rows, capacity=support_capacity or 0)
-    laid: list[list[_Piece]] = [[] for _ in range(rows)]
+    layout = _Layout.empty(width=width, rows=rows, capacity=support_capacity or 0)
     packed: list[int] = []
     cut: list[Cut] = []
     at = 0
@@ -340,24 +347,160 @@ def pack(
             cut.append(Cut(g, "too_long"))
             continue
         pieces.sort(key=_length, reverse=True)
-        taken = free.place(pieces)
-        if taken is None:
-            fits_without_support = with_support and free.fits_without_support(pieces)
-            cut.append(Cut(g, "support" if fits_without_support else "no_room"))
-            continue
-        for piece, row in zip(pieces, taken, strict=True):
-            laid[row].append(piece)
-        packed.append(g)
+        if layout.admit(pieces):
+            packed.append(g)
+        else:
+            cut.append(Cut(g, "support" if layout.admits_without_support(pieces) else "no_room"))
 
     cells = width * rows
     return Packed(
-        batch=_lay_out(laid, width=width, support_capacity=support_capacity),
+        batch=_lay_out(layout.laid, width=width, support_capacity=support_capacity),
         packed=tuple(packed),
         cut=tuple(cut),
-        fill=(cells - sum(free.free)) / cells,
+        fill=(cells - sum(layout.rows.free)) / cells,
         estimator=estimator,
         truncation=truncation,
     )
+
+
+@attrs.define(eq=False)
+class _Layout:
+    """The pieces laid in each row so far, and the rows' free room.
+
+    A group is first placed beside what is laid, best fit, longest chain first: the common case,
+    one bisection per chain. When that fails but the rows still have the cells for it, every
+    laid chain and the group's are laid again from empty rows: best fit, longest first over all
+    of them (placing the earlier groups' chains knowing the later, longer ones leaves far fewer
+    gaps too small for anything), and if that too fails, row by row, each row the longest chain
+    left and the subset of the others that fills it best (minimum bin slack, which finds the
+    near-perfect layouts a batch offered its capacity needs). Only which row a chain goes to and
+    where in it changes; which groups go in still follows admission order.
+
+    Args:
+        width: cells per row.
+        capacity: support slots per row.
+        rows: the rows' free room.
+        laid: per row, its pieces left to right.
+    """
+
+    width: int
+    capacity: int
+    rows: _Rows
+    laid: list[list[_Piece]]
+
+    @classmethod
+    def empty(cls, *, width: int, rows: int, capacity: int) -> _Layout:
+        return cls(
+            width=width,
+            capacity=capacity,
+            rows=_Rows.empty(width=width, count=rows, capacity=capacity),
+            laid=[[] for _ in range(rows)],
+        )
+
+    def admit(self, pieces: Sequence[_Piece]) -> bool:
+        """Lay a group's pieces (longest first) beside the others, relaying all if need be.
+
+        Returns:
+            Whether the group went in; if not, nothing changed.
+        """
+        taken = self.rows.place(pieces)
+        if taken is not None:
+            for piece, row in zip(pieces, taken, strict=True):
+                self.laid[row].append(piece)
+            return True
+        relaid = self._relay(pieces, support=True)
+        if relaid is None:
+            return False
+        self.rows, self.laid = relaid
+        return True
+
+    def admits_without_support(self, pieces: Sequence[_Piece]) -> bool:
+        """Whether a group `admit` refused would go in if its chains kept no support (neither
+        way changes anything)."""
+        if self.capacity == 0:
+            return False
+        return self.rows.fits_without_support(pieces) or bool(self._relay(pieces, support=False))
+
+    def _relay(
+        self, pieces: Sequence[_Piece], *, support: bool
+    ) -> tuple[_Rows, list[list[_Piece]]] | None:
+        """The rows and their pieces with every laid piece and `pieces` laid again from empty
+        rows, or None if neither way holds them all."""
+        if not self._has_room(pieces, support=support):
+            return None
+        # A stable sort keeps equal lengths in row order, so the result stays a function of the
+        # input alone.
+        laid = [piece for row in self.laid for piece in row]
+        everything = sorted([*laid, *pieces], key=_length, reverse=True)
+        rows = _Rows.empty(width=self.width, count=self.rows.count, capacity=self.capacity)
+        taken = rows.place(everything, support=support)
+        if taken is not None:
+            relaid: list[list[_Piece]] = [[] for _ in range(rows.count)]
+            for piece, row in zip(everything, taken, strict=True):
+                relaid[row].append(piece)
+            return rows, relaid
+        relaid = _fill_rows(everything, width=self.width, count=self.rows.count)
+        if relaid is None:
+            return None
+        free_support = [self.capacity - sum(kept for _, kept, _, _ in row) for row in relaid]
+        if support and min(free_support) < 0:
+            return None
+        free = [self.width - sum(map(_length, row)) for row in relaid]
+        return _Rows.of(free, free_support), relaid
+
+    def _has_room(self, pieces: Sequence[_Piece], *, support: bool) -> bool:
+        """Whether the rows' free cells (and support slots) add up to what pieces need: no
+        layout can hold them otherwise, so most groups a full batch cuts skip the relaying."""
+        if sum(map(_length, pieces)) > sum(self.rows.free):
+            return False
+        return not support or sum(kept for _, kept, _, _ in pieces) <= sum(self.rows.free_support)
+
+
+def _fill_rows(pieces: Sequence[_Piece], *, width: int, count: int) -> list[list[_Piece]] | None:
+    """Minimum bin slack: `count` rows filled one after another, each with the longest piece
+    left and the subset of the rest that fills the row best; None if pieces are left over.
+
+    Args:
+        pieces: longest first.
+    """
+    left = list(pieces)
+    laid: list[list[_Piece]] = []
+    for _ in range(count):
+        if not left:
+            laid.append([])
+            continue
+        first, rest = left[0], left[1:]
+        chosen = set(_densest_subset([length for length, _, _, _ in rest], width - first[0]))
+        laid.append([first, *(piece for i, piece in enumerate(rest) if i in chosen)])
+        left = [piece for i, piece in enumerate(rest) if i not in chosen]
+    return None if left else laid
+
+
+def _densest_subset(lengths: Sequence[int], room: int) -> list[int]:
+    """Indices of lengths whose sum is the largest at most `room`.
+
+    A subset-sum table as one Python int, bit s set once some subset sums to s, each sum
+    remembering the item that first reached it: the subset is read back from the best sum by
+    those items, each earlier than the last, so none twice.
+    """
+    within = (1 << (room + 1)) - 1
+    reached = 1
+    first_item: dict[int, int] = {}
+    for item, length in enumerate(lengths):
+        new = (reached << length) & within & ~reached
+        reached |= new
+        while new:
+            lowest = new & -new
+            first_item[lowest.bit_length() - 1] = item
+            new ^= lowest
+        if reached >> room:
+            break
+    total, chosen = reached.bit_length() - 1, []
+    while total:
+        item = first_item[total]
+        chosen.append(item)
+        total -= lengths[item]
+    return chosen
 
 
 def _lay_out(

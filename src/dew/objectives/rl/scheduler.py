@@ -295,11 +295,11 @@ class RolloutScheduler:
         # While the trainer waits, what it waits on is logged after this many seconds, then
         # after twice as many, and so on; None logs nothing (simulations that wait by design).
         self.long_wait: float | None = 60.0
-        # Where this process meets the others of a multi-process trainer, twice a call, and how
-        # many consecutive processes read one data share (a tensor or sequence axis across
-        # processes): only a share's first reader samples, the others train on its rows.
+        # Where this process meets the others of a multi-process trainer, twice a call; its
+        # share_size says how many consecutive processes read one data share (a tensor or
+        # sequence axis across processes): only a share's first reader samples, the others
+        # train on its rows.
         self.pool: Pool = default_pool()
-        self.share_size = 1
         self.last_record: SchedulerRecord | None = None
         self.last_events: tuple[LogEvent, ...] = ()
         # The rest of the event log at close(): what came after the last call's delivery, and
@@ -377,7 +377,7 @@ class RolloutScheduler:
 
     def _call(self, batch: Batch, variables: Variables, updates: int) -> dict[str, np.ndarray]:
         self._check_usable()
-        if not self.pool.is_first_reader(self.share_size):
+        if not self.pool.is_first_reader():
             return self._read_share(variables, updates)
         start = time.perf_counter()
         try:
@@ -406,7 +406,7 @@ class RolloutScheduler:
         self, batch: Batch, variables: Variables, updates: int
     ) -> dict[str, np.ndarray]:
         self._check_usable()
-        if not self.pool.is_first_reader(self.share_size):
+        if not self.pool.is_first_reader():
             return self._read_share(variables, updates)
         start = trio.current_time()
         try:
@@ -493,7 +493,7 @@ class RolloutScheduler:
             truncation=self.truncation,
             support_capacity=self.support_capacity,
         )
-        batch = first_reader_batch(empty.batch, share_size=self.share_size)
+        batch = first_reader_batch(empty.batch, share_size=self.pool.share_size)
         batch["proximal_logprobs"] = self.pool.rescore(self.objective, variables, batch)
         return batch
 
@@ -558,7 +558,7 @@ class RolloutScheduler:
             truncation=self.truncation,
             support_capacity=self.support_capacity,
         )
-        batch = first_reader_batch(packed.batch, share_size=self.share_size)
+        batch = first_reader_batch(packed.batch, share_size=self.pool.share_size)
         batch["proximal_logprobs"] = self.pool.rescore(self.objective, variables, batch)
         now = message.events[-1].time if message.events else 0.0
         cuts = tuple(
@@ -738,6 +738,11 @@ class RolloutScheduler:
     def _post(self, event: core.Event) -> None:
         self._pending.append(event)
         self._wake.set()
+
+    def _settled(self) -> bool:
+        """Whether the driver has applied everything posted: with every task waiting, the
+        instant is over (replay's clock keeper moves the clock only then)."""
+        return not self._pending
 
     def _hand_over(self, handover: _HandOver) -> None:
         """Push the weights when due, then post the hand-over. The push lands at the trainer's

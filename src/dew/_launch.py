@@ -1,0 +1,198 @@
+"""Run a pool of local processes as one: logs per process, the first failure stops them all.
+
+`dew train --processes N` starts N trainer processes on this machine with `run_pool`. The pool
+lives and dies together: the first process to fail (a non-zero exit, or a signal such as a
+`kill -9`) is named, every other process is stopped (given a few seconds to stop by itself
+first, saying why), and the pool's exit status is that first failure's. An interrupt (Ctrl-C)
+or a SIGTERM to the launcher stops every process too.
+
+Each process runs in a session of its own, so a terminal's Ctrl-C reaches the launcher alone and
+the launcher stops the processes in a known order, rather than each racing to unwind on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import BinaryIO, TextIO
+
+# Seconds a stopped process has to exit after SIGTERM before it is killed.
+GRACE = 5.0
+
+
+def run_pool(
+    commands: Sequence[Sequence[str]],
+    logs: Sequence[Path],
+    *,
+    echo: TextIO | None = None,
+    env: Mapping[str, str] | None = None,
+    report: TextIO | None = None,
+    grace: float = GRACE,
+) -> int:
+    """Run one process per command until every one has ended; return the pool's exit status.
+
+    Args:
+        commands: each process's argv, process i's at index i.
+        logs: where each process's standard output and error go, written as they come.
+        echo: where process 0's output is also copied, line by line (the run's one console).
+        env: the processes' environment (the launcher's when None).
+        report: where the launcher says which process failed and what it stops.
+        grace: seconds a stopped process has between SIGTERM and SIGKILL.
+
+    Returns:
+        0 when every process exits 0; else the first failure's exit status (128 + the signal
+        for a process a signal ended); 130 after an interrupt or SIGTERM to the launcher.
+
+    Raises:
+        ValueError: unless there is one log per command and at least one command.
+    """
+    if not commands or len(logs) != len(commands):
+        raise ValueError(
+            f"run_pool needs one log per command and at least one command, got "
+            f"{len(commands)} commands and {len(logs)} logs"
+        )
+    ended: queue.Queue[int] = queue.Queue()
+    with contextlib.ExitStack() as stack:
+        started = [
+            _start(index, command, stack.enter_context(open(log, "wb")), echo, env, ended)
+            for index, (command, log) in enumerate(zip(commands, logs, strict=True))
+        ]
+        processes = [process for process, _ in started]
+        with _terminate_as_interrupt():
+            try:
+                return _watch(processes, ended, report, grace)
+            except KeyboardInterrupt:
+                _say(report, f"interrupted: stopping {_names(range(len(processes)))}")
+                _stop(processes, grace)
+                return 130
+            finally:
+                _stop(processes, grace)
+                for _, waiter in started:
+                    waiter.join()
+
+
+def exit_status(returncode: int) -> int:
+    """A Popen return code as a shell shows it: 128 + the signal for a process a signal ended."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(returncode: int) -> str:
+    """How a process ended, in words: `exit status 3`, `killed by SIGKILL`."""
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit status {returncode}"
+
+
+def _start(
+    index: int,
+    command: Sequence[str],
+    log: BinaryIO,
+    echo: TextIO | None,
+    env: Mapping[str, str] | None,
+    ended: queue.Queue[int],
+) -> tuple[subprocess.Popen, threading.Thread]:
+    """Start process `index`, and the thread that puts its index on `ended` when it exits (so
+    the order of `ended` is the order the processes ended in), which ends with it."""
+    piped = echo is not None and index == 0
+    process = subprocess.Popen(
+        list(command),
+        stdout=subprocess.PIPE if piped else log,
+        stderr=subprocess.STDOUT,
+        env=None if env is None else dict(env),
+        start_new_session=True,
+    )
+
+    def wait() -> None:
+        if piped:
+            with process.stdout:
+                for line in process.stdout:
+                    log.write(line)
+                    log.flush()
+                    echo.write(line.decode(errors="replace"))
+                    echo.flush()
+        process.wait()
+        ended.put(index)
+
+    waiter = threading.Thread(target=wait, name=f"dew-pool-{index}", daemon=True)
+    waiter.start()
+    return process, waiter
+
+
+def _watch(
+    processes: list[subprocess.Popen], ended: queue.Queue[int], report: TextIO | None, grace: float
+) -> int:
+    """Wait for every process; on the first failure name it and stop the others."""
+    status = 0
+    for _ in processes:
+        # A timeout keeps the main thread responsive to Ctrl-C while it waits.
+        index = _next(ended)
+        code = processes[index].returncode
+        if code != 0 and status == 0:
+            status = exit_status(code)
+            running = [i for i, p in enumerate(processes) if p.poll() is None]
+            stopping = f"; stopping {_names(running)}" if running else ""
+            _say(report, f"process {index} failed first ({describe_exit(code)}){stopping}")
+            # The others lose it in their next collective and stop by themselves, each saying
+            # why: they get `grace` seconds to, before they are stopped.
+            _stop(processes, grace, patience=grace)
+    return status
+
+
+def _next(ended: queue.Queue[int]) -> int:
+    while True:
+        with contextlib.suppress(queue.Empty):
+            return ended.get(timeout=0.5)
+
+
+def _stop(processes: list[subprocess.Popen], grace: float, *, patience: float = 0.0) -> None:
+    """Wait `patience` seconds for the running processes to end, then SIGTERM every running
+    process's session, then SIGKILL what is left after `grace`."""
+    ends = time.monotonic() + patience
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=max(0.0, ends - time.monotonic()))
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        running = [p for p in processes if p.poll() is None]
+        for process in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, sig)
+        for process in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=wait)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """Inside, a SIGTERM to the launcher stops the pool as Ctrl-C does (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _names(indices) -> str:
+    indices = list(indices)
+    if len(indices) == 1:
+        return f"process {indices[0]}"
+    return f"processes {', '.join(map(str, indices))}"
+
+
+def _say(report: TextIO | None, text: str) -> None:
+    if report is not None:
+        report.write(f"dew: {text}\n")
+        report.flush()

@@ -1,0 +1,502 @@
+"""Calibrate the long-tail simulation from recorded runs, and measure a recorded run alike.
+
+`calibrate(traces)` reads what a `dew.replay` trace holds about the workload a scheduler faced:
+
+- every rollout's duration, from its submission to its end on the scheduler's clock (slot
+  queueing included, so a trace from an engine that queued calls overstates its model time),
+  its calls and how it ended. A rollout the scheduler cancelled (surplus, stale, a reopened
+  stream, the close) never finished: its duration is only a lower bound, a right-censored
+  sample, and dropping it would favour short rollouts exactly as oversample and admit do. The
+  duration distribution is therefore the Kaplan-Meier estimate over finished and cancelled
+  rollouts (`scipy.stats.ecdf`), and each finished rollout is resampled with the probability
+  mass that estimate puts on its duration; mass beyond the longest finished rollout (when a
+  cancelled one ran longer) goes to the longest finished one and is reported as `beyond`.
+  A lognormal is fitted to the same censored sample by maximum likelihood, for reference.
+- each recorded group is a pool of its own, which the simulation's group of the same number
+  resamples (`SimulatedConfig.observed`): rollouts vary from batch to batch, with the tasks and
+  with a policy that learns to take more turns, and one task's rollouts resemble each other;
+  pooled, every simulated batch would meet the run's average mix and the trainer's waits on a
+  batch's slowest rollout would come out wrong. Groups are numbered `tasks` a batch in a row
+  while the trainer keeps one stream, which is how a pool finds its batch.
+- a trace holds each rollout's duration, not each call's: a rollout's seconds are split over
+  its calls in proportion to their completion tokens, the decode time's main term.
+- the engine's slot count: the most rollouts in flight at once. It is the slot count of an
+  engine that never queued a call (as `dew train`'s, with one slot per rollout that can be in
+  flight); one with fewer slots queued the rest, and their durations include the queueing.
+- the trainer's step times: from each call's return (the batch's delivery) to the next call's
+  hand-over, which covers packing, rescoring, the update and the trainer's own overhead; the
+  simulation replays them in their order.
+
+The first `warmup` trainer calls are left out of the rollouts and step times (a real run's
+first steps compile), and `observe` measures a recorded run over the same window as a
+simulation with `Workload.warmup` does, with the same definitions, so a prediction and a
+measurement compare like with like.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+import attrs
+import numpy as np
+import scipy.stats
+
+from dew.envs.simulated import ObservedRollout
+from dew.objectives.rl.sessions import Status
+from dew.replay import RecordedCall, RecordedSession, Trace, read_trace
+from dew.simulate import WASTED, Workload
+
+INFRA = Status.INFRA_ERROR
+# Quantiles the goodness-of-fit table compares, observed (Kaplan-Meier) against fitted.
+QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
+
+
+class CalibrationError(ValueError):
+    """A trace that holds too little to calibrate from; the message names the trace."""
+
+
+@attrs.frozen
+class Calibration:
+    """The workload recorded runs faced, fitted for the simulation.
+
+    Args:
+        traces: the trace files it was fitted from.
+        warmup: trainer calls of each trace left out.
+        observed: the finished rollouts, weighted by the Kaplan-Meier mass of their durations.
+        durations: each finished rollout's duration, seconds.
+        censored: each cancelled rollout's duration so far, seconds (lower bounds).
+        beyond: Kaplan-Meier mass beyond the longest finished rollout, given to it.
+        lognormal: (mu, sigma) of the log duration, fitted to the censored sample of the
+            rollouts that did not fail partway (INFRA_ERROR).
+        calls: per call count, how many finished rollouts made that many calls.
+        statuses: per status name, the share of finished rollouts that ended so.
+        truncations: per truncation reason, its share of the TRUNCATED rollouts.
+        unscored: share of TRUNCATED rollouts without a reward.
+        raised: rollouts whose source raised or returned what no trace holds.
+        slots: the most rollouts in flight at once over every trace.
+        step_times: the trainer's seconds between a batch's delivery and its next hand-over.
+        tasks: tasks per batch (one group each).
+        groups: rollouts per group that train together.
+        aheads: each trace's `ahead`.
+    """
+
+    traces: tuple[str, ...]
+    warmup: int
+    observed: tuple[ObservedRollout, ...]
+    durations: tuple[float, ...]
+    censored: tuple[float, ...]
+    beyond: float
+    lognormal: tuple[float, float]
+    calls: Mapping[int, int]
+    statuses: Mapping[str, float]
+    truncations: Mapping[str, float]
+    unscored: float
+    raised: int
+    slots: int
+    step_times: tuple[float, ...]
+    tasks: int
+    groups: int
+    aheads: tuple[int, ...]
+
+    @property
+    def step_time(self) -> float:
+        """The trainer's mean step time, the one the simulation spends on each step."""
+        return float(np.mean(self.step_times))
+
+    @property
+    def mean_duration(self) -> float:
+        """The mean rollout duration under the Kaplan-Meier weights."""
+        weights = np.array([rollout.weight for rollout in self.observed])
+        durations = np.array([rollout.duration for rollout in self.observed])
+        return float(weights @ durations / weights.sum())
+
+    def slowed(self, factor: float) -> Calibration:
+        """The same workload on a machine `factor` times slower: every duration and step time
+        multiplied by it (to carry a fit to a run on a machine under another load).
+
+        Raises:
+            ValueError: unless factor is a finite number > 0.
+        """
+        return self.scaled(engine=factor, trainer=factor)
+
+    def scaled(self, *, engine: float = 1.0, trainer: float = 1.0) -> Calibration:
+        """The workload with every rollout's durations multiplied by `engine` and every
+        trainer step time by `trainer`: an engine or a trainer that runs slower or faster
+        than the recorded one (e.g. an engine whose decode step costs in proportion to its
+        slots, given fewer slots).
+
+        Raises:
+            ValueError: naming the factor that is not a finite number > 0.
+        """
+        for name, factor in (("engine", engine), ("trainer", trainer)):
+            if isinstance(factor, bool) or not isinstance(factor, int | float):
+                raise ValueError(f"{name} factor must be a finite number > 0, got {factor!r}")
+            if not 0 < factor < math.inf:
+                raise ValueError(f"{name} factor must be a finite number > 0, got {factor!r}")
+        observed = tuple(
+            attrs.evolve(
+                r,
+                seconds=tuple(s * engine for s in r.seconds),
+                failing=None if r.failing is None else r.failing * engine,
+            )
+            for r in self.observed
+        )
+        mu, sigma = self.lognormal
+        return attrs.evolve(
+            self,
+            observed=observed,
+            durations=tuple(d * engine for d in self.durations),
+            censored=tuple(d * engine for d in self.censored),
+            lognormal=(mu + math.log(engine), sigma),
+            step_times=tuple(t * trainer for t in self.step_times),
+        )
+
+    def workload(
+        self, *, steps: int, seed: int = 0, slots: int | None | str = "observed"
+    ) -> Workload:
+        """The simulation's workload: the observed rollouts resampled group by group, the
+        recorded step times in their order, both from the window's first step on.
+
+        Args:
+            steps: trainer steps per simulated run, `warmup` of them not measured.
+            seed: seeds the resampling.
+            slots: the engine's slots; "observed" for `self.slots`, None for unbounded.
+
+        Raises:
+            ValueError: naming the Workload field out of bounds.
+        """
+        return Workload(
+            seed=seed,
+            steps=steps,
+            slots=self.slots if slots == "observed" else slots,
+            tasks=self.tasks,
+            groups=self.groups,
+            duration_mean=self.mean_duration,
+            duration_sigma=self.lognormal[1],
+            step_time=self.step_time,
+            warmup=self.warmup,
+            observed=self.observed,
+            step_times=self.step_times,
+        )
+
+
+def _delivered(trace: Trace) -> list[RecordedCall]:
+    """The trainer calls that delivered a batch, with their times (a call that raised has
+    no record, and from the trainer's thread no times)."""
+    return [c for c in trace.calls if c.record is not None and c.handed_over is not None]
+
+
+def _window_start(trace: Trace, warmup: int) -> float:
+    """The scheduler's clock at the hand-over of call `warmup`: where a trace's window opens.
+
+    Raises:
+        CalibrationError: when the trace has too few calls with times.
+    """
+    timed = _delivered(trace)
+    if len(timed) < warmup + 2:
+        raise CalibrationError(
+            f"{trace.path}: needs at least warmup + 2 = {warmup + 2} trainer calls that "
+            f"delivered a batch, has {len(timed)}"
+        )
+    return timed[warmup].handed_over
+
+
+def _window(trace: Trace, warmup: int, tasks: int) -> tuple[list[RecordedSession], int]:
+    """The rollouts of the batches that calls `warmup` on handed over and those read after,
+    and how many groups those batches hold (the scheduler numbers a batch's groups in a row,
+    `tasks` a batch, while the trainer keeps its one stream).
+
+    Raises:
+        CalibrationError: when the trace has too few calls, or no rollout of those batches.
+    """
+    _window_start(trace, warmup)
+    first = _delivered(trace)[warmup].batch
+    sessions = [s for s in trace.sessions.values() if s.label.group // tasks >= first]
+    if not sessions:
+        raise CalibrationError(f"{trace.path}: no rollout of batch {first} or later")
+    last = max(s.label.group for s in sessions) // tasks
+    return sessions, (last - first + 1) * tasks
+
+
+def _split(recorded: RecordedSession) -> ObservedRollout:
+    """A finished rollout as the simulation resamples it: its duration split over its calls
+    by completion tokens (evenly where none has any)."""
+    session = recorded.session
+    duration = recorded.ended - recorded.submitted
+    tokens = np.array([len(call.completion) for call in session.calls], np.float64)
+    if len(tokens) and tokens.sum() > 0:
+        seconds = duration * tokens / tokens.sum()
+    else:
+        seconds = np.full(len(tokens), duration / max(len(tokens), 1))
+    failing = None
+    if session.status is Status.INFRA_ERROR:
+        # A failure that made no call still held the engine until it failed.
+        failing = 0.0 if len(tokens) else duration
+    return ObservedRollout(
+        seconds=tuple(float(s) for s in seconds),
+        status=session.status,
+        truncation=session.truncation,
+        failing=failing,
+    )
+
+
+def _most_in_flight(sessions: Sequence[RecordedSession]) -> int:
+    """The most rollouts running at once; one ending as another starts does not overlap it."""
+    marks = sorted(
+        [(s.submitted, 1) for s in sessions] + [(s.ended, -1) for s in sessions],
+    )
+    running = most = 0
+    for _, change in marks:
+        running += change
+        most = max(most, running)
+    return most
+
+
+def _kaplan_meier_weights(durations: np.ndarray, censored: np.ndarray) -> tuple[np.ndarray, float]:
+    """Each finished rollout's resampling weight, and the mass beyond the longest one.
+
+    Returns:
+        float64[finished] weights summing to 1 (the tail mass included, on the longest), and
+        that tail mass.
+    """
+    if not len(censored):
+        return np.full(len(durations), 1 / len(durations)), 0.0
+    data = scipy.stats.CensoredData(uncensored=durations, right=censored)
+    survival = scipy.stats.ecdf(data).sf
+    times, left = survival.quantiles, survival.probabilities
+    mass = np.concatenate([[1.0], left[:-1]]) - left
+    at = np.searchsorted(times, durations)
+    ties = collections.Counter(at.tolist())
+    weights = mass[at] / np.array([ties[i] for i in at.tolist()])
+    beyond = float(max(0.0, 1.0 - weights.sum()))
+    weights[np.argmax(durations)] += beyond
+    return weights, beyond
+
+
+def _fit_lognormal(durations: np.ndarray, censored: np.ndarray) -> tuple[float, float]:
+    """(mu, sigma) of the log duration by maximum likelihood over the censored sample (of
+    rollouts that ran to their end: an infrastructure failure stops partway)."""
+    positive = durations[durations > 0]
+    if len(positive) < 2 or np.ptp(np.log(positive)) == 0:
+        mu = float(np.log(positive).mean()) if len(positive) else 0.0
+        return mu, 0.0
+    data = scipy.stats.CensoredData(uncensored=positive, right=censored[censored > 0])
+    sigma, _, scale = scipy.stats.lognorm.fit(data, floc=0)
+    return float(math.log(scale)), float(sigma)
+
+
+def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -> Calibration:
+    """Fit the simulation's workload to one or more recorded runs.
+
+    Args:
+        traces: trace files (or traces read) of runs of one batch shape.
+        warmup: trainer calls of each trace to leave out, from its start.
+
+    Returns:
+        The calibration.
+
+    Raises:
+        CalibrationError: naming the trace that has too few calls or finished rollouts, or
+            whose batch shape differs from the first's.
+        TraceError: for a file that is not a trace (from `read_trace`).
+        ValueError: for no traces or a negative warmup.
+    """
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    if not traces:
+        raise ValueError("calibrate needs at least one trace")
+    read = [t if isinstance(t, Trace) else read_trace(t) for t in traces]
+    first = (read[0].config["groups"], _tasks_per_batch(read[0]))
+    finished, cancelled, raised, steps, slots = [], [], 0, [], 0
+    pool: dict = {}
+    offset = 0
+    for trace in read:
+        shape = (trace.config["groups"], _tasks_per_batch(trace))
+        if shape != first:
+            raise CalibrationError(
+                f"{trace.path}: (groups, tasks per batch) {shape} differ from the first "
+                f"trace's {first}"
+            )
+        sessions, pools = _window(trace, warmup, first[1])
+        for session in sessions:
+            # Each recorded group is a pool, numbered so that the simulation's task n (its
+            # group n) draws from the recorded group n while n is within the window.
+            pool[session.label] = offset + session.label.group % pools
+        offset += pools
+        finished += [s for s in sessions if s.outcome == "returned"]
+        cancelled += [s for s in sessions if s.outcome == "cancelled"]
+        raised += sum(s.outcome in ("raised", "invalid") for s in sessions)
+        timed = _delivered(trace)
+        steps += [b.handed_over - a.returned for a, b in itertools.pairwise(timed[warmup:])]
+        slots = max(slots, _most_in_flight(list(trace.sessions.values())))
+    if not finished:
+        raise CalibrationError(
+            f"{', '.join(t.path for t in read)}: no rollout finished after the first "
+            f"{warmup} trainer calls"
+        )
+    durations = np.array([s.ended - s.submitted for s in finished])
+    censored = np.array([s.ended - s.submitted for s in cancelled])
+    weights, beyond = _kaplan_meier_weights(durations, censored)
+    observed = tuple(
+        attrs.evolve(_split(s), weight=float(w), pool=pool[s.label])
+        for s, w in zip(finished, weights, strict=True)
+        if w > 0
+    )
+    statuses = collections.Counter(s.session.status.name for s in finished)
+    truncated = [s.session for s in finished if s.session.status is Status.TRUNCATED]
+    reasons = collections.Counter(session.truncation for session in truncated)
+    groups, tasks = first
+    return Calibration(
+        traces=tuple(t.path for t in read),
+        warmup=warmup,
+        observed=observed,
+        durations=tuple(durations.tolist()),
+        censored=tuple(censored.tolist()),
+        beyond=beyond,
+        lognormal=_fit_lognormal(
+            np.array([s.ended - s.submitted for s in finished if s.session.status is not INFRA]),
+            censored,
+        ),
+        calls=dict(sorted(collections.Counter(len(s.session.calls) for s in finished).items())),
+        statuses={name: n / len(finished) for name, n in sorted(statuses.items())},
+        truncations={r: n / len(truncated) for r, n in sorted(reasons.items())},
+        unscored=(
+            sum(session.reward is None for session in truncated) / len(truncated)
+            if truncated
+            else 0.0
+        ),
+        raised=raised,
+        slots=slots,
+        step_times=tuple(steps),
+        tasks=tasks,
+        groups=groups,
+        aheads=tuple(t.config["ahead"] for t in read),
+    )
+
+
+def _tasks_per_batch(trace: Trace) -> int:
+    """The tasks of the trace's first batch (the scheduler's batches have one size)."""
+    if not trace.batches:
+        raise CalibrationError(f"{trace.path}: holds no task batch")
+    return len(trace.batches[min(trace.batches)])
+
+
+def _weighted_quantiles(values: np.ndarray, weights: np.ndarray, probabilities) -> np.ndarray:
+    """The smallest value whose weighted cumulative share reaches each probability."""
+    order = np.argsort(values)
+    cumulative = np.cumsum(weights[order]) / weights.sum()
+    at = np.searchsorted(cumulative, np.asarray(probabilities) - 1e-12)
+    return values[order][np.minimum(at, len(values) - 1)]
+
+
+def fit_table(calibration: Calibration) -> list[tuple[float, float, float]]:
+    """Goodness of fit: per QUANTILES probability, the observed (Kaplan-Meier) duration of the
+    rollouts that ran to their end and the fitted lognormal's."""
+    whole = [r for r in calibration.observed if r.status is not INFRA] or calibration.observed
+    values = np.array([rollout.duration for rollout in whole])
+    weights = np.array([rollout.weight for rollout in whole])
+    observed = _weighted_quantiles(values, weights, QUANTILES)
+    mu, sigma = calibration.lognormal
+    fitted = scipy.stats.lognorm.ppf(QUANTILES, max(sigma, 1e-12), scale=math.exp(mu))
+    return [(p, float(o), float(f)) for p, o, f in zip(QUANTILES, observed, fitted, strict=True)]
+
+
+def _shares(shares: Mapping[str, float]) -> str:
+    return ", ".join(f"{name} {share:.1%}" for name, share in shares.items()) or "none"
+
+
+def report(calibration: Calibration) -> str:
+    """The fit, as `dew tune` prints it above its table."""
+    c = calibration
+    per_call = np.concatenate([np.array(r.seconds) for r in c.observed if r.seconds])
+    step = np.array(c.step_times)
+    censored = (
+        f", {len(c.censored)} cancelled (censored at their running time)" if c.censored else ""
+    )
+    lines = [
+        f"calibrated from {len(c.traces)} trace(s), the first {c.warmup} trainer calls of "
+        f"each left out: {len(c.durations)} finished rollouts{censored}"
+        + (f", {c.raised} raised" if c.raised else ""),
+        f"  batch: {c.tasks} tasks x {c.groups} rollouts; engine: {c.slots} slots (the most "
+        f"rollouts in flight at once)",
+        f"  trainer step: mean {c.step_time:.4g}s, median {np.median(step):.4g}s, "
+        f"p90 {np.quantile(step, 0.9):.4g}s over {len(step)} steps",
+        f"  rollout duration: mean {c.mean_duration:.4g}s; lognormal fit mu {c.lognormal[0]:.4g} "
+        f"sigma {c.lognormal[1]:.4g}"
+        + (f"; {c.beyond:.1%} of the mass beyond the longest finished" if c.beyond else ""),
+        f"  per call (split by completion tokens): median {np.median(per_call):.4g}s, "
+        f"p90 {np.quantile(per_call, 0.9):.4g}s",
+        "  calls per rollout: "
+        + ", ".join(f"{n}: {count / len(c.durations):.1%}" for n, count in c.calls.items()),
+        f"  statuses: {_shares(c.statuses)}; truncations: {_shares(c.truncations)}"
+        + (f" ({c.unscored:.1%} unscored)" if c.truncations else ""),
+        f"  {'quantile':>10}{'observed s':>12}{'lognormal s':>13}{'ratio':>8}",
+    ]
+    for p, observed, fitted in fit_table(c):
+        ratio = fitted / observed if observed > 0 else math.inf
+        lines.append(f"  {p:>10.2f}{observed:>12.4g}{fitted:>13.4g}{ratio:>8.2f}")
+    return "\n".join(lines)
+
+
+@attrs.frozen
+class RunFigures:
+    """A recorded run's figures over the window a simulation measures, defined as it does.
+
+    Over the calls from `warmup` to the last but one: elapsed runs from the hand-over of call
+    `warmup` to the last call's hand-over; waited sums each call's hand-over to its delivery;
+    admitted counts the samples delivered; wasted is the share of rollout-seconds of the
+    submissions that ended in those calls' event logs that went to cancelled, discarded or
+    failed ones.
+    """
+
+    trace: str
+    steps: int
+    elapsed: float
+    admitted: int
+    waited: float
+    lags: tuple[int, ...]
+    wasted: float
+
+    @property
+    def goodput(self) -> float:
+        """Admitted samples per second."""
+        return self.admitted / self.elapsed
+
+    @property
+    def idle(self) -> float:
+        """The trainer's idle share: waited over elapsed."""
+        return self.waited / self.elapsed
+
+
+def observe(trace: str | os.PathLike | Trace, *, warmup: int = 2) -> RunFigures:
+    """Measure a recorded run as a simulation of `len(calls) - 1` steps measures itself.
+
+    Raises:
+        CalibrationError: when the trace has fewer than warmup + 2 calls that returned.
+    """
+    trace = trace if isinstance(trace, Trace) else read_trace(trace)
+    opens = _window_start(trace, warmup)
+    timed = _delivered(trace)
+    window = timed[warmup:-1]
+    ends = {
+        e.label: e.kind
+        for call in window
+        for e in call.events
+        if e.kind in ("admitted", *WASTED) and e.label in trace.sessions
+    }
+    spans = {label: trace.sessions[label] for label in ends}
+    spent = sum(s.ended - s.submitted for s in spans.values())
+    wasted = sum(s.ended - s.submitted for label, s in spans.items() if ends[label] in WASTED)
+    return RunFigures(
+        trace=trace.path,
+        steps=len(window),
+        elapsed=timed[-1].handed_over - opens,
+        admitted=sum(call.record.groups for call in window) * trace.config["groups"],
+        waited=sum(call.returned - call.handed_over for call in window),
+        lags=tuple(call.record.lag for call in window),
+        wasted=wasted / spent if spent > 0 else 0.0,
+    )

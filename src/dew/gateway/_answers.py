@@ -1,0 +1,281 @@
+"""The gateway's answers in the OpenAI schema: a sampled call cut at its stops, as a JSON body or
+as server-sent event chunks, with log-probs.
+
+Log-probs are reported for the completion's tokens but a final stop token (OpenAI leaves the stop
+token out); `top_logprobs` lists the sampled token only, since the engine reports no others.
+A stream is the same answer cut into chunks: concatenating the chunks' content and log-probs
+gives the JSON body's, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import numpy as np
+
+from dew.gateway._template import Reply
+from dew.objectives.rl.sessions import Call
+
+
+@attrs.frozen
+class Sample:
+    """A call's completion as answered.
+
+    Args:
+        call: the call to record: its completion ends with the stop token, or with the token
+            that completed a stop string, or where its budget ran out.
+        text: the text answered (without stop token or stop string).
+        tokens: the completion ids reported (the completion without a final stop token).
+        finish: "stop" or "length" (the caller turns a stop with tool calls into "tool_calls").
+    """
+
+    call: Call
+    text: str
+    tokens: np.ndarray
+    finish: str
+
+
+def cut(call: Call, tokenizer, stops: tuple[str, ...]) -> Sample:
+    """Cut a completion after the token that completes the first stop string.
+
+    The engine stops on the stop token only; a stop string is honoured after sampling by keeping
+    the completion up to it (the tokens after it were sampled but are not part of the answer,
+    and a prefix of a sample is a sample, so the behaviour log-probs stay right).
+    """
+    completion = call.completion
+    ended = len(completion) and int(completion[-1]) == tokenizer.eos_id
+    body = completion[:-1] if ended else completion
+    text = tokenizer.decode(body)
+    hits = [(text.find(stop), stop) for stop in stops if stop in text]
+    if not hits:
+        return Sample(call, text, body, "stop" if ended else "length")
+    at, stop = min(hits)
+    keep = next(k for k in range(1, len(body) + 1) if stop in tokenizer.decode(body[:k]))
+    support = None if call.support is None else call.support[:keep]
+    kept = Call(call.prompt, body[:keep], call.logprobs[:keep], call.version, support)
+    return Sample(kept, text[:at], body[:keep], "stop")
+
+
+def _reported_logprobs(sample: Sample) -> np.ndarray:
+    """The log-probs of the reported tokens (the completion's but a final stop token's)."""
+    return sample.call.logprobs[: len(sample.tokens)]
+
+
+def _token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode(np.array([token], np.int32))
+
+
+def chat_logprobs(sample: Sample, tokenizer, top: int, start: int = 0, stop: int | None = None):
+    """The `logprobs.content` entries of tokens [start, stop) of a sample."""
+    entries = []
+    tokens = sample.tokens[start:stop]
+    for token, logprob in zip(
+        tokens.tolist(), sample.call.logprobs[start:stop].tolist(), strict=True
+    ):
+        text = _token_text(tokenizer, token)
+        entry = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        entries.append({**entry, "top_logprobs": [entry] if top else []})
+    return entries
+
+
+def text_deltas(sample: Sample, tokenizer) -> list[str]:
+    """The answer's text cut per reported token: a token that ends inside a character (a
+    multi-byte character split over tokens) adds nothing until the character is whole."""
+    deltas, sent = [], 0
+    for k in range(1, len(sample.tokens) + 1):
+        prefix = tokenizer.decode(sample.tokens[:k])
+        end = len(sample.text) if k == len(sample.tokens) else len(prefix)
+        if prefix.endswith("\ufffd") and k < len(sample.tokens):
+            end = sent
+        end = min(max(end, sent), len(sample.text))
+        deltas.append(sample.text[sent:end])
+        sent = end
+    return deltas
+
+
+def usage(call: Call) -> dict[str, int]:
+    prompt, completion = len(call.prompt), len(call.completion)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _tool_calls(reply: Reply) -> list[dict[str, Any]]:
+    return [
+        {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        for call_id, name, arguments in reply.tool_calls
+    ]
+
+
+def finish_reason(sample: Sample, reply: Reply) -> str:
+    return "tool_calls" if reply.tool_calls else sample.finish
+
+
+def chat_body(
+    completion_id: str, model: str, sample: Sample, reply: Reply, tokenizer, request
+) -> dict[str, Any]:
+    """A chat completion's JSON body."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content, "refusal": None}
+    if reply.tool_calls:
+        message["tool_calls"] = _tool_calls(reply)
+    logprobs = None
+    if request.sampled.logprobs:
+        content = chat_logprobs(sample, tokenizer, request.sampled.top_logprobs)
+        logprobs = {"content": content, "refusal": None}
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(sample, reply),
+            }
+        ],
+        "usage": usage(sample.call),
+    }
+
+
+def chat_chunks(
+    completion_id: str, model: str, sample: Sample, reply: Reply, tokenizer, request
+) -> Iterator[dict[str, Any]]:
+    """A chat completion's stream chunks: the role, the content per token (or, for tool calls,
+    the content then one chunk per call), the finish reason, and the usage when asked."""
+    created = int(time.time())
+    sampled = request.sampled
+
+    def chunk(delta, logprobs=None, finish=None):
+        body = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            ],
+        }
+        if sampled.include_usage:
+            body["usage"] = None
+        return body
+
+    def logprobs(start, stop=None):
+        if not sampled.logprobs:
+            return None
+        entries = chat_logprobs(sample, tokenizer, sampled.top_logprobs, start, stop)
+        return {"content": entries, "refusal": None}
+
+    yield chunk({"role": "assistant", "content": ""})
+    if reply.tool_calls:
+        first = True
+        if reply.content:
+            yield chunk({"content": reply.content}, logprobs(0))
+            first = False
+        for index, call in enumerate(_tool_calls(reply)):
+            yield chunk({"tool_calls": [{"index": index, **call}]}, logprobs(0) if first else None)
+            first = False
+    else:
+        for k, delta in enumerate(text_deltas(sample, tokenizer)):
+            yield chunk({"content": delta}, logprobs(k, k + 1))
+    yield chunk({}, finish=finish_reason(sample, reply))
+    if sampled.include_usage:
+        yield {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": [],
+            "usage": usage(sample.call),
+        }
+
+
+def _legacy_logprobs(sample: Sample, tokenizer, start: int, stop: int | None, offset: int):
+    tokens = [_token_text(tokenizer, t) for t in sample.tokens[start:stop].tolist()]
+    logprobs = _reported_logprobs(sample)[start:stop].tolist()
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": logprobs,
+        "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs, strict=True)],
+        "text_offset": offsets,
+    }
+
+
+def completion_body(
+    completion_id: str, model: str, sample: Sample, tokenizer, request, prompt_text
+):
+    """A (legacy) text completion's JSON body."""
+    echoed = prompt_text if request.echo else ""
+    logprobs = None
+    if request.sampled.logprobs:
+        logprobs = _legacy_logprobs(sample, tokenizer, 0, None, len(echoed))
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "text": echoed + sample.text,
+                "index": 0,
+                "logprobs": logprobs,
+                "finish_reason": sample.finish,
+            }
+        ],
+        "usage": usage(sample.call),
+    }
+
+
+def completion_chunks(
+    completion_id: str, model: str, sample: Sample, tokenizer, request, prompt_text
+):
+    """A text completion's stream chunks: one per token, then the finish, then the usage."""
+    created = int(time.time())
+
+    def chunk(text, logprobs=None, finish=None):
+        return {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}],
+        }
+
+    offset = 0
+    if request.echo:
+        yield chunk(prompt_text)
+        offset = len(prompt_text)
+    for k, delta in enumerate(text_deltas(sample, tokenizer)):
+        logprobs = None
+        if request.sampled.logprobs:
+            logprobs = _legacy_logprobs(sample, tokenizer, k, k + 1, offset)
+        yield chunk(delta, logprobs)
+        offset += len(delta)
+    yield chunk("", finish=sample.finish)
+    if request.sampled.include_usage:
+        body = chunk("")
+        body["choices"] = []
+        body["usage"] = usage(sample.call)
+        yield body
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()

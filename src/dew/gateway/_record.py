@@ -1,0 +1,282 @@
+"""One rollout's session on the gateway: its calls, token in / token out, and its end.
+
+The gateway keeps, per session, every assistant turn it produced: the ids it sampled, the text
+and the tool-call ids it answered with. When the harness sends the conversation back, each of
+its assistant turns that the gateway produced (found by its tool-call ids, else by its text) is
+rendered as those exact ids rather than re-tokenised text, so the next call's prompt extends the
+previous call's prompt and completion and the session's calls merge into one chain. Clients
+re-serialise tool-call arguments, wrap invalid JSON, strip text: none of that changes the ids.
+A client that drops the empty assistant turn it was answered gets it put back where it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import numpy as np
+import trio
+
+from dew.gateway._schema import ApiError, ChatRequest, Message
+from dew.gateway._template import message_text, system_text
+from dew.objectives.rl.sessions import Call, Label
+
+
+@attrs.define(eq=False)
+class Turn:
+    """An answer the gateway gave: the call, what the client saw of it, and where it stands.
+
+    Args:
+        call: the recorded call (its completion cut at a stop string).
+        content: the text answered, for matching a turn that carries no tool calls.
+        tool_call_ids: the ids of the tool calls answered.
+        messages: how many messages the request held (where a dropped empty turn goes back).
+        fingerprint: the request body's hash, to recognise a client's retry of it.
+        text: for the completions endpoint, the prompt and completion text as answered.
+        text_ids: the ids of `text` as the engine saw and sampled them, where they are known
+            (a completion cut at its stop token or a stop string answers less text than it
+            sampled: its client's text goes on without those tokens).
+    """
+
+    call: Call
+    content: str | None
+    tool_call_ids: tuple[str, ...]
+    messages: int
+    fingerprint: bytes
+    text: str | None = None
+    text_ids: np.ndarray | None = None
+    rendered: np.ndarray | None = None  # the turn's ids in a later prompt, made once
+
+
+def _closing(tokenizer, completion: np.ndarray) -> np.ndarray:
+    """What the template writes after a sampled reply: the stop token where the reply lacks it
+    (cut at a stop string or by its budget), then the turn suffix."""
+    ended = len(completion) and int(completion[-1]) == tokenizer.eos_id
+    tail = [] if ended else [np.array([tokenizer.eos_id], np.int32)]
+    return np.concatenate([*tail, tokenizer.turn_suffix()]).astype(np.int32)
+
+
+class GatewaySession:
+    """The gateway's record of one rollout, served under an unguessable URL prefix.
+
+    Attributes:
+        base_url: the OpenAI base URL for the harness (`.../<token>/v1`).
+        api_key: a key to hand the client (the URL prefix is the credential; the key is not
+            checked, so harnesses that send a fixed key work).
+        label: the rollout's label (keys each call's sampling), or None.
+        max_calls: the most calls before the session is TRUNCATED (`turns`), or None.
+    """
+
+    def __init__(
+        self,
+        token: str,
+        base_url: str,
+        *,
+        label: Label | None,
+        engine: Any,
+        tokenizer: Any,
+        max_calls: int | None,
+        on_close: Callable[[GatewaySession], None],
+    ):
+        self.token = token
+        self.base_url = base_url
+        self.api_key = "dew-" + token
+        self.label = label
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_calls = max_calls
+        self._on_close = on_close
+        self._turns: list[Turn] = []
+        self._started = 0
+        self._in_flight: set[trio.CancelScope] = set()
+        self.closed: str | None = None
+        self.truncation: str | None = None
+        self.infra_error: str | None = None
+        self.ended = trio.Event()
+        self.transcript: list[dict[str, Any]] = []
+        # Harnesses send the whole conversation each call: each message is encoded once.
+        self._encoded: dict[tuple[str, str], np.ndarray] = {}
+
+    @property
+    def calls(self) -> tuple[Call, ...]:
+        """The recorded calls, in the order they were answered."""
+        return tuple(turn.call for turn in self._turns)
+
+    @property
+    def in_flight(self) -> int:
+        """Engine calls running for this session now."""
+        return len(self._in_flight)
+
+    # --- ending ---------------------------------------------------------------------------------
+
+    def truncate(self, reason: str) -> None:
+        """Mark the rollout TRUNCATED for `reason` (the first reason stays) and end it."""
+        if self.truncation is None:
+            self.truncation = reason
+        self.ended.set()
+
+    def fail(self, error: str) -> None:
+        """Mark an infrastructure fault (the engine failed a call) and end the rollout."""
+        if self.infra_error is None:
+            self.infra_error = error
+        self.ended.set()
+
+    def close(self, reason: str = "finished") -> None:
+        """Refuse every later call with 410 and cancel the engine calls in flight at once."""
+        if self.closed is not None:
+            return
+        self.closed = reason
+        for scope in self._in_flight:
+            scope.cancel(reason=f"session {reason}")
+        self.ended.set()
+        self._on_close(self)
+
+    def check_open(self) -> None:
+        """Raises: ApiError 410 when the session is closed."""
+        if self.closed is not None:
+            raise ApiError(
+                410,
+                f"this session is closed ({self.closed}); a rollout's session takes no more calls",
+                type="invalid_request_error",
+                code="session_closed",
+            )
+
+    # --- calls ----------------------------------------------------------------------------------
+
+    def admit(self, fingerprint: bytes, retry: bool) -> int:
+        """Start a call: forget the answer a retry replaces, enforce the call limit.
+
+        A retry (the client's retry counter above 0) whose body is the last answered call's
+        never received that answer: the call is dropped, so it is neither trained as if seen
+        nor recorded twice.
+
+        Returns:
+            The call's index in the session (keys its sampling).
+
+        Raises:
+            ApiError: 410 when closed; 400 when the call limit is reached (the session is then
+                TRUNCATED with `turns`).
+        """
+        self.check_open()
+        if retry and self._turns and self._turns[-1].fingerprint == fingerprint:
+            self._turns.pop()
+        if self.max_calls is not None and len(self._turns) + len(self._in_flight) >= self.max_calls:
+            self.truncate("turns")
+            raise ApiError(
+                400,
+                f"this session reached its limit of {self.max_calls} calls",
+                code="call_limit_exceeded",
+            )
+        index = self._started
+        self._started += 1
+        return index
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[trio.CancelScope]:
+        """A cancel scope for an engine call, cancelled when the session closes."""
+        scope = trio.CancelScope()
+        if self.closed is not None:
+            scope.cancel(reason=f"session {self.closed}")
+        self._in_flight.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._in_flight.discard(scope)
+
+    def record(self, turn: Turn) -> None:
+        """Keep an answered call."""
+        self._turns.append(turn)
+
+    def forget(self, turn: Turn) -> None:
+        """Drop an answer that never reached the client."""
+        if turn in self._turns:
+            self._turns.remove(turn)
+
+    # --- prompts --------------------------------------------------------------------------------
+
+    def chat_prompt(self, request: ChatRequest) -> np.ndarray:
+        """The token ids the engine sees for a chat request: the gateway's own turns as the ids
+        it sampled, everything else through the chat template."""
+        tokenizer = self.tokenizer
+        head = [tokenizer.chat_prefix()]
+        system = system_text(request)
+        if system is not None:
+            head.append(self._encode("system", system))
+        matched: set[int] = set()
+        pieces = []
+        for message in request.messages:
+            turn = self._match(message)
+            if turn is not None:
+                matched.add(id(turn))
+                pieces.append(self._turn_ids(turn))
+            else:
+                text = message_text(message)
+                pieces.append(self._encode(message.role, text))
+        self._restore_dropped(request.messages, head, pieces, matched)
+        return np.concatenate([*head, *pieces, tokenizer.generation_prompt()]).astype(np.int32)
+
+    def _match(self, message: Message) -> Turn | None:
+        """The gateway's turn an assistant message stands for: by its tool-call ids, else (for a
+        turn without calls) by its text, exact or stripped; the latest such turn."""
+        if message.role != "assistant":
+            return None
+        for turn in reversed(self._turns):
+            if turn.text is not None:
+                continue
+            if message.tool_calls:
+                if any(call_id in turn.tool_call_ids for call_id, _, _ in message.tool_calls):
+                    return turn
+            elif not turn.tool_call_ids and (turn.content or "").strip() == message.content.strip():
+                return turn
+        return None
+
+    def _encode(self, role: str, content: str) -> np.ndarray:
+        """A message's turn under the template, encoded once per session."""
+        ids = self._encoded.get((role, content))
+        if ids is None:
+            ids = self.tokenizer.encode_turn({"role": role, "content": content})
+            self._encoded[role, content] = ids
+        return ids
+
+    def _turn_ids(self, turn: Turn) -> np.ndarray:
+        if turn.rendered is None:
+            completion = turn.call.completion
+            turn.rendered = np.concatenate(
+                [
+                    self.tokenizer.generation_prompt(),
+                    completion,
+                    _closing(self.tokenizer, completion),
+                ]
+            ).astype(np.int32)
+        return turn.rendered
+
+    def _restore_dropped(self, messages, head, pieces, matched) -> None:
+        """Put back each empty answer the client left out: where the messages before it are the
+        ones it answered, and what follows is not an assistant turn standing in its place."""
+        inserted = 0
+        generation = len(self.tokenizer.generation_prompt())
+        for turn in self._turns:
+            empty = turn.text is None and not turn.tool_call_ids and not turn.content
+            at = turn.messages
+            if not empty or id(turn) in matched or len(messages) < at:
+                continue
+            if at < len(messages) and messages[at].role == "assistant":
+                continue
+            before = np.concatenate([*head, *pieces[: at + inserted]])
+            asked = turn.call.prompt[: len(turn.call.prompt) - generation]
+            if len(before) == len(asked) and (before == asked).all():
+                pieces.insert(at + inserted, self._turn_ids(turn))
+                inserted += 1
+
+    def text_prompt(self, prompt: str) -> np.ndarray:
+        """The token ids of a completions prompt: where it starts with an earlier answer's prompt
+        and completion text whose ids are known, those exact ids, then the rest encoded (so a
+        prompt extending an answer cut by its budget extends that call's chain)."""
+        for turn in reversed(self._turns):
+            if turn.text_ids is not None and prompt.startswith(turn.text):
+                rest = self.tokenizer.encode(prompt[len(turn.text) :])
+                return np.concatenate([turn.text_ids, rest]).astype(np.int32)
+        return np.asarray(self.tokenizer.encode(prompt), np.int32)

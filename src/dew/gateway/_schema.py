@@ -1,0 +1,603 @@
+"""The OpenAI request schema the gateway accepts: parsing, checking, and what each field does.
+
+Each request body is parsed into a frozen value, or refused with an `ApiError` that names the
+field (`param`) and says what is wrong. Every field of the Chat Completions and Completions
+schemas that real clients send is accepted; each one is either honoured or ignored, as
+`CHAT_FIELDS` and `COMPLETION_FIELDS` say. A field outside the schema, and a standard one asking
+for something the gateway cannot do (`n` above 1, audio, image content), is refused with 400.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+
+class ApiError(Exception):
+    """A request the gateway answers with an OpenAI-style JSON error.
+
+    Args:
+        status: the HTTP status.
+        message: what is wrong, naming the culprit.
+        type: the OpenAI error type (`invalid_request_error`, `not_found_error`, ...).
+        param: the request field at fault, or None.
+        code: a machine-readable code, or None.
+        retry: whether a client may retry it (sent as `x-should-retry`).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry: bool = False,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry = retry
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: `{"error": {"message", "type", "param", "code"}}`."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def invalid(param: str | None, message: str, code: str = "invalid_value") -> ApiError:
+    """A 400 for a field that is wrong."""
+    return ApiError(400, message, param=param, code=code)
+
+
+def unsupported(param: str, message: str) -> ApiError:
+    """A 400 for a field asking for something the gateway cannot do."""
+    return ApiError(400, message, param=param, code="unsupported_parameter")
+
+
+# What each standard field does. "honoured" fields change the answer; "ignored" ones are accepted
+# and have no effect: the behaviour policy's sampling settings are the gateway's, so that what
+# is trained on is what the engine sampled under the settings the trainer chose.
+CHAT_FIELDS: Mapping[str, str] = {
+    "model": "ignored: one policy is served under whatever name (GET /v1/models lists it)",
+    "messages": "honoured: rendered with the chat template (see docs/gateway.md)",
+    "stream": "honoured: server-sent events ending with [DONE]",
+    "stream_options": "honoured: include_usage adds the usage chunk",
+    "max_tokens": "honoured: clipped to the gateway's max_tokens and to the context left",
+    "max_completion_tokens": "honoured: as max_tokens, and it wins when both are sent",
+    "n": "honoured: 1 only; above 1 is refused",
+    "stop": "honoured: the reply is cut after the token that completes a stop string",
+    "logprobs": "honoured: the behaviour log-prob of each sampled token",
+    "top_logprobs": "honoured in part: lists the sampled token only (the engine reports no others)",
+    "tools": "honoured: rendered into a leading system turn",
+    "tool_choice": "honoured: rendered as an instruction; 'none' turns off tool-call parsing",
+    "parallel_tool_calls": "ignored: every parsed tool call is returned",
+    "response_format": "honoured in part: the format or schema is rendered as an instruction, "
+    "never enforced by constrained decoding",
+    "temperature": "ignored: the gateway's sampling settings are the behaviour policy's",
+    "top_p": "ignored: as temperature",
+    "seed": "ignored: each call's key comes from the rollout's label and call index",
+    "frequency_penalty": "ignored: as temperature",
+    "presence_penalty": "ignored: as temperature",
+    "logit_bias": "ignored: as temperature",
+    "user": "ignored",
+    "metadata": "ignored",
+    "store": "ignored: nothing is stored beyond the rollout's record",
+    "service_tier": "ignored",
+    "reasoning_effort": "ignored",
+    "verbosity": "ignored",
+    "modalities": "honoured: text only; audio is refused",
+    "audio": "refused when given",
+    "prediction": "ignored",
+    "prompt_cache_key": "ignored",
+    "prompt_cache_retention": "ignored",
+    "safety_identifier": "ignored",
+    "web_search_options": "refused when given",
+    "functions": "refused when given: use tools",
+    "function_call": "refused when given: use tool_choice",
+}
+
+COMPLETION_FIELDS: Mapping[str, str] = {
+    "model": CHAT_FIELDS["model"],
+    "prompt": "honoured: a string, one string in a list, or a list of token ids",
+    "stream": CHAT_FIELDS["stream"],
+    "stream_options": CHAT_FIELDS["stream_options"],
+    "max_tokens": "honoured: clipped to the gateway's max_tokens and to the context left "
+    "(default 16, as OpenAI's)",
+    "n": CHAT_FIELDS["n"],
+    "best_of": "honoured: 1 only; above 1 is refused",
+    "stop": CHAT_FIELDS["stop"],
+    "logprobs": "honoured: an int 0..5; the sampled token's log-prob (top lists hold it only)",
+    "echo": "honoured without logprobs; with logprobs it is refused (prompt log-probs are not "
+    "computed)",
+    "suffix": "refused when given",
+    "temperature": CHAT_FIELDS["temperature"],
+    "top_p": CHAT_FIELDS["top_p"],
+    "seed": CHAT_FIELDS["seed"],
+    "frequency_penalty": CHAT_FIELDS["frequency_penalty"],
+    "presence_penalty": CHAT_FIELDS["presence_penalty"],
+    "logit_bias": CHAT_FIELDS["logit_bias"],
+    "user": "ignored",
+}
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object.
+
+    Raises:
+        ApiError: 400 when it is not valid UTF-8 JSON, or not an object.
+    """
+    try:
+        value = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise invalid(
+            None, f"the request body is not valid JSON: {error}", "invalid_json"
+        ) from None
+    if not isinstance(value, dict):
+        raise invalid(None, f"the request body must be a JSON object, got {_kind(value)}")
+    return value
+
+
+def _kind(value) -> str:
+    return {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        type(None): "null",
+    }.get(type(value), "a number")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+# Each type check: (test, what the error says the field must be).
+_TYPES = {
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "bool": (lambda v: isinstance(v, bool), "a boolean"),
+    "int": (_is_int, "an integer"),
+    "number": (_is_number, "a number"),
+    "object": (lambda v: isinstance(v, dict), "an object"),
+    "array": (lambda v: isinstance(v, list), "an array"),
+    "str_or_array": (lambda v: isinstance(v, str | list), "a string or an array"),
+    "str_or_object": (lambda v: isinstance(v, str | dict), "a string or an object"),
+    "any": (lambda v: True, "anything"),
+}
+
+_CHAT_TYPES = {
+    "model": "str",
+    "messages": "array",
+    "stream": "bool",
+    "stream_options": "object",
+    "max_tokens": "int",
+    "max_completion_tokens": "int",
+    "n": "int",
+    "stop": "str_or_array",
+    "logprobs": "bool",
+    "top_logprobs": "int",
+    "tools": "array",
+    "tool_choice": "str_or_object",
+    "parallel_tool_calls": "bool",
+    "response_format": "object",
+    "temperature": "number",
+    "top_p": "number",
+    "seed": "int",
+    "frequency_penalty": "number",
+    "presence_penalty": "number",
+    "logit_bias": "object",
+    "user": "str",
+    "metadata": "object",
+    "store": "bool",
+    "service_tier": "str",
+    "reasoning_effort": "str",
+    "verbosity": "str",
+    "modalities": "array",
+    "audio": "any",
+    "prediction": "object",
+    "prompt_cache_key": "str",
+    "prompt_cache_retention": "str",
+    "safety_identifier": "str",
+    "web_search_options": "any",
+    "functions": "any",
+    "function_call": "any",
+}
+
+_COMPLETION_TYPES = {
+    "model": "str",
+    "prompt": "str_or_array",
+    "stream": "bool",
+    "stream_options": "object",
+    "max_tokens": "int",
+    "n": "int",
+    "best_of": "int",
+    "stop": "str_or_array",
+    "logprobs": "int",
+    "echo": "bool",
+    "suffix": "any",
+    "temperature": "number",
+    "top_p": "number",
+    "seed": "int",
+    "frequency_penalty": "number",
+    "presence_penalty": "number",
+    "logit_bias": "object",
+    "user": "str",
+}
+
+
+def _check_fields(body: dict[str, Any], types: Mapping[str, str], required: tuple[str, ...]):
+    """Refuse unknown fields, missing required ones and wrong types (null means not given)."""
+    for name in body:
+        if name not in types:
+            raise unsupported(name, f"unrecognized request argument supplied: {name}")
+    for name in required:
+        if body.get(name) is None:
+            raise invalid(
+                name, f"missing required parameter: '{name}'", "missing_required_parameter"
+            )
+    for name, value in body.items():
+        if value is None:
+            continue
+        test, described = _TYPES[types[name]]
+        if not test(value):
+            raise invalid(name, f"'{name}' must be {described}, got {_kind(value)}", "invalid_type")
+
+
+@attrs.frozen
+class Message:
+    """One chat message, reduced to what the template renders.
+
+    Args:
+        role: system (developer is rendered as system), user, assistant or tool.
+        content: its text ("" for an assistant turn with only tool calls).
+        tool_calls: an assistant turn's calls as (id, name, arguments text).
+    """
+
+    role: str
+    content: str
+    tool_calls: tuple[tuple[str, str, str], ...] = ()
+
+
+@attrs.frozen
+class Sampled:
+    """What a request asks of the sampling: its budget, stops and what to report.
+
+    Args:
+        max_tokens: the most completion tokens asked for, or None for the gateway's default.
+        stop: stop strings.
+        logprobs: whether to report log-probs.
+        top_logprobs: how many top log-probs per token were asked for.
+        stream: whether to answer with server-sent events.
+        include_usage: whether a stream ends with a usage chunk.
+    """
+
+    max_tokens: int | None
+    stop: tuple[str, ...]
+    logprobs: bool
+    top_logprobs: int
+    stream: bool
+    include_usage: bool
+
+
+@attrs.frozen
+class ChatRequest:
+    """A parsed chat completions request.
+
+    Args:
+        messages: the conversation.
+        tools: the function tools, as the request gave them (JSON objects).
+        tool_choice: "auto", "required", "none" or a function's name.
+        response_format: the response_format object, or None.
+        sampled: budget, stops and reporting.
+        model: the model name asked for, echoed back.
+    """
+
+    messages: tuple[Message, ...]
+    tools: tuple[dict[str, Any], ...]
+    tool_choice: str
+    response_format: dict[str, Any] | None
+    sampled: Sampled
+    model: str
+
+    @property
+    def tool_names(self) -> frozenset[str]:
+        return frozenset(tool["function"]["name"] for tool in self.tools)
+
+    @property
+    def parses_tools(self) -> bool:
+        """Whether the reply's tool-call blocks are parsed into tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+@attrs.frozen
+class CompletionRequest:
+    """A parsed (legacy) completions request.
+
+    Args:
+        prompt: the prompt text, or its token ids.
+        echo: whether the answer repeats the prompt before the completion.
+        sampled: budget, stops and reporting (`top_logprobs` is the `logprobs` int).
+        model: the model name asked for, echoed back.
+    """
+
+    prompt: str | tuple[int, ...]
+    echo: bool
+    sampled: Sampled
+    model: str
+
+
+def _stops(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if len(stops) > 4:
+        raise invalid("stop", f"'stop' holds at most 4 sequences, got {len(stops)}")
+    for index, stop in enumerate(stops):
+        if not isinstance(stop, str) or not stop:
+            raise invalid(
+                f"stop[{index}]", f"each stop sequence must be a non-empty string, got {stop!r}"
+            )
+    return tuple(stops)
+
+
+def _positive(body, name) -> int | None:
+    value = body.get(name)
+    if value is not None and value < 1:
+        raise invalid(name, f"'{name}' must be >= 1, got {value}")
+    return value
+
+
+def _single_choice(body, name="n") -> None:
+    value = body.get(name)
+    if value is not None and value != 1:
+        raise unsupported(name, f"'{name}' must be 1: the gateway samples one choice, got {value}")
+
+
+def _include_usage(body) -> bool:
+    options = body.get("stream_options") or {}
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise invalid("stream_options.include_usage", "'include_usage' must be a boolean")
+    return include
+
+
+def _refuse_given(body, *names: str) -> None:
+    for name in names:
+        if body.get(name) is not None:
+            raise unsupported(name, f"'{name}' is not supported by the dew gateway")
+
+
+def _text_of(content, where: str) -> str:
+    """A message content's text: a string, or text (and refusal) parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(where, f"'{where}' must be a string, an array of parts or null")
+    texts = []
+    for index, part in enumerate(content):
+        at = f"{where}[{index}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise invalid(at, f"'{at}' must be an object with a 'type'")
+        if part["type"] not in ("text", "refusal"):
+            raise unsupported(at, f"content parts of type {part['type']!r} are not supported")
+        text = part.get(part["type"])
+        if not isinstance(text, str):
+            raise invalid(f"{at}.{part['type']}", f"'{at}.{part['type']}' must be a string")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _tool_calls(value, where: str) -> tuple[tuple[str, str, str], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise invalid(where, f"'{where}' must be an array")
+    calls = []
+    for index, call in enumerate(value):
+        at = f"{where}[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise invalid(f"{at}.function", f"'{at}.function' must be an object")
+        if not isinstance(call.get("id"), str):
+            raise invalid(f"{at}.id", f"'{at}.id' must be a string")
+        name, arguments = function.get("name"), function.get("arguments", "")
+        if not isinstance(name, str):
+            raise invalid(f"{at}.function.name", f"'{at}.function.name' must be a string")
+        if isinstance(arguments, dict):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        if not isinstance(arguments, str):
+            raise invalid(f"{at}.function.arguments", f"'{at}.function.arguments' must be a string")
+        calls.append((call["id"], name, arguments))
+    return tuple(calls)
+
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _message(index: int, message) -> Message:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise invalid(where, f"'{where}' must be an object, got {_kind(message)}")
+    role = message.get("role")
+    if role == "function":
+        raise unsupported(f"{where}.role", "the 'function' role is not supported: use 'tool'")
+    if role not in (*_ROLES, "tool"):
+        raise invalid(
+            f"{where}.role",
+            f"'{where}.role' must be one of system, developer, user, assistant, tool; got {role!r}",
+        )
+    content = message.get("content")
+    if role == "tool":
+        if not isinstance(message.get("tool_call_id"), str):
+            raise invalid(f"{where}.tool_call_id", f"'{where}.tool_call_id' must be a string")
+        return Message("tool", _text_of(content if content is not None else "", f"{where}.content"))
+    if role == "assistant":
+        calls = _tool_calls(message.get("tool_calls"), f"{where}.tool_calls")
+        text = "" if content is None else _text_of(content, f"{where}.content")
+        return Message("assistant", text, calls)
+    if content is None:
+        raise invalid(f"{where}.content", f"'{where}.content' is required for role {role!r}")
+    return Message(_ROLES[role], _text_of(content, f"{where}.content"))
+
+
+def _tools(value) -> tuple[dict[str, Any], ...]:
+    tools = []
+    for index, tool in enumerate(value or ()):
+        at = f"tools[{index}]"
+        if not isinstance(tool, dict):
+            raise invalid(at, f"'{at}' must be an object")
+        if tool.get("type") != "function":
+            raise unsupported(
+                f"{at}.type", f"only function tools are supported, got {tool.get('type')!r}"
+            )
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise invalid(f"{at}.function.name", f"'{at}.function.name' must be a string")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise invalid(
+                f"{at}.function.parameters", f"'{at}.function.parameters' must be an object"
+            )
+        tools.append(tool)
+    return tuple(tools)
+
+
+def _tool_choice(value, names: frozenset[str]) -> str:
+    if value is None:
+        return "auto"
+    if isinstance(value, str):
+        if value not in ("auto", "required", "none"):
+            raise invalid(
+                "tool_choice", f"'tool_choice' must be auto, required or none, got {value!r}"
+            )
+        return value
+    function = value.get("function")
+    if value.get("type") != "function" or not isinstance(function, dict):
+        raise unsupported(
+            "tool_choice", f"tool_choice of type {value.get('type')!r} is not supported"
+        )
+    name = function.get("name")
+    if name not in names:
+        raise invalid(
+            "tool_choice.function.name", f"tool_choice names {name!r}, which is not in tools"
+        )
+    return name
+
+
+def _response_format(value) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    kind = value.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise invalid("response_format.type", f"response_format type {kind!r} is unknown")
+    if kind == "json_schema" and not isinstance(value.get("json_schema"), dict):
+        raise invalid(
+            "response_format.json_schema", "'response_format.json_schema' must be an object"
+        )
+    return None if kind == "text" else value
+
+
+def chat_request(body: dict[str, Any]) -> ChatRequest:
+    """Parse a chat completions body.
+
+    Raises:
+        ApiError: 400 naming the field that is missing, of the wrong type, out of bounds or
+            unsupported.
+    """
+    _check_fields(body, _CHAT_TYPES, ("model", "messages"))
+    _single_choice(body)
+    _refuse_given(body, "audio", "web_search_options", "functions", "function_call")
+    if body.get("modalities") not in (None, ["text"]):
+        raise unsupported(
+            "modalities", f"only the text modality is supported, got {body['modalities']!r}"
+        )
+    if not body["messages"]:
+        raise invalid("messages", "'messages' must hold at least one message")
+    messages = tuple(_message(i, message) for i, message in enumerate(body["messages"]))
+    tools = _tools(body.get("tools"))
+    top = body.get("top_logprobs")
+    if top is not None and not 0 <= top <= 20:
+        raise invalid("top_logprobs", f"'top_logprobs' must be in [0, 20], got {top}")
+    budget = _positive(body, "max_completion_tokens") or _positive(body, "max_tokens")
+    return ChatRequest(
+        messages=messages,
+        tools=tools,
+        tool_choice=_tool_choice(
+            body.get("tool_choice"), frozenset(t["function"]["name"] for t in tools)
+        ),
+        response_format=_response_format(body.get("response_format")),
+        sampled=Sampled(
+            max_tokens=budget,
+            stop=_stops(body.get("stop")),
+            logprobs=bool(body.get("logprobs")),
+            top_logprobs=top or 0,
+            stream=bool(body.get("stream")),
+            include_usage=_include_usage(body),
+        ),
+        model=body["model"],
+    )
+
+
+# OpenAI's default for the completions endpoint.
+_COMPLETION_DEFAULT_TOKENS = 16
+
+
+def completion_request(body: dict[str, Any]) -> CompletionRequest:
+    """Parse a (legacy) completions body.
+
+    Raises:
+        ApiError: 400 naming the field that is missing, of the wrong type, out of bounds or
+            unsupported.
+    """
+    _check_fields(body, _COMPLETION_TYPES, ("model", "prompt"))
+    _single_choice(body)
+    _single_choice(body, "best_of")
+    _refuse_given(body, "suffix")
+    prompt = body["prompt"]
+    if isinstance(prompt, list):
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        elif prompt and all(_is_int(token) for token in prompt):
+            prompt = tuple(prompt)
+        else:
+            raise unsupported(
+                "prompt", "'prompt' must be a string, one string in an array, or token ids"
+            )
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not 0 <= logprobs <= 5:
+        raise invalid("logprobs", f"'logprobs' must be in [0, 5], got {logprobs}")
+    echo = bool(body.get("echo"))
+    if echo and logprobs is not None:
+        raise unsupported(
+            "echo", "'echo' with 'logprobs' is not supported: prompt log-probs are not computed"
+        )
+    return CompletionRequest(
+        prompt=prompt,
+        echo=echo,
+        sampled=Sampled(
+            max_tokens=_positive(body, "max_tokens") or _COMPLETION_DEFAULT_TOKENS,
+            stop=_stops(body.get("stop")),
+            logprobs=logprobs is not None,
+            top_logprobs=logprobs or 0,
+            stream=bool(body.get("stream")),
+            include_usage=_include_usage(body),
+        ),
+        model=body["model"],
+    )

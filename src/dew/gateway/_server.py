@@ -1,0 +1,507 @@
+"""Gateway: an OpenAI-compatible HTTP server that records every call of each rollout's session.
+
+Hypercorn's trio worker serves a small ASGI app in the caller's trio run, beside the engines, so
+a request's engine call is an ordinary trio call: a closed session cancels it, a client that
+hangs up cancels it, and nothing runs in asyncio threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import secrets
+import sys
+from typing import Any
+
+import hypercorn.config
+import hypercorn.trio
+import numpy as np
+import trio
+
+from dew.envs.environment import Sampling
+from dew.gateway._answers import (
+    Sample,
+    chat_body,
+    chat_chunks,
+    completion_body,
+    completion_chunks,
+    cut,
+    sse,
+)
+from dew.gateway._record import GatewaySession, Turn
+from dew.gateway._schema import (
+    ApiError,
+    chat_request,
+    completion_request,
+    invalid,
+    parse_json,
+)
+from dew.gateway._template import parse_reply
+from dew.gateway._tokenizer import BYTES
+from dew.objectives.rl.sessions import Call, Label
+
+_log = logging.getLogger("dew.gateway")
+
+# Closed sessions remembered (to answer 410 rather than 404); older ones are forgotten.
+_CLOSED_KEPT = 100_000
+_JSON = [(b"content-type", b"application/json")]
+
+
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _retry_count(scope) -> int:
+    for name, value in scope["headers"]:
+        if name == b"x-stainless-retry-count":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
+
+
+def _content_length(scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                raise invalid(None, "the content-length header is not an integer") from None
+    return None
+
+
+async def _send_json(send, status: int, body: dict[str, Any], headers=()) -> None:
+    data = json.dumps(body, ensure_ascii=False).encode()
+    length = [(b"content-length", str(len(data)).encode())]
+    await send(
+        {"type": "http.response.start", "status": status, "headers": [*_JSON, *length, *headers]}
+    )
+    await send({"type": "http.response.body", "body": data})
+
+
+async def _send_stream(send, events) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+        }
+    )
+    for event in events:
+        await send({"type": "http.response.body", "body": sse(event), "more_body": True})
+    await send({"type": "http.response.body", "body": sse("[DONE]")})
+
+
+class Gateway:
+    """An OpenAI-compatible HTTP server in front of one engine or a `Fleet`, recording per session.
+
+    `async with gateway:` serves it in the caller's trio run (the engines' run); `open()` then
+    opens a rollout's session under a fresh unguessable URL prefix, whose `base_url` and
+    `api_key` a harness hands to any OpenAI client. Sessions are sticky to one engine, the
+    least-loaded when opened. See docs/gateway.md for the endpoints, the tool-call format and
+    which request fields are honoured.
+
+    The behaviour policy's sampling is the gateway's `sampling` (temperature, top-k/top-p, and
+    each call's key from the rollout's label and call index): a request's temperature, top_p,
+    seed or penalties cannot change what is trained on.
+
+    Args:
+        engine: a `RolloutServer` (anything with its `generate`), or a `Fleet` of them.
+        max_context: most tokens of a prompt and its completion, at most the engines' longest
+            sequence; a longer prompt is refused (400) and TRUNCATES its session (`context`).
+        max_tokens: most completion tokens per call; a request may ask for fewer.
+        sampling: the behaviour policy's sampling settings.
+        tokenizer: the tokenizer and chat template (the Tokenizer protocol); the byte one by
+            default.
+        host: the address to bind; loopback unless asked.
+        port: the port; 0 picks a free one.
+        model: the model name `GET /v1/models` lists.
+        max_body: the largest request body in bytes (413 above it).
+        announce: print the address to stderr when serving.
+
+    Raises:
+        ValueError: naming the argument out of bounds.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        max_context: int,
+        max_tokens: int = 256,
+        sampling: Sampling | None = None,
+        tokenizer: Any = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model: str = "dew",
+        max_body: int = 8 << 20,
+        announce: bool = True,
+    ):
+        servers = list(engine.servers) if hasattr(engine, "servers") else [engine]
+        for index, server in enumerate(servers):
+            if not callable(getattr(server, "generate", None)):
+                raise ValueError(f"engine {index} must have an async generate(), got {server!r}")
+        self.servers: tuple[Any, ...] = tuple(servers)
+        self.max_context = _check_int("max_context", max_context, 2)
+        self.max_tokens = _check_int("max_tokens", max_tokens, 1)
+        self.sampling = Sampling() if sampling is None else sampling
+        if not isinstance(self.sampling, Sampling):
+            raise ValueError(f"sampling must be a Sampling, got {sampling!r}")
+        self.tokenizer = BYTES if tokenizer is None else tokenizer
+        self.host = host
+        self.port = _check_int("port", port, 0)
+        self.model = model
+        self.max_body = _check_int("max_body", max_body, 1)
+        self.announce = announce
+        self.url: str | None = None
+        self._sessions: dict[str, GatewaySession] = {}
+        self._closed: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._pinned = [0] * len(self.servers)
+        self._opened = 0
+        self._stack: contextlib.AsyncExitStack | None = None
+
+    # --- life -------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Gateway:
+        if self._stack is not None:
+            raise RuntimeError("this Gateway is already serving")
+        config = hypercorn.config.Config()
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        config.bind = [f"{host}:{self.port}"]
+        config.errorlog = None
+        config.accesslog = None
+        self._stack = contextlib.AsyncExitStack()
+        nursery = await self._stack.enter_async_context(trio.open_nursery())
+        self._nursery = nursery
+        try:
+            binds = await nursery.start(functools.partial(hypercorn.trio.serve, self._app, config))
+        except BaseException:
+            nursery.cancel_scope.cancel()
+            await self._stack.aclose()
+            self._stack = None
+            raise
+        self.url = binds[0]
+        if self.announce:
+            print(f"dew gateway: serving on {self.url}", file=sys.stderr)
+        return self
+
+    async def __aexit__(self, *exc_info) -> bool:
+        for session in list(self._sessions.values()):
+            session.close("gateway stopped")
+        self._nursery.cancel_scope.cancel(reason="gateway stopped")
+        try:
+            await self._stack.__aexit__(*exc_info)
+        except BaseExceptionGroup as group:
+            # The body's own exception, not the nursery's wrapping of it.
+            if len(group.exceptions) == 1 and group.exceptions[0] is exc_info[1]:
+                return False
+            raise
+        finally:
+            self._stack = None
+            self.url = None
+        return False
+
+    def open(self, label: Label | None = None, *, max_calls: int | None = None) -> GatewaySession:
+        """Open a rollout's session under a fresh unguessable URL prefix, on the least-loaded
+        engine.
+
+        Args:
+            label: the rollout's label, which keys each call's sampling; None numbers the
+                session.
+            max_calls: the most calls before the session is TRUNCATED (`turns`); None for no
+                limit.
+
+        Raises:
+            RuntimeError: when the gateway is not serving.
+            ValueError: when max_calls is not an int >= 1.
+        """
+        if self.url is None:
+            raise RuntimeError("Gateway.open needs a serving gateway: use `async with gateway:`")
+        if max_calls is not None:
+            _check_int("max_calls", max_calls, 1)
+        token = secrets.token_urlsafe(32)
+        engine = min(range(len(self.servers)), key=lambda i: (self._pinned[i], i))
+        self._pinned[engine] += 1
+        self._opened += 1
+        label = Label(self._opened, 0, 0) if label is None else label
+        session = GatewaySession(
+            token,
+            f"{self.url}/{token}/v1",
+            label=label,
+            engine=engine,
+            tokenizer=self.tokenizer,
+            max_calls=max_calls,
+            on_close=self._forget,
+        )
+        self._sessions[token] = session
+        return session
+
+    def _forget(self, session: GatewaySession) -> None:
+        self._sessions.pop(session.token, None)
+        self._pinned[session.engine] -= 1
+        self._closed[session.token] = session.closed
+        while len(self._closed) > _CLOSED_KEPT:
+            self._closed.popitem(last=False)
+
+    @property
+    def open_sessions(self) -> int:
+        """Sessions open now."""
+        return len(self._sessions)
+
+    # --- HTTP -------------------------------------------------------------------------------------
+
+    async def _app(self, scope, receive, send) -> None:
+        """The ASGI application."""
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        try:
+            await self._route(scope, receive, send)
+        except ApiError as error:
+            headers = [(b"x-should-retry", b"true" if error.retry else b"false")]
+            if error.code == "method_not_allowed":
+                headers.append((b"allow", error.param.encode()))
+                error.param = None
+            await _send_json(send, error.status, error.body(), headers)
+        except Exception as error:
+            # A fault of the gateway itself: logged with its traceback, answered as a server
+            # error the client must not retry, and the session counts as an infrastructure fault.
+            _log.exception("dew gateway: %s %s failed", scope["method"], scope["path"])
+            session = self._sessions.get(scope["path"].split("/")[1])
+            if session is not None:
+                session.fail(f"gateway: {type(error).__name__}: {error}")
+            failure = ApiError(500, f"the gateway failed: {error}", type="server_error")
+            await _send_json(send, 500, failure.body(), [(b"x-should-retry", b"false")])
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _session(self, token: str) -> GatewaySession:
+        session = self._sessions.get(token)
+        if session is not None:
+            return session
+        if token in self._closed:
+            raise ApiError(
+                410, f"this session is closed ({self._closed[token]})", code="session_closed"
+            )
+        raise ApiError(
+            404,
+            "no session is served at this URL",
+            type="not_found_error",
+            code="session_not_found",
+        )
+
+    async def _route(self, scope, receive, send) -> None:
+        parts = scope["path"].split("/")
+        if len(parts) < 4 or parts[0] or parts[2] != "v1":
+            raise ApiError(
+                404, f"unknown URL {scope['path']!r}", type="not_found_error", code="unknown_url"
+            )
+        session = self._session(parts[1])
+        endpoint = "/".join(parts[3:])
+        routes = {
+            "chat/completions": ("POST", self._chat),
+            "completions": ("POST", self._completions),
+            "models": ("GET", self._models),
+        }
+        if endpoint not in routes:
+            raise ApiError(
+                404, f"unknown endpoint /v1/{endpoint}", type="not_found_error", code="unknown_url"
+            )
+        method, handler = routes[endpoint]
+        if scope["method"] != method:
+            raise ApiError(
+                405,
+                f"/v1/{endpoint} takes {method}, not {scope['method']}",
+                param=method,
+                code="method_not_allowed",
+            )
+        session.check_open()
+        await handler(session, scope, receive, send)
+
+    async def _body(self, scope, receive) -> bytes:
+        length = _content_length(scope)
+        if length is not None and length > self.max_body:
+            raise ApiError(
+                413,
+                f"the request body holds {length} bytes, above {self.max_body}",
+                code="request_too_large",
+            )
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Gone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise ApiError(
+                    413,
+                    f"the request body is above {self.max_body} bytes",
+                    code="request_too_large",
+                )
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                return b"".join(chunks)
+
+    async def _models(self, session, scope, receive, send) -> None:
+        await _send_json(
+            send,
+            200,
+            {
+                "object": "list",
+                "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "dew"}],
+            },
+        )
+
+    async def _chat(self, session: GatewaySession, scope, receive, send) -> None:
+        try:
+            body = await self._body(scope, receive)
+        except _Gone:
+            return
+        payload = parse_json(body)
+        request = chat_request(payload)
+        fingerprint = hashlib.sha256(body).digest()
+        index = session.admit(fingerprint, retry=_retry_count(scope) > 0)
+        prompt = session.chat_prompt(request)
+        sample = await self._sample(session, prompt, request.sampled, index, receive)
+        if sample is None:
+            return
+        reply = parse_reply(sample.text, tools=request.parses_tools)
+        turn = Turn(
+            sample.call,
+            reply.content,
+            tuple(call_id for call_id, _, _ in reply.tool_calls),
+            len(request.messages),
+            fingerprint,
+        )
+        session.record(turn)
+        completion_id = "chatcmpl-" + secrets.token_urlsafe(18)
+        answer = chat_body(completion_id, request.model, sample, reply, self.tokenizer, request)
+        session.transcript = [*payload["messages"], answer["choices"][0]["message"]]
+        if request.sampled.stream:
+            chunks = chat_chunks(
+                completion_id, request.model, sample, reply, self.tokenizer, request
+            )
+            await _send_stream(send, chunks)
+        else:
+            await _send_json(send, 200, answer)
+
+    async def _completions(self, session: GatewaySession, scope, receive, send) -> None:
+        try:
+            body = await self._body(scope, receive)
+        except _Gone:
+            return
+        request = completion_request(parse_json(body))
+        fingerprint = hashlib.sha256(body).digest()
+        index = session.admit(fingerprint, retry=_retry_count(scope) > 0)
+        if isinstance(request.prompt, str):
+            if not request.prompt:
+                raise invalid("prompt", "'prompt' must not be empty")
+            prompt_text = request.prompt
+            prompt = session.text_prompt(request.prompt)
+        else:
+            prompt = np.array(request.prompt, np.int32)
+            vocab = self.tokenizer.vocab_size
+            if prompt.min() < 0 or prompt.max() >= vocab:
+                raise invalid("prompt", f"prompt token ids must be in [0, {vocab})")
+            prompt_text = self.tokenizer.decode(prompt)
+        sample = await self._sample(session, prompt, request.sampled, index, receive)
+        if sample is None:
+            return
+        text_ids = None
+        if sample.finish == "length":
+            text_ids = np.concatenate([sample.call.prompt, sample.call.completion])
+        turn = Turn(sample.call, None, (), 0, fingerprint, prompt_text + sample.text, text_ids)
+        session.record(turn)
+        completion_id = "cmpl-" + secrets.token_urlsafe(18)
+        parts = (completion_id, request.model, sample, self.tokenizer, request, prompt_text)
+        if request.sampled.stream:
+            await _send_stream(send, completion_chunks(*parts))
+        else:
+            await _send_json(send, 200, completion_body(*parts))
+
+    # --- the engine ------------------------------------------------------------------------------
+
+    async def _sample(
+        self, session, prompt: np.ndarray, sampled, index: int, receive
+    ) -> Sample | None:
+        """Run the engine call of a request and cut it at its stops; None when the client hung
+        up first (nothing is recorded then).
+
+        Raises:
+            ApiError: 400 when the prompt leaves no room (the session is TRUNCATED, `context`);
+                410 when the session closed meanwhile; 500 when the engine failed (the session
+                is then an infrastructure fault).
+        """
+        room = self.max_context - len(prompt)
+        budget = min(sampled.max_tokens or self.max_tokens, self.max_tokens, room)
+        if budget < 1:
+            session.truncate("context")
+            raise ApiError(
+                400,
+                f"the prompt holds {len(prompt)} tokens, leaving no room in the context of "
+                f"{self.max_context} tokens",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        call = await self._generate(session, prompt, budget, index, receive)
+        if call is None:
+            return None
+        return cut(call, self.tokenizer, sampled.stop)
+
+    async def _generate(self, session, prompt, budget: int, index: int, receive) -> Call | None:
+        server = self.servers[session.engine]
+        options = self.sampling.options(session.label, index)
+        outcome: dict[str, Any] = {}
+
+        async def watch(cancel_scope: trio.CancelScope) -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            outcome["gone"] = True
+            cancel_scope.cancel(reason="client hung up")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, nursery.cancel_scope)
+            with session.running():
+                try:
+                    outcome["call"] = await server.generate(
+                        prompt, max_tokens=budget, stop=(self.tokenizer.eos_id,), **options
+                    )
+                except Exception as error:
+                    outcome["error"] = error
+            nursery.cancel_scope.cancel(reason="call answered")
+        if "error" in outcome:
+            error = outcome["error"]
+            session.fail(f"engine: {type(error).__name__}: {error}")
+            raise ApiError(
+                500,
+                f"the engine failed the call: {error}",
+                type="server_error",
+                code="engine_error",
+            )
+        if "call" in outcome:
+            return outcome["call"]
+        if outcome.get("gone"):
+            return None
+        session.check_open()
+        raise ApiError(500, "the engine call was cancelled", type="server_error", code="cancelled")
+
+
+class _Gone(Exception):
+    """The client hung up before its request was read."""

@@ -1,0 +1,559 @@
+"""Choose the scheduler's knobs by their simulated figures on a calibrated workload: `dew tune`.
+
+`tune` simulates every setting of a `Grid` — ahead, oversample, admit, sync_every and max_lag,
+each setting within max_lag's bound (max_lag >= ahead + sync_every - 1) — over several seeds of
+one workload (`dew.calibrate.Calibration.workload` fits one to recorded runs), and `front` keeps
+the settings no other beats on both goodput and mean lag among those within a waste and a
+selection-bias limit: the Pareto front a user picks from. `table` prints every setting's figures,
+`plot` draws goodput against lag with the front marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib.util
+import itertools
+import logging
+import math
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator, Sequence
+
+import attrs
+import numpy as np
+
+from dew import calibrate
+from dew.simulate import Outcome, Setting, Workload, describe, simulate
+
+
+def _ints(low: int):
+    def check(instance, attribute, value):
+        if not value:
+            raise ValueError(f"{attribute.name} must hold at least one value")
+        for item in value:
+            if item is None and attribute.name in ("admit", "max_lag"):
+                continue
+            if isinstance(item, bool) or not isinstance(item, int) or item < low:
+                raise ValueError(f"{attribute.name} values must be ints >= {low}, got {item!r}")
+
+    return check
+
+
+@attrs.frozen
+class Grid:
+    """The knob values `tune` crosses.
+
+    Args:
+        ahead: task batches submitted before the trainer needs them.
+        oversample: extra rollouts per group.
+        admit: groups admitted per batch; None admits every task's group.
+        sync_every: updates between weight pushes.
+        max_lag: the staleness bound; None takes the least each (ahead, sync_every) allows.
+            A value below that least is left out of the settings for that pair.
+
+    Raises:
+        ValueError: naming the knob with an empty list or a value out of bounds.
+    """
+
+    ahead: tuple[int, ...] = attrs.field(default=(0, 1, 2), converter=tuple, validator=_ints(0))
+    oversample: tuple[int, ...] = attrs.field(default=(0,), converter=tuple, validator=_ints(0))
+    admit: tuple[int | None, ...] = attrs.field(
+        default=(None,), converter=tuple, validator=_ints(1)
+    )
+    sync_every: tuple[int, ...] = attrs.field(default=(1, 2), converter=tuple, validator=_ints(1))
+    max_lag: tuple[int | None, ...] = attrs.field(
+        default=(None,), converter=tuple, validator=_ints(0)
+    )
+
+    def settings(self, tasks: int) -> list[Setting]:
+        """Every setting of the grid within max_lag's bound, in the grid's order.
+
+        Raises:
+            ValueError: when an admit exceeds `tasks`, or no setting is within the bound.
+        """
+        for admit in self.admit:
+            if admit is not None and admit > tasks:
+                raise ValueError(f"admit must be <= the workload's {tasks} tasks, got {admit}")
+        found: dict[tuple, Setting] = {}
+        for ahead, sync, lag, over, admit in itertools.product(
+            self.ahead, self.sync_every, self.max_lag, self.oversample, self.admit
+        ):
+            least = ahead + sync - 1
+            lag = least if lag is None else lag
+            if lag < least:
+                continue
+            key = (ahead, sync, lag, over, admit)
+            found.setdefault(key, Setting(_name(*key), ahead, lag, over, admit, sync))
+        if not found:
+            raise ValueError(
+                f"no setting of the grid has max_lag >= ahead + sync_every - 1: max_lag "
+                f"{self.max_lag}, ahead {self.ahead}, sync_every {self.sync_every}"
+            )
+        return list(found.values())
+
+
+def _name(ahead: int, sync: int, lag: int, over: int, admit: int | None) -> str:
+    parts = [f"ahead={ahead}", f"sync={sync}", f"lag={lag}"]
+    parts += [f"over={over}"] if over else []
+    parts += [f"admit={admit}"] if admit is not None else []
+    return " ".join(parts)
+
+
+@attrs.frozen
+class Row:
+    """One setting's figures over seeds: means, but the lag's max (the worst over every seed).
+
+    Args:
+        setting: the setting.
+        outcomes: one per seed, in seed order.
+    """
+
+    setting: Setting
+    outcomes: tuple[Outcome, ...]
+
+    def _mean(self, figure: str) -> float:
+        return float(np.mean([getattr(o, figure) for o in self.outcomes]))
+
+    @property
+    def goodput(self) -> float:
+        """Admitted samples per second, the mean over seeds."""
+        return self._mean("goodput")
+
+    @property
+    def goodput_spread(self) -> float:
+        """The standard deviation of goodput over seeds."""
+        return float(np.std([o.goodput for o in self.outcomes]))
+
+    @property
+    def share(self) -> float:
+        """Goodput's share of the capacity bound."""
+        return self._mean("share")
+
+    @property
+    def idle(self) -> float:
+        """The trainer's idle share."""
+        return self._mean("idle")
+
+    @property
+    def lag_mean(self) -> float:
+        """The mean lag over every measured step of every seed."""
+        return float(np.mean([lag for o in self.outcomes for lag in o.lags]))
+
+    @property
+    def lag_max(self) -> int:
+        """The largest lag of any measured step of any seed."""
+        return max(max(o.lags) for o in self.outcomes)
+
+    @property
+    def wasted(self) -> float:
+        """The wasted share of rollout-seconds."""
+        return self._mean("wasted")
+
+    @property
+    def wasted_seconds(self) -> float:
+        """Wasted rollout-seconds per trained second: mean over seeds of wasted over elapsed."""
+        return float(np.mean([o.wasted_seconds / o.elapsed for o in self.outcomes]))
+
+    @property
+    def selection(self) -> float:
+        """The admitted rollouts' mean duration over the population's."""
+        return self._mean("selection")
+
+    @property
+    def bias(self) -> float:
+        """Selection bias: how far `selection` is from 1, either way."""
+        return abs(1.0 - self.selection)
+
+
+def sized_to_ahead(recorded: int, exponent: float = 1.0) -> Callable[[Setting], float]:
+    """How much slower a setting's engine decodes than the recorded one's, for an engine sized
+    to `ahead` as `dew train`'s is (batch x groups x (ahead + 1) slots) whose decode step costs
+    slots**exponent (about 1 on a CPU, which decodes every slot each step; near 0 where a step
+    costs the same however full, as on an accelerator with room to spare).
+
+    Args:
+        recorded: the recorded run's ahead.
+        exponent: how a decode step's cost grows with the engine's slots.
+
+    Raises:
+        ValueError: for a recorded ahead below 0 or an exponent that is not finite and >= 0.
+    """
+    if isinstance(recorded, bool) or not isinstance(recorded, int) or recorded < 0:
+        raise ValueError(f"recorded must be an int >= 0, got {recorded!r}")
+    if not (isinstance(exponent, int | float) and 0 <= exponent < math.inf):
+        raise ValueError(f"exponent must be a finite number >= 0, got {exponent!r}")
+    return lambda setting: ((setting.ahead + 1) / (recorded + 1)) ** exponent
+
+
+def tune(
+    workload: Workload,
+    grid: Grid,
+    *,
+    seeds: int = 3,
+    jobs: int = 1,
+    engine: Callable[[Setting], float] | None = None,
+) -> list[Row]:
+    """Simulate every setting of `grid` on `workload` under seeds workload.seed, +1, ...
+
+    Args:
+        workload: the engine, rollouts and trainer.
+        grid: the knob values to cross.
+        seeds: simulated runs per setting.
+        jobs: processes to simulate in; the figures do not depend on it.
+        engine: per setting, how much slower its engine decodes than the workload's (e.g.
+            `sized_to_ahead`); None for the same engine under every setting.
+
+    Returns:
+        One row per setting, in the grid's order.
+
+    Raises:
+        ValueError: for seeds or jobs below 1, or a grid out of the workload's bounds.
+    """
+    for name, value in (("seeds", seeds), ("jobs", jobs)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    settings = grid.settings(workload.tasks)
+    sized = {s: workload if engine is None else workload.engine_scaled(engine(s)) for s in settings}
+    runs = [
+        (attrs.evolve(sized[setting], seed=workload.seed + k), setting)
+        for setting in settings
+        for k in range(seeds)
+    ]
+    outcomes = list(_simulate_all(runs, jobs))
+    return [
+        Row(setting, tuple(outcomes[i * seeds : (i + 1) * seeds]))
+        for i, setting in enumerate(settings)
+    ]
+
+
+def _quiet_simulate(run: tuple[Workload, Setting]) -> Outcome:
+    # Long trainer waits are what the simulation measures, not news to log.
+    logging.getLogger("dew.objectives.rl.scheduler").setLevel(logging.ERROR)
+    return simulate(*run)
+
+
+def _simulate_all(runs: Sequence[tuple[Workload, Setting]], jobs: int) -> Iterator[Outcome]:
+    """Each run's outcome, in order, simulated here or in `jobs` spawned processes."""
+    logger = logging.getLogger("dew.objectives.rl.scheduler")
+    level = logger.level
+    try:
+        if jobs == 1:
+            yield from map(_quiet_simulate, runs)
+            return
+        # Spawned workers: a forked copy of a process that runs JAX threads can deadlock.
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+            yield from pool.map(_quiet_simulate, runs)
+    finally:
+        logger.setLevel(level)
+
+
+def feasible(row: Row, *, max_waste: float | None = None, max_bias: float | None = None) -> bool:
+    """Whether a row is within the waste and selection-bias limits (None: no limit)."""
+    return (max_waste is None or row.wasted <= max_waste) and (
+        max_bias is None or row.bias <= max_bias
+    )
+
+
+def front(
+    rows: Sequence[Row], *, max_waste: float | None = None, max_bias: float | None = None
+) -> list[Row]:
+    """The Pareto front over (goodput, higher better; mean lag, lower better) among the rows
+    within the limits, best goodput first.
+
+    A row is on it when no feasible row has at least its goodput and at most its mean lag,
+    and is better in one of them. Ties in both keep every tied row.
+    """
+    kept = [r for r in rows if feasible(r, max_waste=max_waste, max_bias=max_bias)]
+    on = [
+        r
+        for r in kept
+        if not any(
+            o.goodput >= r.goodput
+            and o.lag_mean <= r.lag_mean
+            and (o.goodput > r.goodput or o.lag_mean < r.lag_mean)
+            for o in kept
+        )
+    ]
+    return sorted(on, key=lambda r: (-r.goodput, r.lag_mean))
+
+
+def best(
+    rows: Sequence[Row], *, max_waste: float | None = None, max_bias: float | None = None
+) -> Row | None:
+    """The feasible row of the highest goodput (ties: lower mean lag, then grid order)."""
+    kept = [r for r in rows if feasible(r, max_waste=max_waste, max_bias=max_bias)]
+    return min(kept, key=lambda r: (-r.goodput, r.lag_mean), default=None)
+
+
+def table(
+    rows: Sequence[Row], *, max_waste: float | None = None, max_bias: float | None = None
+) -> str:
+    """Every row's figures, the front's rows starred and the infeasible ones marked '-'.
+
+    Columns: goodput (admitted samples per second, mean over seeds, ± its spread), its share of
+    the capacity bound, the trainer's idle share, mean and max lag, the wasted share of
+    rollout-seconds and wasted rollout-seconds per second, and selection (the admitted
+    rollouts' mean duration over the population's; 1 is unbiased).
+    """
+    on = {id(r) for r in front(rows, max_waste=max_waste, max_bias=max_bias)}
+    width = max(len("setting"), *(len(r.setting.name) for r in rows)) + 2
+    lines = [
+        f"  {'setting':<{width}}{'goodput/s':>16}{'of bound':>10}{'idle':>7}{'lag mean':>10}"
+        f"{'lag max':>9}{'wasted':>8}{'wasted s/s':>12}{'selection':>11}"
+    ]
+    for r in rows:
+        mark = (
+            "*"
+            if id(r) in on
+            else (" " if feasible(r, max_waste=max_waste, max_bias=max_bias) else "-")
+        )
+        goodput = f"{r.goodput:.2f} ±{r.goodput_spread:.2f}"
+        lines.append(
+            f"{mark} {r.setting.name:<{width}}{goodput:>16}{r.share:>10.1%}{r.idle:>7.1%}"
+            f"{r.lag_mean:>10.2f}{r.lag_max:>9d}{r.wasted:>8.1%}{r.wasted_seconds:>12.3g}"
+            f"{r.selection:>11.3f}"
+        )
+    limits = [f"wasted <= {max_waste:.1%}"] if max_waste is not None else []
+    limits += [f"|1 - selection| <= {max_bias:g}"] if max_bias is not None else []
+    chosen = best(rows, max_waste=max_waste, max_bias=max_bias)
+    lines.append(
+        "* on the Pareto front of goodput and mean lag"
+        + (f" within {' and '.join(limits)}; - outside the limits" if limits else "")
+    )
+    lines.append(
+        f"best goodput: {chosen.setting.name} ({chosen.goodput:.2f}/s)"
+        if chosen
+        else "no setting is within the limits"
+    )
+    return "\n".join(lines)
+
+
+def plot(
+    rows: Sequence[Row],
+    path: str | os.PathLike,
+    *,
+    max_waste: float | None = None,
+    max_bias: float | None = None,
+) -> None:
+    """Draw goodput against mean lag, one point per setting, the front joined, into a PNG.
+
+    Raises:
+        ModuleNotFoundError: without matplotlib (the `plot` extra).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    on = front(rows, max_waste=max_waste, max_bias=max_bias)
+    figure, axes = pyplot.subplots(figsize=(7, 4.5))
+    try:
+        for r in rows:
+            ok = feasible(r, max_waste=max_waste, max_bias=max_bias)
+            axes.scatter(r.lag_mean, r.goodput, color="tab:blue" if ok else "lightgray", zorder=2)
+            axes.annotate(r.setting.name, (r.lag_mean, r.goodput), fontsize=7, alpha=0.8)
+        ordered = sorted(on, key=lambda r: r.lag_mean)
+        axes.plot(
+            [r.lag_mean for r in ordered],
+            [r.goodput for r in ordered],
+            color="tab:orange",
+            marker="o",
+            label="Pareto front",
+            zorder=3,
+        )
+        axes.set_xlabel("mean lag (updates)")
+        axes.set_ylabel("goodput (samples/s)")
+        axes.legend()
+        figure.tight_layout()
+        figure.savefig(os.fspath(path), dpi=120)
+    finally:
+        pyplot.close(figure)
+
+
+# --- the command line -----------------------------------------------------------------------------
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _int_list(low: int, word: str | None = None):
+    """A parser of comma-separated ints >= low; `word` (when given) stands for None."""
+    single = _int_at_least(low)
+
+    def parse(text: str) -> tuple[int | None, ...]:
+        items = [item.strip() for item in text.split(",")]
+        if not all(items):
+            raise argparse.ArgumentTypeError(f"must be a comma-separated list, got {text!r}")
+        return tuple(None if item == word else single(item) for item in items)
+
+    return parse
+
+
+def _number(low: float, high: float = math.inf):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not (math.isfinite(value) and low <= value <= high):
+            bound = f"within [{low:g}, {high:g}]" if high < math.inf else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _slots(text: str) -> int | str | None:
+    if text in ("observed", "unbounded"):
+        return None if text == "unbounded" else text
+    try:
+        return _int_at_least(1)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be an int >= 1, 'observed' or 'unbounded', got {text!r}"
+        ) from None
+
+
+def configure_cli(parser: argparse.ArgumentParser) -> None:
+    """Add `dew tune`'s arguments: the traces, the grid, the simulation and the limits."""
+    default = Grid()
+    parser.add_argument(
+        "traces", nargs="+", metavar="TRACE", help="recorded runs (dew train --record)"
+    )
+    knobs = parser.add_argument_group("the grid (comma-separated values)")
+    knobs.add_argument("--ahead", type=_int_list(0), default=default.ahead, help="default: 0,1,2")
+    knobs.add_argument(
+        "--oversample", type=_int_list(0), default=default.oversample, help="default: 0"
+    )
+    knobs.add_argument(
+        "--admit",
+        type=_int_list(1, "all"),
+        default=default.admit,
+        help="groups admitted per batch, 'all' for every task's (default: all)",
+    )
+    knobs.add_argument(
+        "--sync-every", type=_int_list(1), default=default.sync_every, help="default: 1,2"
+    )
+    knobs.add_argument(
+        "--max-lag",
+        type=_int_list(0, "least"),
+        default=default.max_lag,
+        help="'least' for the least ahead + sync_every - 1 allows; values below it are left "
+        "out (default: least)",
+    )
+    run = parser.add_argument_group("the simulation")
+    run.add_argument(
+        "--steps",
+        type=_int_at_least(1),
+        default=24,
+        help="trainer steps per run, warmup included (default: 24)",
+    )
+    run.add_argument(
+        "--warmup",
+        type=_int_at_least(0),
+        default=2,
+        help="first trainer calls left out of the fit and the figures (default: 2)",
+    )
+    run.add_argument(
+        "--seeds", type=_int_at_least(1), default=3, help="runs per setting (default: 3)"
+    )
+    run.add_argument(
+        "--seed", type=_int_at_least(0), default=0, help="the first run's seed (default: 0)"
+    )
+    run.add_argument(
+        "--slots",
+        type=_slots,
+        default="observed",
+        help="the engine's slots: an int, 'observed' (the most rollouts the traces had in "
+        "flight) or 'unbounded' (default: observed)",
+    )
+    run.add_argument(
+        "--step-time",
+        type=_number(0.0),
+        default=None,
+        help="the trainer's seconds per step instead of the traces' own step times",
+    )
+    run.add_argument(
+        "--engine-scaling",
+        type=_number(0.0),
+        default=0.0,
+        metavar="EXPONENT",
+        help="for an engine sized to ahead as dew train's is: a setting's rollouts take "
+        "((ahead + 1) / (the trace's ahead + 1)) ** EXPONENT times as long; about 1 for dew "
+        "train's CPU engine (default: 0, one engine for every setting)",
+    )
+    run.add_argument(
+        "--jobs", type=_int_at_least(1), default=1, help="processes to simulate in (default: 1)"
+    )
+    limits = parser.add_argument_group("the front")
+    limits.add_argument(
+        "--max-waste",
+        type=_number(0.0, 1.0),
+        default=None,
+        help="the most wasted share of rollout-seconds a setting may have (default: none)",
+    )
+    limits.add_argument(
+        "--max-bias",
+        type=_number(0.0),
+        default=None,
+        help="the most |1 - selection| a setting may have (default: none)",
+    )
+    limits.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="draw goodput against lag and the front into this PNG",
+    )
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """`dew tune TRACE...`: print the fit, then every setting's figures and the front.
+
+    Raises:
+        SystemExit: with status 2, through the parser, for a bad option or trace.
+    """
+    if args.warmup >= args.steps:
+        args.parser.error(f"argument --warmup: must be < --steps {args.steps}, got {args.warmup}")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        args.parser.error("argument --plot: needs matplotlib (pip install 'dew[plot]')")
+    try:
+        fitted = calibrate.calibrate(args.traces, warmup=args.warmup)
+    except (OSError, ValueError) as error:
+        args.parser.error(f"argument TRACE: {error}")
+    print(calibrate.report(fitted))
+    workload = fitted.workload(steps=args.steps, seed=args.seed, slots=args.slots)
+    if args.step_time is not None:
+        workload = attrs.evolve(workload, step_time=args.step_time, step_times=())
+    grid = Grid(args.ahead, args.oversample, args.admit, args.sync_every, args.max_lag)
+    try:
+        grid.settings(workload.tasks)
+    except ValueError as error:
+        option = "--admit" if str(error).startswith("admit") else "--max-lag"
+        args.parser.error(f"argument {option}: {error}")
+    engine = None
+    if args.engine_scaling > 0:
+        if len(set(fitted.aheads)) > 1:
+            args.parser.error(
+                f"argument --engine-scaling: the traces ran at different ahead {fitted.aheads}"
+            )
+        engine = sized_to_ahead(fitted.aheads[0], args.engine_scaling)
+    rows = tune(workload, grid, seeds=args.seeds, jobs=args.jobs, engine=engine)
+    print(f"simulated {args.seeds} seed(s) per setting: {describe(workload)}")
+    limits = {"max_waste": args.max_waste, "max_bias": args.max_bias}
+    print(table(rows, **limits))
+    if args.plot is not None:
+        plot(rows, args.plot, **limits)
+        print(f"front drawn in {args.plot}")
+    return 0

@@ -1,0 +1,396 @@
+"""dew.calibrate and dew.tune: a known workload recovered from its trace, predictions that
+match recorded runs, deterministic tables, the brute-force best, and `dew tune`'s options."""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import attrs
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from dew import calibrate, cli, simulate, tune
+from dew.data import Task
+from dew.envs.simulated import ObservedRollout, SimulatedConfig, SimulatedEngine, SimulatedSource
+from dew.objectives.rl.sessions import Label, Status
+from dew.replay import Trace
+from dew.testing import run_simulated
+
+# The known workload: lognormal durations of mean 4 s and sigma 0.5, one to three calls, a
+# status mix with infrastructure failures; 4 tasks x 4 rollouts a step, a 3 s trainer step.
+MEAN, SIGMA, STEP_TIME = 4.0, 0.5, 3.0
+MIXED = SimulatedConfig(
+    seed=1,
+    duration_mean=MEAN,
+    duration_sigma=SIGMA,
+    calls=(1, 3),
+    infra_error=0.1,
+    agent_error=0.1,
+    truncated=0.2,
+)
+PLAIN = SimulatedConfig(seed=1, duration_mean=MEAN, duration_sigma=SIGMA)
+STEPS = 30
+
+
+def record(path, config: SimulatedConfig, **options) -> Trace:
+    """Record STEPS trainer calls of a simulated run under a mock clock; the trace read back."""
+    options = {"ahead": 1, "max_lag": 1, "width": 512, "rows": 16, "groups": 4, **options}
+    run = functools.partial(
+        run_simulated,
+        path,
+        updates=range(STEPS),
+        config=config,
+        batch_size=4,
+        gap=STEP_TIME,
+        **options,
+    )
+    return trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    return record(tmp_path_factory.mktemp("mixed") / "run.trace", MIXED)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    return record(tmp_path_factory.mktemp("plain") / "run.trace", PLAIN)
+
+
+def lognormal_mean(mu: float, sigma: float) -> float:
+    return math.exp(mu + sigma**2 / 2)
+
+
+def test_calibration_recovers_a_known_workload(mixed):
+    fitted = calibrate.calibrate([mixed])
+    mu, sigma = fitted.lognormal
+    # About 450 rollouts: the mean's standard error is about 2.5 %, sigma's about 0.02.
+    assert lognormal_mean(mu, sigma) == pytest.approx(MEAN, rel=0.08)
+    assert sigma == pytest.approx(SIGMA, abs=0.05)
+    assert fitted.statuses["INFRA_ERROR"] == pytest.approx(0.1, abs=0.04)
+    assert fitted.statuses["AGENT_ERROR"] == pytest.approx(0.1, abs=0.04)
+    assert fitted.statuses["TRUNCATED"] == pytest.approx(0.2, abs=0.05)
+    assert fitted.step_times == pytest.approx([STEP_TIME] * (STEPS - 3))
+    assert (fitted.tasks, fitted.groups) == (4, 4)
+    # One batch running ahead beside the one handed over: two batches of 16 in flight.
+    assert fitted.slots == 32
+    # An infrastructure failure stops partway through its calls; the others make 1 to 3.
+    assert set(fitted.calls) <= {0, 1, 2, 3} and fitted.calls[3] > 0
+    for p, observed, lognormal in calibrate.fit_table(fitted):
+        assert lognormal == pytest.approx(observed, rel=0.25), p
+
+
+def test_cancelled_rollouts_are_censored_not_dropped(tmp_path):
+    """Oversampling cancels the slowest rollouts: their durations are lower bounds, and the
+    Kaplan-Meier weights restore the tail that the finished ones alone lose."""
+    trace = record(tmp_path / "oversampled.trace", PLAIN, oversample=2)
+    fitted = calibrate.calibrate([trace])
+    assert len(fitted.censored) > 100
+    finished_only = float(np.mean(fitted.durations))
+    assert finished_only < 0.8 * MEAN
+    assert fitted.mean_duration == pytest.approx(MEAN, rel=0.1)
+    assert lognormal_mean(*fitted.lognormal) == pytest.approx(MEAN, rel=0.1)
+    assert sum(r.weight for r in fitted.observed) == pytest.approx(1.0)
+
+
+def test_a_simulation_predicts_a_recorded_simulated_run_exactly(plain):
+    """`observe` measures a recording as `simulate` measures itself: the same run, the same
+    figures."""
+    recorded = calibrate.observe(plain)
+    workload = simulate.Workload(
+        seed=1,
+        steps=STEPS - 1,
+        slots=None,
+        tasks=4,
+        groups=4,
+        duration_mean=MEAN,
+        duration_sigma=SIGMA,
+        step_time=STEP_TIME,
+        warmup=2,
+    )
+    predicted = simulate.simulate(workload, simulate.Setting("ahead=1", ahead=1, max_lag=1))
+    assert predicted.goodput == pytest.approx(recorded.goodput, rel=1e-9)
+    assert predicted.idle == pytest.approx(recorded.idle, rel=1e-9)
+    assert predicted.lags == recorded.lags
+
+
+def test_a_calibrated_prediction_of_another_setting_is_within_ten_percent(plain, tmp_path):
+    """Calibrated from a run one batch ahead, the simulation predicts a synchronous run of
+    other draws of the same workload (another seed)."""
+    fitted = calibrate.calibrate([plain])
+    workload = fitted.workload(steps=STEPS - 1, slots=None)
+    predicted = simulate.simulate(workload, simulate.Setting("sync", ahead=0, max_lag=0))
+    other = attrs.evolve(PLAIN, seed=2)
+    sync = calibrate.observe(record(tmp_path / "sync.trace", other, ahead=0, max_lag=0))
+    assert predicted.goodput == pytest.approx(sync.goodput, rel=0.1)
+    assert predicted.idle == pytest.approx(sync.idle, rel=0.1)
+    # The setting matters: one batch ahead the trainer idles far less.
+    assert calibrate.observe(plain).idle < 0.8 * sync.idle
+
+
+def test_a_workload_that_drifts_over_training_is_predicted_group_by_group(tmp_path):
+    """Rollouts that grow longer as training goes on (a policy learning to take more turns):
+    each recorded group is resampled for the same group of the simulation, so the simulated
+    run meets the drift when the recorded run did; pooled together they would not."""
+    drifting = SimulatedConfig(
+        seed=1,
+        observed=[
+            ObservedRollout((0.5 + 0.06 * g,), Status.COMPLETED, pool=g)
+            for g in range(4 * (STEPS + 1))
+        ],
+    )
+    trace = record(tmp_path / "drift.trace", drifting)
+    recorded = calibrate.observe(trace)
+    fitted = calibrate.calibrate([trace])
+    setting = simulate.Setting("ahead=1", ahead=1, max_lag=1)
+    predicted = simulate.simulate(fitted.workload(steps=STEPS - 1, slots=None), setting)
+    assert predicted.goodput == pytest.approx(recorded.goodput, rel=1e-6)
+    assert predicted.idle == pytest.approx(recorded.idle, abs=1e-6)
+    pooled = attrs.evolve(fitted, observed=[attrs.evolve(r, pool=0) for r in fitted.observed])
+    blind = simulate.simulate(pooled.workload(steps=STEPS - 1, slots=None), setting)
+    assert abs(blind.idle - recorded.idle) > 0.05
+
+
+def test_a_slowed_calibration_is_the_same_run_on_a_slower_clock(plain):
+    """Twice every duration and step time: half the goodput, the same idle share and lags."""
+    fitted = calibrate.calibrate([plain])
+    slowed = fitted.slowed(2.0)
+    assert slowed.step_time == pytest.approx(2 * fitted.step_time)
+    assert slowed.mean_duration == pytest.approx(2 * fitted.mean_duration)
+    assert slowed.lognormal[1] == fitted.lognormal[1]
+    setting = simulate.Setting("ahead=1", ahead=1, max_lag=1)
+    fast = simulate.simulate(fitted.workload(steps=12, slots=None), setting)
+    slow = simulate.simulate(slowed.workload(steps=12, slots=None), setting)
+    assert slow.goodput == pytest.approx(fast.goodput / 2)
+    assert slow.idle == pytest.approx(fast.idle)
+    assert slow.lags == fast.lags
+    with pytest.raises(ValueError, match="engine factor must be a finite number > 0, got nan"):
+        fitted.slowed(float("nan"))
+    with pytest.raises(ValueError, match="trainer factor must be a finite number > 0, got 0"):
+        fitted.scaled(trainer=0)
+    halved = fitted.scaled(engine=0.5)
+    assert halved.mean_duration == pytest.approx(fitted.mean_duration / 2)
+    assert halved.step_times == fitted.step_times
+
+
+def test_calibration_refuses_too_short_a_trace(plain):
+    with pytest.raises(calibrate.CalibrationError, match="needs at least warmup \\+ 2 = 40"):
+        calibrate.calibrate([plain], warmup=38)
+    with pytest.raises(ValueError, match="warmup must be an int >= 0, got -1"):
+        calibrate.calibrate([plain], warmup=-1)
+    with pytest.raises(ValueError, match="at least one trace"):
+        calibrate.calibrate([])
+
+
+def test_calibration_refuses_traces_of_two_batch_shapes(plain, tmp_path):
+    other = record(tmp_path / "other.trace", PLAIN, groups=2, rows=8)
+    with pytest.raises(calibrate.CalibrationError, match=r"\(groups, tasks per batch\) \(2, 4\)"):
+        calibrate.calibrate([plain, other])
+
+
+def resampled(config: SimulatedConfig, n: int) -> list[float]:
+    source = SimulatedSource(SimulatedEngine(), config)
+    return [source.model_time(Task(str(i)), Label(0, 0, 0)) for i in range(n)]
+
+
+def test_observed_rollouts_are_resampled_by_weight_and_seed():
+    observed = (
+        ObservedRollout((1.0,), Status.COMPLETED, weight=3.0),
+        ObservedRollout((2.0, 3.0), Status.TRUNCATED, truncation="turns", weight=1.0),
+    )
+    config = SimulatedConfig(seed=4, observed=observed)
+    times = resampled(config, 2000)
+    assert set(times) == {1.0, 5.0}
+    assert times.count(1.0) / len(times) == pytest.approx(0.75, abs=0.03)
+    assert resampled(config, 50) == times[:50]
+    assert resampled(SimulatedConfig(seed=5, observed=observed), 50) != times[:50]
+
+
+def test_a_task_draws_from_its_own_pool():
+    """Task n draws from pool n mod the pools' count; a pool without rollouts from them all."""
+    observed = (
+        ObservedRollout((1.0,), Status.COMPLETED, pool=0),
+        ObservedRollout((2.0,), Status.COMPLETED, pool=1),
+        ObservedRollout((4.0,), Status.COMPLETED, pool=3),
+    )
+    source = SimulatedSource(SimulatedEngine(), SimulatedConfig(observed=observed))
+    drawn = {
+        name: {source.model_time(Task(name), Label(0, s, 0)) for s in range(40)}
+        for name in ("0", "1", "2", "3", "4", "9")
+    }
+    assert drawn == {
+        "0": {1.0}, "1": {2.0}, "2": {1.0, 2.0, 4.0}, "3": {4.0}, "4": {1.0}, "9": {2.0},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"seconds": (1.0,), "status": Status.CANCELLED}, "status must be how a rollout ends"),
+        ({"seconds": (-1.0,), "status": Status.COMPLETED}, "seconds must be finite numbers >= 0"),
+        ({"seconds": (1.0,), "status": Status.TRUNCATED}, "truncation must be given exactly"),
+        ({"seconds": (1.0,), "status": Status.INFRA_ERROR}, "failing must be given exactly"),
+        ({"seconds": (), "status": Status.COMPLETED}, "makes at least one call"),
+        ({"seconds": (1.0,), "status": Status.COMPLETED, "weight": 0.0}, "weight must be a"),
+        ({"seconds": (1.0,), "status": Status.COMPLETED, "pool": -1}, "pool must be an int >= 0"),
+    ],
+)
+def test_a_bad_observed_rollout_names_its_field(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ObservedRollout(**fields)
+
+
+# --- tune --------------------------------------------------------------------------------------
+
+SMALL = simulate.Workload(seed=0, steps=6, slots=16, tasks=4, groups=4, step_time=10.0)
+GRID = tune.Grid(ahead=(0, 1), oversample=(0, 2), admit=(None, 3), sync_every=(1,))
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return tune.tune(SMALL, GRID, seeds=2)
+
+
+def test_the_grid_keeps_within_max_lags_bound():
+    grid = tune.Grid(ahead=(0, 2), sync_every=(1, 2), max_lag=(1, 2, None))
+    settings = grid.settings(tasks=4)
+    assert all(s.max_lag >= s.ahead + s.sync_every - 1 for s in settings)
+    assert {(s.ahead, s.sync_every, s.max_lag) for s in settings} == {
+        (0, 1, 1), (0, 1, 2), (0, 1, 0), (0, 2, 1), (0, 2, 2), (2, 1, 2), (2, 2, 3),
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="no setting of the grid"):
+        tune.Grid(ahead=(3,), max_lag=(1,)).settings(tasks=4)
+    with pytest.raises(ValueError, match="admit must be <= the workload's 4 tasks, got 5"):
+        tune.Grid(admit=(5,)).settings(tasks=4)
+    with pytest.raises(ValueError, match="ahead values must be ints >= 0, got -1"):
+        tune.Grid(ahead=(-1,))
+
+
+def test_tune_is_deterministic_for_a_seed(rows):
+    """A grid's rows are a pure function of the workload and its seed: a second tune of part
+    of the grid repeats those rows exactly, and another seed changes them."""
+    grid = attrs.evolve(GRID, oversample=(2,), admit=(None,))
+    again = tune.tune(SMALL, grid, seeds=2)
+    assert [r.setting.name for r in again] == [
+        "ahead=0 sync=1 lag=0 over=2",
+        "ahead=1 sync=1 lag=1 over=2",
+    ]
+    assert again == [r for r in rows if r.setting in {a.setting for a in again}]
+    other = tune.tune(attrs.evolve(SMALL, seed=7), grid, seeds=2)
+    assert [r.goodput for r in other] != [r.goodput for r in again]
+
+
+def test_tune_in_processes_gives_the_same_rows(rows):
+    grid = tune.Grid(ahead=(1,), oversample=(2,), sync_every=(1,))
+    assert tune.tune(SMALL, grid, seeds=2, jobs=2) == [
+        r for r in rows if r.setting.name == "ahead=1 sync=1 lag=1 over=2"
+    ]
+
+
+def test_an_engine_sized_to_ahead_decodes_each_settings_rollouts_at_its_own_speed(rows):
+    """Recorded at ahead=1 on an engine whose step costs its slots: at ahead=0 the engine has
+    half the slots and every rollout takes half as long."""
+    engine = tune.sized_to_ahead(1, 1.0)
+    sync, ahead = GRID.settings(SMALL.tasks)[0], GRID.settings(SMALL.tasks)[4]
+    assert (sync.ahead, ahead.ahead, engine(sync), engine(ahead)) == (0, 1, 0.5, 1.0)
+    grid = tune.Grid(ahead=(0, 1), sync_every=(1,))
+    sized = tune.tune(SMALL, grid, seeds=1, engine=engine)
+    assert sized[0].outcomes[0] == simulate.simulate(SMALL.engine_scaled(0.5), sync)
+    assert sized[1].outcomes[0] == rows[4].outcomes[0]
+    assert tune.sized_to_ahead(1, 0.0)(sync) == 1.0
+    with pytest.raises(ValueError, match="exponent must be a finite number >= 0, got -1"):
+        tune.sized_to_ahead(1, -1)
+
+
+@pytest.fixture(scope="module")
+def brute_force():
+    """Each setting of the grid simulated alone, per seed, as tune's rows are not."""
+    return {
+        setting: [simulate.simulate(attrs.evolve(SMALL, seed=k), setting) for k in range(2)]
+        for setting in GRID.settings(SMALL.tasks)
+    }
+
+
+@pytest.mark.parametrize("max_waste", [1.0, 0.0])
+def test_the_best_setting_matches_brute_force(rows, brute_force, max_waste):
+    """The best by mean goodput over the seeds within the waste limit, ties to the lower lag."""
+    scored = [
+        (-np.mean([o.goodput for o in outcomes]), np.mean([g for o in outcomes for g in o.lags]), s)
+        for s, outcomes in brute_force.items()
+        if np.mean([o.wasted for o in outcomes]) <= max_waste
+    ]
+    expected = min(scored, key=lambda item: item[:2])[2]
+    assert tune.best(rows, max_waste=max_waste).setting == expected
+    # Cutting the tail wins when waste is free; without waste the best runs ahead plainly.
+    assert (expected.oversample > 0 or expected.admit is not None) == (max_waste == 1.0)
+
+
+def test_the_front_is_the_undominated_feasible_rows(rows):
+    on = tune.front(rows, max_bias=0.1)
+    assert on and all(r.bias <= 0.1 for r in on)
+    for r in on:
+        assert not any(
+            o.goodput > r.goodput and o.lag_mean <= r.lag_mean
+            for o in rows
+            if tune.feasible(o, max_bias=0.1)
+        )
+    feasible = [r for r in rows if tune.feasible(r, max_bias=0.1)]
+    for r in feasible:
+        if r not in on:
+            assert any(o.goodput >= r.goodput and o.lag_mean <= r.lag_mean for o in on)
+    assert on[0] == tune.best(rows, max_bias=0.1)
+
+
+# --- dew tune ----------------------------------------------------------------------------------
+
+
+def test_dew_tune_prints_the_fit_the_table_and_draws_the_front(plain, tmp_path, capsys):
+    picture = tmp_path / "front.png"
+    argv = ["tune", plain.path, "--steps", "8", "--seeds", "1", "--ahead", "0,1"]
+    assert cli.main([*argv, "--sync-every", "1,2", "--plot", str(picture)]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated from 1 trace(s)" in out and "lognormal fit" in out
+    names = re.findall(r"^[* -] (ahead=\d sync=\d lag=\d)", out, re.MULTILINE)
+    assert names == ["ahead=0 sync=1 lag=0", "ahead=0 sync=2 lag=1", "ahead=1 sync=1 lag=1",
+                     "ahead=1 sync=2 lag=2"]  # fmt: skip
+    assert re.search(r"best goodput: ahead=1 sync=\d lag=\d", out)
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--ahead", "1,x"], "argument --ahead: must be an int >= 0, got 'x'"),
+        (["--ahead", "1,,2"], "argument --ahead: must be a comma-separated list"),
+        (["--sync-every", "0"], "argument --sync-every: must be an int >= 1, got '0'"),
+        (["--admit", "9"], "argument --admit: admit must be <= the workload's 4 tasks, got 9"),
+        (["--max-lag", "0", "--ahead", "1"], "argument --max-lag: no setting of the grid"),
+        (["--seeds", "0"], "argument --seeds: must be an int >= 1, got '0'"),
+        (["--steps", "3", "--warmup", "3"], "argument --warmup: must be < --steps 3, got 3"),
+        (["--slots", "0"], "argument --slots: must be an int >= 1, 'observed' or 'unbounded'"),
+        (["--max-waste", "nan"], "argument --max-waste: must be a finite number within [0, 1]"),
+        (["--max-waste", "1.5"], "argument --max-waste: must be a finite number within [0, 1]"),
+        (["--max-bias", "inf"], "argument --max-bias: must be a finite number >= 0, got 'inf'"),
+        (["--step-time", "-1"], "argument --step-time: must be a finite number >= 0"),
+        (["--engine-scaling", "nan"], "argument --engine-scaling: must be a finite number >= 0"),
+    ],
+)
+def test_dew_tune_rejects_a_bad_option_by_name(plain, capsys, options, message):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["tune", plain.path, *options])
+    assert exit.value.code == 2
+    assert message in " ".join(capsys.readouterr().err.split())
+
+
+def test_dew_tune_names_a_trace_it_cannot_read(tmp_path, capsys):
+    missing = tmp_path / "missing.trace"
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["tune", str(missing)])
+    assert exit.value.code == 2
+    assert f"argument TRACE: [Errno 2] No such file or directory: '{missing}'" in (
+        capsys.readouterr().err
+    )
