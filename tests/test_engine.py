@@ -415,7 +415,7 @@ async def test_generate_names_the_bad_argument(kwargs, match):
 def test_construction_and_load_name_the_bad_argument():
     with pytest.raises(ValueError, match="slots must be an int >= 1, got 0"):
         RolloutServer(CONFIG, params(), slots=0)
-    with pytest.raises(ValueError, match="max_len must be <= config.max_len 64, got 65"):
+    with pytest.raises(ValueError, match="max_len must be <= model.max_len 64, got 65"):
         RolloutServer(CONFIG, params(), max_len=65)
     engine = server()
     wrong = jax.tree.map(jnp.array, params())
@@ -474,7 +474,9 @@ def test_the_public_surface_keeps_its_signatures():
         "max_len": None,
         "version": 0,
         "seed": 0,
+        "tokenizer": dew.serve.tokenizer.BYTES,
     }
+    assert list(init)[:3] == ["self", "model", "params"]
     assert list(inspect.signature(RolloutServer.load).parameters) == [
         "self",
         "variables",

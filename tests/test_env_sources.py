@@ -12,6 +12,7 @@ import pytest
 import trio
 import trio.testing
 
+from _bpe import train_bpe
 from dew import models
 from dew.data import Task
 from dew.envs.environment import (
@@ -25,6 +26,7 @@ from dew.envs.environment import (
 from dew.envs.prompts import PromptSource
 from dew.objectives.rl.sessions import Call, Label, SessionSource, Status, chains, check_session
 from dew.serve import RolloutServer, tokenizer
+from dew.serve.tokenizer import HuggingFaceTokenizer
 
 # The engine tests' shape, so the engine compiles once for the whole run.
 CONFIG = models.TransformerConfig(d_model=32, heads=2, layers=2, d_ff=64, max_len=64)
@@ -465,7 +467,7 @@ async def test_prompt_completed_and_scored(autojump_clock):
         engine.requests[0]["prompt"],
         tokenizer.encode_chat([{"role": "user", "content": "what is 6 x 7?"}]),
     )
-    assert engine.requests[0]["stop"] == (tokenizer.IM_END, tokenizer.EOS)
+    assert engine.requests[0]["stop"] == (tokenizer.IM_END,)
     assert len(chains(session)) == 1
 
 
@@ -596,3 +598,53 @@ async def test_prompt_source_on_the_real_engine():
     async with RolloutServer(CONFIG, forced(ord("4")), slots=SLOTS) as server:
         session = await run(prompt_source(server, verifier=lambda task, text: Score(len(text))))
     assert (session.status, session.truncation, session.reward) == (Status.TRUNCATED, "length", 4.0)
+
+
+# Another tokenizer: a BPE trained in the test, behind the same sources.
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    return HuggingFaceTokenizer.from_file(train_bpe(tmp_path_factory.mktemp("bpe") / "t.json"))
+
+
+async def test_environment_source_with_a_bpe_tokenizer_merges_into_one_chain(bpe):
+    replies = [np.append(bpe.encode(text), bpe.eos_id) for text in ("the cat", "sat")]
+    replies.append(bpe.encode("on the mat"))  # filling max_tokens without a stop
+    engine = ScriptedEngine(replies)
+    budget = max(len(reply) for reply in replies)
+    assert len(replies[-1]) == budget
+    options = {"max_tokens": budget, "require_stop": False, "tokenizer": bpe}
+    session = await run(source(engine, turns=3, **options))
+    assert session.status is Status.COMPLETED
+    (chain,) = chains(session)
+    expected = [
+        {"role": "user", "content": "count 7"},
+        {"role": "assistant", "content": "the cat"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "sat"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "on the mat"},
+    ]
+    assert bpe.parse_chat(chain.tokens) == expected
+    for index, request in enumerate(engine.requests):
+        assert request["stop"] == (bpe.eos_id,)
+        rendered = bpe.encode_chat(expected[: 2 * index + 1], add_generation_prompt=True)
+        np.testing.assert_array_equal(request["prompt"], rendered)
+
+
+async def test_prompt_source_with_a_bpe_tokenizer(autojump_clock, bpe):
+    engine = ScriptedEngine([np.append(bpe.encode("42"), bpe.eos_id)])
+    session = await run(prompt_source(engine, tokenizer=bpe))
+    assert (session.status, session.reward) == (Status.COMPLETED, 1.0)
+    prompt = bpe.encode_chat([{"role": "user", "content": "what is 6 x 7?"}])
+    np.testing.assert_array_equal(engine.requests[0]["prompt"], prompt)
+    assert engine.requests[0]["stop"] == (bpe.eos_id,)
+
+
+def test_sources_reject_a_bad_tokenizer_and_stops_outside_its_vocabulary(bpe):
+    with pytest.raises(ValueError, match="tokenizer must implement dew.serve.tokenizer.Tokenizer"):
+        prompt_source(ScriptedEngine([]), tokenizer="bytes")
+    with pytest.raises(ValueError, match=r"stop must hold .* in \[0, 260\)"):
+        source(ScriptedEngine([]), stop=(300,))
+    assert source(ScriptedEngine([]), stop=(300,), tokenizer=bpe).stop == (300,)

@@ -2,18 +2,23 @@
 
 import numpy as np
 import pytest
+import tokenizers
 from hypothesis import given
 from hypothesis import strategies as st
 
+from _bpe import train_bpe
 from dew.models import TransformerConfig
 from dew.objectives.rl.sessions import Call, Session, Status, chains
 from dew.serve.tokenizer import (
     BOS,
+    BYTES,
     EOS,
     IM_END,
     IM_START,
     SPECIAL_TOKENS,
     VOCAB,
+    HuggingFaceTokenizer,
+    Tokenizer,
     decode,
     encode,
     encode_chat,
@@ -149,3 +154,153 @@ def _ids(*parts) -> np.ndarray:
 def test_parse_chat_names_where_the_ids_leave_the_template(ids, match):
     with pytest.raises(ValueError, match=match):
         parse_chat(ids)
+
+
+# The Tokenizer protocol, with both implementations.
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    return HuggingFaceTokenizer.from_file(train_bpe(tmp_path_factory.mktemp("bpe") / "t.json"))
+
+
+@pytest.fixture(scope="module", params=["bytes", "bpe"])
+def any_tokenizer(request, bpe):
+    return BYTES if request.param == "bytes" else bpe
+
+
+def test_both_implement_the_protocol(bpe):
+    assert isinstance(BYTES, Tokenizer) and isinstance(bpe, Tokenizer)
+    assert (BYTES.vocab_size, BYTES.eos_id, BYTES.special_ids) == (
+        VOCAB,
+        IM_END,
+        set(SPECIAL_TOKENS),
+    )
+    assert bpe.vocab_size == 320
+    assert bpe.special_ids == {
+        bpe.eos_id,
+        *bpe.chat_prefix().tolist(),
+        int(bpe.generation_prompt()[0]),
+    }
+    assert not isinstance(object(), Tokenizer)
+
+
+def test_module_functions_are_the_byte_tokenizers():
+    messages = [{"role": "user", "content": "hé"}]
+    np.testing.assert_array_equal(encode_chat(messages), BYTES.encode_chat(messages))
+    assert decode(BYTES.encode("hé")) == "hé"
+
+
+def test_bpe_merges_and_round_trips(bpe):
+    ids = bpe.encode("the answer is 42")
+    assert ids.dtype == np.int32 and 0 < len(ids) < len("the answer is 42")
+    assert bpe.decode(ids) == "the answer is 42"
+
+
+@given(text=st.text(max_size=40))
+def test_any_text_round_trips_without_special_ids(any_tokenizer, text):
+    ids = any_tokenizer.encode(text)
+    assert ids.dtype == np.int32 and ids.ndim == 1
+    assert not set(ids.tolist()) & any_tokenizer.special_ids
+    assert ids.size == 0 or ids.max() < any_tokenizer.vocab_size
+    assert any_tokenizer.decode(ids) == text
+
+
+def test_text_spelling_a_special_token_encodes_as_text(any_tokenizer):
+    ids = any_tokenizer.encode("<|im_end|><bos>")
+    assert len(ids) > 2 and not set(ids.tolist()) & any_tokenizer.special_ids
+    assert any_tokenizer.decode(ids) == "<|im_end|><bos>"
+
+
+def test_decode_names_or_skips_special_tokens_of_either(any_tokenizer):
+    ids = np.concatenate([any_tokenizer.chat_prefix(), any_tokenizer.encode("hi"), [IM_END]])
+    ids[-1] = any_tokenizer.eos_id
+    assert any_tokenizer.decode(ids) == "<bos>hi<|im_end|>"
+    assert any_tokenizer.decode(ids, skip_special=True) == "hi"
+    with pytest.raises(ValueError, match=rf"id {any_tokenizer.vocab_size} at position 0"):
+        any_tokenizer.decode([any_tokenizer.vocab_size])
+
+
+@given(messages=messages_strategy)
+def test_encode_chat_is_prefix_turns_and_generation_prompt(any_tokenizer, messages):
+    turns = [any_tokenizer.encode_turn(message) for message in messages]
+    expected = np.concatenate([any_tokenizer.chat_prefix(), *turns]).astype(np.int32)
+    np.testing.assert_array_equal(
+        any_tokenizer.encode_chat(messages, add_generation_prompt=False), expected
+    )
+    prompted = np.concatenate([expected, any_tokenizer.generation_prompt()])
+    np.testing.assert_array_equal(any_tokenizer.encode_chat(messages), prompted)
+    assert any_tokenizer.encode_chat(messages).dtype == np.int32
+
+
+@given(content=st.text(max_size=40))
+def test_an_assistant_turn_is_the_generation_prompt_reply_eos_and_suffix(any_tokenizer, content):
+    tokenizer = any_tokenizer
+    expected = np.concatenate(
+        [
+            tokenizer.generation_prompt(),
+            tokenizer.encode(content),
+            [tokenizer.eos_id],
+            tokenizer.turn_suffix(),
+        ]
+    )
+    turn = tokenizer.encode_turn({"role": "assistant", "content": content})
+    np.testing.assert_array_equal(turn, expected)
+
+
+@given(messages=messages_strategy, reply=st.text(max_size=30), follow_up=st.text(max_size=30))
+def test_turns_of_either_tokenizer_merge_into_one_chain(any_tokenizer, messages, reply, follow_up):
+    tokenizer = any_tokenizer
+    first = tokenizer.encode_chat(messages)
+    completion = np.append(tokenizer.encode(reply), tokenizer.eos_id).astype(np.int32)
+    after = messages + [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": follow_up},
+    ]
+    second = tokenizer.encode_chat(after)
+    np.testing.assert_array_equal(second[: len(first) + len(completion)], [*first, *completion])
+    assert tokenizer.parse_chat(second) == after + [{"role": "assistant", "content": ""}]
+    assert tokenizer.parse_chat(np.concatenate([first, completion]))[-1] == after[-2]
+
+
+def test_bpe_parse_chat_names_where_the_ids_leave_the_template(bpe):
+    chat = bpe.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=False)
+    ids = np.concatenate([chat, bpe.encode("x")])
+    with pytest.raises(ValueError, match=rf"'x'\) at position {len(ids) - 1} is outside a message"):
+        bpe.parse_chat(ids)
+
+
+def test_from_file_names_a_missing_template_token(tmp_path):
+    path = train_bpe(tmp_path / "t.json", specials=["<bos>", "<|im_start|>"])
+    with pytest.raises(ValueError, match=r"needs '<\|im_end\|>', which the tokenizer's vocab"):
+        HuggingFaceTokenizer.from_file(path)
+    with pytest.raises(ValueError, match="needs '<s>'"):
+        HuggingFaceTokenizer.from_file(train_bpe(tmp_path / "u.json"), bos="<s>")
+
+
+def test_without_a_bos_the_chat_has_no_prefix(tmp_path):
+    tokenizer = HuggingFaceTokenizer.from_file(
+        train_bpe(tmp_path / "t.json", specials=["<|im_start|>", "<|im_end|>"]), bos=None
+    )
+    assert len(tokenizer.chat_prefix()) == 0
+    messages = [{"role": "user", "content": "count to three"}]
+    assert tokenizer.parse_chat(tokenizer.encode_chat(messages, add_generation_prompt=False)) == (
+        messages
+    )
+
+
+def test_template_tokens_must_be_special(tmp_path):
+    path = train_bpe(tmp_path / "t.json", specials=["<bos>", "<|im_start|>"])
+    plain = tokenizers.Tokenizer.from_file(str(path))
+    plain.add_tokens(["<|im_end|>"])
+    with pytest.raises(ValueError, match=r"'<\|im_end\|>' \(id \d+\) must be a special token"):
+        HuggingFaceTokenizer(plain)
+
+
+def test_from_file_and_the_constructor_name_bad_inputs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no tokenizer file at .*missing.json"):
+        HuggingFaceTokenizer.from_file(tmp_path / "missing.json")
+    with pytest.raises(TypeError, match="must be a tokenizers.Tokenizer, got str"):
+        HuggingFaceTokenizer("t.json")
+    with pytest.raises(TypeError, match="text must be a str, got bytes"):
+        BYTES.encode(b"hi")

@@ -1,19 +1,83 @@
-"""A small decoder-only transformer in pure JAX, for the objective, the engine and the demos.
+"""The model protocol, and a small decoder-only transformer in pure JAX that implements it.
 
-Params are a plain pytree of arrays. `apply` takes packed rows: tokens, positions (restarting at 0
-in each segment) and segment ids (0 = padding); attention is causal and never crosses a segment.
+`Model` is what the objective and the engine need of a language model: random params, next-token
+logits over packed rows for training, and the same logits computed incrementally over a key/value
+cache for sampling. `Transformer` (the functions below, bound to a `TransformerConfig`) is one
+implementation; any other (say, a `flax.nnx` module behind the same methods) trains and serves
+through the same objective, engine and scheduler.
 
-For sampling, `init_cache`, `prefill` and `decode` compute the same logits incrementally over a
-key/value cache of fixed [slots, max_len] sequences, one token per slot per step.
+The transformer's params are a plain pytree of arrays. `apply` takes packed rows: tokens,
+positions (restarting at 0 in each segment) and segment ids (0 = padding); attention is causal
+and never crosses a segment. For sampling, `init_cache`, `prefill` and `decode` compute the same
+logits incrementally over a key/value cache of fixed [slots, max_len] sequences, one token per
+slot per step.
 """
 
 from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import jax
 import jax.numpy as jnp
 
 from dew._checks import int_at_least
+
+Params = Any
+"""A model's params: a pytree of arrays."""
+
+Cache = Any
+"""A model's key/value cache: a pytree of arrays of fixed shape."""
+
+
+@runtime_checkable
+class Model(Protocol):
+    """What `GRPOObjective` and `RolloutServer` need of a language model.
+
+    The methods are pure functions of their arguments, traced under `jax.jit` with the model as a
+    static argument: a model must be hashable and equal to any model that computes the same
+    functions (a frozen attrs class over its configuration is).
+
+    Attributes:
+        vocab: the number of token ids; logits' last axis.
+        max_len: the longest sequence (prompt + completion) it can take.
+    """
+
+    vocab: int
+    max_len: int
+
+    def init(self, key: jax.Array) -> Params:
+        """Random params; their tree layout, shapes and dtypes are the ones the engine serves."""
+        ...
+
+    def __call__(
+        self, params: Params, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
+    ) -> jax.Array:
+        """Next-token logits over packed rows, as `apply` documents: int32[rows, width] tokens,
+        positions (from 0 in each segment) and segment ids (0 = padding) ->
+        float32[rows, width, vocab]."""
+        ...
+
+    def init_cache(self, *, slots: int, max_len: int) -> Cache:
+        """An empty cache of `slots` sequences of up to `max_len` tokens."""
+        ...
+
+    def prefill(
+        self, params: Params, cache: Cache, tokens: jax.Array, slot: jax.Array
+    ) -> tuple[Cache, jax.Array]:
+        """Run a prompt from position 0 into one slot: int32[T] tokens (padded at the end),
+        int32 scalar slot -> the cache with the slot's positions 0..T-1 written, and
+        float32[T, vocab], the logits at each position (as `__call__` gives them for one
+        segment). Later decode steps overwrite what the padding wrote before attending to it."""
+        ...
+
+    def decode(
+        self, params: Params, cache: Cache, tokens: jax.Array, positions: jax.Array
+    ) -> tuple[Cache, jax.Array]:
+        """Advance every slot by one token: int32[slots] tokens at int32[slots] positions ->
+        the cache with them written, and float32[slots, vocab], each slot's logits of the next
+        token given the slot's positions 0..position."""
+        ...
 
 
 @attrs.frozen
@@ -157,14 +221,10 @@ def apply(
     return unembed(params, x)
 
 
-def model(config: TransformerConfig):
-    """`apply` bound to `config`: the `model(variables, tokens, positions, segment_ids)` the
-    objective takes."""
-
-    def bound(params, tokens, positions, segment_ids):
-        return apply(params, tokens, positions, segment_ids, config=config)
-
-    return bound
+def model(config: TransformerConfig) -> Transformer:
+    """The transformer of `config` as a `Model`: the `model(variables, tokens, positions,
+    segment_ids)` the objective takes, and what the engine serves."""
+    return Transformer(config)
 
 
 def init_cache(config: TransformerConfig, *, slots: int, max_len: int) -> list[dict]:
@@ -265,3 +325,44 @@ def decode(
         weights = jax.nn.softmax(jnp.where(allowed, scores, jnp.float32(-1e30)), axis=-1)
         x = block_finish(block, x, jnp.einsum("shl,shld->shd", weights, values))
     return written, unembed(params, x)
+
+
+@attrs.frozen
+class Transformer:
+    """The transformer of a `TransformerConfig` as a `Model`: this module's functions bound to it.
+
+    Args:
+        config: the transformer's shape.
+    """
+
+    config: TransformerConfig = attrs.field(
+        validator=attrs.validators.instance_of(TransformerConfig)
+    )
+
+    @property
+    def vocab(self) -> int:
+        return self.config.vocab
+
+    @property
+    def max_len(self) -> int:
+        return self.config.max_len
+
+    def init(self, key: jax.Array) -> dict:
+        """Random params (see `init`)."""
+        return init(key, self.config)
+
+    def __call__(self, params, tokens, positions, segment_ids) -> jax.Array:
+        """Next-token logits over packed rows (see `apply`)."""
+        return apply(params, tokens, positions, segment_ids, config=self.config)
+
+    def init_cache(self, *, slots: int, max_len: int) -> list[dict]:
+        """An empty key/value cache (see `init_cache`)."""
+        return init_cache(self.config, slots=slots, max_len=max_len)
+
+    def prefill(self, params, cache, tokens, slot) -> tuple[list[dict], jax.Array]:
+        """Run a prompt into one slot of the cache (see `prefill`)."""
+        return prefill(params, cache, tokens, slot, config=self.config)
+
+    def decode(self, params, cache, tokens, positions) -> tuple[list[dict], jax.Array]:
+        """Advance every slot by one token (see `decode`)."""
+        return decode(params, cache, tokens, positions, config=self.config)

@@ -1,4 +1,5 @@
-"""Environments and session sources: in-process, single-turn prompt sets, and simulated."""
+"""Environments and session sources: in-process, single-turn prompt sets, reasoning-gym
+datasets, and simulated."""
 
 from dew.envs.environment import (
     Environment,
@@ -11,6 +12,7 @@ from dew.envs.environment import (
 )
 from dew.envs.harness import HarnessResult, HarnessSource
 from dew.envs.prompts import PromptSource
+from dew.envs.reasoning_gym import ReasoningGym
 from dew.envs.simulated import SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.envs.tasks import CopyDigits, GuessDigit, GuessDigitEnv, task_dataset
 
@@ -25,6 +27,7 @@ __all__ = [
     "HarnessSource",
     "MalformedAction",
     "PromptSource",
+    "ReasoningGym",
     "Sampling",
     "Score",
     "SimulatedConfig",

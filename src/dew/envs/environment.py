@@ -3,8 +3,9 @@
 An `Environment` is a small synchronous object: `reset(task)` opens an episode and says what the
 agent sees first, `step(action)` takes the agent's reply and says what it sees next and whether
 the episode is over. A `Verifier` scores the episode afterwards. `EnvironmentSource` plays one
-episode per rollout: it renders the conversation with the chat template of `dew.serve.tokenizer`,
-calls the engine once per turn, and steps the environment with the decoded reply.
+episode per rollout: it renders the conversation with the chat template of its tokenizer (a
+`dew.serve.tokenizer.Tokenizer`, the byte tokenizer unless given), calls the engine once per turn,
+and steps the environment with the decoded reply.
 
 Each turn's prompt is the previous call's prompt and completion followed by the template's
 tokens for the environment's reply, so the calls of an episode merge into one chain.
@@ -29,16 +30,13 @@ from attrs.validators import optional
 from dew._checks import at_least, finite, in_range, int_at_least, is_callable, positive
 from dew.data import Task
 from dew.objectives.rl.sessions import Call, Label, Session, Status
-from dew.serve import tokenizer
+from dew.serve.tokenizer import BYTES, Tokenizer
 
 Message = Mapping[str, str]
 """A chat message: `{"role": ..., "content": ...}`."""
 
 Observation = str | Sequence[Message]
 """What the agent sees: a plain string is one user message."""
-
-CHAT_STOP = (tokenizer.IM_END, tokenizer.EOS)
-"""Tokens that end an assistant message."""
 
 
 class MalformedAction(ValueError):
@@ -105,8 +103,26 @@ def _engine(instance, attribute, value):
 
 
 def _stop_tokens(instance, attribute, value):
-    if not value or any(not 0 <= token for token in value):
-        raise ValueError(f"{attribute.name} must hold at least one token id >= 0, got {value!r}")
+    vocab_size = instance.tokenizer.vocab_size
+    if not value or any(not 0 <= token < vocab_size for token in value):
+        raise ValueError(
+            f"{attribute.name} must hold at least one token id in [0, {vocab_size}) (the "
+            f"tokenizer's vocabulary), got {value!r}"
+        )
+
+
+def _tokenizer(instance, attribute, value):
+    if not isinstance(value, Tokenizer):
+        raise ValueError(
+            f"{attribute.name} must implement dew.serve.tokenizer.Tokenizer, got {value!r}"
+        )
+
+
+def _eos(source) -> tuple[int, ...]:
+    """A source's default stop tokens: its tokenizer's end of an assistant reply."""
+    # Defaults are made before validators run: check the tokenizer before reading it.
+    _tokenizer(source, attrs.fields(type(source)).tokenizer, source.tokenizer)
+    return (source.tokenizer.eos_id,)
 
 
 @attrs.frozen
@@ -159,7 +175,7 @@ def messages_of(observation: Observation) -> list[Message]:
     return list(observation)
 
 
-def reply_text(completion: np.ndarray, stop: Sequence[int]) -> str:
+def reply_text(tokenizer: Tokenizer, completion: np.ndarray, stop: Sequence[int]) -> str:
     """The text of a completion, without the stop token that ended it."""
     if len(completion) and int(completion[-1]) in stop:
         completion = completion[:-1]
@@ -179,26 +195,19 @@ async def blocking(function: Callable[..., Any], *args: Any) -> Any:
     return await trio.to_thread.run_sync(function, *args, abandon_on_cancel=True)
 
 
-def _continuation(
-    messages: list[Message], text: str, completion: np.ndarray, new: list[Message]
-) -> np.ndarray:
+def _continuation(tokenizer: Tokenizer, completion: np.ndarray, new: list[Message]) -> np.ndarray:
     """The tokens that follow an assistant's completion when the environment replies `new`.
 
-    The chat template is asked, not re-implemented: the template's own rendering of the
-    conversation with the reply gives the tokens that close the assistant's message (minus the
-    stop token, when the completion already ends with it) and the rendering of the new messages
-    with the next generation prompt. The agent's completion itself stays as sampled, so the next
-    prompt extends this call's prompt and completion exactly.
+    The template closes the assistant's message with `eos_id` (unless the completion already
+    ends with it) and the turn suffix, then writes the new messages and the next generation
+    prompt. The agent's completion itself stays as sampled, so the next prompt extends this
+    call's prompt and completion exactly.
     """
-    replied = messages + [{"role": "assistant", "content": text}]
-    asked = tokenizer.encode_chat(messages, add_generation_prompt=True)
-    closed = tokenizer.encode_chat(replied, add_generation_prompt=False)
-    following = tokenizer.encode_chat(replied + new, add_generation_prompt=True)
-    body = len(asked) + len(tokenizer.encode(text))
-    close = closed[body:]
-    if len(completion) and len(close) and int(completion[-1]) == int(close[0]):
-        close = close[1:]
-    return np.concatenate([close, following[len(closed) :]]).astype(np.int32)
+    ended = len(completion) and int(completion[-1]) == tokenizer.eos_id
+    close = [tokenizer.turn_suffix()] if ended else [[tokenizer.eos_id], tokenizer.turn_suffix()]
+    turns = [tokenizer.encode_turn(message) for message in new]
+    pieces = [*close, *turns, tokenizer.generation_prompt()]
+    return np.concatenate([np.asarray(piece, np.int32) for piece in pieces])
 
 
 @attrs.define(eq=False)
@@ -271,7 +280,9 @@ class EnvironmentSource:
         require_stop: whether a reply must end with a stop token to count as an action; when
             False, a reply that fills `max_tokens` is the action, and the template closes it.
         sampling: temperature, top-k/top-p and seed of the engine's sampling.
-        stop: tokens that end a reply.
+        tokenizer: renders the conversation and decodes the replies; the byte tokenizer unless
+            given.
+        stop: tokens that end a reply; the tokenizer's `eos_id` unless given.
     """
 
     engine: Any = attrs.field(validator=_engine)
@@ -285,8 +296,12 @@ class EnvironmentSource:
     sampling: Sampling = attrs.field(
         factory=Sampling, kw_only=True, validator=attrs.validators.instance_of(Sampling)
     )
+    tokenizer: Tokenizer = attrs.field(default=BYTES, kw_only=True, validator=_tokenizer)
     stop: tuple[int, ...] = attrs.field(
-        default=CHAT_STOP, kw_only=True, converter=tuple, validator=_stop_tokens
+        default=attrs.Factory(_eos, takes_self=True),
+        kw_only=True,
+        converter=tuple,
+        validator=_stop_tokens,
     )
 
     async def run(self, task: Task, label: Label) -> Session:
@@ -304,7 +319,7 @@ class EnvironmentSource:
             play.env = await play.enter(self.make_env)
             play.messages = messages_of(await play.enter(play.env.reset, play.task))
             prompt = np.asarray(
-                tokenizer.encode_chat(play.messages, add_generation_prompt=True), np.int32
+                self.tokenizer.encode_chat(play.messages, add_generation_prompt=True), np.int32
             )
         except Exception as error:
             return _End(Status.INFRA_ERROR, error=describe(error))
@@ -324,7 +339,7 @@ class EnvironmentSource:
                     return _End(Status.TRUNCATED, "context")
                 if self.require_stop:
                     return _End(Status.TRUNCATED, "length")
-            text = reply_text(completion, self.stop)
+            text = reply_text(self.tokenizer, completion, self.stop)
             play.actions.append(text)
             try:
                 observation, done = await play.enter(play.env.step, text)
@@ -332,7 +347,7 @@ class EnvironmentSource:
                     play.messages.append({"role": "assistant", "content": text})
                     return _End(Status.COMPLETED)
                 new = messages_of(observation)
-                following = _continuation(play.messages, text, completion, new)
+                following = _continuation(self.tokenizer, completion, new)
             except MalformedAction as error:
                 play.messages.append({"role": "assistant", "content": text})
                 return _End(Status.AGENT_ERROR, error=str(error))

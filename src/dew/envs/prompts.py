@@ -1,7 +1,8 @@
 """Single-turn prompt sets with a verifier: reinforcement learning from verifiable rewards.
 
-`PromptSource` renders a task's prompt with the chat template of `dew.serve.tokenizer`, makes one
-engine call and scores the decoded reply. A reply that ran out of tokens before a stop token is
+`PromptSource` renders a task's prompt with its tokenizer's chat template (a
+`dew.serve.tokenizer.Tokenizer`, the byte tokenizer unless given), makes one engine call and scores
+the decoded reply. A reply that ran out of tokens before a stop token is
 TRUNCATED with reason `length` and still scored, so the scheduler's `truncation='score'` policy
 can train on it (and `'zero'` can penalise it).
 """
@@ -17,12 +18,13 @@ import numpy as np
 from dew._checks import int_at_least, is_callable
 from dew.data import Task
 from dew.envs.environment import (
-    CHAT_STOP,
     Observation,
     Sampling,
     Score,
     _engine,
+    _eos,
     _stop_tokens,
+    _tokenizer,
     blocking,
     describe,
     messages_of,
@@ -30,7 +32,7 @@ from dew.envs.environment import (
     scored_session,
 )
 from dew.objectives.rl.sessions import Label, Session, Status
-from dew.serve import tokenizer
+from dew.serve.tokenizer import BYTES, Tokenizer
 
 PromptVerifier = Callable[[Task, str], Score | None]
 """Scores a task's decoded reply; None where it cannot score it."""
@@ -62,7 +64,8 @@ class PromptSource:
         verifier: scores a task's decoded reply (without its stop token).
         max_tokens: most completion tokens.
         sampling: temperature, top-k/top-p and seed of the engine's sampling.
-        stop: tokens that end a reply.
+        tokenizer: renders the prompt and decodes the reply; the byte tokenizer unless given.
+        stop: tokens that end a reply; the tokenizer's `eos_id` unless given.
     """
 
     engine: Any = attrs.field(validator=_engine)
@@ -74,8 +77,12 @@ class PromptSource:
     sampling: Sampling = attrs.field(
         factory=Sampling, kw_only=True, validator=attrs.validators.instance_of(Sampling)
     )
+    tokenizer: Tokenizer = attrs.field(default=BYTES, kw_only=True, validator=_tokenizer)
     stop: tuple[int, ...] = attrs.field(
-        default=CHAT_STOP, kw_only=True, converter=tuple, validator=_stop_tokens
+        default=attrs.Factory(_eos, takes_self=True),
+        kw_only=True,
+        converter=tuple,
+        validator=_stop_tokens,
     )
 
     def prompt(self, task: Task) -> np.ndarray:
@@ -91,7 +98,9 @@ class PromptSource:
         else:
             observation = self.prompts(task)
         messages = messages_of(observation)
-        return np.asarray(tokenizer.encode_chat(messages, add_generation_prompt=True), np.int32)
+        return np.asarray(
+            self.tokenizer.encode_chat(messages, add_generation_prompt=True), np.int32
+        )
 
     async def run(self, task: Task, label: Label) -> Session:
         """Sample one reply to `task`'s prompt and score it."""
@@ -108,8 +117,9 @@ class PromptSource:
             # Short of max_tokens without a stop, it met the engine's longest sequence.
             short = len(completion) < self.max_tokens
             status, truncation = Status.TRUNCATED, "context" if short else "length"
+        reply = reply_text(self.tokenizer, completion, self.stop)
         try:
-            score = await blocking(self.verifier, task, reply_text(completion, self.stop))
+            score = await blocking(self.verifier, task, reply)
         except Exception as error:
             return Session(Status.INFRA_ERROR, (call,), error=f"verifier: {describe(error)}")
         return scored_session((call,), status, truncation, None, score)

@@ -27,6 +27,7 @@ from dew.envs.environment import (
     Score,
 )
 from dew.envs.prompts import PromptSource
+from dew.serve.tokenizer import BYTES, Tokenizer
 
 DIGITS = "0123456789"
 
@@ -112,14 +113,17 @@ class CopyDigits:
         match = sum(a == r for a, r in zip(answer, reply, strict=False)) / positions
         return Score(match, {"match": match})
 
-    def source(self, engine, *, sampling: Sampling | None = None) -> PromptSource:
-        """A `PromptSource` of this task on `engine`."""
+    def source(
+        self, engine, *, sampling: Sampling | None = None, tokenizer: Tokenizer = BYTES
+    ) -> PromptSource:
+        """A `PromptSource` of this task on `engine`, rendering prompts with `tokenizer`."""
         return PromptSource(
             engine,
             self.prompt,
             self.verify,
             max_tokens=self.max_tokens,
             sampling=Sampling() if sampling is None else sampling,
+            tokenizer=tokenizer,
         )
 
 
@@ -208,9 +212,15 @@ class GuessDigit:
         )
 
     def source(
-        self, engine, *, sampling: Sampling | None = None, wall_clock: float | None = None
+        self,
+        engine,
+        *,
+        sampling: Sampling | None = None,
+        wall_clock: float | None = None,
+        tokenizer: Tokenizer = BYTES,
     ) -> EnvironmentSource:
-        """An `EnvironmentSource` of this task on `engine`."""
+        """An `EnvironmentSource` of this task on `engine`, rendering the conversation with
+        `tokenizer`."""
         return EnvironmentSource(
             engine,
             self.env,
@@ -221,4 +231,5 @@ class GuessDigit:
             wall_clock=wall_clock,
             require_stop=False,
             sampling=Sampling() if sampling is None else sampling,
+            tokenizer=tokenizer,
         )

@@ -1,4 +1,4 @@
-"""Serving: an in-process JAX sampling engine and a byte-level tokenizer with a chat template."""
+"""Serving: an in-process JAX sampling engine, and tokenizers with a chat template."""
 
 from dew.serve import tokenizer
 from dew.serve._engine import EngineStats, RolloutServer, sample

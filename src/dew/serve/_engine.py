@@ -1,6 +1,8 @@
 """RolloutServer: an in-process JAX sampling engine that batches concurrent calls into shared steps.
 
-The engine keeps a key/value cache of fixed [slots, max_len] sequences. Each step runs in a worker
+It serves any `dew.models.Model` (the `dew.models` transformer, or a model of one's own behind
+the same methods), whose token ids a `dew.serve.tokenizer.Tokenizer` gives meaning. The engine
+keeps a key/value cache of fixed [slots, max_len] sequences. Each step runs in a worker
 thread (`trio.to_thread.run_sync`), so the trio loop stays free: one decode step advances every
 running call by one token (one compiled function for the fixed [slots] shape), and calls that
 joined since the last step are prefilled into free slots (one compilation per power-of-two prompt
@@ -31,6 +33,7 @@ from dew import models
 from dew._checks import check_int, check_number
 from dew._trio import exit_unwrapped
 from dew.objectives.rl.sessions import Call
+from dew.serve.tokenizer import BYTES, Tokenizer
 
 _MIN_BUCKET = 16
 
@@ -90,25 +93,25 @@ def sample(
     return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0], kept
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
 def _decode_step(
-    params, cache, tokens, positions, temperature, top_k, top_p, keys, counters, *, config
+    params, cache, tokens, positions, temperature, top_k, top_p, keys, counters, *, model
 ):
     """One decode step over every slot: the new cache and each slot's drawn token.
 
     keys: uint32[slots, 2] each call's key; counters: int32[slots] the index of the token drawn,
     folded into the key so each token of a call has its own randomness.
     """
-    cache, logits = models.decode(params, cache, tokens, positions, config=config)
+    cache, logits = model.decode(params, cache, tokens, positions)
     folded = jax.vmap(jax.random.fold_in)(keys, counters)
     return (cache, *sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, keys=folded))
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def _prefill_step(params, cache, tokens, length, slot, temperature, top_k, top_p, key, *, config):
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
+def _prefill_step(params, cache, tokens, length, slot, temperature, top_k, top_p, key, *, model):
     """Prefill one prompt (int32[bucket], `length` real tokens) into `slot` and draw its first
     token: the new cache, the token, its log-prob and the kept tokens."""
-    cache, logits = models.prefill(params, cache, tokens, slot, config=config)
+    cache, logits = model.prefill(params, cache, tokens, slot)
     last = jax.lax.dynamic_slice_in_dim(logits, length - 1, 1, axis=0)
     drawn = sample(
         last,
@@ -192,53 +195,108 @@ def _copy(variables):
     return jax.tree.map(lambda leaf: jnp.array(leaf, copy=True), variables)
 
 
+def _as_model(model) -> models.Model:
+    """The model to serve: a `TransformerConfig` stands for its `dew.models.Transformer`."""
+    if isinstance(model, models.TransformerConfig):
+        return models.Transformer(model)
+    if not isinstance(model, models.Model):
+        raise TypeError(
+            "model must be a dew.models.Model (vocab, max_len, init, __call__, init_cache, "
+            f"prefill, decode) or a TransformerConfig, got {type(model).__name__}"
+        )
+    return model
+
+
+def _check_logits(model: models.Model, method: str, logits, rows: int) -> None:
+    want = (rows, model.vocab)
+    if not (isinstance(logits, jax.ShapeDtypeStruct) and logits.shape == want):
+        raise ValueError(
+            f"model.{method} must return (cache, logits) with float logits{list(want)}, "
+            f"got {logits!r}"
+        )
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(f"model.{method}'s logits must be floating, got {logits.dtype}")
+
+
+def _check_model(model: models.Model, params, cache, slots: int) -> None:
+    """Trace (without computing) one prefill and one decode step, so that a model that breaks
+    the protocol's shapes is refused at construction rather than inside the step loop."""
+    cache_layout = jax.tree.structure(jax.eval_shape(lambda tree: tree, cache))
+    prompt = jax.ShapeDtypeStruct((_MIN_BUCKET,), jnp.int32)
+    slot = jax.ShapeDtypeStruct((), jnp.int32)
+    for method, args, rows in [
+        ("prefill", (prompt, slot), _MIN_BUCKET),
+        ("decode", (jax.ShapeDtypeStruct((slots,), jnp.int32),) * 2, slots),
+    ]:
+        written, logits = jax.eval_shape(getattr(model, method), params, cache, *args)
+        if jax.tree.structure(written) != cache_layout:
+            raise ValueError(f"model.{method} must return a cache laid out as init_cache's")
+        _check_logits(model, method, logits, rows)
+
+
 class RolloutServer:
-    """An in-process sampling engine for a `dew.models` transformer; a Publisher of weights.
+    """An in-process sampling engine for a `dew.models.Model`; a Publisher of weights.
 
     `async with server:` runs the engine's step loop as a background task of the caller's trio
     run; `generate` calls made inside share its steps. `load` may be called from any thread, or
     from inside trio, at any time.
 
     Args:
-        config: the model's config.
-        params: its params, as `dew.models.init` lays them out.
+        model: the `dew.models.Model` to serve, or a `TransformerConfig` for the `dew.models`
+            transformer of that shape.
+        params: its params, laid out as `model.init` lays them out.
         slots: calls decoded together; more wait in a FIFO queue.
-        max_len: the longest prompt + completion, at most config.max_len (the default).
+        max_len: the longest prompt + completion, at most model.max_len (the default).
         version: the version of `params`.
         seed: draws each call's randomness when the call gives no `key`, with its arrival index.
+        tokenizer: what the token ids mean; its vocabulary must fit the model's. The byte
+            tokenizer unless given.
 
     Raises:
-        ValueError: naming the argument that is out of bounds, or the params leaf that does not
-            match `config`.
+        TypeError: when `model` is neither a Model nor a TransformerConfig.
+        ValueError: naming the argument that is out of bounds, the params leaf that does not
+            match `model.init`'s, or the protocol's shape that the model's prefill or decode
+            breaks.
     """
 
     def __init__(
         self,
-        config: models.TransformerConfig,
+        model: models.Model | models.TransformerConfig,
         params,
         *,
         slots: int = 32,
         max_len: int | None = None,
         version: int = 0,
         seed: int = 0,
+        tokenizer: Tokenizer = BYTES,
     ):
-        self._config = config
-        self._slots = check_int("slots", slots, low=1)
-        self._max_len = check_int("max_len", config.max_len if max_len is None else max_len, low=2)
-        if self._max_len > config.max_len:
+        self._model = model = _as_model(model)
+        if not isinstance(tokenizer, Tokenizer):
+            raise TypeError(
+                f"tokenizer must be a dew.serve.tokenizer.Tokenizer, got {type(tokenizer).__name__}"
+            )
+        if tokenizer.vocab_size > model.vocab:
             raise ValueError(
-                f"max_len must be <= config.max_len {config.max_len}, got {self._max_len}"
+                f"the tokenizer's vocabulary ({tokenizer.vocab_size} ids) exceeds the model's "
+                f"({model.vocab}): ids it encodes would have no embedding"
+            )
+        self._tokenizer = tokenizer
+        self._slots = check_int("slots", slots, low=1)
+        self._max_len = check_int("max_len", model.max_len if max_len is None else max_len, low=2)
+        if self._max_len > model.max_len:
+            raise ValueError(
+                f"max_len must be <= model.max_len {model.max_len}, got {self._max_len}"
             )
         self._seed = check_int("seed", seed, low=0)
-        self._signature = _signature(
-            jax.eval_shape(functools.partial(models.init, config=config), jax.random.key(0))
-        )
+        self._signature = _signature(jax.eval_shape(model.init, jax.random.key(0)))
         self._check_variables("params", params)
+        cache = model.init_cache(slots=self._slots, max_len=self._max_len)
+        _check_model(model, params, cache, self._slots)
         self._params = _copy(params)
         self._served = check_int("version", version, low=0)
         self._pending: tuple[object, int] | None = None
         self._lock = threading.Lock()
-        self._cache = models.init_cache(config, slots=self._slots, max_len=self._max_len)
+        self._cache = cache
         self._active: list[_Request | None] = [None] * self._slots
         self._queue: collections.deque[_Request] = collections.deque()
         self._arrivals = 0
@@ -252,14 +310,29 @@ class RolloutServer:
         self._position = np.zeros(self._slots, np.int32)
         self._counter = np.zeros(self._slots, np.int32)
         self._temperature = np.ones(self._slots, np.float32)
-        self._top_k = np.full(self._slots, config.vocab, np.int32)
+        self._top_k = np.full(self._slots, model.vocab, np.int32)
         self._top_p = np.full(self._slots, np.inf, np.float32)
         self._keys = np.zeros((self._slots, 2), np.uint32)
+
+    @property
+    def model(self) -> models.Model:
+        """The model served."""
+        return self._model
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """What the served token ids mean."""
+        return self._tokenizer
+
+    @property
+    def max_len(self) -> int:
+        """The longest prompt + completion a call may reach."""
+        return self._max_len
 
     def _check_variables(self, name: str, variables) -> None:
         treedef, leaves = _signature(variables)
         if treedef != self._signature[0]:
-            raise ValueError(f"{name} must have the layout of dew.models.init for the config")
+            raise ValueError(f"{name} must have the tree layout of the model's init")
         if leaves == self._signature[1]:
             return
         paths = [
@@ -376,7 +449,7 @@ class RolloutServer:
         return request.call()
 
     def _request(self, prompt, max_tokens, temperature, top_k, top_p, stop, key) -> _Request:
-        vocab = self._config.vocab
+        vocab = self._model.vocab
         array = np.asarray(prompt)
         if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
             raise ValueError(
@@ -523,10 +596,10 @@ class RolloutServer:
         """
         drawn = None
         if decode is not None:
-            self._cache, *drawn = _decode_step(params, self._cache, *decode, config=self._config)
+            self._cache, *drawn = _decode_step(params, self._cache, *decode, model=self._model)
         first = []
         for inputs in prefills:
-            self._cache, *outputs = _prefill_step(params, self._cache, *inputs, config=self._config)
+            self._cache, *outputs = _prefill_step(params, self._cache, *inputs, model=self._model)
             first.append(outputs)
         if drawn is not None:
             # Whole lists at once: a step reads one token and log-prob per slot, and numpy

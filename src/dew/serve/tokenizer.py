@@ -1,27 +1,36 @@
-"""Byte-level tokenizer and chat template: text to token ids and back, with nothing to download.
+"""Tokenizers and the ChatML chat template: text to token ids and back, and conversations to ids.
 
-Ids 0..255 are the bytes of the text's UTF-8 encoding; the special tokens follow them, so the
-vocabulary is `VOCAB` = 260 ids, `TransformerConfig`'s default. Text never encodes to a special
-token: a message whose content spells "<|im_end|>" encodes those ten bytes, so content cannot forge
-the template's structure.
+`Tokenizer` is what the engine's sources and the gateway need of a tokenizer. Two implement it:
 
-The chat template is ChatML's, opened by `<bos>`:
+- `ByteTokenizer` (its instance `BYTES`), which needs nothing downloaded: ids 0..255 are the bytes
+  of the text's UTF-8 encoding and the special tokens follow them, so its vocabulary is `VOCAB` =
+  260 ids, `TransformerConfig`'s default. The module-level `encode`, `decode`, `encode_chat` and
+  `parse_chat` are `BYTES`'s.
+- `HuggingFaceTokenizer`, a `tokenizers.Tokenizer` (say, a BPE one read from a `tokenizer.json`)
+  whose vocabulary holds the template's special tokens.
+
+Text never encodes to a special token: a message whose content spells "<|im_end|>" encodes those
+characters, so content cannot forge the template's structure.
+
+The chat template is ChatML's, opened by a `<bos>`:
 
     <bos><|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello<|im_end|>\\n...
 
-and a generation prompt ends the encoding with `<|im_start|>assistant\\n`. Each message's encoding
-depends only on the message, so a conversation's encoding (with its generation prompt) is a prefix
-of the encoding after the assistant's reply and the next message are appended. A reply sampled
-with `<|im_end|>` as its stop token is therefore the tokens between one turn's prompt and the
-next but for the newline the template writes after `<|im_end|>`, so a source that appends that
-newline and the next message keeps the turns of a multi-turn session in one chain
-(`dew.objectives.rl.sessions.chains`), as long as the reply's bytes are valid UTF-8 (invalid bytes
-decode to U+FFFD and encode differently).
+and a generation prompt ends the encoding with `<|im_start|>assistant\\n`. Each message is encoded
+on its own, its role line and its content separately, so an assistant message is exactly the
+generation prompt, the content's encoding, `<|im_end|>` (`eos_id`) and the turn suffix (the
+newline). A conversation's encoding (with its generation prompt) is therefore a prefix of the
+encoding after the assistant's reply and the next message are appended, and a reply sampled with
+`eos_id` as its stop token is the tokens between one turn's prompt and the next but for the turn
+suffix. A source that appends the suffix and the next message keeps the turns of a multi-turn
+session in one chain (`dew.objectives.rl.sessions.chains`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -37,67 +46,58 @@ SPECIAL_TOKENS: Mapping[int, str] = {
 }
 VOCAB = 260
 
-_NEWLINE = ord("\n")
 _GENERATION_ROLE = "assistant"
 
 
-def encode(text: str) -> np.ndarray:
-    """The token ids of `text`: its UTF-8 bytes, never a special token.
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What a source, the engine and the gateway need of a tokenizer: text and chat to ids.
 
-    Returns:
-        int32[bytes].
-
-    Raises:
-        TypeError: if `text` is not a str.
+    Attributes:
+        vocab_size: every id it returns or accepts is below it.
+        eos_id: the stop token that closes an assistant reply (`<|im_end|>`).
+        special_ids: the ids that text never encodes to.
     """
-    if not isinstance(text, str):
-        raise TypeError(f"encode: text must be a str, got {type(text).__name__}")
-    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+    vocab_size: int
+    eos_id: int
+    special_ids: frozenset[int]
+
+    def encode(self, text: str) -> np.ndarray:
+        """int32[n], the ids of `text`; never a special id."""
+        ...
+
+    def decode(self, ids, *, skip_special: bool = False) -> str:
+        """The text of `ids`, special tokens by name unless `skip_special`."""
+        ...
+
+    def chat_prefix(self) -> np.ndarray:
+        """int32[n], what the template writes before the first message (the `<bos>`)."""
+        ...
+
+    def encode_turn(self, message: Mapping[str, str]) -> np.ndarray:
+        """int32[n], one role/content message as the template writes it, ending with `eos_id`
+        and `turn_suffix()`."""
+        ...
+
+    def generation_prompt(self) -> np.ndarray:
+        """int32[n], what opens an assistant turn for the model to complete."""
+        ...
+
+    def turn_suffix(self) -> np.ndarray:
+        """int32[n], what the template writes after `eos_id`."""
+        ...
+
+    def encode_chat(self, messages, *, add_generation_prompt: bool = True) -> np.ndarray:
+        """int32[n], `chat_prefix()`, each message's `encode_turn`, then `generation_prompt()`
+        when `add_generation_prompt`."""
+        ...
 
 
-def _check_ids(ids, who: str) -> np.ndarray:
-    array = np.asarray(ids)
-    if array.ndim != 1 or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
-        raise ValueError(
-            f"{who}: ids must be a 1-D integer array, got {array.dtype}[{array.shape}]"
-        )
-    bad = np.flatnonzero((array < 0) | (array >= VOCAB))
-    if bad.size:
-        position = int(bad[0])
-        raise ValueError(
-            f"{who}: id {int(array[position])} at position {position} is outside the "
-            f"vocabulary [0, {VOCAB})"
-        )
-    return array.astype(np.int32)
-
-
-def _text(byte_ids: np.ndarray) -> str:
-    return byte_ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
-
-
-def decode(ids, *, skip_special: bool = False) -> str:
-    """The text of token ids: bytes decoded as UTF-8, special tokens by name.
-
-    Args:
-        ids: 1-D integer ids in [0, VOCAB).
-        skip_special: leave special tokens out instead of writing their names.
-
-    Returns:
-        The text; byte runs that are not valid UTF-8 decode to U+FFFD.
-
-    Raises:
-        ValueError: naming the position of an id outside the vocabulary.
-    """
-    array = _check_ids(ids, "decode")
-    pieces = []
-    start = 0
-    for position in np.flatnonzero(array >= 256):
-        pieces.append(_text(array[start:position]))
-        if not skip_special:
-            pieces.append(SPECIAL_TOKENS[int(array[position])])
-        start = position + 1
-    pieces.append(_text(array[start:]))
-    return "".join(pieces)
+def _ids(*parts) -> np.ndarray:
+    return np.concatenate([np.asarray(part, np.int32).reshape(-1) for part in parts]).astype(
+        np.int32
+    )
 
 
 def _check_message(index: int, message) -> tuple[str, str]:
@@ -125,102 +125,326 @@ def _check_message(index: int, message) -> tuple[str, str]:
     return role, content
 
 
-def encode_chat(messages: Sequence[Mapping[str, str]], *, add_generation_prompt=True) -> np.ndarray:
-    """The token ids of a conversation under the chat template.
+class _ChatML:
+    """The ChatML template over a tokenizer's `encode` and its `<bos>`, `<|im_start|>` and
+    `<|im_end|>` ids: everything of `Tokenizer` but `encode` and `decode`."""
+
+    vocab_size: int
+    eos_id: int
+    special_ids: frozenset[int]
+    _bos: int | None
+    _im_start: int
+
+    def encode(self, text: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def decode(self, ids, *, skip_special: bool = False) -> str:
+        raise NotImplementedError
+
+    def chat_prefix(self) -> np.ndarray:
+        """The ids the template writes before the first message: the `<bos>`, if any."""
+        return _ids([] if self._bos is None else [self._bos])
+
+    def generation_prompt(self) -> np.ndarray:
+        """The ids that open an assistant turn: `<|im_start|>assistant\\n`."""
+        return _ids([self._im_start], self.encode(_GENERATION_ROLE + "\n"))
+
+    def turn_suffix(self) -> np.ndarray:
+        """The ids the template writes after a message's `<|im_end|>`: a newline."""
+        return self.encode("\n")
+
+    def _turn(self, role: str, content: str) -> np.ndarray:
+        return _ids(
+            [self._im_start],
+            self.encode(role + "\n"),
+            self.encode(content),
+            [self.eos_id],
+            self.turn_suffix(),
+        )
+
+    def encode_turn(self, message: Mapping[str, str]) -> np.ndarray:
+        """The ids of one message: `<|im_start|>role\\ncontent<|im_end|>\\n`.
+
+        Raises:
+            TypeError, ValueError: naming the field that is wrong.
+        """
+        return self._turn(*_check_message(0, message))
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+    ) -> np.ndarray:
+        """The token ids of a conversation under the chat template.
+
+        Args:
+            messages: dicts with exactly the fields 'role' (a non-empty str without newlines)
+                and 'content' (a str).
+            add_generation_prompt: end with the opening of an assistant message, for the model
+                to complete.
+
+        Returns:
+            int32[tokens], starting with `chat_prefix()`.
+
+        Raises:
+            TypeError, ValueError: naming the message and field that is wrong.
+        """
+        if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+            raise TypeError(
+                f"encode_chat: messages must be a sequence of dicts, got {type(messages).__name__}"
+            )
+        pieces = [self.chat_prefix()]
+        for index, message in enumerate(messages):
+            pieces.append(self._turn(*_check_message(index, message)))
+        if add_generation_prompt:
+            pieces.append(self.generation_prompt())
+        return _ids(*pieces)
+
+    def _check_ids(self, ids, who: str) -> np.ndarray:
+        array = np.asarray(ids)
+        if array.ndim != 1 or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
+            raise ValueError(
+                f"{who}: ids must be a 1-D integer array, got {array.dtype}[{array.shape}]"
+            )
+        bad = np.flatnonzero((array < 0) | (array >= self.vocab_size))
+        if bad.size:
+            position = int(bad[0])
+            raise ValueError(
+                f"{who}: id {int(array[position])} at position {position} is outside the "
+                f"vocabulary [0, {self.vocab_size})"
+            )
+        return array.astype(np.int32)
+
+    def _describe(self, array: np.ndarray, position: int) -> str:
+        token = int(array[position])
+        name = self.decode([token])
+        shown = name if token in self.special_ids else repr(name)
+        return f"token {token} ({shown}) at position {position}"
+
+    def parse_chat(self, ids) -> list[dict[str, str]]:
+        """The messages of chat-template token ids: the inverse of `encode_chat`.
+
+        `parse_chat(encode_chat(messages, add_generation_prompt=False)) == messages`. A last
+        message left open, as a generation prompt or a reply cut off before `<|im_end|>` leaves
+        it, comes back with the content so far: parsing a prompt followed by its completion gives
+        the reply as the last message whether or not the reply finished.
+
+        Args:
+            ids: 1-D integer ids; the leading `chat_prefix()` is optional.
+
+        Returns:
+            The messages, as dicts with 'role' and 'content'.
+
+        Raises:
+            ValueError: naming the position and token where the ids leave the template.
+        """
+        array = self._check_ids(ids, "parse_chat")
+        prefix, suffix = self.chat_prefix(), self.turn_suffix()
+        end = len(array)
+        position = len(prefix) if np.array_equal(array[: len(prefix)], prefix) else 0
+        messages = []
+        while position < end:
+            index = len(messages)
+            if array[position] != self._im_start:
+                raise ValueError(
+                    f"parse_chat: {self._describe(array, position)} is outside a message; "
+                    f"expected <|im_start|> to open messages[{index}]"
+                )
+            closing = position + 1
+            while closing < end and int(array[closing]) not in self.special_ids:
+                closing += 1
+            body = self.decode(array[position + 1 : closing])
+            role, newline, content = body.partition("\n")
+            if not newline and closing < end and array[closing] != self.eos_id:
+                raise ValueError(
+                    f"parse_chat: {self._describe(array, closing)} is inside "
+                    f"messages[{index}]'s role"
+                )
+            if not (newline and role):
+                raise ValueError(
+                    f"parse_chat: messages[{index}] opened at position {position} has no role "
+                    "ended by a newline"
+                )
+            if closing < end and array[closing] != self.eos_id:
+                raise ValueError(
+                    f"parse_chat: {self._describe(array, closing)} is inside messages[{index}]'s "
+                    "content; expected <|im_end|>"
+                )
+            messages.append({"role": role, "content": content})
+            position = closing + 1
+            if position < end:
+                after = array[position : position + len(suffix)]
+                if not np.array_equal(after, suffix):
+                    raise ValueError(
+                        f"parse_chat: {self._describe(array, position)} follows "
+                        f"messages[{index}]'s <|im_end|>; expected the turn suffix"
+                    )
+                position += len(suffix)
+        return messages
+
+
+class ByteTokenizer(_ChatML):
+    """The byte-level tokenizer: UTF-8 bytes are ids 0..255, then `<bos>`, `<eos>`,
+    `<|im_start|>` and `<|im_end|>` (`SPECIAL_TOKENS`); a `Tokenizer` with nothing to download.
+
+    Use the module's instance `BYTES`.
+    """
+
+    vocab_size = VOCAB
+    eos_id = IM_END
+    special_ids = frozenset(SPECIAL_TOKENS)
+    _bos = BOS
+    _im_start = IM_START
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+    def encode(self, text: str) -> np.ndarray:
+        """The token ids of `text`: its UTF-8 bytes, never a special token.
+
+        Returns:
+            int32[bytes].
+
+        Raises:
+            TypeError: if `text` is not a str.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode: text must be a str, got {type(text).__name__}")
+        return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+    def decode(self, ids, *, skip_special: bool = False) -> str:
+        """The text of token ids: bytes decoded as UTF-8, special tokens by name.
+
+        Args:
+            ids: 1-D integer ids in [0, VOCAB).
+            skip_special: leave special tokens out instead of writing their names.
+
+        Returns:
+            The text; byte runs that are not valid UTF-8 decode to U+FFFD.
+
+        Raises:
+            ValueError: naming the position of an id outside the vocabulary.
+        """
+        array = self._check_ids(ids, "decode")
+        pieces = []
+        start = 0
+        for position in np.flatnonzero(array >= 256):
+            pieces.append(_bytes_text(array[start:position]))
+            if not skip_special:
+                pieces.append(SPECIAL_TOKENS[int(array[position])])
+            start = position + 1
+        pieces.append(_bytes_text(array[start:]))
+        return "".join(pieces)
+
+
+def _bytes_text(byte_ids: np.ndarray) -> str:
+    return byte_ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+BYTES = ByteTokenizer()
+"""The byte tokenizer."""
+
+encode = BYTES.encode
+decode = BYTES.decode
+encode_chat = BYTES.encode_chat
+parse_chat = BYTES.parse_chat
+
+
+class HuggingFaceTokenizer(_ChatML):
+    """A Hugging Face `tokenizers.Tokenizer` under the ChatML template (a `Tokenizer`).
+
+    The template's tokens are looked up by name in its vocabulary: `<|im_start|>`, `<|im_end|>`
+    (the `eos_id`) and the `bos` token. `encode` never splits text on special tokens, so text
+    that spells one encodes as ordinary text; `special_ids` are the tokenizer's added special
+    tokens.
 
     Args:
-        messages: dicts with exactly the fields 'role' (a non-empty str without newlines) and
-            'content' (a str).
-        add_generation_prompt: end with the opening of an assistant message, for the model to
-            complete.
-
-    Returns:
-        int32[tokens], starting with `<bos>`.
+        tokenizer: a `tokenizers.Tokenizer`; it is copied, not changed.
+        bos: the name of the token that opens a conversation; None for none.
 
     Raises:
-        TypeError, ValueError: naming the message and field that is wrong.
+        ValueError: naming a template token missing from the vocabulary, or one that is not an
+            added special token (text could encode to it).
     """
-    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
-        raise TypeError(
-            f"encode_chat: messages must be a sequence of dicts, got {type(messages).__name__}"
+
+    def __init__(self, tokenizer: Any, *, bos: str | None = "<bos>"):
+        import tokenizers
+
+        if not isinstance(tokenizer, tokenizers.Tokenizer):
+            raise TypeError(
+                f"HuggingFaceTokenizer: tokenizer must be a tokenizers.Tokenizer, "
+                f"got {type(tokenizer).__name__}"
+            )
+        # A copy, so that reading text as text (never as special tokens) stays local.
+        self._tokenizer = tokenizers.Tokenizer.from_str(tokenizer.to_str())
+        self._tokenizer.encode_special_tokens = True
+        vocabulary = self._tokenizer.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocabulary.values()) + 1
+        self.special_ids = frozenset(
+            token_id
+            for token_id, added in self._tokenizer.get_added_tokens_decoder().items()
+            if added.special
         )
-    pieces = [np.array([BOS], np.int32)]
-    for index, message in enumerate(messages):
-        role, content = _check_message(index, message)
-        pieces += [
-            np.array([IM_START], np.int32),
-            encode(role + "\n" + content),
-            np.array([IM_END, _NEWLINE], np.int32),
-        ]
-    if add_generation_prompt:
-        pieces += [np.array([IM_START], np.int32), encode(_GENERATION_ROLE + "\n")]
-    return np.concatenate(pieces)
+        self._im_start = self._special("<|im_start|>", vocabulary)
+        self.eos_id = self._special("<|im_end|>", vocabulary)
+        self._bos = None if bos is None else self._special(bos, vocabulary)
+        self._bos_name = bos
 
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, *, bos: str | None = "<bos>"):
+        """The tokenizer saved at `path` (a `tokenizer.json`).
 
-def _describe(array: np.ndarray, position: int) -> str:
-    token = int(array[position])
-    name = SPECIAL_TOKENS.get(token, repr(chr(token)))
-    return f"token {token} ({name}) at position {position}"
+        Raises:
+            FileNotFoundError: naming the path when there is no file.
+            ValueError: naming a template token missing from its vocabulary.
+        """
+        import tokenizers
 
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"HuggingFaceTokenizer: no tokenizer file at {str(path)!r}")
+        return cls(tokenizers.Tokenizer.from_file(os.fspath(path)), bos=bos)
 
-def parse_chat(ids) -> list[dict[str, str]]:
-    """The messages of chat-template token ids: the inverse of `encode_chat`.
+    def __repr__(self) -> str:
+        return f"HuggingFaceTokenizer(vocab_size={self.vocab_size}, bos={self._bos_name!r})"
 
-    `parse_chat(encode_chat(messages, add_generation_prompt=False)) == messages`. A last message
-    left open, as a generation prompt or a reply cut off before `<|im_end|>` leaves it, comes back
-    with the content so far: parsing a prompt followed by its completion gives the reply as the
-    last message whether or not the reply finished.
-
-    Args:
-        ids: 1-D integer ids; a leading `<bos>` is optional.
-
-    Returns:
-        The messages, as dicts with 'role' and 'content'.
-
-    Raises:
-        ValueError: naming the position and token where the ids leave the template.
-    """
-    array = _check_ids(ids, "parse_chat")
-    end = len(array)
-    position = 1 if end and array[0] == BOS else 0
-    messages = []
-    while position < end:
-        index = len(messages)
-        if array[position] != IM_START:
+    def _special(self, name: str, vocabulary: Mapping[str, int]) -> int:
+        if name not in vocabulary:
             raise ValueError(
-                f"parse_chat: {_describe(array, position)} is outside a message; "
-                f"expected <|im_start|> to open messages[{index}]"
+                f"HuggingFaceTokenizer: the chat template needs {name!r}, which the tokenizer's "
+                "vocabulary lacks; add it as a special token"
             )
-        header = position + 1
-        newline = header
-        while newline < end and array[newline] != _NEWLINE:
-            if array[newline] >= 256:
-                raise ValueError(
-                    f"parse_chat: {_describe(array, newline)} is inside messages[{index}]'s role"
-                )
-            newline += 1
-        if newline == end or newline == header:
+        token_id = vocabulary[name]
+        if token_id not in self.special_ids:
             raise ValueError(
-                f"parse_chat: messages[{index}] opened at position {position} has no role "
-                "ended by a newline"
+                f"HuggingFaceTokenizer: {name!r} (id {token_id}) must be a special token, so "
+                "that text never encodes to it"
             )
-        closing = newline + 1
-        while closing < end and array[closing] < 256:
-            closing += 1
-        if closing < end and array[closing] != IM_END:
+        return token_id
+
+    def encode(self, text: str) -> np.ndarray:
+        """The token ids of `text`, read as text even where it spells a special token.
+
+        Returns:
+            int32[tokens].
+
+        Raises:
+            TypeError: if `text` is not a str.
+            ValueError: if the tokenizer's model still produced a special id.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode: text must be a str, got {type(text).__name__}")
+        ids = np.array(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+        forged = [int(token) for token in ids if int(token) in self.special_ids]
+        if forged:
             raise ValueError(
-                f"parse_chat: {_describe(array, closing)} is inside messages[{index}]'s content; "
-                "expected <|im_end|>"
+                f"encode: the tokenizer encoded {text!r} to special id {forged[0]}; its model "
+                "must not produce special tokens from text"
             )
-        messages.append(
-            {"role": _text(array[header:newline]), "content": _text(array[newline + 1 : closing])}
-        )
-        position = closing + 1
-        if position < end:
-            if array[position] != _NEWLINE:
-                raise ValueError(
-                    f"parse_chat: {_describe(array, position)} follows messages[{index}]'s "
-                    "<|im_end|>; expected a newline"
-                )
-            position += 1
-    return messages
+        return ids
+
+    def decode(self, ids, *, skip_special: bool = False) -> str:
+        """The text of token ids, special tokens by name unless `skip_special`.
+
+        Raises:
+            ValueError: naming the position of an id outside the vocabulary.
+        """
+        array = self._check_ids(ids, "decode")
+        return self._tokenizer.decode(array.tolist(), skip_special_tokens=skip_special)

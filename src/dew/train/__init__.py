@@ -39,7 +39,10 @@ from dew.train._checkpoint import (
 )
 from dew.train._cli import TASKS, TrainConfig, configure_cli, run_cli, train
 from dew.train._curves import write_curves
+from dew.train._fit import Sizes, fit, measure, task_list
 from dew.train._progress import Progress
+from dew.train._samples import SampleLog, sample_record
+from dew.train._tensorboard import TensorBoard
 from dew.train._trainer import METRICS, Rollout, Trainer, record_fields
 
 __all__ = [
@@ -51,15 +54,22 @@ __all__ = [
     "Checkpoint",
     "Progress",
     "Rollout",
+    "SampleLog",
     "ServedSource",
+    "Sizes",
+    "TensorBoard",
     "TrainConfig",
     "Trainer",
     "Variables",
     "configure_cli",
+    "fit",
     "load_checkpoint",
+    "measure",
     "record_fields",
     "run_cli",
+    "sample_record",
     "save_checkpoint",
+    "task_list",
     "train",
     "write_curves",
 ]

@@ -1,4 +1,10 @@
-"""`dew train`: the built-in tasks end to end, its config, and its command line."""
+"""`dew train`: a built-in or reasoning-gym task end to end, its config, and its command line.
+
+A run folder holds `config.json` (which `--config` reads back), `metrics.jsonl` (one line per
+step), `samples.jsonl` (a few decoded rollouts per step), `eval.jsonl` (greedy evaluation on
+held-out tasks every `eval_every` steps), `checkpoints/`, `curves.png` and, with `tensorboard`,
+TensorBoard's event files under `tensorboard/`.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,9 @@ import os
 import socket
 import sys
 import time
+import tomllib
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,28 +25,41 @@ import attrs
 import jax
 import numpy as np
 import optax
+import trio
 
 from dew import _pool_guard, models, replay
 from dew._checks import int_at_least, positive
 from dew._launch import run_pool
-from dew.data import Task
+from dew.data import Batch, Dataset, Task
 from dew.envs.environment import Sampling
+from dew.envs.reasoning_gym import PREFIX, ReasoningGym
 from dew.envs.tasks import CopyDigits, GuessDigit
 from dew.objectives.rl.grpo import GRPOObjective
-from dew.objectives.rl.scheduler import RolloutScheduler
+from dew.objectives.rl.scheduler import RolloutScheduler, task_ids
+from dew.objectives.rl.sessions import Label, SessionSource, Status
 from dew.parallel import ProcessRows, default_pool
 from dew.serve import RolloutServer, ServedSource, tokenizer
 from dew.train._checkpoint import _write_atomically, read_commit
 from dew.train._curves import write_curves
+from dew.train._fit import measure
 from dew.train._progress import Progress
+from dew.train._samples import SampleLog
+from dew.train._tensorboard import TensorBoard
 from dew.train._trainer import METRICS, Trainer
 
 TASKS = ("copy", "guess")
+SAMPLES = "samples.jsonl"
+EVALUATIONS = "eval.jsonl"
+
+# Fields that change what a run logs, not what it trains: a resumed run may change them.
+_LOGGING = ("steps", "eval_every", "samples", "tensorboard")
 
 
 def _task_name(instance, attribute, value):
-    if value not in TASKS:
-        raise ValueError(f"{attribute.name} must be one of {TASKS}, got {value!r}")
+    if not isinstance(value, str) or not (value in TASKS or value.startswith(PREFIX)):
+        raise ValueError(
+            f"{attribute.name} must be one of {TASKS} or {PREFIX}NAME[,key=value...], got {value!r}"
+        )
 
 
 def _option(default: Any, validator: Callable, help: str) -> Any:
@@ -52,8 +72,9 @@ class TrainConfig:
     """One `dew train` run: the task, the model, the scheduler and the optimizer.
 
     Args:
-        task: the built-in task: `copy` (CopyDigits, single turn) or `guess` (GuessDigit,
-            multi-turn).
+        task: the built-in task, `copy` (CopyDigits, single turn) or `guess` (GuessDigit,
+            multi-turn), or a reasoning-gym dataset, `reasoning-gym:NAME[,key=value...]`
+            (`dew.envs.reasoning_gym`).
         steps: optimizer updates to train for.
         batch_size: tasks per batch, one group each.
         groups: rollouts per task that train together.
@@ -68,12 +89,18 @@ class TrainConfig:
         checkpoint_every: updates between checkpoints.
         seed: seeds the initial weights, the task order and the sampling.
         d_model, layers, heads, d_ff: the transformer's shape (`dew.models.TransformerConfig`).
+        max_tokens: a reasoning-gym reply's most tokens (a built-in task sets its own).
+        eval_every: steps between greedy evaluations on the held-out tasks; 0 for none.
+        eval_tasks: held-out tasks, the ids after the training ones.
+        samples: rollouts per step written, decoded, to `samples.jsonl`; 0 for none.
+        tensorboard: also write the metrics as TensorBoard scalars (needs tensorboardX).
     """
 
     task: str = _option(
         "copy",
         _task_name,
-        "the built-in task: copy (repeat digits, one turn) or guess (find a digit, turns)",
+        "copy (repeat digits, one turn), guess (find a digit, turns) or "
+        "reasoning-gym:NAME[,key=value...] (a reasoning-gym dataset and its config)",
     )
     steps: int = _option(400, int_at_least(1), "optimizer updates to train for")
     batch_size: int = _option(8, int_at_least(1), "tasks per batch, one group each")
@@ -98,6 +125,23 @@ class TrainConfig:
     layers: int = _option(2, int_at_least(1), "the transformer's blocks")
     heads: int = _option(4, int_at_least(1), "the transformer's attention heads")
     d_ff: int = _option(256, int_at_least(1), "the transformer's MLP width")
+    max_tokens: int = _option(
+        4, int_at_least(1), "a reasoning-gym reply's most tokens (built-in tasks set their own)"
+    )
+    eval_every: int = _option(
+        0, int_at_least(0), "steps between greedy evaluations on held-out tasks (0 = none)"
+    )
+    eval_tasks: int = _option(
+        16, int_at_least(1), "held-out tasks, the ids after the training ones"
+    )
+    samples: int = _option(
+        4, int_at_least(0), "rollouts per step written, decoded, to samples.jsonl (0 = none)"
+    )
+    tensorboard: bool = _option(
+        False,
+        attrs.validators.instance_of(bool),
+        "also write the metrics as TensorBoard scalars to RUN/tensorboard (needs tensorboardX)",
+    )
 
     def __attrs_post_init__(self):
         if self.tasks < self.batch_size:
@@ -109,16 +153,32 @@ class TrainConfig:
             )
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> TrainConfig:
-        """The config a run folder's `config.json` holds.
+    def from_json(cls, data: Mapping[str, Any], *, where: str = "config.json") -> TrainConfig:
+        """The config a run folder's `config.json` (or a `--config` file) holds.
 
         Raises:
             ValueError: naming a key that is not a field, or a field out of bounds.
         """
-        unknown = sorted(set(data) - {field.name for field in attrs.fields(cls)})
-        if unknown:
-            raise ValueError(f"config.json has keys that are not TrainConfig fields: {unknown}")
-        return cls(**data)
+        return cls(**_fields_of(data, where))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **overrides: Any) -> TrainConfig:
+        """The config of a TOML or JSON file (a run folder's `config.json` among them), with
+        `overrides` (the options given on the command line) over it.
+
+        Raises:
+            ValueError: naming the file when it cannot be read or parsed, a key that is not a
+                field, or a field out of bounds.
+        """
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        except (OSError, UnicodeDecodeError, ValueError) as error:
+            raise ValueError(f"cannot read the config file {str(path)!r}: {error}") from error
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{str(path)!r} must hold a table of TrainConfig fields")
+        return cls(**{**_fields_of(data, str(path)), **overrides})
 
     def model_config(self, max_len: int) -> models.TransformerConfig:
         return models.TransformerConfig(
@@ -130,6 +190,13 @@ class TrainConfig:
         )
 
 
+def _fields_of(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    unknown = sorted(set(data) - {field.name for field in attrs.fields(TrainConfig)})
+    if unknown:
+        raise ValueError(f"{where} has keys that are not TrainConfig fields: {unknown}")
+    return dict(data)
+
+
 @attrs.frozen
 class _Shape:
     """How a built-in task's rollouts are served and packed."""
@@ -139,15 +206,54 @@ class _Shape:
     chains_per_row: int  # chains that surely fit a row
 
 
-def _task(config: TrainConfig) -> tuple[CopyDigits | GuessDigit, _Shape]:
+@attrs.frozen
+class _RunTask:
+    """What a run needs of its task: a source on an engine, task batches and their tasks."""
+
+    source: Callable[[Any, Sampling], SessionSource]
+    dataset: Callable[..., Dataset]
+    tasks: Callable[[Batch], Sequence[Task]]
+    shape: _Shape
+
+
+def _task(config: TrainConfig) -> _RunTask:
     if config.task == "copy":
-        task = CopyDigits(seed=config.seed)
+        copy = CopyDigits(seed=config.seed)
         # Every prompt has the same length: the chat template around the same number of digits.
-        user = [{"role": "user", "content": task.prompt(Task("0"))}]
-        chain = len(tokenizer.encode_chat(user, add_generation_prompt=True)) + task.max_tokens
-        return task, _Shape(max_len=chain, width=2 * chain, chains_per_row=2)
-    task = GuessDigit(seed=config.seed)
-    return task, _Shape(max_len=task.max_context, width=task.max_context, chains_per_row=1)
+        user = [{"role": "user", "content": copy.prompt(Task("0"))}]
+        chain = len(tokenizer.encode_chat(user, add_generation_prompt=True)) + copy.max_tokens
+        shape = _Shape(max_len=chain, width=2 * chain, chains_per_row=2)
+        return _RunTask(
+            lambda engine, sampling: copy.source(engine, sampling=sampling),
+            copy.dataset,
+            task_ids,
+            shape,
+        )
+    if config.task == "guess":
+        guess = GuessDigit(seed=config.seed)
+        context = guess.max_context
+        return _RunTask(
+            lambda engine, sampling: guess.source(engine, sampling=sampling),
+            guess.dataset,
+            task_ids,
+            _Shape(max_len=context, width=context, chains_per_row=1),
+        )
+    gym = ReasoningGym.parse(config.task, size=config.tasks + config.eval_tasks, seed=config.seed)
+    sizes = measure(
+        [gym.task(index) for index in range(gym.size)],
+        gym.prompt,
+        max_tokens=config.max_tokens,
+        rollouts=config.batch_size * config.groups,
+        width=None,
+    )
+    return _RunTask(
+        lambda engine, sampling: gym.source(
+            engine, max_tokens=config.max_tokens, sampling=sampling
+        ),
+        gym.dataset,
+        gym.tasks,
+        _Shape(max_len=sizes.context, width=sizes.width, chains_per_row=1),
+    )
 
 
 def _sampling(config: TrainConfig, updates: int) -> Sampling:
@@ -183,7 +289,7 @@ def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
         changed = [
             field.name
             for field in attrs.fields(TrainConfig)
-            if field.name != "steps"
+            if field.name not in _LOGGING
             and getattr(previous, field.name) != getattr(config, field.name)
         ]
         if changed:
@@ -285,7 +391,8 @@ def train(
             lambda file: file.write(json.dumps(attrs.asdict(config), indent=1).encode()),
         )
 
-    task, shape = _task(config)
+    task = _task(config)
+    shape = task.shape
     model_config = config.model_config(shape.max_len)
     variables = models.init(jax.random.key(config.seed), model_config)
     objective = GRPOObjective(models.model(model_config), temperature=config.temperature)
@@ -295,19 +402,26 @@ def train(
         variables,
         directory=run,
         checkpoint_every=config.checkpoint_every,
-        on_step=on_step,
         deadline=deadline,
     )
     if resume:
         trainer.resume()
     tasks = config.batch_size // processes  # this process's share of each batch
-    server = RolloutServer(
-        model_config,
-        trainer.variables,
-        slots=tasks * config.groups * (config.ahead + 1),
-        version=trainer.updates,
-    )
-    source = ServedSource(task.source(server, sampling=_sampling(config, trainer.updates)), server)
+    slots = tasks * config.groups * (config.ahead + 1)
+    server = RolloutServer(model_config, trainer.variables, slots=slots, version=trainer.updates)
+    source = task.source(server, _sampling(config, trainer.updates))
+    samples = None
+    logs = None
+    if index == 0:  # one process writes the run's logs beside metrics.jsonl
+        if config.samples:
+            source = samples = SampleLog(
+                source, tokenizer.BYTES, batch_size=tasks, keep=config.samples
+            )
+        logs = _RunLogs(config, run, trainer, samples, on_step)
+        if config.eval_every:
+            logs.evaluation = _Evaluation(task, config, model_config, slots)
+    trainer.on_step = on_step if logs is None else logs
+    source = ServedSource(source, server)
     publisher = server
     recorder = None
     if record is not None:
@@ -321,6 +435,7 @@ def train(
         publisher,
         width=shape.width,
         rows=-(-rollouts // shape.chains_per_row),
+        tasks=task.tasks,
         groups=config.groups,
         max_lag=config.max_lag,
         ahead=config.ahead,
@@ -337,33 +452,151 @@ def train(
             epochs=-(-config.steps * config.batch_size // per_epoch),
         )
     )
-    if recorder is None:
-        try:
-            trainer.run(scheduler, scheduler.tasks(dataset), steps=config.steps, ahead=config.ahead)
-        finally:
-            scheduler.close()
-    else:
-        with recorder.record(scheduler):  # closes the scheduler, then ends the trace
-            trainer.run(recorder, recorder.tasks(dataset), steps=config.steps, ahead=config.ahead)
+    try:
+        if recorder is None:
+            try:
+                trainer.run(
+                    scheduler, scheduler.tasks(dataset), steps=config.steps, ahead=config.ahead
+                )
+            finally:
+                scheduler.close()
+        else:
+            with recorder.record(scheduler):  # closes the scheduler, then ends the trace
+                trainer.run(
+                    recorder, recorder.tasks(dataset), steps=config.steps, ahead=config.ahead
+                )
+    finally:
+        if logs is not None:
+            logs.close()
     if index == 0:
-        write_curves(run / METRICS, run / "curves.png")
+        write_curves(run / METRICS, run / "curves.png", evaluations=run / EVALUATIONS)
     return trainer
 
 
+class _RunLogs:
+    """A run's per-step logs beside `metrics.jsonl` (an `on_step` callback): the decoded samples,
+    the greedy evaluations on held-out tasks, TensorBoard, then the caller's own callback."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        run: Path,
+        trainer: Trainer,
+        samples: SampleLog | None,
+        on_step: Callable[[Mapping[str, Any]], None] | None,
+    ):
+        self.config = config
+        self.run = run
+        self.trainer = trainer
+        self.samples = samples
+        self.first_position = trainer.position
+        self.on_step = on_step
+        self.evaluation: _Evaluation | None = None
+        self.tensorboard = TensorBoard(run / "tensorboard") if config.tensorboard else None
+
+    def __call__(self, line: Mapping[str, Any]) -> None:
+        if self.samples is not None:
+            # The scheduler numbers batches from the position its stream opened at.
+            batch = line["position"] - self.first_position
+            records = [{"step": line["step"], **record} for record in self.samples.take(batch)]
+            _append_lines(self.run / SAMPLES, records)
+        updates = line["updates"]
+        if self.evaluation is not None and updates % self.config.eval_every == 0:
+            result = self.evaluation(self.trainer.variables, updates)
+            _append_lines(self.run / EVALUATIONS, [result])
+            line = {**line, **{f"eval/{key}": value for key, value in result.items()}}
+        if self.tensorboard is not None:
+            self.tensorboard(line)
+        if self.on_step is not None:
+            self.on_step(line)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _append_lines(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
+    with open(path, "a", encoding="utf-8") as log:
+        for record in records:
+            log.write(json.dumps(record, allow_nan=False) + "\n")
+
+
+class _Evaluation:
+    """Greedy rollouts of the held-out tasks (the `eval_tasks` ids after the training ones) on
+    an engine of their own, in a trio run of their own on the trainer's thread.
+
+    The engine has the training engine's model and slots, so its steps reuse the compiled
+    functions.
+    """
+
+    def __init__(self, task: _RunTask, config: TrainConfig, model_config, slots: int):
+        ids = np.arange(config.tasks, config.tasks + config.eval_tasks, dtype=np.int64)
+        self.tasks = list(task.tasks({"task_id": ids}))
+        # Placeholder weights: each evaluation loads the trainer's.
+        variables = models.init(jax.random.key(0), model_config)
+        self.server = RolloutServer(model_config, variables, slots=slots)
+        self.source = task.source(self.server, Sampling(temperature=0.0))
+
+    def __call__(self, variables, updates: int) -> dict[str, Any]:
+        """Roll out every held-out task greedily under `variables`.
+
+        Returns:
+            `updates`, `reward/mean` (a rollout without a reward counts 0), `status/completed`
+            (the share that finished with a stop token) and each task's reward in `rewards`.
+        """
+        self.server.load(variables, updates)
+        sessions = trio.run(self._rollouts)
+        rewards = [0.0 if s.reward is None else float(s.reward) for s in sessions]
+        completed = [s.status is Status.COMPLETED for s in sessions]
+        return {
+            "updates": updates,
+            "reward/mean": math.fsum(rewards) / len(rewards),
+            "status/completed": sum(completed) / len(completed),
+            "rewards": rewards,
+        }
+
+    async def _rollouts(self):
+        sessions = [None] * len(self.tasks)
+
+        async def one(index: int) -> None:
+            label = Label(group=index, sample=0, attempt=0)
+            sessions[index] = await self.source.run(self.tasks[index], label)
+
+        async with self.server, trio.open_nursery() as nursery:
+            for index in range(len(self.tasks)):
+                nursery.start_soon(one, index)
+        return sessions
+
+
 def configure_cli(parser: argparse.ArgumentParser) -> None:
-    """Add `dew train`'s options: one per TrainConfig field, `--run` and `--resume`."""
+    """Add `dew train`'s options: `--config`, one per TrainConfig field, `--run`, `--record` and
+    `--resume`."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="read the run's config from a TOML file (or a run folder's config.json); the "
+        "options given here override it (default: none)",
+    )
     default = TrainConfig()
     for field in attrs.fields(TrainConfig):
         value = getattr(default, field.name)
-        kind = type(value)
+        option = f"--{field.name.replace('_', '-')}"
+        help = f"{field.metadata['help']} (default: {value})"
+        # None marks an option not given, so a --config file or a resumed run keeps its value.
+        if isinstance(value, bool):
+            parser.add_argument(
+                option, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
+                help=help,
+            )  # fmt: skip
+            continue
         parser.add_argument(
-            f"--{field.name.replace('_', '-')}",
+            option,
             dest=field.name,
-            type=kind,
+            type=type(value),
             default=None,
-            choices=TASKS if field.name == "task" else None,
-            metavar=None if field.name == "task" else field.name.upper(),
-            help=f"{field.metadata['help']} (default: {value})",
+            metavar=field.name.upper(),
+            help=help,
         )
     parser.add_argument(
         "--run",
@@ -419,7 +652,8 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """`dew train [options]`: train a built-in task, showing progress; return the exit status.
+    """`dew train [options]`: train a built-in or reasoning-gym task, showing progress; return
+    the exit status.
 
     With `--processes N` it starts the pool's N processes and returns the pool's status; with
     `--coordinator`, `--num-processes` and `--process-id` it is one process of a pool.
@@ -431,18 +665,17 @@ def run_cli(args: argparse.Namespace) -> int:
     given = {name: value for name, value in given.items() if value is not None}
     if args.resume and args.run_folder is None:
         args.parser.error("--resume needs --run, the folder of the run to continue")
-    run = (
-        Path(args.run_folder)
-        if args.run_folder is not None
-        else _default_run(given.get("task", "copy"))
-    )
+    run = None if args.run_folder is None else Path(args.run_folder)
     joining = _pool_options(args)
-    saved = run / "config.json"
     try:
-        if args.resume and saved.exists():
-            config = attrs.evolve(TrainConfig.from_json(_read_json(saved)), **given)
+        if args.resume and (run / "config.json").exists():
+            saved = TrainConfig.from_json(_read_json(run / "config.json"))
+            config = attrs.evolve(saved, **given)
+        elif args.config is not None:
+            config = TrainConfig.from_file(args.config, **given)
         else:
             config = TrainConfig(**given)
+        run = _default_run(config.task) if run is None else run
         # A pool's processes check the folder together, once they have joined.
         if not joining:
             _check_run(config, run, resume=args.resume)
@@ -507,7 +740,13 @@ def _launch(args: argparse.Namespace, given: Mapping[str, Any], run: Path) -> in
     with socket.socket() as probe:  # a free port for the coordinator
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    options = [f"--{name.replace('_', '-')}={value}" for name, value in given.items()]
+    options = [] if args.config is None else ["--config", str(args.config)]
+    for name, value in given.items():
+        option = name.replace("_", "-")
+        if isinstance(value, bool):  # a --flag/--no-flag pair takes no value
+            options.append(f"--{option}" if value else f"--no-{option}")
+        else:
+            options.append(f"--{option}={value}")
     options += ["--run", str(run), "--deadline", str(args.deadline)]
     options += ["--resume"] if args.resume else []
     commands = [
@@ -553,4 +792,6 @@ def _join(args: argparse.Namespace, config: TrainConfig, run: Path) -> int:
 
 
 def _default_run(task: str) -> Path:
-    return Path("dew-runs") / f"{task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # A reasoning-gym task names the folder by its dataset, without its options.
+    name = task.removeprefix(PREFIX).split(",")[0]
+    return Path("dew-runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -17,7 +17,7 @@ _FONT = {
     "0": "75557", "1": "26227", "2": "71747", "3": "71717", "4": "55711", "5": "74717",
     "6": "74757", "7": "71111", "8": "75757", "9": "75717", ".": "00002", "-": "00700",
     " ": "00000", "a": "06357", "d": "13557", "e": "07763", "g": "35316", "l": "22223",
-    "p": "07574", "r": "06544", "s": "03636", "t": "27222", "w": "05577",
+    "p": "07574", "r": "06544", "s": "03636", "t": "27222", "v": "05552", "w": "05577",
 }  # fmt: skip
 
 
@@ -107,29 +107,46 @@ def _panel(
         _line(canvas, box, xs, bottom - (series - low) / (high - low) * (bottom - top), shade)
 
 
-def write_curves(metrics: str | os.PathLike, path: str | os.PathLike) -> None:
-    """Draw the reward (`reward/mean`) and lag of each step of a metrics log into a PNG.
-
-    Two panels over the step axis: reward on top, lag below, each scaled to its own range.
-    """
-    steps, rewards, lags = [], [], []
-    with open(metrics, encoding="utf-8") as log:
+def _read(path: str | os.PathLike, step: str, *names: str) -> list[list]:
+    """Columns of a JSON-lines log: the `step` key's values, then each name's (None if absent)."""
+    columns: list[list] = [[] for _ in range(1 + len(names))]
+    with open(path, encoding="utf-8") as log:
         for text in log:
             line = json.loads(text)
-            steps.append(line["step"])
-            rewards.append(line.get("reward/mean"))
-            lags.append(line.get("lag"))
+            for column, name in zip(columns, (step, *names), strict=True):
+                column.append(line.get(name))
+    return columns
+
+
+def write_curves(
+    metrics: str | os.PathLike,
+    path: str | os.PathLike,
+    *,
+    evaluations: str | os.PathLike | None = None,
+) -> None:
+    """Draw the reward (`reward/mean`) and lag of each step of a metrics log into a PNG.
+
+    Two panels over the step axis: reward on top, lag below, each scaled to its own range. With
+    an `evaluations` log that exists (`eval.jsonl`: `updates` and `reward/mean` per
+    evaluation), a third panel below them plots the held-out reward at each evaluation.
+    """
+    steps, rewards, lags = _read(metrics, "step", "reward/mean", "lag")
+    evaluated = evaluations is not None and Path(evaluations).exists()
 
     def array(values: list) -> np.ndarray:
         return np.array([np.nan if v is None else v for v in values], np.float64)
 
-    width, height = 640, 400
+    width, height = 640, 580 if evaluated else 400
     canvas = np.full((height, width, 3), 255, np.uint8)
     steps_array = np.array(steps, np.float64)
     _panel(canvas, (56, 10, 630, 190), steps_array, array(rewards), "reward", (31, 119, 180))
     _panel(canvas, (56, 210, 630, 370), steps_array, array(lags), "lag", (255, 127, 14))
+    if evaluated:
+        at, held_out = _read(evaluations, "updates", "reward/mean")
+        box = (56, 390, 630, 550)
+        _panel(canvas, box, array(at), array(held_out), "eval reward", (44, 160, 44))
     if steps:
-        _text(canvas, 56, 378, f"step {steps[0]}")
+        _text(canvas, 56, height - 22, f"step {steps[0]}")
         last = f"step {steps[-1]}"
-        _text(canvas, 630 - 8 * len(last), 378, last)
+        _text(canvas, 630 - 8 * len(last), height - 22, last)
     _write_atomically(Path(path), lambda file: file.write(_png(canvas)))

@@ -1,0 +1,188 @@
+"""reasoning-gym's procedural datasets as dew tasks, scored by reasoning-gym's own scorers.
+
+`ReasoningGym.parse("leg_counting,max_animals=1")` names a dataset of the optional
+`reasoning-gym` package (`pip install 'dew[reasoning-gym]'`) and its configuration. Each of its
+tasks is a `Task` named by its index whose payload is the dataset's entry (`question`, `answer`,
+`metadata`); the prompt is the entry's question as one user message, and the verifier hands the
+reply and the entry to the dataset's `score_answer`, so every task's own entry reaches the
+scorer.
+
+The reply is the answer: the whole decoded reply, stripped of surrounding whitespace, without
+reasoning-gym's `<answer>` tags (a model trained from scratch never learns to write them first).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+
+from dew._checks import int_at_least
+from dew.data import ArrayDataset, Batch, Task
+from dew.envs.environment import Sampling, Score
+from dew.envs.prompts import PromptSource
+from dew.envs.tasks import task_id
+from dew.serve.tokenizer import BYTES, Tokenizer
+
+PREFIX = "reasoning-gym:"
+"""How `dew train --task` names a reasoning-gym dataset: `reasoning-gym:NAME[,key=value...]`."""
+
+
+def _value(text: str) -> Any:
+    """A configuration value: JSON where it parses (numbers, booleans, lists), else the text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _options(instance, attribute, value):
+    if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
+        raise ValueError(f"{attribute.name} must be a mapping of str keys, got {value!r}")
+
+
+@attrs.frozen
+class ReasoningGym:
+    """One reasoning-gym dataset: its tasks, their prompts and reasoning-gym's scorer.
+
+    Args:
+        name: the dataset's name in reasoning-gym's registry (e.g. `leg_counting`).
+        options: its configuration (reasoning-gym's config fields, e.g. `max_animals`).
+        size: entries in the dataset; task ids are 0 .. size-1.
+        seed: the dataset's seed; its entries are a function of it and the index.
+
+    Raises:
+        ImportError: naming the extra to install when reasoning-gym is missing.
+        ValueError: naming the dataset or the option reasoning-gym refuses.
+    """
+
+    name: str = attrs.field(validator=attrs.validators.instance_of(str))
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict, validator=_options)
+    size: int = attrs.field(default=1000, kw_only=True, validator=int_at_least(1))
+    seed: int = attrs.field(default=0, kw_only=True, validator=int_at_least(0))
+    _dataset: Any = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self):
+        try:
+            import reasoning_gym
+            from reasoning_gym.factory import DATASETS
+        except ImportError as error:
+            raise ImportError(
+                "reasoning-gym tasks need the reasoning-gym package: "
+                "pip install 'dew[reasoning-gym]'"
+            ) from error
+        if self.name not in DATASETS:
+            raise ValueError(
+                f"reasoning-gym has no dataset {self.name!r}; it has {', '.join(sorted(DATASETS))}"
+            )
+        try:
+            dataset = reasoning_gym.create_dataset(
+                self.name, size=self.size, seed=self.seed, **self.options
+            )
+        except (TypeError, ValueError, AssertionError) as error:
+            raise ValueError(
+                f"reasoning-gym refuses {self.name} with options {self.options}: {error}"
+            ) from error
+        object.__setattr__(self, "_dataset", dataset)
+
+    @classmethod
+    def parse(cls, spec: str, *, size: int = 1000, seed: int = 0) -> ReasoningGym:
+        """The dataset `spec` names: `NAME[,key=value...]`, with or without the
+        `reasoning-gym:` prefix; values are JSON where they parse (`3`, `true`, `["+"]`), else
+        strings.
+
+        Raises:
+            ValueError: naming the part of `spec` that is not `key=value`, or a repeated key.
+        """
+        body = spec.removeprefix(PREFIX)
+        name, *parts = body.split(",")
+        options: dict[str, Any] = {}
+        for part in parts:
+            key, equals, value = part.partition("=")
+            if not (equals and key.strip()):
+                raise ValueError(f"reasoning-gym task {spec!r}: {part!r} is not key=value")
+            if key.strip() in options:
+                raise ValueError(f"reasoning-gym task {spec!r}: {key.strip()!r} is given twice")
+            options[key.strip()] = _value(value.strip())
+        return cls(name.strip(), options, size=size, seed=seed)
+
+    def entry(self, index: int) -> dict[str, Any]:
+        """The dataset's entry `index`: `question`, `answer` and `metadata`.
+
+        Raises:
+            ValueError: for an index outside 0 .. size-1.
+        """
+        if not 0 <= index < self.size:
+            raise ValueError(f"{self.name}: task id {index} is outside 0 .. {self.size - 1}")
+        return self._dataset[index]
+
+    def tasks(self, batch: Batch) -> list[Task]:
+        """One task per `task_id` row, named by its id, carrying its entry as its payload (the
+        scheduler's `tasks=`)."""
+        return [self.task(int(index)) for index in np.asarray(batch["task_id"])]
+
+    def task(self, index: int) -> Task:
+        """Task `index`, with its entry as the payload."""
+        return Task(str(index), payload=self.entry(index))
+
+    def dataset(
+        self,
+        rows: int,
+        batch_size: int,
+        *,
+        start: int = 0,
+        shuffle_seed: int | None = 0,
+        epochs: int = 1,
+    ) -> ArrayDataset:
+        """Task ids `start` .. `start + rows - 1` in batches of `batch_size`, shuffled per epoch
+        as `dew.envs.tasks.task_dataset` shuffles them.
+
+        Raises:
+            ValueError: when the ids run past the dataset's size.
+        """
+        if start + rows > self.size:
+            raise ValueError(
+                f"{self.name}: task ids {start} .. {start + rows - 1} run past size {self.size}"
+            )
+        return ArrayDataset(
+            {"task_id": np.arange(start, start + rows, dtype=np.int64)},
+            batch_size,
+            shuffle_seed=shuffle_seed,
+            epochs=epochs,
+        )
+
+    def _entry_of(self, task: Task) -> Mapping[str, Any]:
+        return task.payload if task.payload is not None else self.entry(task_id(task))
+
+    def prompt(self, task: Task) -> str:
+        """The user message of `task`: its entry's question."""
+        return self._entry_of(task)["question"]
+
+    def verify(self, task: Task, reply: str) -> Score:
+        """reasoning-gym's score of the stripped `reply` against `task`'s entry; `exact` is 1
+        when the reply is the entry's answer."""
+        entry = self._entry_of(task)
+        answer = reply.strip()
+        score = float(self._dataset.score_answer(answer, entry))
+        return Score(score, {"exact": float(answer == entry["answer"])})
+
+    def source(
+        self,
+        engine,
+        *,
+        max_tokens: int,
+        sampling: Sampling | None = None,
+        tokenizer: Tokenizer = BYTES,
+    ) -> PromptSource:
+        """A `PromptSource` of these tasks on `engine`."""
+        return PromptSource(
+            engine,
+            self.prompt,
+            self.verify,
+            max_tokens=max_tokens,
+            sampling=Sampling() if sampling is None else sampling,
+            tokenizer=tokenizer,
+        )

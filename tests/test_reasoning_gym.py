@@ -1,0 +1,77 @@
+"""reasoning-gym datasets as tasks: specs, entries as payloads, and reasoning-gym's own scorer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dew.data import Task
+from dew.envs.reasoning_gym import ReasoningGym
+
+LEGS = "reasoning-gym:leg_counting,min_animals=1,max_animals=1,max_instances=1"
+
+
+@pytest.fixture(scope="module")
+def legs() -> ReasoningGym:
+    return ReasoningGym.parse(LEGS, size=40, seed=3)
+
+
+def test_parse_reads_name_and_json_options(legs):
+    assert (legs.name, legs.options, legs.size, legs.seed) == (
+        "leg_counting",
+        {"min_animals": 1, "max_animals": 1, "max_instances": 1},
+        40,
+        3,
+    )
+    spec = 'basic_arithmetic,operators=["+"],allow_negation=false,format_style=simple'
+    options = ReasoningGym.parse(spec, size=4).options
+    assert options == {"operators": ["+"], "allow_negation": False, "format_style": "simple"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "error", "match"),
+    [
+        ("reasoning-gym:no_such_set", ValueError, "reasoning-gym has no dataset 'no_such_set'"),
+        ("leg_counting,max_animals", ValueError, "'max_animals' is not key=value"),
+        ("leg_counting,=3", ValueError, "'=3' is not key=value"),
+        ("leg_counting,seed=1,seed=2", ValueError, "'seed' is given twice"),
+        ("leg_counting,wings=2", ValueError, r"refuses leg_counting with options \{'wings': 2\}"),
+    ],
+)
+def test_parse_names_what_is_wrong(spec, error, match):
+    with pytest.raises(error, match=match):
+        ReasoningGym.parse(spec, size=4)
+
+
+def test_tasks_carry_their_entries_and_prompts_are_the_questions(legs):
+    tasks = legs.tasks({"task_id": np.array([5, 2])})
+    assert [task.name for task in tasks] == ["5", "2"]
+    assert tasks[0].payload == legs.entry(5)
+    assert legs.prompt(tasks[1]) == legs.entry(2)["question"]
+    assert "legs" in legs.prompt(tasks[1])
+    with pytest.raises(ValueError, match=r"task id 40 is outside 0 \.\. 39"):
+        legs.entry(40)
+
+
+def test_the_verifier_is_reasoning_gyms_scorer_on_the_tasks_entry(legs):
+    task = legs.task(7)
+    answer = task.payload["answer"]
+    assert legs.verify(task, f" {answer}\n").reward == 1.0
+    assert legs.verify(task, f" {answer}\n").components == {"exact": 1.0}
+    assert legs.verify(task, answer + "xyz").reward == pytest.approx(
+        len(answer) / (len(answer) + 3)
+    )
+    assert legs.verify(task, "no idea").reward == 0.0
+    # The entry in the task's payload is what is scored, not a lookup by name.
+    forged = {**task.payload, "answer": "9999"}
+    assert legs.verify(Task("7", payload=forged), "9999").reward == 1.0
+    assert legs.verify(Task("7"), answer).reward == 1.0
+
+
+def test_datasets_hold_out_a_range_of_ids(legs):
+    train = legs.dataset(30, 10)
+    held_out = legs.dataset(10, 10, start=30, shuffle_seed=None)
+    assert sorted(np.concatenate([b["task_id"] for b in train.stream()])) == list(range(30))
+    assert [list(b["task_id"]) for b in held_out.stream()] == [list(range(30, 40))]
+    with pytest.raises(ValueError, match=r"task ids 30 \.\. 40 run past size 40"):
+        legs.dataset(11, 1, start=30)

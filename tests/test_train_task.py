@@ -1,0 +1,135 @@
+"""`dew train` on a reasoning-gym task, its config files, samples, evaluations and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import attrs
+import jax
+import pytest
+from tensorboardX.proto import event_pb2
+
+from dew.cli import main
+from dew.envs.reasoning_gym import ReasoningGym
+from dew.train import TensorBoard, TrainConfig, train
+
+LETTERS = "reasoning-gym:letter_counting,min_words=1,max_words=1"
+TINY = {"d_model": 16, "layers": 1, "heads": 2, "d_ff": 32}
+
+
+def lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def scalars(logdir) -> dict[str, dict[int, float]]:
+    """Every scalar of the event files under `logdir`, read back from their TFRecord framing:
+    a little-endian u64 length, its CRC, the serialized `Event`, its CRC."""
+    found: dict[str, dict[int, float]] = {}
+    for path in logdir.iterdir():
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                found.setdefault(value.tag, {})[event.step] = value.simple_value
+    return found
+
+
+def test_a_reasoning_gym_task_trains_end_to_end_with_its_scorer(tmp_path):
+    config = TrainConfig(
+        task=LETTERS,
+        steps=2,
+        batch_size=2,
+        groups=2,
+        tasks=6,
+        max_tokens=2,
+        eval_every=1,
+        eval_tasks=3,
+        samples=3,
+        tensorboard=True,
+        **TINY,
+    )
+    steps = []
+    # optax's Adam under strict promotion: see test_train's learning test.
+    with jax.numpy_dtype_promotion("standard"):
+        train(config, tmp_path, on_step=steps.append)
+    metrics = lines(tmp_path / "metrics.jsonl")
+    assert [line["updates"] for line in metrics] == [1, 2]
+    assert all(math.isfinite(line["loss"]) for line in metrics)
+    # Every sampled rollout's reward is reasoning-gym's score of its reply against its entry.
+    gym = ReasoningGym.parse(LETTERS, size=config.tasks + config.eval_tasks, seed=config.seed)
+    samples = lines(tmp_path / "samples.jsonl")
+    assert {sample["step"] for sample in samples} == {0, 1}
+    assert all(1 <= [s["step"] for s in samples].count(step) <= 3 for step in (0, 1))
+    for sample in samples:
+        assert int(sample["task"]) < config.tasks
+        assert sample["prompt"].startswith("<bos><|im_start|>user\nHow many times does the letter")
+        reply = sample["completion"].removesuffix("<|im_end|>").strip()
+        entry = gym.entry(int(sample["task"]))
+        assert sample["reward"] == gym._dataset.score_answer(reply, entry)
+        assert sample["status"] in ("completed", "truncated")
+    # The greedy evaluations run on the held-out ids, one curve point per step.
+    evaluations = lines(tmp_path / "eval.jsonl")
+    assert [e["updates"] for e in evaluations] == [1, 2]
+    assert all(len(e["rewards"]) == 3 and 0 <= e["reward/mean"] <= 1 for e in evaluations)
+    assert [line["eval/reward/mean"] for line in steps] == [e["reward/mean"] for e in evaluations]
+    assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
+    board = scalars(tmp_path / "tensorboard")
+    assert board["loss"] == {
+        1: pytest.approx(metrics[0]["loss"]),
+        2: pytest.approx(metrics[1]["loss"]),
+    }
+    assert set(board["eval/reward/mean"]) == {1, 2}
+    # The run folder's config reads back as the config that ran.
+    assert TrainConfig.from_file(tmp_path / "config.json") == config
+
+
+def test_tensorboard_writes_the_numbers_of_each_line(tmp_path):
+    board = TensorBoard(tmp_path)
+    board({"step": 0, "updates": 1, "loss": 0.5, "lag": 2, "cut": None, "note": "x"})
+    board({"step": 1, "updates": 2, "loss": float("nan"), "lag": 0, "ok": True})
+    board.close()
+    assert scalars(tmp_path) == {"loss": {1: 0.5}, "lag": {1: 2.0, 2: 0.0}}
+
+
+def test_a_config_file_with_options_over_it(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(f'task = "{LETTERS}"\nsteps = 7\ngroups = 4\ntensorboard = true\n')
+    config = TrainConfig.from_file(path, groups=8)
+    assert (config.task, config.steps, config.groups, config.tensorboard) == (LETTERS, 7, 8, True)
+    assert attrs.evolve(config, steps=400, groups=16, task="copy", tensorboard=False) == (
+        TrainConfig()
+    )
+    path.write_text("steps = 7\nwings = 2\n")
+    with pytest.raises(
+        ValueError, match=r"run.toml has keys that are not TrainConfig fields: \['wings'\]"
+    ):
+        TrainConfig.from_file(path)
+    path.write_text("steps = \n")
+    with pytest.raises(ValueError, match="cannot read the config file .*run.toml"):
+        TrainConfig.from_file(path)
+    with pytest.raises(ValueError, match="task must be one of .* or reasoning-gym:NAME"):
+        TrainConfig(task="arithmetic")
+
+
+def test_help_shows_the_config_file_and_the_new_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--config FILE" in text and "(default: none)" in text
+    assert "--tensorboard, --no-tensorboard" in text and "reasoning-gym:NAME" in text
+    for option in ("--max-tokens", "--eval-every", "--eval-tasks", "--samples"):
+        assert option in text
+
+
+def test_a_bad_config_file_is_named_on_the_command_line(capsys, tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("groups = 1\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--config", str(path), "--run", str(tmp_path / "run")])
+    assert exit_.value.code == 2
+    assert "groups must be an int >= 2, got 1" in capsys.readouterr().err
