@@ -82,10 +82,12 @@ class ArrayDataset:
 
     @property
     def rows(self) -> int:
+        """Rows in each array: the dataset's examples in one epoch."""
         return len(next(iter(self.arrays.values())))
 
     @property
     def batches_per_epoch(self) -> int:
+        """Whole batches in one epoch; the remainder rows are left out."""
         return self.rows // self.batch_size
 
     def __len__(self) -> int:
@@ -97,6 +99,11 @@ class ArrayDataset:
         return np.random.default_rng([self.shuffle_seed, epoch]).permutation(self.rows)
 
     def stream(self, start: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """Yield batches from batch index `start` on, in the same order every time.
+
+        Raises:
+            ValueError: for a negative `start`.
+        """
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start}")
         for index in range(start, len(self)):

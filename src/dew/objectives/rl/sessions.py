@@ -128,6 +128,7 @@ class Session:
 
     @property
     def tokens(self) -> int:
+        """Completion tokens over all its calls: what the engine sampled for it."""
         return sum(len(call.completion) for call in self.calls)
 
 
@@ -136,7 +137,9 @@ class SessionSource(Protocol):
     """Runs one rollout of a task. It returns a Session for every outcome it can classify;
     raising means the source is broken."""
 
-    async def run(self, task: Task, label: Label) -> Session: ...
+    async def run(self, task: Task, label: Label) -> Session:
+        """Run one rollout of `task`, labelled `label`, and return how it went."""
+        ...
 
 
 def _fail(session: Session, field: str, problem: str) -> SessionError:
