@@ -15,7 +15,6 @@ import sys
 import attrs
 import numpy as np
 
-import dew
 from dew import simulate
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import SchedulerRecord
@@ -203,5 +202,18 @@ def test_the_site_builds_strictly(tmp_path):
         text=True,
     )
     assert build.returncode == 0, build.stderr
-    reference = (tmp_path / "api" / "scheduler" / "index.html").read_text()
-    assert "RolloutScheduler" in reference and dew.__name__ in reference
+    anchors = set()
+    for page in (tmp_path / "api").rglob("index.html"):
+        anchors |= set(re.findall(r'id="(dew[\w.]*)"', page.read_text()))
+    missing = []
+    for module in public_modules():
+        for name in public_names(importlib.import_module(module)):
+            value = getattr(importlib.import_module(module), name)
+            # Shown where it is defined or under the module that re-exports it.
+            homes = {f"{module}.{name}", f"{getattr(value, '__module__', module)}.{name}"}
+            if inspect.ismodule(value):
+                homes.add(value.__name__)
+            beneath = any(a.startswith(f"{module}.") and a.endswith(f".{name}") for a in anchors)
+            if not (homes & anchors or beneath):
+                missing.append(f"{module}.{name}")
+    assert not missing, f"the API reference does not show {missing}"
