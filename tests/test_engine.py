@@ -397,12 +397,12 @@ async def test_generate_needs_the_running_server():
         ({"prompt": np.zeros(64, np.int32)}, "got 64"),
         ({"prompt": np.array([1.0])}, "prompt must be 1-D integer"),
         ({"prompt": np.array([260])}, r"prompt ids must be in \[0, 260\)"),
-        ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ({"max_tokens": 0}, "max_tokens must be an int >= 1, got 0"),
         ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
-        ({"top_k": 0}, "top_k must be >= 1, got 0"),
-        ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+        ({"top_k": 0}, "top_k must be an int >= 1, got 0"),
+        ({"top_p": 0.0}, r"top_p must be within \(0, 1\], got 0.0"),
         ({"stop": (300,)}, "stop ids must be < vocab 260"),
-        ({"key": -1}, "key must be >= 0, got -1"),
+        ({"key": -1}, "key must be an int >= 0, got -1"),
     ],
 )
 async def test_generate_names_the_bad_argument(kwargs, match):
@@ -413,7 +413,7 @@ async def test_generate_names_the_bad_argument(kwargs, match):
 
 
 def test_construction_and_load_name_the_bad_argument():
-    with pytest.raises(ValueError, match="slots must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="slots must be an int >= 1, got 0"):
         RolloutServer(CONFIG, params(), slots=0)
     with pytest.raises(ValueError, match="max_len must be <= config.max_len 64, got 65"):
         RolloutServer(CONFIG, params(), max_len=65)
@@ -422,13 +422,20 @@ def test_construction_and_load_name_the_bad_argument():
     wrong["blocks"][1]["up"] = jnp.zeros((3, 3))
     with pytest.raises(ValueError, match=r"variables\['blocks'\]\[1\]\['up'\] must be float32"):
         engine.load(wrong, version=1)
-    with pytest.raises(ValueError, match="version must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="version must be an int >= 0, got -1"):
         engine.load(params(), version=-1)
     assert engine.version == 0
 
 
 def test_the_public_surface_keeps_its_signatures():
-    assert set(dew.serve.__all__) == {"EngineStats", "RolloutServer", "sample", "tokenizer"}
+    # ServedSource joined dew.serve (it was dew.train's, which still re-exports it).
+    assert set(dew.serve.__all__) == {
+        "EngineStats",
+        "RolloutServer",
+        "ServedSource",
+        "sample",
+        "tokenizer",
+    }
     generate = inspect.signature(RolloutServer.generate).parameters
     assert list(generate) == [
         "self",

@@ -27,7 +27,7 @@ def logits(params, tokens, positions, segment_ids) -> np.ndarray:
 
 @pytest.mark.parametrize("field", ["vocab", "d_model", "heads", "layers", "d_ff", "max_len"])
 def test_config_refuses_sizes_below_one(field):
-    with pytest.raises(ValueError, match=f"{field} must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=f"{field} must be an int >= 1, got 0"):
         models.TransformerConfig(**{field: 0})
 
 

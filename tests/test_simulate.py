@@ -79,7 +79,7 @@ def test_a_setting_is_a_pure_function_of_the_workload(smoke):
         ({"slots": 0}, "slots must be an int >= 1, got 0"),
         ({"steps": 2.5}, "steps must be an int >= 1, got 2.5"),
         ({"duration_mean": float("inf")}, "duration_mean must be a finite number > 0, got inf"),
-        ({"step_time": -1.0}, "step_time must be a number >= 0.0, got -1.0"),
+        ({"step_time": -1.0}, "step_time must be a finite number >= 0.0, got -1.0"),
     ],
 )
 def test_a_bad_workload_names_its_field(fields, message):

@@ -12,6 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import numpy as np
 
+from dew._checks import check_int, int_at_least
+
 Batch = Mapping[str, np.ndarray]
 
 
@@ -37,14 +39,6 @@ class Dataset(Protocol):
         ...
 
 
-def _positive(name: str):
-    def check(instance, attribute, value):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-
-    return check
-
-
 @attrs.frozen
 class ArrayDataset:
     """Fixed-size batches cut from equal-length arrays, in a deterministic order.
@@ -67,9 +61,9 @@ class ArrayDataset:
     arrays: Mapping[str, np.ndarray] = attrs.field(
         converter=lambda a: {k: np.asarray(v) for k, v in a.items()}
     )
-    batch_size: int = attrs.field(validator=_positive("batch_size"))
+    batch_size: int = attrs.field(validator=int_at_least(1))
     shuffle_seed: int | None = None
-    epochs: int = attrs.field(default=1, validator=_positive("epochs"))
+    epochs: int = attrs.field(default=1, validator=int_at_least(1))
 
     def __attrs_post_init__(self):
         if not self.arrays:
@@ -104,8 +98,7 @@ class ArrayDataset:
         Raises:
             ValueError: for a negative `start`.
         """
-        if start < 0:
-            raise ValueError(f"start must be >= 0, got {start}")
+        check_int("start", start, low=0)
         for index in range(start, len(self)):
             epoch, within = divmod(index, self.batches_per_epoch)
             rows = self._order(epoch)[within * self.batch_size : (within + 1) * self.batch_size]

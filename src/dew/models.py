@@ -13,6 +13,8 @@ import attrs
 import jax
 import jax.numpy as jnp
 
+from dew._checks import int_at_least
+
 
 @attrs.frozen
 class TransformerConfig:
@@ -27,17 +29,14 @@ class TransformerConfig:
         max_len: longest position the learned position embedding covers.
     """
 
-    vocab: int = 260
-    d_model: int = 64
-    heads: int = 4
-    layers: int = 2
-    d_ff: int = 256
-    max_len: int = 512
+    vocab: int = attrs.field(default=260, validator=int_at_least(1))
+    d_model: int = attrs.field(default=64, validator=int_at_least(1))
+    heads: int = attrs.field(default=4, validator=int_at_least(1))
+    layers: int = attrs.field(default=2, validator=int_at_least(1))
+    d_ff: int = attrs.field(default=256, validator=int_at_least(1))
+    max_len: int = attrs.field(default=512, validator=int_at_least(1))
 
     def __attrs_post_init__(self):
-        for name in ("vocab", "d_model", "heads", "layers", "d_ff", "max_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.heads:
             raise ValueError(f"d_model {self.d_model} must divide by heads {self.heads}")
 

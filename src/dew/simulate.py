@@ -24,6 +24,7 @@ import numpy as np
 import trio
 import trio.testing
 
+from dew._checks import at_least, int_at_least, positive
 from dew.data import ArrayDataset, Task
 from dew.envs.simulated import SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.objectives.rl.scheduler import LogEvent, RolloutScheduler
@@ -35,27 +36,6 @@ from dew.objectives.rl.sessions import Label, Session, SessionSource
 WIDTH = 512
 # The terminal events of a submission whose work is thrown away.
 WASTED = ("cancelled", "discarded", "failed")
-
-
-def _at_least(bound: float):
-    def at_least(instance, attribute, value):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= bound:
-            raise ValueError(f"{attribute.name} must be a number >= {bound}, got {value!r}")
-
-    return at_least
-
-
-def _positive(instance, attribute, value):
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
-
-
-def _count(bound: int):
-    def count(instance, attribute, value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < bound:
-            raise ValueError(f"{attribute.name} must be an int >= {bound}, got {value!r}")
-
-    return count
 
 
 @attrs.frozen
@@ -76,14 +56,14 @@ class Workload:
         ValueError: naming the field, its bound and the value.
     """
 
-    seed: int = attrs.field(default=0, validator=_count(0))
-    steps: int = attrs.field(default=30, validator=_count(1))
-    slots: int = attrs.field(default=64, validator=_count(1))
-    tasks: int = attrs.field(default=16, validator=_count(1))
-    groups: int = attrs.field(default=4, validator=_count(1))
-    duration_mean: float = attrs.field(default=10.0, validator=_positive)
-    duration_sigma: float = attrs.field(default=1.0, validator=_at_least(0.0))
-    step_time: float = attrs.field(default=10.0, validator=_at_least(0.0))
+    seed: int = attrs.field(default=0, validator=int_at_least(0))
+    steps: int = attrs.field(default=30, validator=int_at_least(1))
+    slots: int = attrs.field(default=64, validator=int_at_least(1))
+    tasks: int = attrs.field(default=16, validator=int_at_least(1))
+    groups: int = attrs.field(default=4, validator=int_at_least(1))
+    duration_mean: float = attrs.field(default=10.0, validator=positive)
+    duration_sigma: float = attrs.field(default=1.0, validator=at_least(0.0))
+    step_time: float = attrs.field(default=10.0, validator=at_least(0.0))
 
     @classmethod
     def smoke(cls, seed: int = 0) -> Workload:
@@ -101,10 +81,12 @@ class Setting:
     """
 
     name: str
-    ahead: int = attrs.field(validator=_count(0))
-    max_lag: int = attrs.field(validator=_count(0))
-    oversample: int = attrs.field(default=0, validator=_count(0))
-    admit: int | None = attrs.field(default=None, validator=attrs.validators.optional(_count(1)))
+    ahead: int = attrs.field(validator=int_at_least(0))
+    max_lag: int = attrs.field(validator=int_at_least(0))
+    oversample: int = attrs.field(default=0, validator=int_at_least(0))
+    admit: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(int_at_least(1))
+    )
 
     def __attrs_post_init__(self):
         if self.max_lag < self.ahead:

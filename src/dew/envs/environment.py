@@ -24,7 +24,9 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import numpy as np
 import trio
+from attrs.validators import optional
 
+from dew._checks import at_least, finite, in_range, int_at_least, is_callable, positive
 from dew.data import Task
 from dew.objectives.rl.sessions import Call, Label, Session, Status
 from dew.serve import tokenizer
@@ -69,13 +71,8 @@ class Environment(Protocol):
 class Score:
     """A verifier's verdict: the reward and its named parts (reported, not trained on)."""
 
-    reward: float = attrs.field(converter=float)
+    reward: float = attrs.field(converter=float, validator=finite)
     components: Mapping[str, float] = attrs.field(factory=dict)
-
-    @reward.validator
-    def _finite(self, attribute, value):
-        if not math.isfinite(value):
-            raise ValueError(f"reward must be finite, got {value}")
 
 
 @attrs.frozen(eq=False)
@@ -102,42 +99,6 @@ Verifier = Callable[[Environment, Episode], Score | None]
 score it (e.g. a truncated episode it has no verdict for)."""
 
 
-def _at_least(bound: int):
-    def check(instance, attribute, value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < bound:
-            raise ValueError(f"{attribute.name} must be an int >= {bound}, got {value!r}")
-
-    return check
-
-
-def _optional(check):
-    def optional(instance, attribute, value):
-        if value is not None:
-            check(instance, attribute, value)
-
-    return optional
-
-
-def _non_negative(instance, attribute, value):
-    if not (isinstance(value, int | float) and value >= 0):
-        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
-
-
-def _positive(instance, attribute, value):
-    if not (isinstance(value, int | float) and value > 0):
-        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
-
-
-def _probability(instance, attribute, value):
-    if not (isinstance(value, int | float) and 0 < value <= 1):
-        raise ValueError(f"{attribute.name} must be in (0, 1], got {value!r}")
-
-
-def _callable(instance, attribute, value):
-    if not callable(value):
-        raise ValueError(f"{attribute.name} must be callable, got {value!r}")
-
-
 def _engine(instance, attribute, value):
     if not callable(getattr(value, "generate", None)):
         raise ValueError(f"{attribute.name} must have an async generate(), got {value!r}")
@@ -161,10 +122,12 @@ class Sampling:
             the engine.
     """
 
-    temperature: float = attrs.field(default=1.0, validator=_non_negative)
-    top_k: int | None = attrs.field(default=None, validator=_optional(_at_least(1)))
-    top_p: float | None = attrs.field(default=None, validator=_optional(_probability))
-    seed: int | None = attrs.field(default=None, validator=_optional(_at_least(0)))
+    temperature: float = attrs.field(default=1.0, validator=at_least(0))
+    top_k: int | None = attrs.field(default=None, validator=optional(int_at_least(1)))
+    top_p: float | None = attrs.field(
+        default=None, validator=optional(in_range(0, 1, low_open=True))
+    )
+    seed: int | None = attrs.field(default=None, validator=optional(int_at_least(0)))
 
     def options(self, label: Label, index: int) -> dict[str, Any]:
         """The engine's keyword arguments for call `index` of the rollout labelled `label`."""
@@ -312,14 +275,12 @@ class EnvironmentSource:
     """
 
     engine: Any = attrs.field(validator=_engine)
-    make_env: Callable[[], Environment] = attrs.field(validator=_callable)
-    verifier: Verifier = attrs.field(validator=_callable)
-    max_turns: int = attrs.field(kw_only=True, validator=_at_least(1))
-    max_tokens: int = attrs.field(kw_only=True, validator=_at_least(1))
-    max_context: int = attrs.field(kw_only=True, validator=_at_least(2))
-    wall_clock: float | None = attrs.field(
-        default=None, kw_only=True, validator=_optional(_positive)
-    )
+    make_env: Callable[[], Environment] = attrs.field(validator=is_callable)
+    verifier: Verifier = attrs.field(validator=is_callable)
+    max_turns: int = attrs.field(kw_only=True, validator=int_at_least(1))
+    max_tokens: int = attrs.field(kw_only=True, validator=int_at_least(1))
+    max_context: int = attrs.field(kw_only=True, validator=int_at_least(2))
+    wall_clock: float | None = attrs.field(default=None, kw_only=True, validator=optional(positive))
     require_stop: bool = attrs.field(default=True, kw_only=True)
     sampling: Sampling = attrs.field(
         factory=Sampling, kw_only=True, validator=attrs.validators.instance_of(Sampling)

@@ -14,14 +14,13 @@ from typing import Any
 import attrs
 import numpy as np
 
+from dew._checks import int_at_least, is_callable
 from dew.data import Task
 from dew.envs.environment import (
     CHAT_STOP,
     Observation,
     Sampling,
     Score,
-    _at_least,
-    _callable,
     _engine,
     _stop_tokens,
     blocking,
@@ -70,8 +69,8 @@ class PromptSource:
     prompts: Mapping[str, Observation] | Callable[[Task], Observation] = attrs.field(
         validator=_prompts
     )
-    verifier: PromptVerifier = attrs.field(validator=_callable)
-    max_tokens: int = attrs.field(kw_only=True, validator=_at_least(1))
+    verifier: PromptVerifier = attrs.field(validator=is_callable)
+    max_tokens: int = attrs.field(kw_only=True, validator=int_at_least(1))
     sampling: Sampling = attrs.field(
         factory=Sampling, kw_only=True, validator=attrs.validators.instance_of(Sampling)
     )

@@ -26,6 +26,7 @@ import numpy as np
 import trio
 from trio.testing import wait_all_tasks_blocked
 
+from dew._checks import at_least, check_int, int_at_least, positive, probability
 from dew.data import Task
 from dew.objectives.rl.sessions import TRUNCATION_REASONS, Call, Label, Session, Status
 
@@ -42,24 +43,6 @@ def stable_hash(text: str) -> int:
     Python's own `hash` of a string is salted per process, so it cannot seed anything replayable.
     """
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-
-
-def _at_least(bound: float):
-    def at_least(instance, attribute, value):
-        if value < bound:
-            raise ValueError(f"{attribute.name} must be >= {bound}, got {value!r}")
-
-    return at_least
-
-
-def _positive(instance, attribute, value):
-    if not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
-
-
-def _probability(instance, attribute, value):
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{attribute.name} must be within [0, 1], got {value!r}")
 
 
 def _span(low: int):
@@ -108,9 +91,9 @@ class SimulatedConfig:
         ValueError: naming the field, its bound and the value that broke it.
     """
 
-    seed: int = attrs.field(default=0, validator=_at_least(0))
-    duration_mean: float = attrs.field(default=10.0, validator=_positive)
-    duration_sigma: float = attrs.field(default=1.0, validator=_at_least(0.0))
+    seed: int = attrs.field(default=0, validator=int_at_least(0))
+    duration_mean: float = attrs.field(default=10.0, validator=positive)
+    duration_sigma: float = attrs.field(default=1.0, validator=at_least(0.0))
     calls: tuple[int, int] = attrs.field(default=(1, 4), converter=tuple, validator=_span(1))
     prompt_tokens: tuple[int, int] = attrs.field(
         default=(8, 32), converter=tuple, validator=_span(1)
@@ -119,14 +102,14 @@ class SimulatedConfig:
         default=(4, 64), converter=tuple, validator=_span(1)
     )
     env_tokens: tuple[int, int] = attrs.field(default=(0, 8), converter=tuple, validator=_span(0))
-    merge_share: float = attrs.field(default=0.8, validator=_probability)
-    vocab: int = attrs.field(default=64, validator=_at_least(1))
-    infra_error: float = attrs.field(default=0.0, validator=_probability)
-    agent_error: float = attrs.field(default=0.0, validator=_probability)
-    truncated: float = attrs.field(default=0.0, validator=_probability)
-    truncated_unscored: float = attrs.field(default=0.0, validator=_probability)
+    merge_share: float = attrs.field(default=0.8, validator=probability)
+    vocab: int = attrs.field(default=64, validator=int_at_least(1))
+    infra_error: float = attrs.field(default=0.0, validator=probability)
+    agent_error: float = attrs.field(default=0.0, validator=probability)
+    truncated: float = attrs.field(default=0.0, validator=probability)
+    truncated_unscored: float = attrs.field(default=0.0, validator=probability)
     support_k: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(_at_least(1))
+        default=None, validator=attrs.validators.optional(int_at_least(1))
     )
 
     def __attrs_post_init__(self):
@@ -289,8 +272,7 @@ class SimulatedEngine:
         Raises:
             ValueError: if version is not an int >= 0.
         """
-        if isinstance(version, bool) or not isinstance(version, int | np.integer) or version < 0:
-            raise ValueError(f"version must be an int >= 0, got {version!r}")
+        check_int("version", version, low=0)
         try:
             now = trio.current_time()
         except RuntimeError:

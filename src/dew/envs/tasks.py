@@ -17,6 +17,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from dew._checks import int_at_least
 from dew.data import ArrayDataset, Task
 from dew.envs.environment import (
     EnvironmentSource,
@@ -24,7 +25,6 @@ from dew.envs.environment import (
     MalformedAction,
     Sampling,
     Score,
-    _at_least,
 )
 from dew.envs.prompts import PromptSource
 
@@ -81,9 +81,9 @@ class CopyDigits:
         seed: the digit strings are a function of it and the task id.
     """
 
-    length: int = attrs.field(default=1, validator=_at_least(1))
-    repeat: int = attrs.field(default=8, validator=_at_least(1))
-    seed: int = attrs.field(default=0, validator=_at_least(0))
+    length: int = attrs.field(default=1, validator=int_at_least(1))
+    repeat: int = attrs.field(default=8, validator=int_at_least(1))
+    seed: int = attrs.field(default=0, validator=int_at_least(0))
 
     @property
     def max_tokens(self) -> int:
@@ -181,9 +181,9 @@ class GuessDigit:
     """
 
     high: int = attrs.field(default=9, validator=_digit_bound)
-    max_turns: int = attrs.field(default=4, validator=_at_least(1))
-    seed: int = attrs.field(default=0, validator=_at_least(0))
-    max_context: int = attrs.field(default=128, validator=_at_least(2))
+    max_turns: int = attrs.field(default=4, validator=int_at_least(1))
+    seed: int = attrs.field(default=0, validator=int_at_least(0))
+    max_context: int = attrs.field(default=128, validator=int_at_least(2))
 
     def dataset(
         self, rows: int, batch_size: int, *, shuffle_seed: int | None = 0, epochs: int = 1

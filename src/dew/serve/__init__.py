@@ -2,5 +2,6 @@
 
 from dew.serve import tokenizer
 from dew.serve._engine import EngineStats, RolloutServer, sample
+from dew.serve._served import ServedSource
 
-__all__ = ["EngineStats", "RolloutServer", "sample", "tokenizer"]
+__all__ = ["EngineStats", "RolloutServer", "ServedSource", "sample", "tokenizer"]

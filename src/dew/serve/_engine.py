@@ -18,8 +18,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import math
-import numbers
 import threading
 from collections.abc import Sequence
 
@@ -30,6 +28,8 @@ import numpy as np
 import trio
 
 from dew import models
+from dew._checks import check_int, check_number
+from dew._trio import exit_unwrapped
 from dew.objectives.rl.sessions import Call
 
 _MIN_BUCKET = 16
@@ -183,18 +183,6 @@ def _copy(variables):
     return jax.tree.map(lambda leaf: jnp.array(leaf, copy=True), variables)
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value, *, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return int(value)
-
-
 class RolloutServer:
     """An in-process sampling engine for a `dew.models` transformer; a Publisher of weights.
 
@@ -226,19 +214,19 @@ class RolloutServer:
         seed: int = 0,
     ):
         self._config = config
-        self._slots = _check_int("slots", slots, low=1)
-        self._max_len = _check_int("max_len", config.max_len if max_len is None else max_len, low=2)
+        self._slots = check_int("slots", slots, low=1)
+        self._max_len = check_int("max_len", config.max_len if max_len is None else max_len, low=2)
         if self._max_len > config.max_len:
             raise ValueError(
                 f"max_len must be <= config.max_len {config.max_len}, got {self._max_len}"
             )
-        self._seed = _check_int("seed", seed, low=0)
+        self._seed = check_int("seed", seed, low=0)
         self._signature = _signature(
             jax.eval_shape(functools.partial(models.init, config=config), jax.random.key(0))
         )
         self._check_variables("params", params)
         self._params = _copy(params)
-        self._served = _check_int("version", version, low=0)
+        self._served = check_int("version", version, low=0)
         self._pending: tuple[object, int] | None = None
         self._lock = threading.Lock()
         self._cache = models.init_cache(config, slots=self._slots, max_len=self._max_len)
@@ -287,7 +275,7 @@ class RolloutServer:
             ValueError: if `version` is not an int >= 0, or naming the leaf of `variables` whose
                 shape or dtype differs from the served params.
         """
-        version = _check_int("version", version, low=0)
+        version = check_int("version", version, low=0)
         self._check_variables("variables", variables)
         copied = _copy(variables)
         with self._lock:
@@ -315,17 +303,10 @@ class RolloutServer:
     async def __aexit__(self, exc_type, exc, traceback) -> bool:
         self._nursery.cancel_scope.cancel(reason="closed")
         try:
-            await self._stack.__aexit__(exc_type, exc, traceback)
-        except BaseExceptionGroup as group:
             # The body's or the loop's own exception, not the nursery's wrapping of it.
-            if len(group.exceptions) != 1:
-                raise
-            if group.exceptions[0] is exc:
-                return False
-            raise group.exceptions[0] from None
+            return await exit_unwrapped(self._stack, exc_type, exc, traceback)
         finally:
             self._running = False
-        return False
 
     async def generate(
         self,
@@ -395,20 +376,19 @@ class RolloutServer:
             raise ValueError(
                 f"prompt ids must be in [0, {vocab}), got {array.min()}..{array.max()}"
             )
-        max_tokens = _check_int("max_tokens", max_tokens, low=1)
-        if not _is_number(temperature) or not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        max_tokens = check_int("max_tokens", max_tokens, low=1)
+        check_number("temperature", temperature, low=0)
         if top_k is not None:
-            top_k = min(_check_int("top_k", top_k, low=1), vocab)
-        if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-        stop_ids = frozenset(_check_int("stop id", token, low=0) for token in stop)
+            top_k = min(check_int("top_k", top_k, low=1), vocab)
+        if top_p is not None:
+            check_number("top_p", top_p, low=0, high=1, low_open=True)
+        stop_ids = frozenset(check_int("stop id", token, low=0) for token in stop)
         if any(token >= vocab for token in stop_ids):
             raise ValueError(f"stop ids must be < vocab {vocab}, got {sorted(stop_ids)}")
         if key is None:
             entropy = [self._seed, self._arrivals]
         else:
-            entropy = _check_int("key", key, low=0)
+            entropy = check_int("key", key, low=0)
         self._arrivals += 1
         return _Request(
             prompt=array.astype(np.int32),

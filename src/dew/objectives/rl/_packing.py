@@ -7,8 +7,8 @@ group is the unit because its advantages are relative to each other: training ha
 train on a baseline its other half set.
 
 Public through `dew.objectives.rl.sessions`, which re-exports `Cut`, `Packed`, `pack` and
-`session_metrics` at its end; this module imports from it, never the other way round at import
-time.
+`session_metrics`; this module builds on `_session` and `_chains`, which import neither it nor
+`sessions`.
 """
 
 from __future__ import annotations
@@ -19,16 +19,15 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from dew.objectives.rl.sessions import (
+from dew._checks import check_int
+from dew.objectives.rl._chains import _Run, _runs, merge_ratio
+from dew.objectives.rl._session import (
     ESTIMATORS,
     TRUNCATION,
     TRUNCATION_REASONS,
     Session,
     Status,
     _fail,
-    _Run,
-    _runs,
-    merge_ratio,
 )
 
 CUT_REASONS = ("no_room", "too_long", "support")
@@ -271,11 +270,6 @@ class _Rows:
             self.free_support[row] += kept if support else 0
 
 
-def _check_size(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
 def pack(
     groups: Sequence[Sequence[Session]],
     *,
@@ -312,14 +306,14 @@ def pack(
         SessionError: (a ValueError) a session of another status, or a TRUNCATED one without
             a reward under `score`; naming its task and label.
     """
-    _check_size("width", width)
-    _check_size("rows", rows)
+    check_int("width", width, low=1)
+    check_int("rows", rows, low=1)
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     if truncation not in TRUNCATION:
         raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
     if support_capacity is not None:
-        _check_size("support_capacity", support_capacity)
+        check_int("support_capacity", support_capacity, low=1)
     with_support = support_capacity is not None
     # Every group is checked before any is placed, so whether pack raises never depends on fit.
     trains = _training_statuses(truncation)

@@ -18,7 +18,6 @@ segment's tokens before `p`; it is 0 at a segment's first position and at paddin
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,35 +26,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dew._checks import at_least, in_range, is_callable, positive
+
 Model = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
 
 SCORED = ("tokens", "positions", "segment_ids")
 SUPPORT = ("support_tokens", "support_positions")
 TRAINED = ("loss_mask", "advantages", "behavior_logprobs", "proximal_logprobs")
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _clip_range(instance, attribute, value) -> None:
-    if not _is_number(value) or not 0.0 < value < 1.0:
-        raise ValueError(f"{attribute.name} must be a number in (0, 1), got {value!r}")
-
-
-def _at_least_one(instance, attribute, value) -> None:
-    if not _is_number(value) or not math.isfinite(value) or value < 1.0:
-        raise ValueError(f"{attribute.name} must be a finite number >= 1, got {value!r}")
-
-
-def _positive(instance, attribute, value) -> None:
-    if not _is_number(value) or not math.isfinite(value) or value <= 0.0:
-        raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
-
-
-def _callable(instance, attribute, value) -> None:
-    if not callable(value):
-        raise ValueError(f"{attribute.name} must be callable, got {type(value).__name__}")
 
 
 def _require(batch: Mapping[str, Any], keys: tuple[str, ...]) -> None:
@@ -93,10 +70,12 @@ class GRPOObjective:
             not a finite number > 0 (greedy decoding has no log-probs to train on).
     """
 
-    model: Model = attrs.field(validator=_callable)
-    clip: float = attrs.field(default=0.2, kw_only=True, validator=_clip_range)
-    importance_cap: float = attrs.field(default=5.0, kw_only=True, validator=_at_least_one)
-    temperature: float = attrs.field(default=1.0, kw_only=True, validator=_positive)
+    model: Model = attrs.field(validator=is_callable)
+    clip: float = attrs.field(
+        default=0.2, kw_only=True, validator=in_range(0, 1, low_open=True, high_open=True)
+    )
+    importance_cap: float = attrs.field(default=5.0, kw_only=True, validator=at_least(1))
+    temperature: float = attrs.field(default=1.0, kw_only=True, validator=positive)
     # Built once per objective, so each batch shape compiles once for the objective's lifetime.
     _jitted_log_probs: Callable = attrs.field(
         init=False,

@@ -29,7 +29,8 @@ import numpy as np
 import trio
 import trio.testing
 
-from dew._trio import lone_exception
+from dew._checks import check_int, check_number
+from dew._trio import exit_unwrapped
 from dew.data import Batch, Dataset, Task
 from dew.objectives.rl import _admission as core
 from dew.objectives.rl._admission import LogEvent
@@ -182,16 +183,6 @@ def _event_order(item: tuple[int, core.Event]) -> tuple:
     return (event.time, int(deadline), label.group, label.sample, label.attempt)
 
 
-def _at_least(name: str, bound: int):
-    def check(value):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an int, got {value!r}")
-        if value < bound:
-            raise ValueError(f"{name} must be >= {bound}, got {value}")
-
-    return check
-
-
 class RolloutScheduler:
     """Train on complete rollout groups from source, ahead task batches early.
 
@@ -266,20 +257,18 @@ class RolloutScheduler:
             ("max_attempts", max_attempts, 1),
             ("max_lag", max_lag, 0),
         ]:
-            _at_least(name, bound)(value)
+            check_int(name, value, low=bound)
         if admit is not None:
-            _at_least("admit", 1)(admit)
+            check_int("admit", admit, low=1)
         if support_capacity is not None:
-            _at_least("support_capacity", 1)(support_capacity)
+            check_int("support_capacity", support_capacity, low=1)
         if max_lag < ahead + sync_every - 1:
             raise ValueError(
                 f"max_lag must be >= ahead + sync_every - 1 = {ahead + sync_every - 1} "
                 f"(a first submission can be that stale at consumption), got {max_lag}"
             )
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
-        ):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if timeout is not None:
+            check_number("timeout", timeout, low=0, low_open=True)
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
         if truncation not in TRUNCATION:
@@ -471,11 +460,10 @@ class RolloutScheduler:
             ) from self._failed
 
     def _check_updates(self, updates: int) -> int:
-        if isinstance(updates, bool) or not isinstance(updates, int | np.integer) or updates < 0:
-            raise ValueError(f"updates must be an int >= 0, got {updates!r}")
+        updates = check_int("updates", updates, low=0)
         if self._updates is not None and updates < self._updates:
             raise ValueError(f"updates went backwards: {updates} after {self._updates}")
-        return int(updates)
+        return updates
 
     def _agree(self, error: BaseException | None) -> None:
         """Meet the pool where a failure on any process raises on every one. What it raises
@@ -658,8 +646,7 @@ class RolloutScheduler:
 
     async def __aexit__(self, *exc_info) -> bool | None:
         stack, self._exit_stack = self._exit_stack, None
-        with lone_exception():  # what the caller's block raised, as it raised it
-            return await stack.__aexit__(*exc_info)
+        return await exit_unwrapped(stack, *exc_info)
 
     @contextlib.asynccontextmanager
     async def _running(self):

@@ -1,0 +1,133 @@
+"""Argument checks shared by dew's modules: one wording for one kind of bad value.
+
+attrs classes validate their fields with the validators here (`int_at_least(1)`, `positive`,
+`probability`, ...; wrap one in `attrs.validators.optional` where None is allowed); plain
+functions and `__init__`s check their arguments with `check_int` and `check_number`. Every
+message names the argument, what it must be (its kind and bound) and the value it got, e.g.
+`slots must be an int >= 1, got 0`. A bool is refused where a number is wanted: `True` as a
+count is a mistake, not a 1.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+Validator = Callable[[Any, Any, Any], None]
+
+
+def is_number(value: Any) -> bool:
+    """Whether `value` is a real number (numpy's included), and not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+
+
+def check_int(name: str, value: Any, *, low: int) -> int:
+    """`value` as a Python int, checked to be an int (numpy's included) of at least `low`.
+
+    Raises:
+        ValueError: `{name} must be an int >= {low}, got {value!r}`.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def _number_problem(
+    value: Any, low: float, high: float, *, low_open: bool, high_open: bool
+) -> str | None:
+    """What `value` must be, when it is not a number within the bounds; None when it is."""
+    if math.isinf(high):
+        wanted = "a finite number"
+        if math.isfinite(low):
+            wanted += f" {'>' if low_open else '>='} {low}"
+        fits = is_number(value) and math.isfinite(value)
+    else:
+        wanted = f"within {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        fits = is_number(value)
+    if fits:
+        fits = (value > low if low_open else value >= low) and (
+            value < high if high_open else value <= high
+        )
+    return None if fits else wanted
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    low: float,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """`value`, checked to be a real number within its bounds (and finite when unbounded above).
+
+    Args:
+        name: the argument, as the message names it.
+        value: what was given.
+        low, high: the bounds; `high` infinite means only `low` bounds it.
+        low_open, high_open: whether the bound itself is excluded.
+
+    Returns:
+        `value` unchanged.
+
+    Raises:
+        ValueError: `{name} must be a finite number >= {low}, got {value!r}`, or for two
+            bounds `{name} must be within [low, high], got {value!r}` (brackets open or
+            closed as the bounds are).
+    """
+    wanted = _number_problem(value, low, high, low_open=low_open, high_open=high_open)
+    if wanted is not None:
+        raise ValueError(f"{name} must be {wanted}, got {value!r}")
+    return value
+
+
+def int_at_least(low: int) -> Validator:
+    """An attrs validator: the field is an int of at least `low` (see check_int)."""
+
+    def validate(instance: Any, attribute: Any, value: Any) -> None:
+        check_int(attribute.name, value, low=low)
+
+    return validate
+
+
+def in_range(
+    low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False
+) -> Validator:
+    """An attrs validator: the field is a number within the bounds (see check_number)."""
+
+    def validate(instance: Any, attribute: Any, value: Any) -> None:
+        check_number(
+            attribute.name, value, low=low, high=high, low_open=low_open, high_open=high_open
+        )
+
+    return validate
+
+
+def at_least(low: float) -> Validator:
+    """An attrs validator: the field is a finite number of at least `low`."""
+    return in_range(low)
+
+
+positive = in_range(0, low_open=True)
+"""An attrs validator: the field is a finite number > 0."""
+
+finite = in_range(-math.inf)
+"""An attrs validator: the field is a finite number."""
+
+probability = in_range(0, 1)
+"""An attrs validator: the field is a number in [0, 1]."""
+
+
+def is_callable(instance: Any, attribute: Any, value: Any) -> None:
+    """An attrs validator: the field is callable.
+
+    Raises:
+        ValueError: `{name} must be callable, got {type name}`.
+    """
+    if not callable(value):
+        raise ValueError(f"{attribute.name} must be callable, got {type(value).__name__}")

@@ -1,0 +1,249 @@
+"""Session values and their check: what a source returns for one rollout, and its contract.
+
+Public through `dew.objectives.rl.sessions`; the leaf of the sessions modules (`_chains` and
+`_packing` import it, it imports neither).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
+
+import attrs
+import numpy as np
+
+from dew.data import Task
+
+ESTIMATORS = ("group", "mean", "rloo")
+TRUNCATION = ("mask", "score", "zero")
+TRUNCATION_REASONS = ("length", "turns", "context", "wall_clock")
+
+
+class Status(enum.Enum):
+    """How a session ended. Only COMPLETED, AGENT_ERROR and TRUNCATED were scored."""
+
+    COMPLETED = "completed"
+    AGENT_ERROR = "agent_error"
+    TRUNCATED = "truncated"
+    INFRA_ERROR = "infra_error"
+    CANCELLED = "cancelled"
+
+
+class SessionError(ValueError):
+    """A session that breaks the source contract; the message names task, label and field."""
+
+
+@attrs.frozen
+class Label:
+    """Where a rollout belongs: the scheduler's group id, its sample in the group, its attempt."""
+
+    group: int
+    sample: int
+    attempt: int
+
+    def __str__(self) -> str:
+        return f"group {self.group} sample {self.sample} attempt {self.attempt}"
+
+
+@attrs.frozen(eq=False)
+class Call:
+    """One model call as the engine served it.
+
+    Args:
+        prompt: int32[P] token ids the engine saw.
+        completion: int32[C] sampled token ids.
+        logprobs: float32[C] behaviour log-prob of each completion token, under the distribution
+            it was really drawn from.
+        version: the weights version the engine served at the call's start.
+        support: where a filtered sampler (top-k/top-p) drew the token, the token ids it kept at
+            each completion position: C int32 arrays.
+    """
+
+    prompt: np.ndarray
+    completion: np.ndarray
+    logprobs: np.ndarray
+    version: int
+    support: tuple[np.ndarray, ...] | None = None
+
+
+@attrs.frozen(eq=False)
+class Session:
+    """One rollout of one task, as a source returns it and the scheduler stamps it.
+
+    Args:
+        status: how it ended.
+        calls: the model calls it made, in order.
+        reward: the verifier's reward; required for COMPLETED and AGENT_ERROR.
+        components: named parts of the reward.
+        truncation: why a TRUNCATED session stopped (one of TRUNCATION_REASONS).
+        error: what went wrong, for the error statuses.
+        task, label: stamped by the scheduler.
+        submitted, finished: the scheduler's clock at submission and at finish, stamped by it.
+    """
+
+    status: Status
+    calls: tuple[Call, ...] = attrs.field(default=(), converter=tuple)
+    reward: float | None = None
+    components: Mapping[str, float] = attrs.field(factory=dict)
+    truncation: str | None = None
+    error: str | None = None
+    task: Task | None = None
+    label: Label | None = None
+    submitted: float | None = None
+    finished: float | None = None
+
+    def stamped(self, task: Task, label: Label, submitted: float, finished: float) -> Session:
+        """This session labelled by the scheduler (attrs.evolve without its reflection: the
+        scheduler stamps every session)."""
+        return Session(
+            self.status,
+            self.calls,
+            self.reward,
+            self.components,
+            self.truncation,
+            self.error,
+            task,
+            label,
+            submitted,
+            finished,
+        )
+
+    @property
+    def min_version(self) -> int | None:
+        """The version of its oldest call: a rollout is as stale as its oldest call."""
+        return min([call.version for call in self.calls]) if self.calls else None
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens over all its calls: what the engine sampled for it."""
+        return sum(len(call.completion) for call in self.calls)
+
+
+@runtime_checkable
+class SessionSource(Protocol):
+    """Runs one rollout of a task. It returns a Session for every outcome it can classify;
+    raising means the source is broken."""
+
+    async def run(self, task: Task, label: Label) -> Session:
+        """Run one rollout of `task`, labelled `label`, and return how it went."""
+        ...
+
+
+def _fail(session: Session, field: str, problem: str) -> SessionError:
+    task = session.task.name if session.task is not None else "?"
+    return SessionError(f"task {task!r} {session.label or 'unlabelled'}: {field} {problem}")
+
+
+# Checked on every session a source returns: the tuples are built once.
+_INTEGER = (int, np.integer)
+_NUMBER = (float, int, np.floating)
+
+
+# A numpy reduction costs about a microsecond to call, whatever the length; a short array's
+# extremes come sooner from its values as a list. Sessions of tiny calls would otherwise spend
+# most of their check here.
+_SHORT = 32
+
+
+def _least(array: np.ndarray):
+    """The smallest value of a non-empty array."""
+    return min(array.tolist()) if len(array) <= _SHORT else array.min()
+
+
+def _logprobs_problem(logprobs: np.ndarray) -> str | None:
+    """What is wrong with a non-empty array of log-probs, or None."""
+    if len(logprobs) <= _SHORT:
+        values = logprobs.tolist()
+        total, greatest = sum(values), max(values)
+    else:
+        total, greatest = logprobs.sum(), logprobs.max()
+    # A sum is finite exactly when every term is (log-probs are far from overflow).
+    if not math.isfinite(total):
+        return "holds a non-finite log-prob"
+    if greatest > 0:
+        return f"holds a positive log-prob {greatest}"
+    return None
+
+
+def _tokens_problem(array) -> str | None:
+    """What is wrong with an array of token ids, or None."""
+    if type(array) is not np.ndarray or array.ndim != 1 or array.dtype != np.int32:
+        described = (
+            f"{array.dtype}[{','.join(map(str, array.shape))}]"
+            if isinstance(array, np.ndarray)
+            else type(array).__name__
+        )
+        return f"must be a 1-D int32 array, got {described}"
+    if array.size and (least := _least(array)) < 0:
+        return f"holds a negative token id {int(least)}"
+    return None
+
+
+def _call_problem(call: Call) -> tuple[str, str] | None:
+    """The field of a call that is wrong and what is wrong with it, or None.
+
+    Field names are built only for a problem: every call of every session passes here.
+    """
+    if (problem := _tokens_problem(call.prompt)) is not None:
+        return "prompt", problem
+    if (problem := _tokens_problem(call.completion)) is not None:
+        return "completion", problem
+    lp = call.logprobs
+    if type(lp) is not np.ndarray or lp.ndim != 1 or lp.dtype != np.float32:
+        return "logprobs", "must be a 1-D float32 array"
+    if len(lp) != len(call.completion):
+        return "logprobs", f"has {len(lp)} entries for {len(call.completion)} completion tokens"
+    if lp.size and (problem := _logprobs_problem(lp)) is not None:
+        return "logprobs", problem
+    if isinstance(call.version, bool) or not isinstance(call.version, _INTEGER):
+        return "version", f"must be an int, got {call.version!r}"
+    if call.version < 0:
+        return "version", f"must be >= 0, got {call.version}"
+    if call.support is None:
+        return None
+    if len(call.support) != len(call.completion):
+        return "support", f"has {len(call.support)} positions for {len(call.completion)} tokens"
+    for j, (kept, token) in enumerate(zip(call.support, call.completion, strict=True)):
+        if (problem := _tokens_problem(kept)) is not None:
+            return f"support[{j}]", problem
+        if token not in kept:
+            return f"support[{j}]", f"lacks sampled token {token}"
+    return None
+
+
+def check_session(session: Session) -> Session:
+    """Check that a stamped session keeps the source contract, and return it.
+
+    Raises:
+        SessionError: naming the session's task, label and the field that is wrong.
+    """
+    if not isinstance(session, Session):
+        raise SessionError(f"a source returned {type(session).__name__}, not a Session")
+    if not isinstance(session.status, Status):
+        raise _fail(session, "status", f"is unknown: {session.status!r}")
+    for i, call in enumerate(session.calls):
+        if not isinstance(call, Call):
+            raise _fail(session, f"calls[{i}]", f"is a {type(call).__name__}, not a Call")
+        if (found := _call_problem(call)) is not None:
+            field, problem = found
+            raise _fail(session, f"calls[{i}].{field}", problem)
+    if session.reward is not None and not (
+        isinstance(session.reward, _NUMBER) and math.isfinite(session.reward)
+    ):
+        raise _fail(session, "reward", f"must be a finite number, got {session.reward!r}")
+    scored = session.status in (Status.COMPLETED, Status.AGENT_ERROR)
+    if scored and session.reward is None:
+        raise _fail(session, "reward", f"is missing on a {session.status.name} session")
+    for name, value in session.components.items():
+        if not isinstance(value, _NUMBER) or not math.isfinite(value):
+            raise _fail(session, f"components[{name!r}]", f"must be a finite number, got {value!r}")
+    if session.status is Status.TRUNCATED and session.truncation not in TRUNCATION_REASONS:
+        raise _fail(
+            session,
+            "truncation",
+            f"must be one of {TRUNCATION_REASONS} on a TRUNCATED session, "
+            f"got {session.truncation!r}",
+        )
+    return session

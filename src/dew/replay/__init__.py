@@ -1,0 +1,122 @@
+"""Traces: record a scheduler run, replay it bit for bit, and find where two runs part.
+
+A trace is JSON lines, no pickle. Its first line is a header, `{"format": "dew-trace",
+"version": 2, "facade": ..., "config": {...}, "start": ...}`, holding every RolloutScheduler
+argument but the objective, source, weights, tasks and log, and which facade the trainer called:
+`async` (`await step` inside the caller's trio run) or `thread` (`scheduler(batch, ...)` from the
+trainer's thread). Each later line has a `kind`:
+
+- `stream`: the trainer opened the `tasks()` stream (`stream` id, `time`, and `running`: whether
+  the scheduler's trio side ran then, so that the open logged a `reopened` event);
+- `batch`: a task batch the scheduler took (`batch` index, the `stream` that yielded it or null
+  for a batch handed over without one, its `tasks` as name and, where JSON holds it, payload);
+- `session`: one rollout the source ran: its `task`, `label` [group, sample, attempt],
+  `submitted` and `ended` on the scheduler's clock (for a returned session, the times the
+  scheduler stamped on it), and its `outcome`: `returned` (with the `session`: status, calls
+  with their arrays, reward, components, truncation, error), `cancelled` (its run got
+  trio.Cancelled at `ended`), `raised` (the source raised `error`) or `invalid` (it returned
+  what no trace holds, said in `error`);
+- `push`: a weight push (`version`, `time`);
+- `call`: one trainer call: its `step`, `batch`, `updates`, the `stream` and how many batches it
+  had yielded (`read`), `handed_over` and `returned` times, and either the SchedulerRecord
+  (`record`, metrics included), the event log (`events`) and digests of the packed batch it
+  returned (`digest` over every array; `arrays`, one per key) — or what it `raised`, with the
+  event log up to its failure;
+- `end`: the time the scheduler was closed and its `closing_events` (the event log after the
+  last call's, through the close); the last line.
+
+Arrays are stored losslessly: `{"dtype", "shape", "data"}` with the raw bytes in base64.
+
+A `thread` trace is written from two threads, the trainer's (streams, batches, calls) and the
+scheduler's (sessions, pushes), one whole line at a time. The trainer's thread cannot read the
+scheduler's trio clock, so the scheduler's event log tells the times: a call's `handed_over` is
+its `handed_over` event's time and `returned` its last event's (the delivery); a stream opened
+while the scheduler ran has `time` null in its line and takes the time of its `reopened` event
+(the k-th such stream, the k-th `reopened` event of the calls' logs); the header's `start` and
+the end line's `time` are null, read as the first and last times the trace holds. A call that
+raised has null times. The scheduler then runs on the real clock; its readings that no event
+carries are recorded but not compared: each record's `waited` (the trainer thread's seconds)
+and each push's time (the engine takes the weights a moment after the hand-over; versions are
+compared); nor is what happened after the last call returned (the close is off the trainer's
+clock). A rollout's latency and deadline count from its submission event's time, so they replay
+exactly.
+
+Replay runs the recorded configuration (with any overrides) against `ReplaySource`, which plays
+each recorded rollout back by (task name, label) with its recorded duration and outcome, under
+trio's MockClock: the trainer's calls are made at their recorded hand-over times and every
+record, event and packed array is compared. The proximal log-probs are not replayed: they are the
+trainer's weights' rescoring, and a trace holds no weights. Replay uses `NoRescoring` (zeros) and
+compares every packed array but `proximal_logprobs`; the recorded `digest` still covers them, so
+two recordings can be compared whole.
+
+`replay(path, **overrides)` runs a replay in a trio run of its own (`replay_async` from inside
+another, through a worker thread), and `dew replay TRACE [--max-lag N ...]` from the command
+line; each says the replay matched (steps, groups, events) or gives its first divergence: step,
+group, sample, event, field, recorded and replayed values.
+
+Time lands exactly: trio's MockClock moves by differences, which can round a jump one ulp past
+its target, so `ReplaySource` keeps the clock itself and lands it on the recorded times (session
+ends, cancellations, hand-overs). A trace recorded under the mock clock replays bit for bit, and
+so does the event log of one recorded on the real clock, whose event times are the scheduler's
+own readings.
+
+The package's modules: `_format` (constants, errors, JSON encoding), `_trace` (the records and
+`read_trace`), `_record` (`Recorder` and the wrappers that feed it), `_replay` (`ReplaySource`,
+its clock keeping, `replay`), `_divergence` (comparing the two runs), `_cli` (`dew replay`).
+"""
+
+from dew.replay._cli import configure_cli, run_cli
+from dew.replay._divergence import Divergence, ReplayedCall, ReplayNote, ReplayResult
+from dew.replay._format import (
+    CONFIG,
+    FACADES,
+    FORMAT,
+    OUTCOMES,
+    PROXIMAL,
+    VERSION,
+    RecordedSourceError,
+    TraceError,
+    batch_digest,
+)
+from dew.replay._record import Recorder, RecordingPublisher, RecordingSource
+from dew.replay._replay import (
+    NoRescoring,
+    ReplayPublisher,
+    ReplaySource,
+    ReplayStalled,
+    replay,
+    replay_async,
+)
+from dew.replay._trace import RecordedCall, RecordedSession, RecordedStream, Trace, read_trace
+
+__all__ = [
+    "CONFIG",
+    "FACADES",
+    "FORMAT",
+    "OUTCOMES",
+    "PROXIMAL",
+    "VERSION",
+    "Divergence",
+    "NoRescoring",
+    "RecordedCall",
+    "RecordedSession",
+    "RecordedSourceError",
+    "RecordedStream",
+    "Recorder",
+    "RecordingPublisher",
+    "RecordingSource",
+    "ReplayNote",
+    "ReplayPublisher",
+    "ReplayResult",
+    "ReplaySource",
+    "ReplayStalled",
+    "ReplayedCall",
+    "Trace",
+    "TraceError",
+    "batch_digest",
+    "configure_cli",
+    "read_trace",
+    "replay",
+    "replay_async",
+    "run_cli",
+]

@@ -1,0 +1,166 @@
+"""The trace format's constants and errors, and how values are written as JSON lines."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from dew.data import Task
+from dew.objectives.rl.scheduler import LogEvent, SchedulerRecord
+from dew.objectives.rl.sessions import Call, Label, Session, Status
+
+FORMAT = "dew-trace"
+VERSION = 3
+FACADES = ("async", "thread")
+# The RolloutScheduler arguments a trace holds: all but objective, source, weights, tasks, log.
+CONFIG = (
+    "width",
+    "rows",
+    "groups",
+    "oversample",
+    "admit",
+    "max_lag",
+    "ahead",
+    "sync_every",
+    "max_attempts",
+    "timeout",
+    "estimator",
+    "truncation",
+    "support_capacity",
+)
+OUTCOMES = ("returned", "cancelled", "raised", "invalid")
+PROXIMAL = "proximal_logprobs"
+
+
+class TraceError(ValueError):
+    """A trace that cannot be read; the message names the file, the line and the problem."""
+
+    def __init__(self, path: str, line: int, problem: str):
+        super().__init__(f"{path}:{line}: {problem}")
+        self.path, self.line, self.problem = path, line, problem
+
+
+class RecordedSourceError(RuntimeError):
+    """A replayed source failure: the recorded source raised, or returned what no trace holds."""
+
+
+def _encode_array(array: np.ndarray) -> dict:
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"expected a numpy array, got {type(array).__name__}")
+    if array.dtype.hasobject:
+        raise TypeError(f"an array of dtype {array.dtype} holds Python objects")
+    return {
+        "dtype": array.dtype.str,
+        "shape": list(array.shape),
+        "data": base64.b64encode(array.tobytes()).decode("ascii"),
+    }
+
+
+def _plain(value: Any) -> Any:
+    """value with numpy scalars made Python numbers, so JSON takes it and it compares alike."""
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def _encode_task(task: Task) -> dict:
+    encoded = {"name": task.name}
+    try:
+        json.dumps(task.payload)
+    except (TypeError, ValueError):
+        return encoded
+    encoded["payload"] = task.payload
+    return encoded
+
+
+def _encode_label(label: Label | None) -> list[int] | None:
+    return None if label is None else [int(label.group), int(label.sample), int(label.attempt)]
+
+
+def _encode_session(session: Session) -> dict:
+    if not isinstance(session, Session):
+        raise TypeError(f"the source returned {type(session).__name__}, not a Session")
+    if not isinstance(session.status, Status):
+        raise TypeError(f"status {session.status!r} is not a Status")
+    calls = []
+    for call in session.calls:
+        if not isinstance(call, Call):
+            raise TypeError(f"a call is a {type(call).__name__}, not a Call")
+        calls.append(
+            {
+                "prompt": _encode_array(call.prompt),
+                "completion": _encode_array(call.completion),
+                "logprobs": _encode_array(call.logprobs),
+                "version": _plain(call.version),
+                "support": (
+                    None if call.support is None else [_encode_array(s) for s in call.support]
+                ),
+            }
+        )
+    return {
+        "status": session.status.value,
+        "calls": calls,
+        "reward": _plain(session.reward),
+        "components": _plain(session.components),
+        "truncation": session.truncation,
+        "error": session.error,
+    }
+
+
+def _encode_event(event: LogEvent) -> dict:
+    return {
+        "kind": event.kind,
+        "time": _plain(event.time),
+        "version": _plain(event.version),
+        "group": _plain(event.group),
+        "task": event.task,
+        "label": _encode_label(event.label),
+        "reason": event.reason,
+    }
+
+
+def _encode_record(record: SchedulerRecord) -> dict:
+    return {field.name: _plain(getattr(record, field.name)) for field in attrs.fields(type(record))}
+
+
+def _array_digest(array: np.ndarray) -> str:
+    array = np.asarray(array)
+    header = f"{array.dtype.str}{list(array.shape)}".encode()
+    return hashlib.sha256(header + array.tobytes()).hexdigest()
+
+
+def batch_digest(batch: Mapping[str, np.ndarray], *, exclude: Sequence[str] = ()) -> str:
+    """sha256 over a packed batch's arrays in sorted key order: name, dtype, shape and bytes.
+
+    Args:
+        batch: name -> array.
+        exclude: names left out (e.g. `proximal_logprobs`, which replay does not rescore).
+
+    Returns:
+        the hex digest.
+    """
+    digest = hashlib.sha256()
+    for key in sorted(batch):
+        if key in exclude:
+            continue
+        array = np.asarray(batch[key])
+        digest.update(f"{key}\0{array.dtype.str}{list(array.shape)}\0".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def _describe(error: BaseException) -> str:
+    """What a call raised, as a trace says it; a replayed source failure says the recorded one."""
+    if isinstance(error, RecordedSourceError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"

@@ -1,0 +1,365 @@
+"""Replaying a trace: the source that plays rollouts back, the clock it keeps, `replay`."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import math
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+import trio
+import trio.testing
+
+from dew._trio import exit_unwrapped
+from dew.data import Batch, Task
+from dew.objectives.rl.scheduler import RolloutScheduler
+from dew.objectives.rl.sessions import Label, Session, Status
+from dew.replay._divergence import Divergence, ReplayedCall, ReplayNote, ReplayResult, _divergences
+from dew.replay._format import CONFIG, RecordedSourceError, _array_digest, _describe, batch_digest
+from dew.replay._trace import Trace, read_trace
+
+# Real seconds every task must stay blocked before the replay clock moves: any positive cushion
+# lets the scheduler's own zero-cushion waits settle an instant first.
+_SETTLE = 1e-9
+
+
+class ReplayStalled(RuntimeError):
+    """A replayed run waits on what the trace never ended: every task waits and nothing is due,
+    or nothing but the scheduler's own timers until the recording's end plus its length.
+
+    Args:
+        time: the replay's clock when it stalled.
+    """
+
+    def __init__(self, time: float, why: str):
+        super().__init__(f"at time {time!r} {why}: the replayed run waits on what never ends")
+        self.time = time
+
+
+class NoRescoring:
+    """The objective replay gives the scheduler: every proximal log-prob is 0.
+
+    A trace holds no weights to rescore with, and rescoring is not what replay checks; it costs
+    nothing and compiles nothing. Replay compares every packed array but `proximal_logprobs`.
+    """
+
+    def packed_log_probs(self, variables: Any, batch: Mapping[str, np.ndarray]) -> np.ndarray:
+        """float32[rows, width] zeros, the shape of `batch["tokens"]`."""
+        return np.zeros(np.shape(batch["tokens"]), np.float32)
+
+
+@attrs.define(eq=False)
+class ReplayPublisher:
+    """A Publisher for replay: it accepts every push and keeps them, as (time, version)."""
+
+    pushes: list[tuple[float, int]] = attrs.field(factory=list, init=False)
+
+    def load(self, variables: Any, version: int) -> None:
+        self.pushes.append((trio.current_time(), int(version)))
+
+
+class ReplaySource:
+    """A SessionSource that plays a trace's rollouts back, on trio's MockClock, exactly.
+
+    A rollout is found by (task name, label). Submitted when it was recorded (at its `submitted`
+    event where a call's log holds one, else at its recorded start), it ends at its recorded
+    end; submitted at another time, its recorded duration later. It returns its
+    recorded session (calls and versions as recorded; the scheduler stamps it), raises what was
+    recorded (as RecordedSourceError), or, recorded as cancelled, waits until cancelled. Use it
+    as an async context manager: inside, it keeps trio's MockClock (which must run at rate 0),
+    landing every jump exactly on the recorded times, which MockClock's own jumps can miss by an
+    ulp.
+
+    What the replayed run does that the recording did not is kept in `notes`: a rollout the
+    trace never ran (it returns INFRA_ERROR at once), one recorded as cancelled still running
+    after its recorded cancellation.
+
+    Args:
+        trace: a Trace, or the path of one.
+
+    Raises:
+        ReplayStalled: (out of the `async with`) when every task waits and nothing is due, or
+            nothing until the recording's end plus its length.
+    """
+
+    def __init__(self, trace: Trace | str | os.PathLike):
+        self.trace = trace if isinstance(trace, Trace) else read_trace(trace)
+        self.notes: list[ReplayNote] = []
+        # When the scheduler submitted each rollout, by its log: on the real clock the source's
+        # own reading of its start comes a moment later.
+        self._submitted = {
+            e.label: e.time for c in self.trace.calls for e in c.events if e.kind == "submitted"
+        }
+        # Times the clock should land on: ends of sleeps (which are deadlines), and recorded
+        # cancellations (the scheduler's deadline that caused one lands on it).
+        self._targets: collections.Counter[float] = collections.Counter()
+        self._cancellations: dict[Label, tuple[float, str]] = {}
+        # A replay that still waits this long after the recording ended waits on nothing the
+        # trace holds.
+        self._horizon = self.trace.end + (self.trace.end - self.trace.start)
+        self._stack: contextlib.AsyncExitStack | None = None
+
+    async def __aenter__(self) -> ReplaySource:
+        clock = trio.lowlevel.current_clock()
+        if not isinstance(clock, trio.testing.MockClock) or clock.rate != 0:
+            raise RuntimeError(
+                f"ReplaySource needs trio.testing.MockClock at rate 0, got {clock!r}"
+            )
+        if self._stack is not None:
+            raise RuntimeError("the ReplaySource is already in use")
+        stack = contextlib.AsyncExitStack()
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        await nursery.start(self._keep_time, clock)
+        stack.callback(nursery.cancel_scope.cancel)
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc_info) -> bool | None:
+        stack, self._stack = self._stack, None
+        # The clock keeper is the nursery's one child: a lone error is the body's own, or the
+        # keeper's ReplayStalled, and reaches the caller as itself.
+        return await exit_unwrapped(stack, *exc_info)
+
+    async def sleep_until(self, time: float) -> None:
+        """Sleep until `time` on the replay's clock, landing on it exactly."""
+        self._targets[time] += 1
+        try:
+            await trio.sleep_until(time)
+        finally:
+            self._targets[time] -= 1
+            if not self._targets[time]:
+                del self._targets[time]
+
+    async def run(self, task: Task, label: Label) -> Session:
+        """Play back the recorded rollout of (task name, label)."""
+        if self._stack is None:
+            raise RuntimeError("run a ReplaySource inside `async with source:`")
+        now = trio.current_time()
+        recorded = self.trace.sessions.get(label)
+        if recorded is None or recorded.task.name != task.name:
+            self.notes.append(ReplayNote(now, task.name, label, "never ran", f"ran at {now!r}"))
+            return Session(Status.INFRA_ERROR, error="replay: this rollout is not in the trace")
+        if now == self._submitted.get(label, recorded.submitted):
+            end = recorded.ended
+        else:
+            end = now + (recorded.ended - recorded.submitted)
+        if recorded.outcome == "cancelled":
+            # Returns only by trio.Cancelled.
+            await self._until_cancelled(label, task.name, end)
+        if end > now:
+            await self.sleep_until(end)
+        if recorded.outcome == "returned":
+            return recorded.session
+        raise RecordedSourceError(recorded.error)
+
+    async def _until_cancelled(self, label: Label, task: str, time: float) -> None:
+        self._cancellations[label] = (time, task)
+        self._targets[time] += 1
+        try:
+            await trio.sleep_forever()
+        finally:
+            self._cancellations.pop(label, None)
+            self._targets[time] -= 1
+            if not self._targets[time]:
+                del self._targets[time]
+
+    async def _keep_time(self, clock: trio.testing.MockClock, task_status=trio.TASK_STATUS_IGNORED):
+        """Move the clock whenever every task waits: onto the next recorded time if that comes
+        before the next deadline or is it (to the ulp), else by the deadline's distance as
+        MockClock would."""
+        task_status.started()
+        while True:
+            await trio.testing.wait_all_tasks_blocked(_SETTLE)
+            now = trio.current_time()
+            for label, (time, task) in list(self._cancellations.items()):
+                if time <= now:
+                    self.notes.append(
+                        ReplayNote(time, task, label, f"cancelled at {time!r}", "still running")
+                    )
+                    del self._cancellations[label]
+            distance = trio.lowlevel.current_statistics().seconds_to_next_deadline
+            if distance == math.inf:
+                raise ReplayStalled(now, "every task waits and nothing is due")
+            deadline = now + distance
+            target = min((t for t in self._targets if t > now), default=math.inf)
+            # A recorded time the clock would pass is visited: a deadline within an ulp or so
+            # of it lands on it, and a recorded cancellation before the next deadline is
+            # checked there.
+            visit = math.isfinite(target) and (
+                target < deadline or abs(target - deadline) <= 4 * math.ulp(target)
+            )
+            if min(target, deadline) > self._horizon:
+                # Only the scheduler's own timers are left, e.g. its long-wait log's doubling.
+                raise ReplayStalled(
+                    now,
+                    f"nothing is due before {self._horizon!r}, the recording's end plus its length",
+                )
+            if visit:
+                _jump_to(clock, target)
+            else:
+                clock.jump(distance)
+
+
+def _jump_to(clock: trio.testing.MockClock, target: float) -> None:
+    """Jump a rate-0 MockClock from below `target` so that it reads exactly `target`.
+
+    From a time within [target / 2, target] both the difference and the sum are exact
+    (Sterbenz); from further below, base + (target - base) can round past target, or no jump at
+    all reads exactly target, so the clock first steps to three quarters of the way, short of
+    every deadline.
+    """
+    if clock.current_time() < target / 2:
+        clock.jump(0.75 * target - clock.current_time())
+    clock.jump(target - clock.current_time())
+
+
+@attrs.frozen
+class _Batches:
+    """A dataset whose one stream yields replay batches by the scheduler's batch index."""
+
+    indices: tuple[int, ...]
+
+    def stream(self, start: int = 0) -> Iterator[Batch]:
+        for index in self.indices[start:]:
+            yield _batch(index)
+
+
+def _batch(index: int) -> dict[str, np.ndarray]:
+    return {"batch": np.array([index], np.int64)}
+
+
+def _configure(trace: Trace, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(overrides) - set(CONFIG))
+    if unknown:
+        raise ValueError(f"cannot override {', '.join(unknown)}: the configuration is {CONFIG}")
+    return {**trace.config, **overrides}
+
+
+def replay(trace: Trace | str | os.PathLike, **overrides: Any) -> ReplayResult:
+    """Replay a trace in a trio run of its own, on a `trio.testing.MockClock` from 0.
+
+    The scheduler is rebuilt from the trace's configuration, `overrides` replacing any of it
+    (by CONFIG name, e.g. `max_lag=0`), over a ReplaySource, a ReplayPublisher and NoRescoring.
+    The trainer's calls are made at their recorded hand-over times with their recorded batches
+    and updates, after reading the tasks() stream as far as the recorded trainer had; the
+    scheduler is closed at the recorded end.
+
+    Returns:
+        the replayed calls and the first divergence, if any.
+
+    Raises:
+        ValueError: an unknown override, one the scheduler refuses, or a trace that starts
+            before the clock's 0.
+        TraceError: when the trace cannot be read.
+    """
+    return trio.run(
+        functools.partial(_replay, trace, overrides),
+        clock=trio.testing.MockClock(autojump_threshold=0),
+    )
+
+
+async def replay_async(trace: Trace | str | os.PathLike, **overrides: Any) -> ReplayResult:
+    """`replay` from inside a trio run, a test's say: it runs in a worker thread, in a trio
+    run and on a MockClock of its own, so it starts at the trace's start whatever the caller's
+    clock reads."""
+    return await trio.to_thread.run_sync(functools.partial(replay, trace, **overrides))
+
+
+async def _replay(trace: Trace | str | os.PathLike, overrides: Mapping[str, Any]) -> ReplayResult:
+    trace = trace if isinstance(trace, Trace) else read_trace(trace)
+    config = _configure(trace, overrides)
+    if trio.current_time() > trace.start:
+        raise ValueError(
+            f"replay must start by the trace's start time {trace.start}; "
+            f"the clock reads {trio.current_time()}"
+        )
+    publisher = ReplayPublisher()
+    source = ReplaySource(trace)
+    scheduler = RolloutScheduler(
+        NoRescoring(),
+        source,
+        publisher,
+        tasks=lambda batch: trace.batches[int(batch["batch"][0])],
+        **config,
+    )
+    calls: list[ReplayedCall] = []
+    stalled: list[Divergence] = []
+    # Streams opened before the scheduler ran logged no reopening: open them before it runs.
+    streams = [
+        scheduler.tasks(_Batches(stream.batches)).stream()
+        for stream in trace.streams
+        if not stream.running
+    ]
+    try:
+        async with source, scheduler:
+            await _drive(trace, scheduler, source, calls, streams)
+    except ReplayStalled as error:
+        step = len(calls)
+        recorded = trace.calls[step].returned if step < len(trace.calls) else trace.end
+        returned = "returned" if recorded is None else f"returned at {recorded!r}"
+        stalled.append(Divergence(step, "call", returned, str(error), time=error.time))
+    closing = scheduler.closing_events
+    found = _divergences(trace, calls, publisher.pushes, source.notes, closing) + stalled
+    divergence = min(
+        found, key=lambda d: (d.step, math.inf if d.time is None else d.time), default=None
+    )
+    return ReplayResult(trace.path, tuple(calls), divergence)
+
+
+async def _drive(
+    trace: Trace,
+    scheduler: RolloutScheduler,
+    source: ReplaySource,
+    calls: list[ReplayedCall],
+    streams: list[Iterator[Batch]],
+) -> None:
+    """The replay's trainer: open streams, read them, hand batches over, as recorded.
+
+    Args:
+        streams: the streams opened so far (before the scheduler ran).
+    """
+    read = 0
+
+    async def open_streams(through: int) -> None:
+        nonlocal read
+        while len(streams) <= through:
+            stream = trace.streams[len(streams)]
+            if stream.time is not None:
+                await source.sleep_until(stream.time)
+            streams.append(scheduler.tasks(_Batches(stream.batches)).stream())
+            read = 0
+
+    for call in trace.calls:
+        if call.stream is not None:
+            await open_streams(call.stream)
+            for _ in range(call.read - read):
+                next(streams[call.stream])
+            read = max(read, call.read)
+        # A call from the trainer's thread that raised has no time: hand it over as soon as
+        # the replay gets to it, but not before the recording began.
+        await source.sleep_until(trace.start if call.handed_over is None else call.handed_over)
+        try:
+            packed = await scheduler.step(_batch(call.batch), None, call.updates)
+        except Exception as error:
+            replayed = ReplayedCall(
+                None, scheduler.last_events, None, {}, _describe(error), trio.current_time()
+            )
+            calls.append(replayed)
+            continue
+        calls.append(
+            ReplayedCall(
+                scheduler.last_record,
+                scheduler.last_events,
+                batch_digest(packed),
+                {key: _array_digest(packed[key]) for key in sorted(packed)},
+                None,
+                trio.current_time(),
+            )
+        )
+    await open_streams(len(trace.streams) - 1)
+    await source.sleep_until(trace.end)

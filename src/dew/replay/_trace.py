@@ -1,0 +1,447 @@
+"""A trace read back: the records it holds and `read_trace`, which checks every line."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from dew.data import Task
+from dew.objectives.rl.scheduler import LogEvent, SchedulerRecord
+from dew.objectives.rl.sessions import Call, Label, Session, Status
+from dew.replay._format import CONFIG, FACADES, FORMAT, OUTCOMES, VERSION, TraceError
+
+
+@attrs.frozen
+class RecordedSession:
+    """One rollout the recorded source ran, and how it ended.
+
+    Args:
+        task, label: what the scheduler asked for.
+        submitted, ended: the scheduler's clock when the run started and when it returned,
+            raised or was cancelled.
+        outcome: one of OUTCOMES.
+        session: the returned session (unstamped), for `returned`.
+        error: what was raised, or why the returned value could not be held, for `raised` and
+            `invalid`.
+    """
+
+    task: Task
+    label: Label
+    submitted: float
+    ended: float
+    outcome: str
+    session: Session | None = attrs.field(default=None, eq=False)
+    error: str | None = None
+
+
+@attrs.frozen
+class RecordedCall:
+    """One recorded trainer call.
+
+    Args:
+        step: its index among the run's calls.
+        batch: the scheduler's index of the batch handed over.
+        updates: the trainer's updates at the call.
+        stream: the tasks() stream open at the call (None if none was).
+        read: batches that stream had yielded at the hand-over.
+        handed_over, returned: the scheduler's clock at the call and at its return (for a call
+            from the trainer's thread, its `handed_over` event and its delivery; None when such a
+            call raised).
+        record, events: the call's SchedulerRecord and event log.
+        digest: batch_digest of the returned packed batch.
+        arrays: per key, the digest of that array alone.
+        raised: what the call raised instead, if it did.
+    """
+
+    step: int
+    batch: int
+    updates: int
+    stream: int | None
+    read: int
+    handed_over: float | None
+    returned: float | None
+    record: SchedulerRecord | None
+    events: tuple[LogEvent, ...]
+    digest: str | None
+    arrays: Mapping[str, str]
+    raised: str | None
+
+
+@attrs.frozen
+class RecordedStream:
+    """One `tasks()` stream the trainer opened.
+
+    Args:
+        time: the scheduler's clock when it was opened; None when no scheduler's clock ran (it
+            was opened before the scheduler's first call from the trainer's thread) or when no
+            delivered call's log holds its `reopened` event.
+        running: whether the scheduler's trio side ran when it was opened (the open then logged
+            a `reopened` event and cancelled what was in flight).
+        batches: the batch indices it yielded, in order.
+    """
+
+    time: float | None
+    running: bool
+    batches: tuple[int, ...]
+
+
+@attrs.frozen
+class Trace:
+    """A recorded run, read back.
+
+    Args:
+        path: the file it was read from.
+        facade: how the trainer called the scheduler, one of FACADES.
+        config: the scheduler's configuration, by CONFIG name.
+        start: the scheduler's clock when the recording began (a thread trace's first time).
+        batches: batch index -> its tasks.
+        streams: per stream id, in order of opening.
+        sessions: label -> the recorded rollout.
+        pushes: every weight push, as (time, version).
+        calls: the trainer calls, in order.
+        end: the time the scheduler was closed (a thread trace's last time).
+        closing_events: the scheduler's `closing_events`: its event log after the last call's,
+            through the close.
+    """
+
+    path: str
+    facade: str
+    config: Mapping[str, Any]
+    start: float
+    batches: Mapping[int, tuple[Task, ...]]
+    streams: tuple[RecordedStream, ...]
+    sessions: Mapping[Label, RecordedSession]
+    pushes: tuple[tuple[float, int], ...]
+    calls: tuple[RecordedCall, ...]
+    end: float
+    closing_events: tuple[LogEvent, ...]
+
+
+class _Line:
+    """One parsed line of a trace, whose field readers raise TraceError naming file and line."""
+
+    def __init__(self, path: str, number: int, data: Any):
+        self.path, self.number = path, number
+        if not isinstance(data, dict):
+            self.fail(f"is a JSON {type(data).__name__}, not an object")
+        self.data = data
+
+    def fail(self, problem: str):
+        raise TraceError(self.path, self.number, problem)
+
+    def get(self, name: str, kinds: tuple[type, ...], where: Mapping | None = None) -> Any:
+        source = self.data if where is None else where
+        if name not in source:
+            self.fail(f"lacks field {name!r}")
+        value = source[name]
+        if isinstance(value, bool) and bool not in kinds:
+            self.fail(f"field {name!r} must be {_kind_names(kinds)}, got {value!r}")
+        if not isinstance(value, kinds):
+            self.fail(f"field {name!r} must be {_kind_names(kinds)}, got {value!r}")
+        return value
+
+    def time(self, name: str, where: Mapping | None = None) -> float:
+        value = self.get(name, (int, float), where)
+        if not math.isfinite(value):
+            self.fail(f"field {name!r} must be a finite time, got {value!r}")
+        return value
+
+    def optional_time(self, name: str, where: Mapping | None = None) -> float | None:
+        source = self.data if where is None else where
+        if name in source and source[name] is None:
+            return None
+        return self.time(name, where)
+
+    def mapping(self, name: str, where: Mapping | None = None) -> dict:
+        return self.get(name, (dict,), where)
+
+    def array(self, spec: Any, name: str) -> np.ndarray:
+        if not isinstance(spec, dict):
+            self.fail(f"array {name} must be an object with dtype, shape and data, got {spec!r}")
+        try:
+            dtype = np.dtype(self.get("dtype", (str,), spec))
+        except TypeError as error:
+            self.fail(f"array {name} has an unknown dtype: {error}")
+        if dtype.hasobject:
+            self.fail(f"array {name} has dtype {dtype}, which holds Python objects")
+        shape = self.get("shape", (list,), spec)
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+            self.fail(f"array {name} has shape {shape}, not a list of sizes")
+        try:
+            raw = base64.b64decode(self.get("data", (str,), spec), validate=True)
+        except ValueError as error:
+            self.fail(f"array {name} data is not base64: {error}")
+        expected = math.prod(shape) * dtype.itemsize
+        if len(raw) != expected:
+            self.fail(f"array {name} holds {len(raw)} bytes, but {dtype}{shape} takes {expected}")
+        return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+
+    def label(self, value: Any, name: str = "label") -> Label:
+        if (
+            not isinstance(value, list)
+            or len(value) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ):
+            self.fail(f"field {name!r} must be [group, sample, attempt], got {value!r}")
+        return Label(*value)
+
+    def task(self, value: Any) -> Task:
+        if not isinstance(value, dict):
+            self.fail(f"a task must be an object, got {value!r}")
+        return Task(self.get("name", (str,), value), value.get("payload"))
+
+
+def _kind_names(kinds: tuple[type, ...]) -> str:
+    return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+
+
+_OPTIONAL_INT = (int, type(None))
+_OPTIONAL_STR = (str, type(None))
+_NUMBER = (int, float)
+
+
+def _decode_session(line: _Line, data: dict) -> Session:
+    try:
+        status = Status(line.get("status", (str,), data))
+    except ValueError:
+        line.fail(f"session status {data['status']!r} is not one of {[s.value for s in Status]}")
+    calls = []
+    for i, call in enumerate(line.get("calls", (list,), data)):
+        if not isinstance(call, dict):
+            line.fail(f"calls[{i}] must be an object")
+        support = line.get("support", (list, type(None)), call)
+        calls.append(
+            Call(
+                prompt=line.array(call.get("prompt"), f"calls[{i}].prompt"),
+                completion=line.array(call.get("completion"), f"calls[{i}].completion"),
+                logprobs=line.array(call.get("logprobs"), f"calls[{i}].logprobs"),
+                version=line.get("version", (int,), call),
+                support=(
+                    None
+                    if support is None
+                    else tuple(
+                        line.array(kept, f"calls[{i}].support[{j}]")
+                        for j, kept in enumerate(support)
+                    )
+                ),
+            )
+        )
+    components = line.mapping("components", data)
+    for name, value in components.items():
+        if not isinstance(value, _NUMBER) or isinstance(value, bool):
+            line.fail(f"component {name!r} must be a number, got {value!r}")
+    return Session(
+        status,
+        calls,
+        reward=line.get("reward", (int, float, type(None)), data),
+        components=components,
+        truncation=line.get("truncation", _OPTIONAL_STR, data),
+        error=line.get("error", _OPTIONAL_STR, data),
+    )
+
+
+def _decode_event(line: _Line, data: Any) -> LogEvent:
+    if not isinstance(data, dict):
+        line.fail(f"an event must be an object, got {data!r}")
+    label = line.get("label", (list, type(None)), data)
+    return LogEvent(
+        kind=line.get("kind", (str,), data),
+        time=line.time("time", data),
+        version=line.get("version", _OPTIONAL_INT, data),
+        group=line.get("group", _OPTIONAL_INT, data),
+        task=line.get("task", _OPTIONAL_STR, data),
+        label=None if label is None else line.label(label),
+        reason=line.get("reason", _OPTIONAL_STR, data),
+    )
+
+
+def _decode_record(line: _Line, data: dict) -> SchedulerRecord:
+    fields = {}
+    for field in attrs.fields(SchedulerRecord):
+        if field.name in ("resubmitted", "metrics"):
+            value = line.mapping(field.name, data)
+            for key, number in value.items():
+                if not isinstance(number, _NUMBER) or isinstance(number, bool):
+                    line.fail(f"record {field.name}[{key!r}] must be a number, got {number!r}")
+        elif field.name == "waited":
+            value = line.get(field.name, _NUMBER, data)
+        else:
+            value = line.get(field.name, (int,), data)
+        fields[field.name] = value
+    return SchedulerRecord(**fields)
+
+
+def _read_header(line: _Line) -> tuple[str, dict, float | None]:
+    if line.data.get("format") != FORMAT:
+        line.fail(f"is not a {FORMAT} header (its 'format' is {line.data.get('format')!r})")
+    version = line.data.get("version")
+    if version != VERSION:
+        line.fail(f"{FORMAT} version {version!r} is not one this dew reads (version {VERSION})")
+    facade = line.get("facade", (str,))
+    if facade not in FACADES:
+        line.fail(f"facade {facade!r} is not one of {FACADES}")
+    config = line.mapping("config")
+    missing = [name for name in CONFIG if name not in config]
+    if missing:
+        line.fail(f"config lacks {', '.join(missing)}")
+    return facade, {name: config[name] for name in CONFIG}, line.optional_time("start")
+
+
+def read_trace(path: str | os.PathLike) -> Trace:
+    """Read a trace written by Recorder.
+
+    Raises:
+        TraceError: naming the file, the line and the problem: not JSON, a missing or mistyped
+            field, an unknown format version, a line or the end line cut off.
+        OSError: when the file cannot be opened.
+    """
+    path = os.fspath(path)
+    with open(path, encoding="utf-8") as file:
+        text = file.read()
+    lines = text.split("\n")
+    if lines[-1]:
+        # The last line has no newline: the writer stopped partway through it.
+        raise TraceError(path, len(lines), "is cut off (the file is truncated)")
+    lines.pop()
+    if not lines:
+        raise TraceError(path, 1, "the file is empty, not a trace")
+
+    def parse(number: int, text: str) -> _Line:
+        try:
+            return _Line(path, number, json.loads(text))
+        except json.JSONDecodeError as error:
+            problem = f"is not JSON ({error.msg} at column {error.colno})"
+            raise TraceError(path, number, problem) from None
+
+    facade, config, start = _read_header(parse(1, lines[0]))
+    batches: dict[int, tuple[Task, ...]] = {}
+    streams: list[tuple[float | None, bool, list[int]]] = []
+    sessions: dict[Label, RecordedSession] = {}
+    pushes: list[tuple[float, int]] = []
+    calls: list[RecordedCall] = []
+    ended, end = False, None
+    for number, text in enumerate(lines[1:], start=2):
+        line = parse(number, text)
+        if ended:
+            line.fail("follows the trace's end line")
+        kind = line.get("kind", (str,))
+        if kind == "stream":
+            if line.get("stream", (int,)) != len(streams):
+                line.fail(f"stream {line.data['stream']} is out of order (expected {len(streams)})")
+            running = line.get("running", (bool,))
+            if not running and streams and streams[-1][1]:
+                line.fail("opens before the scheduler ran, after a stream opened while it ran")
+            streams.append((line.optional_time("time"), running, []))
+        elif kind == "batch":
+            index = line.get("batch", (int,))
+            if index in batches:
+                line.fail(f"batch {index} is recorded twice")
+            stream = line.get("stream", _OPTIONAL_INT)
+            if stream is not None:
+                if not 0 <= stream < len(streams):
+                    line.fail(f"batch {index} names stream {stream}, which was never opened")
+                streams[stream][2].append(index)
+            batches[index] = tuple(line.task(t) for t in line.get("tasks", (list,)))
+        elif kind == "session":
+            label = line.label(line.get("label", (list,)))
+            if label in sessions:
+                line.fail(f"{label} is recorded twice")
+            outcome = line.get("outcome", (str,))
+            if outcome not in OUTCOMES:
+                line.fail(f"outcome {outcome!r} is not one of {OUTCOMES}")
+            session = None
+            if outcome == "returned":
+                session = _decode_session(line, line.mapping("session"))
+            sessions[label] = RecordedSession(
+                task=line.task(line.get("task", (dict,))),
+                label=label,
+                submitted=line.time("submitted"),
+                ended=line.time("ended"),
+                outcome=outcome,
+                session=session,
+                error=line.get("error", _OPTIONAL_STR),
+            )
+        elif kind == "push":
+            pushes.append((line.time("time"), line.get("version", (int,))))
+        elif kind == "call":
+            step = line.get("step", (int,))
+            if step != len(calls):
+                line.fail(f"call step {step} is out of order (expected {len(calls)})")
+            raised = line.get("raised", _OPTIONAL_STR)
+            batch = line.get("batch", (int,))
+            if batch not in batches:
+                line.fail(f"call hands over batch {batch}, which no batch line before it holds")
+            calls.append(
+                RecordedCall(
+                    step=step,
+                    batch=batch,
+                    updates=line.get("updates", (int,)),
+                    stream=line.get("stream", _OPTIONAL_INT),
+                    read=line.get("read", (int,)),
+                    handed_over=line.optional_time("handed_over"),
+                    returned=line.optional_time("returned"),
+                    record=None if raised else _decode_record(line, line.mapping("record")),
+                    events=tuple(_decode_event(line, e) for e in line.get("events", (list,))),
+                    digest=None if raised else line.get("digest", (str,)),
+                    arrays=line.mapping("arrays"),
+                    raised=raised,
+                )
+            )
+        elif kind == "end":
+            ended, end = True, line.optional_time("time")
+            closing = tuple(_decode_event(line, e) for e in line.get("events", (list,)))
+        else:
+            line.fail(f"has unknown kind {kind!r}")
+    if not ended:
+        raise TraceError(
+            path, len(lines), "is the last line, and no end line follows: the recording was cut off"
+        )
+    # The k-th stream opened while the scheduler ran, with no time of its own, is the k-th one
+    # the event logs saw reopened.
+    reopened = iter([e.time for call in calls for e in call.events if e.kind == "reopened"])
+    opened = tuple(
+        RecordedStream(
+            next(reopened, None) if time is None and running else time, running, tuple(indices)
+        )
+        for time, running, indices in streams
+    )
+    if start is None or end is None:
+        times = _times(opened, sessions.values(), pushes, calls)
+        start = min(times, default=0.0) if start is None else start
+        end = max(times, default=start) if end is None else end
+    return Trace(
+        path=path,
+        facade=facade,
+        config=config,
+        start=start,
+        batches=batches,
+        streams=opened,
+        sessions=sessions,
+        pushes=tuple(pushes),
+        calls=tuple(calls),
+        end=end,
+        closing_events=closing,
+    )
+
+
+def _times(
+    streams: Sequence[RecordedStream],
+    sessions: Iterable[RecordedSession],
+    pushes: Sequence[tuple[float, int]],
+    calls: Sequence[RecordedCall],
+) -> list[float]:
+    """Every scheduler's-clock time a trace holds."""
+    times = [s.time for s in streams if s.time is not None]
+    times += [t for s in sessions for t in (s.submitted, s.ended)]
+    times += [time for time, _ in pushes]
+    for call in calls:
+        times += [t for t in (call.handed_over, call.returned) if t is not None]
+        times += [e.time for e in call.events]
+    return times

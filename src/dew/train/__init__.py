@@ -1,0 +1,65 @@
+"""Train a policy on rollouts: the Rollout protocol, the Trainer, its checkpoints, and `dew train`.
+
+`Trainer` owns what a run must not lose: the model's variables, the optax optimizer state, the
+count of optimizer updates and the data position (the stream index of the next batch to hand
+over). Each step it reads the task stream `ahead` batches beyond the batch it hands over (so a
+`RolloutScheduler` has them running early), asks its `Rollout` for that batch's packed rows,
+applies one jitted `GRPOObjective` update, writes one flat JSON line of what the step did, and
+every `checkpoint_every` updates writes a checkpoint. A resumed trainer reopens the stream at the
+checkpoint's position: the scheduler then cancels whatever the old stream left in flight, and
+the rollouts of the batches it re-reads are run again rather than trained twice or skipped.
+
+A checkpoint is two files, neither of them a pickle: an `.npz` of the flattened leaves of the
+variables and the optimizer state, and `checkpoint.json`, the commit record, which names the
+arrays file and holds the tree paths, shapes, dtypes, `updates`, `position` and metadata. Each
+is written to a temporary file in the same directory, fsynced and renamed over its target; the
+arrays file has a fresh name each time and the commit record is renamed last, so a crash at any
+point leaves the previous checkpoint whole.
+
+`dew train` runs a built-in task (`dew.envs.tasks`) end to end on the CPU: a `RolloutServer`
+samples, a `RolloutScheduler` keeps the rollouts in flight, and the trainer trains, writing a run
+folder with `config.json`, `metrics.jsonl`, `checkpoints/` and `curves.png` (reward and lag per
+step); `dew train --run DIR --resume` continues it.
+
+The package's modules: `_trainer` (the Rollout protocol, `Trainer`, `record_fields`),
+`_checkpoint` (writing and reading checkpoints), `_progress` (what `dew train` prints),
+`_curves` (the reward and lag PNG) and `_cli` (`TrainConfig`, `train` and the command line).
+`ServedSource` lives in `dew.serve` and is re-exported here.
+"""
+
+from dew.serve import ServedSource
+from dew.train._checkpoint import (
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_VERSION,
+    COMMIT,
+    Checkpoint,
+    Variables,
+    load_checkpoint,
+    save_checkpoint,
+)
+from dew.train._cli import TASKS, TrainConfig, configure_cli, run_cli, train
+from dew.train._curves import write_curves
+from dew.train._progress import Progress
+from dew.train._trainer import METRICS, Rollout, Trainer, record_fields
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CHECKPOINT_VERSION",
+    "COMMIT",
+    "METRICS",
+    "TASKS",
+    "Checkpoint",
+    "Progress",
+    "Rollout",
+    "ServedSource",
+    "TrainConfig",
+    "Trainer",
+    "Variables",
+    "configure_cli",
+    "load_checkpoint",
+    "record_fields",
+    "run_cli",
+    "save_checkpoint",
+    "train",
+    "write_curves",
+]
