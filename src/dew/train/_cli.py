@@ -29,6 +29,7 @@ from dew.train._progress import Progress
 from dew.train._trainer import METRICS, Trainer
 
 TASKS = ("copy", "guess")
+"""The built-in tasks `dew train --task` runs: CopyDigits and GuessDigit."""
 
 
 def _task_name(instance, attribute, value):
@@ -115,6 +116,7 @@ class TrainConfig:
         return cls(**data)
 
     def model_config(self, max_len: int) -> models.TransformerConfig:
+        """The transformer's config for this run, with positions up to `max_len`."""
         return models.TransformerConfig(
             d_model=self.d_model,
             heads=self.heads,

@@ -24,6 +24,7 @@ from dew.objectives.rl.scheduler import SchedulerRecord
 from dew.train._checkpoint import Checkpoint, Variables, load_checkpoint, save_checkpoint
 
 METRICS = "metrics.jsonl"
+"""The metrics log's file name in a run folder: one JSON line per step."""
 
 
 @runtime_checkable

@@ -17,8 +17,11 @@ import numpy as np
 from dew.data import Task
 
 ESTIMATORS = ("group", "mean", "rloo")
+"""The advantage families `pack` computes over a group (see `pack`)."""
 TRUNCATION = ("mask", "score", "zero")
+"""What a TRUNCATED session can train on (see the module docstring)."""
 TRUNCATION_REASONS = ("length", "turns", "context", "wall_clock")
+"""Why a TRUNCATED session stopped: its `truncation`."""
 
 
 class Status(enum.Enum):
