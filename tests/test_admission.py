@@ -1,4 +1,4 @@
-"""The scheduler's pure admission core against the reference page's rules.
+"""The scheduler's pure admission core against the rules of docs/scheduler.md.
 
 A hypothesis state machine plays the trio shell: it hands batches over as a trainer with a
 prefetching stream would, finishes, times out and breaks the rollouts in flight, reopens and

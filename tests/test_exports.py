@@ -1,4 +1,4 @@
-"""The public surface the reference page and SPEC.md name: names, signatures and defaults."""
+"""The public surface docs/scheduler.md names: names, signatures and defaults."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """RolloutScheduler under trio's autojump clock, driven by an in-trio fake trainer.
 
 Each test scripts a source whose rollouts take known times and end with known statuses, and
-checks one rule of the reference page through what the trainer receives, the records, the event
+checks one rule of docs/scheduler.md through what the trainer receives, the records, the event
 log, and what the source saw (trio tells a cancelled rollout why it was cancelled).
 """
 

@@ -1,6 +1,6 @@
-"""RolloutScheduler's trio shell at its edges, against the reference page and SPEC.
+"""RolloutScheduler's trio shell at its edges, against docs/scheduler.md.
 
-Each test pins one rule of `seed/scheduler.md` or SPEC.md in an interleaving the rest of the
+Each test pins one rule of docs/scheduler.md ("the page") in an interleaving the rest of the
 suite does not reach: ties at one instant of trio's clock, cancellations of the trainer's own
 call, `close()` from places other than the scheduler's own run, a source that raises while it is
 being cancelled, the synchronous facade's error paths, reopening the stream (a resume), the
@@ -46,10 +46,11 @@ def scheduler(source, engine, **kwargs) -> RolloutScheduler:
 
 
 def test_a_rollout_finishing_at_its_deadline_has_one_outcome_whatever_trios_order():
-    """SPEC: everything observable is a function of seed, source and clock, never of the order
-    in which trio runs ready tasks. A rollout that finishes exactly at submission + timeout
-    posts Finished while the deadline watch posts TimedOut for the same label at the same time:
-    the finish comes first, so it is admitted, whatever order trio posted them in."""
+    """The page (Determinism): everything observable is a function of seed, source and
+    clock, never of the order in which trio runs ready tasks. A rollout that finishes exactly
+    at submission + timeout posts Finished while the deadline watch posts TimedOut for the
+    same label at the same time: the finish comes first, so it is admitted, whatever order
+    trio posted them in."""
 
     async def main():
         engine = Engine()
@@ -343,7 +344,7 @@ def test_close_from_another_thread_answers_the_waiting_trainer_thread():
 async def test_reopening_the_stream_while_the_trainer_waits_does_not_leave_it_waiting_forever(
     autojump_clock,
 ):
-    """SPEC: no group can wait forever unnoticed; the page: reopening the stream cancels what
+    """The page: no group can wait forever unnoticed; reopening the stream cancels what
     the old one left running. A data-loader task that reopens the stream while the trainer
     waits on batch 0 cancels batch 0 (reason `reopened`) and answers the waiting call with an
     error, since its batch never comes."""
@@ -548,7 +549,7 @@ async def test_after_the_pool_agreed_on_a_failure_this_process_refuses_the_next_
 
 
 def test_status_answers_while_a_source_blocks_the_scheduler_thread():
-    """SPEC: while the trainer waits, the scheduler can say which groups it waits on
+    """The page (status): while the trainer waits, the scheduler can say which groups it waits on
     (`status()`). A source that blocks its trio thread in a synchronous call (the environment
     step the page warns about) stalls the trainer, but not status() from another thread."""
     engine = Engine()
@@ -592,7 +593,7 @@ def test_status_answers_while_a_source_blocks_the_scheduler_thread():
 
 
 async def test_a_trace_accounts_for_what_happened_after_the_last_call(tmp_path, autojump_clock):
-    """SPEC: every submission ends exactly once and says how, and the event log is available
+    """The page: every submission ends exactly once and says how, and the event log is available
     for replay. A recorded run whose ahead batch fails an attempt after the last call returned,
     and is then closed with work in flight, holds how each of its submissions ended: the events
     after the last call are the trace's closing events, and the replay reproduces them."""

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import zlib
 
 import attrs
 import jax
@@ -35,7 +34,6 @@ from dew.train import (
     Trainer,
     load_checkpoint,
     save_checkpoint,
-    write_curves,
 )
 
 CONFIG = models.TransformerConfig(d_model=16, heads=2, layers=1, d_ff=32, max_len=16)
@@ -371,40 +369,6 @@ def test_progress_redraws_a_bar_on_a_terminal_and_prints_lines_otherwise():
     quiet = io.StringIO()
     Progress(4, out=quiet, tty=False, lines=2)({**line, "updates": 1})
     assert quiet.getvalue() == ""
-
-
-def read_png(path) -> np.ndarray:
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    chunks, offset = {}, 8
-    while offset < len(data):
-        (length,) = np.frombuffer(data[offset : offset + 4], ">u4")
-        kind = data[offset + 4 : offset + 8]
-        body = data[offset + 8 : offset + 8 + int(length)]
-        crc = int.from_bytes(data[offset + 8 + int(length) : offset + 12 + int(length)], "big")
-        assert zlib.crc32(kind + body) == crc
-        chunks[kind] = chunks.get(kind, b"") + body
-        offset += 12 + int(length)
-    width, height = np.frombuffer(chunks[b"IHDR"][:8], ">u4")
-    raw = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(height, -1)
-    assert not raw[:, 0].any()  # filter type 0 on every row
-    return raw[:, 1:].reshape(height, width, 3)
-
-
-def test_the_curves_are_a_png_with_both_lines(tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    lines = [{"step": i, "reward/mean": i / 10, "lag": i % 2} for i in range(10)]
-    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    write_curves(metrics, tmp_path / "curves.png")
-    pixels = read_png(tmp_path / "curves.png")
-    assert pixels.shape == (400, 640, 3)
-    reward = np.all(pixels == (31, 119, 180), axis=-1)
-    lag = np.all(pixels == (255, 127, 14), axis=-1)
-    rows = np.nonzero(reward)[0]
-    # Rising reward: its line starts low on the left and ends high on the right, in the top panel.
-    assert rows.max() < 200 and np.nonzero(lag)[0].min() > 200
-    left, right = np.nonzero(reward)[1].argmin(), np.nonzero(reward)[1].argmax()
-    assert rows[left] > rows[right]
 
 
 # 5. dew train -------------------------------------------------------------------------------------

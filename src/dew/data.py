@@ -76,10 +76,12 @@ class ArrayDataset:
 
     @property
     def rows(self) -> int:
+        """Rows in each array: the dataset's examples in one epoch."""
         return len(next(iter(self.arrays.values())))
 
     @property
     def batches_per_epoch(self) -> int:
+        """Whole batches in one epoch; the remainder rows are left out."""
         return self.rows // self.batch_size
 
     def __len__(self) -> int:
@@ -91,6 +93,11 @@ class ArrayDataset:
         return np.random.default_rng([self.shuffle_seed, epoch]).permutation(self.rows)
 
     def stream(self, start: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """Yield batches from batch index `start` on, in the same order every time.
+
+        Raises:
+            ValueError: for a negative `start`.
+        """
         check_int("start", start, low=0)
         for index in range(start, len(self)):
             epoch, within = divmod(index, self.batches_per_epoch)

@@ -106,6 +106,7 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
+        """Each attention head's width: d_model / heads."""
         return self.d_model // self.heads
 
 
@@ -148,6 +149,7 @@ def _lead(array: jax.Array, ndim: int) -> jax.Array:
 
 
 def layer_norm(params: dict, x: jax.Array) -> jax.Array:
+    """x normalised over its last axis, then scaled and shifted by params' `scale` and `bias`."""
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)
     normed = (x - mean) * jax.lax.rsqrt(var + 1e-5)
@@ -182,10 +184,12 @@ def block_finish(block: dict, x: jax.Array, attended: jax.Array) -> jax.Array:
 
 
 def embed(params: dict, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+    """float[..., d_model]: token embeddings plus learned position embeddings."""
     return params["embed"][tokens] + params["position"][positions]
 
 
 def unembed(params: dict, x: jax.Array) -> jax.Array:
+    """float[..., vocab]: next-token logits of the final hidden states."""
     return layer_norm(params["ln_f"], x) @ params["unembed"]
 
 

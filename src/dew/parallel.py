@@ -70,10 +70,12 @@ class LocalPool:
     share_size = 1
 
     def agree(self, error: BaseException | None) -> None:
+        """Raise `error`, this process's failure, if there is one: no other process to tell."""
         if error is not None:
             raise error
 
     def rescore(self, objective: Any, variables: Any, rows: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The proximal log-probs of this process's rows, float32[rows, width]."""
         return np.asarray(objective.packed_log_probs(variables, rows), np.float32)
 
     def is_first_reader(self) -> bool:

@@ -71,6 +71,7 @@ class Divergence:
 
     @property
     def sample(self) -> int | None:
+        """The sample index of the rollout concerned, where one is."""
         return None if self.label is None else self.label.sample
 
     def __str__(self) -> str:
@@ -119,18 +120,22 @@ class ReplayResult:
 
     @property
     def matched(self) -> bool:
+        """Whether the replay reproduced the recording: no divergence."""
         return self.divergence is None
 
     @property
     def steps(self) -> int:
+        """Trainer calls the replay made."""
         return len(self.calls)
 
     @property
     def groups(self) -> int:
+        """Groups the replayed calls admitted, over every call."""
         return sum(c.record.groups for c in self.calls if c.record is not None)
 
     @property
     def events(self) -> int:
+        """Events in the replayed calls' logs, together."""
         return sum(len(c.events) for c in self.calls)
 
     def __str__(self) -> str:

@@ -16,9 +16,11 @@ from dew.objectives.rl.scheduler import LogEvent, SchedulerRecord
 from dew.objectives.rl.sessions import Call, Label, Session, Status
 
 FORMAT = "dew-trace"
+"""The `format` a trace's header names."""
 VERSION = 3
+"""The trace format's version; a trace of another version is refused by name."""
 FACADES = ("async", "thread")
-# The RolloutScheduler arguments a trace holds: all but objective, source, weights, tasks, log.
+"""How a recorded trainer called the scheduler: `await scheduler.step` or the thread facade."""
 CONFIG = (
     "width",
     "rows",
@@ -36,11 +38,15 @@ CONFIG = (
     "vocab",
     "empty_streak",
 )
+"""The RolloutScheduler arguments a trace holds: all but objective, source, weights, tasks, log."""
 # CONFIG names added after traces of this VERSION were first written: a trace without one ran
 # with the default here.
 ADDED = {"vocab": None, "empty_streak": 5}
 OUTCOMES = ("returned", "cancelled", "raised", "invalid")
+"""How a recorded rollout ended: returned a session, was cancelled, raised, or returned what no
+trace can hold."""
 PROXIMAL = "proximal_logprobs"
+"""The packed array replay cannot compare: the trainer's rescoring, which needs its weights."""
 
 
 class TraceError(ValueError):

@@ -376,6 +376,7 @@ class RecordingSource:
     recorder: Recorder
 
     async def run(self, task: Task, label: Label) -> Session:
+        """Run the rollout with `source` and record how it ended, then return (or raise) it."""
         recorder = self.recorder
         recorder._recording()
         submitted = trio.current_time()
@@ -409,6 +410,7 @@ class RecordingPublisher:
     recorder: Recorder
 
     def load(self, variables: Any, version: int) -> None:
+        """Push the weights through `publisher`, then record the push."""
         self.publisher.load(variables, version)
         push = {"kind": "push", "version": _plain(version), "time": trio.current_time()}
         self.recorder._write(push)

@@ -60,6 +60,7 @@ class ReplayPublisher:
     pushes: list[tuple[float, int]] = attrs.field(factory=list, init=False)
 
     def load(self, variables: Any, version: int) -> None:
+        """Keep the push as (the clock's time, version); the weights go nowhere."""
         self.pushes.append((trio.current_time(), int(version)))
 
 

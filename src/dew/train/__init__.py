@@ -18,12 +18,13 @@ point leaves the previous checkpoint whole.
 
 `dew train` runs a built-in task (`dew.envs.tasks`) end to end on the CPU: a `RolloutServer`
 samples, a `RolloutScheduler` keeps the rollouts in flight, and the trainer trains, writing a run
-folder with `config.json`, `metrics.jsonl`, `checkpoints/` and `curves.png` (reward and lag per
-step); `dew train --run DIR --resume` continues it.
+folder with `config.json`, `metrics.jsonl`, `checkpoints/` and `curves.png` (reward, loss, KL,
+lag, wait and row fill per step); `dew train --run DIR --resume` continues it.
 
 The package's modules: `_trainer` (the Rollout protocol, `Trainer`, `record_fields`),
 `_checkpoint` (writing and reading checkpoints), `_progress` (what `dew train` prints),
-`_curves` (the reward and lag PNG) and `_cli` (`TrainConfig`, `train` and the command line).
+`_curves` (`curves.png`, drawn with matplotlib) and `_cli` (`TrainConfig`, `train` and the
+command line).
 `ServedSource` lives in `dew.serve` and is re-exported here.
 """
 
@@ -38,7 +39,7 @@ from dew.train._checkpoint import (
     save_checkpoint,
 )
 from dew.train._cli import TASKS, TrainConfig, configure_cli, run_cli, train
-from dew.train._curves import write_curves
+from dew.train._curves import curves_figure, write_curves
 from dew.train._fit import Sizes, fit, measure, task_list
 from dew.train._progress import Progress
 from dew.train._samples import SampleLog, sample_record
@@ -62,6 +63,7 @@ __all__ = [
     "Trainer",
     "Variables",
     "configure_cli",
+    "curves_figure",
     "fit",
     "load_checkpoint",
     "measure",

@@ -15,10 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 
 Variables = Any
+"""A model's variables: any pytree of arrays."""
 
 CHECKPOINT_FORMAT = "dew-checkpoint"
+"""The `format` a checkpoint's commit record names."""
 CHECKPOINT_VERSION = 1
+"""The checkpoint format's version."""
 COMMIT = "checkpoint.json"
+"""The commit record's file name in a checkpoint directory."""
 
 
 @attrs.frozen(eq=False)

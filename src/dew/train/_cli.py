@@ -48,6 +48,7 @@ from dew.train._tensorboard import TensorBoard
 from dew.train._trainer import METRICS, Trainer
 
 TASKS = ("copy", "guess")
+"""The built-in tasks `dew train --task` runs: CopyDigits and GuessDigit."""
 SAMPLES = "samples.jsonl"
 EVALUATIONS = "eval.jsonl"
 
@@ -181,6 +182,7 @@ class TrainConfig:
         return cls(**{**_fields_of(data, str(path)), **overrides})
 
     def model_config(self, max_len: int) -> models.TransformerConfig:
+        """The transformer's config for this run, with positions up to `max_len`."""
         return models.TransformerConfig(
             d_model=self.d_model,
             heads=self.heads,

@@ -1,121 +1,160 @@
-"""The run's reward and lag curves, drawn into a PNG by a tiny writer of its own."""
+"""`curves.png`: a run's metrics log drawn as six panels over the step axis.
+
+Drawn with matplotlib's object API (a `Figure` of its own, never pyplot's global state), so it
+works in a headless process and in a notebook alike: `curves_figure` returns the figure for a
+notebook to show, `write_curves` writes it as a PNG beside the metrics.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
-import struct
-import zlib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from dew.train._checkpoint import _write_atomically
 
-# A 3x5 bitmap font for the plot's labels: each glyph is five rows of three bits, top row first.
-_FONT = {
-    "0": "75557", "1": "26227", "2": "71747", "3": "71717", "4": "55711", "5": "74717",
-    "6": "74757", "7": "71111", "8": "75757", "9": "75717", ".": "00002", "-": "00700",
-    " ": "00000", "a": "06357", "d": "13557", "e": "07763", "g": "35316", "l": "22223",
-    "p": "07574", "r": "06544", "s": "03636", "t": "27222", "v": "05552", "w": "05577",
-}  # fmt: skip
+# Steps averaged into the smoothed reward: a tenth of the run, at least 1 and at most 50.
+SMOOTHING = (1, 50)
 
 
-def _png(pixels: np.ndarray) -> bytes:
-    """Encode uint8[height, width, 3] RGB pixels as a PNG file."""
-    height, width, _ = pixels.shape
+def _series(lines: Sequence[Mapping[str, Any]], key: str) -> np.ndarray:
+    """float64[steps]: key's value in each line, NaN where a line lacks it or holds null."""
+    values = [line.get(key) for line in lines]
+    return np.array([math.nan if v is None else float(v) for v in values], np.float64)
 
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
 
-    rows = np.concatenate([np.zeros((height, 1), np.uint8), pixels.reshape(height, -1)], axis=1)
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(rows.tobytes(), 9))
-        + chunk(b"IEND", b"")
+def smoothed(values: np.ndarray, window: int) -> np.ndarray:
+    """The trailing mean of the last `window` finite values at each step (NaN before any).
+
+    Args:
+        values: float64[steps], NaN where a step has no value.
+        window: steps averaged, >= 1.
+
+    Returns:
+        float64[steps].
+
+    Raises:
+        ValueError: for a window below 1.
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    out = np.full(len(values), math.nan)
+    for i in range(len(values)):
+        recent = values[max(0, i - window + 1) : i + 1]
+        recent = recent[np.isfinite(recent)]
+        if recent.size:
+            out[i] = recent.mean()
+    return out
+
+
+def curves_figure(
+    lines: Sequence[Mapping[str, Any]],
+    evaluations: Sequence[Mapping[str, Any]] = (),
+) -> Figure:
+    """Draw a run's metrics lines (one per step, as `metrics.jsonl` holds them).
+
+    Six panels over the step axis: the mean reward per step and its trailing mean; the loss;
+    the behaviour–proximal KL (the trainer–engine mismatch); the lag in whole updates; the
+    trainer's wait share (seconds waited on the scheduler over the step's seconds); and the
+    packed rows' fill with the groups cut per step. A panel whose key no line holds says so.
+    With evaluations, the reward panel also marks the held-out reward at each one.
+
+    Args:
+        lines: the metrics lines, each with `step` and any of `reward/mean`, `loss`,
+            `kl/behavior_proximal`, `lag`, `waited`, `seconds/step`, `fill`, `cut`.
+        evaluations: the held-out evaluations (`eval.jsonl`'s lines), each with `updates` and
+            `reward/mean`.
+
+    Returns:
+        The figure, 12 x 9 inches.
+
+    Raises:
+        ValueError: when a line has no `step`.
+    """
+    for index, line in enumerate(lines):
+        if "step" not in line:
+            raise ValueError(f"metrics line {index} has no 'step': {sorted(line)}")
+    steps = _series(lines, "step")
+    figure = Figure(figsize=(12, 9), layout="constrained")
+    axes = figure.subplots(3, 2, sharex=True)
+    reward = _series(lines, "reward/mean")
+    window = min(max(len(lines) // 10, SMOOTHING[0]), SMOOTHING[1])
+    _panel(axes[0, 0], steps, reward, "reward", "mean reward", alpha=0.35, label="per step")
+    if np.isfinite(reward).any():
+        axes[0, 0].plot(steps, smoothed(reward, window), label=f"mean of {window} steps")
+    if evaluations:
+        at = _series(evaluations, "updates")
+        held_out = _series(evaluations, "reward/mean")
+        axes[0, 0].plot(at, held_out, "o-", color="tab:green", label="held-out tasks")
+    if np.isfinite(reward).any() or evaluations:
+        axes[0, 0].legend(loc="best", fontsize="small")
+    _panel(axes[0, 1], steps, _series(lines, "loss"), "loss", "clipped surrogate")
+    _panel(
+        axes[1, 0],
+        steps,
+        _series(lines, "kl/behavior_proximal"),
+        "KL(behaviour ‖ proximal)",
+        "nats per token",
     )
+    _panel(axes[1, 1], steps, _series(lines, "lag"), "lag", "updates", drawstyle="steps-mid")
+    axes[1, 1].yaxis.set_major_locator(MaxNLocator(integer=True))
+    wait = _series(lines, "waited") / _series(lines, "seconds/step")
+    _panel(axes[2, 0], steps, wait, "trainer's wait share", "waited / step time")
+    axes[2, 0].set_ylim(0, 1.05)
+    _rows_panel(axes[2, 1], steps, _series(lines, "fill"), _series(lines, "cut"))
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return figure
 
 
-def _text(canvas: np.ndarray, x: int, y: int, text: str, scale: int = 2) -> None:
-    """Draw `text` in the bitmap font, in black, its top-left corner at (x, y)."""
-    for char in text:
-        glyph = _FONT.get(char, _FONT[" "])
-        for row, bits in enumerate(glyph):
-            for column in range(3):
-                if int(bits, 16) >> (2 - column) & 1:
-                    top, left = y + row * scale, x + column * scale
-                    canvas[top : top + scale, left : left + scale] = 0
-        x += 4 * scale
+def _panel(ax, steps: np.ndarray, values: np.ndarray, title: str, ylabel: str, **style) -> None:
+    """One series against the steps, or a note where it has no value at all."""
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if np.isfinite(values).any():
+        ax.plot(steps, values, **style)
+    else:
+        ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center")
 
 
-def _trailing_mean(values: np.ndarray, window: int) -> np.ndarray:
-    """Each value's mean with the `window - 1` before it, over the finite ones (NaN if none)."""
-    finite = np.isfinite(values)
-    sums = np.concatenate([[0.0], np.cumsum(np.where(finite, values, 0.0))])
-    counts = np.concatenate([[0], np.cumsum(finite)])
-    end = np.arange(1, len(values) + 1)
-    begin = np.maximum(end - window, 0)
-    count = counts[end] - counts[begin]
-    return np.where(count > 0, (sums[end] - sums[begin]) / np.maximum(count, 1), np.nan)
+def _rows_panel(ax, steps: np.ndarray, fill: np.ndarray, cut: np.ndarray) -> None:
+    """Row fill (share of cells, left axis) and groups cut (bars, right axis)."""
+    _panel(ax, steps, fill, "packed rows", "fill (share of cells)", color="tab:green")
+    ax.yaxis.label.set_color("tab:green")
+    ax.set_ylim(0, 1.05)
+    cuts = ax.twinx()
+    cuts.bar(steps, np.nan_to_num(cut), color="tab:red", alpha=0.5, width=0.8)
+    cuts.set_ylabel("groups cut", color="tab:red")
+    cuts.yaxis.set_major_locator(MaxNLocator(integer=True))
+    cuts.set_ylim(0, max(1.0, float(np.nanmax(cut, initial=0.0))) * 1.1)
 
 
-def _line(
-    canvas: np.ndarray, box: tuple[int, int, int, int], xs: np.ndarray, ys: np.ndarray,
-    colour: tuple[int, int, int],
-) -> None:  # fmt: skip
-    """Draw the polyline through (xs, ys), two pixels thick, clipped to the box; NaNs break it."""
-    left, top, right, bottom = box
-    finite = np.isfinite(ys)
-    for x0, y0, x1, y1, ok in zip(
-        xs[:-1], ys[:-1], xs[1:], ys[1:], finite[:-1] & finite[1:], strict=True
-    ):
-        if not ok:
-            continue
-        count = int(max(abs(x1 - x0), abs(y1 - y0))) + 2
-        px = np.rint(np.linspace(x0, x1, count)).astype(int)
-        py = np.rint(np.linspace(y0, y1, count)).astype(int)
-        for dx, dy in ((0, 0), (1, 0), (0, 1), (1, 1)):
-            canvas[np.clip(py + dy, top, bottom), np.clip(px + dx, left, right)] = colour
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The lines of a metrics log, in order.
 
-
-def _panel(
-    canvas: np.ndarray, box: tuple[int, int, int, int], steps: np.ndarray, values: np.ndarray,
-    title: str, colour: tuple[int, int, int],
-) -> None:  # fmt: skip
-    """Plot `values` over `steps` in the box (left, top, right, bottom): each step's value in a
-    pale tint, their trailing mean (over a 25th of the run) over it in `colour`; framed, with the
-    title and the y range written beside it."""
-    left, top, right, bottom = box
-    canvas[top : bottom + 1, [left, right]] = 160
-    canvas[[top, bottom], left : right + 1] = 160
-    finite = np.isfinite(values)
-    low, high = (values[finite].min(), values[finite].max()) if finite.any() else (0.0, 1.0)
-    if high - low < 1e-9:
-        low, high = low - 0.5, high + 0.5
-    _text(canvas, left + 6, top + 6, title)
-    _text(canvas, 4, top, f"{high:.2f}")
-    _text(canvas, 4, bottom - 10, f"{low:.2f}")
-    if len(steps) < 2:
-        return
-    xs = left + (steps - steps.min()) / max(steps.max() - steps.min(), 1) * (right - left)
-    smooth = _trailing_mean(values, max(1, len(values) // 25))
-    pale = tuple(255 - (255 - c) // 3 for c in colour)
-    for series, shade in ((values, pale), (smooth, colour)):
-        _line(canvas, box, xs, bottom - (series - low) / (high - low) * (bottom - top), shade)
-
-
-def _read(path: str | os.PathLike, step: str, *names: str) -> list[list]:
-    """Columns of a JSON-lines log: the `step` key's values, then each name's (None if absent)."""
-    columns: list[list] = [[] for _ in range(1 + len(names))]
+    Raises:
+        ValueError: naming the file and line of a line that is not a JSON object.
+    """
+    lines = []
     with open(path, encoding="utf-8") as log:
-        for text in log:
-            line = json.loads(text)
-            for column, name in zip(columns, (step, *names), strict=True):
-                column.append(line.get(name))
-    return columns
+        for number, text in enumerate(log, start=1):
+            try:
+                line = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not JSON: {error}") from None
+            if not isinstance(line, dict):
+                raise ValueError(f"{path}:{number}: a JSON {type(line).__name__}, not an object")
+            lines.append(line)
+    return lines
 
 
 def write_curves(
@@ -124,29 +163,8 @@ def write_curves(
     *,
     evaluations: str | os.PathLike | None = None,
 ) -> None:
-    """Draw the reward (`reward/mean`) and lag of each step of a metrics log into a PNG.
-
-    Two panels over the step axis: reward on top, lag below, each scaled to its own range. With
-    an `evaluations` log that exists (`eval.jsonl`: `updates` and `reward/mean` per
-    evaluation), a third panel below them plots the held-out reward at each evaluation.
-    """
-    steps, rewards, lags = _read(metrics, "step", "reward/mean", "lag")
+    """Draw a metrics log's curves (see `curves_figure`) into a PNG at `path`, atomically,
+    with the held-out rewards of an `evaluations` log (`eval.jsonl`) where that file exists."""
     evaluated = evaluations is not None and Path(evaluations).exists()
-
-    def array(values: list) -> np.ndarray:
-        return np.array([np.nan if v is None else v for v in values], np.float64)
-
-    width, height = 640, 580 if evaluated else 400
-    canvas = np.full((height, width, 3), 255, np.uint8)
-    steps_array = np.array(steps, np.float64)
-    _panel(canvas, (56, 10, 630, 190), steps_array, array(rewards), "reward", (31, 119, 180))
-    _panel(canvas, (56, 210, 630, 370), steps_array, array(lags), "lag", (255, 127, 14))
-    if evaluated:
-        at, held_out = _read(evaluations, "updates", "reward/mean")
-        box = (56, 390, 630, 550)
-        _panel(canvas, box, array(at), array(held_out), "eval reward", (44, 160, 44))
-    if steps:
-        _text(canvas, 56, height - 22, f"step {steps[0]}")
-        last = f"step {steps[-1]}"
-        _text(canvas, 630 - 8 * len(last), height - 22, last)
-    _write_atomically(Path(path), lambda file: file.write(_png(canvas)))
+    figure = curves_figure(read_metrics(metrics), read_metrics(evaluations) if evaluated else ())
+    _write_atomically(Path(path), lambda file: figure.savefig(file, format="png", dpi=100))

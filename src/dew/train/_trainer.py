@@ -33,6 +33,7 @@ from dew.train._checkpoint import (
 )
 
 METRICS = "metrics.jsonl"
+"""The metrics log's file name in a run folder: one JSON line per step."""
 
 
 @runtime_checkable

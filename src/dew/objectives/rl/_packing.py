@@ -31,7 +31,9 @@ from dew.objectives.rl._session import (
 )
 
 CUT_REASONS = ("no_room", "too_long", "support")
+"""Why `pack` leaves a complete group out (see `Cut`)."""
 PACKABLE = (Status.COMPLETED, Status.AGENT_ERROR, Status.TRUNCATED)
+"""The statuses `pack` takes: the scored ones and truncations."""
 _EPSILON = 1e-6  # keeps GRPO's division finite for a group with a tiny reward spread
 
 

@@ -17,8 +17,11 @@ import numpy as np
 from dew.data import Task
 
 ESTIMATORS = ("group", "mean", "rloo")
+"""The advantage families `pack` computes over a group (see `pack`)."""
 TRUNCATION = ("mask", "score", "zero")
+"""What a TRUNCATED session can train on (see the module docstring)."""
 TRUNCATION_REASONS = ("length", "turns", "context", "wall_clock")
+"""Why a TRUNCATED session stopped: its `truncation`."""
 
 
 class Status(enum.Enum):
@@ -117,6 +120,7 @@ class Session:
 
     @property
     def tokens(self) -> int:
+        """Completion tokens over all its calls: what the engine sampled for it."""
         return sum(len(call.completion) for call in self.calls)
 
 
@@ -125,7 +129,9 @@ class SessionSource(Protocol):
     """Runs one rollout of a task. It returns a Session for every outcome it can classify;
     raising means the source is broken."""
 
-    async def run(self, task: Task, label: Label) -> Session: ...
+    async def run(self, task: Task, label: Label) -> Session:
+        """Run one rollout of `task`, labelled `label`, and return how it went."""
+        ...
 
 
 def _fail(session: Session, field: str, problem: str) -> SessionError:

@@ -66,7 +66,9 @@ class Publisher(Protocol):
     A RolloutServer is one; so is an engine fleet's publish sequence.
     """
 
-    def load(self, variables: Variables, version: int) -> None: ...
+    def load(self, variables: Variables, version: int) -> None:
+        """Serve `variables` under `version` to every call that starts from now on."""
+        ...
 
 
 @attrs.frozen
