@@ -377,7 +377,7 @@ async def test_a_lookup_agent_that_looks_up_then_answers_scores_1_in_one_chain(n
     lookup, task = LookupTask(seed=0), Task("2")
     key = lookup.key(task)
     value = lookup.value(task, key)
-    call = "?" + key if name == "lookup" else tool_call("lookup", {"key": key})
+    call = key if name == "lookup" else tool_call("lookup", {"key": key})
     engine = ScriptedEngine([call, value])
     async with gateway(engine) as gw:
         session = await HARNESSES[name].source(gw, seed=0).run(task, LABEL)
@@ -386,8 +386,21 @@ async def test_a_lookup_agent_that_looks_up_then_answers_scores_1_in_one_chain(n
     assert len(session.calls) == 2 and len(chains(session)) == 1
     if name == "lookup":  # the tool's result is the value, written 8 times, as a user turn
         assert tokenizer.decode(session.calls[1].prompt).endswith(
-            f"?{key}<|im_end|>\n<|im_start|>user\n{value * 8}<|im_end|>\n<|im_start|>assistant\n"
+            f"{key}<|im_end|>\n<|im_start|>user\n{value * 8}<|im_end|>\n<|im_start|>assistant\n"
         )
+
+
+async def test_the_lookup_harness_fits_its_context_whatever_the_model_writes():
+    # The longest session: replies cut by their budget (no stop token), an unknown key.
+    engine = ScriptedEngine(["xyz", "xyz"])
+    harness = HARNESSES["lookup"]
+    async with gateway(engine, max_context=harness.max_len, max_tokens=harness.max_tokens) as gw:
+        session = await harness.source(gw).run(Task("7"), LABEL)
+    assert session.status is Status.COMPLETED, session.error
+    last = session.calls[-1]
+    assert len(last.prompt) + len(last.completion) == harness.max_len
+    assert "unknown key" in tokenizer.decode(last.prompt)
+    assert session.components == {"lookup": 0.0, "answer": 0.0}
 
 
 def outcome(task: Task, *outcome) -> Score:
@@ -405,16 +418,17 @@ def test_the_lookup_verifier_credits_positions_and_never_a_guess():
     assert lookup.question(task) == key * 8 and lookup.observation(task, "x") == "unknown key"
     # Each task has its own table: the value is not a function of the key alone.
     assert len({lookup.value(Task(str(i)), "0") for i in range(20)}) > 1
-    assert outcome(task, "?" + key, (key,), value).components == {"lookup": 1.0, "answer": 1.0}
+    assert outcome(task, (key,), value).components == {"lookup": 1.0, "answer": 1.0}
     # Extra characters dilute the credit; a wrong character earns nothing.
-    assert outcome(task, f"?{key}!!", (key,), value + "!").components == {
-        "lookup": 0.5,
-        "answer": 0.5,
-    }
-    assert outcome(task, f"?{other}", (other,), None).components == {"lookup": 0.5, "answer": 0}
+    assert outcome(task, (key,), value + "!").components == {"lookup": 1.0, "answer": 0.5}
+    # The tool knows no key "K!": the agent never read the value, so its answer earns nothing.
+    assert outcome(task, (key + "!",), value).components == {"lookup": 0.5, "answer": 0.0}
+    assert outcome(task, (other,), None).components == {"lookup": 0.0, "answer": 0.0}
     # The right value answered without looking the key up is a guess: no credit.
-    assert outcome(task, value, (), value).components == {"lookup": 0.0, "answer": 0.0}
-    assert outcome(task, f"?{other}", (other,), value).components["answer"] == 0.0
+    assert outcome(task, (), value).components == {"lookup": 0.0, "answer": 0.0}
+    assert outcome(task, (other,), value).components["answer"] == 0.0
+    # Looking the key up after a wrong first lookup reads the value, but is no first lookup.
+    assert outcome(task, (other, key), value).components == {"lookup": 0.0, "answer": 1.0}
     # An agent that raised has no outcome.
     failed = HarnessResult(task, Status.AGENT_ERROR, None, (), (), error="boom")
     assert LookupVerifier(lookup)(failed).reward == 0.0

@@ -6,25 +6,30 @@ question: the model must call the lookup tool on the right key, read its result 
 with it. Two agents do that; neither knows anything of dew (they are ordinary OpenAI-API
 programs, trained through the recording gateway by `HarnessSource`):
 
-- `LookupAgent` (`dew train --harness lookup`) talks in text actions, as ReAct-style harnesses
-  do: a reply `?K` calls the tool on key K, and the agent sends the tool's result back as the
-  next user message; any other reply is the answer. The question is the key written 8 times and
-  the tool's result the value written 8 times, so a byte-level transformer trained from scratch
-  (whose near-uniform attention already carries a digit written many times) learns the whole
-  loop on the CPU in minutes.
+- `LookupAgent` (`dew train --harness lookup`) talks in plain text, in two turns: the model's
+  first reply is the key to look up (the agent calls its tool on it, as a harness does that
+  forces a tool call with `tool_choice`), and the agent sends the tool's result back as the next
+  user message; the model's second reply is the answer. The question is the key written 8 times
+  and the tool's result the value written 8 times, so a byte-level transformer trained from
+  scratch (whose near-uniform attention already carries a digit written many times) learns the
+  whole loop on the CPU in minutes.
 - `ToolLookupAgent` (`dew train --harness lookup-tools`) offers the tool through the OpenAI
   tools API (`tools=[LOOKUP_TOOL]`, answered as `tool_calls` by the gateway's template) and asks
   in English: the agent for a model that already writes the gateway's tool-call blocks. A
   model trained from scratch must first spell a 60-byte block exactly, which takes far longer
   than minutes.
 
-Both report a `LookupOutcome`: their first action (`?K` for a lookup of key K), the keys they
-looked up and their answer. `LookupVerifier` gives half the reward for the first action and half
-for the answer, each as the share of positions that hold the right character (so extra
-characters dilute it, and only `?K` followed by the value earns 1). The answer earns nothing
-unless the agent looked the task's key up first: a guess is right one time in ten whatever the
-question, and under GRPO's per-group normalisation crediting guesses collapses the policy onto
-guessing before it learns to look up.
+Both report a `LookupOutcome`: the keys they looked up and their answer. `LookupVerifier` gives
+half the reward for looking the task's key up first and half for the answer, each as the share
+of positions that hold the right character (so extra characters dilute it, and only the key then
+the value, each closed by the stop token, earns 1). The answer earns nothing unless the agent
+looked the task's key up: a guess is right one time in ten whatever the question, and under
+GRPO's per-group normalisation crediting guesses collapses the policy onto guessing before it
+learns to look up.
+
+Why not a free choice between calling the tool and answering, marked by a fixed character (a
+reply `?K` calls it)? Trained from scratch, the policy learns the marker first, writes it
+everywhere (`???`) and loses the variety that GRPO needs to learn the key: the reward stalls.
 """
 
 from __future__ import annotations
@@ -102,58 +107,44 @@ class LookupOutcome:
     """What a lookup agent did, as its verifier reads it.
 
     Args:
-        first: its first action: `?K` when its first reply looked the key K up, else that
-            reply's text.
-        lookups: the keys it looked up, in order.
+        lookups: the keys it looked up, in order (as the model wrote them).
         answer: its answer, or None when it gave none within its turns.
     """
 
-    first: str
     lookups: tuple[str, ...]
     answer: str | None
 
 
-def _action_key(reply: str) -> str | None:
-    """The key a text action `?K` looks up, or None when the reply is an answer."""
-    text = reply.strip()
-    return text[1:].strip() if text.startswith("?") else None
-
-
 @attrs.frozen
 class LookupAgent:
-    """The text-action agent: an async harness `(base_url, api_key, task) -> LookupOutcome`.
+    """The plain-text agent: an async harness `(base_url, api_key, task) -> LookupOutcome`.
 
     Args:
         task: the lookup task (its questions and its tool).
-        max_turns: the most model calls; without an answer by then the outcome has none.
-        max_tokens: the most tokens per reply (`?K` and a stop token take 3 bytes).
+        max_tokens: the most tokens per reply (a digit and the stop token take 2).
     """
 
     task: LookupTask = LookupTask()
-    max_turns: int = attrs.field(default=3, validator=int_at_least(1))
-    max_tokens: int = attrs.field(default=3, validator=int_at_least(1))
+    max_tokens: int = attrs.field(default=2, validator=int_at_least(1))
 
     async def __call__(self, base_url: str, api_key: str, task: Task) -> LookupOutcome:
         import openai
 
         async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as api:
-            messages: list[dict[str, str]] = [{"role": "user", "content": self.task.question(task)}]
-            first, lookups = None, []
-            for _ in range(self.max_turns):
-                answer = await api.chat.completions.create(
-                    model="policy", messages=messages, max_completion_tokens=self.max_tokens
-                )
-                reply = answer.choices[0].message.content or ""
-                first = reply if first is None else first
-                key = _action_key(reply)
-                if key is None:
-                    return LookupOutcome(first, tuple(lookups), reply.strip())
-                lookups.append(key)
-                messages += [
-                    {"role": "assistant", "content": reply},
-                    {"role": "user", "content": self.task.observation(task, key)},
-                ]
-        return LookupOutcome(first, tuple(lookups), None)
+            messages = [{"role": "user", "content": self.task.question(task)}]
+            key = await self._reply(api, messages)
+            messages += [
+                {"role": "assistant", "content": key},
+                {"role": "user", "content": self.task.observation(task, key.strip())},
+            ]
+            answer = await self._reply(api, messages)
+        return LookupOutcome((key.strip(),), answer.strip())
+
+    async def _reply(self, api, messages) -> str:
+        answer = await api.chat.completions.create(
+            model="policy", messages=messages, max_completion_tokens=self.max_tokens
+        )
+        return answer.choices[0].message.content or ""
 
 
 @attrs.frozen
@@ -179,7 +170,7 @@ class ToolLookupAgent:
         async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as api:
             question = f"What is the value of key {self.task.key(task)}?"
             messages: list[Any] = [{"role": "user", "content": question}]
-            first, lookups = None, []
+            lookups = []
             for _ in range(self.max_turns):
                 answer = await api.chat.completions.create(
                     model="policy",
@@ -189,18 +180,15 @@ class ToolLookupAgent:
                 )
                 message = answer.choices[0].message
                 if not message.tool_calls:
-                    content = message.content or ""
-                    first = content if first is None else first
-                    return LookupOutcome(first, tuple(lookups), content.strip())
+                    return LookupOutcome(tuple(lookups), (message.content or "").strip())
                 results = [self._run(task, call) for call in message.tool_calls]
                 lookups += [key for key, _ in results]
-                first = f"?{results[0][0]}" if first is None else first
                 messages.append(message)
                 messages += [
                     {"role": "tool", "tool_call_id": call.id, "content": result}
                     for call, (_, result) in zip(message.tool_calls, results, strict=True)
                 ]
-        return LookupOutcome(first or "", tuple(lookups), None)
+        return LookupOutcome(tuple(lookups), None)
 
     def _run(self, task: Task, call) -> tuple[str, str]:
         """The key a tool call asked for and the tool's answer (a malformed call gets a
@@ -223,18 +211,18 @@ def _share(target: str, text: str) -> float:
 
 @attrs.frozen
 class LookupVerifier:
-    """Scores a lookup run: half for a first action `?K` on the task's key, half for answering
-    its value once looked up (see the module); an outcome that is not a `LookupOutcome` (the
-    agent raised) scores 0."""
+    """Scores a lookup run: half for looking the task's key up first, half for answering its
+    value once looked up (see the module); an outcome that is not a `LookupOutcome` (the agent
+    raised) scores 0."""
 
     task: LookupTask = LookupTask()
 
     def __call__(self, result: HarnessResult) -> Score:
         outcome = result.output
         if not isinstance(outcome, LookupOutcome):
-            outcome = LookupOutcome("", (), None)
+            outcome = LookupOutcome((), None)
         key = self.task.key(result.task)
-        lookup = _share("?" + key, outcome.first)
+        lookup = _share(key, outcome.lookups[0]) if outcome.lookups else 0.0
         answer = 0.0
         if outcome.answer is not None and key in outcome.lookups:
             answer = _share(self.task.value(result.task, key), outcome.answer)
@@ -267,7 +255,7 @@ class BuiltinHarness:
 def lookup_source(gateway: Any, *, seed: int = 0) -> HarnessSource:
     """The text-action lookup agent as a source over a serving `dew.gateway.Gateway`."""
     task = LookupTask(seed)
-    return HarnessSource(gateway, LookupAgent(task), LookupVerifier(task), max_calls=3)
+    return HarnessSource(gateway, LookupAgent(task), LookupVerifier(task), max_calls=2)
 
 
 def tool_lookup_source(gateway: Any, *, seed: int = 0) -> HarnessSource:
@@ -277,12 +265,14 @@ def tool_lookup_source(gateway: Any, *, seed: int = 0) -> HarnessSource:
 
 
 HARNESSES = {
-    # Three calls of `?K` and the tool's results: about 100 tokens.
+    # The question, two replies of two tokens and the tool's result (at most 'unknown key')
+    # under the template: at most 64 tokens.
     "lookup": BuiltinHarness(
-        "look a key up with a text action ?K, then answer (learnt from scratch in minutes)",
+        "name the key to look up, then answer with its value, in plain text (learnt from "
+        "scratch in minutes)",
         lookup_source,
         LookupTask().dataset,
-        max_len=128,
+        max_len=64,
         max_tokens=LookupAgent().max_tokens,
     ),
     # The tools turn and the question take about 360 tokens; two replies, the tool's answer
