@@ -86,6 +86,11 @@ class Template:
         return np.concatenate([np.array([eos], np.int32), self.suffix])
 
 
+def _empty(turn: Turn) -> bool:
+    """Whether a chat answer carried nothing (the kind clients drop from their history)."""
+    return turn.text is None and not turn.tool_call_ids and not turn.content
+
+
 class GatewaySession:
     """The gateway's record of one rollout, served under an unguessable URL prefix.
 
@@ -118,6 +123,7 @@ class GatewaySession:
         self.max_calls = max_calls
         self._on_close = on_close
         self._turns: list[Turn] = []
+        self._empty = 0  # how many of them answered nothing (no text, no tool call)
         self._started = 0
         self._in_flight: set[trio.CancelScope] = set()
         self.closed: str | None = None
@@ -190,7 +196,7 @@ class GatewaySession:
         """
         self.check_open()
         if retry and self._turns and self._turns[-1].fingerprint == fingerprint:
-            self._turns.pop()
+            self._empty -= _empty(self._turns.pop())
         if self.max_calls is not None and len(self._turns) + len(self._in_flight) >= self.max_calls:
             self.truncate("turns")
             raise ApiError(
@@ -218,11 +224,7 @@ class GatewaySession:
     def record(self, turn: Turn) -> None:
         """Keep an answered call."""
         self._turns.append(turn)
-
-    def forget(self, turn: Turn) -> None:
-        """Drop an answer that never reached the client."""
-        if turn in self._turns:
-            self._turns.remove(turn)
+        self._empty += _empty(turn)
 
     # --- prompts --------------------------------------------------------------------------------
 
@@ -280,12 +282,13 @@ class GatewaySession:
     def _restore_dropped(self, messages, head, pieces, matched) -> None:
         """Put back each empty answer the client left out: where the messages before it are the
         ones it answered, and what follows is not an assistant turn standing in its place."""
+        if not self._empty:  # most sessions: every call of each request walks its turns
+            return
         inserted = 0
         generation = len(self.template.generation)
         for turn in self._turns:
-            empty = turn.text is None and not turn.tool_call_ids and not turn.content
             at = turn.messages
-            if not empty or id(turn) in matched or len(messages) < at:
+            if not _empty(turn) or id(turn) in matched or len(messages) < at:
                 continue
             if at < len(messages) and messages[at].role == "assistant":
                 continue

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import orjson
 
 
 class ApiError(Exception):
@@ -146,8 +147,8 @@ def parse_json(body: bytes) -> dict[str, Any]:
         ApiError: 400 when it is not valid UTF-8 JSON, or not an object.
     """
     try:
-        value = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
         raise invalid(
             None, f"the request body is not valid JSON: {error}", "invalid_json"
         ) from None

@@ -11,7 +11,6 @@ import collections
 import contextlib
 import functools
 import hashlib
-import json
 import logging
 import secrets
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 import hypercorn.config
 import hypercorn.trio
 import numpy as np
+import orjson
 import trio
 
 from dew.envs.environment import Sampling
@@ -99,7 +99,7 @@ def _tokenizer(tokenizer: Any, servers) -> Tokenizer:
 
 
 async def _send_json(send, status: int, body: dict[str, Any], headers=()) -> None:
-    data = json.dumps(body, ensure_ascii=False).encode()
+    data = orjson.dumps(body)
     length = [(b"content-length", str(len(data)).encode())]
     await send(
         {"type": "http.response.start", "status": status, "headers": [*_JSON, *length, *headers]}
