@@ -40,6 +40,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+import trio
 
 from dew._checks import int_at_least
 from dew.data import ArrayDataset, Task
@@ -115,6 +116,36 @@ class LookupOutcome:
     answer: str | None
 
 
+_CLIENT = trio.lowlevel.RunVar("dew.envs.lookup.client")
+
+
+async def session_client(base_url: str, api_key: str) -> Any:
+    """An `openai.AsyncOpenAI` for one session: a copy (`with_options`) of one client per trio
+    run, with the session's base URL and key.
+
+    Opening a client builds its HTTP client and TLS context (10 to 100 ms of CPU), which would
+    dominate a small model's rollouts; the copies share one connection pool, closed when the
+    trio run ends. Do not close a copy: that closes the pool.
+    """
+    import openai
+
+    try:
+        client = _CLIENT.get()
+    except LookupError:
+        client = openai.AsyncOpenAI(api_key="per-session", max_retries=0)
+        _CLIENT.set(client)
+        trio.lowlevel.spawn_system_task(_close_when_the_run_ends, client)
+    return client.with_options(base_url=base_url, api_key=api_key)
+
+
+async def _close_when_the_run_ends(client: Any) -> None:
+    try:
+        await trio.sleep_forever()
+    finally:
+        with trio.CancelScope(shield=True):
+            await client.close()
+
+
 @attrs.frozen
 class LookupAgent:
     """The plain-text agent: an async harness `(base_url, api_key, task) -> LookupOutcome`.
@@ -128,16 +159,14 @@ class LookupAgent:
     max_tokens: int = attrs.field(default=2, validator=int_at_least(1))
 
     async def __call__(self, base_url: str, api_key: str, task: Task) -> LookupOutcome:
-        import openai
-
-        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as api:
-            messages = [{"role": "user", "content": self.task.question(task)}]
-            key = await self._reply(api, messages)
-            messages += [
-                {"role": "assistant", "content": key},
-                {"role": "user", "content": self.task.observation(task, key.strip())},
-            ]
-            answer = await self._reply(api, messages)
+        api = await session_client(base_url, api_key)
+        messages = [{"role": "user", "content": self.task.question(task)}]
+        key = await self._reply(api, messages)
+        messages += [
+            {"role": "assistant", "content": key},
+            {"role": "user", "content": self.task.observation(task, key.strip())},
+        ]
+        answer = await self._reply(api, messages)
         return LookupOutcome((key.strip(),), answer.strip())
 
     async def _reply(self, api, messages) -> str:
@@ -165,29 +194,27 @@ class ToolLookupAgent:
     max_tokens: int = attrs.field(default=96, validator=int_at_least(1))
 
     async def __call__(self, base_url: str, api_key: str, task: Task) -> LookupOutcome:
-        import openai
-
-        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as api:
-            question = f"What is the value of key {self.task.key(task)}?"
-            messages: list[Any] = [{"role": "user", "content": question}]
-            lookups = []
-            for _ in range(self.max_turns):
-                answer = await api.chat.completions.create(
-                    model="policy",
-                    messages=messages,
-                    tools=[LOOKUP_TOOL],
-                    max_completion_tokens=self.max_tokens,
-                )
-                message = answer.choices[0].message
-                if not message.tool_calls:
-                    return LookupOutcome(tuple(lookups), (message.content or "").strip())
-                results = [self._run(task, call) for call in message.tool_calls]
-                lookups += [key for key, _ in results]
-                messages.append(message)
-                messages += [
-                    {"role": "tool", "tool_call_id": call.id, "content": result}
-                    for call, (_, result) in zip(message.tool_calls, results, strict=True)
-                ]
+        api = await session_client(base_url, api_key)
+        question = f"What is the value of key {self.task.key(task)}?"
+        messages: list[Any] = [{"role": "user", "content": question}]
+        lookups = []
+        for _ in range(self.max_turns):
+            answer = await api.chat.completions.create(
+                model="policy",
+                messages=messages,
+                tools=[LOOKUP_TOOL],
+                max_completion_tokens=self.max_tokens,
+            )
+            message = answer.choices[0].message
+            if not message.tool_calls:
+                return LookupOutcome(tuple(lookups), (message.content or "").strip())
+            results = [self._run(task, call) for call in message.tool_calls]
+            lookups += [key for key, _ in results]
+            messages.append(message)
+            messages += [
+                {"role": "tool", "tool_call_id": call.id, "content": result}
+                for call, (_, result) in zip(message.tool_calls, results, strict=True)
+            ]
         return LookupOutcome(tuple(lookups), None)
 
     def _run(self, task: Task, call) -> tuple[str, str]:
