@@ -9,6 +9,7 @@ TensorBoard's event files under `tensorboard/`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -52,6 +53,7 @@ TASKS = ("copy", "guess")
 """The built-in tasks `dew train --task` runs: CopyDigits and GuessDigit."""
 HARNESS = "harness:"
 """The prefix of a task that is a built-in agent harness (`--harness NAME` is this plus NAME)."""
+_GATEWAY_PACKAGES = ("hypercorn", "openai", "orjson")
 SAMPLES = "samples.jsonl"
 EVALUATIONS = "eval.jsonl"
 
@@ -70,10 +72,17 @@ def _task_name(instance, attribute, value):
 
 
 def _check_harness(name: str) -> None:
-    """Raises: ValueError naming the built-in harnesses when `name` is not one."""
+    """Raises: ValueError naming the built-in harnesses when `name` is not one, or the packages
+    of the recording gateway that are not installed."""
     if name not in HARNESSES:
         raise ValueError(
             f"unknown harness {name!r}; the built-in harnesses are: {', '.join(HARNESSES)}"
+        )
+    missing = [package for package in _GATEWAY_PACKAGES if not importlib.util.find_spec(package)]
+    if missing:
+        raise ValueError(
+            f"a harness trains through the recording gateway, which needs {', '.join(missing)}: "
+            "pip install 'dew[gateway]'"
         )
 
 
@@ -284,15 +293,9 @@ def _harness_task(config: TrainConfig) -> _RunTask:
     the gateway; the engine's and a packed row's length is the harness's `max_len`, one chain
     (a session's merged calls) a row.
 
-    Raises:
-        ValueError: when the gateway's extra (hypercorn, openai) is not installed.
     """
-    try:
-        from dew.gateway import ServedGateway
-    except ImportError as error:
-        raise ValueError(
-            f"{config.task} needs the recording gateway: pip install 'dew[gateway]' ({error})"
-        ) from None
+    from dew.gateway import ServedGateway  # the gateway extra, checked with the config
+
     harness = HARNESSES[config.task.removeprefix(HARNESS)]
 
     def source(engine, sampling: Sampling) -> SessionSource:
