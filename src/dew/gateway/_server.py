@@ -200,6 +200,9 @@ class Gateway:
         config.bind = [f"{host}:{self.port}"]
         config.errorlog = None
         config.accesslog = None
+        # Agents keep their connections alive across sessions (a client per trio run): no
+        # reconnection every 1000 requests, hypercorn's default.
+        config.keep_alive_max_requests = sys.maxsize
         self._stack = contextlib.AsyncExitStack()
         nursery = await self._stack.enter_async_context(trio.open_nursery())
         self._nursery = nursery
