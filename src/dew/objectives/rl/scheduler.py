@@ -1,16 +1,11 @@
 """Keep agent rollouts in flight and admit complete groups within a staleness bound.
 
-`RolloutScheduler` is the trainer's Rollout for any SessionSource. Its admission rules live in the
-pure core `_admission`; this module is the trio shell around it: it turns happenings into the
-core's events, and carries out the core's commands with one cancel scope per rollout inside one
-nursery per task batch.
-
-Determinism: happenings are not applied as they arrive. The shell waits until every task of the
-run is blocked (so nothing more can happen at this instant of trio's clock), then applies what
-arrived in a documented order (`_event_order`): rollouts' finishes by (group, sample, attempt),
-then their deadlines, then the trainer's. Under a mock clock, records, packed batches and the
-event log are then a function of the seed, the source's behaviour and the clock, not of the order
-in which trio runs ready tasks.
+`RolloutScheduler` is the trainer's Rollout for any SessionSource. This module is its front:
+the arguments, the two facades, and closing on collection. Behind it, `_admission` holds the
+admission rules as a pure function, `_shell` the trio side that carries out its commands (and
+documents how ties at one instant are ordered), `_arguments` the argument checks and limits,
+`_reports` the warnings of a run that trains on nothing, and `_records` the records and status
+it returns.
 """
 
 from __future__ import annotations
