@@ -670,6 +670,42 @@ def test_dew_train_refuses_a_record_path_before_writing_anything(where, tmp_path
     assert trace.read_text() == "an earlier run's trace\n"
 
 
+@pytest.mark.parametrize("where", ["a file", "under a file", "unwritable"])
+def test_dew_train_refuses_a_run_folder_it_cannot_write_before_writing_anything(
+    where, tmp_path, capsys
+):
+    file = tmp_path / "notes.txt"
+    file.write_text("not a folder\n")
+    # /proc takes no new entry, even from root, whom permission bits do not stop.
+    run = {"a file": file, "under a file": file / "run", "unwritable": "/proc/dew-run/sub"}[where]
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["train", "--run", str(run), "--steps", "1"])
+    assert exit.value.code == 2
+    captured = capsys.readouterr()
+    assert f"--run {run}" in captured.err and "Traceback" not in captured.err
+    assert {"a file": "is a file, not a folder", "under a file": f"{file} is a file"}.get(
+        where, "nothing can be written in /proc"
+    ) in captured.err
+    assert captured.out == ""
+    assert file.read_text() == "not a folder\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("where", ["under a file", "unwritable"])
+def test_dew_train_refuses_a_record_path_it_cannot_write(where, tmp_path, capsys):
+    file = tmp_path / "notes.txt"
+    file.write_text("not a folder\n")
+    record = {"under a file": file / "run.trace", "unwritable": "/proc/run.trace"}[where]
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["train", "--run", str(run), "--steps", "1", "--record", str(record)])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--record {record}" in err
+    assert (f"{file} is a file" if where == "under a file" else "nothing can be written") in err
+    assert not run.exists()
+
+
 # 11: a damaged run folder is refused naming the file, before anything starts ---------------------
 
 
@@ -703,3 +739,22 @@ def test_resuming_a_damaged_run_names_the_file_before_starting(
     captured = capsys.readouterr()
     assert f"{target} is damaged" in captured.err
     assert "resuming" not in captured.out and "dew train:" not in captured.out
+
+
+def test_resuming_with_the_earlier_runs_trace_refuses_to_overwrite_it(
+    trained_run, tmp_path, capsys
+):
+    """Item 10: a resumed run records a trace of its own; the earlier one is never truncated."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    trace = tmp_path / "run.trace"
+    trace.write_text("the first run's trace\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["train", "--run", str(run), "--resume", "--steps", "3", "--record", str(trace)])
+    assert exit.value.code == 2
+    captured = capsys.readouterr()
+    assert f"--record {trace} already exists and would be overwritten" in captured.err
+    assert "resuming" not in captured.out
+    assert trace.read_text() == "the first run's trace\n"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2  # the run is untouched

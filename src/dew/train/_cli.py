@@ -14,6 +14,7 @@ import math
 import os
 import socket
 import sys
+import tempfile
 import time
 import tomllib
 import traceback
@@ -279,12 +280,14 @@ def _check_split(config: TrainConfig, processes: int) -> None:
 
 
 def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
-    """Refuse a run folder that would mix two runs.
+    """Refuse a run folder that cannot be written, or that would mix two runs.
 
     Raises:
-        ValueError: when `run` holds a run and `resume` is not set, or when it holds a run of a
-            config that differs from `config` in more than `steps`.
+        ValueError: when `run` cannot be made or written (`_check_run_folder`), holds a run and
+            `resume` is not set, or holds a run of a config that differs from `config` in more
+            than `steps`.
     """
+    _check_run_folder(run)
     saved = run / "config.json"
     if resume and saved.exists():
         previous = TrainConfig.from_json(_read_json(saved))
@@ -312,6 +315,47 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"{path} is damaged (not JSON: {error})") from None
 
 
+def _check_run_folder(run: Path) -> None:
+    """Refuse a run folder that cannot be made or written, before anything is: a file, a path
+    through a file, or one whose nearest existing folder refuses a new entry (unwritable, or a
+    file system such as /proc that takes none) would otherwise fail after other files were
+    written, or with a traceback.
+
+    Raises:
+        ValueError: naming the path and what is wrong with it.
+    """
+    if run.exists() and not run.is_dir():
+        raise ValueError(f"--run {run} is a file, not a folder")
+    folder = _nearest_existing(run)
+    if not folder.is_dir():
+        raise ValueError(f"--run {run}: {folder} is a file, not a folder")
+    _probe(folder, f"--run {run}", directory=True)
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists (a relative path ends at `.`)."""
+    return next((p for p in (path, *path.parents) if p.exists()), Path("."))
+
+
+def _probe(folder: Path, option: str, *, directory: bool) -> None:
+    """Refuse `folder` unless a folder (`directory`) or a file can be made in it, by making a
+    hidden one and removing it: permission bits alone do not say (root passes every check, and
+    /proc refuses root too).
+
+    Raises:
+        ValueError: naming `option` and the folder, with the system's reason.
+    """
+    try:
+        if directory:
+            tempfile.TemporaryDirectory(dir=folder, prefix=".dew-probe-").cleanup()
+        else:
+            tempfile.TemporaryFile(dir=folder, prefix=".dew-probe-").close()
+    except OSError as error:
+        raise ValueError(
+            f"{option}: nothing can be written in {folder} ({error.strerror or error})"
+        ) from None
+
+
 def _check_record(record: str | os.PathLike) -> None:
     """Refuse a trace path before anything is written: a trace is one run's, written whole, so
     an existing file (a resumed run's earlier trace, say) would be silently overwritten, and a
@@ -328,10 +372,12 @@ def _check_record(record: str | os.PathLike) -> None:
             f"--record {path} already exists and would be overwritten; record to a new file "
             "(a resumed run records a trace of its own)"
         )
-    if not path.parent.is_dir():
+    folder = _nearest_existing(path.parent)
+    if not folder.is_dir():
+        raise ValueError(f"--record {path}: {folder} is a file, not a folder")
+    if folder != path.parent:
         raise ValueError(f"--record {path}: the folder {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK):
-        raise ValueError(f"--record {path}: the folder {path.parent} is not writable")
+    _probe(folder, f"--record {path}", directory=False)
 
 
 def train(
