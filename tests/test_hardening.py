@@ -10,8 +10,10 @@ comes out as itself. Scheduler tests run under trio's autojump clock.
 from __future__ import annotations
 
 import gc
+import gzip
 import inspect
 import io
+import json
 import math
 import shutil
 import weakref
@@ -41,6 +43,7 @@ from dew.objectives.rl.sessions import (
     pack,
     session_metrics,
 )
+from dew.replay import TraceError, read_trace, replay
 from dew.testing import assert_exactly_once, run_simulated
 from dew.train import Progress, Trainer
 
@@ -758,3 +761,180 @@ def test_resuming_with_the_earlier_runs_trace_refuses_to_overwrite_it(
     assert "resuming" not in captured.out
     assert trace.read_text() == "the first run's trace\n"
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2  # the run is untouched
+
+
+# 12: a hostile file is a TraceError naming file and line, exit 2, read in bounded memory ---------
+
+
+def record_simulated(path, start: float = 0.0):
+    """Record a six-call simulated run (infra errors, truncations) to path on a mock clock that
+    reads `start` when the recording begins."""
+    config = SimulatedConfig(seed=2, infra_error=0.1, truncated=0.2, completion_tokens=(4, 16))
+
+    async def main():
+        await trio.sleep(start)
+        return await run_simulated(
+            path, updates=range(6), config=config, width=96, rows=6, groups=3, ahead=1, max_lag=1
+        )
+
+    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+@pytest.fixture(scope="module")
+def simulated_trace(tmp_path_factory):
+    """The path of record_simulated's trace."""
+    path = tmp_path_factory.mktemp("trace") / "run.trace"
+    record_simulated(path)
+    return path
+
+
+def header_with(trace, **config) -> bytes:
+    """The trace's header line with `config` written over its configuration."""
+    header = json.loads(trace.read_bytes().split(b"\n", 1)[0])
+    header["config"].update(config)
+    return json.dumps(header).encode() + b"\n"
+
+
+# (what the file holds, the line named, what the problem says)
+HOSTILE = {
+    "deep nesting": (lambda t: header_with(t) + b"[" * 100_000 + b"]" * 100_000 + b"\n", 2,
+                     "nests too deeply"),
+    "invalid utf-8": (lambda t: header_with(t) + b'{"kind": "push\xff\xfe"}\n', 2,
+                      "is not UTF-8 text (byte 0xff at column 15)"),
+    "binary": (lambda t: np.random.default_rng(0).bytes(4096), 1, "not a dew trace"),
+    "a run's config.json": (lambda t: json.dumps({"task": "copy", "steps": 4}, indent=1).encode(),
+                            1, "is not a dew trace: its first line is not JSON"),
+    "a JSON line": (lambda t: b'{"task": "copy"}\n', 1, "is not a dew trace: a trace's first line"),
+    "a huge number": (lambda t: header_with(t) + b'{"kind": ' + b"9" * 10_000 + b"}\n", 2,
+                      "is not JSON a trace can hold"),
+    "groups=1e9": (lambda t: header_with(t, groups=1e9), 1, "groups must be an int"),
+    "groups=10**9": (lambda t: header_with(t, groups=10**9), 1, "groups must be <="),
+    "width=1e12": (lambda t: header_with(t, width=1e12), 1, "width must be an int"),
+    "width=10**12": (lambda t: header_with(t, width=10**12), 1, "width must be <= 1048576"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_a_hostile_file_is_a_trace_error_naming_its_file_and_line(
+    hostile, simulated_trace, tmp_path, capsys
+):
+    make, line, problem = HOSTILE[hostile]
+    path = tmp_path / "hostile.trace"
+    content = make(simulated_trace)
+    if hostile.startswith(("groups", "width")):  # the header, then the run's own lines
+        content += simulated_trace.read_bytes().split(b"\n", 1)[1]
+    path.write_bytes(content)
+    assert cli.main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dew replay: {path}:{line}: ") and problem in err, err
+    assert len(err.splitlines()) == 1
+
+
+def test_an_endless_file_is_refused_after_max_line_bytes(capsys):
+    # /dev/zero is one endless line: it is refused once MAX_LINE bytes were read, not read on.
+    assert cli.main(["replay", "/dev/zero"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dew replay: /dev/zero:1: is longer than 268435456 bytes"), err
+    with pytest.raises(TraceError, match="is longer than"):
+        read_trace("/dev/zero")
+
+
+# 13: a killed run's trace replays up to its last complete call -----------------------------------
+
+
+def cut_after(trace, calls: int, partial: bytes = b"") -> bytes:
+    """The trace's bytes as a run killed after its `calls`-th call line wrote them, and
+    `partial`, the start of a line the kill cut."""
+    lines = trace.read_bytes().split(b"\n")
+    at = [i for i, line in enumerate(lines) if line.startswith(b'{"kind":"call"')][calls - 1]
+    return b"\n".join(lines[: at + 1]) + b"\n" + partial
+
+
+@pytest.mark.parametrize("partial", [b"", b'{"kind":"session","task":{"na'])
+@pytest.mark.parametrize("calls", [1, 4])
+def test_a_killed_runs_trace_replays_up_to_its_last_call(
+    calls, partial, simulated_trace, tmp_path, capsys
+):
+    path = tmp_path / "killed.trace"
+    path.write_bytes(cut_after(simulated_trace, calls, partial))
+    lines = len(path.read_bytes().split(b"\n")) - 1
+    with pytest.raises(TraceError, match="cut off"):
+        read_trace(path)  # whole traces only, unless asked
+    trace = read_trace(path, partial=True)
+    assert len(trace.calls) == calls and trace.end == trace.calls[-1].returned
+    result = replay(path)
+    assert result.matched, str(result)
+    assert result.steps == calls
+    assert (
+        result.cut
+        == f"the trace ends at line {lines}"
+        + (f" (line {lines + 1} is cut partway)" if partial else "")
+        + " without its end line"
+    )
+    assert cli.main(["replay", str(path), "--progress-every", "0"]) == 3
+    captured = capsys.readouterr()
+    assert (
+        f"the recording was cut off: {result.cut}; replayed as far as it goes, {calls} calls"
+        in (captured.out)
+    )
+    assert f"dew replay: step {calls}/{calls} replayed" in captured.err
+
+
+def test_a_killed_runs_trace_that_diverges_says_where(simulated_trace, tmp_path, capsys):
+    path = tmp_path / "killed.trace"
+    path.write_bytes(cut_after(simulated_trace, 4))
+    assert cli.main(["replay", str(path), "--max-attempts", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "replay diverged at step" in out and "the recording was cut off" in out
+
+
+# 14: gzip traces, progress on long replays, times from the run's start ---------------------------
+
+
+def test_a_gz_trace_is_compressed_and_replays(simulated_trace, tmp_path):
+    path = tmp_path / "run.trace.gz"
+    trace = record_simulated(path)
+    assert path.read_bytes()[:2] == b"\x1f\x8b"
+    # The same lines (rollouts cancelled at one instant by the close may come in any order).
+    lines = sorted(gzip.decompress(path.read_bytes()).splitlines())
+    assert lines == sorted(simulated_trace.read_bytes().splitlines())
+    assert path.stat().st_size < simulated_trace.stat().st_size / 3
+    assert len(trace.calls) == 6
+    result = replay(path)
+    assert result.matched and result.cut is None, str(result)
+
+
+@pytest.mark.parametrize("kept", [0.4, 0.8])
+def test_a_killed_runs_gz_trace_replays_as_far_as_its_stream_goes(kept, tmp_path):
+    # A gz trace flushes each line as a whole block: cut anywhere, it reads up to the cut.
+    whole = tmp_path / "whole.trace.gz"
+    record_simulated(whole)
+    compressed = whole.read_bytes()
+    cut = tmp_path / "killed.trace.gz"
+    cut.write_bytes(compressed[: int(len(compressed) * kept)])
+    result = replay(cut)
+    assert result.matched, str(result)
+    assert 0 < result.steps < 6 and "without its end line" in result.cut
+
+
+def test_progress_lines_go_to_stderr_and_divergence_times_count_from_the_start(
+    simulated_trace, tmp_path, capsys
+):
+    # A recording that starts at 1000 s, as a real-clock one starts far from 0.
+    path = tmp_path / "late.trace"
+    trace = record_simulated(path, start=1000.0)
+    assert trace.start == 1000.0
+    assert cli.main(["replay", str(path), "--max-attempts", "1", "--progress-every", "0"]) == 1
+    captured = capsys.readouterr()
+    progress = captured.err.splitlines()
+    assert [line.split(",")[0] for line in progress] == [
+        f"dew replay: step {step}/6 replayed" for step in range(1, 7)
+    ]
+    time = replay(path, max_attempts=1).divergence.time
+    assert f"{time - 1000.0:.6g}s into the run (time {time!r})" in captured.out
+    # --progress-every 5 on a replay of milliseconds: only the last call's line.
+    assert cli.main(["replay", str(simulated_trace)]) == 0
+    last = read_trace(simulated_trace).calls[-1].returned
+    assert capsys.readouterr().err.splitlines() == [
+        f"dew replay: step 6/6 replayed, {last:.6g}s into the run"
+    ]
