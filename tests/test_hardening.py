@@ -15,7 +15,12 @@ import inspect
 import io
 import json
 import math
+import os
+import pathlib
 import shutil
+import signal
+import subprocess
+import sys
 import weakref
 
 import attrs
@@ -28,6 +33,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import dew
 from _scripted import CONFIG, OBJECTIVE, PARAMS, ROWS, WIDTH, Engine, Scripted, dataset
 from dew import cli
 from dew.data import Task
@@ -46,6 +52,8 @@ from dew.objectives.rl.sessions import (
 from dew.replay import TraceError, read_trace, replay
 from dew.testing import assert_exactly_once, run_simulated
 from dew.train import Progress, Trainer
+from dew.train._checkpoint import read_commit
+from dew.train._cli import _CtrlC
 
 
 def scheduler(source, engine, **kwargs) -> RolloutScheduler:
@@ -842,10 +850,16 @@ def test_an_endless_file_is_refused_after_max_line_bytes(capsys):
 # 13: a killed run's trace replays up to its last complete call -----------------------------------
 
 
+def read_bytes(path) -> bytes:
+    """A file's bytes, decompressed if it is gzip."""
+    data = path.read_bytes()
+    return gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+
+
 def cut_after(trace, calls: int, partial: bytes = b"") -> bytes:
     """The trace's bytes as a run killed after its `calls`-th call line wrote them, and
     `partial`, the start of a line the kill cut."""
-    lines = trace.read_bytes().split(b"\n")
+    lines = read_bytes(trace).split(b"\n")
     at = [i for i, line in enumerate(lines) if line.startswith(b'{"kind":"call"')][calls - 1]
     return b"\n".join(lines[: at + 1]) + b"\n" + partial
 
@@ -938,3 +952,80 @@ def test_progress_lines_go_to_stderr_and_divergence_times_count_from_the_start(
     assert capsys.readouterr().err.splitlines() == [
         f"dew replay: step 6/6 replayed, {last:.6g}s into the run"
     ]
+
+
+# 13 and 17, for real: `dew train` killed, and stopped with Ctrl-C --------------------------------
+
+TINY = ["--batch-size", "2", "--groups", "2", "--samples", "0", "--d-model", "16", "--layers", "1"]
+TINY += ["--d-ff", "32", "--heads", "2"]
+
+
+def start_training(run, *options) -> subprocess.Popen:
+    """`dew train` of a tiny model in a process of its own, for 100 steps (a progress line every
+    5), its output piped."""
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(dew.__file__).parents[1])}
+    command = [sys.executable, "-m", "dew", "train", "--run", str(run), "--steps", "100", *TINY]
+    return subprocess.Popen(
+        [*command, *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+def wait_for(stream, start: str) -> str:
+    """Read `stream` up to the first line that starts with `start`; return that line."""
+    for line in stream:
+        if line.startswith(start):
+            return line
+    raise AssertionError(f"the stream ended before a line starting with {start!r}")
+
+
+def test_ctrl_c_stops_dew_train_after_its_step_with_a_checkpoint_and_one_line(tmp_path, capsys):
+    run, trace = tmp_path / "run", tmp_path / "run.trace.gz"
+    process = start_training(run, "--checkpoint-every", "1000", "--record", str(trace))
+    wait_for(process.stdout, "step ")
+    process.send_signal(signal.SIGINT)
+    asked = wait_for(process.stderr, "dew train:")
+    stopped = wait_for(process.stderr, "dew train:")
+    # A press while the process exits is ignored: nothing "ignored in atexit callback".
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130
+    assert asked == (
+        "dew train: Ctrl-C: stopping after the step in progress, with its checkpoint "
+        "(Ctrl-C again stops at once)\n"
+    )
+    step = int(stopped.split("step ")[1].split("/")[0])
+    assert stopped == (
+        f"dew train: stopped after step {step}/100, its checkpoint saved: continue with "
+        f"`dew train --run {run} --resume`\n"
+    )
+    assert "Traceback" not in err and "Exception ignored" not in err and "dew train" not in err
+    assert "trained" not in out
+    # The checkpoint is the last step's, and the metrics log ends with it.
+    assert read_commit(run / "checkpoints")["updates"] == step
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["updates"] == step == len(lines)
+    # The trace is whole (the scheduler was closed) and replays.
+    assert cli.main(["replay", str(trace)]) == 0
+    assert f"replay matched: {step} steps" in capsys.readouterr().out
+    # Cut after its third call, as a kill leaves it (it is flushed line by line), it replays
+    # as far as it goes.
+    killed = tmp_path / "killed.trace.gz"
+    killed.write_bytes(gzip.compress(cut_after(trace, 3, partial=b'{"kind":"sess')))
+    assert cli.main(["replay", str(killed)]) == 3
+    out = capsys.readouterr().out
+    assert "replay matched: 3 steps" in out and "replayed as far as it goes, 3 calls" in out
+
+
+def test_a_second_ctrl_c_stops_at_once_and_later_ones_are_ignored():
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(KeyboardInterrupt), _CtrlC() as ctrl_c:
+            signal.raise_signal(signal.SIGINT)  # asks to stop after the step
+            assert ctrl_c.presses == 1
+            signal.raise_signal(signal.SIGINT)  # stops at once
+            raise AssertionError("the second press did not stop")
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        signal.raise_signal(signal.SIGINT)  # ignored while the process exits
+        assert ctrl_c.presses == 2
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -444,7 +444,9 @@ def read_trace(path: str | os.PathLike, *, partial: bool = False) -> Trace:
                 "is the last line, and no end line follows: the recording was cut off "
                 "(`dew replay` replays it up to there)",
             )
-        partway = "" if tail is None else f" (line {len(lines) + 1} is cut partway)"
+        partway = {None: "", b"": " (its compressed stream ends there)"}.get(
+            tail, f" (line {len(lines) + 1} is cut partway)"
+        )
         cut = f"the trace ends at line {len(lines)}{partway} without its end line"
         end, closing = _last_return(calls, start), ()
     # The k-th stream opened while the scheduler ran, with no time of its own, is the k-th one
