@@ -815,6 +815,8 @@ HOSTILE = {
     "a JSON line": (lambda t: b'{"task": "copy"}\n', 1, "is not a dew trace: a trace's first line"),
     "a huge number": (lambda t: header_with(t) + b'{"kind": ' + b"9" * 10_000 + b"}\n", 2,
                       "is not JSON a trace can hold"),
+    "damaged gzip": (lambda t: b"\x1f\x8b\x08\x00" + np.random.default_rng(0).bytes(200), 1,
+                     "is damaged gzip data"),
     "groups=1e9": (lambda t: header_with(t, groups=1e9), 1, "groups must be an int"),
     "groups=10**9": (lambda t: header_with(t, groups=10**9), 1, "groups must be <="),
     "width=1e12": (lambda t: header_with(t, width=1e12), 1, "width must be an int"),
