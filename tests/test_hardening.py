@@ -53,7 +53,7 @@ from dew.replay import TraceError, read_trace, replay
 from dew.testing import assert_exactly_once, run_simulated
 from dew.train import Progress, Trainer
 from dew.train._checkpoint import read_commit
-from dew.train._cli import _CtrlC
+from dew.train._cli import _CtrlC, _Interrupted
 
 
 def scheduler(source, engine, **kwargs) -> RolloutScheduler:
@@ -1031,3 +1031,16 @@ def test_a_second_ctrl_c_stops_at_once_and_later_ones_are_ignored():
         assert ctrl_c.presses == 2
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_after_a_ctrl_c_the_run_stops_at_the_next_step_end_unless_it_was_the_last():
+    seen = []
+    ctrl_c = _CtrlC()
+    step_ended = ctrl_c.after(seen.append, 3)
+    step_ended({"updates": 1})  # no press yet: the run goes on
+    ctrl_c.presses = 1
+    with pytest.raises(_Interrupted) as stop:
+        step_ended({"updates": 2})
+    assert stop.value.updates == 2
+    step_ended({"updates": 3})  # the last step: the run ends as usual
+    assert seen == [{"updates": 1}, {"updates": 2}, {"updates": 3}]  # each line shown first

@@ -313,11 +313,17 @@ def replay(
     )
 
 
-async def replay_async(trace: Trace | str | os.PathLike, **overrides: Any) -> ReplayResult:
+async def replay_async(
+    trace: Trace | str | os.PathLike,
+    *,
+    progress: Callable[[int, int, float], None] | None = None,
+    **overrides: Any,
+) -> ReplayResult:
     """`replay` from inside a trio run, a test's say: it runs in a worker thread, in a trio
     run and on a MockClock of its own, so it starts at the trace's start whatever the caller's
-    clock reads."""
-    return await trio.to_thread.run_sync(functools.partial(replay, trace, **overrides))
+    clock reads (`progress` is called from that thread)."""
+    call = functools.partial(replay, trace, progress=progress, **overrides)
+    return await trio.to_thread.run_sync(call)
 
 
 def _scheduler(trace: Trace, config: Mapping[str, Any], source: ReplaySource, publisher):

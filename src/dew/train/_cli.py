@@ -799,12 +799,13 @@ class _CtrlC:
             "(Ctrl-C again stops at once)"
         )
 
-    def after(self, on_step: Callable[[Mapping[str, Any]], None]):
-        """`on_step`, then, after a press, stop the run: the step is logged and complete."""
+    def after(self, on_step: Callable[[Mapping[str, Any]], None], steps: int):
+        """`on_step`, then, after a press, stop the run: the step is logged and complete. The
+        last of `steps` ends the run anyway, which then finishes as usual (curves and all)."""
 
         def step_ended(line: Mapping[str, Any]) -> None:
             on_step(line)
-            if self.presses:
+            if self.presses and line["updates"] < steps:
                 raise _Interrupted(line["updates"])
 
         return step_ended
@@ -836,7 +837,7 @@ def _train_until_interrupted(
                     config,
                     run,
                     resume=resume,
-                    on_step=ctrl_c.after(Progress(config.steps)),
+                    on_step=ctrl_c.after(Progress(config.steps), config.steps),
                     record=record,
                 )
             except _Interrupted as stop:
