@@ -415,9 +415,11 @@ def train(
         The trainer, after its last step.
 
     Raises:
-        ValueError: on every process of a pool, when `run` holds a run and `resume` is not set,
-            or holds a different config, or the batch does not split over the processes; when
-            `record` exists already, is a folder, or its folder is missing or unwritable.
+        ValueError: on every process of a pool, when `run` cannot be made or written (a
+            file, a path through a file, a folder that takes no new entry), holds a run and
+            `resume` is not set, or holds a different config, or the batch does not split
+            over the processes; when `record` exists already, is a folder, or its folder is
+            missing or takes no new file.
     """
     run = Path(run)
     index, processes = jax.process_index(), jax.process_count()
