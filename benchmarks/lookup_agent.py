@@ -6,7 +6,7 @@ rollouts run against a gateway in front of the engine. Prints each step's mean r
 two parts (the lookup action, the answer), then the mean reward of the first 10 and the last 20
 steps.
 
-    python benchmarks/lookup_agent.py                 # 100 steps of the default 2-layer model
+    python benchmarks/lookup_agent.py                 # 150 steps of dew train's defaults
     python benchmarks/lookup_agent.py --harness lookup-tools
     python benchmarks/lookup_agent.py --smoke         # 2 steps of a tiny model, for CI
 """
@@ -23,22 +23,12 @@ from dew.train import TrainConfig, train
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="2 steps of a tiny model, for CI")
-    parser.add_argument("--harness", default="lookup", help="the built-in harness (lookup)")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--groups", type=int, default=16)
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--harness", default="lookup", help="lookup or lookup-tools")
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    options = {
-        "task": f"harness:{args.harness}",
-        "steps": args.steps,
-        "batch_size": args.batch_size,
-        "groups": args.groups,
-        "learning_rate": args.learning_rate,
-        "seed": args.seed,
-        "samples": 0,
-    }
+    options = {"task": f"harness:{args.harness}", "steps": args.steps, "seed": args.seed}
+    options.update(samples=0)  # the reward per step is printed here
     if args.smoke:
         options.update(steps=2, batch_size=2, groups=2, tasks=4)
         options.update(d_model=16, heads=2, layers=1, d_ff=32)
