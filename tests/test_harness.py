@@ -23,7 +23,13 @@ from _gateway import CONFIG, GREETING, ScriptedEngine, params, tiny_server, tool
 from dew import models
 from dew.data import ArrayDataset, Task
 from dew.envs import HarnessResult, HarnessSource, Score
-from dew.envs.lookup import HARNESSES, LookupOutcome, LookupTask, LookupVerifier
+from dew.envs.lookup import (
+    HARNESSES,
+    LookupOutcome,
+    LookupTask,
+    LookupVerifier,
+    session_client,
+)
 from dew.gateway import Gateway, ServedGateway
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
@@ -484,3 +490,17 @@ def test_a_harness_trains_end_to_end_through_the_synchronous_facade(tmp_path):
     assert all(line["groups"] == 2 and line["merge_ratio"] == 0.5 for line in lines)
     assert all(line["tokens/trained"] > 0 for line in lines)
     assert server.version == 1 and source.gateway.open_sessions == 0
+
+
+def test_session_clients_share_one_connection_pool_per_trio_run_closed_when_it_ends():
+    async def two_sessions():
+        first = await session_client("http://127.0.0.1:1/a/v1", "key-a")
+        second = await session_client("http://127.0.0.1:1/b/v1", "key-b")
+        assert (str(first.base_url), first.api_key) == ("http://127.0.0.1:1/a/v1/", "key-a")
+        assert (str(second.base_url), second.api_key) == ("http://127.0.0.1:1/b/v1/", "key-b")
+        assert first._client is second._client and not first.is_closed()
+        return first
+
+    first = trio.run(two_sessions)
+    assert first.is_closed()  # the run's pool, closed as the run ended
+    assert trio.run(two_sessions)._client is not first._client  # a new run, a new pool

@@ -21,11 +21,11 @@ programs, trained through the recording gateway by `HarnessSource`):
 
 Both report a `LookupOutcome`: the keys they looked up and their answer. `LookupVerifier` gives
 half the reward for looking the task's key up first and half for the answer, each as the share
-of positions that hold the right character (so extra characters dilute it, and only the key then
-the value, each closed by the stop token, earns 1). The answer earns nothing unless the agent
-looked the task's key up: a guess is right one time in ten whatever the question, and under
-GRPO's per-group normalisation crediting guesses collapses the policy onto guessing before it
-learns to look up.
+of positions that hold the right character, whitespace around a reply aside (so extra
+characters dilute it, and only the bare key then the bare value earn 1). The answer earns
+nothing unless the agent looked the task's key up: a guess is right one time in ten whatever
+the question, and under GRPO's per-group normalisation crediting guesses collapses the policy
+onto guessing before it learns to look up.
 
 Why not a free choice between calling the tool and answering, marked by a fixed character (a
 reply `?K` calls it)? Trained from scratch, the policy learns the marker first, writes it
