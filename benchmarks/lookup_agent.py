@@ -8,7 +8,10 @@ steps.
 
     python benchmarks/lookup_agent.py                 # 150 steps of dew train's defaults
     python benchmarks/lookup_agent.py --harness lookup-tools
-    python benchmarks/lookup_agent.py --smoke         # 2 steps of a tiny model, for CI
+    python benchmarks/lookup_agent.py --smoke         # 1 step of a tiny model, for CI
+
+The smoke's model and batch have the shapes of tests/test_train_harness.py's run, so in a test
+session one of them compiles the programs and the other reads them from JAX's cache.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dew.train import TrainConfig, train
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="2 steps of a tiny model, for CI")
+    parser.add_argument("--smoke", action="store_true", help="1 step of a tiny model, for CI")
     parser.add_argument("--harness", default="lookup", help="lookup or lookup-tools")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seed", type=int, default=0)
@@ -30,7 +33,7 @@ def main() -> None:
     options = {"task": f"harness:{args.harness}", "steps": args.steps, "seed": args.seed}
     options.update(samples=0)  # the reward per step is printed here
     if args.smoke:
-        options.update(steps=2, batch_size=2, groups=2, tasks=4)
+        options.update(steps=1, batch_size=2, groups=2, tasks=8)
         options.update(d_model=16, heads=2, layers=1, d_ff=32)
     config = TrainConfig(**options)
     print(f"dew train --harness {args.harness}: {config}", flush=True)
