@@ -20,16 +20,19 @@ def lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_dew_train_harness_trains_evaluates_checkpoints_and_resumes(tmp_path, capsys):
-    run = tmp_path / "run"
+def test_dew_train_harness_trains_evaluates_records_checkpoints_and_resumes(tmp_path, capsys):
+    run, trace = tmp_path / "run", tmp_path / "run.trace"
     argv = ["train", "--harness", "lookup", "--run", str(run), *TINY, "--eval-every", "2"]
     argv += ["--eval-tasks", "2"]
     # optax's Adam raises its float decay to its int32 step count, which strict promotion
     # refuses: the trainer's thread steps under standard promotion (the setting is per thread).
     with jax.numpy_dtype_promotion("standard"):
-        assert main([*argv, "--steps", "2"]) == 0
+        assert main([*argv, "--steps", "2", "--record", str(trace)]) == 0
         assert main([*argv, "--steps", "3", "--resume"]) == 0
     out = capsys.readouterr().out
+    # The gateway's sessions replay like any source's: the scheduler's decisions, bit for bit.
+    assert main(["replay", str(trace)]) == 0
+    assert "replay matched: 2 steps" in capsys.readouterr().out
     assert "dew train: harness:lookup for 2 steps" in out and "resuming at step 2" in out
     assert json.loads((run / "config.json").read_text())["task"] == "harness:lookup"
     metrics = lines(run / "metrics.jsonl")
