@@ -390,23 +390,24 @@ async def test_a_lookup_agent_that_looks_up_then_answers_scores_1_in_one_chain(n
     assert session.status is Status.COMPLETED, session.error
     assert session.reward == 1.0 and session.components == {"lookup": 1.0, "answer": 1.0}
     assert len(session.calls) == 2 and len(chains(session)) == 1
-    if name == "lookup":  # the tool's result is the value, written 8 times, as a user turn
+    if name == "lookup":  # the tool's result is the value, written 16 times, as a user turn
         assert tokenizer.decode(session.calls[1].prompt).endswith(
-            f"{key}<|im_end|>\n<|im_start|>user\n{value * 8}<|im_end|>\n<|im_start|>assistant\n"
+            f"{key}<|im_end|>\n<|im_start|>user\n{value * 16}<|im_end|>\n<|im_start|>assistant\n"
         )
 
 
 async def test_the_lookup_harness_fits_its_context_whatever_the_model_writes():
-    # The longest session: replies cut by their budget (no stop token), an unknown key.
-    engine = ScriptedEngine(["xyz", "xyz"])
+    # The longest session: replies cut by their budget (no stop token), the first a valid key
+    # (" 5", whose tool result is the value 16 times).
+    engine = ScriptedEngine([" 5", "xyz"])
     harness = HARNESSES["lookup"]
     async with gateway(engine, max_context=harness.max_len, max_tokens=harness.max_tokens) as gw:
         session = await harness.source(gw).run(Task("7"), LABEL)
     assert session.status is Status.COMPLETED, session.error
     last = session.calls[-1]
-    assert len(last.prompt) + len(last.completion) == harness.max_len
-    assert "unknown key" in tokenizer.decode(last.prompt)
-    assert session.components == {"lookup": 0.0, "answer": 0.0}
+    assert len(last.prompt) + len(last.completion) == 69 <= harness.max_len
+    assert LookupTask().value(Task("7"), "5") * 16 in tokenizer.decode(last.prompt)
+    assert session.components["answer"] == 0.0
 
 
 def outcome(task: Task, *outcome) -> Score:

@@ -10,7 +10,7 @@ programs, trained through the recording gateway by `HarnessSource`):
   first reply is the key to look up (the agent calls its tool on it, as a harness does that
   forces a tool call with `tool_choice`), and the agent sends the tool's result back as the next
   user message; the model's second reply is the answer. The question is the key written 8 times
-  and the tool's result the value written 8 times, so a byte-level transformer trained from
+  and the tool's result the value written 16 times, so a byte-level transformer trained from
   scratch (whose near-uniform attention already carries a digit written many times) learns the
   whole loop on the CPU in minutes.
 - `ToolLookupAgent` (`dew train --harness lookup-tools`) offers the tool through the OpenAI
@@ -67,11 +67,15 @@ class LookupTask:
 
     Args:
         seed: draws each task's key and table.
-        repeat: how many times the question writes the key and the tool's result the value.
+        repeat: how many times the question writes the key.
+        result_repeat: how many times the tool's result writes the value: more than the
+            question's key, so that near-uniform attention already favours the value when the
+            model answers.
     """
 
     seed: int = attrs.field(default=0, validator=int_at_least(0))
     repeat: int = attrs.field(default=8, validator=int_at_least(1))
+    result_repeat: int = attrs.field(default=16, validator=int_at_least(1))
 
     def _draw(self, task: Task) -> np.ndarray:
         """The task's key, then its table's value for each key 0..9."""
@@ -92,9 +96,9 @@ class LookupTask:
         return self.key(task) * self.repeat
 
     def observation(self, task: Task, key: str) -> str:
-        """The text agent's tool result: the value, `repeat` times, or `unknown key`."""
+        """The text agent's tool result: the value, `result_repeat` times, or `unknown key`."""
         value = self.value(task, key)
-        return UNKNOWN if value is None else value * self.repeat
+        return UNKNOWN if value is None else value * self.result_repeat
 
     def dataset(
         self, rows: int, batch_size: int, *, shuffle_seed: int | None = 0, epochs: int = 1
@@ -292,14 +296,14 @@ def tool_lookup_source(gateway: Any, *, seed: int = 0) -> HarnessSource:
 
 
 HARNESSES = {
-    # The question, two replies of two tokens and the tool's result (at most 'unknown key')
-    # under the template: at most 64 tokens.
+    # The question, two replies of two tokens and the tool's result (the value 16 times) under
+    # the template: at most 69 tokens.
     "lookup": BuiltinHarness(
         "name the key to look up, then answer with its value, in plain text (learnt from "
         "scratch in minutes)",
         lookup_source,
         LookupTask().dataset,
-        max_len=64,
+        max_len=72,
         max_tokens=LookupAgent().max_tokens,
     ),
     # The tools turn and the question take about 360 tokens; two replies, the tool's answer
