@@ -68,7 +68,7 @@ def test_a_reasoning_gym_task_trains_end_to_end_with_its_scorer(tmp_path):
     for sample in samples:
         assert int(sample["task"]) < config.tasks
         assert sample["prompt"].startswith("<bos><|im_start|>user\nHow many times does the letter")
-        reply = sample["completion"].removesuffix("<|im_end|>").strip()
+        reply = sample["completion"].removesuffix("<|im_end|>")
         entry = gym.entry(int(sample["task"]))
         assert sample["reward"] == gym._dataset.score_answer(reply, entry)
         assert sample["status"] in ("completed", "truncated")
