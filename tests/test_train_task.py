@@ -133,3 +133,33 @@ def test_a_bad_config_file_is_named_on_the_command_line(capsys, tmp_path):
         main(["train", "--config", str(path), "--run", str(tmp_path / "run")])
     assert exit_.value.code == 2
     assert "groups must be an int >= 2, got 1" in capsys.readouterr().err
+
+
+def test_a_resumed_run_cuts_its_samples_and_evaluations_back_to_the_checkpoint(tmp_path):
+    """A run that dies after its last checkpoint has logged samples and evaluations of a step it
+    will train again: the resumed run logs each step once, as it does the metrics."""
+    config = TrainConfig(
+        steps=3,
+        batch_size=2,
+        groups=2,
+        tasks=8,
+        checkpoint_every=2,
+        eval_every=1,
+        eval_tasks=2,
+        samples=2,
+        **TINY,
+    )
+
+    def die_at_the_last_step(line):
+        if line["step"] == 2:
+            raise KeyboardInterrupt("the trainer's process dies")
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as above
+        with pytest.raises(KeyboardInterrupt):
+            train(config, tmp_path, on_step=die_at_the_last_step)
+        assert [s["step"] for s in lines(tmp_path / "samples.jsonl")] == [0, 0, 1, 1, 2, 2]
+        assert [e["updates"] for e in lines(tmp_path / "eval.jsonl")] == [1, 2, 3]
+        train(config, tmp_path, resume=True)  # from the checkpoint at 2 updates
+    assert [s["step"] for s in lines(tmp_path / "samples.jsonl")] == [0, 0, 1, 1, 2, 2]
+    assert [e["updates"] for e in lines(tmp_path / "eval.jsonl")] == [1, 2, 3]
+    assert [m["step"] for m in lines(tmp_path / "metrics.jsonl")] == [0, 1, 2]

@@ -405,6 +405,7 @@ def train(
         directory=run,
         checkpoint_every=config.checkpoint_every,
         deadline=deadline,
+        logs=(SAMPLES, EVALUATIONS),
     )
     if resume:
         trainer.resume()
