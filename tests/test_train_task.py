@@ -11,8 +11,10 @@ import jax
 import pytest
 from tensorboardX.proto import event_pb2
 
+from _bpe import train_bpe
 from dew.cli import main
 from dew.envs.reasoning_gym import ReasoningGym
+from dew.serve.tokenizer import HuggingFaceTokenizer
 from dew.train import TensorBoard, TrainConfig, train
 
 LETTERS = "reasoning-gym:letter_counting,min_words=1,max_words=1"
@@ -124,6 +126,8 @@ def test_help_shows_the_config_file_and_the_new_options(capsys):
     assert "--tensorboard, --no-tensorboard" in text and "reasoning-gym:NAME" in text
     for option in ("--max-tokens", "--eval-every", "--eval-tasks", "--samples"):
         assert option in text
+    assert "--tokenizer TOKENIZER a Hugging Face tokenizer.json" in text
+    assert "the model's vocabulary is its size (none: bytes) (default: none)" in text
 
 
 def test_a_bad_config_file_is_named_on_the_command_line(capsys, tmp_path):
@@ -163,3 +167,53 @@ def test_a_resumed_run_cuts_its_samples_and_evaluations_back_to_the_checkpoint(t
     assert [s["step"] for s in lines(tmp_path / "samples.jsonl")] == [0, 0, 1, 1, 2, 2]
     assert [e["updates"] for e in lines(tmp_path / "eval.jsonl")] == [1, 2, 3]
     assert [m["step"] for m in lines(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_a_run_trains_with_the_users_own_tokenizer(tmp_path):
+    """`--tokenizer tokenizer.json`: the prompts are rendered and the replies decoded with it,
+    and the model is as wide as its vocabulary."""
+    path = train_bpe(tmp_path / "tokenizer.json")
+    tokenizer = HuggingFaceTokenizer.from_file(path)
+    assert tokenizer.vocab_size != 260  # not the byte tokenizer's
+    config = TrainConfig(
+        steps=2, batch_size=2, groups=2, tasks=4, samples=2, tokenizer=str(path), **TINY
+    )
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as above
+        trainer = train(config, tmp_path / "run")
+    assert trainer.variables["embed"].shape[0] == tokenizer.vocab_size
+    assert all(math.isfinite(line["loss"]) for line in lines(tmp_path / "run/metrics.jsonl"))
+    samples = lines(tmp_path / "run/samples.jsonl")
+    assert len(samples) == 4
+    for sample in samples:
+        # The copy task's prompt repeats its digit eight times.
+        user = [{"role": "user", "content": sample["prompt"].split("\n")[1][:8]}]
+        assert sample["prompt"] == tokenizer.decode(tokenizer.encode_chat(user))
+    # The run folder's config names the tokenizer; a resumed run must keep it.
+    assert TrainConfig.from_file(tmp_path / "run/config.json").tokenizer == str(path)
+
+
+@pytest.mark.parametrize(
+    ("make", "culprit"),
+    [
+        (lambda path: path, "there is no such file"),
+        (lambda path: path.write_text("{not json") and path, ""),
+        (
+            lambda path: train_bpe(path, specials=["<bos>"]),
+            "HuggingFaceTokenizer: the chat template needs '<|im_start|>', which the",
+        ),
+    ],
+    ids=["missing", "not-json", "no-chat-tokens"],
+)
+def test_a_bad_tokenizer_is_refused_naming_it(tmp_path, capsys, make, culprit):
+    path = make(tmp_path / "tokenizer.json")
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--tokenizer", str(path), "--run", str(tmp_path / "run")])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert f"--tokenizer {path}: {culprit}" in error
+    assert not (tmp_path / "run").exists()
+    for bad in (3, ""):
+        with pytest.raises(
+            ValueError, match=f"tokenizer must be a file's path or None, got {bad!r}"
+        ):
+            TrainConfig(tokenizer=bad)

@@ -38,7 +38,8 @@ from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler, task_ids
 from dew.objectives.rl.sessions import Label, SessionSource, Status
 from dew.parallel import ProcessRows, default_pool
-from dew.serve import RolloutServer, ServedSource, tokenizer
+from dew.serve import RolloutServer, ServedSource
+from dew.serve.tokenizer import BYTES, HuggingFaceTokenizer, Tokenizer
 from dew.train._checkpoint import _write_atomically, read_commit
 from dew.train._curves import write_curves
 from dew.train._fit import measure
@@ -63,9 +64,16 @@ def _task_name(instance, attribute, value):
         )
 
 
-def _option(default: Any, validator: Callable, help: str) -> Any:
-    """A TrainConfig field that is also a `dew train` option, with its help text."""
-    return attrs.field(default=default, validator=validator, metadata={"help": help})
+def _path_or_none(instance, attribute, value):
+    if value is not None and not (isinstance(value, str) and value):
+        raise ValueError(f"{attribute.name} must be a file's path or None, got {value!r}")
+
+
+def _option(default: Any, validator: Callable, help: str, *, kind: type | None = None) -> Any:
+    """A TrainConfig field that is also a `dew train` option, with its help text and, where
+    the default (None) does not tell it, the type of its values."""
+    kind = type(default) if kind is None else kind
+    return attrs.field(default=default, validator=validator, metadata={"help": help, "type": kind})
 
 
 @attrs.frozen
@@ -95,6 +103,9 @@ class TrainConfig:
         eval_tasks: held-out tasks, the ids after the training ones.
         samples: rollouts per step written, decoded, to `samples.jsonl`; 0 for none.
         tensorboard: also write the metrics as TensorBoard scalars (needs tensorboardX).
+        tokenizer: a Hugging Face `tokenizer.json` (`dew.serve.tokenizer.HuggingFaceTokenizer`)
+            that renders the prompts and decodes the replies; the model's vocabulary is its
+            size. None for the byte tokenizer.
     """
 
     task: str = _option(
@@ -143,6 +154,13 @@ class TrainConfig:
         attrs.validators.instance_of(bool),
         "also write the metrics as TensorBoard scalars to RUN/tensorboard (needs tensorboardX)",
     )
+    tokenizer: str | None = _option(
+        None,
+        _path_or_none,
+        "a Hugging Face tokenizer.json for the prompts and replies, with <bos>, <|im_start|> "
+        "and <|im_end|> as special tokens; the model's vocabulary is its size (none: bytes)",
+        kind=str,
+    )
 
     def __attrs_post_init__(self):
         if self.tasks < self.batch_size:
@@ -181,15 +199,36 @@ class TrainConfig:
             raise ValueError(f"{str(path)!r} must hold a table of TrainConfig fields")
         return cls(**{**_fields_of(data, str(path)), **overrides})
 
-    def model_config(self, max_len: int) -> models.TransformerConfig:
-        """The transformer's config for this run, with positions up to `max_len`."""
+    def model_config(
+        self, max_len: int, *, vocab: int = BYTES.vocab_size
+    ) -> models.TransformerConfig:
+        """The transformer's config for this run, with positions up to `max_len` and `vocab`
+        token ids (the tokenizer's)."""
         return models.TransformerConfig(
+            vocab=vocab,
             d_model=self.d_model,
             heads=self.heads,
             layers=self.layers,
             d_ff=self.d_ff,
             max_len=max_len,
         )
+
+
+def _load_tokenizer(config: TrainConfig) -> Tokenizer:
+    """The tokenizer `config` names: its `tokenizer.json`, or the byte tokenizer.
+
+    Raises:
+        ValueError: naming the path when it is no file, or not a tokenizer the chat template
+            can use.
+    """
+    if config.tokenizer is None:
+        return BYTES
+    try:
+        return HuggingFaceTokenizer.from_file(config.tokenizer)
+    except FileNotFoundError:
+        raise ValueError(f"--tokenizer {config.tokenizer}: there is no such file") from None
+    except Exception as error:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"--tokenizer {config.tokenizer}: {error}") from error
 
 
 def _fields_of(data: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -218,15 +257,18 @@ class _RunTask:
     shape: _Shape
 
 
-def _task(config: TrainConfig) -> _RunTask:
+def _task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
     if config.task == "copy":
         copy = CopyDigits(seed=config.seed)
-        # Every prompt has the same length: the chat template around the same number of digits.
-        user = [{"role": "user", "content": copy.prompt(Task("0"))}]
-        chain = len(tokenizer.encode_chat(user, add_generation_prompt=True)) + copy.max_tokens
+        # Every prompt has the same length in bytes; another tokenizer's may differ.
+        prompts = {copy.prompt(Task(str(i))) for i in range(config.tasks + config.eval_tasks)}
+        longest = max(
+            len(tokenizer.encode_chat([{"role": "user", "content": prompt}])) for prompt in prompts
+        )
+        chain = longest + copy.max_tokens
         shape = _Shape(max_len=chain, width=2 * chain, chains_per_row=2)
         return _RunTask(
-            lambda engine, sampling: copy.source(engine, sampling=sampling),
+            lambda engine, sampling: copy.source(engine, sampling=sampling, tokenizer=tokenizer),
             copy.dataset,
             task_ids,
             shape,
@@ -235,7 +277,7 @@ def _task(config: TrainConfig) -> _RunTask:
         guess = GuessDigit(seed=config.seed)
         context = guess.max_context
         return _RunTask(
-            lambda engine, sampling: guess.source(engine, sampling=sampling),
+            lambda engine, sampling: guess.source(engine, sampling=sampling, tokenizer=tokenizer),
             guess.dataset,
             task_ids,
             _Shape(max_len=context, width=context, chains_per_row=1),
@@ -246,11 +288,12 @@ def _task(config: TrainConfig) -> _RunTask:
         gym.prompt,
         max_tokens=config.max_tokens,
         rollouts=config.batch_size * config.groups,
+        tokenizer=tokenizer,
         width=None,
     )
     return _RunTask(
         lambda engine, sampling: gym.source(
-            engine, max_tokens=config.max_tokens, sampling=sampling
+            engine, max_tokens=config.max_tokens, sampling=sampling, tokenizer=tokenizer
         ),
         gym.dataset,
         gym.tasks,
@@ -378,6 +421,7 @@ def train(
     try:
         _check_run(config, run, resume=resume)
         _check_split(config, processes)
+        _load_tokenizer(config)
         if record is not None and processes > 1:
             raise ValueError("--record traces a single process's run; run it without a pool")
         if record is not None:
@@ -393,9 +437,10 @@ def train(
             lambda file: file.write(json.dumps(attrs.asdict(config), indent=1).encode()),
         )
 
-    task = _task(config)
+    tokenizer = _load_tokenizer(config)
+    task = _task(config, tokenizer)
     shape = task.shape
-    model_config = config.model_config(shape.max_len)
+    model_config = config.model_config(shape.max_len, vocab=tokenizer.vocab_size)
     variables = models.init(jax.random.key(config.seed), model_config)
     objective = GRPOObjective(models.model(model_config), temperature=config.temperature)
     trainer = Trainer(
@@ -417,9 +462,7 @@ def train(
     logs = None
     if index == 0:  # one process writes the run's logs beside metrics.jsonl
         if config.samples:
-            source = samples = SampleLog(
-                source, tokenizer.BYTES, batch_size=tasks, keep=config.samples
-            )
+            source = samples = SampleLog(source, tokenizer, batch_size=tasks, keep=config.samples)
         logs = _RunLogs(config, run, trainer, samples, on_step)
         if config.eval_every:
             logs.evaluation = _Evaluation(task, config, model_config, slots)
@@ -585,7 +628,7 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
     for field in attrs.fields(TrainConfig):
         value = getattr(default, field.name)
         option = f"--{field.name.replace('_', '-')}"
-        help = f"{field.metadata['help']} (default: {value})"
+        help = f"{field.metadata['help']} (default: {'none' if value is None else value})"
         # None marks an option not given, so a --config file or a resumed run keeps its value.
         if isinstance(value, bool):
             parser.add_argument(
@@ -596,7 +639,7 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             option,
             dest=field.name,
-            type=type(value),
+            type=field.metadata["type"],
             default=None,
             metavar=field.name.upper(),
             help=help,
@@ -686,6 +729,7 @@ def run_cli(args: argparse.Namespace) -> int:
             _check_split(config, args.processes)
         if args.record is not None:
             _check_record(args.record)
+        _load_tokenizer(config)
         # A damaged checkpoint is refused here, before anything starts or is written.
         commit = read_commit(run / "checkpoints") if args.resume else None
     except ValueError as error:
