@@ -424,7 +424,8 @@ def test_help_lists_every_option_with_its_default(capsys):
     for field in attrs.fields(TrainConfig):
         option = "--" + field.name.replace("_", "-")
         assert option in text
-        assert f"(default: {getattr(default, field.name)})" in text
+        value = getattr(default, field.name)
+        assert f"(default: {'none' if value is None else value})" in text
     assert "--resume" in text and "--run" in text
 
 
