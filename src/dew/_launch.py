@@ -40,7 +40,9 @@ def run_pool(
 
     Args:
         commands: each process's argv, process i's at index i.
-        logs: where each process's standard output and error go, written as they come.
+        logs: where each process's standard output and error go, written as they come and
+            appended to what the files hold (a resumed pool's logs follow the earlier run's,
+            whose end says why it stopped).
         echo: where process 0's output is also copied, line by line (the run's one console).
         env: the processes' environment (the launcher's when None).
         report: where the launcher says which process failed and what it stops.
@@ -61,7 +63,7 @@ def run_pool(
     ended: queue.Queue[int] = queue.Queue()
     with contextlib.ExitStack() as stack:
         started = [
-            _start(index, command, stack.enter_context(open(log, "wb")), echo, env, ended)
+            _start(index, command, stack.enter_context(open(log, "ab")), echo, env, ended)
             for index, (command, log) in enumerate(zip(commands, logs, strict=True))
         ]
         processes = [process for process, _ in started]
