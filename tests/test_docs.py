@@ -18,7 +18,7 @@ import numpy as np
 from dew import simulate
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import SchedulerRecord
-from dew.objectives.rl.sessions import pack, session_metrics
+from dew.objectives.rl.sessions import Call, Session, Status, pack, session_metrics
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = ROOT / "docs"
@@ -152,9 +152,15 @@ def test_no_test_cites_a_file_outside_the_project():
 
 def record_and_metric_keys() -> set[str]:
     """The record's fields and every metric key a step reports: the scheduler's session
-    metrics (of an empty step, which has them all but the reward components) and the loss's."""
+    metrics (of a step with one stamped session, which has them all but the reward components)
+    and the loss's."""
     keys = {field.name for field in attrs.fields(SchedulerRecord)}
-    keys |= set(session_metrics([], pack([], width=4, rows=1), version=0))
+    ones = np.ones(2, np.int32)
+    call = Call(ones, ones, np.zeros(2, np.float32), 0)
+    finished = Session(
+        calls=(call,), status=Status.COMPLETED, reward=1.0, submitted=0.0, finished=1.0
+    )
+    keys |= set(session_metrics([finished], pack([[finished]], width=4, rows=1), version=0))
 
     def model(variables, tokens, positions, segment_ids):
         return np.zeros((*tokens.shape, 8), np.float32)

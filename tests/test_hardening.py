@@ -10,10 +10,17 @@ comes out as itself. Scheduler tests run under trio's autojump clock.
 from __future__ import annotations
 
 import gc
+import gzip
 import inspect
 import io
+import json
 import math
+import os
+import pathlib
 import shutil
+import signal
+import subprocess
+import sys
 import weakref
 
 import attrs
@@ -26,6 +33,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import dew
 from _scripted import CONFIG, OBJECTIVE, PARAMS, ROWS, WIDTH, Engine, Scripted, dataset
 from dew import cli
 from dew.data import Task
@@ -41,8 +49,11 @@ from dew.objectives.rl.sessions import (
     pack,
     session_metrics,
 )
+from dew.replay import TraceError, read_trace, replay
 from dew.testing import assert_exactly_once, run_simulated
 from dew.train import Progress, Trainer
+from dew.train._checkpoint import read_commit
+from dew.train._cli import _CtrlC, _Interrupted
 
 
 def scheduler(source, engine, **kwargs) -> RolloutScheduler:
@@ -670,6 +681,42 @@ def test_dew_train_refuses_a_record_path_before_writing_anything(where, tmp_path
     assert trace.read_text() == "an earlier run's trace\n"
 
 
+@pytest.mark.parametrize("where", ["a file", "under a file", "unwritable"])
+def test_dew_train_refuses_a_run_folder_it_cannot_write_before_writing_anything(
+    where, tmp_path, capsys
+):
+    file = tmp_path / "notes.txt"
+    file.write_text("not a folder\n")
+    # /proc takes no new entry, even from root, whom permission bits do not stop.
+    run = {"a file": file, "under a file": file / "run", "unwritable": "/proc/dew-run/sub"}[where]
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["train", "--run", str(run), "--steps", "1"])
+    assert exit.value.code == 2
+    captured = capsys.readouterr()
+    assert f"--run {run}" in captured.err and "Traceback" not in captured.err
+    assert {"a file": "is a file, not a folder", "under a file": f"{file} is a file"}.get(
+        where, "nothing can be written in /proc"
+    ) in captured.err
+    assert captured.out == ""
+    assert file.read_text() == "not a folder\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("where", ["under a file", "unwritable"])
+def test_dew_train_refuses_a_record_path_it_cannot_write(where, tmp_path, capsys):
+    file = tmp_path / "notes.txt"
+    file.write_text("not a folder\n")
+    record = {"under a file": file / "run.trace", "unwritable": "/proc/run.trace"}[where]
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["train", "--run", str(run), "--steps", "1", "--record", str(record)])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--record {record}" in err
+    assert (f"{file} is a file" if where == "under a file" else "nothing can be written") in err
+    assert not run.exists()
+
+
 # 11: a damaged run folder is refused naming the file, before anything starts ---------------------
 
 
@@ -703,3 +750,297 @@ def test_resuming_a_damaged_run_names_the_file_before_starting(
     captured = capsys.readouterr()
     assert f"{target} is damaged" in captured.err
     assert "resuming" not in captured.out and "dew train:" not in captured.out
+
+
+def test_resuming_with_the_earlier_runs_trace_refuses_to_overwrite_it(
+    trained_run, tmp_path, capsys
+):
+    """Item 10: a resumed run records a trace of its own; the earlier one is never truncated."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    trace = tmp_path / "run.trace"
+    trace.write_text("the first run's trace\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["train", "--run", str(run), "--resume", "--steps", "3", "--record", str(trace)])
+    assert exit.value.code == 2
+    captured = capsys.readouterr()
+    assert f"--record {trace} already exists and would be overwritten" in captured.err
+    assert "resuming" not in captured.out
+    assert trace.read_text() == "the first run's trace\n"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2  # the run is untouched
+
+
+# 12: a hostile file is a TraceError naming file and line, exit 2, read in bounded memory ---------
+
+
+def record_simulated(path, start: float = 0.0):
+    """Record a six-call simulated run (infra errors, truncations) to path on a mock clock that
+    reads `start` when the recording begins."""
+    config = SimulatedConfig(seed=2, infra_error=0.1, truncated=0.2, completion_tokens=(4, 16))
+
+    async def main():
+        await trio.sleep(start)
+        return await run_simulated(
+            path, updates=range(6), config=config, width=96, rows=6, groups=3, ahead=1, max_lag=1
+        )
+
+    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+@pytest.fixture(scope="module")
+def simulated_trace(tmp_path_factory):
+    """The path of record_simulated's trace."""
+    path = tmp_path_factory.mktemp("trace") / "run.trace"
+    record_simulated(path)
+    return path
+
+
+def header_with(trace, **config) -> bytes:
+    """The trace's header line with `config` written over its configuration."""
+    header = json.loads(trace.read_bytes().split(b"\n", 1)[0])
+    header["config"].update(config)
+    return json.dumps(header).encode() + b"\n"
+
+
+# (what the file holds, the line named, what the problem says)
+HOSTILE = {
+    "deep nesting": (lambda t: header_with(t) + b"[" * 100_000 + b"]" * 100_000 + b"\n", 2,
+                     "nests too deeply"),
+    "invalid utf-8": (lambda t: header_with(t) + b'{"kind": "push\xff\xfe"}\n', 2,
+                      "is not UTF-8 text (byte 0xff at column 15)"),
+    "binary": (lambda t: np.random.default_rng(0).bytes(4096), 1, "not a dew trace"),
+    "a run's config.json": (lambda t: json.dumps({"task": "copy", "steps": 4}, indent=1).encode(),
+                            1, "is not a dew trace: its first line is not JSON"),
+    "a JSON line": (lambda t: b'{"task": "copy"}\n', 1, "is not a dew trace: a trace's first line"),
+    "a huge number": (lambda t: header_with(t) + b'{"kind": ' + b"9" * 10_000 + b"}\n", 2,
+                      "is not JSON a trace can hold"),
+    "damaged gzip": (lambda t: b"\x1f\x8b\x08\x00" + np.random.default_rng(0).bytes(200), 1,
+                     "is damaged gzip data"),
+    "groups=1e9": (lambda t: header_with(t, groups=1e9), 1, "groups must be an int"),
+    "groups=10**9": (lambda t: header_with(t, groups=10**9), 1, "groups must be <="),
+    "width=1e12": (lambda t: header_with(t, width=1e12), 1, "width must be an int"),
+    "width=10**12": (lambda t: header_with(t, width=10**12), 1, "width must be <= 1048576"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_a_hostile_file_is_a_trace_error_naming_its_file_and_line(
+    hostile, simulated_trace, tmp_path, capsys
+):
+    make, line, problem = HOSTILE[hostile]
+    path = tmp_path / "hostile.trace"
+    content = make(simulated_trace)
+    if hostile.startswith(("groups", "width")):  # the header, then the run's own lines
+        content += simulated_trace.read_bytes().split(b"\n", 1)[1]
+    path.write_bytes(content)
+    assert cli.main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dew replay: {path}:{line}: ") and problem in err, err
+    assert len(err.splitlines()) == 1
+
+
+def test_an_endless_file_is_refused_after_max_line_bytes(capsys):
+    # /dev/zero is one endless line: it is refused once MAX_LINE bytes were read, not read on.
+    assert cli.main(["replay", "/dev/zero"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dew replay: /dev/zero:1: is longer than 268435456 bytes"), err
+    with pytest.raises(TraceError, match="is longer than"):
+        read_trace("/dev/zero")
+
+
+# 13: a killed run's trace replays up to its last complete call -----------------------------------
+
+
+def read_bytes(path) -> bytes:
+    """A file's bytes, decompressed if it is gzip."""
+    data = path.read_bytes()
+    return gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+
+
+def cut_after(trace, calls: int, partial: bytes = b"") -> bytes:
+    """The trace's bytes as a run killed after its `calls`-th call line wrote them, and
+    `partial`, the start of a line the kill cut."""
+    lines = read_bytes(trace).split(b"\n")
+    at = [i for i, line in enumerate(lines) if line.startswith(b'{"kind":"call"')][calls - 1]
+    return b"\n".join(lines[: at + 1]) + b"\n" + partial
+
+
+@pytest.mark.parametrize("partial", [b"", b'{"kind":"session","task":{"na'])
+@pytest.mark.parametrize("calls", [1, 4])
+def test_a_killed_runs_trace_replays_up_to_its_last_call(
+    calls, partial, simulated_trace, tmp_path, capsys
+):
+    path = tmp_path / "killed.trace"
+    path.write_bytes(cut_after(simulated_trace, calls, partial))
+    lines = len(path.read_bytes().split(b"\n")) - 1
+    with pytest.raises(TraceError, match="cut off"):
+        read_trace(path)  # whole traces only, unless asked
+    trace = read_trace(path, partial=True)
+    assert len(trace.calls) == calls and trace.end == trace.calls[-1].returned
+    result = replay(path)
+    assert result.matched, str(result)
+    assert result.steps == calls
+    assert (
+        result.cut
+        == f"the trace ends at line {lines}"
+        + (f" (line {lines + 1} is cut partway)" if partial else "")
+        + " without its end line"
+    )
+    assert cli.main(["replay", str(path), "--progress-every", "0"]) == 3
+    captured = capsys.readouterr()
+    assert (
+        f"the recording was cut off: {result.cut}; replayed as far as it goes, {calls} calls"
+        in (captured.out)
+    )
+    assert f"dew replay: step {calls}/{calls} replayed" in captured.err
+
+
+def test_a_killed_runs_trace_that_diverges_says_where(simulated_trace, tmp_path, capsys):
+    path = tmp_path / "killed.trace"
+    path.write_bytes(cut_after(simulated_trace, 4))
+    assert cli.main(["replay", str(path), "--max-attempts", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "replay diverged at step" in out and "the recording was cut off" in out
+
+
+# 14: gzip traces, progress on long replays, times from the run's start ---------------------------
+
+
+def test_a_gz_trace_is_compressed_and_replays(simulated_trace, tmp_path):
+    path = tmp_path / "run.trace.gz"
+    trace = record_simulated(path)
+    assert path.read_bytes()[:2] == b"\x1f\x8b"
+    # The same lines (rollouts cancelled at one instant by the close may come in any order).
+    lines = sorted(gzip.decompress(path.read_bytes()).splitlines())
+    assert lines == sorted(simulated_trace.read_bytes().splitlines())
+    assert path.stat().st_size < simulated_trace.stat().st_size / 3
+    assert len(trace.calls) == 6
+    result = replay(path)
+    assert result.matched and result.cut is None, str(result)
+
+
+@pytest.mark.parametrize("kept", [0.4, 0.8])
+def test_a_killed_runs_gz_trace_replays_as_far_as_its_stream_goes(kept, tmp_path):
+    # A gz trace flushes each line as a whole block: cut anywhere, it reads up to the cut.
+    whole = tmp_path / "whole.trace.gz"
+    record_simulated(whole)
+    compressed = whole.read_bytes()
+    cut = tmp_path / "killed.trace.gz"
+    cut.write_bytes(compressed[: int(len(compressed) * kept)])
+    result = replay(cut)
+    assert result.matched, str(result)
+    assert 0 < result.steps < 6 and "without its end line" in result.cut
+
+
+def test_progress_lines_go_to_stderr_and_divergence_times_count_from_the_start(
+    simulated_trace, tmp_path, capsys
+):
+    # A recording that starts at 1000 s, as a real-clock one starts far from 0.
+    path = tmp_path / "late.trace"
+    trace = record_simulated(path, start=1000.0)
+    assert trace.start == 1000.0
+    assert cli.main(["replay", str(path), "--max-attempts", "1", "--progress-every", "0"]) == 1
+    captured = capsys.readouterr()
+    progress = captured.err.splitlines()
+    assert [line.split(",")[0] for line in progress] == [
+        f"dew replay: step {step}/6 replayed" for step in range(1, 7)
+    ]
+    time = replay(path, max_attempts=1).divergence.time
+    assert f"{time - 1000.0:.6g}s into the run (time {time!r})" in captured.out
+    # --progress-every 5 on a replay of milliseconds: only the last call's line.
+    assert cli.main(["replay", str(simulated_trace)]) == 0
+    last = read_trace(simulated_trace).calls[-1].returned
+    assert capsys.readouterr().err.splitlines() == [
+        f"dew replay: step 6/6 replayed, {last:.6g}s into the run"
+    ]
+
+
+# 13 and 17, for real: `dew train` killed, and stopped with Ctrl-C --------------------------------
+
+TINY = ["--batch-size", "2", "--groups", "2", "--samples", "0", "--d-model", "16", "--layers", "1"]
+TINY += ["--d-ff", "32", "--heads", "2"]
+
+
+def start_training(run, *options) -> subprocess.Popen:
+    """`dew train` of a tiny model in a process of its own, for 100 steps (a progress line every
+    5), its output piped."""
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(dew.__file__).parents[1])}
+    command = [sys.executable, "-m", "dew", "train", "--run", str(run), "--steps", "100", *TINY]
+    return subprocess.Popen(
+        [*command, *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+def wait_for(stream, start: str) -> str:
+    """Read `stream` up to the first line that starts with `start`; return that line."""
+    for line in stream:
+        if line.startswith(start):
+            return line
+    raise AssertionError(f"the stream ended before a line starting with {start!r}")
+
+
+def test_ctrl_c_stops_dew_train_after_its_step_with_a_checkpoint_and_one_line(tmp_path, capsys):
+    run, trace = tmp_path / "run", tmp_path / "run.trace.gz"
+    process = start_training(run, "--checkpoint-every", "1000", "--record", str(trace))
+    wait_for(process.stdout, "step ")
+    process.send_signal(signal.SIGINT)
+    asked = wait_for(process.stderr, "dew train:")
+    stopped = wait_for(process.stderr, "dew train:")
+    # A press while the process exits is ignored: nothing "ignored in atexit callback".
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130
+    assert asked == (
+        "dew train: Ctrl-C: stopping after the step in progress, with its checkpoint "
+        "(Ctrl-C again stops at once)\n"
+    )
+    step = int(stopped.split("step ")[1].split("/")[0])
+    assert stopped == (
+        f"dew train: stopped after step {step}/100, its checkpoint saved: continue with "
+        f"`dew train --run {run} --resume`\n"
+    )
+    assert "Traceback" not in err and "Exception ignored" not in err and "dew train" not in err
+    assert "trained" not in out
+    # The checkpoint is the last step's, and the metrics log ends with it.
+    assert read_commit(run / "checkpoints")["updates"] == step
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["updates"] == step == len(lines)
+    # The trace is whole (the scheduler was closed) and replays.
+    assert cli.main(["replay", str(trace)]) == 0
+    assert f"replay matched: {step} steps" in capsys.readouterr().out
+    # Cut after its third call, as a kill leaves it (it is flushed line by line), it replays
+    # as far as it goes.
+    killed = tmp_path / "killed.trace.gz"
+    killed.write_bytes(gzip.compress(cut_after(trace, 3, partial=b'{"kind":"sess')))
+    assert cli.main(["replay", str(killed)]) == 3
+    out = capsys.readouterr().out
+    assert "replay matched: 3 steps" in out and "replayed as far as it goes, 3 calls" in out
+
+
+def test_a_second_ctrl_c_stops_at_once_and_later_ones_are_ignored():
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(KeyboardInterrupt), _CtrlC() as ctrl_c:
+            signal.raise_signal(signal.SIGINT)  # asks to stop after the step
+            assert ctrl_c.presses == 1
+            signal.raise_signal(signal.SIGINT)  # stops at once
+            raise AssertionError("the second press did not stop")
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        signal.raise_signal(signal.SIGINT)  # ignored while the process exits
+        assert ctrl_c.presses == 2
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_after_a_ctrl_c_the_run_stops_at_the_next_step_end_unless_it_was_the_last():
+    seen = []
+    ctrl_c = _CtrlC()
+    step_ended = ctrl_c.after(seen.append, 3)
+    step_ended({"updates": 1})  # no press yet: the run goes on
+    ctrl_c.presses = 1
+    with pytest.raises(_Interrupted) as stop:
+        step_ended({"updates": 2})
+    assert stop.value.updates == 2
+    step_ended({"updates": 3})  # the last step: the run ends as usual
+    assert seen == [{"updates": 1}, {"updates": 2}, {"updates": 3}]  # each line shown first

@@ -280,22 +280,6 @@ def corrupt(lines):
     return i + 1
 
 
-def cut_off(lines):
-    # The writer stopped partway through a line: the file ends without its newline.
-    i = first(lines, "call")
-    del lines[i + 1 :]
-    lines[i] = lines[i][:100]
-    return i + 1
-
-
-def unfinished(lines):
-    # The writer stopped between lines: no end line.
-    i = first(lines, "call")
-    del lines[i + 1 :]
-    lines.append("")
-    return i + 1
-
-
 def unknown_version(lines):
     header = json.loads(lines[0])
     lines[0] = json.dumps({**header, "version": 2})
@@ -322,8 +306,6 @@ def short_array(lines):
     "change, problem",
     [
         (corrupt, "is not JSON"),
-        (cut_off, "is cut off (the file is truncated)"),
-        (unfinished, "no end line follows: the recording was cut off"),
         (unknown_version, "dew-trace version 2 is not one this dew reads (version 3)"),
         (unlabelled, "lacks field 'label'"),
         (short_array, "array calls[0].prompt holds"),

@@ -701,6 +701,7 @@ def test_the_sync_facade_runs_the_trio_side_in_its_own_thread():
         trio.run(sched.step, prefetched[0], PARAMS, 4)
     sched.close()
     sched.close()
-    assert set(threading.enumerate()) == before
+    # Its thread has ended (trio's idle worker threads from earlier tests may end meanwhile).
+    assert not set(threading.enumerate()) - before
     with pytest.raises(RuntimeError, match="closed"):
         sched(prefetched[0], PARAMS, 4)

@@ -345,10 +345,12 @@ class Transformer:
 
     @property
     def vocab(self) -> int:
+        """Token ids the model scores: every id is below this."""
         return self.config.vocab
 
     @property
     def max_len(self) -> int:
+        """The longest sequence the model's positions cover."""
         return self.config.max_len
 
     def init(self, key: jax.Array) -> dict:

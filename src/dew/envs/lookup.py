@@ -49,6 +49,7 @@ class LookupTable:
     seed: int = 0
 
     def key(self, task: Task) -> str:
+        """The key a task asks the agent to look up."""
         return f"k{int(task.name)}"
 
     def value(self, key: str) -> str | None:

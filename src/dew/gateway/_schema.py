@@ -110,6 +110,8 @@ CHAT_FIELDS: Mapping[str, str] = {
     "functions": "refused when given: use tools",
     "function_call": "refused when given: use tool_choice",
 }
+"""What the gateway does with each field of a chat-completions request: honoured, overridden by
+the engine's sampling, ignored, or refused (400)."""
 
 COMPLETION_FIELDS: Mapping[str, str] = {
     "model": CHAT_FIELDS["model"],
@@ -133,6 +135,7 @@ COMPLETION_FIELDS: Mapping[str, str] = {
     "logit_bias": CHAT_FIELDS["logit_bias"],
     "user": "ignored",
 }
+"""What the gateway does with each field of a completions request (same wording as CHAT_FIELDS)."""
 
 
 def parse_json(body: bytes) -> dict[str, Any]:

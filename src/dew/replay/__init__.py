@@ -27,6 +27,15 @@ trainer's thread). Each later line has a `kind`:
 
 Arrays are stored losslessly: `{"dtype", "shape", "data"}` with the raw bytes in base64.
 
+A trace is flushed line by line. A path ending in `.gz` is written gzip-compressed, each line
+flushed as a whole gzip block; readers tell the two forms by their first bytes (GZIP_MAGIC). A
+killed run's trace (no end line, maybe a last line cut partway, or a gzip stream that ends
+early) is read with `read_trace(path, partial=True)`, which `replay` uses: `Trace.cut` says where
+it ends, its replay stops after its last call, and a rollout the trace never saw end runs until
+cancelled. A line over MAX_LINE bytes is refused, as is JSON nested too deep to parse, text that
+is not UTF-8, and (by `replay`) a header whose configuration no scheduler takes: each a
+TraceError naming the file and the line.
+
 A `thread` trace is written from two threads, the trainer's (streams, batches, calls) and the
 scheduler's (sessions, pushes), one whole line at a time. The trainer's thread cannot read the
 scheduler's trio clock, so the scheduler's event log tells the times: a call's `handed_over` is
@@ -51,8 +60,9 @@ two recordings can be compared whole.
 
 `replay(path, **overrides)` runs a replay in a trio run of its own (`replay_async` from inside
 another, through a worker thread), and `dew replay TRACE [--max-lag N ...]` from the command
-line; each says the replay matched (steps, groups, events) or gives its first divergence: step,
-group, sample, event, field, recorded and replayed values.
+line (with a progress line on standard error every few seconds); each says the replay matched
+(steps, groups, events) or gives its first divergence: step, group, sample, event, field,
+recorded and replayed values, and its time as seconds into the run.
 
 Time lands exactly: trio's MockClock moves by differences, which can round a jump one ulp past
 its target, so `ReplaySource` keeps the clock itself and lands it on the recorded times (session
@@ -71,6 +81,8 @@ from dew.replay._format import (
     CONFIG,
     FACADES,
     FORMAT,
+    GZIP_MAGIC,
+    MAX_LINE,
     OUTCOMES,
     PROXIMAL,
     VERSION,
@@ -93,6 +105,8 @@ __all__ = [
     "CONFIG",
     "FACADES",
     "FORMAT",
+    "GZIP_MAGIC",
+    "MAX_LINE",
     "OUTCOMES",
     "PROXIMAL",
     "VERSION",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
+from typing import TextIO
 
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.replay._format import CONFIG, TraceError
@@ -38,10 +40,46 @@ _OPTIONS = {
 }
 
 
+# Exit statuses: the replay matched the whole trace, it diverged, the trace cannot be read, or
+# a cut-off trace (a killed run's) matched as far as it goes.
+MATCHED, DIVERGED, UNREADABLE, MATCHED_CUT = 0, 1, 2, 3
+
+
+class _Progress:
+    """Prints how far a replay has got to standard error, at most once every `every` seconds of
+    real time (0: after every call), so a long replay is seen to be working."""
+
+    def __init__(self, every: float, out: TextIO | None = None):
+        self.every = every
+        self.out = sys.stderr if out is None else out
+        self.last = time.monotonic()
+
+    def __call__(self, replayed: int, total: int, seconds: float) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every and replayed < total:
+            return
+        self.last = now
+        print(
+            f"dew replay: step {replayed}/{total} replayed, {seconds:.6g}s into the run",
+            file=self.out,
+            flush=True,
+        )
+
+
 def configure_cli(parser: argparse.ArgumentParser) -> None:
-    """Add `dew replay`'s arguments to its parser: the trace, and one override per CONFIG
-    name (`--max-lag 0`, `--timeout none`, ...)."""
-    parser.add_argument("trace", help="a trace written by dew.replay.Recorder")
+    """Add `dew replay`'s arguments to its parser: the trace, `--progress-every`, and one
+    override per CONFIG name (`--max-lag 0`, `--timeout none`, ...)."""
+    parser.add_argument(
+        "trace", help="a trace written by `dew train --record` or a Recorder, plain or gzip"
+    )
+    parser.add_argument(
+        "--progress-every",
+        type=float,
+        metavar="SECONDS",
+        default=5.0,
+        help="print how far the replay has got to standard error every SECONDS of real time "
+        "(0: after every call) (default: 5)",
+    )
     for name, kind in _OPTIONS.items():
         parser.add_argument(
             f"--{name.replace('_', '-')}",
@@ -56,27 +94,34 @@ def run_cli(args: argparse.Namespace) -> int:
     """`dew replay TRACE [--max-lag N ...]`: replay a trace and print whether it matched.
 
     Prints the steps, groups and events that matched, or the first divergence: step, group,
-    sample, event, field, recorded and replayed values.
+    sample, event, field, recorded and replayed values, and its time as seconds into the run;
+    for a trace whose recording was cut off, where it ends. Progress goes to standard error.
 
     Returns:
-        0 when the replay matched, 1 when it diverged, 2 when the trace cannot be read.
+        MATCHED (0) when the replay matched the whole trace, DIVERGED (1) when it diverged,
+        UNREADABLE (2) when the trace cannot be read, MATCHED_CUT (3) when a cut-off trace (a
+        killed run's) matched up to where it ends.
 
     Raises:
         SystemExit: with status 2, through the parser, for an override the scheduler refuses.
     """
     overrides = {name: getattr(args, name) for name in CONFIG if hasattr(args, name)}
+    if args.progress_every < 0:
+        args.parser.error(f"--progress-every must be >= 0 seconds, got {args.progress_every}")
     logger = logging.getLogger(RolloutScheduler.__module__)
     level = logger.level
     # The replayed scheduler's long-wait warnings describe the replay, not the recorded run.
     logger.setLevel(logging.ERROR)
     try:
-        result = replay(args.trace, **overrides)
+        result = replay(args.trace, progress=_Progress(args.progress_every), **overrides)
     except (TraceError, OSError) as error:
         print(f"dew replay: {error}", file=sys.stderr)
-        return 2
+        return UNREADABLE
     except ValueError as error:
         args.parser.error(str(error))
     finally:
         logger.setLevel(level)
     print(result)
-    return 0 if result.matched else 1
+    if not result.matched:
+        return DIVERGED
+    return MATCHED if result.cut is None else MATCHED_CUT

@@ -75,6 +75,11 @@ class Divergence:
         return None if self.label is None else self.label.sample
 
     def __str__(self) -> str:
+        return self.describe()
+
+    def describe(self, start: float | None = None) -> str:
+        """The divergence in one line; with the recording's `start`, its time as seconds into
+        the run (a real-clock trace's times are the clock's readings, far from 0)."""
         where = [f"step {self.step}"]
         if self.label is not None:
             where.append(str(self.label))
@@ -82,7 +87,9 @@ class Divergence:
             where.append(f"group {self.group}")
         if self.event is not None:
             where.append(f"event {self.event} ({self.kind})")
-        if self.time is not None:
+        if self.time is not None and start is not None:
+            where.append(f"{self.time - start:.6g}s into the run (time {self.time!r})")
+        elif self.time is not None:
             where.append(f"time {self.time!r}")
         return (
             f"{', '.join(where)}: {self.field}: recorded {_show(self.recorded)}, "
@@ -112,11 +119,15 @@ class ReplayResult:
         path: the trace's file.
         calls: the replayed trainer calls.
         divergence: the first place the replay parts from the recording; None if it matched.
+        start: the recording's start on the scheduler's clock; the report gives times from it.
+        cut: where a cut-off trace ends (`Trace.cut`); its replay went that far, no further.
     """
 
     path: str
     calls: tuple[ReplayedCall, ...]
     divergence: Divergence | None
+    start: float = 0.0
+    cut: str | None = None
 
     @property
     def matched(self) -> bool:
@@ -140,11 +151,18 @@ class ReplayResult:
 
     def __str__(self) -> str:
         if self.matched:
-            return (
+            text = (
                 f"{self.path}: replay matched: {self.steps} steps, {self.groups} groups, "
                 f"{self.events} events"
             )
-        return f"{self.path}: replay diverged at {self.divergence}"
+        else:
+            text = f"{self.path}: replay diverged at {self.divergence.describe(self.start)}"
+        if self.cut is not None:
+            text += (
+                f"\n{self.path}: the recording was cut off: {self.cut}; replayed as far as it "
+                f"goes, {self.steps} calls"
+            )
+        return text
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -251,14 +269,15 @@ def _divergences(
     every note, the closing events; the earliest by (step, time) is the first divergence. A
     thread trace's pushes are compared by version, and its notes up to its last call's return;
     its close came at a time of the real clock that no trace holds, so its closing events are
-    not compared."""
+    not compared; nor are a cut trace's, which it does not hold."""
 
     def step_at(time: float) -> int:
         """The call in progress at `time` in the replay."""
         return next((i for i, c in enumerate(calls) if c.returned >= time), len(calls))
 
     real_clock = trace.facade == "thread"
-    if real_clock:
+    if real_clock or trace.cut is not None:
+        # A cut trace holds nothing past its last call either.
         returned = max((c.returned for c in trace.calls if c.returned is not None), default=None)
         notes = [n for n in notes if returned is not None and n.time <= returned]
     found: list[Divergence] = []
@@ -278,7 +297,7 @@ def _divergences(
             time = min(a[0], b[0])
             found.append(Divergence(step_at(time), f"push[{i}]", a, b, time=time))
             break
-    if not real_clock:
+    if not real_clock and trace.cut is None:
         divergence = _event_divergence(
             len(trace.calls), trace.closing_events, closing, log="closing_events"
         )

@@ -45,6 +45,11 @@ ADDED = {"vocab": None, "empty_streak": 5}
 OUTCOMES = ("returned", "cancelled", "raised", "invalid")
 """How a recorded rollout ended: returned a session, was cancelled, raised, or returned what no
 trace can hold."""
+MAX_LINE = 256 * 2**20
+"""The longest trace line, in bytes, that is read (or written): past it a file is refused rather
+than read without bound (`/dev/zero`, say, is one endless line)."""
+GZIP_MAGIC = b"\x1f\x8b"
+"""The first bytes of a gzip file: a trace that starts with them is read through gzip."""
 PROXIMAL = "proximal_logprobs"
 """The packed array replay cannot compare: the trainer's rescoring, which needs its weights."""
 

@@ -20,8 +20,15 @@ from dew.data import Batch, Task
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Label, Session, Status
 from dew.replay._divergence import Divergence, ReplayedCall, ReplayNote, ReplayResult, _divergences
-from dew.replay._format import CONFIG, RecordedSourceError, _array_digest, _describe, batch_digest
-from dew.replay._trace import Trace, read_trace
+from dew.replay._format import (
+    CONFIG,
+    RecordedSourceError,
+    TraceError,
+    _array_digest,
+    _describe,
+    batch_digest,
+)
+from dew.replay._trace import RecordedCall, Trace, read_trace
 
 # Real seconds every task must stay blocked before the replay clock moves: any positive cushion
 # lets the scheduler's own zero-cushion waits settle an instant first.
@@ -78,7 +85,8 @@ class ReplaySource:
 
     What the replayed run does that the recording did not is kept in `notes`: a rollout the
     trace never ran (it returns INFRA_ERROR at once), one recorded as cancelled still running
-    after its recorded cancellation.
+    after its recorded cancellation. A rollout a cut trace (`Trace.cut`) never saw end was still
+    running when the recording stopped: it runs until cancelled.
 
     `settled`, when set (`replay` sets it to its scheduler's own check), says whether the
     scheduler has applied everything posted to it: the clock then moves as soon as that is so,
@@ -93,7 +101,7 @@ class ReplaySource:
     """
 
     def __init__(self, trace: Trace | str | os.PathLike):
-        self.trace = trace if isinstance(trace, Trace) else read_trace(trace)
+        self.trace = trace if isinstance(trace, Trace) else read_trace(trace, partial=True)
         self.notes: list[ReplayNote] = []
         # When the scheduler submitted each rollout, by its log: on the real clock the source's
         # own reading of its start comes a moment later.
@@ -147,6 +155,9 @@ class ReplaySource:
             raise RuntimeError("run a ReplaySource inside `async with source:`")
         now = trio.current_time()
         recorded = self.trace.sessions.get(label)
+        if recorded is None and self.trace.cut is not None:
+            # A cut trace holds no end of a rollout still running when the recording stopped.
+            await trio.sleep_forever()
         if recorded is None or recorded.task.name != task.name:
             self.notes.append(ReplayNote(now, task.name, label, "never ran", f"ran at {now!r}"))
             return Session(Status.INFRA_ERROR, error="replay: this rollout is not in the trace")
@@ -263,7 +274,12 @@ def _configure(trace: Trace, overrides: Mapping[str, Any]) -> dict[str, Any]:
     return {**trace.config, **overrides}
 
 
-def replay(trace: Trace | str | os.PathLike, **overrides: Any) -> ReplayResult:
+def replay(
+    trace: Trace | str | os.PathLike,
+    *,
+    progress: Callable[[int, int, float], None] | None = None,
+    **overrides: Any,
+) -> ReplayResult:
     """Replay a trace in a trio run of its own, on a `trio.testing.MockClock` from 0.
 
     The scheduler is rebuilt from the trace's configuration, `overrides` replacing any of it
@@ -272,29 +288,76 @@ def replay(trace: Trace | str | os.PathLike, **overrides: Any) -> ReplayResult:
     and updates, after reading the tasks() stream as far as the recorded trainer had; the
     scheduler is closed at the recorded end.
 
+    A trace whose recording was cut off (a killed run's, flushed line by line) replays up to its
+    last call that returned: its `ReplayResult.cut` says where it ends, and what came after that
+    call (rollouts still running, the close) is not compared.
+
+    Args:
+        trace: a Trace, or the path of one (plain or gzip).
+        progress: called after each replayed call with the calls replayed, the calls the trace
+            holds and the replay clock's seconds since the recording's start.
+        overrides: scheduler arguments by CONFIG name.
+
     Returns:
         the replayed calls and the first divergence, if any.
 
     Raises:
         ValueError: an unknown override, one the scheduler refuses, or a trace that starts
             before the clock's 0.
-        TraceError: when the trace cannot be read.
+        TraceError: when the trace cannot be read, or its header holds a configuration the
+            scheduler refuses.
     """
     return trio.run(
-        functools.partial(_replay, trace, overrides),
+        functools.partial(_replay, trace, overrides, progress),
         clock=trio.testing.MockClock(autojump_threshold=0),
     )
 
 
-async def replay_async(trace: Trace | str | os.PathLike, **overrides: Any) -> ReplayResult:
+async def replay_async(
+    trace: Trace | str | os.PathLike,
+    *,
+    progress: Callable[[int, int, float], None] | None = None,
+    **overrides: Any,
+) -> ReplayResult:
     """`replay` from inside a trio run, a test's say: it runs in a worker thread, in a trio
     run and on a MockClock of its own, so it starts at the trace's start whatever the caller's
-    clock reads."""
-    return await trio.to_thread.run_sync(functools.partial(replay, trace, **overrides))
+    clock reads (`progress` is called from that thread)."""
+    call = functools.partial(replay, trace, progress=progress, **overrides)
+    return await trio.to_thread.run_sync(call)
 
 
-async def _replay(trace: Trace | str | os.PathLike, overrides: Mapping[str, Any]) -> ReplayResult:
-    trace = trace if isinstance(trace, Trace) else read_trace(trace)
+def _scheduler(trace: Trace, config: Mapping[str, Any], source: ReplaySource, publisher):
+    """The replayed run's scheduler, built from `config` over the replay's collaborators."""
+    return RolloutScheduler(
+        NoRescoring(),
+        source,
+        publisher,
+        tasks=lambda batch: trace.batches[int(batch["batch"][0])],
+        **config,
+    )
+
+
+def _check_recorded(trace: Trace, source: ReplaySource) -> None:
+    """Refuse a header whose configuration no scheduler takes (a damaged or forged trace: sizes
+    that would hang or exhaust memory, a float where an int goes) as the trace's fault, before
+    any override is applied.
+
+    Raises:
+        TraceError: naming the file, its header line and the scheduler's refusal.
+    """
+    try:
+        _scheduler(trace, trace.config, source, ReplayPublisher())
+    except (TypeError, ValueError) as error:
+        problem = f"the header's config is one no scheduler takes: {error}"
+        raise TraceError(trace.path, 1, problem) from None
+
+
+async def _replay(
+    trace: Trace | str | os.PathLike,
+    overrides: Mapping[str, Any],
+    progress: Callable[[int, int, float], None] | None,
+) -> ReplayResult:
+    trace = trace if isinstance(trace, Trace) else read_trace(trace, partial=True)
     config = _configure(trace, overrides)
     if trio.current_time() > trace.start:
         raise ValueError(
@@ -303,13 +366,8 @@ async def _replay(trace: Trace | str | os.PathLike, overrides: Mapping[str, Any]
         )
     publisher = ReplayPublisher()
     source = ReplaySource(trace)
-    scheduler = RolloutScheduler(
-        NoRescoring(),
-        source,
-        publisher,
-        tasks=lambda batch: trace.batches[int(batch["batch"][0])],
-        **config,
-    )
+    _check_recorded(trace, source)
+    scheduler = _scheduler(trace, config, source, publisher)
     source.settled = scheduler._settled
     calls: list[ReplayedCall] = []
     stalled: list[Divergence] = []
@@ -321,7 +379,7 @@ async def _replay(trace: Trace | str | os.PathLike, overrides: Mapping[str, Any]
     ]
     try:
         async with source, scheduler:
-            await _drive(trace, scheduler, source, calls, streams)
+            await _drive(trace, scheduler, source, calls, streams, progress)
     except ReplayStalled as error:
         step = len(calls)
         recorded = trace.calls[step].returned if step < len(trace.calls) else trace.end
@@ -332,7 +390,25 @@ async def _replay(trace: Trace | str | os.PathLike, overrides: Mapping[str, Any]
     divergence = min(
         found, key=lambda d: (d.step, math.inf if d.time is None else d.time), default=None
     )
-    return ReplayResult(trace.path, tuple(calls), divergence)
+    return ReplayResult(trace.path, tuple(calls), divergence, start=trace.start, cut=trace.cut)
+
+
+async def _call(scheduler: RolloutScheduler, call: RecordedCall) -> ReplayedCall:
+    """Make a recorded call: what it returned, or what it raised."""
+    try:
+        packed = await scheduler.step(_batch(call.batch), None, call.updates)
+    except Exception as error:
+        return ReplayedCall(
+            None, scheduler.last_events, None, {}, _describe(error), trio.current_time()
+        )
+    return ReplayedCall(
+        scheduler.last_record,
+        scheduler.last_events,
+        batch_digest(packed),
+        {key: _array_digest(packed[key]) for key in sorted(packed)},
+        None,
+        trio.current_time(),
+    )
 
 
 async def _drive(
@@ -341,11 +417,14 @@ async def _drive(
     source: ReplaySource,
     calls: list[ReplayedCall],
     streams: list[Iterator[Batch]],
+    progress: Callable[[int, int, float], None] | None,
 ) -> None:
-    """The replay's trainer: open streams, read them, hand batches over, as recorded.
+    """The replay's trainer: open streams, read them, hand batches over, as recorded; a cut
+    trace's replay stops after its last call.
 
     Args:
         streams: the streams opened so far (before the scheduler ran).
+        progress: called after each call (see `replay`).
     """
     read = 0
 
@@ -367,23 +446,10 @@ async def _drive(
         # A call from the trainer's thread that raised has no time: hand it over as soon as
         # the replay gets to it, but not before the recording began.
         await source.sleep_until(trace.start if call.handed_over is None else call.handed_over)
-        try:
-            packed = await scheduler.step(_batch(call.batch), None, call.updates)
-        except Exception as error:
-            replayed = ReplayedCall(
-                None, scheduler.last_events, None, {}, _describe(error), trio.current_time()
-            )
-            calls.append(replayed)
-            continue
-        calls.append(
-            ReplayedCall(
-                scheduler.last_record,
-                scheduler.last_events,
-                batch_digest(packed),
-                {key: _array_digest(packed[key]) for key in sorted(packed)},
-                None,
-                trio.current_time(),
-            )
-        )
+        calls.append(await _call(scheduler, call))
+        if progress is not None:
+            progress(len(calls), len(trace.calls), trio.current_time() - trace.start)
+    if trace.cut is not None:
+        return
     await open_streams(len(trace.streams) - 1)
     await source.sleep_until(trace.end)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import math
 import os
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -15,7 +17,17 @@ import numpy as np
 from dew.data import Task
 from dew.objectives.rl.scheduler import LogEvent, SchedulerRecord
 from dew.objectives.rl.sessions import Call, Label, Session, Status
-from dew.replay._format import ADDED, CONFIG, FACADES, FORMAT, OUTCOMES, VERSION, TraceError
+from dew.replay._format import (
+    ADDED,
+    CONFIG,
+    FACADES,
+    FORMAT,
+    GZIP_MAGIC,
+    MAX_LINE,
+    OUTCOMES,
+    VERSION,
+    TraceError,
+)
 
 
 @attrs.frozen
@@ -109,6 +121,8 @@ class Trace:
         end: the time the scheduler was closed (a thread trace's last time).
         closing_events: the scheduler's `closing_events`: its event log after the last call's,
             through the close.
+        cut: for a trace whose recording was cut off (a killed run's, read with `partial`),
+            where it ends; its `end` is then its last call's return and `closing_events` empty.
     """
 
     path: str
@@ -122,6 +136,7 @@ class Trace:
     calls: tuple[RecordedCall, ...]
     end: float
     closing_events: tuple[LogEvent, ...]
+    cut: str | None = None
 
 
 class _Line:
@@ -281,7 +296,10 @@ def _decode_record(line: _Line, data: dict) -> SchedulerRecord:
 
 def _read_header(line: _Line) -> tuple[str, dict, float | None]:
     if line.data.get("format") != FORMAT:
-        line.fail(f"is not a {FORMAT} header (its 'format' is {line.data.get('format')!r})")
+        line.fail(
+            f"is not a dew trace: a trace's first line is a {FORMAT} header, and this one's "
+            f"'format' is {line.data.get('format')!r}"
+        )
     version = line.data.get("version")
     if version != VERSION:
         line.fail(f"{FORMAT} version {version!r} is not one this dew reads (version {VERSION})")
@@ -296,32 +314,46 @@ def _read_header(line: _Line) -> tuple[str, dict, float | None]:
     return facade, config, line.optional_time("start")
 
 
-def read_trace(path: str | os.PathLike) -> Trace:
-    """Read a trace written by Recorder.
+def read_trace(path: str | os.PathLike, *, partial: bool = False) -> Trace:
+    """Read a trace written by Recorder, plain or gzip-compressed (told by its first bytes).
+
+    Memory stays bounded by the trace's size: a line longer than MAX_LINE bytes is refused
+    before it is read whole, and so is JSON nested too deep to parse.
+
+    Args:
+        path: the trace's file.
+        partial: read a trace whose recording was cut off (a killed run's: no end line, maybe
+            a last line cut partway) up to its last whole line; `Trace.cut` says where it
+            ends. Otherwise such a trace is refused.
 
     Raises:
-        TraceError: naming the file, the line and the problem: not JSON, a missing or mistyped
-            field, an unknown format version, a line or the end line cut off.
+        TraceError: naming the file, the line and the problem: not a trace at all, not UTF-8,
+            not JSON, a line too long, a missing or mistyped field, an unknown format version,
+            a line or the end line cut off (unless `partial`).
         OSError: when the file cannot be opened.
     """
     path = os.fspath(path)
-    with open(path, encoding="utf-8") as file:
-        text = file.read()
-    lines = text.split("\n")
-    if lines[-1]:
-        # The last line has no newline: the writer stopped partway through it.
-        raise TraceError(path, len(lines), "is cut off (the file is truncated)")
-    lines.pop()
-    if not lines:
-        raise TraceError(path, 1, "the file is empty, not a trace")
+    lines, tail = _read_lines(path)
 
     def parse(number: int, text: str) -> _Line:
         try:
             return _Line(path, number, json.loads(text))
         except json.JSONDecodeError as error:
             problem = f"is not JSON ({error.msg} at column {error.colno})"
-            raise TraceError(path, number, problem) from None
+        except RecursionError:
+            problem = "is not JSON a trace can hold: it nests too deeply to read"
+        except ValueError as error:  # e.g. an integer of more digits than Python converts
+            problem = f"is not JSON a trace can hold: {error}"
+        if number == 1:
+            problem = f"is not a dew trace: its first line {problem}"
+        raise TraceError(path, number, problem)
 
+    if not lines:
+        if tail is None:
+            raise TraceError(path, 1, "the file is empty, not a trace")
+        if tail:  # one unfinished line: say whether it is a trace's header at all
+            _read_header(parse(1, _decode(path, 1, tail)))
+        raise TraceError(path, 1, "is cut off (the file is truncated)")
     facade, config, start = _read_header(parse(1, lines[0]))
     batches: dict[int, tuple[Task, ...]] = {}
     streams: list[tuple[float | None, bool, list[int]]] = []
@@ -401,10 +433,22 @@ def read_trace(path: str | os.PathLike) -> Trace:
             closing = tuple(_decode_event(line, e) for e in line.get("events", (list,)))
         else:
             line.fail(f"has unknown kind {kind!r}")
+    cut = None
+    if tail is not None and (ended or not partial):
+        raise TraceError(path, len(lines) + 1, "is cut off (the file is truncated)")
     if not ended:
-        raise TraceError(
-            path, len(lines), "is the last line, and no end line follows: the recording was cut off"
+        if not partial:
+            raise TraceError(
+                path,
+                len(lines),
+                "is the last line, and no end line follows: the recording was cut off "
+                "(`dew replay` replays it up to there)",
+            )
+        partway = {None: "", b"": " (its compressed stream ends there)"}.get(
+            tail, f" (line {len(lines) + 1} is cut partway)"
         )
+        cut = f"the trace ends at line {len(lines)}{partway} without its end line"
+        end, closing = _last_return(calls, start), ()
     # The k-th stream opened while the scheduler ran, with no time of its own, is the k-th one
     # the event logs saw reopened.
     reopened = iter([e.time for call in calls for e in call.events if e.kind == "reopened"])
@@ -430,7 +474,66 @@ def read_trace(path: str | os.PathLike) -> Trace:
         calls=tuple(calls),
         end=end,
         closing_events=closing,
+        cut=cut,
     )
+
+
+def _last_return(calls: Sequence[RecordedCall], start: float | None) -> float | None:
+    """Where a cut trace's replay ends: its last call's return (None to read it from the times
+    the trace holds, when no call has one)."""
+    returned = [t for c in calls for t in (c.handed_over, c.returned) if t is not None]
+    return max(returned, default=start)
+
+
+def _read_lines(path: str) -> tuple[list[str], bytes | None]:
+    """A trace file's whole lines, decoded, without their newlines, and what follows the last
+    newline (None when nothing does): a writer stopped partway there. A gzip file is read
+    through gzip; one cut off (a killed run's) gives its lines up to the cut.
+
+    Raises:
+        TraceError: for a line over MAX_LINE bytes, one that is not UTF-8, or a gzip file
+            damaged other than at its end.
+    """
+    with open(path, "rb") as raw:
+        compressed = raw.read(len(GZIP_MAGIC)) == GZIP_MAGIC
+    lines: list[str] = []
+    with gzip.open(path, "rb") if compressed else open(path, "rb") as file:
+        while True:
+            number = len(lines) + 1
+            try:
+                line = file.readline(MAX_LINE + 1)
+            except EOFError:
+                # The compressed stream ends early: the writer was stopped. What it holds
+                # stands, but a part of a line that decompressed before the end is lost.
+                return lines, b""
+            except (gzip.BadGzipFile, zlib.error) as error:
+                raise TraceError(path, number, f"is damaged gzip data: {error}") from None
+            if len(line) > MAX_LINE:
+                raise TraceError(
+                    path,
+                    number,
+                    f"is longer than {MAX_LINE} bytes, longer than any trace line "
+                    "(is this a trace?)",
+                )
+            if not line.endswith(b"\n"):
+                return lines, (line or None)
+            lines.append(_decode(path, number, line[:-1]))
+
+
+def _decode(path: str, number: int, line: bytes) -> str:
+    """A line's text.
+
+    Raises:
+        TraceError: naming the first byte that is not UTF-8.
+    """
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as error:
+        problem = (
+            f"is not UTF-8 text (byte {line[error.start]:#04x} at column {error.start + 1}), "
+            "so not a dew trace"
+        )
+        raise TraceError(path, number, problem) from None
 
 
 def _times(

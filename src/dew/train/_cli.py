@@ -12,8 +12,10 @@ import argparse
 import json
 import math
 import os
+import signal
 import socket
 import sys
+import tempfile
 import time
 import tomllib
 import traceback
@@ -322,12 +324,14 @@ def _check_split(config: TrainConfig, processes: int) -> None:
 
 
 def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
-    """Refuse a run folder that would mix two runs.
+    """Refuse a run folder that cannot be written, or that would mix two runs.
 
     Raises:
-        ValueError: when `run` holds a run and `resume` is not set, or when it holds a run of a
-            config that differs from `config` in more than `steps`.
+        ValueError: when `run` cannot be made or written (`_check_run_folder`), holds a run and
+            `resume` is not set, or holds a run of a config that differs from `config` in more
+            than `steps`.
     """
+    _check_run_folder(run)
     saved = run / "config.json"
     if resume and saved.exists():
         previous = TrainConfig.from_json(_read_json(saved))
@@ -355,6 +359,47 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"{path} is damaged (not JSON: {error})") from None
 
 
+def _check_run_folder(run: Path) -> None:
+    """Refuse a run folder that cannot be made or written, before anything is: a file, a path
+    through a file, or one whose nearest existing folder refuses a new entry (unwritable, or a
+    file system such as /proc that takes none) would otherwise fail after other files were
+    written, or with a traceback.
+
+    Raises:
+        ValueError: naming the path and what is wrong with it.
+    """
+    if run.exists() and not run.is_dir():
+        raise ValueError(f"--run {run} is a file, not a folder")
+    folder = _nearest_existing(run)
+    if not folder.is_dir():
+        raise ValueError(f"--run {run}: {folder} is a file, not a folder")
+    _probe(folder, f"--run {run}", directory=True)
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists (a relative path ends at `.`)."""
+    return next((p for p in (path, *path.parents) if p.exists()), Path("."))
+
+
+def _probe(folder: Path, option: str, *, directory: bool) -> None:
+    """Refuse `folder` unless a folder (`directory`) or a file can be made in it, by making a
+    hidden one and removing it: permission bits alone do not say (root passes every check, and
+    /proc refuses root too).
+
+    Raises:
+        ValueError: naming `option` and the folder, with the system's reason.
+    """
+    try:
+        if directory:
+            tempfile.TemporaryDirectory(dir=folder, prefix=".dew-probe-").cleanup()
+        else:
+            tempfile.TemporaryFile(dir=folder, prefix=".dew-probe-").close()
+    except OSError as error:
+        raise ValueError(
+            f"{option}: nothing can be written in {folder} ({error.strerror or error})"
+        ) from None
+
+
 def _check_record(record: str | os.PathLike) -> None:
     """Refuse a trace path before anything is written: a trace is one run's, written whole, so
     an existing file (a resumed run's earlier trace, say) would be silently overwritten, and a
@@ -371,10 +416,12 @@ def _check_record(record: str | os.PathLike) -> None:
             f"--record {path} already exists and would be overwritten; record to a new file "
             "(a resumed run records a trace of its own)"
         )
-    if not path.parent.is_dir():
+    folder = _nearest_existing(path.parent)
+    if not folder.is_dir():
+        raise ValueError(f"--record {path}: {folder} is a file, not a folder")
+    if folder != path.parent:
         raise ValueError(f"--record {path}: the folder {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK):
-        raise ValueError(f"--record {path}: the folder {path.parent} is not writable")
+    _probe(folder, f"--record {path}", directory=False)
 
 
 def train(
@@ -411,9 +458,11 @@ def train(
         The trainer, after its last step.
 
     Raises:
-        ValueError: on every process of a pool, when `run` holds a run and `resume` is not set,
-            or holds a different config, or the batch does not split over the processes; when
-            `record` exists already, is a folder, or its folder is missing or unwritable.
+        ValueError: on every process of a pool, when `run` cannot be made or written (a
+            file, a path through a file, a folder that takes no new entry), holds a run and
+            `resume` is not set, or holds a different config, or the batch does not split
+            over the processes; when `record` exists already, is a folder, or its folder is
+            missing or takes no new file.
     """
     run = Path(run)
     index, processes = jax.process_index(), jax.process_count()
@@ -511,6 +560,9 @@ def train(
                 trainer.run(
                     recorder, recorder.tasks(dataset), steps=config.steps, ahead=config.ahead
                 )
+    except _Interrupted:
+        trainer.save()  # the last completed step's, which no periodic checkpoint may hold
+        raise
     finally:
         if logs is not None:
             logs.close()
@@ -655,7 +707,8 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         "--record",
         metavar="TRACE",
         default=None,
-        help="write a trace of the run that `dew replay TRACE` reproduces (default: off)",
+        help="write a trace of the run that `dew replay TRACE` reproduces; a name ending in .gz "
+        "is gzip-compressed (default: off)",
     )
     parser.add_argument(
         "--resume",
@@ -702,7 +755,9 @@ def run_cli(args: argparse.Namespace) -> int:
     the exit status.
 
     With `--processes N` it starts the pool's N processes and returns the pool's status; with
-    `--coordinator`, `--num-processes` and `--process-id` it is one process of a pool.
+    `--coordinator`, `--num-processes` and `--process-id` it is one process of a pool. A run in
+    one process stops on Ctrl-C after the step in progress, with its checkpoint, or at once on a
+    second Ctrl-C, with one line either way and status INTERRUPTED (`_CtrlC`).
 
     Raises:
         SystemExit: with status 2, through the parser, for a bad option or run folder.
@@ -739,9 +794,106 @@ def run_cli(args: argparse.Namespace) -> int:
     if joining:
         return _join(args, config, run)
     _announce(config, run, commit)
-    trainer = train(
-        config, run, resume=args.resume, on_step=Progress(config.steps), record=args.record
-    )
+    return _train_until_interrupted(config, run, resume=args.resume, record=args.record)
+
+
+INTERRUPTED = 128 + signal.SIGINT
+"""`dew train`'s exit status when Ctrl-C stopped it (the shell's convention for SIGINT)."""
+
+
+class _Interrupted(Exception):
+    """Raised by `_CtrlC.after`'s callback once a step has ended after a Ctrl-C: `train` saves
+    that step's checkpoint and lets it through.
+
+    Args:
+        updates: the updates of the step that ended.
+    """
+
+    def __init__(self, updates: int):
+        super().__init__(f"interrupted after {updates} updates")
+        self.updates = updates
+
+
+class _CtrlC:
+    """Ctrl-C for `dew train`, as a context: the first press stops the run after the step in
+    progress, with that step's checkpoint; the second stops it at once (KeyboardInterrupt);
+    later ones are ignored while it cleans up and exits, so none lands in an atexit callback.
+
+    A KeyboardInterrupt at an arbitrary moment could land between the update of the weights
+    and that of the step count, so the first press only asks; the step's end answers (`after`).
+    """
+
+    def __init__(self):
+        self.presses = 0
+        self._previous = None
+
+    def __enter__(self) -> _CtrlC:
+        self._previous = signal.signal(signal.SIGINT, self._press)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        # After a press, the process is on its way out: a later one would only interrupt its
+        # clean-up (and print "Exception ignored in atexit callback").
+        signal.signal(signal.SIGINT, signal.SIG_IGN if self.presses else self._previous)
+
+    def _press(self, signum, frame) -> None:
+        self.presses += 1
+        if self.presses > 1:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            raise KeyboardInterrupt
+        _say(
+            "dew train: Ctrl-C: stopping after the step in progress, with its checkpoint "
+            "(Ctrl-C again stops at once)"
+        )
+
+    def after(self, on_step: Callable[[Mapping[str, Any]], None], steps: int):
+        """`on_step`, then, after a press, stop the run: the step is logged and complete. The
+        last of `steps` ends the run anyway, which then finishes as usual (curves and all)."""
+
+        def step_ended(line: Mapping[str, Any]) -> None:
+            on_step(line)
+            if self.presses and line["updates"] < steps:
+                raise _Interrupted(line["updates"])
+
+        return step_ended
+
+
+def _say(text: str) -> None:
+    """Write a line to standard error from a signal handler: straight to its file descriptor,
+    as the buffered stream may be mid-write in the code the handler interrupted."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without one (a test's capture)
+        print(text, file=sys.stderr, flush=True)
+        return
+    os.write(fd, (text + "\n").encode())
+
+
+def _train_until_interrupted(
+    config: TrainConfig, run: Path, *, resume: bool, record: str | None
+) -> int:
+    """Train in this process, with progress lines, until the last step or a Ctrl-C (`_CtrlC`);
+    return the exit status: 0, or INTERRUPTED after one line saying where it stopped."""
+    stopped = None
+    # The second press raises KeyboardInterrupt wherever the code is, even in the context's
+    # exit: the outer handler takes it there too.
+    try:
+        with _CtrlC() as ctrl_c:
+            try:
+                trainer = train(
+                    config,
+                    run,
+                    resume=resume,
+                    on_step=ctrl_c.after(Progress(config.steps), config.steps),
+                    record=record,
+                )
+            except _Interrupted as stop:
+                stopped = f"stopped after step {stop.updates}/{config.steps}, its checkpoint saved"
+    except KeyboardInterrupt:
+        stopped = stopped or "stopped at once; the last checkpoint stands"
+    if stopped is not None:
+        _say(f"dew train: {stopped}: continue with `dew train --run {run} --resume`")
+        return INTERRUPTED
     print(
         f"trained {trainer.updates} steps in {trainer.elapsed:.0f}s; metrics, checkpoints "
         f"and curves.png in {run}",

@@ -1,0 +1,144 @@
+"""The scheduler's arguments, checked before anything runs: each refusal names the argument,
+the bound it broke and the value, or the collaborator and what it lacks."""
+
+from __future__ import annotations
+
+import inspect
+
+from dew._checks import check_int, check_number
+from dew.objectives.rl.sessions import ESTIMATORS, TRUNCATION
+
+# Sizes beyond these cannot work on any machine, and would fail late (a MemoryError after minutes,
+# or a hang) rather than at construction.
+MAX_WIDTH = 2**20
+"""The longest row the scheduler packs, in tokens."""
+MAX_CELLS = 2**27
+"""The most cells of a packed batch per process: its int32 and float32 arrays take about 32
+bytes a cell, so 4 GiB."""
+MAX_SAMPLES = 2**16
+"""The most rollouts per group (groups + oversample)."""
+MAX_IN_FLIGHT = 2**20
+"""The most rollouts submitted for one task batch."""
+
+
+def check_arguments(
+    objective,
+    source,
+    weights,
+    tasks,
+    log,
+    *,
+    width: int,
+    rows: int,
+    groups: int,
+    oversample: int,
+    admit: int | None,
+    max_lag: int,
+    ahead: int,
+    sync_every: int,
+    max_attempts: int,
+    timeout: float | None,
+    estimator: str,
+    truncation: str,
+    support_capacity: int | None,
+    vocab: int | None,
+    empty_streak: int | None,
+) -> None:
+    """Refuse what `RolloutScheduler` cannot run with, as its docstring says.
+
+    Raises:
+        TypeError: naming a collaborator that lacks what it needs.
+        ValueError: naming the argument and the bound it broke.
+    """
+    check_collaborators(objective, source, weights, tasks, log)
+    for name, value, bound in [
+        ("width", width, 1),
+        ("rows", rows, 1),
+        ("groups", groups, 1),
+        ("oversample", oversample, 0),
+        ("ahead", ahead, 0),
+        ("sync_every", sync_every, 1),
+        ("max_attempts", max_attempts, 1),
+        ("max_lag", max_lag, 0),
+    ]:
+        check_int(name, value, low=bound)
+    if admit is not None:
+        check_int("admit", admit, low=1)
+    for name, value in [
+        ("support_capacity", support_capacity),
+        ("vocab", vocab),
+        ("empty_streak", empty_streak),
+    ]:
+        if value is not None:
+            check_int(name, value, low=1)
+    check_sizes(
+        width=width,
+        rows=rows,
+        groups=groups,
+        oversample=oversample,
+        support_capacity=support_capacity,
+    )
+    if max_lag < ahead + sync_every - 1:
+        raise ValueError(
+            f"max_lag must be >= ahead + sync_every - 1 = {ahead + sync_every - 1} "
+            f"(a first submission can be that stale at consumption), got {max_lag}"
+        )
+    if timeout is not None:
+        check_number("timeout", timeout, low=0, low_open=True)
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    if truncation not in TRUNCATION:
+        raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
+
+
+def check_collaborators(objective, source, weights, tasks, log) -> None:
+    """Refuse a collaborator that cannot do its part, before the first call finds out.
+
+    Raises:
+        TypeError: naming the argument and what it needs.
+    """
+
+    def refuse(name: str, needs: str, value) -> TypeError:
+        return TypeError(f"{name} must {needs}, got {type(value).__name__}")
+
+    if not callable(getattr(objective, "packed_log_probs", None)):
+        raise refuse("objective", "have packed_log_probs (a GRPOObjective)", objective)
+    if not inspect.iscoroutinefunction(getattr(source, "run", None)):
+        raise refuse("source", "have an async run(task, label) method (a SessionSource)", source)
+    if not callable(getattr(weights, "load", None)):
+        raise refuse("weights", "have a load(variables, version) method (a Publisher)", weights)
+    if not callable(tasks):
+        raise refuse("tasks", "be callable as tasks(batch) -> Sequence[Task]", tasks)
+    if log is not None and not callable(log):
+        raise refuse("log", "be None or callable as log(record)", log)
+
+
+def check_sizes(
+    *, width: int, rows: int, groups: int, oversample: int, support_capacity: int | None
+) -> None:
+    """Refuse sizes no run can hold (see MAX_WIDTH and its neighbours).
+
+    Raises:
+        ValueError: naming the argument, the bound and the value.
+    """
+    if width > MAX_WIDTH:
+        raise ValueError(f"width must be <= {MAX_WIDTH} tokens, got {width}")
+    if rows * width > MAX_CELLS:
+        raise ValueError(
+            f"rows * width must be <= {MAX_CELLS} cells (the packed batch), got {rows} * {width}"
+        )
+    if groups > rows * width:
+        raise ValueError(
+            f"groups must be <= rows * width = {rows * width}: each rollout of a group takes at "
+            f"least one cell of the batch, so a larger group could never be packed; got {groups}"
+        )
+    if groups + oversample > MAX_SAMPLES:
+        raise ValueError(
+            f"oversample must keep groups + oversample <= {MAX_SAMPLES} rollouts per group, "
+            f"got {groups} + {oversample}"
+        )
+    if support_capacity is not None and rows * support_capacity > MAX_CELLS:
+        raise ValueError(
+            f"support_capacity must keep rows * support_capacity <= {MAX_CELLS}, "
+            f"got {rows} * {support_capacity}"
+        )

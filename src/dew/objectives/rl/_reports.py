@@ -1,0 +1,113 @@
+"""What the scheduler says when a run goes wrong without failing: the errors its sessions fail
+with, a streak of calls that trained on nothing, and a chain too long for any row.
+
+Each reporter keeps only what its report needs, and logs under the scheduler's public module.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Sequence
+
+from dew.objectives.rl._admission import LogEvent
+from dew.objectives.rl._records import SchedulerRecord
+from dew.objectives.rl.sessions import Session, chains
+
+logger = logging.getLogger("dew.objectives.rl.scheduler")
+
+
+class ErrorCounts:
+    """Failed sessions' error texts and how often each came, bounded: past `kept` distinct
+    texts (a source whose messages carry ids), the rarer half is forgotten."""
+
+    def __init__(self, kept: int):
+        self.kept = kept
+        self._counts: collections.Counter[str] = collections.Counter()
+
+    def add(self, error: str) -> None:
+        """Count one more failure with this text."""
+        self._counts[error] += 1
+        if len(self._counts) > self.kept:
+            self._counts = collections.Counter(dict(self._counts.most_common(self.kept // 2)))
+
+    def most_common(self, shown: int) -> tuple[tuple[str, int], ...]:
+        """The `shown` most frequent texts with their counts; safe from another thread."""
+        # A copy first: another thread's status() must not iterate the live counter.
+        return tuple(collections.Counter(dict(self._counts)).most_common(shown))
+
+
+class EmptyStreak:
+    """Warns once per streak of `length` calls in a row that trained on no group, with what
+    happened to their groups and the errors most often behind it; `length` None never warns."""
+
+    def __init__(self, length: int | None):
+        self.length = length
+        self._streak: list[tuple[SchedulerRecord, tuple[LogEvent, ...]]] = []
+
+    def observe(self, record: SchedulerRecord, events: tuple[LogEvent, ...]) -> None:
+        """Take one call's record and event log; warn when they complete a streak."""
+        if self.length is None:
+            return
+        if record.groups:
+            self._streak.clear()
+            return
+        if len(self._streak) == self.length:
+            return  # this streak was reported
+        self._streak.append((record, events))
+        if len(self._streak) == self.length:
+            logger.warning(self._describe())
+
+    def _describe(self) -> str:
+        records = [r for r, _ in self._streak]
+        resubmitted = collections.Counter()
+        for r in records:
+            resubmitted.update(r.resubmitted)
+        logged = [e for _, log in self._streak for e in log]
+        cuts = collections.Counter(e.reason for e in logged if e.kind == "cut")
+        errors = collections.Counter(
+            e.error for e in logged if e.kind == "failed" and e.error is not None
+        )
+        counted = ", ".join(f"{cause} {n}" for cause, n in resubmitted.items() if n) or "none"
+        text = (
+            f"{len(records)} calls in a row trained on nothing (updates {records[0].updates}.."
+            f"{records[-1].updates}): cut {sum(cuts.values())}"
+            + "".join(f" ({reason} {n})" for reason, n in sorted(cuts.items()))
+            + f", abandoned {sum(r.abandoned for r in records)}, resubmitted: {counted}"
+        )
+        if errors:
+            text += "; most frequent errors: " + ", ".join(
+                f"{error!r} x{n}" for error, n in errors.most_common(3)
+            )
+        return text
+
+
+class TooLongChain:
+    """Warns, once, of the first chain longer than a row of `width`: its group can never be
+    packed, nor can any like it, so `width` is likely too small for the task."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self._reported = False
+
+    def observe(self, groups: Sequence[Sequence[Session]], cuts) -> None:
+        """Take one call's delivered groups and pack's cuts; warn at the first too-long one."""
+        if self._reported:
+            return
+        for cut in cuts:
+            if cut.reason != "too_long":
+                continue
+            longest, session = max(
+                ((len(chain), s) for s in groups[cut.group] for chain in chains(s)),
+                key=lambda found: found[0],
+            )
+            self._reported = True
+            logger.warning(
+                "task %r %s: a chain of %d tokens is longer than a row (width %d), so its group "
+                "is cut; raise width, or bound the task's length",
+                session.task.name,
+                session.label,
+                longest,
+                self.width,
+            )
+            return

@@ -1,0 +1,859 @@
+"""The scheduler's workings (`_Scheduler`): the trio shell around the pure admission core.
+
+It turns happenings into the core's events and carries out the core's commands, with one cancel
+scope per rollout inside one nursery per task batch, and serves the trainer's calls from its
+thread or from the caller's own trio run. `RolloutScheduler` (in `scheduler`) is the front the
+caller holds; this object is what its trio side holds, so a dropped front can be collected.
+
+Determinism: happenings are not applied as they arrive. The shell waits until every task of the
+run is blocked (so nothing more can happen at this instant of trio's clock), then applies what
+arrived in a documented order (`_event_order`): rollouts' finishes by (group, sample, attempt),
+then their deadlines, then the trainer's. Under a mock clock, records, packed batches and the
+event log are then a function of the seed, the source's behaviour and the clock, not of the order
+in which trio runs ready tasks.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+
+import attrs
+import numpy as np
+import trio
+import trio.testing
+
+from dew._checks import check_int
+from dew._trio import exit_unwrapped, stop_in
+from dew.data import Batch, Dataset, Task
+from dew.objectives.rl import _admission as core
+from dew.objectives.rl._admission import LogEvent
+from dew.objectives.rl._arguments import MAX_IN_FLIGHT, check_arguments
+from dew.objectives.rl._records import (
+    GroupStatus,
+    Publisher,
+    SampleStatus,
+    SchedulerRecord,
+    SchedulerStatus,
+    Variables,
+)
+from dew.objectives.rl._reports import EmptyStreak, ErrorCounts, TooLongChain
+from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.rl.sessions import (
+    Label,
+    Session,
+    SessionError,
+    SessionSource,
+    check_session,
+    pack,
+    session_metrics,
+)
+from dew.parallel import Pool, default_pool, first_reader_batch
+
+# Logged under the public module's name, where a user configures the scheduler's logging.
+logger = logging.getLogger("dew.objectives.rl.scheduler")
+
+
+@attrs.frozen
+class _HandOver:
+    """What the trainer side prepared for one call."""
+
+    event_fields: dict
+    variables: Variables = attrs.field(eq=False)
+
+
+@attrs.frozen
+class _Delivery:
+    groups: tuple[tuple[Session, ...], ...]
+    events: tuple[LogEvent, ...]
+
+
+@attrs.frozen
+class _Failure:
+    """A call that fails, with the event log up to its failure."""
+
+    error: BaseException = attrs.field(eq=False)
+    events: tuple[LogEvent, ...] = ()
+
+
+def _event_order(item: tuple[int, core.Event]) -> tuple:
+    """The documented order of events at one instant: rollouts' finishes (and failures) by
+    (group, sample, attempt), then their deadlines in the same order, so that what finished
+    by its deadline, or completed its group by a sibling's, counts; then the trainer's side
+    (hand-over, reopen, close) in the order it posted them."""
+    posted, event = item
+    label = getattr(event, "label", None)
+    if label is None:
+        return (event.time, 2, posted, 0, 0)
+    deadline = isinstance(event, core.TimedOut)
+    return (event.time, int(deadline), label.group, label.sample, label.attempt)
+
+
+# Distinct error texts status() counts, and how many of the most frequent it shows.
+ERRORS_KEPT = 64
+ERRORS_SHOWN = 5
+
+
+class _Scheduler:
+    """The scheduler's workings behind `RolloutScheduler`, which the caller holds.
+
+    Its trio side (the driver, the deadline watch, every rollout) holds this object, never the
+    `RolloutScheduler` in front of it, so a scheduler its caller drops can be collected, and
+    its collection closes this (see `RolloutScheduler`). Arguments and errors are
+    `RolloutScheduler`'s.
+    """
+
+    def __init__(
+        self,
+        objective: GRPOObjective,
+        source: SessionSource,
+        weights: Publisher,
+        *,
+        width: int,
+        rows: int,
+        tasks: Callable[[Batch], Sequence[Task]],
+        groups: int,
+        oversample: int,
+        admit: int | None,
+        max_lag: int,
+        ahead: int,
+        sync_every: int,
+        max_attempts: int,
+        timeout: float | None,
+        estimator: str,
+        truncation: str,
+        support_capacity: int | None,
+        log: Callable[[SchedulerRecord], None] | None,
+        vocab: int | None,
+        empty_streak: int | None,
+    ):
+        check_arguments(
+            objective,
+            source,
+            weights,
+            tasks,
+            log,
+            width=width,
+            rows=rows,
+            groups=groups,
+            oversample=oversample,
+            admit=admit,
+            max_lag=max_lag,
+            ahead=ahead,
+            sync_every=sync_every,
+            max_attempts=max_attempts,
+            timeout=timeout,
+            estimator=estimator,
+            truncation=truncation,
+            support_capacity=support_capacity,
+            vocab=vocab,
+            empty_streak=empty_streak,
+        )
+        self.objective = objective
+        self.source = source
+        self.weights = weights
+        self.width, self.rows = width, rows
+        self.task_fn = tasks
+        self.admit = admit
+        self.ahead = ahead
+        self.sync_every = sync_every
+        self.timeout = timeout
+        self.estimator = estimator
+        self.truncation = truncation
+        self.support_capacity = support_capacity
+        self.log = log
+        self.vocab = vocab
+        self.empty_streak = empty_streak
+        self.config = core.Config(
+            groups=groups,
+            oversample=oversample,
+            admit=admit,
+            max_lag=max_lag,
+            max_attempts=max_attempts,
+            truncation=truncation,
+        )
+        # While the trainer waits, what it waits on is logged after this many seconds, then
+        # after twice as many, and so on; None logs nothing (simulations that wait by design).
+        self.long_wait: float | None = 60.0
+        # Where this process meets the others of a multi-process trainer, twice a call; its
+        # share_size says how many consecutive processes read one data share (a tensor or
+        # sequence axis across processes): only a share's first reader samples, the others
+        # train on its rows.
+        self.pool: Pool = default_pool()
+        self.last_record: SchedulerRecord | None = None
+        self.last_events: tuple[LogEvent, ...] = ()
+        # The rest of the event log at close(): what came after the last call's delivery, and
+        # the `closed` cancellations that end every submission still in flight.
+        self.closing_events: tuple[LogEvent, ...] = ()
+
+        self._state = core.initial(self.config)
+        # The trainer's side: what its stream registered, what it handed over, what it pushed.
+        self._lock = threading.Lock()
+        self._calling = threading.Lock()
+        self._tasked = -1  # the newest batch whose tasks the trio side has
+        self._registry: list[tuple[int, Batch]] = []
+        self._next_batch = 0
+        self._generation = 0
+        self._updates: int | None = None
+        self._served: int | None = None
+        self._failed: BaseException | None = None
+        self._closed = False
+        # The trio side.
+        self._trio_thread: int | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._clock: trio.abc.Clock | None = None
+        self._thread: threading.Thread | None = None
+        self._crash: BaseException | None = None
+        self._mode: str | None = None  # "async" inside the caller's run, "thread" in our own
+        self._exit_stack: contextlib.AsyncExitStack | None = None
+        self._nursery: trio.Nursery | None = None
+        self._pending: list[core.Event] = []
+        self._wake = trio.Event()
+        self._scopes: dict[Label, trio.CancelScope] = {}
+        self._deadlines: collections.deque[tuple[float, Label]] = collections.deque()
+        self._deadline_added = trio.Event()
+        self._batches: dict[int, tuple[trio.Nursery, trio.Event]] = {}
+        # The first failure in the core's order goes to the trainer; later ones are logged.
+        self._failure: core.Fail | None = None
+        self._events: list[LogEvent] = []
+        self._watch: trio.CancelScope | None = None
+        self._waiting = False  # a hand-over waits for its delivery
+        self._newest_pushed: int | None = None  # the newest version ever pushed to the engines
+        # Failed sessions' error texts and how often each came, for status().
+        # Failed sessions' error texts, for status(); the trainer's side reports a streak of
+        # calls that trained on nothing, and the first chain too long for any row.
+        self._errors = ErrorCounts(ERRORS_KEPT)
+        self._empty = EmptyStreak(empty_streak)
+        self._too_long = TooLongChain(width)
+        self._send, self._receive = trio.open_memory_channel[_Delivery | _Failure](math.inf)
+
+    # --- the data stream ----------------------------------------------------------------------
+
+    def tasks(self, dataset: Dataset) -> Dataset:
+        """dataset with a training stream that registers each task batch ahead of the step.
+
+        Opening the stream again, as a resume does, cancels every rollout the previous stream
+        left in flight.
+        """
+        return _RegisteringDataset(self, dataset)
+
+    def _open_stream(self) -> int:
+        with self._lock:
+            self._generation += 1
+            self._registry.clear()
+            generation = self._generation
+            # A resumed trainer may go back in updates, and its restored weights must be pushed.
+            self._updates = self._served = None
+        self._post_anywhere(lambda: core.Reopened(trio.current_time()))
+        return generation
+
+    def _register(self, generation: int, batch: Batch) -> None:
+        with self._lock:
+            if generation == self._generation:
+                self._registry.append((self._next_batch, batch))
+                self._next_batch += 1
+
+    # --- the trainer's side -------------------------------------------------------------------
+
+    def __call__(self, batch: Batch, variables: Variables, updates: int) -> dict[str, np.ndarray]:
+        """Hand batch over from the trainer's thread; return its packed, rescored rows."""
+        if self._mode == "async":
+            raise RuntimeError("inside `async with scheduler:` use `await scheduler.step(...)`")
+        with self._one_call():
+            return self._call(batch, variables, updates)
+
+    def _call(self, batch: Batch, variables: Variables, updates: int) -> dict[str, np.ndarray]:
+        self._check_usable()
+        if not self.pool.is_first_reader():
+            return self._read_share(variables, updates)
+        start = time.perf_counter()
+        try:
+            self._start_thread()
+            handover = self._prepare(batch, variables, updates)
+            trio.from_thread.run_sync(self._hand_over, handover, trio_token=self._token)
+            message = trio.from_thread.run(self._receive.receive, trio_token=self._token)
+        except (trio.RunFinishedError, trio.Cancelled) as stopped:
+            message = self._left_behind()
+            if message is None and (stop := stop_in(self._crash)) is not None:
+                # A KeyboardInterrupt or SystemExit inside a source stops the program, as itself.
+                self._failed = stop
+                raise stop from None
+            if message is None:
+                error = RuntimeError("the scheduler's trio thread stopped")
+                error.__cause__ = self._crash or stopped
+                message = _Failure(error)
+        except Exception as error:
+            message = _Failure(error)
+        return self._finish(message, variables, updates, time.perf_counter() - start)
+
+    async def step(self, batch: Batch, variables: Variables, updates: int) -> dict[str, np.ndarray]:
+        """The same call as `scheduler(batch, variables, updates)`, inside `async with`."""
+        if self._mode != "async" or self._trio_thread != threading.get_ident():
+            raise RuntimeError("`await scheduler.step(...)` runs inside `async with scheduler:`")
+        with self._one_call():
+            return await self._step(batch, variables, updates)
+
+    async def _step(
+        self, batch: Batch, variables: Variables, updates: int
+    ) -> dict[str, np.ndarray]:
+        self._check_usable()
+        if not self.pool.is_first_reader():
+            return self._read_share(variables, updates)
+        start = trio.current_time()
+        try:
+            self._hand_over(self._prepare(batch, variables, updates))
+        except Exception as error:
+            return self._finish(_Failure(error), variables, updates, 0.0)
+        try:
+            message = await self._receive.receive()
+        except trio.Cancelled:
+            # Its groups, delivered later, would go to the next call: trained at later updates,
+            # past max_lag, while that call's own batch is never delivered.
+            self._failed = RuntimeError(
+                f"the call at updates {updates} was cancelled while it waited for its rollouts"
+            )
+            if self._watch is not None:
+                self._watch.cancel(reason="cancelled")
+            raise
+        return self._finish(message, variables, updates, trio.current_time() - start)
+
+    def _left_behind(self) -> _Delivery | _Failure | None:
+        """What the trio side sent this call before its thread stopped, if anything: a close()
+        from another thread answers a call that is about to wait, then ends the run it would
+        have waited in. Read once that thread has ended, so nothing else touches the channel."""
+        self._thread.join()
+        try:
+            return self._receive.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return None
+
+    @contextlib.contextmanager
+    def _one_call(self):
+        """Refuse a second call while one is in progress: the trainer makes one at a time, and
+        a second would take the first's delivery, and leave its own batch undelivered."""
+        if not self._calling.acquire(blocking=False):
+            raise RuntimeError("the scheduler is already serving a call: make one at a time")
+        try:
+            yield
+        finally:
+            self._calling.release()
+
+    def _check_usable(self) -> None:
+        """Refuse a call to a closed or stopped scheduler, before it meets the pool: a failure
+        met at the agreement point stopped every process's scheduler alike."""
+        if self._closed:
+            raise RuntimeError("the scheduler is closed")
+        if self._failed is not None:
+            raise RuntimeError(
+                f"the scheduler stopped after an earlier call failed: {self._failed!r}"
+            ) from self._failed
+
+    def _check_updates(self, updates: int) -> int:
+        updates = check_int("updates", updates, low=0)
+        if self._updates is not None and updates < self._updates:
+            raise ValueError(f"updates went backwards: {updates} after {self._updates}")
+        return updates
+
+    def _agree(self, error: BaseException | None) -> None:
+        """Meet the pool where a failure on any process raises on every one. What it raises
+        stops this scheduler too, so each process refuses its next call alike, before the
+        pool, where a stopped process would never come."""
+        try:
+            self.pool.agree(error)
+        except BaseException as failure:
+            self._failed = failure
+            raise
+
+    def _read_share(self, variables: Variables, updates: int) -> dict[str, np.ndarray]:
+        """A share's later reader: it samples nothing and logs nothing, but meets the pool
+        where the first reader does (the push, the agreement, the rows, the rescoring)."""
+        error = None
+        try:
+            updates = self._updates = self._check_updates(updates)
+            if core.push_due(self._served, updates, self.sync_every):
+                self.weights.load(variables, updates)
+                self._served = updates
+        except Exception as problem:
+            error = problem
+        self._agree(error)
+        empty = pack(
+            [],
+            width=self.width,
+            rows=self.rows,
+            estimator=self.estimator,
+            truncation=self.truncation,
+            support_capacity=self.support_capacity,
+        )
+        batch = first_reader_batch(empty.batch, share_size=self.pool.share_size)
+        batch["proximal_logprobs"] = self.pool.rescore(self.objective, variables, batch)
+        return batch
+
+    def _prepare(self, batch: Batch, variables: Variables, updates: int) -> _HandOver:
+        """Match the batch to the stream's registry and decide the push, on the trainer's side."""
+        updates = self._check_updates(updates)
+        with self._lock:
+            registered = bool(self._registry)
+            if not registered and self._generation > 0:
+                raise ValueError(
+                    "the batch handed over was not read from the current tasks() stream (the "
+                    "stream was reopened, or has not yielded it yet): hand over what it yields"
+                )
+            if registered:
+                index, expected = self._registry[0]
+                if not _same_batch(expected, batch):
+                    raise ValueError(
+                        "the batch handed over is not the next one the tasks() stream yielded; "
+                        "hand batches over in the order the stream yields them"
+                    )
+            else:
+                index = self._next_batch
+            upcoming = [(index, batch)] + self._registry[1 : 1 + self.ahead]
+            # Each batch's tasks are made once, and before the registry moves on, so that a
+            # refusal leaves it as it was.
+            tasks = tuple((i, self._tasks_of(b)) for i, b in upcoming if i > self._tasked)
+            if registered:
+                self._registry.pop(0)
+            else:
+                self._next_batch += 1
+            self._tasked = max(self._tasked, upcoming[-1][0])
+        self._updates = updates
+        pushed = core.push_due(self._served, updates, self.sync_every)
+        if pushed:
+            self._served = updates
+        fields = dict(batch=index, updates=updates, served=self._served, pushed=pushed, tasks=tasks)
+        return _HandOver(fields, variables if pushed else None)
+
+    def _tasks_of(self, batch: Batch) -> tuple[Task, ...]:
+        tasks = tuple(self.task_fn(batch))
+        if not all(isinstance(t, Task) for t in tasks):
+            raise ValueError("tasks must turn a batch into a sequence of dew.data.Task")
+        if len(tasks) * self.config.samples > MAX_IN_FLIGHT:
+            raise ValueError(
+                f"tasks per batch must keep tasks x (groups + oversample) <= {MAX_IN_FLIGHT} "
+                f"rollouts in flight, got {len(tasks)} x {self.config.samples}"
+            )
+        if self.admit is not None and self.admit > len(tasks):
+            raise ValueError(
+                f"admit must be within 1..{len(tasks)} (the task batch size), got {self.admit}"
+            )
+        return tasks
+
+    def _finish(
+        self, message: _Delivery | _Failure, variables: Variables, updates: int, waited: float
+    ) -> dict[str, np.ndarray]:
+        """Meet the pool, pack the delivered groups, rescore them, and record the call."""
+        if isinstance(message, _Failure):
+            self.last_record, self.last_events = None, message.events
+            self._agree(message.error)
+        self._agree(None)
+        packed = pack(
+            message.groups,
+            width=self.width,
+            rows=self.rows,
+            estimator=self.estimator,
+            truncation=self.truncation,
+            support_capacity=self.support_capacity,
+        )
+        batch = first_reader_batch(packed.batch, share_size=self.pool.share_size)
+        batch["proximal_logprobs"] = self.pool.rescore(self.objective, variables, batch)
+        now = message.events[-1].time if message.events else 0.0
+        cuts = tuple(
+            LogEvent(
+                "cut", now, group=group[0].label.group, task=group[0].task.name, reason=cut.reason
+            )
+            for cut in packed.cut
+            for group in [message.groups[cut.group]]
+        )
+        events = message.events + cuts
+        sessions = [s for i in packed.packed for s in message.groups[i]]
+        versions = [v for s in sessions if (v := s.min_version) is not None]
+        version = min(versions, default=self._served)
+        resubmitted = {cause: 0 for cause in core.CAUSES}
+        for e in events:
+            if e.kind == "submitted" and e.reason is not None:
+                resubmitted[e.reason] += 1
+        record = SchedulerRecord(
+            updates=updates,
+            version=version,
+            lag=updates - version,
+            groups=len(packed.packed),
+            resubmitted=resubmitted,
+            cancelled=sum(
+                e.kind == "cancelled" and e.reason in ("surplus", "stale", "abandoned")
+                for e in events
+            ),
+            abandoned=sum(e.kind == "abandoned" for e in events),
+            cut=len(packed.cut),
+            waited=float(waited),
+            metrics=session_metrics(sessions, packed, version=updates),
+        )
+        self.last_record, self.last_events = record, events
+        if self.log is not None:
+            self.log(record)
+        self._too_long.observe(message.groups, packed.cut)
+        self._empty.observe(record, events)
+        return batch
+
+    def status(self) -> SchedulerStatus:
+        """Which groups are in play, which batch the trainer waits on, how old each rollout is
+        and what it is doing, and the most frequent errors of failed sessions."""
+        state = self._state
+        now = self._now()
+        return SchedulerStatus(
+            time=now,
+            waiting=state.waiting,
+            updates=state.updates,
+            served=state.served,
+            groups=tuple(
+                GroupStatus(
+                    g.id,
+                    g.task.name,
+                    g.batch,
+                    g.state.value,
+                    tuple(
+                        SampleStatus(
+                            s.index, s.attempt, s.failures, s.state.value, now - s.submitted
+                        )
+                        for s in g.samples
+                    ),
+                )
+                for g in state.groups.values()
+            ),
+            # A copy first: another thread's status() must not iterate the live counter.
+            errors=self._errors.most_common(ERRORS_SHOWN),
+        )
+
+    # --- running the trio side ----------------------------------------------------------------
+
+    async def __aenter__(self) -> _Scheduler:
+        if self._mode is not None:
+            raise RuntimeError("the scheduler is already running")
+        self._mode = "async"
+        stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(self._running())
+        self._exit_stack = stack
+        return self
+
+    async def __aexit__(self, *exc_info) -> bool | None:
+        stack, self._exit_stack = self._exit_stack, None
+        return await exit_unwrapped(stack, *exc_info)
+
+    @contextlib.asynccontextmanager
+    async def _running(self):
+        """The trio side in the current run, beside the caller's block, which close() leaves
+        running."""
+        if self._closed:
+            raise RuntimeError("the scheduler is closed")
+        async with trio.open_nursery() as nursery:
+            self._nursery = await nursery.start(self._serve)
+            try:
+                yield
+            finally:
+                self.close()
+
+    async def _serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The scheduler's own tasks: the driver, the deadline watch, and one nursery per task
+        batch, in a nursery of their own that close() cancels."""
+        self._trio_thread = threading.get_ident()
+        self._token = trio.lowlevel.current_trio_token()
+        self._clock = trio.lowlevel.current_clock()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._drive)
+            if self.timeout is not None:
+                nursery.start_soon(self._watch_deadlines)
+            task_status.started(nursery)
+
+    def close(self) -> None:
+        """Cancel every rollout in flight; the source belongs to the caller."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._trio_thread == threading.get_ident():
+            self._close_in_trio()
+        elif self._token is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(self._close_in_trio, trio_token=self._token)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def dropped(self) -> None:
+        """Close a scheduler whose `RolloutScheduler` was collected unclosed, and warn as an
+        unclosed file does: its thread and rollouts would otherwise run until the process ends.
+        Collection may run on the trio thread itself, mid-step: there the close is posted to
+        run after the step."""
+        if self._closed or self._thread is None:
+            return  # closed, or its trio side never started: it holds nothing
+        warnings.warn(
+            f"a RolloutScheduler was dropped unclosed with {len(self._scopes)} rollouts in "
+            "flight; they are cancelled and its thread ends (call close(), or use `with`)",
+            ResourceWarning,
+            stacklevel=2,
+        )
+        if self._trio_thread == threading.get_ident():
+            self._token.run_sync_soon(self.close)
+        else:
+            self.close()
+
+    def _close_in_trio(self) -> None:
+        self._apply([core.Closed(trio.current_time())])
+        self.closing_events, self._events = tuple(self._events), []
+        self._fail_trainer(RuntimeError("the scheduler was closed while the trainer waited"))
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel(reason="closed")
+
+    def _start_thread(self) -> None:
+        if self._thread is not None:
+            return
+        self._mode = "thread"
+        ready = threading.Event()
+
+        async def serve():
+            async with trio.open_nursery() as nursery:
+                self._nursery = await nursery.start(self._serve)
+                ready.set()
+
+        def main():
+            try:
+                trio.run(serve)
+            except BaseException as error:  # kept for the trainer, which is told the thread died
+                self._crash = error
+                ready.set()
+
+        self._thread = threading.Thread(target=main, name="dew-scheduler", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if self._crash is not None:
+            raise RuntimeError("the scheduler's trio thread failed to start") from self._crash
+
+    def _now(self) -> float:
+        """The scheduler's clock, from any thread; NaN while no trio side runs.
+
+        Read off the run's clock object rather than through the run, so that status() answers
+        even while a source blocks the trio thread (the stuck environment it is there to show).
+        """
+        if self._clock is None or self._closed:
+            return float("nan")
+        return self._clock.current_time()
+
+    def _post_anywhere(self, make_event: Callable[[], core.Event]) -> None:
+        """Post an event from any thread to a running trio side; nothing if none runs."""
+        if self._token is None or self._closed:
+            return
+        if self._trio_thread == threading.get_ident():
+            self._post(make_event())
+            return
+        with contextlib.suppress(trio.RunFinishedError):
+            trio.from_thread.run_sync(lambda: self._post(make_event()), trio_token=self._token)
+
+    def _post(self, event: core.Event) -> None:
+        self._pending.append(event)
+        self._wake.set()
+
+    def _settled(self) -> bool:
+        """Whether the driver has applied everything posted: with every task waiting, the
+        instant is over (replay's clock keeper moves the clock only then)."""
+        return not self._pending
+
+    def _hand_over(self, handover: _HandOver) -> None:
+        """Push the weights when due, then post the hand-over. The push lands at the trainer's
+        call, before its instant settles: an engine that starts the calls arriving at an
+        instant once it has settled (as the simulated one does) starts them all under the new
+        version, whatever order trio runs the instant's tasks in."""
+        now = trio.current_time()
+        if handover.event_fields["pushed"]:
+            self.weights.load(handover.variables, handover.event_fields["served"])
+            # The newest ever: a resumed trainer pushes an older version again, while rollouts
+            # of the old stream may still finish with the newer one before their cancel.
+            served = handover.event_fields["served"]
+            self._newest_pushed = max(served, self._newest_pushed or served)
+        self._waiting = True
+        self._post(core.HandedOver(time=now, **handover.event_fields))
+        if self.long_wait is not None:
+            self._watch = trio.CancelScope()
+            self._nursery.start_soon(self._watch_wait, self._watch, self.long_wait)
+
+    async def _watch_wait(self, scope: trio.CancelScope, long_wait: float) -> None:
+        """Log what the trainer waits on when a wait grows long."""
+        with scope:
+            waited = 0.0
+            while True:
+                await trio.sleep(max(long_wait, waited))
+                waited = max(long_wait, 2 * waited)
+                logger.warning("the trainer has waited %.0fs\n%s", waited, self.status())
+
+    async def _watch_deadlines(self) -> None:
+        """Post a rollout's timeout at its deadline. Deadlines are submission + timeout, so they
+        come due in submission order and a queue is enough; the core ignores those of rollouts
+        that already ended."""
+        while True:
+            if not self._deadlines:
+                self._deadline_added = trio.Event()
+                await self._deadline_added.wait()
+            deadline, label = self._deadlines[0]
+            await trio.sleep_until(deadline)
+            self._deadlines.popleft()
+            self._post(core.TimedOut(deadline, label))
+
+    async def _drive(self) -> None:
+        """Apply each instant's happenings in their documented order, then carry out the
+        commands."""
+        while True:
+            await self._wake.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            events = [event for _, event in sorted(enumerate(self._pending), key=_event_order)]
+            self._pending = []
+            self._wake = trio.Event()
+            for event in events:
+                if isinstance(event, core.HandedOver):
+                    for batch, _ in event.tasks:
+                        if batch > self._state.last_submitted and batch not in self._batches:
+                            self._batches[batch] = await self._nursery.start(self._run_batch, batch)
+            self._apply(events)
+
+    def _apply(self, events: list[core.Event]) -> None:
+        self._state, commands = core.run(self._state, events)
+        for command in commands:
+            self._carry_out(command)
+        for batch, (_, done) in list(self._batches.items()):
+            if batch not in self._state.batches:
+                done.set()
+
+    def _carry_out(self, command: core.Command) -> None:
+        if isinstance(command, LogEvent):
+            self._events.append(command)
+            if command.error is not None:
+                self._errors.add(command.error)
+        elif isinstance(command, core.Submit):
+            scope = trio.CancelScope()
+            self._scopes[command.label] = scope
+            nursery, _ = self._batches[command.batch]
+            nursery.start_soon(self._rollout, scope, command)
+            if self.timeout is not None:
+                self._deadlines.append((command.time + self.timeout, command.label))
+                self._deadline_added.set()
+        elif isinstance(command, core.Cancel):
+            scope = self._scopes.get(command.label)
+            if scope is not None:
+                scope.cancel(reason=command.reason)
+        elif isinstance(command, core.Deliver):
+            events, self._events = tuple(self._events), []
+            self._deliver(_Delivery(command.groups, events))
+        elif isinstance(command, core.Fail):
+            if self._failure is not None:
+                logger.error("a failure after the one the trainer gets", exc_info=command.error)
+                return
+            self._failure = command
+            if command.batch is None:
+                self._fail(command.error)
+
+    def _deliver(self, message: _Delivery | _Failure) -> None:
+        self._waiting = False
+        if self._watch is not None:
+            self._watch.cancel(reason="delivered")
+            self._watch = None
+        self._send.send_nowait(message)
+
+    def _fail(self, error: BaseException) -> None:
+        """Hand the trainer a failure, with the event log so far."""
+        events, self._events = tuple(self._events), []
+        self._deliver(_Failure(error, events))
+
+    def _fail_trainer(self, error: BaseException) -> None:
+        if self._waiting:
+            self._fail(error)
+
+    async def _run_batch(self, batch: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """One task batch's nursery: its rollouts run inside, each in its own cancel scope."""
+        done = trio.Event()
+        async with trio.open_nursery() as nursery:
+            task_status.started((nursery, done))
+            await done.wait()
+        del self._batches[batch]
+        if self._failure is not None and self._failure.batch == batch:
+            self._fail(self._failure.error)
+
+    async def _rollout(self, scope: trio.CancelScope, submission: core.Submit) -> None:
+        task, label, submitted = submission.task, submission.label, submission.time
+        try:
+            with scope:
+                try:
+                    session = await self.source.run(task, label)
+                except Exception as error:
+                    self._post(core.SourceFailed(trio.current_time(), label, error))
+                    return
+            if scope.cancelled_caught:
+                return
+            now = trio.current_time()
+            if isinstance(session, Session):
+                session = session.stamped(task, label, submitted, now)
+            try:
+                check_session(session, vocab=self.vocab)
+                self._check_versions(session, submission)
+                if self.support_capacity is None and any(c.support for c in session.calls):
+                    raise SessionError(
+                        f"task {task.name!r} {label}: calls carry support (a filtered sampler); "
+                        "the scheduler needs support_capacity to train on it"
+                    )
+            except SessionError as error:
+                self._post(core.SourceFailed(now, label, error))
+                return
+            self._post(core.Finished(now, label, session))
+        finally:
+            del self._scopes[label]
+
+    def _check_versions(self, session: Session, submission: core.Submit) -> None:
+        """Refuse calls outside the versions served while the rollout ran: one older than its
+        submission's, or one newer than any pushed (its lag would come out negative).
+
+        Raises:
+            SessionError: naming task, label and the version.
+        """
+        if not session.calls:
+            return
+        where = f"task {submission.task.name!r} {submission.label}"
+        oldest = session.min_version
+        if oldest < submission.version:
+            raise SessionError(
+                f"{where}: a call reports version {oldest}, older than the version "
+                f"{submission.version} served when it was submitted (does the engine ignore load?)"
+            )
+        newest = max(call.version for call in session.calls)
+        if self._newest_pushed is not None and newest > self._newest_pushed:
+            raise SessionError(
+                f"{where}: a call reports version {newest}, newer than the newest version "
+                f"{self._newest_pushed} pushed (does the engine number versions itself?)"
+            )
+
+
+@attrs.frozen
+class _RegisteringDataset:
+    """A dataset whose training stream registers each batch with the scheduler as it is read."""
+
+    scheduler: _Scheduler
+    dataset: Dataset
+
+    def stream(self, start: int = 0) -> Iterator[Batch]:
+        generation = self.scheduler._open_stream()
+        return self._registering(self.dataset.stream(start), generation)
+
+    def _registering(self, batches: Iterator[Batch], generation: int) -> Iterator[Batch]:
+        for batch in batches:
+            self.scheduler._register(generation, batch)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def _same_batch(a: Batch, b: Batch) -> bool:
+    if a is b:
+        return True
+    if set(a) != set(b):
+        return False
+    return all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
