@@ -9,6 +9,7 @@ TensorBoard's event files under `tensorboard/`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -303,6 +304,14 @@ def _task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
     )
 
 
+@functools.lru_cache(maxsize=4)
+def _objective(model_config: models.TransformerConfig, temperature: float) -> GRPOObjective:
+    """The objective of a run's model at `temperature`, one per process: the trainer's compiled
+    step and the scheduler's rescoring are the objective's, so a second run in the process (a
+    resumed run, a notebook's next cell) reuses them rather than compiling again."""
+    return GRPOObjective(models.model(model_config), temperature=temperature)
+
+
 def _sampling(config: TrainConfig, updates: int) -> Sampling:
     """Each call's sampling key a function of the seed, its rollout's label and the updates the
     process started at: reproducible whatever order trio runs the rollouts in, and afresh in a
@@ -491,7 +500,7 @@ def train(
     shape = task.shape
     model_config = config.model_config(shape.max_len, vocab=tokenizer.vocab_size)
     variables = models.init(jax.random.key(config.seed), model_config)
-    objective = GRPOObjective(models.model(model_config), temperature=config.temperature)
+    objective = _objective(model_config, config.temperature)
     trainer = Trainer(
         objective,
         optax.adam(config.learning_rate),
