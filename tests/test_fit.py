@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -109,17 +110,16 @@ def test_fit_trains_a_model_and_tokenizer_of_ones_own_in_a_few_lines(tmp_path):
 
 class Repeat:
     """An in-process environment of the test's own: it names a digit and asks for it twice; an
-    action is one reply, and the episode ends after the second."""
+    action is one reply, and the episode ends after the second. Each one made is kept in
+    `made`, for the test to read."""
 
-    made: list[Repeat] = []
-
-    def __init__(self):
+    def __init__(self, made: list[Repeat]):
         self.digit: str | None = None
         self.actions: list[str] = []
-        Repeat.made.append(self)
+        made.append(self)
 
     def reset(self, task: Task) -> str:
-        self.digit = str(sum(map(int, task.name.split("+"))))
+        self.digit = ANSWERS[task.name]
         return f"say {self.digit}"
 
     def step(self, action: str) -> tuple[str | None, bool]:
@@ -132,7 +132,6 @@ class Repeat:
 def repeated(env: Repeat, episode) -> Score:
     """How close the episode's actions came to the digit asked for, by character code: a dense
     reward, so that even a fresh model's groups differ and train."""
-    verified.append((env, episode))
 
     def closeness(action: str) -> float:
         return max(0.0, 1.0 - abs(ord(action[:1] or "\0") - ord(env.digit)) / 256)
@@ -140,14 +139,16 @@ def repeated(env: Repeat, episode) -> Score:
     return Score(sum(map(closeness, episode.actions)) / 2)
 
 
-verified: list = []
-
-
-def test_fit_trains_a_policy_on_an_environment(tmp_path):
+def test_fit_trains_a_policy_on_an_environment():
     """fit(environment=...) plays real two-turn episodes on the engine, scores them with the
     verifier, and moves the parameters: each step trains its batch's episodes."""
-    Repeat.made.clear()
-    verified.clear()
+    made: list[Repeat] = []
+    verified = []
+
+    def verify_and_keep(env, episode):
+        verified.append((env, episode))
+        return repeated(env, episode)
+
     model = models.Transformer(models.TransformerConfig(d_model=16, heads=2, layers=1, d_ff=32))
     params = model.init(jax.random.key(1))
     initial = jax.device_get(params)
@@ -155,9 +156,9 @@ def test_fit_trains_a_policy_on_an_environment(tmp_path):
     steps, batch_size, groups = 3, 2, 4
     trainer = fit(
         TASKS,
-        repeated,
-        environment=Repeat,
-        first_prompt=lambda task: f"say {task.name}",
+        verify_and_keep,
+        environment=functools.partial(Repeat, made),
+        first_prompt=lambda task: f"say {ANSWERS[task.name]}",  # what reset says
         max_turns=2,
         max_context=96,
         max_tokens=1,
@@ -174,10 +175,9 @@ def test_fit_trains_a_policy_on_an_environment(tmp_path):
     assert all(math.isfinite(line["loss"]) and line["loss"] != 0 for line in lines), lines
     assert all(line["groups"] == batch_size for line in lines)
     # Every episode ran both turns in an environment of its own, and reached the verifier.
-    assert len(Repeat.made) >= steps * batch_size * groups
-    episodes = [(env, episode) for env, episode in verified]
-    assert len(episodes) >= steps * batch_size * groups
-    for env, episode in episodes:
+    assert len(made) >= steps * batch_size * groups
+    assert len(verified) >= steps * batch_size * groups
+    for env, episode in verified:
         assert len(env.actions) == 2 and episode.actions == tuple(env.actions)
         assert episode.task.name in ANSWERS and episode.status.value == "completed"
     moved = [
