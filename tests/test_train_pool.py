@@ -2,8 +2,8 @@
 
 Each test starts `dew train --processes N` as a user would, and reads the run folder it leaves:
 one metrics stream, one checkpoint, a log per process. Every wait is bounded (a pool still
-running past its bound is killed and fails the test); nothing is timed. The processes share a
-persistent compilation cache, so a resumed pool need not compile again.
+running past its bound is killed and fails the test); nothing is timed. The processes share the
+session's persistent compilation cache, so a resumed pool need not compile again.
 """
 
 from __future__ import annotations
@@ -34,16 +34,12 @@ BOUND = 400
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, str]:
-    """The environment of the module's `dew train` processes: they share one persistent
-    compilation cache, so a resumed process compiles nothing the run before it compiled."""
-    cache = {
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache")),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join(sys.path),
-    }
-    return {**os.environ, **cache}
+def env() -> dict[str, str]:
+    """The environment of the module's `dew train` processes. They inherit the session's
+    persistent compilation cache (tests/conftest.py), so a resumed process compiles nothing the
+    run before it compiled."""
+    assert "JAX_COMPILATION_CACHE_DIR" in os.environ
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
 def dew_train(run, *options: str) -> list[str]:
