@@ -1,12 +1,17 @@
-"""The built-in lookup agent trained through the recording gateway: reward per step on the CPU.
+"""The built-in lookup agent trained through the recording gateway: its reward curve on the CPU.
 
-The agent (`dew.envs.lookup`) is an ordinary `openai`-client program; `ServedGateway` serves the
-engine and the gateway in the scheduler's rollout thread, and `Trainer` drives the synchronous
-facade, as `dew train --harness lookup` will. Prints each step's mean reward and its parts, and
-the first and last five steps' means.
+Runs what `dew train --harness lookup` runs (`dew.train.train` with the task `harness:lookup`):
+the agent (`dew.envs.lookup.LookupAgent`) is an ordinary `openai`-client program, which the
+rollouts run against a gateway in front of the engine. Prints each step's mean reward and its
+two parts (the lookup action, the answer), then the mean reward of the first 10 and the last 20
+steps.
 
-    python benchmarks/lookup_agent.py              # 40 steps of a 2-layer, 64-wide model
-    python benchmarks/lookup_agent.py --smoke      # 2 steps of a tiny model, for CI
+    python benchmarks/lookup_agent.py                 # 150 steps of dew train's defaults
+    python benchmarks/lookup_agent.py --harness lookup-tools
+    python benchmarks/lookup_agent.py --smoke         # 1 step of a tiny model, for CI
+
+The smoke's model and batch have the shapes of tests/test_train_harness.py's run, so in a test
+session one of them compiles the programs and the other reads them from JAX's cache.
 """
 
 from __future__ import annotations
@@ -15,52 +20,23 @@ import argparse
 import tempfile
 import time
 
-import jax
-import optax
-
-from dew import models
-from dew.envs import Sampling
-from dew.envs.lookup import HARNESSES
-from dew.gateway import ServedGateway
-from dew.objectives.rl.grpo import GRPOObjective
-from dew.objectives.rl.scheduler import RolloutScheduler
-from dew.serve import RolloutServer
-from dew.train import Trainer
+from dew.train import TrainConfig, train
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="2 steps of a tiny model, for CI")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--smoke", action="store_true", help="1 step of a tiny model, for CI")
+    parser.add_argument("--harness", default="lookup", help="lookup or lookup-tools")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    shape = {"d_model": 64, "heads": 4, "layers": 2, "d_ff": 256}
+    options = {"task": f"harness:{args.harness}", "steps": args.steps, "seed": args.seed}
+    options.update(samples=0)  # the reward per step is printed here
     if args.smoke:
-        args.steps, args.groups, args.batch_size = 2, 2, 2
-        shape = {"d_model": 32, "heads": 2, "layers": 1, "d_ff": 64}
-    harness = HARNESSES["lookup"]
-    config = models.TransformerConfig(max_len=harness.max_len, **shape)
-    params = models.init(jax.random.key(0), config)
-    server = RolloutServer(config, params, slots=args.groups * args.batch_size)
-    options = {
-        "max_context": harness.max_len,
-        "max_tokens": harness.max_tokens,
-        "sampling": Sampling(seed=0),
-        "announce": False,
-    }
-    source = ServedGateway(server, harness.source, options)
-    objective = GRPOObjective(models.model(config))
-    scheduler = RolloutScheduler(
-        objective,
-        source,
-        server,
-        width=harness.max_len,
-        rows=args.groups * args.batch_size,
-        groups=args.groups,
-        ahead=0,
-        truncation="score",
-    )
+        options.update(steps=1, batch_size=2, groups=2, tasks=8)
+        options.update(d_model=16, heads=2, layers=1, d_ff=32)
+    config = TrainConfig(**options)
+    print(f"dew train --harness {args.harness}: {config}", flush=True)
     rewards = []
     start = time.perf_counter()
 
@@ -68,21 +44,19 @@ def main() -> None:
         rewards.append(line["reward/mean"])
         print(
             f"{time.perf_counter() - start:7.1f}s step {line['updates']:3d} reward "
-            f"{line['reward/mean']:.4f} format {line.get('reward/format', 0.0):.4f} "
-            f"answer {line.get('reward/answer', 0.0):.3f}",
+            f"{line['reward/mean']:.4f} lookup {line.get('reward/lookup', 0.0):.4f} "
+            f"answer {line.get('reward/answer', 0.0):.4f}",
             flush=True,
         )
 
     with tempfile.TemporaryDirectory() as run:
-        trainer = Trainer(objective, optax.adam(3e-3), params, directory=run, on_step=on_step)
-        dataset = harness.dataset(batch_size=args.batch_size)
-        try:
-            trainer.run(scheduler, scheduler.tasks(dataset), steps=args.steps, ahead=0)
-        finally:
-            scheduler.close()
-    window = min(5, len(rewards))
-    first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
-    print(f"lookup agent: mean reward of the first {window} steps {first:.4f}, last {last:.4f}")
+        train(config, run, on_step=on_step)
+    first, last = rewards[:10], rewards[-20:]
+    print(
+        f"{args.harness}: {len(rewards)} steps in {time.perf_counter() - start:.0f}s; mean "
+        f"reward of the first {len(first)} steps {sum(first) / len(first):.4f}, of the last "
+        f"{len(last)} {sum(last) / len(last):.4f}"
+    )
 
 
 if __name__ == "__main__":

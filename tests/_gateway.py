@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+from typing import Any
 
 import attrs
 import jax
@@ -48,6 +49,7 @@ class ScriptedEngine:
         delay: seconds of trio's clock each call takes; None waits until cancelled.
         hang_on: a call whose prompt's text holds it waits until cancelled.
         fail_on: a call whose prompt's text holds it raises RuntimeError (an engine fault).
+        tokenizer: what the replies are encoded with.
     """
 
     replies: list[str] = attrs.field(factory=lambda: ["ok"])
@@ -60,6 +62,7 @@ class ScriptedEngine:
     started: int = 0
     keys: list = attrs.field(factory=list)
     sampling: list = attrs.field(factory=list)
+    tokenizer: Any = tokenizer.BYTES
 
     async def generate(self, prompt, *, max_tokens, stop=(), key=None, **sampling) -> Call:
         index = self.started
@@ -67,7 +70,7 @@ class ScriptedEngine:
         self.keys.append(key)
         self.sampling.append(sampling)
         text = self.replies[min(index, len(self.replies) - 1)]
-        asked = tokenizer.decode(np.asarray(prompt))
+        asked = self.tokenizer.decode(np.asarray(prompt))
         if self.fail_on is not None and self.fail_on in asked:
             raise RuntimeError("the engine broke")
         hang = self.delay is None or (self.hang_on is not None and self.hang_on in asked)
@@ -76,7 +79,8 @@ class ScriptedEngine:
         except trio.Cancelled:
             self.cancelled += 1
             raise
-        ids = np.concatenate([tokenizer.encode(text), [tokenizer.IM_END]]).astype(np.int32)
+        ids = np.concatenate([self.tokenizer.encode(text), [self.tokenizer.eos_id]])
+        ids = ids.astype(np.int32)
         ids = ids[:max_tokens]
         logprobs = -np.linspace(0.1, 1.0, len(ids), dtype=np.float32)
         call = Call(np.asarray(prompt, np.int32), ids, logprobs, self.version)

@@ -23,11 +23,17 @@ from _gateway import CONFIG, GREETING, ScriptedEngine, params, tiny_server, tool
 from dew import models
 from dew.data import ArrayDataset, Task
 from dew.envs import HarnessResult, HarnessSource, Score
-from dew.envs.lookup import LookupTable, LookupVerifier, lookup_harness
+from dew.envs.lookup import (
+    HARNESSES,
+    LookupOutcome,
+    LookupTask,
+    LookupVerifier,
+    session_client,
+)
 from dew.gateway import Gateway, ServedGateway
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
-from dew.objectives.rl.sessions import Call, Label, Status, chains
+from dew.objectives.rl.sessions import Label, Status, chains
 from dew.serve import tokenizer
 from dew.train import Trainer
 
@@ -372,29 +378,73 @@ def test_bad_arguments_name_the_culprit():
 # --- the built-in lookup harness ------------------------------------------------------------------
 
 
-async def test_the_lookup_harness_scores_a_perfect_agent_1_and_truncates_on_a_short_context():
-    table = LookupTable(size=4, seed=0)
-    task = Task("2")
-    value = table.value("k2")
-    engine = ScriptedEngine([table.canonical_call(task), value])
+@pytest.mark.parametrize("name", ["lookup", "lookup-tools"])
+async def test_a_lookup_agent_that_looks_up_then_answers_scores_1_in_one_chain(name):
+    lookup, task = LookupTask(seed=0), Task("2")
+    key = lookup.key(task)
+    value = lookup.value(task, key)
+    call = key if name == "lookup" else tool_call("lookup", {"key": key})
+    engine = ScriptedEngine([call, value])
     async with gateway(engine) as gw:
-        source, dataset = lookup_harness(gw, size=4, batch_size=2)
-        session = await source.run(task, LABEL)
+        session = await HARNESSES[name].source(gw, seed=0).run(task, LABEL)
     assert session.status is Status.COMPLETED, session.error
-    assert session.reward == 1.0 and session.components == {"format": 1.0, "answer": 1.0}
+    assert session.reward == 1.0 and session.components == {"lookup": 1.0, "answer": 1.0}
     assert len(session.calls) == 2 and len(chains(session)) == 1
-    assert next(iter(dataset.stream()))["task_id"].shape == (2,)
-    # Half the canonical call, in order among other bytes, is half the format reward.
-    canonical = table.canonical_call(task)
-    half = "".join(c + "#" for c in canonical[: len(canonical) // 2])
-    call = Call(np.zeros(1, np.int32), tokenizer.encode(half), np.zeros(len(half), np.float32), 0)
-    partial = LookupVerifier(table)(HarnessResult(task, Status.COMPLETED, value, (), (call,)))
-    assert partial.components == {"format": (len(canonical) // 2) / len(canonical), "answer": 1.0}
+    if name == "lookup":  # the tool's result is the value, written 16 times, as a user turn
+        assert tokenizer.decode(session.calls[1].prompt).endswith(
+            f"{key}<|im_end|>\n<|im_start|>user\n{value * 16}<|im_end|>\n<|im_start|>assistant\n"
+        )
 
+
+async def test_the_lookup_harness_fits_its_context_whatever_the_model_writes():
+    # The longest session: replies cut by their budget (no stop token), the first a valid key
+    # (" 5", whose tool result is the value 16 times).
+    engine = ScriptedEngine([" 5", "xyz"])
+    harness = HARNESSES["lookup"]
+    async with gateway(engine, max_context=harness.max_len, max_tokens=harness.max_tokens) as gw:
+        session = await harness.source(gw).run(Task("7"), LABEL)
+    assert session.status is Status.COMPLETED, session.error
+    last = session.calls[-1]
+    assert len(last.prompt) + len(last.completion) == 69 <= harness.max_len
+    assert LookupTask().value(Task("7"), "5") * 16 in tokenizer.decode(last.prompt)
+    assert session.components["answer"] == 0.0
+
+
+def outcome(task: Task, *outcome) -> Score:
+    return LookupVerifier(LookupTask())(
+        HarnessResult(task, Status.COMPLETED, LookupOutcome(*outcome), (), ())
+    )
+
+
+def test_the_lookup_verifier_credits_positions_and_never_a_guess():
+    task = Task("5")
+    lookup = LookupTask()
+    key = lookup.key(task)
+    value = lookup.value(task, key)
+    other = str((int(key) + 1) % 10)
+    assert lookup.question(task) == key * 8 and lookup.observation(task, "x") == "unknown key"
+    # Each task has its own table: the value is not a function of the key alone.
+    assert len({lookup.value(Task(str(i)), "0") for i in range(20)}) > 1
+    assert outcome(task, (key,), value).components == {"lookup": 1.0, "answer": 1.0}
+    # Extra characters dilute the credit; a wrong character earns nothing.
+    assert outcome(task, (key,), value + "!").components == {"lookup": 1.0, "answer": 0.5}
+    # The tool knows no key "K!": the agent never read the value, so its answer earns nothing.
+    assert outcome(task, (key + "!",), value).components == {"lookup": 0.5, "answer": 0.0}
+    assert outcome(task, (other,), None).components == {"lookup": 0.0, "answer": 0.0}
+    # The right value answered without looking the key up is a guess: no credit.
+    assert outcome(task, (), value).components == {"lookup": 0.0, "answer": 0.0}
+    assert outcome(task, (other,), value).components["answer"] == 0.0
+    # Looking the key up after a wrong first lookup reads the value, but is no first lookup.
+    assert outcome(task, (other, key), value).components == {"lookup": 0.0, "answer": 1.0}
+    # An agent that raised has no outcome.
+    failed = HarnessResult(task, Status.AGENT_ERROR, None, (), (), error="boom")
+    assert LookupVerifier(lookup)(failed).reward == 0.0
+
+
+async def test_the_tools_lookup_truncates_on_a_short_context():
     server = tiny_server()
     async with server, gateway(server, max_context=CONFIG.max_len, max_tokens=8) as gw:
-        source, _ = lookup_harness(gw, size=4)
-        session = await source.run(task, LABEL)
+        session = await HARNESSES["lookup-tools"].source(gw).run(Task("2"), LABEL)
     # The tools turn alone is longer than this engine's 128 tokens: the first call is refused,
     # the rollout TRUNCATED and still scored (nothing answered).
     assert (session.status, session.truncation, session.calls) == (Status.TRUNCATED, "context", ())
@@ -441,3 +491,17 @@ def test_a_harness_trains_end_to_end_through_the_synchronous_facade(tmp_path):
     assert all(line["groups"] == 2 and line["merge_ratio"] == 0.5 for line in lines)
     assert all(line["tokens/trained"] > 0 for line in lines)
     assert server.version == 1 and source.gateway.open_sessions == 0
+
+
+def test_session_clients_share_one_connection_pool_per_trio_run_closed_when_it_ends():
+    async def two_sessions():
+        first = await session_client("http://127.0.0.1:1/a/v1", "key-a")
+        second = await session_client("http://127.0.0.1:1/b/v1", "key-b")
+        assert (str(first.base_url), first.api_key) == ("http://127.0.0.1:1/a/v1/", "key-a")
+        assert (str(second.base_url), second.api_key) == ("http://127.0.0.1:1/b/v1/", "key-b")
+        assert first._client is second._client and not first.is_closed()
+        return first
+
+    first = trio.run(two_sessions)
+    assert first.is_closed()  # the run's pool, closed as the run ended
+    assert trio.run(two_sessions)._client is not first._client  # a new run, a new pool

@@ -9,13 +9,13 @@ gives the JSON body's, token for token.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import attrs
 import numpy as np
+import orjson
 
 from dew.gateway._template import Reply
 from dew.objectives.rl.sessions import Call
@@ -277,5 +277,5 @@ def completion_chunks(
 
 def sse(payload: dict[str, Any] | str) -> bytes:
     """One server-sent event."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n".encode()
+    data = payload.encode() if isinstance(payload, str) else orjson.dumps(payload)
+    return b"data: " + data + b"\n\n"

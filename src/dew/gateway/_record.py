@@ -50,12 +50,45 @@ class Turn:
     rendered: np.ndarray | None = None  # the turn's ids in a later prompt, made once
 
 
-def _closing(tokenizer, completion: np.ndarray) -> np.ndarray:
-    """What the template writes after a sampled reply: the stop token where the reply lacks it
-    (cut at a stop string or by its budget), then the turn suffix."""
-    ended = len(completion) and int(completion[-1]) == tokenizer.eos_id
-    tail = [] if ended else [np.array([tokenizer.eos_id], np.int32)]
-    return np.concatenate([*tail, tokenizer.turn_suffix()]).astype(np.int32)
+@attrs.frozen(eq=False)
+class Template:
+    """A tokenizer (the `dew.serve.tokenizer.Tokenizer` protocol) and its chat template's fixed
+    pieces, made once: every call of every session renders them.
+
+    Args:
+        tokenizer: the tokenizer.
+        prefix: `chat_prefix()`, what opens a conversation.
+        generation: `generation_prompt()`, what opens an assistant turn.
+        suffix: `turn_suffix()`, what follows a turn's stop token.
+    """
+
+    tokenizer: Any
+    prefix: np.ndarray
+    generation: np.ndarray
+    suffix: np.ndarray
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> Template:
+        """`tokenizer`'s template pieces."""
+        return cls(
+            tokenizer,
+            np.asarray(tokenizer.chat_prefix(), np.int32),
+            np.asarray(tokenizer.generation_prompt(), np.int32),
+            np.asarray(tokenizer.turn_suffix(), np.int32),
+        )
+
+    def closing(self, completion: np.ndarray) -> np.ndarray:
+        """What the template writes after a sampled reply: the stop token where the reply lacks
+        it (cut at a stop string or by its budget), then the turn suffix."""
+        eos = self.tokenizer.eos_id
+        if len(completion) and int(completion[-1]) == eos:
+            return self.suffix
+        return np.concatenate([np.array([eos], np.int32), self.suffix])
+
+
+def _empty(turn: Turn) -> bool:
+    """Whether a chat answer carried nothing (the kind clients drop from their history)."""
+    return turn.text is None and not turn.tool_call_ids and not turn.content
 
 
 class GatewaySession:
@@ -76,7 +109,7 @@ class GatewaySession:
         *,
         label: Label | None,
         engine: Any,
-        tokenizer: Any,
+        template: Template,
         max_calls: int | None,
         on_close: Callable[[GatewaySession], None],
     ):
@@ -85,10 +118,12 @@ class GatewaySession:
         self.api_key = "dew-" + token
         self.label = label
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.template = template
+        self.tokenizer = template.tokenizer
         self.max_calls = max_calls
         self._on_close = on_close
         self._turns: list[Turn] = []
+        self._empty = 0  # how many of them answered nothing (no text, no tool call)
         self._started = 0
         self._in_flight: set[trio.CancelScope] = set()
         self.closed: str | None = None
@@ -161,7 +196,7 @@ class GatewaySession:
         """
         self.check_open()
         if retry and self._turns and self._turns[-1].fingerprint == fingerprint:
-            self._turns.pop()
+            self._empty -= _empty(self._turns.pop())
         if self.max_calls is not None and len(self._turns) + len(self._in_flight) >= self.max_calls:
             self.truncate("turns")
             raise ApiError(
@@ -189,19 +224,14 @@ class GatewaySession:
     def record(self, turn: Turn) -> None:
         """Keep an answered call."""
         self._turns.append(turn)
-
-    def forget(self, turn: Turn) -> None:
-        """Drop an answer that never reached the client."""
-        if turn in self._turns:
-            self._turns.remove(turn)
+        self._empty += _empty(turn)
 
     # --- prompts --------------------------------------------------------------------------------
 
     def chat_prompt(self, request: ChatRequest) -> np.ndarray:
         """The token ids the engine sees for a chat request: the gateway's own turns as the ids
         it sampled, everything else through the chat template."""
-        tokenizer = self.tokenizer
-        head = [tokenizer.chat_prefix()]
+        head = [self.template.prefix]
         system = system_text(request)
         if system is not None:
             head.append(self._encode("system", system))
@@ -216,7 +246,7 @@ class GatewaySession:
                 text = message_text(message)
                 pieces.append(self._encode(message.role, text))
         self._restore_dropped(request.messages, head, pieces, matched)
-        return np.concatenate([*head, *pieces, tokenizer.generation_prompt()]).astype(np.int32)
+        return np.concatenate([*head, *pieces, self.template.generation]).astype(np.int32)
 
     def _match(self, message: Message) -> Turn | None:
         """The gateway's turn an assistant message stands for: by its tool-call ids, else (for a
@@ -245,23 +275,20 @@ class GatewaySession:
         if turn.rendered is None:
             completion = turn.call.completion
             turn.rendered = np.concatenate(
-                [
-                    self.tokenizer.generation_prompt(),
-                    completion,
-                    _closing(self.tokenizer, completion),
-                ]
+                [self.template.generation, completion, self.template.closing(completion)]
             ).astype(np.int32)
         return turn.rendered
 
     def _restore_dropped(self, messages, head, pieces, matched) -> None:
         """Put back each empty answer the client left out: where the messages before it are the
         ones it answered, and what follows is not an assistant turn standing in its place."""
+        if not self._empty:  # most sessions: every call of each request walks its turns
+            return
         inserted = 0
-        generation = len(self.tokenizer.generation_prompt())
+        generation = len(self.template.generation)
         for turn in self._turns:
-            empty = turn.text is None and not turn.tool_call_ids and not turn.content
             at = turn.messages
-            if not empty or id(turn) in matched or len(messages) < at:
+            if not _empty(turn) or id(turn) in matched or len(messages) < at:
                 continue
             if at < len(messages) and messages[at].role == "assistant":
                 continue

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import orjson
 
 
 class ApiError(Exception):
@@ -82,7 +83,11 @@ CHAT_FIELDS: Mapping[str, str] = {
     "n": "honoured: 1 only; above 1 is refused",
     "stop": "honoured: the reply is cut after the token that completes a stop string",
     "logprobs": "honoured: the behaviour log-prob of each sampled token",
-    "top_logprobs": "honoured in part: lists the sampled token only (the engine reports no others)",
+    "top_logprobs": (
+        "honoured in part: 0 to 20 accepted; each token's list holds one entry, the sampled "
+        "token and its behaviour log-prob, whatever the number asked (none for 0), since the "
+        "engine reports no other token's log-prob"
+    ),
     "tools": "honoured: rendered into a leading system turn",
     "tool_choice": "honoured: rendered as an instruction; 'none' turns off tool-call parsing",
     "parallel_tool_calls": "ignored: every parsed tool call is returned",
@@ -145,8 +150,8 @@ def parse_json(body: bytes) -> dict[str, Any]:
         ApiError: 400 when it is not valid UTF-8 JSON, or not an object.
     """
     try:
-        value = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
         raise invalid(
             None, f"the request body is not valid JSON: {error}", "invalid_json"
         ) from None

@@ -11,7 +11,6 @@ import collections
 import contextlib
 import functools
 import hashlib
-import json
 import logging
 import secrets
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 import hypercorn.config
 import hypercorn.trio
 import numpy as np
+import orjson
 import trio
 
 from dew.envs.environment import Sampling
@@ -32,7 +32,7 @@ from dew.gateway._answers import (
     cut,
     sse,
 )
-from dew.gateway._record import GatewaySession, Turn
+from dew.gateway._record import GatewaySession, Template, Turn
 from dew.gateway._schema import (
     ApiError,
     chat_request,
@@ -41,8 +41,8 @@ from dew.gateway._schema import (
     parse_json,
 )
 from dew.gateway._template import parse_reply
-from dew.gateway._tokenizer import BYTES
 from dew.objectives.rl.sessions import Call, Label
+from dew.serve.tokenizer import BYTES, Tokenizer
 
 _log = logging.getLogger("dew.gateway")
 
@@ -77,8 +77,29 @@ def _content_length(scope) -> int | None:
     return None
 
 
+def _tokenizer(tokenizer: Any, servers) -> Tokenizer:
+    """The gateway's tokenizer: `tokenizer`, else the first engine's, else the byte one; every
+    engine that names its tokenizer must agree with it on the ids (vocabulary, stop and special
+    ids), or the prompts the gateway renders would mean other text to it."""
+    own = [getattr(server, "tokenizer", None) for server in servers]
+    if tokenizer is None:
+        tokenizer = next((t for t in own if t is not None), BYTES)
+    if not isinstance(tokenizer, Tokenizer):
+        raise ValueError(
+            f"tokenizer must implement dew.serve.tokenizer.Tokenizer, got {tokenizer!r}"
+        )
+    ids = (tokenizer.vocab_size, tokenizer.eos_id, tokenizer.special_ids)
+    for index, other in enumerate(own):
+        if other is not None and other is not tokenizer:
+            if (other.vocab_size, other.eos_id, other.special_ids) != ids:
+                raise ValueError(
+                    f"engine {index}'s tokenizer {other!r} differs from the gateway's {tokenizer!r}"
+                )
+    return tokenizer
+
+
 async def _send_json(send, status: int, body: dict[str, Any], headers=()) -> None:
-    data = json.dumps(body, ensure_ascii=False).encode()
+    data = orjson.dumps(body)
     length = [(b"content-length", str(len(data)).encode())]
     await send(
         {"type": "http.response.start", "status": status, "headers": [*_JSON, *length, *headers]}
@@ -118,8 +139,8 @@ class Gateway:
             sequence; a longer prompt is refused (400) and TRUNCATES its session (`context`).
         max_tokens: most completion tokens per call; a request may ask for fewer.
         sampling: the behaviour policy's sampling settings.
-        tokenizer: the tokenizer and chat template (the Tokenizer protocol); the byte one by
-            default.
+        tokenizer: the tokenizer and chat template (`dew.serve.tokenizer.Tokenizer`); by default
+            the engines' own (a `RolloutServer`'s `tokenizer`), else the byte one.
         host: the address to bind; loopback unless asked.
         port: the port; 0 picks a free one.
         model: the model name `GET /v1/models` lists.
@@ -127,7 +148,8 @@ class Gateway:
         announce: print the address to stderr when serving.
 
     Raises:
-        ValueError: naming the argument out of bounds.
+        ValueError: naming the argument out of bounds, or an engine whose tokenizer differs
+            from `tokenizer`.
     """
 
     def __init__(
@@ -154,7 +176,8 @@ class Gateway:
         self.sampling = Sampling() if sampling is None else sampling
         if not isinstance(self.sampling, Sampling):
             raise ValueError(f"sampling must be a Sampling, got {sampling!r}")
-        self.tokenizer = BYTES if tokenizer is None else tokenizer
+        self.tokenizer = _tokenizer(tokenizer, self.servers)
+        self.template = Template.of(self.tokenizer)
         self.host = host
         self.port = _check_int("port", port, 0)
         self.model = model
@@ -177,6 +200,9 @@ class Gateway:
         config.bind = [f"{host}:{self.port}"]
         config.errorlog = None
         config.accesslog = None
+        # Agents keep their connections alive across sessions (a client per trio run): no
+        # reconnection every 1000 requests, hypercorn's default.
+        config.keep_alive_max_requests = sys.maxsize
         self._stack = contextlib.AsyncExitStack()
         nursery = await self._stack.enter_async_context(trio.open_nursery())
         self._nursery = nursery
@@ -236,7 +262,7 @@ class Gateway:
             f"{self.url}/{token}/v1",
             label=label,
             engine=engine,
-            tokenizer=self.tokenizer,
+            template=self.template,
             max_calls=max_calls,
             on_close=self._forget,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -35,6 +36,7 @@ from dew._checks import int_at_least, positive
 from dew._launch import run_pool
 from dew.data import Batch, Dataset, Task
 from dew.envs.environment import Sampling
+from dew.envs.lookup import HARNESSES
 from dew.envs.reasoning_gym import PREFIX, ReasoningGym
 from dew.envs.tasks import CopyDigits, GuessDigit
 from dew.objectives.rl.grpo import GRPOObjective
@@ -53,6 +55,9 @@ from dew.train._trainer import METRICS, Trainer
 
 TASKS = ("copy", "guess")
 """The built-in tasks `dew train --task` runs: CopyDigits and GuessDigit."""
+HARNESS = "harness:"
+"""The prefix of a task that is a built-in agent harness (`--harness NAME` is this plus NAME)."""
+_GATEWAY_PACKAGES = ("hypercorn", "openai", "orjson")
 SAMPLES = "samples.jsonl"
 EVALUATIONS = "eval.jsonl"
 
@@ -61,9 +66,27 @@ _LOGGING = ("steps", "eval_every", "samples", "tensorboard")
 
 
 def _task_name(instance, attribute, value):
-    if not isinstance(value, str) or not (value in TASKS or value.startswith(PREFIX)):
+    if isinstance(value, str) and value.startswith(HARNESS):
+        _check_harness(value.removeprefix(HARNESS))
+    elif not isinstance(value, str) or not (value in TASKS or value.startswith(PREFIX)):
         raise ValueError(
-            f"{attribute.name} must be one of {TASKS} or {PREFIX}NAME[,key=value...], got {value!r}"
+            f"{attribute.name} must be one of {TASKS}, {PREFIX}NAME[,key=value...] or "
+            f"{HARNESS}NAME, got {value!r}"
+        )
+
+
+def _check_harness(name: str) -> None:
+    """Raises: ValueError naming the built-in harnesses when `name` is not one, or the packages
+    of the recording gateway that are not installed."""
+    if name not in HARNESSES:
+        raise ValueError(
+            f"unknown harness {name!r}; the built-in harnesses are: {', '.join(HARNESSES)}"
+        )
+    missing = [package for package in _GATEWAY_PACKAGES if not importlib.util.find_spec(package)]
+    if missing:
+        raise ValueError(
+            f"a harness trains through the recording gateway, which needs {', '.join(missing)}: "
+            "pip install 'dew[gateway]'"
         )
 
 
@@ -85,8 +108,9 @@ class TrainConfig:
 
     Args:
         task: the built-in task, `copy` (CopyDigits, single turn) or `guess` (GuessDigit,
-            multi-turn), or a reasoning-gym dataset, `reasoning-gym:NAME[,key=value...]`
-            (`dew.envs.reasoning_gym`).
+            multi-turn), a reasoning-gym dataset, `reasoning-gym:NAME[,key=value...]`
+            (`dew.envs.reasoning_gym`), or a built-in agent harness behind the recording
+            gateway, `harness:NAME` (`dew.envs.lookup.HARNESSES`; `dew train --harness NAME`).
         steps: optimizer updates to train for.
         batch_size: tasks per batch, one group each.
         groups: rollouts per task that train together.
@@ -114,8 +138,9 @@ class TrainConfig:
     task: str = _option(
         "copy",
         _task_name,
-        "copy (repeat digits, one turn), guess (find a digit, turns) or "
-        "reasoning-gym:NAME[,key=value...] (a reasoning-gym dataset and its config)",
+        "copy (repeat digits, one turn), guess (find a digit, turns), "
+        "reasoning-gym:NAME[,key=value...] (a reasoning-gym dataset and its config) or "
+        "harness:NAME (a built-in agent harness, as --harness NAME)",
     )
     steps: int = _option(400, int_at_least(1), "optimizer updates to train for")
     batch_size: int = _option(8, int_at_least(1), "tasks per batch, one group each")
@@ -252,15 +277,19 @@ class _Shape:
 
 @attrs.frozen
 class _RunTask:
-    """What a run needs of its task: a source on an engine, task batches and their tasks."""
+    """What a run needs of its task: a source on an engine, task batches and their tasks, and
+    how the source's engine is served in the rollouts' trio run (`serve(source, server)`)."""
 
     source: Callable[[Any, Sampling], SessionSource]
     dataset: Callable[..., Dataset]
     tasks: Callable[[Batch], Sequence[Task]]
     shape: _Shape
+    serve: Callable[[SessionSource, RolloutServer], SessionSource] = ServedSource
 
 
 def _task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
+    if config.task.startswith(HARNESS):
+        return _harness_task(config)
     if config.task == "copy":
         copy = CopyDigits(seed=config.seed)
         # Every prompt has the same length in bytes; another tokenizer's may differ.
@@ -310,6 +339,35 @@ def _objective(model_config: models.TransformerConfig, temperature: float) -> GR
     step and the scheduler's rescoring are the objective's, so a second run in the process (a
     resumed run, a notebook's next cell) reuses them rather than compiling again."""
     return GRPOObjective(models.model(model_config), temperature=temperature)
+
+
+def _harness_task(config: TrainConfig) -> _RunTask:
+    """A built-in agent harness as a run's task: its source is a `ServedGateway`, which serves
+    the engine and a recording gateway in the rollouts' trio run and runs the harness against
+    the gateway; the engine's and a packed row's length is the harness's `max_len`, one chain
+    (a session's merged calls) a row."""
+    from dew.gateway import ServedGateway  # the gateway extra, checked with the config
+
+    harness = HARNESSES[config.task.removeprefix(HARNESS)]
+
+    def source(engine, sampling: Sampling) -> SessionSource:
+        options = {
+            "max_context": harness.max_len,
+            "max_tokens": harness.max_tokens,
+            "sampling": sampling,
+            "announce": False,
+        }
+        return ServedGateway(
+            engine, lambda gateway: harness.source(gateway, seed=config.seed), options
+        )
+
+    shape = _Shape(max_len=harness.max_len, width=harness.max_len, chains_per_row=1)
+    return _RunTask(source, harness.dataset, task_ids, shape, serve=_served_by_gateway)
+
+
+def _served_by_gateway(source: SessionSource, server: RolloutServer) -> SessionSource:
+    """A `ServedGateway` serves its engine itself."""
+    return source
 
 
 def _sampling(config: TrainConfig, updates: int) -> Sampling:
@@ -525,7 +583,7 @@ def train(
         if config.eval_every:
             logs.evaluation = _Evaluation(task, config, model_config, slots)
     trainer.on_step = on_step if logs is None else logs
-    source = ServedSource(source, server)
+    source = task.serve(source, server)
     publisher = server
     recorder = None
     if record is not None:
@@ -639,10 +697,10 @@ class _Evaluation:
     def __init__(self, task: _RunTask, config: TrainConfig, model_config, slots: int):
         ids = np.arange(config.tasks, config.tasks + config.eval_tasks, dtype=np.int64)
         self.tasks = list(task.tasks({"task_id": ids}))
+        self.task = task
         # Placeholder weights: each evaluation loads the trainer's.
         variables = models.init(jax.random.key(0), model_config)
         self.server = RolloutServer(model_config, variables, slots=slots)
-        self.source = task.source(self.server, Sampling(temperature=0.0))
 
     def __call__(self, variables, updates: int) -> dict[str, Any]:
         """Roll out every held-out task greedily under `variables`.
@@ -664,12 +722,15 @@ class _Evaluation:
 
     async def _rollouts(self):
         sessions = [None] * len(self.tasks)
+        # Served afresh in each evaluation's trio run (a served source serves one run).
+        greedy = self.task.source(self.server, Sampling(temperature=0.0))
+        source = self.task.serve(greedy, self.server)
 
         async def one(index: int) -> None:
             label = Label(group=index, sample=0, attempt=0)
-            sessions[index] = await self.source.run(self.tasks[index], label)
+            sessions[index] = await source.run(self.tasks[index], label)
 
-        async with self.server, trio.open_nursery() as nursery:
+        async with trio.open_nursery() as nursery:
             for index in range(len(self.tasks)):
                 nursery.start_soon(one, index)
         return sessions
@@ -705,6 +766,14 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
             metavar=field.name.upper(),
             help=help,
         )
+    parser.add_argument(
+        "--harness",
+        metavar="NAME",
+        default=None,
+        help="train a built-in agent harness through the recording gateway (the task "
+        f"harness:NAME): {'; '.join(f'{name}: {h.summary}' for name, h in HARNESSES.items())} "
+        "(default: none)",
+    )
     parser.add_argument(
         "--run",
         dest="run_folder",
@@ -773,6 +842,7 @@ def run_cli(args: argparse.Namespace) -> int:
     """
     given = {f.name: getattr(args, f.name) for f in attrs.fields(TrainConfig)}
     given = {name: value for name, value in given.items() if value is not None}
+    _harness_option(args, given)
     if args.resume and args.run_folder is None:
         args.parser.error("--resume needs --run, the folder of the run to continue")
     run = None if args.run_folder is None else Path(args.run_folder)
@@ -911,6 +981,20 @@ def _train_until_interrupted(
     return 0
 
 
+def _harness_option(args: argparse.Namespace, given: dict[str, Any]) -> None:
+    """Make `--harness NAME` the task `harness:NAME` in `given`, or exit 2 naming the built-in
+    harnesses when NAME is not one, or when `--task` is given too."""
+    if args.harness is None:
+        return
+    if "task" in given:
+        args.parser.error("--harness NAME is the task harness:NAME: give --task or --harness")
+    try:
+        _check_harness(args.harness)
+    except ValueError as error:
+        args.parser.error(f"--harness: {error}")
+    given["task"] = HARNESS + args.harness
+
+
 def _pool_options(args: argparse.Namespace) -> bool:
     """Check the pool's options; return whether this process joins a pool (--coordinator)."""
     joining = [args.coordinator, args.num_processes, args.process_id]
@@ -1001,5 +1085,5 @@ def _join(args: argparse.Namespace, config: TrainConfig, run: Path) -> int:
 
 def _default_run(task: str) -> Path:
     # A reasoning-gym task names the folder by its dataset, without its options.
-    name = task.removeprefix(PREFIX).split(",")[0]
+    name = task.removeprefix(PREFIX).removeprefix(HARNESS).split(",")[0]
     return Path("dew-runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
