@@ -20,6 +20,12 @@ attends over 512 keys where a bucket of 64 attends over 64) and the FLOP/s reach
 packed / bucketed (target >= 2x) beside packed / padded. The per-chain log-prob sums of the
 layouts are compared (per token, at float32 tolerance), so a fast but wrong path fails the run.
 
+Two FLOP ceilings on packed / bucketed are printed beside the measured ratio: the layouts' FLOPs
+as laid out, and a packed layout that fills every cell and attends only inside each chain. The
+first (1.26x at the defaults) bounds what this model's forward can reach, since a packed row's
+attention spans its whole width under a segment mask; only the second (2.15x) clears 2x, and it
+needs a segment-aware (block-diagonal) attention kernel, which XLA on CPU does not offer.
+
     python benchmarks/logprobs.py            # d_model 128, 2 layers, 256 chains
     python benchmarks/logprobs.py --smoke    # tiny, for CI
 """
