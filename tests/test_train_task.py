@@ -125,7 +125,9 @@ def test_a_config_file_with_options_over_it(tmp_path):
     path.write_text("steps = \n")
     with pytest.raises(ValueError, match="cannot read the config file .*run.toml"):
         TrainConfig.from_file(path)
-    with pytest.raises(ValueError, match="task must be one of .* reasoning-gym:NAME.* or harness:NAME"):
+    with pytest.raises(
+        ValueError, match="task must be one of .* reasoning-gym:NAME.* or harness:NAME"
+    ):
         TrainConfig(task="arithmetic")
 
 
