@@ -9,9 +9,10 @@ every shape; a run measures each `--best-of` times, interleaved, and keeps each 
 `--runs` runs (target: 32 calls / 1 call on a 1-slot server >= 8x in every run).
 
 To show the distance to the hardware, the decode's model FLOPs per token (its weight matmuls and
-its attention over the `max_len` cache) times the 32-call tokens/s is set against the FLOP/s the
-machine reaches on a jitted function of the same matmuls at the same shapes ([slots, d_model]
-through every layer's weights), measured in the same process.
+its attention over the cache blocks a step reads, averaged over the run's steps) times the
+32-call tokens/s is set against the FLOP/s the machine reaches on a jitted function of the same
+matmuls at the same shapes ([slots, d_model] through every layer's weights), measured in the
+same process.
 
     python benchmarks/engine.py [--smoke] [--runs 3]
 """
@@ -49,13 +50,21 @@ async def throughput(server: RolloutServer, calls: int, *, prompt_len: int, toke
     return sum(drawn) / elapsed
 
 
-def decode_flops(config: models.TransformerConfig, max_len: int) -> int:
+def decode_flops(config: models.TransformerConfig, span: float) -> float:
     """Model FLOPs of one decoded token: every weight matmul, and attention (scores and mixing)
-    over the whole `max_len` cache, as the decode step computes it."""
+    over `span` cached positions."""
     d = config.d_model
     weights = config.layers * (4 * d * d + 2 * d * config.d_ff) + d * config.vocab
-    attention = config.layers * 2 * max_len * d
+    attention = config.layers * 2 * span * d
     return 2 * (weights + attention)
+
+
+def mean_span(config: models.TransformerConfig, prompt_len: int, tokens: int) -> float:
+    """The cached positions a decode step reads, averaged over a call's steps: every position
+    of the blocks up to the one that holds the step's position."""
+    stops = [stop for _, stop in models.cache_blocks(config.max_len)]
+    positions = range(prompt_len, prompt_len + tokens - 1)
+    return statistics.mean(next(s for s in stops if s > p) for p in positions)
 
 
 def matmul_flops_per_second(
@@ -134,11 +143,13 @@ async def main(smoke: bool, runs: int, best_of: int) -> None:
     )
     print(f"old:  {slots} calls / 1 call on the {slots}-slot server: {spread(old)}x")
 
-    per_token = decode_flops(config, config.max_len)
+    span = mean_span(config, prompt_len, tokens)
+    per_token = decode_flops(config, span)
     achieved = statistics.median(together) * per_token
     machine = matmul_flops_per_second(config, params, slots, calls=10 if smoke else 200)
     print(
-        f"hardware: {per_token / 1e6:.2f} MFLOP per decoded token; {slots} calls reach "
+        f"hardware: {per_token / 1e6:.2f} MFLOP per decoded token (attention over "
+        f"{span:.0f} cached positions on average); {slots} calls reach "
         f"{achieved / 1e9:.2f} GFLOP/s, a jitted chain of the same matmuls at [{slots}, "
         f"{config.d_model}] reaches {machine / 1e9:.2f} GFLOP/s: {achieved / machine:.1%} of it"
     )

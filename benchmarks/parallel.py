@@ -40,11 +40,13 @@ from dew._launch import run_pool
 TRAIN = {"d-model": 32, "layers": 1, "heads": 2, "d-ff": 64, "groups": 8, "checkpoint-every": 1000}
 
 
-def end_to_end(processes: int, *, steps: int, batch_size: int, warmup: int) -> dict[str, float]:
+def end_to_end(
+    processes: int, *, steps: int, batch_size: int, groups: int, warmup: int
+) -> dict[str, float]:
     """Run `dew train --processes N` in a fresh folder; samples/s and step seconds after warmup."""
     with tempfile.TemporaryDirectory() as folder:
         run = Path(folder) / "run"
-        options = {**TRAIN, "steps": steps, "batch-size": batch_size}
+        options = {**TRAIN, "groups": groups, "steps": steps, "batch-size": batch_size}
         command = [sys.executable, "-m", "dew", "train", "--run", str(run)]
         command += [f"--{name}={value}" for name, value in options.items()]
         command += ["--processes", str(processes)]
@@ -54,11 +56,13 @@ def end_to_end(processes: int, *, steps: int, batch_size: int, warmup: int) -> d
             raise RuntimeError(f"dew train --processes {processes} failed:\n{done.stderr}\n{logs}")
         lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     step = statistics.median(line["seconds/step"] for line in lines[warmup:])
-    samples = batch_size * TRAIN["groups"]
+    samples = batch_size * groups
     return {"samples_per_s": samples / step, "step_s": step}
 
 
-def collectives(processes: int, *, steps: int, batch_size: int, warmup: int) -> dict[str, float]:
+def collectives(
+    processes: int, *, steps: int, batch_size: int, groups: int, warmup: int
+) -> dict[str, float]:
     """Run N `--worker` processes of this script as a pool; process 0's median timings."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -67,6 +71,7 @@ def collectives(processes: int, *, steps: int, batch_size: int, warmup: int) -> 
         commands = [
             [sys.executable, __file__, "--worker", f"{port},{index},{processes}"]
             + ["--steps", str(steps), "--batch-size", str(batch_size), "--warmup", str(warmup)]
+            + ["--groups", str(groups)]
             for index in range(processes)
         ]
         logs = [Path(folder) / f"worker-{index}.log" for index in range(processes)]
@@ -79,30 +84,28 @@ def collectives(processes: int, *, steps: int, batch_size: int, warmup: int) -> 
     return json.loads(echo.getvalue().strip().splitlines()[-1])
 
 
-def worker(spec: str, *, steps: int, batch_size: int, warmup: int) -> None:
+def worker(spec: str, *, steps: int, batch_size: int, groups: int, warmup: int) -> None:
     """One process of the timing pool: the trainer's per-process shapes, timed call by call."""
     import jax
     import optax
 
+    # Not dew.train: its imports (the trainer's plots among them) would only slow the start.
     from dew import _pool_guard, models
     from dew.objectives.rl.grpo import GRPOObjective
     from dew.parallel import DataParallelUpdate, DistributedPool, default_pool, local_copy
-    from dew.train import TrainConfig
 
     port, index, processes = map(int, spec.split(","))
     if processes > 1:
         _pool_guard.join(f"127.0.0.1:{port}", processes, index)
-    config = TrainConfig(
-        batch_size=batch_size,
-        groups=TRAIN["groups"],
+    width = 64  # about the default task's packed row (two chains of its prompt and reply)
+    rows = batch_size // processes * groups // 2
+    model_config = models.TransformerConfig(
         d_model=TRAIN["d-model"],
         layers=TRAIN["layers"],
         heads=TRAIN["heads"],
         d_ff=TRAIN["d-ff"],
+        max_len=width,
     )
-    width = 64  # about the default task's packed row (two chains of its prompt and reply)
-    rows = batch_size // processes * config.groups // 2
-    model_config = config.model_config(width)
     objective = GRPOObjective(models.model(model_config))
     variables = models.init(jax.random.key(0), model_config)
     optimizer = optax.adam(1e-3)
@@ -155,27 +158,38 @@ def _rows(rng: np.random.Generator, rows: int, width: int) -> dict[str, np.ndarr
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a pool of 2 processes, 3 steps")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a pool of 2 processes, 2 steps of 2 x 2 rollouts"
+    )
     parser.add_argument("--processes", default=None, help="pool sizes (default: 1,2,4)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--groups", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.worker, steps=args.steps, batch_size=args.batch_size, warmup=args.warmup)
+        worker(
+            args.worker,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            groups=args.groups,
+            warmup=args.warmup,
+        )
         return
     sizes = [int(n) for n in (args.processes or ("2" if args.smoke else "1,2,4")).split(",")]
-    steps, warmup, batch_size = (2, 1, 4) if args.smoke else (20, 5, 8)
+    # The smoke run checks that every part runs and prints; its figures mean nothing.
+    steps, warmup, batch_size, groups = (1, 1, 2, 2) if args.smoke else (20, 5, 8, TRAIN["groups"])
     print(
-        f"dew train on the default task, batch of {batch_size} tasks x {TRAIN['groups']} "
+        f"dew train on the default task, batch of {batch_size} tasks x {groups} "
         f"rollouts split over the pool; {os.cpu_count()} CPUs"
     )
     header = "processes  samples/s  step ms  agree ms  rescore ms  reduce ms  collectives/step"
     print(header)
     for processes in sizes:
-        e2e = end_to_end(processes, steps=warmup + steps, batch_size=batch_size, warmup=warmup)
-        pool = collectives(processes, steps=steps, batch_size=batch_size, warmup=warmup)
+        shape = {"batch_size": batch_size, "groups": groups, "warmup": warmup}
+        e2e = end_to_end(processes, steps=warmup + steps, **shape)
+        pool = collectives(processes, steps=steps, **shape)
         share = (pool["agree"] + pool["rescore"] + pool["reduce"]) / e2e["step_s"]
         print(
             f"{processes:>9}  {e2e['samples_per_s']:>9.1f}  {1000 * e2e['step_s']:>7.1f}  "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import sys
 import time
 
@@ -32,6 +33,8 @@ def main() -> None:
                 raise LookupError("the environment of task 9 is gone")
             if index == 1 and case == "hang":
                 time.sleep(60)
+            if index == 0 and case == "kill0":  # the coordinator dies without a word
+                os.kill(os.getpid(), signal.SIGKILL)
             pool.agree(None)
     except Exception as error:
         print(_pool_guard.stop(error), flush=True)

@@ -191,6 +191,27 @@ def test_sample_matches_the_reference_under_ties_and_wide_logits():
     np.testing.assert_array_equal(np.flatnonzero(np.asarray(kept[0])), np.arange(5))
 
 
+def test_sample_draws_each_kept_token_at_its_filtered_probability():
+    """Over many keys, each token's share of the draws is its probability under the filtered
+    distribution (within five standard errors), and a filtered-out token is never drawn."""
+    rows = 40_000
+    logits = np.tile(np.array([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]], np.float32), (rows, 1))
+    keys = np.stack([np.arange(rows, dtype=np.uint32), np.full(rows, 7, np.uint32)], axis=1)
+    tokens, _, _ = jax.jit(sample)(
+        logits,
+        temperature=np.full(rows, 0.8, np.float32),
+        top_k=np.full(rows, 4, np.int32),
+        top_p=np.full(rows, np.inf, np.float32),
+        keys=keys,
+    )
+    kept, filtered = reference_filter(logits[0].astype(np.float64), 0.8, 4, None)
+    probability = np.exp(filtered)
+    share = np.bincount(np.asarray(tokens), minlength=6) / rows
+    assert set(np.flatnonzero(share)) == set(kept)
+    error = np.sqrt(probability * (1 - probability) / rows)
+    assert np.all(np.abs(share - probability) <= 5 * error + 1e-12), (share, probability)
+
+
 async def test_the_server_keeps_its_own_copy_of_pushed_weights():
     """The trainer may delete or donate its arrays once load returns."""
     pushed = jax.tree.map(jnp.array, forced_params())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -107,6 +108,89 @@ def test_fit_trains_a_model_and_tokenizer_of_ones_own_in_a_few_lines(tmp_path):
     )
 
 
+class Repeat:
+    """An in-process environment of the test's own: it names a digit and asks for it twice; an
+    action is one reply, and the episode ends after the second. Each one made is kept in
+    `made`, for the test to read."""
+
+    def __init__(self, made: list[Repeat]):
+        self.digit: str | None = None
+        self.actions: list[str] = []
+        made.append(self)
+
+    def reset(self, task: Task) -> str:
+        self.digit = ANSWERS[task.name]
+        return f"say {self.digit}"
+
+    def step(self, action: str) -> tuple[str | None, bool]:
+        self.actions.append(action)
+        if len(self.actions) == 2:
+            return None, True
+        return "again", False
+
+
+def repeated(env: Repeat, episode) -> Score:
+    """How close the episode's actions came to the digit asked for, by character code: a dense
+    reward, so that even a fresh model's groups differ and train."""
+
+    def closeness(action: str) -> float:
+        return max(0.0, 1.0 - abs(ord(action[:1] or "\0") - ord(env.digit)) / 256)
+
+    return Score(sum(map(closeness, episode.actions)) / 2)
+
+
+def test_fit_trains_a_policy_on_an_environment():
+    """fit(environment=...) plays real two-turn episodes on the engine, scores them with the
+    verifier, and moves the parameters: each step trains its batch's episodes."""
+    made: list[Repeat] = []
+    verified = []
+
+    def verify_and_keep(env, episode):
+        verified.append((env, episode))
+        return repeated(env, episode)
+
+    model = models.Transformer(models.TransformerConfig(d_model=16, heads=2, layers=1, d_ff=32))
+    params = model.init(jax.random.key(1))
+    initial = jax.device_get(params)
+    lines = []
+    steps, batch_size, groups = 3, 2, 4
+    trainer = fit(
+        TASKS,
+        verify_and_keep,
+        environment=functools.partial(Repeat, made),
+        first_prompt=lambda task: f"say {ANSWERS[task.name]}",  # what reset says
+        max_turns=2,
+        max_context=96,
+        max_tokens=1,
+        require_stop=False,  # a one-token reply is the action
+        model=model,
+        params=params,
+        steps=steps,
+        batch_size=batch_size,
+        groups=groups,
+        optimizer=optax.sgd(0.1),  # clean under strict promotion, as Adam is not
+        on_step=lines.append,
+    )
+    assert trainer.updates == steps and [line["updates"] for line in lines] == [1, 2, 3]
+    assert all(math.isfinite(line["loss"]) and line["loss"] != 0 for line in lines), lines
+    assert all(line["groups"] == batch_size for line in lines)
+    # Every episode ran both turns in an environment of its own, and reached the verifier.
+    assert len(made) >= steps * batch_size * groups
+    assert len(verified) >= steps * batch_size * groups
+    for env, episode in verified:
+        assert len(env.actions) == 2 and episode.actions == tuple(env.actions)
+        assert episode.task.name in ANSWERS and episode.status.value == "completed"
+    moved = [
+        not np.array_equal(after, before)
+        for after, before in zip(
+            jax.tree.leaves(jax.device_get(trainer.variables)),
+            jax.tree.leaves(initial),
+            strict=True,
+        )
+    ]
+    assert all(moved), "a step left some parameters where they started"
+
+
 def test_fit_names_what_an_environment_lacks():
     game = GuessDigit()
     options = {"environment": game.env, "max_tokens": 1, "steps": 1, "batch_size": 2}
@@ -115,8 +199,10 @@ def test_fit_names_what_an_environment_lacks():
     options |= {"max_turns": 4, "max_context": 64}
     with pytest.raises(ValueError, match="environment= needs first_prompt="):
         fit(TASKS, game.verify, **options)
-    with pytest.raises(ValueError, match="max_turns and max_context are an environment's"):
+    with pytest.raises(ValueError, match="max_turns, max_context and require_stop are an envi"):
         fit(TASKS, verify, prompt=question, max_tokens=1, max_turns=2)
+    with pytest.raises(ValueError, match="max_turns, max_context and require_stop are an envi"):
+        fit(TASKS, verify, prompt=question, max_tokens=1, require_stop=False)
     with pytest.raises(ValueError, match="first prompt has .* no room .* max_context 20"):
         fit(
             TASKS, game.verify, first_prompt=lambda task: "x" * 30, **{**options, "max_context": 20}

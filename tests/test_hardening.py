@@ -53,7 +53,7 @@ from dew.replay import TraceError, read_trace, replay
 from dew.testing import assert_exactly_once, run_simulated
 from dew.train import Progress, Trainer
 from dew.train._checkpoint import read_commit
-from dew.train._cli import _CtrlC, _Interrupted
+from dew.train._interrupt import _CtrlC, _Interrupted
 
 
 def scheduler(source, engine, **kwargs) -> RolloutScheduler:

@@ -83,7 +83,10 @@ def test_the_first_failure_stops_every_other_process_and_gives_the_pools_status(
     )
     report = io.StringIO()
     assert run_pool(commands, logs, report=report, grace=1.0) == status
-    assert report.getvalue() == f"dew: process 1 failed first ({words}); stopping processes 0, 2\n"
+    assert report.getvalue() == (
+        f"dew: process 1 failed first ({words}); stopping processes 0, 2\n"
+        "dew: processes 0, 2 still running after 1s: sending SIGTERM\n"
+    )
     assert logs[1].read_text() == "failing now\n"
     for path in (pids[0], pids[2]):
         assert gone(int(path.read_text()))

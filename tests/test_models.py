@@ -1,6 +1,8 @@
 """The small transformer: config validation and the packed-attention guarantees the objective
 relies on (segments isolated, causal, padding inert, positions restarting per segment)."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -116,3 +118,44 @@ def test_positions_matter(params):
     at_zero = logits(params, [chain], [np.arange(6)], ones)[0]
     shifted = logits(params, [chain], [np.arange(6) + 3], ones)[0]
     assert not np.allclose(at_zero, shifted, **TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    ("max_len", "blocks"),
+    [
+        (64, [(0, 32), (32, 64)]),
+        (256, [(0, 32), (32, 64), (64, 128), (128, 256)]),
+        (100, [(0, 32), (32, 64), (64, 100)]),
+        (20, [(0, 20)]),
+    ],
+)
+def test_cache_blocks_double_from_32_and_stop_at_max_len(max_len, blocks):
+    assert models.cache_blocks(max_len) == blocks
+
+
+def test_decoding_across_cache_blocks_equals_full_recomputation(params):
+    """Slots whose positions lie in different blocks, each crossing a block boundary, decode to
+    `apply`'s logits over their whole sequences; so every branch of the block-limited attention
+    (one block in use, then two) reads what it must and nothing stale."""
+    rng = np.random.default_rng(2)
+    prefill = jax.jit(functools.partial(models.prefill, config=CONFIG))
+    decode = jax.jit(functools.partial(models.decode, config=CONFIG))
+    sequences = [rng.integers(0, CONFIG.vocab, 44) for _ in range(3)]
+    prompts = (3, 26, 29)  # slot 0 stays in the first block; slots 1 and 2 cross into the second
+    cache = models.init_cache(CONFIG, slots=3, max_len=CONFIG.max_len)
+    for slot, (sequence, length) in enumerate(zip(sequences, prompts, strict=True)):
+        padded = np.zeros(32, np.int32)
+        padded[:length] = sequence[:length]
+        cache, _ = prefill(params, cache, padded, np.int32(slot))
+    full = [
+        logits(params, [sequence], [np.arange(len(sequence))], [np.ones(len(sequence))])[0]
+        for sequence in sequences
+    ]
+    position = np.array(prompts, np.int32)
+    for _ in range(14):
+        tokens = np.array([s[p] for s, p in zip(sequences, position, strict=True)], np.int32)
+        cache, step = decode(params, cache, tokens, position)
+        for slot in range(3):
+            np.testing.assert_allclose(step[slot], full[slot][position[slot]], **TOLERANCE)
+        position = position + 1
+    assert position.max() > 32 > position.min()

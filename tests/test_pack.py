@@ -12,6 +12,7 @@ from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 
 from dew.data import Task
+from dew.objectives.rl._packing import _percentile
 from dew.objectives.rl.sessions import (
     ESTIMATORS,
     TRUNCATION,
@@ -595,6 +596,29 @@ def test_advantages_of_groups_of_many_sizes_match_the_formulas_bit_for_bit():
         arguments = {"width": 150, "rows": 3, "estimator": estimator, "truncation": "mask"}
         assert_packs_as_the_reference(groups, arguments | {"support_capacity": None})
         assert pack(groups, **arguments).packed == tuple(range(len(groups)))
+
+
+@pytest.mark.parametrize("size", [2, 4, 9, 17])
+def test_advantages_of_groups_all_of_one_size_match_the_formulas_bit_for_bit(size):
+    # Groups of one size take pack's path without indexing; the same cancelling rewards as above.
+    rng = np.random.default_rng(size)
+    groups = []
+    for g in range(5):
+        small = rng.choice([1.0, -0.5, 0.1, 3.0], size=size).tolist()
+        rewards = rng.permutation([1e17, -1e17, *small[2:]]) if size >= 3 else small
+        groups.append([one_call(Status.COMPLETED, float(r), group=g) for r in rewards])
+    for estimator in ESTIMATORS:
+        arguments = {"width": 5 * size, "rows": 3, "estimator": estimator, "truncation": "mask"}
+        assert_packs_as_the_reference(groups, arguments | {"support_capacity": None})
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7, 8, 9, 100, 1001])
+def test_latency_percentiles_are_numpys_bit_for_bit(count):
+    rng = np.random.default_rng(count)
+    latencies = (rng.lognormal(0.0, 2.0, count) * 1e3).round(rng.integers(0, 4)).tolist()
+    ordered = sorted(latencies)
+    for q in (0, 1, 50, 90, 99, 99.9, 100):
+        assert _percentile(ordered, q) == float(np.percentile(latencies, q))
 
 
 def test_the_first_group_that_breaks_the_contract_is_named():

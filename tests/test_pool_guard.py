@@ -1,5 +1,5 @@
 """A real `jax.distributed` pool of three processes, one of which breaks: every process stops,
-within seconds, with a line naming the process that broke and why. (A process killed outright
+within seconds, with a line naming the process that broke and why. (Process 1 killed outright
 is tested where it matters, on `dew train --processes`, in tests/test_train_pool.py.)
 
 Each pool runs under dew._launch.run_pool, as `dew train --processes` runs one: the processes
@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import pathlib
+import signal
 import socket
 import sys
 
@@ -57,7 +58,7 @@ def last_line(log: str) -> str:
 def test_every_process_stops_naming_the_process_that_broke(tmp_path, case, status, culprit):
     code, logs, report = break_pool(tmp_path, case)
     assert code == status, (report, logs)
-    assert "killed by SIGTERM" not in report
+    assert "still running after" not in report  # every process stopped by itself
     for index in (0, 2):
         line = last_line(logs[index])
         assert line.startswith(f"process {index} of 3 "), logs[index]
@@ -67,3 +68,16 @@ def test_every_process_stops_naming_the_process_that_broke(tmp_path, case, statu
             "process 1 of 3 failed, stopping the pool: "
             "LookupError: the environment of task 9 is gone"
         )
+
+
+def test_killing_process_0_stops_every_other_process_and_the_launcher_names_it(tmp_path):
+    """Process 0 holds the pool's coordination service: when it is killed, jax ends the other
+    processes at once (its client aborts on the service's loss, before any line of dew's can
+    be written), and the launcher names process 0 as the first failure."""
+    code, logs, report = break_pool(tmp_path, "kill0")
+    assert code == 128 + signal.SIGKILL, (report, logs)
+    assert report.startswith("dew: process 0 failed first (killed by SIGKILL)"), report
+    assert "still running after" not in report  # they stopped by themselves, at once
+    for index in (1, 2):
+        assert "the pool agreed again" not in logs[index]
+        assert "Timeout (0:01:00)" not in logs[index]  # not the worker's own bound

@@ -56,8 +56,8 @@ def test_tasks_carry_their_entries_and_prompts_are_the_questions(legs):
 def test_the_verifier_is_reasoning_gyms_scorer_on_the_tasks_entry(legs):
     task = legs.task(7)
     answer = task.payload["answer"]
-    assert legs.verify(task, f" {answer}\n").reward == 1.0
-    assert legs.verify(task, f" {answer}\n").components == {"exact": 1.0}
+    assert legs.verify(task, answer).reward == 1.0
+    assert legs.verify(task, answer).components == {"exact": 1.0}
     assert legs.verify(task, answer + "xyz").reward == pytest.approx(
         len(answer) / (len(answer) + 3)
     )
@@ -66,6 +66,22 @@ def test_the_verifier_is_reasoning_gyms_scorer_on_the_tasks_entry(legs):
     forged = {**task.payload, "answer": "9999"}
     assert legs.verify(Task("7", payload=forged), "9999").reward == 1.0
     assert legs.verify(Task("7"), answer).reward == 1.0
+
+
+# Every one is whitespace to str.strip.
+SEPARATORS = [" ", "\n", "\t", "\x1c", "\x1d", "\x1e", "\x1f", "\x85", "\u2028"]
+
+
+@pytest.mark.parametrize("separator", SEPARATORS)
+def test_a_reply_padded_with_separators_scores_as_reasoning_gym_scores_it(legs, separator):
+    """str.strip drops every one of these: a reply padded with them must not pass for the bare
+    answer, but get exactly what reasoning-gym's own scorer gives the text the model wrote."""
+    task = legs.task(7)
+    answer = task.payload["answer"]
+    for reply in (separator + answer, answer + separator, separator + answer + separator):
+        score = legs.verify(task, reply)
+        assert score.reward == legs._dataset.score_answer(reply, task.payload) < 1.0
+        assert score.components == {"exact": 0.0}
 
 
 def test_datasets_hold_out_a_range_of_ids(legs):

@@ -288,6 +288,43 @@ def test_a_resumed_trainer_continues_where_the_checkpoint_left_off(tmp_path):
     assert [x["loss"] for x in ours] == pytest.approx([x["loss"] for x in theirs])
 
 
+def test_a_resumed_trainer_cuts_its_other_logs_back_to_the_checkpoint(tmp_path):
+    """What on_step appended past the checkpoint goes, as the metrics log's lines do: a resumed
+    run's log holds each step once, in order."""
+
+    def run(steps, *, resume=False, crash_at=None):
+        def append(line):
+            with open(tmp_path / "side.jsonl", "a") as log:
+                log.write(json.dumps({"step": line["step"]}) + "\n")
+
+        trainer = Trainer(
+            OBJECTIVE,
+            MOMENTUM,
+            params(),
+            directory=tmp_path,
+            checkpoint_every=3,
+            on_step=append,
+            logs=["side.jsonl", "never.jsonl"],
+        )
+        if resume:
+            trainer.resume()
+        trainer.run(FakeRollout(OBJECTIVE, [], crash_at), CountingDataset([]), steps=steps)
+
+    with pytest.raises(KeyboardInterrupt):
+        run(7, crash_at=5)
+    side = [json.loads(line)["step"] for line in (tmp_path / "side.jsonl").read_text().splitlines()]
+    assert side == [0, 1, 2, 3, 4]
+    run(7, resume=True)  # from the checkpoint at 3 updates
+    side = [json.loads(line)["step"] for line in (tmp_path / "side.jsonl").read_text().splitlines()]
+    assert side == list(range(7))
+    assert not (tmp_path / "never.jsonl").exists()
+    saved = json.loads((tmp_path / "checkpoints" / train.COMMIT).read_text())["metadata"]
+    assert saved["log_bytes"] == {
+        "side.jsonl": (tmp_path / "side.jsonl").stat().st_size,
+        "never.jsonl": 0,
+    }
+
+
 def test_trainer_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError, match="checkpoint_every must be an int >= 1, got 0"):
         Trainer(OBJECTIVE, MOMENTUM, params(), directory=tmp_path, checkpoint_every=0)
@@ -298,6 +335,10 @@ def test_trainer_arguments_are_checked(tmp_path):
         trainer.run(FakeRollout(OBJECTIVE, []), CountingDataset([]), steps=1, ahead=-1)
     with pytest.raises(ValueError, match="no directory"):
         trainer.save()
+    with pytest.raises(ValueError, match="logs needs a directory"):
+        Trainer(OBJECTIVE, MOMENTUM, params(), logs=["samples.jsonl"])
+    with pytest.raises(ValueError, match="logs must be a sequence of file names, got 'samples"):
+        Trainer(OBJECTIVE, MOMENTUM, params(), directory=tmp_path, logs="samples.jsonl")
 
 
 # 3. ServedSource ----------------------------------------------------------------------------------
@@ -383,7 +424,8 @@ def test_help_lists_every_option_with_its_default(capsys):
     for field in attrs.fields(TrainConfig):
         option = "--" + field.name.replace("_", "-")
         assert option in text
-        assert f"(default: {getattr(default, field.name)})" in text
+        value = getattr(default, field.name)
+        assert f"(default: {'none' if value is None else value})" in text
     assert "--resume" in text and "--run" in text
 
 

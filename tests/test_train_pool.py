@@ -2,25 +2,29 @@
 
 Each test starts `dew train --processes N` as a user would, and reads the run folder it leaves:
 one metrics stream, one checkpoint, a log per process. Every wait is bounded (a pool still
-running past its bound is killed and fails the test); nothing is timed. The processes share a
-persistent compilation cache, so a resumed pool need not compile again.
+running past its bound is killed and fails the test); nothing is timed. The processes share the
+session's persistent compilation cache, so a resumed pool need not compile again.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import attrs
 import numpy as np
 import pytest
 
 from dew.cli import main
-from dew.train import COMMIT
+from dew.envs.tasks import CopyDigits
+from dew.train import COMMIT, TrainConfig
 
 DEW_TRAIN = [sys.executable, "-m", "dew", "train"]
 SMALL = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32"]
@@ -29,22 +33,25 @@ SMALL += ["--batch-size", "4", "--groups", "2", "--tasks", "32"]
 BOUND = 400
 
 
-def environment(tmp_path) -> dict[str, str]:
-    cache = {
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join(sys.path),
-    }
-    return {**os.environ, **cache}
+@pytest.fixture(scope="module")
+def env() -> dict[str, str]:
+    """The environment of the module's `dew train` processes. They inherit the session's
+    persistent compilation cache (tests/conftest.py), so a resumed process compiles nothing the
+    run before it compiled."""
+    assert "JAX_COMPILATION_CACHE_DIR" in os.environ
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
 def dew_train(run, *options: str) -> list[str]:
     return [*DEW_TRAIN, "--run", str(run), *options]
 
 
+def jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def metrics_lines(run) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return jsonl(run / "metrics.jsonl")
 
 
 def logs(run) -> dict[int, str]:
@@ -54,16 +61,17 @@ def logs(run) -> dict[int, str]:
     }
 
 
-def test_a_pool_of_processes_trains_the_default_task_with_a_rising_reward(tmp_path):
-    run, steps, processes = tmp_path / "run", 40, 2
-    # The default run, cut short. Each process draws its own sampling keys, so a pool's run is
-    # not one process's: under seed 1 this one takes off within 40 steps (seed 0 takes longer).
+def test_a_pool_of_processes_trains_the_default_task_with_a_rising_reward(tmp_path, env):
+    run, steps, processes = tmp_path / "run", 40, 4
+    # The default run, cut short, on four processes (two groups each). Each process draws its
+    # own sampling keys, so a pool's run is not one process's: under seed 1 this one takes off
+    # within 40 steps (0.016 to 0.252 over the first and last ten).
     done = subprocess.run(
         dew_train(run, "--processes", str(processes), "--steps", str(steps), "--seed", "1"),
         capture_output=True,
         text=True,
         timeout=BOUND,
-        env=environment(tmp_path),
+        env=env,
     )
     assert done.returncode == 0, done.stdout + done.stderr + str(logs(run))
     lines = metrics_lines(run)  # one stream for the pool, written by process 0
@@ -85,15 +93,32 @@ def test_a_pool_of_processes_trains_the_default_task_with_a_rising_reward(tmp_pa
     assert (run / "curves.png").exists()
 
 
-def test_a_killed_process_stops_the_pool_by_name_and_the_pool_resumes_exactly(tmp_path):
-    """kill -9 of process 1 mid-run: process 0 stops with a line naming it, the launcher exits
-    with the killed process's status; `--resume` then continues from the last checkpoint, every
-    data position trained once."""
-    run, steps = tmp_path / "run", 12
-    options = [*SMALL, "--steps", str(steps), "--checkpoint-every", "4", "--processes", "2"]
-    env = environment(tmp_path)
+@attrs.frozen
+class Killed:
+    """A pool of two whose process 1 was killed mid-run, then resumed as a pool of two."""
+
+    run: pathlib.Path
+    pid: int  # process 1's, killed
+    status: int  # the launcher's
+    err: str  # the launcher's report
+    commit: dict  # the checkpoint the kill left
+    before: bytes  # metrics.jsonl as the kill left it
+    resumed: subprocess.CompletedProcess
+
+
+# The killed run: SMALL, 8 steps, checkpointed every 2.
+KILLED = [*SMALL, "--steps", "8", "--checkpoint-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, env) -> Killed:
+    """kill -9 of process 1 once the run has a checkpoint, then `--resume` of the same pool."""
+    run = tmp_path_factory.mktemp("killed") / "run"
     launcher = subprocess.Popen(
-        dew_train(run, *options), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        dew_train(run, *KILLED, "--processes", "2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
     )
     commit = run / "checkpoints" / COMMIT
     try:
@@ -102,35 +127,90 @@ def test_a_killed_process_stops_the_pool_by_name_and_the_pool_resumes_exactly(tm
             time.sleep(0.05)
         pid = int(re.search(r"\(pid (\d+)\)", logs(run)[1]).group(1))
         os.kill(pid, signal.SIGKILL)
-        out, err = launcher.communicate(timeout=60)
+        _, err = launcher.communicate(timeout=60)
     finally:
         launcher.kill()
-    out, err = out.decode(), err.decode()
-    assert launcher.returncode == 128 + signal.SIGKILL, out + err
-    assert "dew: process 1 failed first (killed by SIGKILL)" in err
-    said = logs(run)[0]
-    assert f"process 0 of 2 stops with the pool: process 1 died (its pid {pid} is gone)" in said
     record = json.loads(commit.read_text())
-    killed_at = record["updates"]
-    assert 4 <= killed_at < steps and killed_at % 4 == 0 and record["position"] == killed_at
-    kept = record["metadata"]["metrics_bytes"]
-    before = (run / "metrics.jsonl").read_bytes()[:kept]
-
+    before = (run / "metrics.jsonl").read_bytes()
     resumed = subprocess.run(
-        dew_train(run, *options, "--resume"),
+        dew_train(run, *KILLED, "--processes", "2", "--resume"),
         capture_output=True,
         text=True,
         timeout=BOUND,
         env=env,
     )
+    return Killed(run, pid, launcher.returncode, err.decode(), record, before, resumed)
+
+
+def test_a_killed_process_stops_the_pool_by_name_and_the_pool_resumes_exactly(killed):
+    """kill -9 of process 1 mid-run: process 0 stops with a line naming it, the launcher exits
+    with the killed process's status; `--resume` then continues from the last checkpoint, every
+    data position trained once."""
+    run, steps = killed.run, 8
+    assert killed.status == 128 + signal.SIGKILL, killed.err
+    assert "dew: process 1 failed first (killed by SIGKILL)" in killed.err
+    # The resumed pool's logs follow the killed run's.
+    said = logs(run)[0]
+    assert said.count("process 0 of 2 (pid ") == 2
+    assert (
+        f"process 0 of 2 stops with the pool: process 1 died (its pid {killed.pid} is gone)"
+        in (said.split("resuming at step")[0])
+    )
+    killed_at = killed.commit["updates"]
+    assert 2 <= killed_at < steps and killed_at % 2 == 0
+    assert killed.commit["position"] == killed_at
+    kept = killed.commit["metadata"]["metrics_bytes"]
+
+    resumed = killed.resumed
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr + str(logs(run))
     assert f"resuming at step {killed_at}, data position {killed_at}" in resumed.stdout
-    assert (run / "metrics.jsonl").read_bytes()[:kept] == before
+    assert (run / "metrics.jsonl").read_bytes()[:kept] == killed.before[:kept]
     lines = metrics_lines(run)
     assert [line["step"] for line in lines] == list(range(steps))
     assert [line["position"] for line in lines] == list(range(steps))
-    final = json.loads(commit.read_text())
+    # Process 0 logs samples of its own rows: each step's, once, though the kill left some of
+    # a step past the checkpoint.
+    samples = [sample["step"] for sample in jsonl(run / "samples.jsonl")]
+    assert samples == sorted(samples) and all(samples.count(s) == 2 for s in range(steps))
+    final = json.loads((run / "checkpoints" / COMMIT).read_text())
     assert (final["updates"], final["position"]) == (steps, steps)
+
+
+def test_a_pools_run_resumes_on_one_process_at_the_exact_data_position(killed, tmp_path, env):
+    """A run checkpointed by a pool of two resumes on a single process: it continues at the
+    checkpoint's step and data position, reading every row of each global batch itself."""
+    run, before, after = tmp_path / "run", 8, 10
+    shutil.copytree(killed.run, run)
+    resumed = subprocess.run(
+        dew_train(run, *SMALL, "--steps", str(after), "--checkpoint-every", "2", "--resume"),
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+        env=env,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resuming at step {before}, data position {before}" in resumed.stdout
+    lines = metrics_lines(run)
+    assert [line["step"] for line in lines] == list(range(after))
+    assert [line["position"] for line in lines] == list(range(after))
+    assert all(line["groups"] == 4 for line in lines)
+    # The tasks each step trained: the pool's process 0 logged its half of each global batch,
+    # the lone process every task of it.
+    config = TrainConfig.from_json(json.loads((run / "config.json").read_text()))
+    dataset = CopyDigits().dataset(
+        config.tasks, config.batch_size, shuffle_seed=config.seed, epochs=2
+    )
+    batches = [[str(i) for i in batch["task_id"]] for batch in dataset.stream()][:after]
+    trained: dict[int, list[str]] = {}
+    for sample in jsonl(run / "samples.jsonl"):
+        trained.setdefault(sample["step"], []).append(sample["task"])
+    assert sorted(trained) == list(range(after))
+    for step, tasks in trained.items():
+        rows = batches[step][:2] if step < before else batches[step]
+        assert sorted(tasks) == sorted(rows), step
+    final = json.loads((run / "checkpoints" / COMMIT).read_text())
+    assert (final["updates"], final["position"]) == (after, after)
+    assert final["metadata"]["processes"] == 1
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,10 @@ import jax
 import pytest
 from tensorboardX.proto import event_pb2
 
+from _bpe import train_bpe
 from dew.cli import main
 from dew.envs.reasoning_gym import ReasoningGym
+from dew.serve.tokenizer import HuggingFaceTokenizer
 from dew.train import TensorBoard, TrainConfig, train
 
 LETTERS = "reasoning-gym:letter_counting,min_words=1,max_words=1"
@@ -40,6 +42,12 @@ def scalars(logdir) -> dict[str, dict[int, float]]:
 
 
 def test_a_reasoning_gym_task_trains_end_to_end_with_its_scorer(tmp_path):
+    """With the user's own tokenizer (`--tokenizer tokenizer.json`, a small BPE trained here):
+    it renders the prompts and decodes the replies, and the model is as wide as its
+    vocabulary."""
+    path = train_bpe(tmp_path / "tokenizer.json")
+    tokenizer = HuggingFaceTokenizer.from_file(path)
+    assert tokenizer.vocab_size != 260  # not the byte tokenizer's
     config = TrainConfig(
         task=LETTERS,
         steps=2,
@@ -51,41 +59,46 @@ def test_a_reasoning_gym_task_trains_end_to_end_with_its_scorer(tmp_path):
         eval_tasks=3,
         samples=3,
         tensorboard=True,
+        tokenizer=str(path),
         **TINY,
     )
     steps = []
+    run = tmp_path / "run"
     # optax's Adam under strict promotion: see test_train's learning test.
     with jax.numpy_dtype_promotion("standard"):
-        train(config, tmp_path, on_step=steps.append)
-    metrics = lines(tmp_path / "metrics.jsonl")
+        trainer = train(config, run, on_step=steps.append)
+    assert trainer.variables["embed"].shape[0] == tokenizer.vocab_size
+    metrics = lines(run / "metrics.jsonl")
     assert [line["updates"] for line in metrics] == [1, 2]
     assert all(math.isfinite(line["loss"]) for line in metrics)
     # Every sampled rollout's reward is reasoning-gym's score of its reply against its entry.
     gym = ReasoningGym.parse(LETTERS, size=config.tasks + config.eval_tasks, seed=config.seed)
-    samples = lines(tmp_path / "samples.jsonl")
+    samples = lines(run / "samples.jsonl")
     assert {sample["step"] for sample in samples} == {0, 1}
     assert all(1 <= [s["step"] for s in samples].count(step) <= 3 for step in (0, 1))
     for sample in samples:
         assert int(sample["task"]) < config.tasks
-        assert sample["prompt"].startswith("<bos><|im_start|>user\nHow many times does the letter")
-        reply = sample["completion"].removesuffix("<|im_end|>").strip()
         entry = gym.entry(int(sample["task"]))
+        user = [{"role": "user", "content": entry["question"]}]
+        assert sample["prompt"] == tokenizer.decode(tokenizer.encode_chat(user))
+        assert sample["prompt"].startswith("<bos><|im_start|>user\nHow many times does the letter")
+        reply = sample["completion"].removesuffix("<|im_end|>")
         assert sample["reward"] == gym._dataset.score_answer(reply, entry)
         assert sample["status"] in ("completed", "truncated")
     # The greedy evaluations run on the held-out ids, one curve point per step.
-    evaluations = lines(tmp_path / "eval.jsonl")
+    evaluations = lines(run / "eval.jsonl")
     assert [e["updates"] for e in evaluations] == [1, 2]
     assert all(len(e["rewards"]) == 3 and 0 <= e["reward/mean"] <= 1 for e in evaluations)
     assert [line["eval/reward/mean"] for line in steps] == [e["reward/mean"] for e in evaluations]
-    assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
-    board = scalars(tmp_path / "tensorboard")
+    assert (run / "curves.png").read_bytes().startswith(b"\x89PNG")
+    board = scalars(run / "tensorboard")
     assert board["loss"] == {
         1: pytest.approx(metrics[0]["loss"]),
         2: pytest.approx(metrics[1]["loss"]),
     }
     assert set(board["eval/reward/mean"]) == {1, 2}
-    # The run folder's config reads back as the config that ran.
-    assert TrainConfig.from_file(tmp_path / "config.json") == config
+    # The run folder's config reads back as the config that ran, the tokenizer's path in it.
+    assert TrainConfig.from_file(run / "config.json") == config
 
 
 def test_tensorboard_writes_the_numbers_of_each_line(tmp_path):
@@ -112,7 +125,9 @@ def test_a_config_file_with_options_over_it(tmp_path):
     path.write_text("steps = \n")
     with pytest.raises(ValueError, match="cannot read the config file .*run.toml"):
         TrainConfig.from_file(path)
-    with pytest.raises(ValueError, match="task must be one of .* or reasoning-gym:NAME"):
+    with pytest.raises(
+        ValueError, match="task must be one of .* reasoning-gym:NAME.* or harness:NAME"
+    ):
         TrainConfig(task="arithmetic")
 
 
@@ -124,6 +139,8 @@ def test_help_shows_the_config_file_and_the_new_options(capsys):
     assert "--tensorboard, --no-tensorboard" in text and "reasoning-gym:NAME" in text
     for option in ("--max-tokens", "--eval-every", "--eval-tasks", "--samples"):
         assert option in text
+    assert "--tokenizer TOKENIZER a Hugging Face tokenizer.json" in text
+    assert "the model's vocabulary is its size (none: bytes) (default: none)" in text
 
 
 def test_a_bad_config_file_is_named_on_the_command_line(capsys, tmp_path):
@@ -133,3 +150,60 @@ def test_a_bad_config_file_is_named_on_the_command_line(capsys, tmp_path):
         main(["train", "--config", str(path), "--run", str(tmp_path / "run")])
     assert exit_.value.code == 2
     assert "groups must be an int >= 2, got 1" in capsys.readouterr().err
+
+
+def test_a_resumed_run_cuts_its_samples_and_evaluations_back_to_the_checkpoint(tmp_path):
+    """A run that dies after its last checkpoint has logged samples and evaluations of a step it
+    will train again: the resumed run logs each step once, as it does the metrics."""
+    config = TrainConfig(
+        steps=2,
+        batch_size=2,
+        groups=2,
+        tasks=4,
+        checkpoint_every=1,
+        eval_every=1,
+        eval_tasks=1,
+        samples=1,
+        **TINY,
+    )
+
+    def die_at_the_last_step(line):  # after its logs, before its checkpoint
+        if line["step"] == 1:
+            raise KeyboardInterrupt("the trainer's process dies")
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as above
+        with pytest.raises(KeyboardInterrupt):
+            train(config, tmp_path, on_step=die_at_the_last_step)
+        assert [s["step"] for s in lines(tmp_path / "samples.jsonl")] == [0, 1]
+        assert [e["updates"] for e in lines(tmp_path / "eval.jsonl")] == [1, 2]
+        train(config, tmp_path, resume=True)  # from the checkpoint at 1 update
+    assert [s["step"] for s in lines(tmp_path / "samples.jsonl")] == [0, 1]
+    assert [e["updates"] for e in lines(tmp_path / "eval.jsonl")] == [1, 2]
+    assert [m["step"] for m in lines(tmp_path / "metrics.jsonl")] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("make", "culprit"),
+    [
+        (lambda path: path, "there is no such file"),
+        (lambda path: path.write_text("{not json") and path, ""),
+        (
+            lambda path: train_bpe(path, specials=["<bos>"]),
+            "HuggingFaceTokenizer: the chat template needs '<|im_start|>', which the",
+        ),
+    ],
+    ids=["missing", "not-json", "no-chat-tokens"],
+)
+def test_a_bad_tokenizer_is_refused_naming_it(tmp_path, capsys, make, culprit):
+    path = make(tmp_path / "tokenizer.json")
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--tokenizer", str(path), "--run", str(tmp_path / "run")])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert f"--tokenizer {path}: {culprit}" in error
+    assert not (tmp_path / "run").exists()
+    for bad in (3, ""):
+        with pytest.raises(
+            ValueError, match=f"tokenizer must be a file's path or None, got {bad!r}"
+        ):
+            TrainConfig(tokenizer=bad)

@@ -40,7 +40,9 @@ def run_pool(
 
     Args:
         commands: each process's argv, process i's at index i.
-        logs: where each process's standard output and error go, written as they come.
+        logs: where each process's standard output and error go, written as they come and
+            appended to what the files hold (a resumed pool's logs follow the earlier run's,
+            whose end says why it stopped).
         echo: where process 0's output is also copied, line by line (the run's one console).
         env: the processes' environment (the launcher's when None).
         report: where the launcher says which process failed and what it stops.
@@ -61,7 +63,7 @@ def run_pool(
     ended: queue.Queue[int] = queue.Queue()
     with contextlib.ExitStack() as stack:
         started = [
-            _start(index, command, stack.enter_context(open(log, "wb")), echo, env, ended)
+            _start(index, command, stack.enter_context(open(log, "ab")), echo, env, ended)
             for index, (command, log) in enumerate(zip(commands, logs, strict=True))
         ]
         processes = [process for process, _ in started]
@@ -141,7 +143,7 @@ def _watch(
             _say(report, f"process {index} failed first ({describe_exit(code)}){stopping}")
             # The others lose it in their next collective and stop by themselves, each saying
             # why: they get `grace` seconds to, before they are stopped.
-            _stop(processes, grace, patience=grace)
+            _stop(processes, grace, patience=grace, report=report)
     return status
 
 
@@ -151,13 +153,23 @@ def _next(ended: queue.Queue[int]) -> int:
             return ended.get(timeout=0.5)
 
 
-def _stop(processes: list[subprocess.Popen], grace: float, *, patience: float = 0.0) -> None:
+def _stop(
+    processes: list[subprocess.Popen],
+    grace: float,
+    *,
+    patience: float = 0.0,
+    report: TextIO | None = None,
+) -> None:
     """Wait `patience` seconds for the running processes to end, then SIGTERM every running
-    process's session, then SIGKILL what is left after `grace`."""
+    process's session, then SIGKILL what is left after `grace`; with a `report`, say which
+    processes outlived `patience` (they did not stop by themselves, as they should have)."""
     ends = time.monotonic() + patience
     for process in processes:
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=max(0.0, ends - time.monotonic()))
+    running = [index for index, process in enumerate(processes) if process.poll() is None]
+    if running and patience:
+        _say(report, f"{_names(running)} still running after {patience:g}s: sending SIGTERM")
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
         running = [p for p in processes if p.poll() is None]
         for process in running:

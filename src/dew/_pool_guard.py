@@ -7,6 +7,12 @@ milliseconds, by address only. `stop` turns that into an error naming the proces
 the pool and why: from what they wrote, from their pids (each process registers its host and pid
 when it joins, so a process on the same machine sees that one is gone), or from their silence.
 
+Process 0 is the exception: it holds the coordination service, and when it dies jax's client
+ends every other process at once, with jax's own message (the "leader task" died), before a line
+of dew's can be written; jax offers no hook to change that. Under `dew train --processes` the
+launcher names process 0 as the first failure (`dew._launch`); a process that still loses the
+pool in a collective first says that process 0 is gone.
+
 A process that hangs (alive, but never reaching the next collective) is found by `Deadline`: a
 step past its deadline says where each process was (which processes had reached the pool's
 agreement and which had not), tells the pool, and ends its process, so the others stop too.
@@ -137,8 +143,8 @@ def _what_stopped(index: int, count: int, first: str, ends: float) -> str:
     heard = _wait_for(known, _STOPPED, ends)
     if heard is None:
         return (
-            f"process {index} of {count} lost the pool, and the coordinator (process 0) is "
-            f"unreachable, so process 0 stopped first ({first})"
+            f"process {index} of {count} stops with the pool: process 0 is gone (it holds the "
+            f"pool's coordination service, which no longer answers) ({first})"
         )
     failed, dead = found["failed"], found["dead"]
     causes = [f"process {i} failed ({why})" for i, why in sorted(failed.items())]

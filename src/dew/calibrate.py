@@ -43,7 +43,6 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 import numpy as np
-import scipy.stats
 
 from dew.envs.simulated import ObservedRollout
 from dew.objectives.rl.sessions import Status
@@ -263,6 +262,8 @@ def _kaplan_meier_weights(durations: np.ndarray, censored: np.ndarray) -> tuple[
         float64[finished] weights summing to 1 (the tail mass included, on the longest), and
         that tail mass.
     """
+    import scipy.stats  # here, not at the top: it takes a second to import
+
     if not len(censored):
         return np.full(len(durations), 1 / len(durations)), 0.0
     data = scipy.stats.CensoredData(uncensored=durations, right=censored)
@@ -280,6 +281,8 @@ def _kaplan_meier_weights(durations: np.ndarray, censored: np.ndarray) -> tuple[
 def _fit_lognormal(durations: np.ndarray, censored: np.ndarray) -> tuple[float, float]:
     """(mu, sigma) of the log duration by maximum likelihood over the censored sample (of
     rollouts that ran to their end: an infrastructure failure stops partway)."""
+    import scipy.stats  # here, not at the top: it takes a second to import
+
     positive = durations[durations > 0]
     if len(positive) < 2 or np.ptp(np.log(positive)) == 0:
         mu = float(np.log(positive).mean()) if len(positive) else 0.0
@@ -396,6 +399,8 @@ def _weighted_quantiles(values: np.ndarray, weights: np.ndarray, probabilities) 
 def fit_table(calibration: Calibration) -> list[tuple[float, float, float]]:
     """Goodness of fit: per QUANTILES probability, the observed (Kaplan-Meier) duration of the
     rollouts that ran to their end and the fitted lognormal's."""
+    import scipy.stats  # here, not at the top: it takes a second to import
+
     whole = [r for r in calibration.observed if r.status is not INFRA] or calibration.observed
     values = np.array([rollout.duration for rollout in whole])
     weights = np.array([rollout.weight for rollout in whole])

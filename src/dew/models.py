@@ -15,6 +15,7 @@ slot per step.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -231,18 +232,43 @@ def model(config: TransformerConfig) -> Transformer:
     return Transformer(config)
 
 
+_FIRST_BLOCK = 32
+
+
+def cache_blocks(max_len: int) -> list[tuple[int, int]]:
+    """The position ranges [start, stop) a cache of `max_len` positions is kept in: 0..32, then
+    blocks that double (32..64, 64..128, ...), the last cut at max_len.
+
+    A decode step reads only the blocks up to the one holding the longest live position, so
+    short sequences do not pay to read the whole cache (a step is bound by that read: at 32
+    slots of 256 positions the cache is 16 MiB a step).
+    """
+    blocks, start = [], 0
+    while start < max_len:
+        stop = min(max_len, max(_FIRST_BLOCK, 2 * start))
+        blocks.append((start, stop))
+        start = stop
+    return blocks
+
+
 def init_cache(config: TransformerConfig, *, slots: int, max_len: int) -> list[dict]:
     """An empty key/value cache for `slots` sequences of up to `max_len` tokens.
 
-    Heads lead positions, so a decode step's attention reads each slot's head as one contiguous
-    [max_len, head_dim] block.
+    Each layer's keys and values are kept in the blocks of positions `cache_blocks` gives, one
+    array each, so that a decode step reads only the blocks in use without copying any. Heads
+    lead positions, so a step's attention reads each slot's head as contiguous runs.
 
     Returns:
-        One dict per layer with "k" and "v": float32[slots, heads, max_len, head_dim].
+        One dict per layer with "k" and "v": per block, float32[slots, heads, block, head_dim].
     """
-    shape = (slots, config.heads, max_len, config.head_dim)
     return [
-        {"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32)}
+        {
+            name: [
+                jnp.zeros((slots, config.heads, stop - start, config.head_dim), jnp.float32)
+                for start, stop in cache_blocks(max_len)
+            ]
+            for name in ("k", "v")
+        }
         for _ in range(config.layers)
     ]
 
@@ -274,21 +300,93 @@ def prefill(
     width = tokens.shape[0]
     positions = jnp.arange(width, dtype=jnp.int32)
     causal = jnp.tril(jnp.ones((width, width), bool))
-    zero = jnp.int32(0)
     x = embed(params, tokens, positions)
     written = []
     for block, layer in zip(params["blocks"], cache, strict=True):
         q, k, v = block_qkv(block, x, config)
         written.append(
             {
-                name: jax.lax.dynamic_update_slice(
-                    layer[name], new.transpose(1, 0, 2)[None], (slot, zero, zero, zero)
-                )
+                name: _write_prompt(layer[name], new.transpose(1, 0, 2)[None], slot)
                 for name, new in (("k", k), ("v", v))
             }
         )
         x = block_finish(block, x, attend(q, k, v, causal))
     return written, unembed(params, x)
+
+
+def _starts(blocks: list[jax.Array]) -> list[int]:
+    """Each cache block's first position."""
+    lengths = [block.shape[2] for block in blocks]
+    return [sum(lengths[:i]) for i in range(len(lengths))]
+
+
+def _write_prompt(blocks: list[jax.Array], new: jax.Array, slot: jax.Array) -> list[jax.Array]:
+    """Write a prompt's keys or values (float32[1, heads, T, head_dim], positions 0..T-1) into
+    one slot of a layer's blocks."""
+    zero = jnp.int32(0)
+    written = []
+    for block, start in zip(blocks, _starts(blocks), strict=True):
+        part = new[:, :, start : start + block.shape[2]]
+        if part.shape[2]:
+            block = jax.lax.dynamic_update_slice(block, part, (slot, zero, zero, zero))
+        written.append(block)
+    return written
+
+
+def _write_step(blocks: list[jax.Array], new: jax.Array, positions: jax.Array) -> list[jax.Array]:
+    """Write each slot's key or value (float32[slots, heads, head_dim]) at its position, into
+    the block that holds the position: the other blocks get an index past their end, which the
+    scatter drops."""
+    rows = jnp.arange(new.shape[0], dtype=jnp.int32)
+    written = []
+    for block, start in zip(blocks, _starts(blocks), strict=True):
+        size = block.shape[2]
+        inside = (positions >= start) & (positions < start + size)
+        at = jnp.where(inside, positions - start, jnp.int32(size))
+        written.append(block.at[rows, :, at].set(new, mode="drop"))
+    return written
+
+
+def _attend_cache(
+    q: jax.Array, keys: list[jax.Array], values: list[jax.Array], positions: jax.Array
+) -> jax.Array:
+    """Each slot's attention over its cached positions 0..position, reading only the blocks up
+    to the one holding the longest position (a branch per block count, all in one compilation).
+
+    Args:
+        q: float32[slots, heads, head_dim].
+        keys, values: per block, float32[slots, heads, block, head_dim].
+        positions: int32[slots].
+
+    Returns:
+        float32[slots, heads, head_dim].
+    """
+    scale = jnp.sqrt(jnp.float32(q.shape[-1]))
+    starts = _starts(keys)
+
+    def over(count: int):
+        """The attention over the first `count` blocks: scores block by block, one softmax
+        over them all, then each block's share of the mixing."""
+
+        def attend(q, keys, values):
+            scores = jnp.concatenate(
+                [jnp.einsum("shd,shld->shl", q, block) for block in keys[:count]], axis=-1
+            )
+            span = jnp.arange(scores.shape[-1], dtype=jnp.int32)
+            allowed = span[None, None, :] <= positions[:, None, None]
+            weights = jax.nn.softmax(jnp.where(allowed, scores / scale, -1e30), axis=-1)
+            mixed = [
+                jnp.einsum("shl,shld->shd", weights[:, :, start : start + block.shape[2]], block)
+                for block, start in zip(values[:count], starts, strict=False)
+            ]
+            return functools.reduce(jnp.add, mixed)
+
+        return attend
+
+    stops = [start + block.shape[2] for block, start in zip(keys, starts, strict=True)]
+    needed = jnp.searchsorted(jnp.asarray(stops, jnp.int32), jnp.max(positions), side="right")
+    branches = [over(count) for count in range(1, len(keys) + 1)]
+    return jax.lax.switch(needed, branches, q, keys, values)
 
 
 def decode(
@@ -302,11 +400,12 @@ def decode(
     """Advance every slot of the cache by one token.
 
     Each slot's token is written at its position and attends to the slot's cached positions up to
-    and including it, so a slot's logits equal `apply`'s over the slot's whole sequence.
+    and including it, so a slot's logits equal `apply`'s over the slot's whole sequence. Only the
+    cache blocks up to the one holding the longest position are read.
 
     Args:
         params: from `init`.
-        cache: from `init_cache`: float32[slots, heads, max_len, head_dim] per layer.
+        cache: from `init_cache`.
         tokens: int32[slots], each slot's next token.
         positions: int32[slots], its position, below max_len.
         config: the params' config.
@@ -315,19 +414,14 @@ def decode(
         The cache with each slot's key and value written at its position, and
         float32[slots, vocab]: each slot's logits of the token after it.
     """
-    slots, _, max_len, _ = cache[0]["k"].shape
-    rows = jnp.arange(slots, dtype=jnp.int32)
-    allowed = jnp.arange(max_len, dtype=jnp.int32)[None, None, :] <= positions[:, None, None]
     x = embed(params, tokens, positions)
     written = []
     for block, layer in zip(params["blocks"], cache, strict=True):
         q, k, v = block_qkv(block, x, config)
-        keys = layer["k"].at[rows, :, positions].set(k)
-        values = layer["v"].at[rows, :, positions].set(v)
+        keys = _write_step(layer["k"], k, positions)
+        values = _write_step(layer["v"], v, positions)
         written.append({"k": keys, "v": values})
-        scores = jnp.einsum("shd,shld->shl", q, keys) / jnp.sqrt(jnp.float32(config.head_dim))
-        weights = jax.nn.softmax(jnp.where(allowed, scores, jnp.float32(-1e30)), axis=-1)
-        x = block_finish(block, x, jnp.einsum("shl,shld->shd", weights, values))
+        x = block_finish(block, x, _attend_cache(q, keys, values, positions))
     return written, unembed(params, x)
 
 

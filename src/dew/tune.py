@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import importlib.util
 import itertools
 import logging
 import math
@@ -526,8 +525,6 @@ def run_cli(args: argparse.Namespace) -> int:
     """
     if args.warmup >= args.steps:
         args.parser.error(f"argument --warmup: must be < --steps {args.steps}, got {args.warmup}")
-    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        args.parser.error("argument --plot: needs matplotlib (pip install 'dew[plot]')")
     try:
         fitted = calibrate.calibrate(args.traces, warmup=args.warmup)
     except (OSError, ValueError) as error:

@@ -7,8 +7,11 @@ tasks is a `Task` named by its index whose payload is the dataset's entry (`ques
 reply and the entry to the dataset's `score_answer`, so every task's own entry reaches the
 scorer.
 
-The reply is the answer: the whole decoded reply, stripped of surrounding whitespace, without
+The reply is the answer: the whole decoded reply, exactly as the model wrote it, without
 reasoning-gym's `<answer>` tags (a model trained from scratch never learns to write them first).
+Nothing is stripped: `str.strip` also drops separators such as `\x1e`, so a reply wrapped in them
+would score as the bare answer, and a policy learns such loopholes. reasoning-gym's scorer sees
+the very text the model wrote and gives a padded answer its own partial credit.
 """
 
 from __future__ import annotations
@@ -162,12 +165,11 @@ class ReasoningGym:
         return self._entry_of(task)["question"]
 
     def verify(self, task: Task, reply: str) -> Score:
-        """reasoning-gym's score of the stripped `reply` against `task`'s entry; `exact` is 1
-        when the reply is the entry's answer."""
+        """reasoning-gym's score of `reply`, verbatim, against `task`'s entry; `exact` is 1 when
+        the reply is the entry's answer, character for character."""
         entry = self._entry_of(task)
-        answer = reply.strip()
-        score = float(self._dataset.score_answer(answer, entry))
-        return Score(score, {"exact": float(answer == entry["answer"])})
+        score = float(self._dataset.score_answer(reply, entry))
+        return Score(score, {"exact": float(reply == entry["answer"])})
 
     def source(
         self,

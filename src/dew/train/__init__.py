@@ -22,9 +22,11 @@ folder with `config.json`, `metrics.jsonl`, `checkpoints/` and `curves.png` (rew
 lag, wait and row fill per step); `dew train --run DIR --resume` continues it.
 
 The package's modules: `_trainer` (the Rollout protocol, `Trainer`, `record_fields`),
-`_checkpoint` (writing and reading checkpoints), `_progress` (what `dew train` prints),
-`_curves` (`curves.png`, drawn with matplotlib) and `_cli` (`TrainConfig`, `train` and the
-command line).
+`_checkpoint` (writing and reading checkpoints), `_fit` (`fit`: your own task in a few lines),
+`_progress` (what `dew train` prints), `_curves` (`curves.png`, drawn with matplotlib),
+`_samples` and `_tensorboard` (what a run logs beside its metrics), and `dew train` itself:
+`_config` (`TrainConfig`), `_tasks` (what each task trains on), `_folders` (path checks),
+`_run` (`train`, one run end to end), `_interrupt` (Ctrl-C) and `_cli` (the command line).
 `ServedSource` lives in `dew.serve` and is re-exported here.
 """
 
@@ -38,10 +40,12 @@ from dew.train._checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from dew.train._cli import TASKS, TrainConfig, configure_cli, run_cli, train
+from dew.train._cli import configure_cli, run_cli
+from dew.train._config import TASKS, TrainConfig
 from dew.train._curves import curves_figure, write_curves
 from dew.train._fit import Sizes, fit, measure, task_list
 from dew.train._progress import Progress
+from dew.train._run import train
 from dew.train._samples import SampleLog, sample_record
 from dew.train._tensorboard import TensorBoard
 from dew.train._trainer import METRICS, Rollout, Trainer, record_fields

@@ -12,13 +12,14 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
 from dew.train._checkpoint import _write_atomically
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # Steps averaged into the smoothed reward: a tenth of the run, at least 1 and at most 50.
 SMOOTHING = (1, 50)
@@ -82,6 +83,9 @@ def curves_figure(
         if "step" not in line:
             raise ValueError(f"metrics line {index} has no 'step': {sorted(line)}")
     steps = _series(lines, "step")
+    # Imported here: matplotlib takes half a second, which every `dew` command would pay.
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(12, 9), layout="constrained")
     axes = figure.subplots(3, 2, sharex=True)
     reward = _series(lines, "reward/mean")
@@ -104,14 +108,14 @@ def curves_figure(
         "nats per token",
     )
     _panel(axes[1, 1], steps, _series(lines, "lag"), "lag", "updates", drawstyle="steps-mid")
-    axes[1, 1].yaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[1, 1].yaxis.set_major_locator(_whole_numbers())
     wait = _series(lines, "waited") / _series(lines, "seconds/step")
     _panel(axes[2, 0], steps, wait, "trainer's wait share", "waited / step time")
     axes[2, 0].set_ylim(0, 1.05)
     _rows_panel(axes[2, 1], steps, _series(lines, "fill"), _series(lines, "cut"))
     for ax in axes[-1]:
         ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(_whole_numbers())
     return figure
 
 
@@ -134,7 +138,7 @@ def _rows_panel(ax, steps: np.ndarray, fill: np.ndarray, cut: np.ndarray) -> Non
     cuts = ax.twinx()
     cuts.bar(steps, np.nan_to_num(cut), color="tab:red", alpha=0.5, width=0.8)
     cuts.set_ylabel("groups cut", color="tab:red")
-    cuts.yaxis.set_major_locator(MaxNLocator(integer=True))
+    cuts.yaxis.set_major_locator(_whole_numbers())
     cuts.set_ylim(0, max(1.0, float(np.nanmax(cut, initial=0.0))) * 1.1)
 
 
@@ -168,3 +172,10 @@ def write_curves(
     evaluated = evaluations is not None and Path(evaluations).exists()
     figure = curves_figure(read_metrics(metrics), read_metrics(evaluations) if evaluated else ())
     _write_atomically(Path(path), lambda file: figure.savefig(file, format="png", dpi=100))
+
+
+def _whole_numbers():
+    """A tick locator that puts ticks on whole numbers only."""
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)

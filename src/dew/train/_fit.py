@@ -133,14 +133,25 @@ def task_list(tasks: Sequence[Task]) -> Callable[[Batch], list[Task]]:
 
 
 def _source_factory(
-    prompt, environment, verifier, *, max_tokens, max_turns, max_context, sampling, tokenizer
+    prompt,
+    environment,
+    verifier,
+    *,
+    max_tokens,
+    max_turns,
+    max_context,
+    require_stop,
+    sampling,
+    tokenizer,
 ) -> Callable[[Any], Any]:
     """How to build the session source on an engine, from a prompt function or an environment."""
     if (prompt is None) == (environment is None):
         raise ValueError("fit needs exactly one of prompt= (single turn) and environment=")
     if prompt is not None:
-        if max_turns is not None or max_context is not None:
-            raise ValueError("max_turns and max_context are an environment's; prompt= has one turn")
+        if max_turns is not None or max_context is not None or not require_stop:
+            raise ValueError(
+                "max_turns, max_context and require_stop are an environment's; prompt= has one turn"
+            )
         return lambda engine: PromptSource(
             engine, prompt, verifier, max_tokens=max_tokens, sampling=sampling, tokenizer=tokenizer
         )
@@ -153,6 +164,7 @@ def _source_factory(
         max_turns=max_turns,
         max_tokens=max_tokens,
         max_context=max_context,
+        require_stop=require_stop,
         sampling=sampling,
         tokenizer=tokenizer,
     )
@@ -168,6 +180,7 @@ def fit(
     max_tokens: int,
     max_turns: int | None = None,
     max_context: int | None = None,
+    require_stop: bool = True,
     steps: int = 100,
     batch_size: int = 8,
     groups: int = 4,
@@ -200,6 +213,8 @@ def fit(
         tasks: the tasks; each batch draws `batch_size` of them (shuffled, epoch after epoch).
         verifier: scores a rollout (see above).
         prompt, environment, first_prompt, max_turns, max_context: the source (see above).
+        require_stop: an environment's: whether a reply must end with a stop token to be an
+            action; False makes a reply that fills `max_tokens` the action (a one-token move).
         max_tokens: the most tokens of one reply.
         steps: optimizer updates.
         batch_size: tasks per batch; each runs as a group of `groups` rollouts.
@@ -238,6 +253,7 @@ def fit(
         max_tokens=max_tokens,
         max_turns=max_turns,
         max_context=max_context,
+        require_stop=require_stop,
         sampling=sampling,
         tokenizer=tokenizer,
     )

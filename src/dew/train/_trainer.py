@@ -9,7 +9,7 @@ import math
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
@@ -167,7 +167,9 @@ class Trainer:
     `seconds/update`, and `elapsed`), the rollout's record (`record_fields`) and the loss metrics
     — and every `checkpoint_every` updates saves a checkpoint to `directory/checkpoints`, which
     keeps the metrics log's length: `resume` cuts the log back to it, so the log of a resumed run
-    has each step exactly once.
+    has each step exactly once. The files named in `logs` get the same care: a checkpoint keeps
+    their lengths too, and the next run cuts them back, so what a step appended to them in
+    `on_step` past the checkpoint is gone when that step trains again.
 
     Args:
         objective: the loss; its `update_fn(optimizer)` is the jitted step.
@@ -179,6 +181,9 @@ class Trainer:
         deadline: in a pool, seconds a step may take: past it the process stops, naming the
             processes behind the others (one that hangs), so every process stops rather than
             wait forever in a collective; None waits as long as it takes.
+        logs: file names in `directory` that `on_step` appends to, once a step (a run's
+            `samples.jsonl`, `eval.jsonl`), kept in step with the checkpoints as the metrics
+            log is.
 
     A step whose loss or gradient is not finite stops the run with a FloatingPointError naming
     the step, before its line or any checkpoint is written; the update left the weights as they
@@ -198,7 +203,12 @@ class Trainer:
         checkpoint_every: int | None = None,
         on_step: Callable[[Mapping[str, Any]], None] | None = None,
         deadline: float | None = None,
+        logs: Sequence[str] = (),
     ):
+        if isinstance(logs, str) or not all(isinstance(name, str) for name in logs):
+            raise ValueError(f"logs must be a sequence of file names, got {logs!r}")
+        if logs and directory is None:
+            raise ValueError("logs needs a directory that holds them")
         if checkpoint_every is not None:
             check_int("checkpoint_every", checkpoint_every, low=1)
             if directory is None:
@@ -222,6 +232,9 @@ class Trainer:
             self._deadline = _pool_guard.Deadline(deadline)
         # The metrics log's length that goes with the state above: the next run cuts it there.
         self._logged_bytes = 0
+        # The same for the other logs; a log of unknown length (a checkpoint older than the
+        # log's care) is left whole.
+        self._log_bytes: dict[str, int | None] = dict.fromkeys(logs, 0)
 
     @property
     def checkpoints(self) -> Path | None:
@@ -248,6 +261,8 @@ class Trainer:
             self.updates, self.position = checkpoint.updates, checkpoint.position
             self.elapsed = float(checkpoint.metadata.get("elapsed", 0.0))
             self._logged_bytes = int(checkpoint.metadata.get("metrics_bytes", 0))
+            kept = checkpoint.metadata.get("log_bytes", {})
+            self._log_bytes = {name: kept.get(name) for name in self._log_bytes}
         return checkpoint
 
     def save(self) -> Path:
@@ -263,6 +278,7 @@ class Trainer:
             raise ValueError("the trainer has no directory to save checkpoints to")
         metadata = {
             "metrics_bytes": self._logged_bytes,
+            "log_bytes": self._log_bytes,
             "elapsed": self.elapsed,
             "processes": self.processes,
         }
@@ -355,16 +371,35 @@ class Trainer:
             self._logged_bytes = log.tell()
         if self.on_step is not None:
             self.on_step(line)
+        self._measure_logs()
         if self.checkpoint_every is not None and self.updates % self.checkpoint_every == 0:
             self.save()
 
+    def _measure_logs(self) -> None:
+        """Note the logs' lengths after a step: the lengths that go with the trainer's state."""
+        if not self._writes:
+            return
+        for name in self._log_bytes:
+            path = self.directory / name
+            self._log_bytes[name] = path.stat().st_size if path.exists() else 0
+
+    def _cut_logs(self) -> None:
+        """Cut the logs back to the lengths that go with the trainer's state."""
+        for name, length in self._log_bytes.items():
+            path = self.directory / name
+            if length is not None and path.exists():
+                with open(path, "r+b") as log:
+                    log.truncate(length)
+
     @contextlib.contextmanager
     def _metrics_log(self) -> Iterator[BinaryIO | None]:
-        """The metrics log, cut back to the length that goes with the trainer's state."""
+        """The metrics log, cut back to the length that goes with the trainer's state, and the
+        other logs cut back with it."""
         if self.directory is None or not self._writes:
             yield None
             return
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._cut_logs()
         path = self.directory / METRICS
         path.touch()
         with open(path, "r+b") as log:

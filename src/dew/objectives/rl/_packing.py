@@ -13,7 +13,9 @@ Public through `dew.objectives.rl.sessions`, which re-exports `Cut`, `Packed`, `
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
+from collections import Counter
 from collections.abc import Sequence
 
 import attrs
@@ -129,6 +131,9 @@ def _advantages(rewards: list[float], sizes: list[int], estimator: str) -> np.nd
         float64[n] the advantages, in the order of `rewards`.
     """
     flat = np.array(rewards, np.float64)
+    if len(set(sizes)) == 1 and sizes[0] >= 2:
+        # The common case, every group of one size: one array of them, no indexing.
+        return _group_advantages(flat.reshape(len(sizes), sizes[0]), estimator).reshape(-1)
     advantages = np.zeros_like(flat)
     counts = np.array(sizes, np.intp)
     starts = np.cumsum(counts) - counts
@@ -631,13 +636,16 @@ def session_metrics(
     if sum(len(s.calls) for s in sessions):
         metrics["merge_ratio"] = merge_ratio(sessions)
     if total:
+        # Counted in one pass each: a small step's metrics are a fixed cost of every call.
+        statuses = Counter(s.status for s in sessions)
         for status in Status:
-            metrics[f"status/{status.value}"] = sum(s.status is status for s in sessions) / total
+            metrics[f"status/{status.value}"] = statuses[status] / total
         trains = _training_statuses(packed.truncation)
         masked = [s for s in sessions if s.status not in trains]
         metrics["masked/share"] = len(masked) / total
+        reasons = Counter(s.truncation for s in masked)
         for reason in TRUNCATION_REASONS:
-            metrics[f"masked/{reason}"] = sum(s.truncation == reason for s in masked) / total
+            metrics[f"masked/{reason}"] = reasons[reason] / total
     for name in sorted({name for s in sessions for name in s.components}):
         metrics[f"reward/{name}"] = float(
             np.mean([float(s.components[name]) for s in sessions if name in s.components])
@@ -651,9 +659,10 @@ def session_metrics(
         if s.finished is not None and s.submitted is not None
     ]
     if latencies:
-        p50, p90, p99 = map(float, np.percentile(latencies, [50, 90, 99]))
+        ordered = sorted(latencies)
+        p50, p90, p99 = (_percentile(ordered, q) for q in (50, 90, 99))
         metrics |= {"latency/p50": p50, "latency/p90": p90, "latency/p99": p99}
-        metrics["latency/max"] = float(max(latencies))
+        metrics["latency/max"] = float(ordered[-1])
     trained = packed.batch["loss_mask"] > 0
     metrics["tokens/trained"] = float(trained.sum())
     if version is not None and trained.any():
@@ -662,3 +671,27 @@ def session_metrics(
         metrics["lag/token_max"] = float(lags.max())
     metrics["fill"] = float(packed.fill)
     return metrics
+
+
+def _percentile(ordered: Sequence[float], q: float) -> float:
+    """The q-th percentile of ascending values, as `np.percentile`'s default (linear) method
+    gives it, bit for bit.
+
+    In plain Python: numpy's own call costs more than a small step's other metrics together.
+    Numpy places the percentile at index (n - 1) * q / 100 between its neighbours a and b, at
+    fraction t, as a + (b - a) t below t = 0.5 and b - (b - a)(1 - t) from there.
+
+    Args:
+        ordered: finite values, ascending, at least one.
+        q: the percentile, in [0, 100].
+
+    Returns:
+        The percentile, a float.
+    """
+    index = (len(ordered) - 1) * (q / 100)
+    below = math.floor(index)
+    above = min(below + 1, len(ordered) - 1)
+    fraction = index - below
+    low, high = float(ordered[below]), float(ordered[above])
+    gap = high - low
+    return high - gap * (1 - fraction) if fraction >= 0.5 else low + gap * fraction

@@ -1,0 +1,118 @@
+"""`dew train`'s paths, checked before anything is written: the run folder (new, or a run to
+resume with the same config), the trace to record, and how a pool splits the batch."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import attrs
+
+from dew.envs.reasoning_gym import PREFIX
+from dew.train._config import _LOGGING, HARNESS, TrainConfig, _read_json
+from dew.train._trainer import METRICS
+
+
+def _check_split(config: TrainConfig, processes: int) -> None:
+    """Refuse a batch that the pool's processes cannot share evenly."""
+    if config.batch_size % processes:
+        raise ValueError(
+            f"batch_size {config.batch_size} must split evenly over the {processes} processes"
+        )
+
+
+def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
+    """Refuse a run folder that cannot be written, or that would mix two runs.
+
+    Raises:
+        ValueError: when `run` cannot be made or written (`_check_run_folder`), holds a run and
+            `resume` is not set, or holds a run of a config that differs from `config` in more
+            than `steps`.
+    """
+    _check_run_folder(run)
+    saved = run / "config.json"
+    if resume and saved.exists():
+        previous = TrainConfig.from_json(_read_json(saved))
+        changed = [
+            field.name
+            for field in attrs.fields(TrainConfig)
+            if field.name not in _LOGGING
+            and getattr(previous, field.name) != getattr(config, field.name)
+        ]
+        if changed:
+            raise ValueError(f"{run} was trained with other {', '.join(changed)}: {previous}")
+    elif not resume and (saved.exists() or (run / METRICS).exists()):
+        raise ValueError(f"{run} already holds a run; resume it or choose another folder")
+
+
+def _check_run_folder(run: Path) -> None:
+    """Refuse a run folder that cannot be made or written, before anything is: a file, a path
+    through a file, or one whose nearest existing folder refuses a new entry (unwritable, or a
+    file system such as /proc that takes none) would otherwise fail after other files were
+    written, or with a traceback.
+
+    Raises:
+        ValueError: naming the path and what is wrong with it.
+    """
+    if run.exists() and not run.is_dir():
+        raise ValueError(f"--run {run} is a file, not a folder")
+    folder = _nearest_existing(run)
+    if not folder.is_dir():
+        raise ValueError(f"--run {run}: {folder} is a file, not a folder")
+    _probe(folder, f"--run {run}", directory=True)
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists (a relative path ends at `.`)."""
+    return next((p for p in (path, *path.parents) if p.exists()), Path("."))
+
+
+def _probe(folder: Path, option: str, *, directory: bool) -> None:
+    """Refuse `folder` unless a folder (`directory`) or a file can be made in it, by making a
+    hidden one and removing it: permission bits alone do not say (root passes every check, and
+    /proc refuses root too).
+
+    Raises:
+        ValueError: naming `option` and the folder, with the system's reason.
+    """
+    try:
+        if directory:
+            tempfile.TemporaryDirectory(dir=folder, prefix=".dew-probe-").cleanup()
+        else:
+            tempfile.TemporaryFile(dir=folder, prefix=".dew-probe-").close()
+    except OSError as error:
+        raise ValueError(
+            f"{option}: nothing can be written in {folder} ({error.strerror or error})"
+        ) from None
+
+
+def _check_record(record: str | os.PathLike) -> None:
+    """Refuse a trace path before anything is written: a trace is one run's, written whole, so
+    an existing file (a resumed run's earlier trace, say) would be silently overwritten, and a
+    folder or a missing or unwritable parent would fail after the run folder was written.
+
+    Raises:
+        ValueError: naming the path and what is wrong with it.
+    """
+    path = Path(record)
+    if path.is_dir():
+        raise ValueError(f"--record {path} is a folder; give the trace's file name")
+    if path.exists():
+        raise ValueError(
+            f"--record {path} already exists and would be overwritten; record to a new file "
+            "(a resumed run records a trace of its own)"
+        )
+    folder = _nearest_existing(path.parent)
+    if not folder.is_dir():
+        raise ValueError(f"--record {path}: {folder} is a file, not a folder")
+    if folder != path.parent:
+        raise ValueError(f"--record {path}: the folder {path.parent} does not exist")
+    _probe(folder, f"--record {path}", directory=False)
+
+
+def _default_run(task: str) -> Path:
+    # A reasoning-gym task names the folder by its dataset, without its options.
+    name = task.removeprefix(PREFIX).removeprefix(HARNESS).split(",")[0]
+    return Path("dew-runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"

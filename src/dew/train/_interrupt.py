@@ -1,0 +1,81 @@
+"""Ctrl-C in `dew train`: the first press stops the run after the step in progress, with its
+checkpoint; the second stops it at once; later ones are ignored while it exits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+INTERRUPTED = 128 + signal.SIGINT
+"""`dew train`'s exit status when Ctrl-C stopped it (the shell's convention for SIGINT)."""
+
+
+class _Interrupted(Exception):
+    """Raised by `_CtrlC.after`'s callback once a step has ended after a Ctrl-C: `train` saves
+    that step's checkpoint and lets it through.
+
+    Args:
+        updates: the updates of the step that ended.
+    """
+
+    def __init__(self, updates: int):
+        super().__init__(f"interrupted after {updates} updates")
+        self.updates = updates
+
+
+class _CtrlC:
+    """Ctrl-C for `dew train`, as a context: the first press stops the run after the step in
+    progress, with that step's checkpoint; the second stops it at once (KeyboardInterrupt);
+    later ones are ignored while it cleans up and exits, so none lands in an atexit callback.
+
+    A KeyboardInterrupt at an arbitrary moment could land between the update of the weights
+    and that of the step count, so the first press only asks; the step's end answers (`after`).
+    """
+
+    def __init__(self):
+        self.presses = 0
+        self._previous = None
+
+    def __enter__(self) -> _CtrlC:
+        self._previous = signal.signal(signal.SIGINT, self._press)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        # After a press, the process is on its way out: a later one would only interrupt its
+        # clean-up (and print "Exception ignored in atexit callback").
+        signal.signal(signal.SIGINT, signal.SIG_IGN if self.presses else self._previous)
+
+    def _press(self, signum, frame) -> None:
+        self.presses += 1
+        if self.presses > 1:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            raise KeyboardInterrupt
+        _say(
+            "dew train: Ctrl-C: stopping after the step in progress, with its checkpoint "
+            "(Ctrl-C again stops at once)"
+        )
+
+    def after(self, on_step: Callable[[Mapping[str, Any]], None], steps: int):
+        """`on_step`, then, after a press, stop the run: the step is logged and complete. The
+        last of `steps` ends the run anyway, which then finishes as usual (curves and all)."""
+
+        def step_ended(line: Mapping[str, Any]) -> None:
+            on_step(line)
+            if self.presses and line["updates"] < steps:
+                raise _Interrupted(line["updates"])
+
+        return step_ended
+
+
+def _say(text: str) -> None:
+    """Write a line to standard error from a signal handler: straight to its file descriptor,
+    as the buffered stream may be mid-write in the code the handler interrupted."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without one (a test's capture)
+        print(text, file=sys.stderr, flush=True)
+        return
+    os.write(fd, (text + "\n").encode())

@@ -1,0 +1,286 @@
+"""`train`: one run of `dew train` in this process, end to end, and the logs it writes.
+
+A run folder holds `config.json` (which `--config` reads back), `metrics.jsonl` (one line per
+step), `samples.jsonl` (a few decoded rollouts per step), `eval.jsonl` (greedy evaluation on
+held-out tasks every `eval_every` steps), `checkpoints/`, `curves.png` and, with `tensorboard`,
+TensorBoard's event files under `tensorboard/`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import jax
+import numpy as np
+import optax
+import trio
+
+from dew import models, replay
+from dew.envs.environment import Sampling
+from dew.objectives.rl.scheduler import RolloutScheduler
+from dew.objectives.rl.sessions import Label, Status
+from dew.parallel import ProcessRows, default_pool
+from dew.serve import RolloutServer
+from dew.train._checkpoint import _write_atomically
+from dew.train._config import TrainConfig, _load_tokenizer
+from dew.train._curves import write_curves
+from dew.train._folders import _check_record, _check_run, _check_split
+from dew.train._interrupt import _Interrupted
+from dew.train._samples import SampleLog
+from dew.train._tasks import _objective, _RunTask, _sampling, _task
+from dew.train._tensorboard import TensorBoard
+from dew.train._trainer import METRICS, Trainer
+
+SAMPLES = "samples.jsonl"
+EVALUATIONS = "eval.jsonl"
+
+
+def train(
+    config: TrainConfig,
+    run: str | os.PathLike,
+    *,
+    resume: bool = False,
+    on_step: Callable[[Mapping[str, Any]], None] | None = None,
+    record: str | os.PathLike | None = None,
+    deadline: float | None = None,
+) -> Trainer:
+    """Train `config`'s built-in task end to end, in the run folder `run`.
+
+    Writes `run/config.json`, then trains with a RolloutServer, a RolloutScheduler (truncated
+    rollouts train on their verifier's score) and a Trainer logging to `run/metrics.jsonl` and
+    checkpointing to `run/checkpoints`, and finally draws `run/curves.png`.
+
+    Args:
+        config: the run.
+        run: the run folder.
+        resume: continue the run in `run` from its last checkpoint (from the start when it has
+            none); otherwise `run` must not hold a run yet.
+        on_step: called with each step's metrics line.
+        record: write a `dew.replay` trace of the run here: every session the environment
+            returned, every push and every call, so `dew replay` can reproduce the scheduler's
+            decisions and packed batches without the engine (a single process's run only).
+        deadline: in a pool, the seconds a step may take before every process stops.
+
+    In a pool of `jax.distributed` processes (`dew train --processes`), every process calls it
+    alike: each runs its own server and scheduler on its own rows of each global batch of
+    `batch_size` tasks, and process 0 writes the run folder, which every process must read.
+
+    Returns:
+        The trainer, after its last step.
+
+    Raises:
+        ValueError: on every process of a pool, when `run` cannot be made or written (a
+            file, a path through a file, a folder that takes no new entry), holds a run and
+            `resume` is not set, or holds a different config, or the batch does not split
+            over the processes; when `record` exists already, is a folder, or its folder is
+            missing or takes no new file.
+    """
+    run = Path(run)
+    index, processes = jax.process_index(), jax.process_count()
+    problem = None
+    try:
+        _check_run(config, run, resume=resume)
+        _check_split(config, processes)
+        _load_tokenizer(config)
+        if record is not None and processes > 1:
+            raise ValueError("--record traces a single process's run; run it without a pool")
+        if record is not None:
+            _check_record(record)
+    except ValueError as error:
+        problem = error
+    # Every process refuses alike, before process 0 writes anything.
+    default_pool().agree(problem)
+    if index == 0:
+        run.mkdir(parents=True, exist_ok=True)
+        _write_atomically(
+            run / "config.json",
+            lambda file: file.write(json.dumps(attrs.asdict(config), indent=1).encode()),
+        )
+
+    tokenizer = _load_tokenizer(config)
+    task = _task(config, tokenizer)
+    shape = task.shape
+    model_config = config.model_config(shape.max_len, vocab=tokenizer.vocab_size)
+    variables = models.init(jax.random.key(config.seed), model_config)
+    objective = _objective(model_config, config.temperature)
+    trainer = Trainer(
+        objective,
+        optax.adam(config.learning_rate),
+        variables,
+        directory=run,
+        checkpoint_every=config.checkpoint_every,
+        deadline=deadline,
+        logs=(SAMPLES, EVALUATIONS),
+    )
+    if resume:
+        trainer.resume()
+    tasks = config.batch_size // processes  # this process's share of each batch
+    slots = tasks * config.groups * (config.ahead + 1)
+    server = RolloutServer(model_config, trainer.variables, slots=slots, version=trainer.updates)
+    source = task.source(server, _sampling(config, trainer.updates))
+    samples = None
+    logs = None
+    if index == 0:  # one process writes the run's logs beside metrics.jsonl
+        if config.samples:
+            source = samples = SampleLog(source, tokenizer, batch_size=tasks, keep=config.samples)
+        logs = _RunLogs(config, run, trainer, samples, on_step)
+        if config.eval_every:
+            logs.evaluation = _Evaluation(task, config, model_config, slots)
+    trainer.on_step = on_step if logs is None else logs
+    source = task.serve(source, server)
+    publisher = server
+    recorder = None
+    if record is not None:
+        recorder = replay.Recorder(record)
+        source = replay.RecordingSource(source, recorder)
+        publisher = replay.RecordingPublisher(server, recorder)
+    rollouts = tasks * config.groups
+    scheduler = RolloutScheduler(
+        objective,
+        source,
+        publisher,
+        width=shape.width,
+        rows=-(-rollouts // shape.chains_per_row),
+        tasks=task.tasks,
+        groups=config.groups,
+        max_lag=config.max_lag,
+        ahead=config.ahead,
+        sync_every=config.sync_every,
+        truncation="score",
+        vocab=model_config.vocab,
+    )
+    per_epoch = config.tasks // config.batch_size * config.batch_size
+    dataset = ProcessRows(
+        task.dataset(
+            config.tasks,
+            config.batch_size,
+            shuffle_seed=config.seed,
+            epochs=-(-config.steps * config.batch_size // per_epoch),
+        )
+    )
+    try:
+        if recorder is None:
+            try:
+                trainer.run(
+                    scheduler, scheduler.tasks(dataset), steps=config.steps, ahead=config.ahead
+                )
+            finally:
+                scheduler.close()
+        else:
+            with recorder.record(scheduler):  # closes the scheduler, then ends the trace
+                trainer.run(
+                    recorder, recorder.tasks(dataset), steps=config.steps, ahead=config.ahead
+                )
+    except _Interrupted:
+        trainer.save()  # the last completed step's, which no periodic checkpoint may hold
+        raise
+    finally:
+        if logs is not None:
+            logs.close()
+    if index == 0:
+        write_curves(run / METRICS, run / "curves.png", evaluations=run / EVALUATIONS)
+    return trainer
+
+
+class _RunLogs:
+    """A run's per-step logs beside `metrics.jsonl` (an `on_step` callback): the decoded samples,
+    the greedy evaluations on held-out tasks, TensorBoard, then the caller's own callback."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        run: Path,
+        trainer: Trainer,
+        samples: SampleLog | None,
+        on_step: Callable[[Mapping[str, Any]], None] | None,
+    ):
+        self.config = config
+        self.run = run
+        self.trainer = trainer
+        self.samples = samples
+        self.first_position = trainer.position
+        self.on_step = on_step
+        self.evaluation: _Evaluation | None = None
+        self.tensorboard = TensorBoard(run / "tensorboard") if config.tensorboard else None
+
+    def __call__(self, line: Mapping[str, Any]) -> None:
+        if self.samples is not None:
+            # The scheduler numbers batches from the position its stream opened at.
+            batch = line["position"] - self.first_position
+            records = [{"step": line["step"], **record} for record in self.samples.take(batch)]
+            _append_lines(self.run / SAMPLES, records)
+        updates = line["updates"]
+        if self.evaluation is not None and updates % self.config.eval_every == 0:
+            result = self.evaluation(self.trainer.variables, updates)
+            _append_lines(self.run / EVALUATIONS, [result])
+            line = {**line, **{f"eval/{key}": value for key, value in result.items()}}
+        if self.tensorboard is not None:
+            self.tensorboard(line)
+        if self.on_step is not None:
+            self.on_step(line)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _append_lines(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
+    with open(path, "a", encoding="utf-8") as log:
+        for record in records:
+            log.write(json.dumps(record, allow_nan=False) + "\n")
+
+
+class _Evaluation:
+    """Greedy rollouts of the held-out tasks (the `eval_tasks` ids after the training ones) on
+    an engine of their own, in a trio run of their own on the trainer's thread.
+
+    The engine has the training engine's model and slots, so its steps reuse the compiled
+    functions.
+    """
+
+    def __init__(self, task: _RunTask, config: TrainConfig, model_config, slots: int):
+        ids = np.arange(config.tasks, config.tasks + config.eval_tasks, dtype=np.int64)
+        self.tasks = list(task.tasks({"task_id": ids}))
+        self.task = task
+        # Placeholder weights: each evaluation loads the trainer's.
+        variables = models.init(jax.random.key(0), model_config)
+        self.server = RolloutServer(model_config, variables, slots=slots)
+
+    def __call__(self, variables, updates: int) -> dict[str, Any]:
+        """Roll out every held-out task greedily under `variables`.
+
+        Returns:
+            `updates`, `reward/mean` (a rollout without a reward counts 0), `status/completed`
+            (the share that finished with a stop token) and each task's reward in `rewards`.
+        """
+        self.server.load(variables, updates)
+        sessions = trio.run(self._rollouts)
+        rewards = [0.0 if s.reward is None else float(s.reward) for s in sessions]
+        completed = [s.status is Status.COMPLETED for s in sessions]
+        return {
+            "updates": updates,
+            "reward/mean": math.fsum(rewards) / len(rewards),
+            "status/completed": sum(completed) / len(completed),
+            "rewards": rewards,
+        }
+
+    async def _rollouts(self):
+        sessions = [None] * len(self.tasks)
+        # Served afresh in each evaluation's trio run (a served source serves one run).
+        greedy = self.task.source(self.server, Sampling(temperature=0.0))
+        source = self.task.serve(greedy, self.server)
+
+        async def one(index: int) -> None:
+            label = Label(group=index, sample=0, attempt=0)
+            sessions[index] = await source.run(self.tasks[index], label)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(len(self.tasks)):
+                nursery.start_soon(one, index)
+        return sessions

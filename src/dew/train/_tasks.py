@@ -1,0 +1,142 @@
+"""What `dew train` trains on: each task's source, dataset and shape (model context, packed
+row width), the objective of a run's model, and the sampling settings per step."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import jax
+import numpy as np
+
+from dew import models
+from dew.data import Batch, Dataset, Task
+from dew.envs.environment import Sampling
+from dew.envs.lookup import HARNESSES
+from dew.envs.reasoning_gym import ReasoningGym
+from dew.envs.tasks import CopyDigits, GuessDigit
+from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.rl.scheduler import task_ids
+from dew.objectives.rl.sessions import SessionSource
+from dew.serve import RolloutServer, ServedSource
+from dew.serve.tokenizer import Tokenizer
+from dew.train._config import HARNESS, TrainConfig
+from dew.train._fit import measure
+
+
+@attrs.frozen
+class _Shape:
+    """How a built-in task's rollouts are served and packed."""
+
+    max_len: int  # the engine's longest prompt + completion
+    width: int  # packed row width
+    chains_per_row: int  # chains that surely fit a row
+
+
+@attrs.frozen
+class _RunTask:
+    """What a run needs of its task: a source on an engine, task batches and their tasks, and
+    how the source's engine is served in the rollouts' trio run (`serve(source, server)`)."""
+
+    source: Callable[[Any, Sampling], SessionSource]
+    dataset: Callable[..., Dataset]
+    tasks: Callable[[Batch], Sequence[Task]]
+    shape: _Shape
+    serve: Callable[[SessionSource, RolloutServer], SessionSource] = ServedSource
+
+
+def _task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
+    if config.task.startswith(HARNESS):
+        return _harness_task(config)
+    if config.task == "copy":
+        copy = CopyDigits(seed=config.seed)
+        # Every prompt has the same length in bytes; another tokenizer's may differ.
+        prompts = {copy.prompt(Task(str(i))) for i in range(config.tasks + config.eval_tasks)}
+        longest = max(
+            len(tokenizer.encode_chat([{"role": "user", "content": prompt}])) for prompt in prompts
+        )
+        chain = longest + copy.max_tokens
+        shape = _Shape(max_len=chain, width=2 * chain, chains_per_row=2)
+        return _RunTask(
+            lambda engine, sampling: copy.source(engine, sampling=sampling, tokenizer=tokenizer),
+            copy.dataset,
+            task_ids,
+            shape,
+        )
+    if config.task == "guess":
+        guess = GuessDigit(seed=config.seed)
+        context = guess.max_context
+        return _RunTask(
+            lambda engine, sampling: guess.source(engine, sampling=sampling, tokenizer=tokenizer),
+            guess.dataset,
+            task_ids,
+            _Shape(max_len=context, width=context, chains_per_row=1),
+        )
+    gym = ReasoningGym.parse(config.task, size=config.tasks + config.eval_tasks, seed=config.seed)
+    sizes = measure(
+        [gym.task(index) for index in range(gym.size)],
+        gym.prompt,
+        max_tokens=config.max_tokens,
+        rollouts=config.batch_size * config.groups,
+        tokenizer=tokenizer,
+        width=None,
+    )
+    return _RunTask(
+        lambda engine, sampling: gym.source(
+            engine, max_tokens=config.max_tokens, sampling=sampling, tokenizer=tokenizer
+        ),
+        gym.dataset,
+        gym.tasks,
+        _Shape(max_len=sizes.context, width=sizes.width, chains_per_row=1),
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _objective(model_config: models.TransformerConfig, temperature: float) -> GRPOObjective:
+    """The objective of a run's model at `temperature`, one per process: the trainer's compiled
+    step and the scheduler's rescoring are the objective's, so a second run in the process (a
+    resumed run, a notebook's next cell) reuses them rather than compiling again."""
+    return GRPOObjective(models.model(model_config), temperature=temperature)
+
+
+def _harness_task(config: TrainConfig) -> _RunTask:
+    """A built-in agent harness as a run's task: its source is a `ServedGateway`, which serves
+    the engine and a recording gateway in the rollouts' trio run and runs the harness against
+    the gateway; the engine's and a packed row's length is the harness's `max_len`, one chain
+    (a session's merged calls) a row."""
+    from dew.gateway import ServedGateway  # the gateway extra, checked with the config
+
+    harness = HARNESSES[config.task.removeprefix(HARNESS)]
+
+    def source(engine, sampling: Sampling) -> SessionSource:
+        options = {
+            "max_context": harness.max_len,
+            "max_tokens": harness.max_tokens,
+            "sampling": sampling,
+            "announce": False,
+        }
+        return ServedGateway(
+            engine, lambda gateway: harness.source(gateway, seed=config.seed), options
+        )
+
+    shape = _Shape(max_len=harness.max_len, width=harness.max_len, chains_per_row=1)
+    return _RunTask(source, harness.dataset, task_ids, shape, serve=_served_by_gateway)
+
+
+def _served_by_gateway(source: SessionSource, server: RolloutServer) -> SessionSource:
+    """A `ServedGateway` serves its engine itself."""
+    return source
+
+
+def _sampling(config: TrainConfig, updates: int) -> Sampling:
+    """Each call's sampling key a function of the seed, its rollout's label and the updates the
+    process started at: reproducible whatever order trio runs the rollouts in, and afresh in a
+    resumed process (whose scheduler numbers its groups from 0 again). In a pool, each process
+    draws its own keys: its index is part of the seed."""
+    entropy = [config.seed, updates]
+    if jax.process_count() > 1:
+        entropy.append(jax.process_index())
+    seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
+    return Sampling(config.temperature, seed=seed)
