@@ -64,10 +64,10 @@ def logs(run) -> dict[int, str]:
 def test_a_pool_of_processes_trains_the_default_task_with_a_rising_reward(tmp_path, env):
     run, steps, processes = tmp_path / "run", 40, 4
     # The default run, cut short, on four processes (two groups each). Each process draws its
-    # own sampling keys, so a pool's run is not one process's: under seed 1 this one takes off
-    # within 40 steps (0.016 to 0.252 over the first and last ten).
+    # own sampling keys, so a pool's run is not one process's: this one rises from 0.007 to
+    # 0.206 over the first and last ten steps (seed 2 likewise, 0.023 to 0.207).
     done = subprocess.run(
-        dew_train(run, "--processes", str(processes), "--steps", str(steps), "--seed", "1"),
+        dew_train(run, "--processes", str(processes), "--steps", str(steps)),
         capture_output=True,
         text=True,
         timeout=BOUND,
