@@ -28,6 +28,7 @@ session in one chain (`dew.objectives.rl.sessions.chains`).
 
 from __future__ import annotations
 
+import abc
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -125,9 +126,10 @@ def _check_message(index: int, message) -> tuple[str, str]:
     return role, content
 
 
-class _ChatML:
+class _ChatML(abc.ABC):
     """The ChatML template over a tokenizer's `encode` and its `<bos>`, `<|im_start|>` and
-    `<|im_end|>` ids: everything of `Tokenizer` but `encode` and `decode`."""
+    `<|im_end|>` ids: everything of `Tokenizer` but `encode` and `decode`, which each
+    tokenizer defines."""
 
     vocab_size: int
     eos_id: int
@@ -135,11 +137,13 @@ class _ChatML:
     _bos: int | None
     _im_start: int
 
+    @abc.abstractmethod
     def encode(self, text: str) -> np.ndarray:
-        raise NotImplementedError
+        """int32 ids of `text`, never a special id."""
 
+    @abc.abstractmethod
     def decode(self, ids, *, skip_special: bool = False) -> str:
-        raise NotImplementedError
+        """The text of `ids`; with `skip_special`, special ids are left out."""
 
     def chat_prefix(self) -> np.ndarray:
         """The ids the template writes before the first message: the `<bos>`, if any."""

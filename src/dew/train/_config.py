@@ -218,6 +218,8 @@ def _load_tokenizer(config: TrainConfig) -> Tokenizer:
     """
     if config.tokenizer is None:
         return BYTES
+    if Path(config.tokenizer).exists() and not Path(config.tokenizer).is_file():
+        raise ValueError(f"--tokenizer {config.tokenizer}: not a file (a tokenizer.json is)")
     try:
         return HuggingFaceTokenizer.from_file(config.tokenizer)
     except FileNotFoundError:

@@ -47,6 +47,7 @@ from dew.objectives.rl._reports import EmptyStreak, ErrorCounts, TooLongChain
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.sessions import (
     Label,
+    Packed,
     Session,
     SessionError,
     SessionSource,
@@ -382,17 +383,22 @@ class _Scheduler:
         except Exception as problem:
             error = problem
         self._agree(error)
-        empty = pack(
-            [],
+        return self._pack_and_rescore([], variables)[1]
+
+    def _pack_and_rescore(self, groups, variables: Variables) -> tuple[Packed, dict]:
+        """Pack `groups` into this process's rows, take the share's first reader's rows, and
+        rescore them under `variables` over the pool; return the packing and the batch."""
+        packed = pack(
+            groups,
             width=self.width,
             rows=self.rows,
             estimator=self.estimator,
             truncation=self.truncation,
             support_capacity=self.support_capacity,
         )
-        batch = first_reader_batch(empty.batch, share_size=self.pool.share_size)
+        batch = first_reader_batch(packed.batch, share_size=self.pool.share_size)
         batch["proximal_logprobs"] = self.pool.rescore(self.objective, variables, batch)
-        return batch
+        return packed, batch
 
     def _prepare(self, batch: Batch, variables: Variables, updates: int) -> _HandOver:
         """Match the batch to the stream's registry and decide the push, on the trainer's side."""
@@ -452,16 +458,7 @@ class _Scheduler:
             self.last_record, self.last_events = None, message.events
             self._agree(message.error)
         self._agree(None)
-        packed = pack(
-            message.groups,
-            width=self.width,
-            rows=self.rows,
-            estimator=self.estimator,
-            truncation=self.truncation,
-            support_capacity=self.support_capacity,
-        )
-        batch = first_reader_batch(packed.batch, share_size=self.pool.share_size)
-        batch["proximal_logprobs"] = self.pool.rescore(self.objective, variables, batch)
+        packed, batch = self._pack_and_rescore(message.groups, variables)
         now = message.events[-1].time if message.events else 0.0
         cuts = tuple(
             LogEvent(
