@@ -7,6 +7,7 @@ and the autojump clock would jump past them. Ordering comes from events and
 
 from __future__ import annotations
 
+import gc
 import json
 import pathlib
 
@@ -586,6 +587,19 @@ async def test_sessions_are_unguessable_isolated_and_served_on_loopback(client):
             response = await http(gw.url, "POST", path, _chat())
             assert response.status == 404, path
     assert len(first.calls) == 1 and second.calls == ()
+
+
+async def test_serving_moves_the_objects_alive_then_out_of_the_collectors_reach():
+    # A full collection walks every object the cyclic collector tracks, and with jax imported
+    # that stalls every request in flight for tens of milliseconds: the p99 of
+    # benchmarks/gateway.py. Frozen objects are not walked.
+    gc.unfreeze()
+    async with gateway(ScriptedEngine(["a"]), freeze_gc=False):
+        assert gc.get_freeze_count() == 0
+    async with gateway(ScriptedEngine(["a"])):
+        # The imported modules at least: jax's alone are hundreds of thousands of objects.
+        assert gc.get_freeze_count() > 100_000
+    gc.unfreeze()
 
 
 async def test_64_sessions_of_20_calls_each_with_slow_clients_beside_them():
