@@ -61,6 +61,27 @@ def logs(run) -> dict[int, str]:
     }
 
 
+def test_a_pool_of_processes_trains_an_agent_harness_through_the_gateway(tmp_path, env):
+    run, steps = tmp_path / "run", 2
+    done = subprocess.run(
+        dew_train(run, "--harness", "lookup", "--processes", "2", "--steps", str(steps), *SMALL),
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr + str(logs(run))
+    lines = metrics_lines(run)
+    assert [line["step"] for line in lines] == list(range(steps))
+    for line in lines:
+        # The pool's global batch, two groups a process, every rollout the agent's session
+        # scored by the lookup verifier.
+        assert line["groups"] == 4 and line["status/completed"] == 1.0
+        assert {"reward/lookup", "reward/answer"} <= set(line) and line["tokens/trained"] > 0
+    assert sorted(logs(run)) == [0, 1]
+    assert all(f"trained {steps} steps" in text for text in logs(run).values())
+
+
 def test_a_pool_of_processes_trains_the_default_task_with_a_rising_reward(tmp_path, env):
     run, steps, processes = tmp_path / "run", 40, 4
     # The default run, cut short and synchronous, on four processes (two groups each). Each
