@@ -85,6 +85,7 @@ def test_the_public_surface():
         "model",
         "max_body",
         "announce",
+        "freeze_gc",
     ]
     assert list(inspect.signature(dew.envs.HarnessSource).parameters) == [
         "gateway",

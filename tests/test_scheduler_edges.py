@@ -282,9 +282,9 @@ def test_a_broken_source_reaches_the_trainer_thread_as_itself():
 
 
 def test_close_just_before_the_trainer_thread_waits_still_answers_it(monkeypatch):
-    """close() from another thread can come between the trainer's hand-over and its wait: the
-    run the trainer would wait in has ended by then, and the answer close() left ("closed") is
-    what the call raises, not that the trio thread stopped."""
+    """close() from another thread can come between the trainer's checks and its one trip into
+    the trio thread (hand-over and wait): the run the trainer would wait in has ended by then,
+    and the call says the scheduler was closed, not that the trio thread stopped."""
     engine = Engine()
     source = Scripted(engine, lambda task, label: Plan(duration=math.inf))
     sched = scheduler(source, engine, ahead=0, max_lag=0)
@@ -292,14 +292,14 @@ def test_close_just_before_the_trainer_thread_waits_still_answers_it(monkeypatch
     before = set(threading.enumerate())
     real_run = trio.from_thread.run
 
-    def late_wait(fn, *args, trio_token):
-        if fn == sched._receive.receive:
+    def late_trip(fn, *args, trio_token):
+        if fn == sched._hand_over_and_wait:
             closer = threading.Thread(target=sched.close)
             closer.start()
             closer.join()
         return real_run(fn, *args, trio_token=trio_token)
 
-    monkeypatch.setattr(trio.from_thread, "run", late_wait)
+    monkeypatch.setattr(trio.from_thread, "run", late_trip)
     with pytest.raises(RuntimeError, match="closed while the trainer waited"):
         sched(next(stream), PARAMS, 0)
     assert set(threading.enumerate()) <= before

@@ -277,14 +277,22 @@ class _Scheduler:
         try:
             self._start_thread()
             handover = self._prepare(batch, variables, updates)
-            trio.from_thread.run_sync(self._hand_over, handover, trio_token=self._token)
-            message = trio.from_thread.run(self._receive.receive, trio_token=self._token)
+            # One trip into the trio thread hands over and waits: each trip costs a wake-up of
+            # that thread and a hand-back of the GIL.
+            message = trio.from_thread.run(
+                self._hand_over_and_wait, handover, trio_token=self._token
+            )
         except (trio.RunFinishedError, trio.Cancelled) as stopped:
             message = self._left_behind()
             if message is None and (stop := stop_in(self._crash)) is not None:
                 # A KeyboardInterrupt or SystemExit inside a source stops the program, as itself.
                 self._failed = stop
                 raise stop from None
+            if message is None and self._closed:
+                # close() from another thread ended the run before this call's trip reached it.
+                message = _Failure(
+                    RuntimeError("the scheduler was closed while the trainer waited")
+                )
             if message is None:
                 error = RuntimeError("the scheduler's trio thread stopped")
                 error.__cause__ = self._crash or stopped
@@ -323,6 +331,10 @@ class _Scheduler:
                 self._watch.cancel(reason="cancelled")
             raise
         return self._finish(message, variables, updates, trio.current_time() - start)
+
+    async def _hand_over_and_wait(self, handover: _HandOver) -> _Delivery | _Failure:
+        self._hand_over(handover)
+        return await self._receive.receive()
 
     def _left_behind(self) -> _Delivery | _Failure | None:
         """What the trio side sent this call before its thread stopped, if anything: a close()
