@@ -136,6 +136,37 @@ async def test_filtered_logprobs_and_support_match_a_numpy_reference(temperature
         np.testing.assert_allclose(call.logprobs[position], filtered[token], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, None, None), (0.8, 3, 0.9)])
+async def test_top_logprobs_are_the_most_likely_tokens_of_the_distribution_drawn_from(
+    temperature, top_k, top_p
+):
+    prompt, sampling = np.array([1, 2, 3], np.int32), dict(temperature=temperature, key=5)
+    sampling.update(top_k=top_k, top_p=top_p, max_tokens=12)
+    async with server() as engine:
+        async with trio.open_nursery() as nursery:  # in one step with a call that asks for none
+            calls = {}
+
+            async def run(top):
+                calls[top] = await engine.generate(prompt, top_logprobs=top, **sampling)
+
+            nursery.start_soon(run, 0)
+            nursery.start_soon(run, 4)
+    plain, asked = calls[0], calls[4]
+    assert plain.top_logprobs is None and len(asked.top_logprobs) == 12
+    # Asking changes nothing that is drawn.
+    np.testing.assert_array_equal(asked.completion, plain.completion)
+    np.testing.assert_array_equal(asked.logprobs, plain.logprobs)
+    for position, logits in enumerate(scored_logits(asked)):
+        _, filtered = reference_filter(logits, temperature, top_k, top_p)
+        drawable = np.flatnonzero(np.isfinite(filtered))
+        best = drawable[np.argsort(-filtered[drawable], kind="stable")][:4]
+        ids, values = asked.top_logprobs[position]
+        assert ids.dtype == np.int32 and values.dtype == np.float32
+        np.testing.assert_array_equal(ids, best)  # at most the tokens it can draw
+        np.testing.assert_allclose(values, filtered[best], rtol=1e-5, atol=1e-4)
+        assert asked.logprobs[position] <= values[0] + 1e-6
+
+
 @pytest.mark.parametrize(("temperature", "top_k"), [(0.5, None), (1.6, 12), (1.0, None)])
 async def test_the_objective_at_the_sampling_temperature_rescores_the_engines_logprobs(
     temperature, top_k
@@ -424,6 +455,8 @@ async def test_generate_needs_the_running_server():
         ({"top_p": 0.0}, r"top_p must be within \(0, 1\], got 0.0"),
         ({"stop": (300,)}, "stop ids must be < vocab 260"),
         ({"key": -1}, "key must be an int >= 0, got -1"),
+        ({"top_logprobs": -1}, "top_logprobs must be an int >= 0, got -1"),
+        ({"top_logprobs": 21}, "top_logprobs must be <= 20, got 21"),
     ],
 )
 async def test_generate_names_the_bad_argument(kwargs, match):
@@ -486,8 +519,10 @@ def test_the_public_surface_keeps_its_signatures():
         "top_p",
         "stop",
         "key",
+        "top_logprobs",
     ]
-    assert [generate[name].default for name in list(generate)[3:]] == [1.0, None, None, (), None]
+    defaults = [generate[name].default for name in list(generate)[3:]]
+    assert defaults == [1.0, None, None, (), None, 0]
     assert all(p.kind is p.KEYWORD_ONLY for p in list(generate.values())[2:])
     init = inspect.signature(RolloutServer.__init__).parameters
     assert {name: p.default for name, p in init.items() if p.kind is p.KEYWORD_ONLY} == {

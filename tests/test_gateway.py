@@ -196,11 +196,13 @@ async def test_recorded_tokens_and_logprobs_are_what_the_real_engine_sampled(cli
         entries = answer.choices[0].logprobs.content
         assert len(entries) == len(reported)
         np.testing.assert_array_equal([e.logprob for e in entries], call.logprobs[: len(reported)])
-        # Two were asked for; the engine reports the sampled token's log-prob only.
-        assert all(
-            [(t.token, t.logprob) for t in e.top_logprobs] == [(e.token, e.logprob)]
-            for e in entries
-        )
+        # Two were asked for: the engine's two most likely tokens at each position.
+        for entry, (ids, values) in zip(entries, call.top_logprobs, strict=False):
+            assert [t.token for t in entry.top_logprobs] == [
+                tokenizer.decode(ids[i : i + 1]) for i in range(2)
+            ]
+            np.testing.assert_array_equal([t.logprob for t in entry.top_logprobs], values)
+            assert entry.logprob <= values[0]
         assert answer.choices[0].message.content == tokenizer.decode(reported)
         assert answer.usage.completion_tokens == len(completion)
         assert answer.usage.prompt_tokens == len(call.prompt)
@@ -217,28 +219,45 @@ async def test_streaming_and_non_streaming_agree_token_for_token(client):
         # One label, one call index: one key, so the engine draws the same tokens alone.
         plain_session, stream_session = gw.open(Label(1, 0, 0)), gw.open(Label(1, 0, 0))
         plain = await client(plain_session).chat.completions.create(
-            model="m", messages=messages, logprobs=True
+            model="m", messages=messages, logprobs=True, top_logprobs=3
         )
         stream = await client(stream_session).chat.completions.create(
             model="m",
             messages=messages,
             logprobs=True,
+            top_logprobs=3,
             stream=True,
             stream_options={"include_usage": True},
         )
         chunks = await collect(stream)
+        # The legacy endpoint's top lists (logprobs=3) are the engine's too.
+        legacy_session = gw.open()
+        legacy = await client(legacy_session).completions.create(
+            model="m", prompt="hi", logprobs=3, max_tokens=5
+        )
     np.testing.assert_array_equal(
         plain_session.calls[0].completion, stream_session.calls[0].completion
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    logprobs = [
-        e.logprob
+    streamed = [
+        e
         for c in chunks
         if c.choices and c.choices[0].logprobs
         for e in c.choices[0].logprobs.content
     ]
     assert text == plain.choices[0].message.content
-    assert logprobs == [e.logprob for e in plain.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == [e.logprob for e in plain.choices[0].logprobs.content]
+    assert [[(t.token, t.logprob) for t in e.top_logprobs] for e in streamed] == [
+        [(t.token, t.logprob) for t in e.top_logprobs] for e in plain.choices[0].logprobs.content
+    ]
+    assert all(len(e.top_logprobs) == 3 for e in streamed)
+    # Keyed by the tokens' text, where ids whose bytes are no text alone share one key.
+    top = legacy.choices[0].logprobs.top_logprobs
+    reported = legacy_session.calls[0].top_logprobs
+    assert len(top) == 5
+    for alternatives, (ids, values) in zip(top, reported, strict=True):
+        assert len(ids) == 3 and set(alternatives.values()) <= set(values.tolist())
+        assert max(alternatives.values()) == values[0]
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == (
         plain.choices[0].finish_reason

@@ -2,7 +2,9 @@
 as server-sent event chunks, with log-probs.
 
 Log-probs are reported for the completion's tokens but a final stop token (OpenAI leaves the stop
-token out); `top_logprobs` lists the sampled token only, since the engine reports no others.
+token out). `top_logprobs` lists each position's most likely tokens as the engine reported them
+(`Call.top_logprobs`, under the distribution the token was drawn from); an engine that reports
+none gets the sampled token alone in each list.
 A stream is the same answer cut into chunks: concatenating the chunks' content and log-probs
 gives the JSON body's, token for token.
 """
@@ -56,7 +58,8 @@ def cut(call: Call, tokenizer, stops: tuple[str, ...]) -> Sample:
     at, stop = min(hits)
     keep = next(k for k in range(1, len(body) + 1) if stop in tokenizer.decode(body[:k]))
     support = None if call.support is None else call.support[:keep]
-    kept = Call(call.prompt, body[:keep], call.logprobs[:keep], call.version, support)
+    top = None if call.top_logprobs is None else call.top_logprobs[:keep]
+    kept = Call(call.prompt, body[:keep], call.logprobs[:keep], call.version, support, top)
     return Sample(kept, text[:at], body[:keep], "stop")
 
 
@@ -69,16 +72,36 @@ def _token_text(tokenizer, token: int) -> str:
     return tokenizer.decode(np.array([token], np.int32))
 
 
+def _alternatives(sample: Sample, top: int, start: int, stop: int | None):
+    """Per reported token in [start, stop), its `top` most likely ids and their log-probs as
+    lists, or None where the engine reported none."""
+    reported = sample.call.top_logprobs
+    if not top or reported is None:
+        return None
+    return [
+        (ids[:top].tolist(), values[:top].tolist())
+        for ids, values in reported[: len(sample.tokens)][start:stop]
+    ]
+
+
+def _chat_entry(tokenizer, token: int, logprob: float) -> dict[str, Any]:
+    text = _token_text(tokenizer, token)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
 def chat_logprobs(sample: Sample, tokenizer, top: int, start: int = 0, stop: int | None = None):
     """The `logprobs.content` entries of tokens [start, stop) of a sample."""
     entries = []
-    tokens = sample.tokens[start:stop]
-    for token, logprob in zip(
-        tokens.tolist(), sample.call.logprobs[start:stop].tolist(), strict=True
-    ):
-        text = _token_text(tokenizer, token)
-        entry = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-        entries.append({**entry, "top_logprobs": [entry] if top else []})
+    tokens = sample.tokens[start:stop].tolist()
+    logprobs = sample.call.logprobs[start:stop].tolist()
+    alternatives = _alternatives(sample, top, start, stop)
+    for k, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
+        entry = _chat_entry(tokenizer, token, logprob)
+        if alternatives is not None:
+            listed = [_chat_entry(tokenizer, *pair) for pair in zip(*alternatives[k], strict=True)]
+        else:
+            listed = [entry] if top else []
+        entries.append({**entry, "top_logprobs": listed})
     return entries
 
 
@@ -200,17 +223,31 @@ def chat_chunks(
         }
 
 
-def _legacy_logprobs(sample: Sample, tokenizer, start: int, stop: int | None, offset: int):
+def _legacy_logprobs(
+    sample: Sample, tokenizer, top: int, start: int, stop: int | None, offset: int
+) -> dict[str, Any]:
     tokens = [_token_text(tokenizer, t) for t in sample.tokens[start:stop].tolist()]
     logprobs = _reported_logprobs(sample)[start:stop].tolist()
     offsets = []
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
+    alternatives = _alternatives(sample, top, start, stop)
+    if alternatives is None:
+        listed = [{t: lp} for t, lp in zip(tokens, logprobs, strict=True)]
+    else:
+        # Keyed by text, which ids that are no text alone share: each key keeps its most
+        # likely id's log-prob, the first listed.
+        listed = []
+        for ids, values in alternatives:
+            texts: dict[str, float] = {}
+            for token, logprob in zip(ids, values, strict=True):
+                texts.setdefault(_token_text(tokenizer, token), logprob)
+            listed.append(texts)
     return {
         "tokens": tokens,
         "token_logprobs": logprobs,
-        "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs, strict=True)],
+        "top_logprobs": listed,
         "text_offset": offsets,
     }
 
@@ -222,7 +259,9 @@ def completion_body(
     echoed = prompt_text if request.echo else ""
     logprobs = None
     if request.sampled.logprobs:
-        logprobs = _legacy_logprobs(sample, tokenizer, 0, None, len(echoed))
+        logprobs = _legacy_logprobs(
+            sample, tokenizer, request.sampled.top_logprobs, 0, None, len(echoed)
+        )
     return {
         "id": completion_id,
         "object": "text_completion",
@@ -264,7 +303,9 @@ def completion_chunks(
     for k, delta in enumerate(text_deltas(sample, tokenizer)):
         logprobs = None
         if request.sampled.logprobs:
-            logprobs = _legacy_logprobs(sample, tokenizer, k, k + 1, offset)
+            logprobs = _legacy_logprobs(
+                sample, tokenizer, request.sampled.top_logprobs, k, k + 1, offset
+            )
         yield chunk(delta, logprobs)
         offset += len(delta)
     yield chunk("", finish=sample.finish)

@@ -84,9 +84,9 @@ CHAT_FIELDS: Mapping[str, str] = {
     "stop": "honoured: the reply is cut after the token that completes a stop string",
     "logprobs": "honoured: the behaviour log-prob of each sampled token",
     "top_logprobs": (
-        "honoured in part: 0 to 20 accepted; each token's list holds one entry, the sampled "
-        "token and its behaviour log-prob, whatever the number asked (none for 0), since the "
-        "engine reports no other token's log-prob"
+        "honoured: 0 to 20, each position's most likely tokens with their log-probs under the "
+        "behaviour policy's distribution (tokens it cannot draw, filtered by top-k/top-p, are "
+        "left out); an engine without `generate(top_logprobs=...)` lists the sampled token alone"
     ),
     "tools": "honoured: rendered into a leading system turn",
     "tool_choice": "honoured: rendered as an instruction; 'none' turns off tool-call parsing",
@@ -128,7 +128,7 @@ COMPLETION_FIELDS: Mapping[str, str] = {
     "n": CHAT_FIELDS["n"],
     "best_of": "honoured: 1 only; above 1 is refused",
     "stop": CHAT_FIELDS["stop"],
-    "logprobs": "honoured: an int 0..5; the sampled token's log-prob (top lists hold it only)",
+    "logprobs": "honoured: an int 0..5, each token's log-prob and its top list of that many",
     "echo": "honoured without logprobs; with logprobs it is refused (prompt log-probs are not "
     "computed)",
     "suffix": "refused when given",

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import gc
 import hashlib
+import inspect
 import logging
 import secrets
 import sys
@@ -121,6 +122,15 @@ async def _send_stream(send, events) -> None:
     await send({"type": "http.response.body", "body": sse("[DONE]")})
 
 
+def _takes(function, name: str) -> bool:
+    """Whether `function` takes a keyword argument `name`."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
 class Gateway:
     """An OpenAI-compatible HTTP server in front of one engine or a `Fleet`, recording per session.
 
@@ -180,6 +190,8 @@ class Gateway:
             if not callable(getattr(server, "generate", None)):
                 raise ValueError(f"engine {index} must have an async generate(), got {server!r}")
         self.servers: tuple[Any, ...] = tuple(servers)
+        # Which engines report top log-probs (`RolloutServer.generate(top_logprobs=...)`).
+        self._reports_top = [_takes(server.generate, "top_logprobs") for server in servers]
         self.max_context = _check_int("max_context", max_context, 2)
         self.max_tokens = _check_int("max_tokens", max_tokens, 1)
         self.sampling = Sampling() if sampling is None else sampling
@@ -499,14 +511,18 @@ class Gateway:
                 param="messages",
                 code="context_length_exceeded",
             )
-        call = await self._generate(session, prompt, budget, index, receive)
+        call = await self._generate(session, prompt, budget, sampled.top_logprobs, index, receive)
         if call is None:
             return None
         return cut(call, self.tokenizer, sampled.stop)
 
-    async def _generate(self, session, prompt, budget: int, index: int, receive) -> Call | None:
+    async def _generate(
+        self, session, prompt, budget: int, top: int, index: int, receive
+    ) -> Call | None:
         server = self.servers[session.engine]
         options = self.sampling.options(session.label, index)
+        if top and self._reports_top[session.engine]:
+            options["top_logprobs"] = top
         outcome: dict[str, Any] = {}
 
         async def watch(cancel_scope: trio.CancelScope) -> None:

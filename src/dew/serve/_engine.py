@@ -12,7 +12,8 @@ Weights pushed with `load` are swapped in between steps: calls in flight continu
 weights, and each call reports the version it started under (that of its first token). Each token
 is drawn from the distribution the sampler really used (temperature, then top-k, then top-p over
 the top-k renormalised distribution), and its behaviour log-prob is taken under that distribution;
-a filtered call also reports the token ids each position kept (its support).
+a filtered call also reports the token ids each position kept (its support), and a call that asks
+for them the most likely tokens at each position with their log-probs (`top_logprobs`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from dew.objectives.rl.sessions import Call
 from dew.serve.tokenizer import BYTES, Tokenizer
 
 _MIN_BUCKET = 16
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives per position `generate(top_logprobs=...)` reports (as OpenAI's API)."""
 
 
 def sample(
@@ -64,6 +67,13 @@ def sample(
         int32[rows] the drawn tokens, float32[rows] their log-probs under the filtered
         distribution, bool[rows, vocab] the kept tokens.
     """
+    return _draw(logits, temperature=temperature, top_k=top_k, top_p=top_p, keys=keys, top=0)[:3]
+
+
+def _draw(logits, *, temperature, top_k, top_p, keys, top: int):
+    """`sample`, and where `top` > 0 each row's `top` most likely token ids (int32[rows, top])
+    and their log-probs (float32[rows, top]) under the same filtered distribution, most likely
+    first; None and None for 0."""
     rows, vocab = logits.shape
     greedy = temperature == 0
     scaled = logits / jnp.where(greedy, jnp.float32(1), temperature)[:, None]
@@ -90,7 +100,11 @@ def sample(
     filtered = jnp.where(kept, scaled, -jnp.inf)
     log_probs = jax.nn.log_softmax(filtered, axis=-1)
     tokens = _inverse_cdf(jnp.exp(log_probs), keys)
-    return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0], kept
+    chosen = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+    if not top:
+        return tokens, chosen, kept, None, None
+    values, ids = jax.lax.top_k(log_probs, top)
+    return tokens, chosen, kept, ids, values
 
 
 def _inverse_cdf(probs: jax.Array, keys: jax.Array) -> jax.Array:
@@ -116,34 +130,41 @@ def _inverse_cdf(probs: jax.Array, keys: jax.Array) -> jax.Array:
     return jnp.minimum(drawn, last)
 
 
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("model", "top"), donate_argnames=("cache",))
 def _decode_step(
-    params, cache, tokens, positions, temperature, top_k, top_p, keys, counters, *, model
+    params, cache, tokens, positions, temperature, top_k, top_p, keys, counters, *, model, top
 ):
-    """One decode step over every slot: the new cache and each slot's drawn token.
+    """One decode step over every slot: the new cache and each slot's drawn token, its log-prob,
+    the kept tokens and (`top` > 0, a second compilation only a call asking for them brings
+    about) the `top` most likely tokens and their log-probs.
 
     keys: uint32[slots, 2] each call's key; counters: int32[slots] the index of the token drawn,
     folded into the key so each token of a call has its own randomness.
     """
     cache, logits = model.decode(params, cache, tokens, positions)
     folded = jax.vmap(jax.random.fold_in)(keys, counters)
-    return (cache, *sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, keys=folded))
+    drawn = _draw(logits, temperature=temperature, top_k=top_k, top_p=top_p, keys=folded, top=top)
+    return (cache, *drawn)
 
 
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
-def _prefill_step(params, cache, tokens, length, slot, temperature, top_k, top_p, key, *, model):
+@functools.partial(jax.jit, static_argnames=("model", "top"), donate_argnames=("cache",))
+def _prefill_step(
+    params, cache, tokens, length, slot, temperature, top_k, top_p, key, *, model, top
+):
     """Prefill one prompt (int32[bucket], `length` real tokens) into `slot` and draw its first
-    token: the new cache, the token, its log-prob and the kept tokens."""
+    token: the new cache, the token, its log-prob, the kept tokens, and the top tokens and
+    their log-probs as `_decode_step` gives them."""
     cache, logits = model.prefill(params, cache, tokens, slot)
     last = jax.lax.dynamic_slice_in_dim(logits, length - 1, 1, axis=0)
-    drawn = sample(
+    drawn = _draw(
         last,
         temperature=temperature[None],
         top_k=top_k[None],
         top_p=top_p[None],
         keys=jax.random.fold_in(key, jnp.int32(0))[None],
+        top=top,
     )
-    return (cache, *(value[0] for value in drawn))
+    return (cache, *(None if value is None else value[0] for value in drawn))
 
 
 @attrs.frozen
@@ -177,11 +198,13 @@ class _Request:
     filtered: bool
     stop: frozenset[int]
     key: np.ndarray
+    top: int = 0
     done: trio.Event = attrs.field(factory=trio.Event)
     version: int | None = None
     tokens: list[int] = attrs.field(factory=list)
     logprobs: list[float] = attrs.field(factory=list)
     support: list[np.ndarray] = attrs.field(factory=list)
+    alternatives: list[tuple[np.ndarray, np.ndarray]] = attrs.field(factory=list)
     cancelled: bool = False
     closed: bool = False
 
@@ -192,6 +215,7 @@ class _Request:
             logprobs=np.array(self.logprobs, np.float32),
             version=self.version,
             support=tuple(self.support) if self.filtered else None,
+            top_logprobs=tuple(self.alternatives) if self.top else None,
         )
 
 
@@ -428,6 +452,7 @@ class RolloutServer:
         top_p: float | None = None,
         stop: Sequence[int] = (),
         key: int | None = None,
+        top_logprobs: int = 0,
     ) -> Call:
         """Sample a completion of `prompt`, sharing the engine's steps with concurrent calls.
 
@@ -445,11 +470,14 @@ class RolloutServer:
             stop: token ids that end the completion.
             key: the call's seed (an int >= 0), so that a call running alone is reproducible;
                 None draws one from the server's seed and the call's arrival index.
+            top_logprobs: report each position's most likely tokens, this many (0 to
+                `MAX_TOP_LOGPROBS`), with their log-probs under the distribution the token was
+                drawn from; tokens that distribution cannot draw (filtered out) are left out.
 
         Returns:
             The Call: int32 prompt and completion, float32 behaviour log-probs, the version it
-            started under, and where top_k, top_p or temperature 0 filtered the draw, the kept
-            token ids at each position.
+            started under, where top_k, top_p or temperature 0 filtered the draw, the kept
+            token ids at each position, and where asked, the top log-probs.
 
         Raises:
             ValueError: naming the argument that is out of bounds.
@@ -457,7 +485,9 @@ class RolloutServer:
         """
         if not self._running:
             raise RuntimeError("RolloutServer.generate needs the step loop: use `async with`")
-        request = self._request(prompt, max_tokens, temperature, top_k, top_p, stop, key)
+        request = self._request(
+            prompt, max_tokens, temperature, top_k, top_p, stop, key, top_logprobs
+        )
         self._queue.append(request)
         self._wake.set()
         try:
@@ -471,7 +501,9 @@ class RolloutServer:
             raise RuntimeError("RolloutServer stopped before the call finished")
         return request.call()
 
-    def _request(self, prompt, max_tokens, temperature, top_k, top_p, stop, key) -> _Request:
+    def _request(
+        self, prompt, max_tokens, temperature, top_k, top_p, stop, key, top_logprobs
+    ) -> _Request:
         vocab = self._model.vocab
         array = np.asarray(prompt)
         if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
@@ -492,6 +524,9 @@ class RolloutServer:
             top_k = min(check_int("top_k", top_k, low=1), vocab)
         if top_p is not None:
             check_number("top_p", top_p, low=0, high=1, low_open=True)
+        top = check_int("top_logprobs", top_logprobs, low=0)
+        if top > MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be <= {MAX_TOP_LOGPROBS}, got {top}")
         stop_ids = frozenset(check_int("stop id", token, low=0) for token in stop)
         if any(token >= vocab for token in stop_ids):
             raise ValueError(f"stop ids must be < vocab {vocab}, got {sorted(stop_ids)}")
@@ -509,6 +544,7 @@ class RolloutServer:
             filtered=top_k is not None or top_p is not None or temperature == 0,
             stop=stop_ids,
             key=np.random.SeedSequence(entropy).generate_state(2, np.uint32),
+            top=top,
         )
 
     async def _loop(self) -> None:
@@ -532,22 +568,28 @@ class RolloutServer:
                 ]
                 joining = self._admit()
                 filtered = any(self._active[slot].filtered for slot in decoding)
+                top = MAX_TOP_LOGPROBS if any(self._active[s].top for s in decoding) else 0
                 drawn, first = await trio.to_thread.run_sync(
                     self._compute,
                     self._params,
                     self._decode_inputs() if decoding else None,
                     [self._prefill_inputs(slot) for slot in joining],
                     filtered,
+                    top,
                 )
                 self._steps += 1
                 if drawn is not None:
-                    tokens, logprobs, kept = drawn
+                    tokens, logprobs, kept, ids, values = drawn
                     for slot in decoding:
                         self._record(
-                            slot, tokens[slot], logprobs[slot], None if kept is None else kept[slot]
+                            slot,
+                            tokens[slot],
+                            logprobs[slot],
+                            None if kept is None else kept[slot],
+                            None if ids is None else (ids[slot], values[slot]),
                         )
-                for slot, (token, logprob, kept) in zip(joining, first, strict=True):
-                    self._record(slot, int(token), float(logprob), kept)
+                for slot, (token, logprob, kept, *alternatives) in zip(joining, first, strict=True):
+                    self._record(slot, int(token), float(logprob), kept, alternatives or None)
         finally:
             for request in [*self._queue, *self._active]:
                 if request is not None:
@@ -588,14 +630,15 @@ class RolloutServer:
         )
 
     def _prefill_inputs(self, slot: int) -> tuple[np.ndarray, ...]:
-        """A joining call's prefill inputs: its prompt padded to a power-of-two bucket (so prompt
-        lengths share few compilations), its length, slot and sampling parameters."""
+        """A joining call's prefill inputs (its prompt padded to a power-of-two bucket, so prompt
+        lengths share few compilations, its length, slot and sampling parameters) and whether it
+        asks for top log-probs."""
         request = self._active[slot]
         length = len(request.prompt)
         bucket = min(self._max_len, max(_MIN_BUCKET, 1 << (length - 1).bit_length()))
         tokens = np.zeros(bucket, np.int32)
         tokens[:length] = request.prompt
-        return (
+        inputs = (
             tokens,
             np.int32(length),
             np.int32(slot),
@@ -604,42 +647,60 @@ class RolloutServer:
             request.top_p,
             request.key,
         )
+        return inputs, request.top > 0
 
-    def _compute(self, params, decode, prefills, filtered: bool):
+    def _compute(self, params, decode, prefills, filtered: bool, top: int):
         """The worker thread's part of a step: decode the running slots, then prefill the joining
         ones (after the decode, whose write at a free slot's position 0 the prefill overwrites).
 
         Args:
             filtered: whether a running call keeps its support, and so needs the kept masks.
+            top: the alternatives a running call asks for (`MAX_TOP_LOGPROBS` or 0).
 
         Returns:
-            The decode's tokens and log-probs (lists, one entry per slot) and kept masks (bool
-            [slots, vocab], None unless `filtered`), None without a decode; and each joining
-            call's first token, log-prob and kept mask.
+            The decode's tokens and log-probs (lists, one entry per slot), kept masks (bool
+            [slots, vocab], None unless `filtered`) and top ids and log-probs ([slots, top],
+            None without `top`), None without a decode; and each joining call's first token,
+            log-prob and kept mask, with its top ids and log-probs where it asks for them.
         """
         drawn = None
         if decode is not None:
-            self._cache, *drawn = _decode_step(params, self._cache, *decode, model=self._model)
+            self._cache, *drawn = _decode_step(
+                params, self._cache, *decode, model=self._model, top=top
+            )
         first = []
-        for inputs in prefills:
-            self._cache, *outputs = _prefill_step(params, self._cache, *inputs, model=self._model)
-            first.append(outputs)
+        for inputs, asks in prefills:
+            self._cache, *outputs = _prefill_step(
+                params, self._cache, *inputs, model=self._model, top=MAX_TOP_LOGPROBS * asks
+            )
+            first.append([np.asarray(value) for value in outputs if value is not None])
         if drawn is not None:
             # Whole lists at once: a step reads one token and log-prob per slot, and numpy
             # scalars one by one cost more than the step's other host work together.
-            tokens, logprobs, kept = drawn
+            tokens, logprobs, kept, ids, values = drawn
             drawn = (
                 np.asarray(tokens).tolist(),
                 np.asarray(logprobs).tolist(),
                 np.asarray(kept) if filtered else None,
+                None if ids is None else np.asarray(ids),
+                None if values is None else np.asarray(values),
             )
-        return drawn, [[np.asarray(value) for value in outputs] for outputs in first]
+        return drawn, first
 
-    def _record(self, slot: int, token: int, logprob: float, kept: np.ndarray | None) -> None:
+    def _record(
+        self,
+        slot: int,
+        token: int,
+        logprob: float,
+        kept: np.ndarray | None,
+        alternatives: tuple[np.ndarray, np.ndarray] | None,
+    ) -> None:
         """Append a drawn token to its slot's call, and free the slot if the call is done.
 
         Args:
             kept: the token's kept mask, bool[vocab]; None only for a call that is not filtered.
+            alternatives: the position's `MAX_TOP_LOGPROBS` most likely ids and their
+                log-probs; None only for a call that asks for none.
         """
         request = self._active[slot]
         if request is None or request.cancelled:
@@ -648,6 +709,13 @@ class RolloutServer:
         request.logprobs.append(logprob)
         if request.filtered:
             request.support.append(np.flatnonzero(kept).astype(np.int32))
+        if request.top:
+            ids, values = alternatives
+            # The asked-for number, without the tokens the distribution cannot draw.
+            drawable = np.isfinite(values[: request.top])
+            request.alternatives.append(
+                (ids[: request.top][drawable].astype(np.int32), values[: request.top][drawable])
+            )
         self._tokens += 1
         drawn = len(request.tokens)
         length = len(request.prompt) + drawn

@@ -62,6 +62,10 @@ class Call:
         version: the weights version the engine served at the call's start.
         support: where a filtered sampler (top-k/top-p) drew the token, the token ids it kept at
             each completion position: C int32 arrays.
+        top_logprobs: where the caller asked the engine for them, each completion position's
+            most likely token ids and their log-probs under the distribution the token was
+            drawn from, most likely first: C pairs of int32[n] and float32[n]. Reported to the
+            caller (the gateway's `top_logprobs`); neither checked, trained on nor traced.
     """
 
     prompt: np.ndarray
@@ -69,6 +73,7 @@ class Call:
     logprobs: np.ndarray
     version: int
     support: tuple[np.ndarray, ...] | None = None
+    top_logprobs: tuple[tuple[np.ndarray, np.ndarray], ...] | None = None
 
 
 @attrs.frozen(eq=False)
