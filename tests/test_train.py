@@ -436,6 +436,9 @@ def test_help_lists_every_option_with_its_default(capsys):
         (["--ahead", "2"], "max_lag must be >= ahead + sync_every - 1 = 2, got 1"),
         (["--learning-rate", "0"], "learning_rate must be a finite number > 0"),
         (["--temperature", "0"], "temperature must be a finite number > 0, got 0"),
+        (["--oversample", "-1"], "oversample must be an int >= 0, got -1"),
+        (["--admit", "0"], "admit must be an int >= 1, got 0"),
+        (["--admit", "9"], "admit must be <= batch_size 8, got 9"),
         (["--resume"], "--resume needs --run"),
     ],
 )
@@ -448,6 +451,27 @@ def test_bad_options_name_the_culprit(capsys, tmp_path, argv, culprit):
         )
     assert exit_.value.code == 2
     assert culprit in capsys.readouterr().err
+
+
+def test_oversample_and_admit_train_the_first_groups_to_complete(tmp_path, capsys):
+    # The long-tail knobs `dew tune` weighs, as `dew train` options: 4 tasks a batch, 2 trained,
+    # each group's first 2 of 4 rollouts; the rest are cancelled, counted and never trained.
+    run = tmp_path / "run"
+    argv = ["train", "--run", str(run), *TINY, "--batch-size", "4", "--steps", "3"]
+    argv += ["--groups", "2", "--oversample", "2", "--admit", "2"]
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as in the learning test
+        assert main(argv) == 0
+    lines = metrics_lines(run)
+    assert [line["groups"] for line in lines] == [2, 2, 2]
+    # Surplus rollouts still running when their group or batch is done are cancelled.
+    assert sum(line["cancelled"] for line in lines) > 0
+    assert all(line["cut"] == 0 for line in lines)
+    config = json.loads((run / "config.json").read_text())
+    assert (config["oversample"], config["admit"]) == (2, 2)
+    # What trains is part of the run: a resume may not change it.
+    with pytest.raises(SystemExit):
+        main([*argv[:-2], "--admit", "3", "--resume"])
+    assert "admit" in capsys.readouterr().err
 
 
 def test_a_run_folder_is_never_mixed(tmp_path, capsys):

@@ -247,6 +247,10 @@ def test_a_pools_run_resumes_on_one_process_at_the_exact_data_position(killed, t
             ["--processes", "3", "--batch-size", "4"],
             "batch_size 4 must split evenly over the 3 processes",
         ),
+        (
+            ["--processes", "2", "--batch-size", "4", "--admit", "3"],
+            "admit 3 must split evenly over the 2 processes",
+        ),
     ],
 )
 def test_the_pool_options_name_what_is_wrong(tmp_path, capsys, argv, culprit):

@@ -89,6 +89,12 @@ class TrainConfig:
             that far ahead); 0 is synchronous.
         max_lag: the most updates a rollout's oldest call may be behind at training.
         sync_every: updates between weight pushes to the engine.
+        oversample: extra rollouts started per group; the first `groups` to finish train and the
+            rest are cancelled (the long tail cut, at the price of favouring short rollouts:
+            see `dew tune`'s selection column).
+        admit: groups trained per batch, the first to complete; the batch's other groups are
+            cancelled. None trains every task's group. In a pool each process admits its
+            share, so it must split evenly over the processes.
         checkpoint_every: updates between checkpoints.
         seed: seeds the initial weights, the task order and the sampling.
         d_model, layers, heads, d_ff: the transformer's shape (`dew.models.TransformerConfig`).
@@ -126,6 +132,15 @@ class TrainConfig:
         1, int_at_least(0), "the most updates a rollout may be behind when it trains"
     )
     sync_every: int = _option(1, int_at_least(1), "updates between weight pushes to the engine")
+    oversample: int = _option(
+        0, int_at_least(0), "extra rollouts per group; the first `groups` to finish train"
+    )
+    admit: int | None = _option(
+        None,
+        attrs.validators.optional(int_at_least(1)),
+        "groups trained per batch, the first to complete; none trains every task's group",
+        kind=int,
+    )
     checkpoint_every: int = _option(25, int_at_least(1), "updates between checkpoints")
     seed: int = _option(0, int_at_least(0), "seeds the weights, the task order and the sampling")
     d_model: int = _option(64, int_at_least(1), "the transformer's width")
@@ -160,6 +175,8 @@ class TrainConfig:
     def __attrs_post_init__(self):
         if self.tasks < self.batch_size:
             raise ValueError(f"tasks must be >= batch_size {self.batch_size}, got {self.tasks}")
+        if self.admit is not None and self.admit > self.batch_size:
+            raise ValueError(f"admit must be <= batch_size {self.batch_size}, got {self.admit}")
         if self.max_lag < self.ahead + self.sync_every - 1:
             raise ValueError(
                 f"max_lag must be >= ahead + sync_every - 1 = {self.ahead + self.sync_every - 1}, "

@@ -121,7 +121,8 @@ def train(
     if resume:
         trainer.resume()
     tasks = config.batch_size // processes  # this process's share of each batch
-    slots = tasks * config.groups * (config.ahead + 1)
+    admit = None if config.admit is None else config.admit // processes
+    slots = tasks * (config.groups + config.oversample) * (config.ahead + 1)
     server = RolloutServer(model_config, trainer.variables, slots=slots, version=trainer.updates)
     source = task.source(server, _sampling(config, trainer.updates))
     samples = None
@@ -140,7 +141,7 @@ def train(
         recorder = replay.Recorder(record)
         source = replay.RecordingSource(source, recorder)
         publisher = replay.RecordingPublisher(server, recorder)
-    rollouts = tasks * config.groups
+    rollouts = (tasks if admit is None else admit) * config.groups
     scheduler = RolloutScheduler(
         objective,
         source,
@@ -152,6 +153,8 @@ def train(
         max_lag=config.max_lag,
         ahead=config.ahead,
         sync_every=config.sync_every,
+        oversample=config.oversample,
+        admit=admit,
         truncation="score",
         vocab=model_config.vocab,
     )
