@@ -16,6 +16,7 @@ scales the baseline's durations and step times by it (`Calibration.slowed`) befo
     python benchmarks/what_if.py --keep runs/         # the same, keeping the runs
     python benchmarks/what_if.py --analyse runs/      # the table again from kept runs
     python benchmarks/what_if.py --smoke              # copy task, a tiny model, one short pair
+    python benchmarks/what_if.py --only over admit    # the targets whose names hold a word
 
 The engine (`dew train`'s RolloutServer) has one slot per rollout that can be in flight, so
 the simulation's engine is unbounded (`slots=None`).
@@ -41,6 +42,9 @@ TARGETS = (
     ("ahead=1 sync=3 lag=3", {"ahead": 1, "sync_every": 3, "max_lag": 3}),
     ("ahead=0 sync=1 lag=0", {"ahead": 0, "sync_every": 1, "max_lag": 0}),
     ("ahead=2 sync=1 lag=2", {"ahead": 2, "sync_every": 1, "max_lag": 2}),
+    # The long tail's two cuts, at the baseline's ahead and lag.
+    ("ahead=1 lag=1 over=4", {"ahead": 1, "sync_every": 1, "max_lag": 1, "oversample": 4}),
+    ("ahead=1 lag=1 admit=3", {"ahead": 1, "sync_every": 1, "max_lag": 1, "admit": 3}),
 )
 FULL = ["--task", "guess", "--steps", "40", "--batch-size", "4", "--groups", "8"]
 SMOKE = ["--task", "copy", "--steps", "6", "--batch-size", "2", "--groups", "2"]
@@ -100,6 +104,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="one tiny pair, for CI")
     parser.add_argument("--pairs", type=int, default=2, help="baseline/target pairs a target")
     parser.add_argument("--warmup", type=int, default=3, help="first calls left out")
+    parser.add_argument(
+        "--only", nargs="+", default=None, help="the targets whose names hold one of these"
+    )
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs in this folder")
     parser.add_argument(
         "--analyse", type=Path, default=None, help="predict from the runs kept in this folder"
@@ -107,6 +114,9 @@ def main() -> None:
     args = parser.parse_args()
     options, targets, pairs = (SMOKE, TARGETS[:1], 1) if args.smoke else (FULL, TARGETS, args.pairs)
     warmup = 1 if args.smoke else args.warmup
+    if args.only:
+        targets = tuple(t for t in targets if any(word in t[0] for word in args.only))
+    groups = int(options[options.index("--groups") + 1])
     print(
         "goodput in samples/s, idle as a share. as is: from the baseline's times; slowed: "
         "those times scaled by the trainer update's slowdown from baseline to target; "
@@ -131,9 +141,11 @@ def main() -> None:
                 slower = update_seconds(folder / f"target-{tag}", warmup) / update_seconds(
                     folder / f"base-{tag}", warmup
                 )
-                # dew train gives its engine batch x groups x (ahead + 1) slots, and the CPU
-                # engine decodes all of them each step: its step costs about in proportion.
+                # dew train gives its engine batch x (groups + oversample) x (ahead + 1) slots,
+                # and the CPU engine decodes all of them each step: its step costs about in
+                # proportion.
                 slots = (knobs["ahead"] + 1) / (BASELINE[1]["ahead"] + 1)
+                slots *= (groups + knobs.get("oversample", 0)) / groups
                 plain, plain_idle, measured = predict(baseline, target, knobs, warmup, 2)
                 goodput, idle, _ = predict(baseline, target, knobs, warmup, 2, slower)
                 sized, sized_idle, _ = predict(baseline, target, knobs, warmup, 2, slower, slots)
