@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import gzip
+import importlib.abc
 import inspect
 import io
 import json
@@ -978,6 +979,31 @@ def wait_for(stream, start: str) -> str:
         if line.startswith(start):
             return line
     raise AssertionError(f"the stream ended before a line starting with {start!r}")
+
+
+def test_ctrl_c_while_the_library_imports_ends_with_one_line(monkeypatch, capsys):
+    """The console command's entry point runs before JAX and the rest load (a second or two):
+    a Ctrl-C then, or in a subcommand that does not take it itself, is one line and status 130."""
+    from dew import _command
+
+    class Interrupting(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "dew.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "dew.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    assert _command.main() == 130
+    assert capsys.readouterr().err == "dew: interrupted\n"
+    monkeypatch.undo()
+
+    def interrupted(argv=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "main", interrupted)
+    assert _command.main() == 130
+    assert capsys.readouterr().err == "dew: interrupted\n"
 
 
 def test_ctrl_c_stops_dew_train_after_its_step_with_a_checkpoint_and_one_line(tmp_path, capsys):

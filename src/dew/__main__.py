@@ -2,6 +2,6 @@
 
 import sys
 
-from dew.cli import main
+from dew._command import main
 
 sys.exit(main())

@@ -1,0 +1,25 @@
+"""The `dew` console command's entry point, light enough to run before the library loads.
+
+Importing the library takes a second or two (JAX among it). A Ctrl-C pressed meanwhile, or in a
+subcommand that does not handle it itself (`dew train` does: it stops after its step), ends the
+command with one line and the shell's status for an interrupt, not a traceback.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+INTERRUPTED = 128 + signal.SIGINT
+"""The exit status after a Ctrl-C: 128 + SIGINT, as a shell reports it."""
+
+
+def main() -> int:
+    """Run `dew` with the process's arguments; return the exit status."""
+    try:
+        from dew.cli import main as run
+
+        return run()
+    except KeyboardInterrupt:
+        print("dew: interrupted", file=sys.stderr, flush=True)
+        return INTERRUPTED
