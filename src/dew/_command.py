@@ -11,7 +11,8 @@ import signal
 import sys
 
 INTERRUPTED = 128 + signal.SIGINT
-"""The exit status after a Ctrl-C: 128 + SIGINT, as a shell reports it."""
+"""The exit status after a Ctrl-C: 128 + SIGINT, as a shell reports it (and `dew train`
+returns when a Ctrl-C stops it after its step)."""
 
 
 def main() -> int:

@@ -19,13 +19,12 @@ from typing import Any
 import attrs
 
 from dew import _pool_guard
-from dew._command import INTERRUPTED
 from dew._launch import run_pool
 from dew.envs.lookup import HARNESSES
 from dew.train._checkpoint import read_commit
 from dew.train._config import HARNESS, TrainConfig, _check_harness, _load_tokenizer, _read_json
 from dew.train._folders import _check_record, _check_run, _check_split, _default_run
-from dew.train._interrupt import _CtrlC, _Interrupted, _say
+from dew.train._interrupt import INTERRUPTED, _CtrlC, _Interrupted, _say
 from dew.train._progress import Progress
 from dew.train._run import train
 

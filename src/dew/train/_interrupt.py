@@ -9,6 +9,9 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+INTERRUPTED = 128 + signal.SIGINT
+"""`dew train`'s exit status when Ctrl-C stopped it (the shell's convention for SIGINT)."""
+
 
 class _Interrupted(Exception):
     """Raised by `_CtrlC.after`'s callback once a step has ended after a Ctrl-C: `train` saves
