@@ -3,6 +3,7 @@ every call of a rollout's session token in / token out, and the engine fleet it 
 
 from dew.gateway._fleet import Fleet
 from dew.gateway._record import GatewaySession
+from dew.gateway._responses import RESPONSE_FIELDS
 from dew.gateway._schema import CHAT_FIELDS, COMPLETION_FIELDS
 from dew.gateway._served import ServedGateway
 from dew.gateway._server import Gateway
@@ -13,5 +14,6 @@ __all__ = [
     "Fleet",
     "Gateway",
     "GatewaySession",
+    "RESPONSE_FIELDS",
     "ServedGateway",
 ]

@@ -140,13 +140,19 @@ def finish_reason(sample: Sample, reply: Reply) -> str:
     return "tool_calls" if reply.tool_calls else sample.finish
 
 
+def assistant_message(reply: Reply) -> dict[str, Any]:
+    """The reply as a chat answer's assistant message."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content, "refusal": None}
+    if reply.tool_calls:
+        message["tool_calls"] = _tool_calls(reply)
+    return message
+
+
 def chat_body(
     completion_id: str, model: str, sample: Sample, reply: Reply, tokenizer, request
 ) -> dict[str, Any]:
     """A chat completion's JSON body."""
-    message: dict[str, Any] = {"role": "assistant", "content": reply.content, "refusal": None}
-    if reply.tool_calls:
-        message["tool_calls"] = _tool_calls(reply)
+    message = assistant_message(reply)
     logprobs = None
     if request.sampled.logprobs:
         content = chat_logprobs(sample, tokenizer, request.sampled.top_logprobs)

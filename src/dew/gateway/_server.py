@@ -27,6 +27,7 @@ import trio
 from dew.envs.environment import Sampling
 from dew.gateway._answers import (
     Sample,
+    assistant_message,
     chat_body,
     chat_chunks,
     completion_body,
@@ -35,14 +36,16 @@ from dew.gateway._answers import (
     sse,
 )
 from dew.gateway._record import GatewaySession, Template, Turn
+from dew.gateway._responses import Answer, chat_payload, named_sse
 from dew.gateway._schema import (
     ApiError,
+    ChatRequest,
     chat_request,
     completion_request,
     invalid,
     parse_json,
 )
-from dew.gateway._template import parse_reply
+from dew.gateway._template import Reply, parse_reply
 from dew.objectives.rl.sessions import Call, Label
 from dew.serve.tokenizer import BYTES, Tokenizer
 
@@ -109,7 +112,9 @@ async def _send_json(send, status: int, body: dict[str, Any], headers=()) -> Non
     await send({"type": "http.response.body", "body": data})
 
 
-async def _send_stream(send, events) -> None:
+async def _send_stream(send, events, encode=sse, done: bool = True) -> None:
+    """Send `events`, each encoded as one server-sent event, then chat's `[DONE]` unless not
+    `done` (the Responses stream ends with its last event)."""
     await send(
         {
             "type": "http.response.start",
@@ -118,8 +123,8 @@ async def _send_stream(send, events) -> None:
         }
     )
     for event in events:
-        await send({"type": "http.response.body", "body": sse(event), "more_body": True})
-    await send({"type": "http.response.body", "body": sse("[DONE]")})
+        await send({"type": "http.response.body", "body": encode(event), "more_body": True})
+    await send({"type": "http.response.body", "body": sse("[DONE]") if done else b""})
 
 
 def _takes(function, name: str) -> bool:
@@ -368,6 +373,7 @@ class Gateway:
         routes = {
             "chat/completions": ("POST", self._chat),
             "completions": ("POST", self._completions),
+            "responses": ("POST", self._responses),
             "models": ("GET", self._models),
         }
         if endpoint not in routes:
@@ -426,13 +432,49 @@ class Gateway:
         except _Gone:
             return
         payload = parse_json(body)
+        answered = await self._answer(session, scope, receive, body, payload)
+        if answered is None:
+            return
+        request, sample, reply = answered
+        completion_id = "chatcmpl-" + secrets.token_urlsafe(18)
+        answer = chat_body(completion_id, request.model, sample, reply, self.tokenizer, request)
+        if request.sampled.stream:
+            chunks = chat_chunks(
+                completion_id, request.model, sample, reply, self.tokenizer, request
+            )
+            await _send_stream(send, chunks)
+        else:
+            await _send_json(send, 200, answer)
+
+    async def _responses(self, session: GatewaySession, scope, receive, send) -> None:
+        try:
+            body = await self._body(scope, receive)
+        except _Gone:
+            return
+        payload = parse_json(body)
+        answered = await self._answer(session, scope, receive, body, chat_payload(payload))
+        if answered is None:
+            return
+        request, sample, reply = answered
+        response_id = "resp_" + secrets.token_urlsafe(18)
+        answer = Answer(response_id, payload, sample, reply, self.tokenizer, request)
+        if request.sampled.stream:
+            await _send_stream(send, answer.events(self.tokenizer), encode=named_sse, done=False)
+        else:
+            await _send_json(send, 200, answer.response())
+
+    async def _answer(
+        self, session: GatewaySession, scope, receive, body: bytes, payload: dict[str, Any]
+    ) -> tuple[ChatRequest, Sample, Reply] | None:
+        """Sample and record the reply to a chat request (`payload`, the parsed `body`, or the
+        chat request a Responses body stands for); None when the client hung up first."""
         request = chat_request(payload)
         fingerprint = hashlib.sha256(body).digest()
         index = session.admit(fingerprint, retry=_retry_count(scope) > 0)
         prompt = session.chat_prompt(request)
         sample = await self._sample(session, prompt, request.sampled, index, receive)
         if sample is None:
-            return
+            return None
         reply = parse_reply(sample.text, tools=request.parses_tools)
         turn = Turn(
             sample.call,
@@ -442,16 +484,8 @@ class Gateway:
             fingerprint,
         )
         session.record(turn)
-        completion_id = "chatcmpl-" + secrets.token_urlsafe(18)
-        answer = chat_body(completion_id, request.model, sample, reply, self.tokenizer, request)
-        session.transcript = [*payload["messages"], answer["choices"][0]["message"]]
-        if request.sampled.stream:
-            chunks = chat_chunks(
-                completion_id, request.model, sample, reply, self.tokenizer, request
-            )
-            await _send_stream(send, chunks)
-        else:
-            await _send_json(send, 200, answer)
+        session.transcript = [*payload["messages"], assistant_message(reply)]
+        return request, sample, reply
 
     async def _completions(self, session: GatewaySession, scope, receive, send) -> None:
         try:
