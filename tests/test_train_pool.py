@@ -116,6 +116,43 @@ def test_a_pool_of_processes_trains_the_default_task_with_a_rising_reward(tmp_pa
     assert (run / "curves.png").exists()
 
 
+def test_ctrl_c_stops_the_pool_after_one_step_with_its_checkpoint(tmp_path, env):
+    # A terminal's Ctrl-C reaches the launcher alone (each process has a session of its own);
+    # it passes the interrupt on, and the processes agree after each step whether any was
+    # interrupted, so every one stops after the same step, whose checkpoint process 0 writes.
+    run = tmp_path / "run"
+    launcher = subprocess.Popen(
+        dew_train(run, *SMALL, "--processes", "2", "--steps", "400", "--checkpoint-every", "1000"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    metrics = run / "metrics.jsonl"
+    try:
+        bound = time.monotonic() + BOUND
+        while launcher.poll() is None and time.monotonic() < bound:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=BOUND)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 130, out + err + str(logs(run))
+    assert (
+        err
+        == "dew: interrupted: the pool stops after its step in progress (Ctrl-C again: at once)\n"
+    )
+    stopped = len(metrics_lines(run))
+    assert 2 <= stopped < 400
+    said = f"dew train: stopped after step {stopped}/400, its checkpoint saved"
+    assert said in out and all(said in text for text in logs(run).values())
+    commit = json.loads((run / "checkpoints" / COMMIT).read_text())
+    assert (commit["updates"], commit["position"]) == (stopped, stopped)
+    assert commit["metadata"]["metrics_bytes"] == metrics.stat().st_size
+
+
 @attrs.frozen
 class Killed:
     """A pool of two whose process 1 was killed mid-run, then resumed as a pool of two."""

@@ -4,7 +4,9 @@
 lives and dies together: the first process to fail (a non-zero exit, or a signal such as a
 `kill -9`) is named, every other process is stopped (given a few seconds to stop by itself
 first, saying why), and the pool's exit status is that first failure's. An interrupt (Ctrl-C)
-or a SIGTERM to the launcher stops every process too.
+or a SIGTERM to the launcher stops every process too; with `graceful`, the first interrupt is
+passed on to each process as a Ctrl-C of its own (`dew train`'s stop the pool after the step in
+progress, with its checkpoint), and only a second one stops them at once.
 
 Each process runs in a session of its own, so a terminal's Ctrl-C reaches the launcher alone and
 the launcher stops the processes in a known order, rather than each racing to unwind on its own.
@@ -35,6 +37,7 @@ def run_pool(
     env: Mapping[str, str] | None = None,
     report: TextIO | None = None,
     grace: float = GRACE,
+    graceful: bool = False,
 ) -> int:
     """Run one process per command until every one has ended; return the pool's exit status.
 
@@ -47,6 +50,8 @@ def run_pool(
         env: the processes' environment (the launcher's when None).
         report: where the launcher says which process failed and what it stops.
         grace: seconds a stopped process has between SIGTERM and SIGKILL.
+        graceful: on the first interrupt, send each process SIGINT (to it alone, not to what
+            it started) and wait for them to end by themselves; a second interrupt stops them.
 
     Returns:
         0 when every process exits 0; else the first failure's exit status (128 + the signal
@@ -71,7 +76,10 @@ def run_pool(
             try:
                 return _watch(processes, ended, report, grace)
             except KeyboardInterrupt:
-                _say(report, f"interrupted: stopping {_names(range(len(processes)))}")
+                if graceful:
+                    _pass_on_interrupt(processes, ended, report)
+                else:
+                    _say(report, f"interrupted: stopping {_names(range(len(processes)))}")
                 _stop(processes, grace)
                 return 130
             finally:
@@ -145,6 +153,24 @@ def _watch(
             # why: they get `grace` seconds to, before they are stopped.
             _stop(processes, grace, patience=grace, report=report)
     return status
+
+
+def _pass_on_interrupt(
+    processes: list[subprocess.Popen], ended: queue.Queue[int], report: TextIO | None
+) -> None:
+    """Send each running process SIGINT and wait until all have ended; a second interrupt ends
+    the wait (the caller then stops what is left)."""
+    _say(report, "interrupted: the pool stops after its step in progress (Ctrl-C again: at once)")
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGINT)
+    try:
+        while any(process.poll() is None for process in processes):
+            with contextlib.suppress(queue.Empty):
+                ended.get(timeout=0.5)
+    except KeyboardInterrupt:
+        running = [i for i, process in enumerate(processes) if process.poll() is None]
+        _say(report, f"interrupted again: stopping {_names(running)}")
 
 
 def _next(ended: queue.Queue[int]) -> int:

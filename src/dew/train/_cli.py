@@ -24,7 +24,7 @@ from dew.envs.lookup import HARNESSES
 from dew.train._checkpoint import read_commit
 from dew.train._config import HARNESS, TrainConfig, _check_harness, _load_tokenizer, _read_json
 from dew.train._folders import _check_record, _check_run, _check_split, _default_run
-from dew.train._interrupt import INTERRUPTED, _CtrlC, _Interrupted, _say
+from dew.train._interrupt import INTERRUPTED, _CtrlC, _Interrupted, _say, any_process
 from dew.train._progress import Progress
 from dew.train._run import train
 
@@ -269,7 +269,7 @@ def _launch(args: argparse.Namespace, given: Mapping[str, Any], run: Path) -> in
     ]
     paths = [logs / f"process-{index}.log" for index in range(args.processes)]
     print(f"dew train: a pool of {args.processes} processes; their logs in {logs}", flush=True)
-    return run_pool(commands, paths, echo=sys.stdout, report=sys.stderr)
+    return run_pool(commands, paths, echo=sys.stdout, report=sys.stderr, graceful=True)
 
 
 def _join(args: argparse.Namespace, config: TrainConfig, run: Path) -> int:
@@ -282,13 +282,22 @@ def _join(args: argparse.Namespace, config: TrainConfig, run: Path) -> int:
     print(f"process {args.process_id} of {args.num_processes} (pid {os.getpid()})", flush=True)
     try:
         _announce(config, run, read_commit(run / "checkpoints") if args.resume else None)
-        trainer = train(
-            config,
-            run,
-            resume=args.resume,
-            on_step=Progress(config.steps),
-            deadline=args.deadline,
+        # The launcher passes a Ctrl-C on to every process: the pool agrees after each step
+        # whether any was pressed, and all stop after the same step, with its checkpoint.
+        with _CtrlC() as ctrl_c:
+            trainer = train(
+                config,
+                run,
+                resume=args.resume,
+                on_step=ctrl_c.after(Progress(config.steps), config.steps, agree=any_process),
+                deadline=args.deadline,
+            )
+    except _Interrupted as stop:
+        _say(
+            f"dew train: stopped after step {stop.updates}/{config.steps}, its checkpoint saved: "
+            f"continue with `dew train --run {run} --resume --processes {args.num_processes}`"
         )
+        return INTERRUPTED
     except Exception as error:
         print(_pool_guard.stop(error), file=sys.stderr, flush=True)
         traceback.print_exc()

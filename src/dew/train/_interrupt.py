@@ -9,6 +9,8 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 INTERRUPTED = 128 + signal.SIGINT
 """`dew train`'s exit status when Ctrl-C stopped it (the shell's convention for SIGINT)."""
 
@@ -58,16 +60,40 @@ class _CtrlC:
             "(Ctrl-C again stops at once)"
         )
 
-    def after(self, on_step: Callable[[Mapping[str, Any]], None], steps: int):
+    def after(
+        self,
+        on_step: Callable[[Mapping[str, Any]], None],
+        steps: int,
+        *,
+        agree: Callable[[bool], bool] | None = None,
+    ):
         """`on_step`, then, after a press, stop the run: the step is logged and complete. The
-        last of `steps` ends the run anyway, which then finishes as usual (curves and all)."""
+        last of `steps` ends the run anyway, which then finishes as usual (curves and all).
+
+        Args:
+            agree: in a pool, whether any process was pressed, given this one's answer: a
+                collective every process makes after each step, so that all stop after the
+                same step even where the presses reach them on either side of its end.
+        """
 
         def step_ended(line: Mapping[str, Any]) -> None:
             on_step(line)
-            if self.presses and line["updates"] < steps:
+            if line["updates"] >= steps:
+                return
+            pressed = self.presses > 0
+            if agree is not None:
+                pressed = agree(pressed)
+            if pressed:
                 raise _Interrupted(line["updates"])
 
         return step_ended
+
+
+def any_process(pressed: bool) -> bool:
+    """Whether any process of the jax.distributed pool says True (a collective)."""
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.process_allgather(np.int32(pressed)).any())
 
 
 def _say(text: str) -> None:
