@@ -116,6 +116,9 @@ def main() -> None:
     warmup = 1 if args.smoke else args.warmup
     if args.only:
         targets = tuple(t for t in targets if any(word in t[0] for word in args.only))
+        if not targets:
+            names = ", ".join(name for name, _ in TARGETS)
+            parser.error(f"--only {' '.join(args.only)}: no target's name holds it ({names})")
     groups = int(options[options.index("--groups") + 1])
     print(
         "goodput in samples/s, idle as a share. as is: from the baseline's times; slowed: "

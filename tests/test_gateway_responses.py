@@ -144,6 +144,15 @@ async def test_log_probs_are_the_real_engines_and_a_cut_reply_is_incomplete():
         ({"input": [{"type": "function_call", "name": "f"}]}, "input[0].call_id", "a string"),
         ({"input": []}, "input", "at least one message"),
         ({"temperature": "hot"}, "temperature", "a number"),
+        # Named by the Responses API's own fields, not by chat's they stand for.
+        ({"max_output_tokens": 0}, "max_output_tokens", ">= 1"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format.type", "'yaml' is unknown"),
+        (
+            {"tools": [LOOKUP], "tool_choice": {"type": "function", "name": "f"}},
+            "tool_choice.name",
+            "not in tools",
+        ),
+        ({"tools": [{**LOOKUP, "parameters": 3}]}, "tools[0].parameters", "an object"),
         ({"frobnicate": 1}, "frobnicate", "unrecognized"),
     ],
 )

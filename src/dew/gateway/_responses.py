@@ -26,7 +26,9 @@ from dew.gateway._schema import (
     CHAT_FIELDS,
     _check_fields,
     _kind,
+    _positive,
     _refuse_given,
+    _text_of,
     invalid,
     unsupported,
 )
@@ -125,11 +127,14 @@ def chat_payload(body: dict[str, Any]) -> dict[str, Any]:
     if not messages:
         raise invalid("input", "'input' must hold at least one message")
     payload: dict[str, Any] = {"model": body["model"], "messages": messages}
-    if body.get("tools"):
-        payload["tools"] = [_chat_tool(index, tool) for index, tool in enumerate(body["tools"])]
+    # Checked here what the chat request would name by its own fields.
+    tools = [_chat_tool(index, tool) for index, tool in enumerate(body.get("tools") or ())]
+    if tools:
+        payload["tools"] = tools
     if body.get("tool_choice") is not None:
-        payload["tool_choice"] = _chat_tool_choice(body["tool_choice"])
-    if body.get("max_output_tokens") is not None:
+        names = {tool["function"]["name"] for tool in tools}
+        payload["tool_choice"] = _chat_tool_choice(body["tool_choice"], names)
+    if _positive(body, "max_output_tokens") is not None:
         payload["max_completion_tokens"] = body["max_output_tokens"]
     text_format = (body.get("text") or {}).get("format")
     if text_format is not None:
@@ -190,23 +195,13 @@ def _string(item: dict[str, Any], name: str, at: str) -> str:
     return value
 
 
+# The Responses API's content parts that carry text, and the key of each one's text.
+_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
+
+
 def _text(content, where: str) -> str:
     """The text of a message's content or a tool's output: a string, or its text parts."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(where, f"'{where}' must be a string or an array of parts")
-    texts = []
-    for index, part in enumerate(content):
-        at = f"{where}[{index}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text", "refusal"):
-            raise unsupported(at, f"content parts of type {kind!r} are not supported")
-        text = part.get("refusal" if kind == "refusal" else "text")
-        if not isinstance(text, str):
-            raise invalid(f"{at}.text", f"'{at}.text' must be a string")
-        texts.append(text)
-    return "".join(texts)
+    return _text_of(content, where, _PARTS)
 
 
 def _chat_tool(index: int, tool) -> dict[str, Any]:
@@ -215,26 +210,34 @@ def _chat_tool(index: int, tool) -> dict[str, Any]:
         kind = tool.get("type") if isinstance(tool, dict) else _kind(tool)
         raise unsupported(f"{at}.type", f"only function tools are supported, got {kind!r}")
     function = {"name": _string(tool, "name", at)}
+    if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+        raise invalid(f"{at}.parameters", f"'{at}.parameters' must be an object")
     for name in ("description", "parameters", "strict"):
         if tool.get(name) is not None:
             function[name] = tool[name]
     return {"type": "function", "function": function}
 
 
-def _chat_tool_choice(choice) -> Any:
+def _chat_tool_choice(choice, names: set[str]) -> Any:
     if isinstance(choice, str):
         return choice
     if choice.get("type") != "function":
         raise unsupported(
             "tool_choice", f"tool_choice of type {choice.get('type')!r} is not supported"
         )
-    return {"type": "function", "function": {"name": _string(choice, "name", "tool_choice")}}
+    name = _string(choice, "name", "tool_choice")
+    if name not in names:
+        raise invalid("tool_choice.name", f"tool_choice names {name!r}, which is not in tools")
+    return {"type": "function", "function": {"name": name}}
 
 
 def _chat_format(text_format) -> dict[str, Any]:
     if not isinstance(text_format, dict):
         raise invalid("text.format", "'text.format' must be an object")
-    if text_format.get("type") != "json_schema":
+    kind = text_format.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise invalid("text.format.type", f"text.format type {kind!r} is unknown")
+    if kind != "json_schema":
         return {"type": text_format.get("type")}
     schema = {
         name: text_format[name] for name in ("name", "schema", "strict") if name in text_format

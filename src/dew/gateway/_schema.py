@@ -393,23 +393,32 @@ def _refuse_given(body, *names: str) -> None:
             raise unsupported(name, f"'{name}' is not supported by the dew gateway")
 
 
-def _text_of(content, where: str) -> str:
-    """A message content's text: a string, or text (and refusal) parts joined."""
+# Chat's content parts that carry text: each type and the key of its text.
+_CHAT_PARTS = {"text": "text", "refusal": "refusal"}
+
+
+def _text_of(content, where: str, parts: Mapping[str, str] = _CHAT_PARTS) -> str:
+    """A message content's text: a string, or its text parts joined.
+
+    Args:
+        parts: the part types that carry text, each with the key its text is under; a part of
+            another type is refused.
+    """
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid(where, f"'{where}' must be a string, an array of parts or null")
+        raise invalid(where, f"'{where}' must be a string or an array of parts")
     texts = []
     for index, part in enumerate(content):
         at = f"{where}[{index}]"
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise invalid(at, f"'{at}' must be an object with a 'type'")
-        if part["type"] not in ("text", "refusal"):
+        if part["type"] not in parts:
             raise unsupported(at, f"content parts of type {part['type']!r} are not supported")
-        text = part.get(part["type"])
-        if not isinstance(text, str):
-            raise invalid(f"{at}.{part['type']}", f"'{at}.{part['type']}' must be a string")
-        texts.append(text)
+        key = parts[part["type"]]
+        if not isinstance(part.get(key), str):
+            raise invalid(f"{at}.{key}", f"'{at}.{key}' must be a string")
+        texts.append(part[key])
     return "".join(texts)
 
 
