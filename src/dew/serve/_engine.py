@@ -588,8 +588,9 @@ class RolloutServer:
                             None if kept is None else kept[slot],
                             None if ids is None else (ids[slot], values[slot]),
                         )
-                for slot, (token, logprob, kept, *alternatives) in zip(joining, first, strict=True):
-                    self._record(slot, int(token), float(logprob), kept, alternatives or None)
+                for slot, (token, logprob, kept, ids, values) in zip(joining, first, strict=True):
+                    alternatives = None if ids is None else (ids, values)
+                    self._record(slot, int(token), float(logprob), kept, alternatives)
         finally:
             for request in [*self._queue, *self._active]:
                 if request is not None:
@@ -629,7 +630,7 @@ class RolloutServer:
             self._counter,
         )
 
-    def _prefill_inputs(self, slot: int) -> tuple[np.ndarray, ...]:
+    def _prefill_inputs(self, slot: int) -> tuple[tuple[np.ndarray, ...], bool]:
         """A joining call's prefill inputs (its prompt padded to a power-of-two bucket, so prompt
         lengths share few compilations, its length, slot and sampling parameters) and whether it
         asks for top log-probs."""
@@ -661,7 +662,7 @@ class RolloutServer:
             The decode's tokens and log-probs (lists, one entry per slot), kept masks (bool
             [slots, vocab], None unless `filtered`) and top ids and log-probs ([slots, top],
             None without `top`), None without a decode; and each joining call's first token,
-            log-prob and kept mask, with its top ids and log-probs where it asks for them.
+            log-prob, kept mask, and top ids and log-probs (None where it asks for none).
         """
         drawn = None
         if decode is not None:
@@ -673,7 +674,7 @@ class RolloutServer:
             self._cache, *outputs = _prefill_step(
                 params, self._cache, *inputs, model=self._model, top=MAX_TOP_LOGPROBS * asks
             )
-            first.append([np.asarray(value) for value in outputs if value is not None])
+            first.append([None if value is None else np.asarray(value) for value in outputs])
         if drawn is not None:
             # Whole lists at once: a step reads one token and log-prob per slot, and numpy
             # scalars one by one cost more than the step's other host work together.
