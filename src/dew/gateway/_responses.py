@@ -19,9 +19,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import orjson
-
-from dew.gateway._answers import Sample, chat_logprobs, text_deltas
+from dew.gateway._answers import Sample, chat_logprobs, sse, text_deltas
 from dew.gateway._schema import (
     CHAT_FIELDS,
     _check_fields,
@@ -281,6 +279,7 @@ class Answer:
         self.body = body
         self.sample = sample
         self.reply = reply
+        self.tokenizer = tokenizer
         self.created = int(time.time())
         self.logprobs = (
             chat_logprobs(sample, tokenizer, request.sampled.top_logprobs)
@@ -356,7 +355,7 @@ class Answer:
             "metadata": body.get("metadata") or {},
         }
 
-    def events(self, tokenizer) -> Iterator[dict[str, Any]]:
+    def events(self) -> Iterator[dict[str, Any]]:
         """The streamed events of the response, in order, each with its sequence number."""
         number = 0
 
@@ -380,7 +379,7 @@ class Answer:
             if self.reply.tool_calls:
                 deltas = [(self.reply.content, logprobs)] if self.reply.content else []
             else:
-                texts = text_deltas(self.sample, tokenizer)
+                texts = text_deltas(self.sample, self.tokenizer)
                 deltas = [(text, logprobs[k : k + 1]) for k, text in enumerate(texts)]
             for delta, its_logprobs in deltas:
                 yield event(
@@ -421,4 +420,4 @@ class Answer:
 
 def named_sse(event: dict[str, Any]) -> bytes:
     """One server-sent event named by its type, as the Responses stream sends them."""
-    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+    return b"event: " + event["type"].encode() + b"\n" + sse(event)

@@ -459,7 +459,7 @@ class Gateway:
         response_id = "resp_" + secrets.token_urlsafe(18)
         answer = Answer(response_id, payload, sample, reply, self.tokenizer, request)
         if request.sampled.stream:
-            await _send_stream(send, answer.events(self.tokenizer), encode=named_sse, done=False)
+            await _send_stream(send, answer.events(), encode=named_sse, done=False)
         else:
             await _send_json(send, 200, answer.response())
 
