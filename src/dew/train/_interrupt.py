@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+from jax.experimental import multihost_utils
 
 INTERRUPTED = 128 + signal.SIGINT
 """`dew train`'s exit status when Ctrl-C stopped it (the shell's convention for SIGINT)."""
@@ -91,8 +92,6 @@ class _CtrlC:
 
 def any_process(pressed: bool) -> bool:
     """Whether any process of the jax.distributed pool says True (a collective)."""
-    from jax.experimental import multihost_utils
-
     return bool(multihost_utils.process_allgather(np.int32(pressed)).any())
 
 
