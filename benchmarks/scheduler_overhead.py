@@ -21,8 +21,16 @@ floor are measured in turn, `--best-of` times each keeping its best rate; a run'
 scheduler / floor, printed min/median/max over `--runs` runs (target >= 0.5 at every size,
 through both facades). Ratios are given by wall clock (what a trainer waits) and by this
 process's CPU time (what the work costs, which the load of a shared machine disturbs far less
-than the wall clock), with the time per rollout that `pack` + `session_metrics` take on the same
-groups timed alone. The old figure was the async ratio at 1,024 rollouts a step only.
+than the wall clock). The old figure was the async ratio at 1,024 rollouts a step only.
+
+A second table says where a rollout's time goes. At a ratio of 0.5 the scheduler has twice the
+floor's time a rollout, so all it does beyond the floor's task must fit in the floor's time once.
+The work it must do for every rollout is timed alone, part by part, on the same sessions: the
+source building its session, the scheduler's stamp and contract check, the pure admission core
+(submission, admission, the event log), and `pack` + `session_metrics`. Their sum beside the
+floor shows whether the target is within reach of this work at all; the rest of the async
+loop's time is the trio side's plumbing (the tasks' cancel scopes beyond the floor's, events,
+commands, delivery).
 `--profile` runs the async loop at the first size once more under cProfile.
 
     python benchmarks/scheduler_overhead.py             # 32, 128, 512, 1024 rollouts a step
@@ -48,8 +56,17 @@ import numpy as np
 import trio
 
 from dew.data import ArrayDataset, Task
+from dew.objectives.rl import _admission as core
 from dew.objectives.rl.scheduler import RolloutScheduler
-from dew.objectives.rl.sessions import Call, Label, Session, Status, pack, session_metrics
+from dew.objectives.rl.sessions import (
+    Call,
+    Label,
+    Session,
+    Status,
+    check_session,
+    pack,
+    session_metrics,
+)
 from dew.simulate import BehaviorObjective
 
 WIDTH = 64
@@ -159,6 +176,48 @@ def _trainer_side_seconds(tasks: int, groups: int, steps: int) -> float:
     return (time.perf_counter() - start) / (steps * tasks * groups)
 
 
+def _parts_seconds(tasks: int, groups: int, steps: int) -> dict[str, float]:
+    """Seconds per rollout of the work the scheduler must do for each, each part timed alone.
+
+    - source: the benchmark's source building its Call and Session;
+    - check: the scheduler's stamp and contract check of the session;
+    - admission: the pure core's submission and admission (`core.run` over a step's hand-over,
+      then its rollouts finishing), as the loop feeds it with ahead=1;
+    - pack+metrics: `pack` and `session_metrics` over a step's groups.
+    """
+    size = tasks * groups
+    labels = [Label(t, s, 0) for t in range(tasks) for s in range(groups)]
+    start = time.perf_counter()
+    for _ in range(steps):
+        sessions = [_session(label, 0) for label in labels]
+    source = time.perf_counter() - start
+    task = Task("t")
+    start = time.perf_counter()
+    for _ in range(steps):
+        for session, label in zip(sessions, labels, strict=True):
+            check_session(session.stamped(task, label, 0.0, 0.0))
+    check = time.perf_counter() - start
+    batches = [tuple(Task(f"{b}.{t}") for t in range(tasks)) for b in range(steps + 1)]
+    state, admission = core.initial(core.Config(groups=groups, max_lag=1)), 0.0
+    for step in range(steps):
+        ahead = tuple((b, batches[b]) for b in (step, step + 1))
+        start = time.perf_counter()
+        state, commands = core.run(state, [core.HandedOver(0.0, step, step, step, True, ahead)])
+        admission += time.perf_counter() - start
+        # The sessions are the source's, timed above.
+        finished = [
+            core.Finished(0.0, c.label, _session(c.label, c.version))
+            for c in commands
+            if isinstance(c, core.Submit)
+        ]
+        start = time.perf_counter()
+        state, commands = core.run(state, finished)
+        admission += time.perf_counter() - start
+    figures = {"source": source, "check": check, "admission": admission}
+    figures["pack+metrics"] = _trainer_side_seconds(tasks, groups, steps) * steps * size
+    return {name: seconds / (steps * size) for name, seconds in figures.items()}
+
+
 async def _floor_rate(rollouts: int, steps: int) -> tuple[int, float, float]:
     """The floor's rollouts, a bare task, cancel scope and channel send each, and the wall and
     CPU seconds they took."""
@@ -231,9 +290,9 @@ def main() -> None:
     )
     print(
         "  rollouts/step | rollouts/s  async   thread    floor | wall ratio async  thread"
-        "      | CPU ratio async  thread       | pack+metrics"
+        "      | CPU ratio async  thread"
     )
-    verdicts, old = [], None
+    verdicts, old, budgets = [], None, []
     for size in args.sizes:
         steps = 1 + max(4, args.rollouts // size)
         runs = [_measure(size, args.groups, steps, args.best_of) for _ in range(args.runs)]
@@ -246,13 +305,15 @@ def main() -> None:
             name: statistics.median(run[name][0] for run in runs)
             for name in ("async", "thread", "floor")
         }
-        side = _trainer_side_seconds(size // args.groups, args.groups, steps - 1)
         print(
             f"  {size:13d} | {median['async']:14,.0f} {median['thread']:8,.0f} "
             f"{median['floor']:8,.0f} | {_spread(ratio['async', 0]):>17} "
             f"{_spread(ratio['thread', 0]):>17} | {_spread(ratio['async', 1]):>17} "
-            f"{_spread(ratio['thread', 1]):>17} | {1e6 * side:5.1f} us/rollout"
+            f"{_spread(ratio['thread', 1]):>17}"
         )
+        parts = [_parts_seconds(size // args.groups, args.groups, steps - 1) for _ in runs]
+        least = {name: min(p[name] for p in parts) for name in parts[0]}
+        budgets.append((size, 1 / median["floor"], 1 / median["async"], least))
         verdicts.append(min(min(ratio["async", 0]), min(ratio["thread", 0])) >= 0.5)
         if size == 1024:
             old = _spread(ratio["async", 0])
@@ -263,6 +324,23 @@ def main() -> None:
     )
     if old is not None:
         print(f"old:  async at 1024 rollouts a step only (the floor's slowest size): {old}")
+    print(
+        "\nwhere a rollout's time goes, us (medians; each part timed alone, its least over the "
+        "runs): at 0.5 the scheduler has twice the floor's time, so its own work may take the "
+        "floor's time once"
+    )
+    names = list(budgets[0][3])
+    print(
+        "  rollouts/step |  floor | " + "  ".join(f"{n:>12}" for n in names) + " |  parts"
+        " | async loop  rest (trio plumbing, events)"
+    )
+    for size, floor, loop, least in budgets:
+        parts = sum(least.values())
+        print(
+            f"  {size:13d} | {1e6 * floor:6.1f} | "
+            + "  ".join(f"{1e6 * least[n]:12.1f}" for n in names)
+            + f" | {1e6 * parts:6.1f} | {1e6 * loop:10.1f}  {1e6 * (loop - floor - parts):5.1f}"
+        )
     if args.profile:
         profile = cProfile.Profile()
         size = args.sizes[0]
