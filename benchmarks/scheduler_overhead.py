@@ -30,7 +30,8 @@ source building its session, the scheduler's stamp and contract check, the pure 
 (submission, admission, the event log), and `pack` + `session_metrics`. Their sum beside the
 floor shows whether the target is within reach of this work at all; the rest of the async
 loop's time is the trio side's plumbing (the tasks' cancel scopes beyond the floor's, events,
-commands, delivery).
+commands, delivery). Parts timed alone can cost more than inside the loop (a collection of the
+garbage they leave falls on them alone), so at large sizes the rest can come out below zero.
 `--profile` runs the async loop at the first size once more under cProfile.
 
     python benchmarks/scheduler_overhead.py             # 32, 128, 512, 1024 rollouts a step
@@ -187,6 +188,7 @@ def _parts_seconds(tasks: int, groups: int, steps: int) -> dict[str, float]:
     """
     size = tasks * groups
     labels = [Label(t, s, 0) for t in range(tasks) for s in range(groups)]
+    gc.collect()  # as before each loop's measurement
     start = time.perf_counter()
     for _ in range(steps):
         sessions = [_session(label, 0) for label in labels]
