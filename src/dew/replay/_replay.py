@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import heapq
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -15,6 +16,7 @@ import numpy as np
 import trio
 import trio.testing
 
+from dew import _gc
 from dew._trio import exit_unwrapped
 from dew.data import Batch, Task
 from dew.objectives.rl.scheduler import RolloutScheduler
@@ -109,8 +111,11 @@ class ReplaySource:
             e.label: e.time for c in self.trace.calls for e in c.events if e.kind == "submitted"
         }
         # Times the clock should land on: ends of sleeps (which are deadlines), and recorded
-        # cancellations (the scheduler's deadline that caused one lands on it).
+        # cancellations (the scheduler's deadline that caused one lands on it); each with how
+        # many wait on it, and all of them in a heap that may still hold times no one waits on
+        # any more (the clock keeper drops those when they come to its top).
         self._targets: collections.Counter[float] = collections.Counter()
+        self._target_heap: list[float] = []
         self._cancellations: dict[Label, tuple[float, str]] = {}
         # A replay that still waits this long after the recording ended waits on nothing the
         # trace holds.
@@ -141,13 +146,29 @@ class ReplaySource:
 
     async def sleep_until(self, time: float) -> None:
         """Sleep until `time` on the replay's clock, landing on it exactly."""
-        self._targets[time] += 1
+        self._target(time)
         try:
             await trio.sleep_until(time)
         finally:
-            self._targets[time] -= 1
-            if not self._targets[time]:
-                del self._targets[time]
+            self._untarget(time)
+
+    def _target(self, time: float) -> None:
+        if not self._targets[time]:
+            heapq.heappush(self._target_heap, time)
+        self._targets[time] += 1
+
+    def _untarget(self, time: float) -> None:
+        self._targets[time] -= 1
+        if not self._targets[time]:
+            del self._targets[time]
+
+    def _next_target(self, now: float) -> float:
+        """The earliest time after `now` that something waits on, or inf."""
+        heap = self._target_heap
+        # The clock never goes back: a time at or before `now` is never the answer again.
+        while heap and (heap[0] <= now or heap[0] not in self._targets):
+            heapq.heappop(heap)
+        return heap[0] if heap else math.inf
 
     async def run(self, task: Task, label: Label) -> Session:
         """Play back the recorded rollout of (task name, label)."""
@@ -176,14 +197,12 @@ class ReplaySource:
 
     async def _until_cancelled(self, label: Label, task: str, time: float) -> None:
         self._cancellations[label] = (time, task)
-        self._targets[time] += 1
+        self._target(time)
         try:
             await trio.sleep_forever()
         finally:
             self._cancellations.pop(label, None)
-            self._targets[time] -= 1
-            if not self._targets[time]:
-                del self._targets[time]
+            self._untarget(time)
 
     async def _settle(self) -> None:
         """Wait until every task waits and the scheduler has applied what was posted to it.
@@ -220,7 +239,7 @@ class ReplaySource:
             if distance == math.inf:
                 raise ReplayStalled(now, "every task waits and nothing is due")
             deadline = now + distance
-            target = min((t for t in self._targets if t > now), default=math.inf)
+            target = self._next_target(now)
             # A recorded time the clock would pass is visited: a deadline within an ulp or so
             # of it lands on it, and a recorded cancellation before the next deadline is
             # checked there.
@@ -307,10 +326,13 @@ def replay(
         TraceError: when the trace cannot be read, or its header holds a configuration the
             scheduler refuses.
     """
-    return trio.run(
-        functools.partial(_replay, trace, overrides, progress),
-        clock=trio.testing.MockClock(autojump_threshold=0),
-    )
+    trace = trace if isinstance(trace, Trace) else read_trace(trace, partial=True)
+    # The trace is read and alive all the replay long: the collector need not walk it.
+    with _gc.frozen():
+        return trio.run(
+            functools.partial(_replay, trace, overrides, progress),
+            clock=trio.testing.MockClock(autojump_threshold=0),
+        )
 
 
 async def replay_async(

@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from dew import _gc
 from dew.data import Task
 from dew.objectives.rl.scheduler import LogEvent, SchedulerRecord
 from dew.objectives.rl.sessions import Call, Label, Session, Status
@@ -333,6 +334,11 @@ def read_trace(path: str | os.PathLike, *, partial: bool = False) -> Trace:
         OSError: when the file cannot be opened.
     """
     path = os.fspath(path)
+    with _gc.paused():  # the records hold no cycles: nothing to collect while they are built
+        return _read_trace(path, partial)
+
+
+def _read_trace(path: str, partial: bool) -> Trace:
     lines, tail = _read_lines(path)
 
     def parse(number: int, text: str) -> _Line:
