@@ -197,7 +197,7 @@ class _Line:
         expected = math.prod(shape) * dtype.itemsize
         if len(raw) != expected:
             self.fail(f"array {name} holds {len(raw)} bytes, but {dtype}{shape} takes {expected}")
-        return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+        return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
     def label(self, value: Any, name: str = "label") -> Label:
         if (
@@ -319,7 +319,8 @@ def read_trace(path: str | os.PathLike, *, partial: bool = False) -> Trace:
     """Read a trace written by Recorder, plain or gzip-compressed (told by its first bytes).
 
     Memory stays bounded by the trace's size: a line longer than MAX_LINE bytes is refused
-    before it is read whole, and so is JSON nested too deep to parse.
+    before it is read whole, and so is JSON nested too deep to parse. The recorded sessions'
+    arrays are read-only views of the bytes read, as a record's should be: change a copy.
 
     Args:
         path: the trace's file.
