@@ -32,8 +32,12 @@ def paused() -> Iterator[None]:
 def frozen() -> Iterator[None]:
     """Collect once, then leave every object alive at that moment out of the collections inside
     the block (`gc.freeze`); they are collectable again after it (`gc.unfreeze`). Objects made
-    inside are collected as usual. Where something else froze objects already (a gateway
-    serving in this process), the block changes nothing, so as not to unfreeze them."""
+    inside are collected as usual, and once more as the block ends, while the others are still
+    out of the walk: garbage cycles the block left (a replay's scheduler and source refer to
+    each other, and through the source to its trace) are freed then, not by the next full
+    collection, which would walk everything, at the process's exit if not before. Where
+    something else froze objects already (a gateway serving in this process), the block
+    changes nothing, so as not to unfreeze them."""
     if gc.get_freeze_count():
         yield
         return
@@ -42,4 +46,5 @@ def frozen() -> Iterator[None]:
     try:
         yield
     finally:
+        gc.collect()
         gc.unfreeze()
