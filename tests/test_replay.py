@@ -15,6 +15,7 @@ the engine, reproduce every decision and packed array.
 from __future__ import annotations
 
 import collections
+import gc
 import inspect
 import itertools
 import json
@@ -177,6 +178,8 @@ def test_a_replay_reproduces_every_record_event_and_packed_array(recorded):
     )
     # Recorded with NoRescoring too, even the proximal log-probs agree: the whole digests do.
     assert [c.digest for c in result.calls] == [c.digest for c in recorded.calls]
+    # The collector, frozen over the trace while it replayed, is as it was found.
+    assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
 def test_a_replay_is_the_same_under_any_trio_scheduling_order(recorded):

@@ -1,0 +1,79 @@
+"""dew._gc: the garbage collector paused while a trace is read and frozen while it is replayed,
+and left as it was found."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from dew import _gc
+
+
+class _Node:
+    """An object that can sit in a reference cycle and be watched by a weak reference."""
+
+    def __init__(self):
+        self.other = None
+
+
+def _walked(thing) -> bool:
+    """Whether the collector's generations hold `thing` (frozen objects are in none of them)."""
+    return any(tracked is thing for tracked in gc.get_objects())
+
+
+@pytest.fixture(autouse=True)
+def _collector_as_found():
+    enabled = gc.isenabled()
+    yield
+    gc.unfreeze()
+    if enabled:
+        gc.enable()
+    else:
+        gc.disable()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_paused_turns_collection_off_inside_and_back_as_it_was(enabled):
+    if not enabled:
+        gc.disable()
+    with _gc.paused():
+        assert not gc.isenabled()
+    assert gc.isenabled() is enabled
+
+
+def test_paused_turns_collection_back_on_after_an_error():
+    with pytest.raises(RuntimeError), _gc.paused():
+        raise RuntimeError("reading failed")
+    assert gc.isenabled()
+
+
+def test_frozen_keeps_what_was_alive_out_of_the_walk_and_frees_the_blocks_cycles():
+    before = _Node()
+    with _gc.frozen():
+        assert gc.get_freeze_count() > 0
+        assert not _walked(before)
+        inside = _Node()
+        inside.other = _Node()
+        inside.other.other = inside  # a cycle that only a collection frees
+        watch = weakref.ref(inside)
+        del inside
+    # Collected as the block ended, while the others were still out of the walk.
+    assert watch() is None
+    assert gc.get_freeze_count() == 0
+    assert _walked(before)
+
+
+def test_frozen_leaves_objects_someone_else_froze_frozen():
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    with _gc.frozen():
+        pass
+    assert gc.get_freeze_count() == frozen
+
+
+def test_frozen_unfreezes_after_an_error():
+    with pytest.raises(RuntimeError), _gc.frozen():
+        raise RuntimeError("replay failed")
+    assert gc.get_freeze_count() == 0
