@@ -25,6 +25,8 @@ def _walked(thing) -> bool:
 
 @pytest.fixture(autouse=True)
 def _collector_as_found():
+    # A gateway served earlier in this process may have frozen what was alive then, for good.
+    gc.unfreeze()
     enabled = gc.isenabled()
     yield
     gc.unfreeze()

@@ -168,6 +168,7 @@ def test_the_trace_holds_every_session_with_its_times_and_accounting(recorded):
 
 
 def test_a_replay_reproduces_every_record_event_and_packed_array(recorded):
+    frozen = gc.get_freeze_count()  # a gateway served earlier in this process may have frozen
     result = replay(recorded)
     assert result.matched, str(result)
     same_calls(recorded, result)
@@ -179,7 +180,7 @@ def test_a_replay_reproduces_every_record_event_and_packed_array(recorded):
     # Recorded with NoRescoring too, even the proximal log-probs agree: the whole digests do.
     assert [c.digest for c in result.calls] == [c.digest for c in recorded.calls]
     # The collector, frozen over the trace while it replayed, is as it was found.
-    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
 
 
 def test_a_replay_is_the_same_under_any_trio_scheduling_order(recorded):
