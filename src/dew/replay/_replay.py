@@ -116,6 +116,12 @@ class ReplaySource:
         # any more (the clock keeper drops those when they come to its top).
         self._targets: collections.Counter[float] = collections.Counter()
         self._target_heap: list[float] = []
+        # The sleeps among them: one event per time, which the clock keeper sets when it lands
+        # there (trio's own deadlines would cost each sleep a cancel scope and a place in trio's
+        # deadline list), how many sleep on it, and the times in a heap as above.
+        self._wakeups: dict[float, trio.Event] = {}
+        self._sleeping: collections.Counter[float] = collections.Counter()
+        self._wakeup_heap: list[float] = []
         self._cancellations: dict[Label, tuple[float, str]] = {}
         # A replay that still waits this long after the recording ended waits on nothing the
         # trace holds.
@@ -146,11 +152,23 @@ class ReplaySource:
 
     async def sleep_until(self, time: float) -> None:
         """Sleep until `time` on the replay's clock, landing on it exactly."""
+        if time <= trio.current_time():
+            await trio.lowlevel.checkpoint()
+            return
+        wakeup = self._wakeups.get(time)
+        if wakeup is None:
+            wakeup = self._wakeups[time] = trio.Event()
+            heapq.heappush(self._wakeup_heap, time)
+        self._sleeping[time] += 1
         self._target(time)
         try:
-            await trio.sleep_until(time)
+            await wakeup.wait()
         finally:
             self._untarget(time)
+            self._sleeping[time] -= 1
+            if not self._sleeping[time]:
+                del self._sleeping[time]
+                self._wakeups.pop(time, None)
 
     def _target(self, time: float) -> None:
         if not self._targets[time]:
@@ -164,11 +182,11 @@ class ReplaySource:
 
     def _next_target(self, now: float) -> float:
         """The earliest time after `now` that something waits on, or inf."""
-        heap = self._target_heap
-        # The clock never goes back: a time at or before `now` is never the answer again.
-        while heap and (heap[0] <= now or heap[0] not in self._targets):
-            heapq.heappop(heap)
-        return heap[0] if heap else math.inf
+        return _earliest_after(self._target_heap, self._targets, now)
+
+    def _next_wakeup(self, now: float) -> float:
+        """The earliest time after `now` that a sleep ends, or inf."""
+        return _earliest_after(self._wakeup_heap, self._wakeups, now)
 
     async def run(self, task: Task, label: Label) -> Session:
         """Play back the recorded rollout of (task name, label)."""
@@ -236,17 +254,18 @@ class ReplaySource:
                     )
                     del self._cancellations[label]
             distance = trio.lowlevel.current_statistics().seconds_to_next_deadline
-            if distance == math.inf:
-                raise ReplayStalled(now, "every task waits and nothing is due")
             deadline = now + distance
+            due = min(deadline, self._next_wakeup(now))
+            if due == math.inf:
+                raise ReplayStalled(now, "every task waits and nothing is due")
             target = self._next_target(now)
             # A recorded time the clock would pass is visited: a deadline within an ulp or so
             # of it lands on it, and a recorded cancellation before the next deadline is
             # checked there.
             visit = math.isfinite(target) and (
-                target < deadline or abs(target - deadline) <= 4 * math.ulp(target)
+                target < due or abs(target - due) <= 4 * math.ulp(target)
             )
-            if min(target, deadline) > self._horizon:
+            if min(target, due) > self._horizon:
                 # Only the scheduler's own timers are left, e.g. its long-wait log's doubling.
                 raise ReplayStalled(
                     now,
@@ -254,8 +273,20 @@ class ReplaySource:
                 )
             if visit:
                 _jump_to(clock, target)
+                wakeup = self._wakeups.pop(target, None)
+                if wakeup is not None:
+                    wakeup.set()
             else:
                 clock.jump(distance)
+
+
+def _earliest_after(heap: list[float], live: Mapping[float, object], now: float) -> float:
+    """The earliest time in `heap` after `now` that `live` still holds, or inf; the others are
+    dropped from the heap's top on the way (the clock never goes back, so a time at or before
+    `now` is never the answer again)."""
+    while heap and (heap[0] <= now or heap[0] not in live):
+        heapq.heappop(heap)
+    return heap[0] if heap else math.inf
 
 
 def _jump_to(clock: trio.testing.MockClock, target: float) -> None:
