@@ -30,18 +30,18 @@ def paused() -> Iterator[None]:
 
 @contextlib.contextmanager
 def frozen() -> Iterator[None]:
-    """Collect once, then leave every object alive at that moment out of the collections inside
-    the block (`gc.freeze`); they are collectable again after it (`gc.unfreeze`). Objects made
-    inside are collected as usual, and once more as the block ends, while the others are still
-    out of the walk: garbage cycles the block left (a replay's scheduler and source refer to
-    each other, and through the source to its trace) are freed then, not by the next full
+    """Leave every object alive as the block starts out of the collections inside it
+    (`gc.freeze`); they are collectable again after it (`gc.unfreeze`), garbage among them
+    included, so nothing is collected first (a full collection, the walk this avoids). Objects
+    made inside are collected as usual, and once more as the block ends, while the others are
+    still out of the walk: garbage cycles the block left (a replay's scheduler and source refer
+    to each other, and through the source to its trace) are freed then, not by the next full
     collection, which would walk everything, at the process's exit if not before. Where
     something else froze objects already (a gateway serving in this process), the block
     changes nothing, so as not to unfreeze them."""
     if gc.get_freeze_count():
         yield
         return
-    gc.collect()
     gc.freeze()
     try:
         yield
