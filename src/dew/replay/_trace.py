@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import gzip
 import json
 import math
@@ -157,6 +158,10 @@ class _Line:
         if name not in source:
             self.fail(f"lacks field {name!r}")
         value = source[name]
+        if type(value) in kinds:
+            # JSON's values are of exact types, so this answers nearly every call (a trace has
+            # millions) at once; bool is a type of its own, taken only where kinds name it.
+            return value
         if isinstance(value, bool) and bool not in kinds:
             self.fail(f"field {name!r} must be {_kind_names(kinds)}, got {value!r}")
         if not isinstance(value, kinds):
@@ -182,7 +187,7 @@ class _Line:
         if not isinstance(spec, dict):
             self.fail(f"array {name} must be an object with dtype, shape and data, got {spec!r}")
         try:
-            dtype = np.dtype(self.get("dtype", (str,), spec))
+            dtype = _dtype(self.get("dtype", (str,), spec))
         except TypeError as error:
             self.fail(f"array {name} has an unknown dtype: {error}")
         if dtype.hasobject:
@@ -200,11 +205,7 @@ class _Line:
         return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
     def label(self, value: Any, name: str = "label") -> Label:
-        if (
-            not isinstance(value, list)
-            or len(value) != 3
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-        ):
+        if type(value) is not list or len(value) != 3 or not all(type(v) is int for v in value):
             self.fail(f"field {name!r} must be [group, sample, attempt], got {value!r}")
         return Label(*value)
 
@@ -212,6 +213,12 @@ class _Line:
         if not isinstance(value, dict):
             self.fail(f"a task must be an object, got {value!r}")
         return Task(self.get("name", (str,), value), value.get("payload"))
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype(name: str) -> np.dtype:
+    """numpy's dtype of a name, parsed once per name (a trace names a few, on every array)."""
+    return np.dtype(name)
 
 
 def _kind_names(kinds: tuple[type, ...]) -> str:
