@@ -3,7 +3,7 @@
 A full collection walks every object the collector tracks. A replay's trace holds hundreds of
 thousands of them (its sessions, calls and events), so while the trace is read, every full
 collection that the allocations set off walks all that was read so far, and while it is replayed,
-every one walks the whole trace again: together about a third of a replay's time, for garbage
+every one walks the whole trace again: together about a quarter of a replay's time, for garbage
 the trace does not hold (its records refer to no cycle).
 """
 
