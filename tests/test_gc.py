@@ -68,11 +68,12 @@ def test_frozen_keeps_what_was_alive_out_of_the_walk_and_frees_the_blocks_cycles
 
 
 def test_frozen_leaves_objects_someone_else_froze_frozen():
+    theirs = _Node()
     gc.freeze()
-    frozen = gc.get_freeze_count()
     with _gc.frozen():
         pass
-    assert gc.get_freeze_count() == frozen
+    # Still frozen (the count itself may drop: frozen objects are freed when unreferenced).
+    assert gc.get_freeze_count() > 0 and not _walked(theirs)
 
 
 def test_frozen_unfreezes_after_an_error():
