@@ -110,10 +110,10 @@ class ReplaySource:
         self._submitted = {
             e.label: e.time for c in self.trace.calls for e in c.events if e.kind == "submitted"
         }
-        # Times the clock should land on: ends of sleeps (which are deadlines), and recorded
-        # cancellations (the scheduler's deadline that caused one lands on it); each with how
-        # many wait on it, and all of them in a heap that may still hold times no one waits on
-        # any more (the clock keeper drops those when they come to its top).
+        # Times the clock should land on: ends of sleeps, and recorded cancellations (the
+        # scheduler's deadline that caused one lands on it); each with how many wait on it, and
+        # all of them in a heap that may still hold times no one waits on any more (the clock
+        # keeper drops those when they come to its top).
         self._targets: collections.Counter[float] = collections.Counter()
         self._target_heap: list[float] = []
         # The sleeps among them: one event per time, which the clock keeper sets when it lands
@@ -241,7 +241,8 @@ class ReplaySource:
 
     async def _keep_time(self, clock: trio.testing.MockClock, task_status=trio.TASK_STATUS_IGNORED):
         """Move the clock whenever every task waits: onto the next recorded time if that comes
-        before the next deadline or is it (to the ulp), else by the deadline's distance as
+        before the next thing due (a trio deadline, or the end of a replayed sleep) or is it (to
+        the ulp), waking the sleeps that end there, else by the deadline's distance as
         MockClock would."""
         task_status.started()
         while True:
