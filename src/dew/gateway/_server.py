@@ -16,6 +16,7 @@ import inspect
 import logging
 import secrets
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import hypercorn.config
@@ -427,15 +428,10 @@ class Gateway:
         )
 
     async def _chat(self, session: GatewaySession, scope, receive, send) -> None:
-        try:
-            body = await self._body(scope, receive)
-        except _Gone:
-            return
-        payload = parse_json(body)
-        answered = await self._answer(session, scope, receive, body, payload)
+        answered = await self._answer(session, scope, receive)
         if answered is None:
             return
-        request, sample, reply = answered
+        _, request, sample, reply = answered
         completion_id = "chatcmpl-" + secrets.token_urlsafe(18)
         answer = chat_body(completion_id, request.model, sample, reply, self.tokenizer, request)
         if request.sampled.stream:
@@ -447,15 +443,10 @@ class Gateway:
             await _send_json(send, 200, answer)
 
     async def _responses(self, session: GatewaySession, scope, receive, send) -> None:
-        try:
-            body = await self._body(scope, receive)
-        except _Gone:
-            return
-        payload = parse_json(body)
-        answered = await self._answer(session, scope, receive, body, chat_payload(payload))
+        answered = await self._answer(session, scope, receive, as_chat=chat_payload)
         if answered is None:
             return
-        request, sample, reply = answered
+        payload, request, sample, reply = answered
         response_id = "resp_" + secrets.token_urlsafe(18)
         answer = Answer(response_id, payload, sample, reply, self.tokenizer, request)
         if request.sampled.stream:
@@ -464,10 +455,22 @@ class Gateway:
             await _send_json(send, 200, answer.response())
 
     async def _answer(
-        self, session: GatewaySession, scope, receive, body: bytes, payload: dict[str, Any]
-    ) -> tuple[ChatRequest, Sample, Reply] | None:
-        """Sample and record the reply to a chat request (`payload`, the parsed `body`, or the
-        chat request a Responses body stands for); None when the client hung up first."""
+        self,
+        session: GatewaySession,
+        scope,
+        receive,
+        as_chat: Callable[[dict[str, Any]], dict[str, Any]] = lambda payload: payload,
+    ) -> tuple[dict[str, Any], ChatRequest, Sample, Reply] | None:
+        """Read a request, then sample and record the reply to it as to a chat request
+        (`as_chat` turns a Responses body into the chat request it stands for): the request's
+        own payload, the chat request, the sample and the reply; None when the client hung up
+        first."""
+        try:
+            body = await self._body(scope, receive)
+        except _Gone:
+            return None
+        request_payload = parse_json(body)
+        payload = as_chat(request_payload)
         request = chat_request(payload)
         fingerprint = hashlib.sha256(body).digest()
         index = session.admit(fingerprint, retry=_retry_count(scope) > 0)
@@ -485,7 +488,7 @@ class Gateway:
         )
         session.record(turn)
         session.transcript = [*payload["messages"], assistant_message(reply)]
-        return request, sample, reply
+        return request_payload, request, sample, reply
 
     async def _completions(self, session: GatewaySession, scope, receive, send) -> None:
         try:
