@@ -196,6 +196,12 @@ def main() -> None:
     if args.smoke:
         args.chains, args.median, args.width, args.rows = 24, 8, 64, 4
         args.d_model, args.layers, args.repeats = 32, 1, 1
+    least = {"chains": 1, "median": 1, "width": 2, "rows": 1, "layers": 1, "repeats": 1}
+    for name, low in least.items():
+        if getattr(args, name) < low:
+            parser.error(f"--{name} must be at least {low}, got {getattr(args, name)}")
+    if args.d_model < 4 or args.d_model % 4:
+        parser.error(f"--d-model must be a positive multiple of the 4 heads, got {args.d_model}")
 
     config = models.TransformerConfig(
         vocab=260,

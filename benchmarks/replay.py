@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=3, help="replays of the trace (3)")
     parser.add_argument("--smoke", action="store_true", help="3 steps of a tiny model")
     args = parser.parse_args()
+    if args.replays < 1:
+        parser.error(f"--replays must be at least 1, got {args.replays}")
     options = SMOKE if args.smoke else {}
     replays = 1 if args.smoke else args.replays
     dew = [sys.executable, "-m", "dew"]

@@ -282,8 +282,16 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="profile the scheduler loop")
     parser.add_argument("--smoke", action="store_true", help="a tiny, fast run")
     args = parser.parse_args()
+    for name in ("groups", "rollouts", "runs", "best_of"):
+        if getattr(args, name) < 1:
+            parser.error(
+                f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+            )
     if args.smoke:
         args.sizes, args.rollouts, args.runs, args.best_of = [32, 128], 512, 1, 1
+    for size in args.sizes:
+        if size < args.groups or size % args.groups:
+            parser.error(f"--sizes {size}: a size must be a multiple of --groups {args.groups}")
 
     print(
         f"scheduler overhead: zero-latency source, {args.groups} rollouts a task, about "
