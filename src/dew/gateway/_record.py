@@ -96,10 +96,12 @@ class GatewaySession:
 
     Attributes:
         base_url: the OpenAI base URL for the harness (`.../<token>/v1`).
-        api_key: a key to hand the client (the URL prefix is the credential; the key is not
-            checked, so harnesses that send a fixed key work).
+        api_key: the key to hand the client. The URL prefix is the credential: a request with
+            no key is served, but one whose `Authorization` bearer key is another is refused
+            (401), so a harness wired to the wrong session is caught.
         label: the rollout's label (keys each call's sampling), or None.
         max_calls: the most calls before the session is TRUNCATED (`turns`), or None.
+        requests: the session's requests the gateway is reading or answering now.
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class GatewaySession:
         self._empty = 0  # how many of them answered nothing (no text, no tool call)
         self._started = 0
         self._in_flight: set[trio.CancelScope] = set()
+        self.requests = 0
         self.closed: str | None = None
         self.truncation: str | None = None
         self.infra_error: str | None = None

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import Any
 
 import attrs
 
@@ -34,12 +33,10 @@ _OPEN = "<tool_call>"
 def call_block(name: str, arguments: str) -> str:
     """One tool call as the model writes it: arguments that are JSON are embedded as JSON."""
     try:
-        value: Any = json.loads(arguments)
-    except json.JSONDecodeError:
-        value = arguments
-    return (
-        _OPEN + json.dumps({"name": name, "arguments": value}, ensure_ascii=False) + "</tool_call>"
-    )
+        block = json.dumps({"name": name, "arguments": json.loads(arguments)}, ensure_ascii=False)
+    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past Python's stack
+        block = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return _OPEN + block + "</tool_call>"
 
 
 def message_text(message: Message) -> str:
@@ -119,11 +116,11 @@ def parse_reply(text: str, *, tools: bool) -> Reply:
 def _parsed_call(block: str) -> tuple[str, str, str] | None:
     try:
         value = json.loads(block)
-    except json.JSONDecodeError:
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None
+        arguments = value.get("arguments", {})
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+    except (json.JSONDecodeError, RecursionError):  # a model can write 1,000 brackets too
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", {})
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
     return tool_call_id(), value["name"], arguments
