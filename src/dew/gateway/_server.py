@@ -235,7 +235,7 @@ class Gateway:
         max_messages: int = MAX_MESSAGES,
         max_tools: int = MAX_TOOLS,
         header_timeout: float = 5.0,
-        body_timeout: float = 30.0,
+        body_timeout: float = 10.0,
         max_session_requests: int = 32,
         announce: bool = True,
         freeze_gc: bool = True,
