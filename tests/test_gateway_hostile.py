@@ -19,7 +19,7 @@ import pytest
 import trio
 import trio.testing
 
-from _gateway import LOOKUP_TOOL, ScriptedEngine, http, tool_call
+from _gateway import LOOKUP_TOOL, ScriptedEngine, http, tiny_server, tool_call
 from dew.envs import Sampling
 from dew.gateway import Gateway
 from dew.gateway._schema import MAX_DEPTH
@@ -165,6 +165,13 @@ async def test_a_deep_but_allowed_schema_and_deep_tool_call_arguments_are_served
         ]
         assert (await http(gw.url, "POST", path, chat(messages=messages))).status == 200
     assert len(session.calls) == 2 and session.infra_error is None
+
+
+def test_a_context_longer_than_the_engines_is_refused_when_the_gateway_is_made():
+    # Else a prompt the gateway lets through fails in the engine: a 500 for a client's prompt.
+    with pytest.raises(ValueError, match="max_context must be at most engine 0's max_len 128"):
+        Gateway(tiny_server(), max_context=129)
+    assert Gateway(tiny_server(), max_context=128).max_context == 128
 
 
 # Any JSON value: what a client may put in any field.

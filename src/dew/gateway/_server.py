@@ -216,8 +216,8 @@ class Gateway:
             reference goes; only garbage cycles among them are never collected.
 
     Raises:
-        ValueError: naming the argument out of bounds, or an engine whose tokenizer differs
-            from `tokenizer`.
+        ValueError: naming the argument out of bounds, a max_context above an engine's
+            `max_len`, or an engine whose tokenizer differs from `tokenizer`.
     """
 
     def __init__(
@@ -248,6 +248,15 @@ class Gateway:
         # Which engines report top log-probs (`RolloutServer.generate(top_logprobs=...)`).
         self._reports_top = [_takes(server.generate, "top_logprobs") for server in servers]
         self.max_context = _check_int("max_context", max_context, 2)
+        for index, server in enumerate(servers):
+            longest = getattr(server, "max_len", None)
+            if isinstance(longest, int) and self.max_context > longest:
+                # A prompt the gateway let through would fail in the engine: a client's long
+                # prompt answered 500 and booked as an infrastructure fault.
+                raise ValueError(
+                    f"max_context must be at most engine {index}'s max_len {longest}, got "
+                    f"{max_context}"
+                )
         self.max_tokens = _check_int("max_tokens", max_tokens, 1)
         self.sampling = Sampling() if sampling is None else sampling
         if not isinstance(self.sampling, Sampling):
@@ -630,6 +639,8 @@ class Gateway:
         if isinstance(request.prompt, str):
             prompt_text = request.prompt
             prompt = await self._off_loop(len(body), session.text_prompt, request.prompt)
+            if not len(prompt):  # a tokenizer may write no token for some text (the engine's 500)
+                raise invalid("prompt", "'prompt' encodes to no tokens")
         else:
             prompt = np.array(request.prompt, np.int32)
             prompt_text = self.tokenizer.decode(prompt)
