@@ -408,6 +408,74 @@ async def test_no_request_body_gets_a_server_error_or_harms_its_session(case):
             ).status == 200
 
 
+def edited(message: dict) -> st.SearchStrategy:
+    """An assistant message the gateway answered, as a client might send it back: as it came,
+    its text stripped, emptied or changed, its content null, its tool calls' ids or arguments
+    changed, or dropped altogether (None)."""
+    calls = message.get("tool_calls") or []
+    return st.one_of(
+        st.just(message),
+        st.just({**message, "content": (message["content"] or "").strip() or None}),
+        st.builds(lambda text: {**message, "content": text}, TEXT),
+        st.just({k: v for k, v in message.items() if k != "tool_calls"}),
+        st.builds(
+            lambda ids, arguments: {
+                **message,
+                "tool_calls": [
+                    {**call, "id": i, "function": {**call["function"], "arguments": a}}
+                    for call, i, a in zip(calls, ids, arguments, strict=False)
+                ],
+            },
+            st.lists(
+                st.sampled_from([c["id"] for c in calls] + ["call_x"]),
+                min_size=len(calls),
+                max_size=len(calls),
+            ),
+            st.lists(ARGUMENTS, min_size=len(calls), max_size=len(calls)),
+        ),
+        st.just(None),
+    )
+
+
+@hypothesis.settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow, hypothesis.HealthCheck.data_too_large],
+    derandomize=True,
+)
+@hypothesis.given(st.data())
+async def test_follow_up_requests_that_edit_the_gateways_answers_get_no_server_error(data):
+    # The turn matching and the retry rule read the session's record: the second request sends
+    # the first answer back edited (or drops it), adds fuzzed messages, and may claim to be a
+    # retry, of the same body or not.
+    replies = [tool_call("lookup", {"key": "x"}, content="Let me see."), "", " plain answer "]
+    engine = ScriptedEngine([data.draw(st.sampled_from(replies)), "done"])
+    first = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "look x up"}],
+        **data.draw(st.fixed_dictionaries({}, optional={"tools": st.just([LOOKUP_TOOL])})),
+    }
+    async with gateway(engine) as gw:
+        session = gw.open()
+        path = session.base_url.removeprefix(gw.url) + "/chat/completions"
+        answer = await http(gw.url, "POST", path, json.dumps(first).encode())
+        assert answer.status == 200
+        message = answer.json()["choices"][0]["message"]
+        back = data.draw(edited(message))
+        messages = first["messages"] + ([back] if back is not None else [])
+        messages += data.draw(st.lists(MESSAGE, max_size=3))
+        body = json.dumps({**first, "messages": messages}).encode()
+        if data.draw(st.booleans()):
+            body = json.dumps(first).encode()  # the first body again
+        retry = data.draw(st.sampled_from(["0", "1", "x"]))
+        follow = await http(gw.url, "POST", path, body, {"x-stainless-retry-count": retry})
+    assert follow.status < 500, follow.body
+    assert session.infra_error is None and session.truncation is None
+    # A retry of the answered body replaces its call; any other answered request adds one.
+    replaced = retry == "1" and body == json.dumps(first).encode()
+    assert len(session.calls) == (1 if follow.status != 200 or replaced else 2)
+
+
 # --- item 10: slow clients -----------------------------------------------------------------------
 
 
