@@ -12,183 +12,23 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-from pathlib import Path
 
-import attrs
 import numpy as np
 import pytest
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dew._torch_media import hide_broken_media_packages
+from _templates import (
+    FAMILIES,
+    QWEN_NAMED,
+    TEMPLATES,
+    TOOLS,
+    conversation,
+    family_tokenizer,
+    reference,
+    template_tokenizer,
+)
 from dew.serve.chat_template import ChatTemplate, ChatTemplateError
 from dew.serve.tokenizer import HuggingFaceTokenizer, TemplateTokenizer
 from dew.serve.tokenizer import Tokenizer as Protocol
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-hide_broken_media_packages()
-from transformers import PreTrainedTokenizerFast  # noqa: E402
-
-TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
-
-CORPUS = [
-    "What is the weather in Paris? It is 22 degrees and sunny in Paris.",
-    "You are a helpful assistant. And in Lyon? The weather in a city.",
-    '{"name": "get_weather", "arguments": {"city": "Paris"}, "parameters": {"type": "object"}}',
-    "system user assistant tool function description properties required string",
-    "Cutting Knowledge Date: December 2023 Today Date: 26 Jul 2024 Environment: ipython",
-]
-
-# A call id every family's template takes (Mistral's wants 9 alphanumeric characters).
-CALL_ID = "abc123XYZ"
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "description": "The city's name."}},
-                "required": ["city"],
-            },
-        },
-    }
-]
-
-
-def conversation(reply: str = "It is 22 degrees and sunny in Paris.") -> list[dict]:
-    """A system turn, a question, a tool call, its result, a reply and a follow-up question."""
-    call = {
-        "id": CALL_ID,
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
-    }
-    return [
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "What is the weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": CALL_ID, "content": "22 degrees and sunny"},
-        {"role": "assistant", "content": reply},
-        {"role": "user", "content": "And in Lyon?"},
-    ]
-
-
-@attrs.frozen
-class Family:
-    """A family's template, its tokenizer's special tokens and what a test renders it with.
-
-    Args:
-        template: the fixture's file name.
-        specials: the special tokens (first ones get the lowest ids).
-        added: added tokens that are not special (Qwen's `<tool_call>`).
-        named: the named special tokens (`bos_token`, ...) and their text.
-        kwargs: extra template variables.
-        eos, generation, suffix: the fixed pieces the probe must find.
-    """
-
-    template: str
-    specials: tuple[str, ...]
-    named: dict
-    eos: str
-    generation: str
-    suffix: str
-    added: tuple[str, ...] = ()
-    kwargs: dict = attrs.field(factory=dict)
-
-
-QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-QWEN_NAMED = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-FAMILIES = {
-    "qwen2.5": Family(
-        "qwen2.5-instruct.jinja",
-        QWEN_SPECIALS,
-        QWEN_NAMED,
-        eos="<|im_end|>",
-        generation="<|im_start|>assistant\n",
-        suffix="\n",
-        added=("<tool_call>", "</tool_call>"),
-    ),
-    "qwen3": Family(
-        "qwen3.jinja",
-        QWEN_SPECIALS,
-        QWEN_NAMED,
-        eos="<|im_end|>",
-        generation="<|im_start|>assistant\n",
-        suffix="\n",
-        added=("<tool_call>", "</tool_call>", "<think>", "</think>"),
-    ),
-    "qwen3-no-thinking": Family(
-        "qwen3.jinja",
-        QWEN_SPECIALS,
-        QWEN_NAMED,
-        eos="<|im_end|>",
-        generation="<|im_start|>assistant\n<think>\n\n</think>\n\n",
-        suffix="\n",
-        added=("<tool_call>", "</tool_call>", "<think>", "</think>"),
-        kwargs={"enable_thinking": False},
-    ),
-    "llama3.2": Family(
-        "llama3.2-instruct.jinja",
-        (
-            "<|begin_of_text|>",
-            "<|end_of_text|>",
-            "<|start_header_id|>",
-            "<|end_header_id|>",
-            "<|eot_id|>",
-            "<|eom_id|>",
-            "<|python_tag|>",
-        ),
-        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
-        eos="<|eot_id|>",
-        generation="<|start_header_id|>assistant<|end_header_id|>\n\n",
-        suffix="",
-        kwargs={"date_string": "26 Jul 2024"},
-    ),
-    "mistral": Family(
-        "mistral-nemo-instruct-2407.jinja",
-        (
-            "<unk>",
-            "<s>",
-            "</s>",
-            "[INST]",
-            "[/INST]",
-            "[TOOL_CALLS]",
-            "[AVAILABLE_TOOLS]",
-            "[/AVAILABLE_TOOLS]",
-            "[TOOL_RESULTS]",
-            "[/TOOL_RESULTS]",
-        ),
-        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
-        eos="</s>",
-        generation="",
-        suffix="",
-    ),
-}
-
-
-def family_tokenizer(family: Family) -> Tokenizer:
-    """A byte-level BPE trained on `CORPUS` with the family's special and added tokens."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=420,
-        special_tokens=list(family.specials),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(CORPUS, trainer)
-    tokenizer.add_tokens([AddedToken(text, special=False) for text in family.added])
-    return tokenizer
-
-
-def reference(family: Family) -> PreTrainedTokenizerFast:
-    """`transformers`' tokenizer over the family's BPE, with its template set."""
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=family_tokenizer(family), **family.named)
-    tokenizer.chat_template = (TEMPLATES / family.template).read_text()
-    return tokenizer
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -249,12 +89,7 @@ def test_a_reply_and_the_next_question_extend_the_prompt_where_the_template_is_i
     prompt, the reply's ids, the stop token, the turn suffix, the question's `encode_turn`
     and the generation prompt are the whole conversation's ids."""
     for name in ("qwen2.5", "llama3.2"):
-        spec = FAMILIES[name]
-        ours = TemplateTokenizer(
-            family_tokenizer(spec),
-            ChatTemplate.of((TEMPLATES / spec.template).read_text(), **spec.named),
-            template_kwargs=spec.kwargs,
-        )
+        ours = template_tokenizer(name)
         question = {"role": "user", "content": "What is the weather in Paris?"}
         reply, follow_up = "It is sunny.", {"role": "user", "content": "And in Lyon?"}
         whole = ours.encode_chat(
@@ -272,20 +107,14 @@ def test_a_reply_and_the_next_question_extend_the_prompt_where_the_template_is_i
 
 
 def test_encode_turn_says_why_the_template_refuses_the_turn():
-    spec = FAMILIES["mistral"]
-    ours = TemplateTokenizer(
-        family_tokenizer(spec),
-        ChatTemplate.of((TEMPLATES / spec.template).read_text(), **spec.named),
-    )
+    ours = template_tokenizer("mistral")
     with pytest.raises(ChatTemplateError, match="alternate user/assistant"):
         ours.encode_turn({"role": "assistant", "content": "twice"})
 
 
 def test_llama_writes_todays_date_through_strftime_now():
-    spec = FAMILIES["llama3.2"]
     ours = TemplateTokenizer(
-        family_tokenizer(spec),
-        ChatTemplate.of((TEMPLATES / spec.template).read_text(), **spec.named),
+        family_tokenizer(FAMILIES["llama3.2"]), template_tokenizer("llama3.2").template
     )
     before = datetime.datetime.now().strftime("%d %b %Y")
     text = ours.render([{"role": "user", "content": "Hi"}])
@@ -351,11 +180,7 @@ def test_a_message_spelling_a_special_token_is_refused(family):
 
 
 def test_a_template_that_refuses_a_conversation_says_why():
-    spec = FAMILIES["llama3.2"]
-    ours = TemplateTokenizer(
-        family_tokenizer(spec),
-        ChatTemplate.of((TEMPLATES / spec.template).read_text(), **spec.named),
-    )
+    ours = template_tokenizer("llama3.2")
     two_calls = conversation()
     two_calls[2]["tool_calls"] = two_calls[2]["tool_calls"] * 2
     with pytest.raises(ChatTemplateError, match="only supports single tool-calls"):

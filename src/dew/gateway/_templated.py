@@ -1,0 +1,149 @@
+"""A chat request's prompt under a checkpoint's own chat template, token in / token out.
+
+The template renders the whole conversation (tools, calls and results included), as
+`apply_chat_template` would. The model was trained on that text; but the gateway also owes the
+trainer one chain per session: the prompt of a call that follows the gateway's own answer must
+extend that call's prompt and the ids it sampled, not a re-tokenisation of the answer's text.
+
+So, where the conversation holds an assistant turn the gateway produced (matched as under ChatML,
+by its tool-call ids or its text), the latest such turn k is spliced:
+
+- the template's rendering of the messages before k, with the generation prompt, must be the text
+  rendered for call k (`Turn.prompt_text`): then call k's prompt ids stand for it;
+- the rendering of the whole conversation must start with that text (the template renders the
+  conversation incrementally there);
+- the prompt is call k's prompt, the ids it sampled, its stop token if it was cut before one, and
+  the rendering's text after turn k's stop token, tokenized.
+
+Where turn k's text as the template renders it is not the text sampled (a client that reformats
+a call's arguments, Qwen3 re-rendering the reasoning), the sampled ids are kept and the request is
+counted as `drift`: the model is trained on what it saw. Where the prefix does not hold (the
+history before k changed, the tools changed, or the template rewrites earlier turns, as Qwen3
+does once a new question arrives), the conversation is tokenized from its text and each of the
+gateway's turns in it is counted as `rerendered`: the chain breaks, visibly. Both are counted on
+the session and the gateway, and logged once per gateway.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from dew.gateway._schema import ApiError, ChatRequest, Message
+from dew.serve.chat_template import ChatTemplateError
+
+
+@attrs.frozen
+class Rendered:
+    """A chat request's prompt under the template.
+
+    Args:
+        ids: the prompt's token ids.
+        text: the template's text of the request (with the generation prompt), which a later
+            call's splice checks its prefix against; None under dew's ChatML template.
+        spliced: whether the prompt extends one of the gateway's calls.
+        drift: whether that call's turn renders as other text than was sampled.
+        rerendered: how many of the gateway's turns were tokenized from their text.
+    """
+
+    ids: np.ndarray
+    text: str | None
+    spliced: bool = False
+    drift: bool = False
+    rerendered: int = 0
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as templates expect them: the JSON object, else the text as sent."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def template_message(message: Message) -> dict[str, Any]:
+    """A message as chat templates take it (OpenAI's shape, arguments as objects)."""
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": _arguments(arguments)},
+            }
+            for call_id, name, arguments in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _render(tokenizer, messages, tools, add_generation_prompt: bool) -> str:
+    try:
+        return tokenizer.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+    except ChatTemplateError as error:
+        raise ApiError(400, str(error), param="messages", code="chat_template") from None
+
+
+def templated_prompt(tokenizer, request: ChatRequest, match: Callable[[Message], Any]) -> Rendered:
+    """The prompt of a chat request under `tokenizer`'s template (see the module).
+
+    Args:
+        tokenizer: a `dew.serve.tokenizer.TemplateTokenizer`.
+        request: the chat request.
+        match: the gateway's turn an assistant message stands for, or None.
+
+    Raises:
+        ApiError: 400 when the template refuses the conversation, or a message the client
+            wrote spells a special token.
+    """
+    messages = [template_message(message) for message in request.messages]
+    tools = list(request.tools) or None
+    own = [(index, turn) for index, m in enumerate(request.messages) if (turn := match(m))]
+    written = {index for index, _ in own}
+    for index, message in enumerate(messages):
+        if index not in written:
+            try:
+                tokenizer.check_messages([message])
+            except ValueError as error:
+                text = str(error).replace("messages[0]", f"messages[{index}]", 1)
+                raise ApiError(400, text, param=f"messages[{index}]") from None
+    text = _render(tokenizer, messages, tools, True)
+    if own:
+        index, turn = own[-1]
+        spliced = _splice(tokenizer, messages[:index], tools, text, turn)
+        if spliced is not None:
+            ids, drift = spliced
+            return Rendered(ids, text, spliced=True, drift=drift)
+    return Rendered(tokenizer.encode_rendered(text), text, rerendered=len(own))
+
+
+def _splice(
+    tokenizer, before: Sequence[dict[str, Any]], tools, text: str, turn
+) -> tuple[np.ndarray, bool] | None:
+    """The prompt extending `turn`'s call, and whether its text drifted; None where the
+    template's rendering does not extend what that call was prompted with."""
+    if turn.prompt_text is None or not before:
+        return None
+    prefix = _render(tokenizer, list(before), tools, True)
+    if prefix != turn.prompt_text or not text.startswith(prefix):
+        return None
+    completion = turn.call.completion
+    ended = len(completion) and int(completion[-1]) == tokenizer.eos_id
+    sampled = tokenizer.decode(completion[:-1] if ended else completion)
+    eos = tokenizer.decode([tokenizer.eos_id])
+    start = len(prefix)
+    drift = not text.startswith(sampled, start)
+    at = text.find(eos, start if drift else start + len(sampled))
+    if at < 0:
+        return None
+    drift = drift or at != start + len(sampled)
+    close = [] if ended else [tokenizer.eos_id]
+    rest = tokenizer.encode_rendered(text[at + len(eos) :])
+    ids = np.concatenate([turn.call.prompt, completion, np.array(close, np.int32), rest])
+    return ids.astype(np.int32), drift
