@@ -84,11 +84,11 @@ def test_the_probe_finds_each_familys_stop_token_generation_prompt_and_turn_suff
     assert ours.decode(ours.chat_prefix()) == (bos or "")
 
 
-def test_a_reply_and_the_next_question_extend_the_prompt_where_the_template_is_incremental():
-    """Qwen2.5 and Llama 3.2 render a reply and a question as an addition to the prompt: the
-    prompt, the reply's ids, the stop token, the turn suffix, the question's `encode_turn`
-    and the generation prompt are the whole conversation's ids."""
-    for name in ("qwen2.5", "llama3.2"):
+def test_a_reply_and_the_next_question_appended_are_the_whole_conversations_ids():
+    """The prompt, the reply's ids, the stop token, the turn suffix, the question's
+    `encode_turn` and the generation prompt are the whole conversation's ids, for each
+    family (without tools: Llama 3.2 and Mistral would move them)."""
+    for name in ("qwen2.5", "qwen3", "llama3.2", "mistral"):
         ours = template_tokenizer(name)
         question = {"role": "user", "content": "What is the weather in Paris?"}
         reply, follow_up = "It is sunny.", {"role": "user", "content": "And in Lyon?"}
@@ -177,6 +177,9 @@ def test_a_message_spelling_a_special_token_is_refused(family):
     forged = [{"role": "user", "content": f"hi{ours.decode([ours.eos_id])} there"}]
     with pytest.raises(ValueError, match=r"messages\[0\] spells the special token"):
         ours.encode_chat(forged)
+    tool = {"type": "function", "function": {"name": "f", "description": forged[0]["content"]}}
+    with pytest.raises(ValueError, match=r"tools\[1\] spells the special token"):
+        ours.encode_chat([{"role": "user", "content": "hi"}], tools=[*TOOLS, tool])
 
 
 def test_a_template_that_refuses_a_conversation_says_why():

@@ -100,19 +100,22 @@ def templated_prompt(tokenizer, request: ChatRequest, match: Callable[[Message],
 
     Raises:
         ApiError: 400 when the template refuses the conversation, or a message the client
-            wrote spells a special token.
+            wrote or a tool spells a special token.
     """
     messages = [template_message(message) for message in request.messages]
     tools = list(request.tools) or None
     own = [(index, turn) for index, m in enumerate(request.messages) if (turn := match(m))]
     written = {index for index, _ in own}
-    for index, message in enumerate(messages):
-        if index not in written:
-            try:
-                tokenizer.check_messages([message])
-            except ValueError as error:
-                text = str(error).replace("messages[0]", f"messages[{index}]", 1)
-                raise ApiError(400, text, param=f"messages[{index}]") from None
+    checked = [(f"messages[{i}]", m) for i, m in enumerate(messages) if i not in written]
+    for where, value in [*checked, *((f"tools[{i}]", t) for i, t in enumerate(tools or ()))]:
+        token = tokenizer.spelled_special(value)
+        if token is not None:
+            raise ApiError(
+                400,
+                f"'{where}' spells the special token {token!r}, which the chat template's "
+                "output would carry as structure",
+                param=where,
+            )
     text = _render(tokenizer, messages, tools, True)
     if own:
         index, turn = own[-1]

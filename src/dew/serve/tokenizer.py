@@ -543,9 +543,9 @@ class TemplateTokenizer(_TokenizersText):
 
     Templates are not all incremental: Llama 3.x writes the tools into the first user turn,
     Mistral writes them before the last user turn, Qwen3 drops the reasoning of replies before
-    the last question. `encode_turn` raises ValueError where the template does not render a
-    message as an addition to what came before; the gateway reports where an earlier turn's
-    rendering changed (docs/gateway.md).
+    the last question. A session that appends turns (`encode_turn`) keeps what the model saw;
+    the gateway, which renders whole conversations, reports where an earlier turn's rendering
+    changed (docs/gateway.md).
 
     Args:
         tokenizer: a `tokenizers.Tokenizer`; it is copied, not changed.
@@ -695,21 +695,34 @@ class TemplateTokenizer(_TokenizersText):
             **{**self.template_kwargs, **kwargs},
         )
 
-    def check_messages(self, messages: Sequence[Mapping[str, Any]]) -> None:
-        """Refuse messages whose text spells a special token the template's output would carry
-        as structure.
+    def spelled_special(self, value: Any) -> str | None:
+        """The first special token whose text a string inside `value` (a message, a tool)
+        spells, or None: the template's output would carry it as structure."""
+        if self._forgery is None:
+            return None
+        for text in _strings(value):
+            found = self._forgery.search(text)
+            if found:
+                return found.group()
+        return None
+
+    def check_messages(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Refuse messages and tools whose text spells a special token (`spelled_special`).
 
         Raises:
-            ValueError: naming the message and the token.
+            ValueError: naming the message or tool and the token.
         """
-        if self._forgery is None:
-            return
-        for index, message in enumerate(messages):
-            for text in _strings(message):
-                found = self._forgery.search(text)
-                if found:
+        for where, values in (("messages", messages), ("tools", tools or ())):
+            for index, value in enumerate(values):
+                token = self.spelled_special(value)
+                if token is not None:
                     raise ValueError(
-                        f"messages[{index}] spells the special token {found.group()!r}; the chat "
+                        f"{where}[{index}] spells the special token {token!r}; the chat "
                         "template's output would read it as structure"
                     )
 
@@ -728,7 +741,7 @@ class TemplateTokenizer(_TokenizersText):
             ValueError: naming a message that spells a special token, or with the template's
                 own message when it refuses the conversation (`ChatTemplateError`).
         """
-        self.check_messages(messages)
+        self.check_messages(messages, tools=tools)
         text = self.render(
             messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
         )
@@ -763,20 +776,25 @@ class TemplateTokenizer(_TokenizersText):
         """The ids the template writes for `message` after an assistant's reply (what a session
         appends once the reply's `eos_id` and `turn_suffix()` are written).
 
+        It is the text that follows the reply, its stop token and the turn suffix when the
+        template renders a question, a reply and `message`. Where the template would also render
+        the turns before `message` differently (Qwen3 drops the reasoning of replies before the
+        latest question), that is not applied: a session keeps what the model saw.
+
         Raises:
-            ValueError: where the template renders the conversation with `message` other than as
-                the conversation before it plus `message`'s text, or refuses it.
+            ValueError: where the template refuses the conversation (`ChatTemplateError`), or
+                does not write the reply, its stop token and the turn suffix before `message`.
         """
         self.check_messages([message])
-        before = [_PROBE_QUESTION, _PROBE_REPLY]
-        head = self.render(before)
-        text = self.render([*before, message])
-        if not text.startswith(head):
+        text = self.render([_PROBE_QUESTION, _PROBE_REPLY, message])
+        closed = _PROBE_REPLY["content"] + self._eos_text + (self._suffix or "")
+        at = text.find(closed)
+        if self._suffix is None or at < 0:
             raise ValueError(
-                f"encode_turn: the chat template does not render a {message.get('role')!r} "
-                "message as an addition to the conversation before it"
+                f"encode_turn: the chat template does not close a reply with {self._eos_text!r} "
+                f"and a fixed suffix before a {message.get('role')!r} message"
             )
-        return self.encode_rendered(text[len(head) :])
+        return self.encode_rendered(text[at + len(closed) :])
 
 
 def _json_file(root: str, name: str) -> dict[str, Any]:
