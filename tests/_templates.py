@@ -14,10 +14,6 @@ from dew._torch_media import hide_broken_media_packages
 from dew.serve.chat_template import ChatTemplate
 from dew.serve.tokenizer import TemplateTokenizer
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-hide_broken_media_packages()
-from transformers import PreTrainedTokenizerFast  # noqa: E402
-
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 
 CORPUS = [
@@ -173,8 +169,13 @@ def family_tokenizer(family: Family) -> Tokenizer:
     return tokenizer
 
 
-def reference(family: Family) -> PreTrainedTokenizerFast:
-    """`transformers`' tokenizer over the family's BPE, with its template set."""
+def reference(family: Family):
+    """`transformers`' tokenizer over the family's BPE, with its template set (transformers is
+    imported here, so the tests that need only dew's side never load it)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    hide_broken_media_packages()
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=family_tokenizer(family), **family.named)
     tokenizer.chat_template = (TEMPLATES / family.template).read_text()
     return tokenizer

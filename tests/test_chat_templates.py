@@ -26,6 +26,9 @@ from _templates import (
     reference,
     template_tokenizer,
 )
+from dew.data import Task
+from dew.envs.environment import EnvironmentSource, Score
+from dew.objectives.rl.sessions import Call, Label, Status, chains, check_session
 from dew.serve.chat_template import ChatTemplate, ChatTemplateError
 from dew.serve.tokenizer import HuggingFaceTokenizer, TemplateTokenizer
 from dew.serve.tokenizer import Tokenizer as Protocol
@@ -216,3 +219,56 @@ def test_bad_folders_are_refused_naming_the_file_and_field(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 10**6}))
     with pytest.raises(ValueError, match="eos_token_id 1000000 is not an id"):
         TemplateTokenizer.from_folder(tmp_path)
+
+
+class Replies:
+    """An engine that answers each call with the next scripted reply and its stop token."""
+
+    def __init__(self, tokenizer, replies):
+        self.tokenizer, self.replies, self.prompts = tokenizer, list(replies), []
+
+    async def generate(self, prompt, *, max_tokens, stop=(), **sampling) -> Call:
+        self.prompts.append(np.asarray(prompt))
+        text = self.replies[len(self.prompts) - 1]
+        ids = np.append(self.tokenizer.encode(text), self.tokenizer.eos_id).astype(np.int32)
+        return Call(np.asarray(prompt, np.int32), ids, np.full(len(ids), -0.5, np.float32), 0)
+
+
+class Echo:
+    """Asks again until it has seen two answers."""
+
+    def __init__(self):
+        self.seen = []
+
+    def reset(self, task):
+        return "What is the weather in Paris?"
+
+    def step(self, action):
+        self.seen.append(action)
+        return "And in Lyon?", len(self.seen) >= 2
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen3", "llama3.2", "mistral"])
+async def test_an_environment_session_under_each_template_is_one_chain_of_its_renderings(name):
+    """A multi-turn environment session appends each turn with `encode_turn`: every prompt is
+    the template's rendering of the conversation so far, and the calls merge into one chain."""
+    ours = template_tokenizer(name)
+    engine = Replies(ours, ["It is sunny.", "It is raining."])
+    source = EnvironmentSource(
+        engine,
+        Echo,
+        lambda env, episode: Score(1.0),
+        max_turns=3,
+        max_tokens=16,
+        max_context=4096,
+        tokenizer=ours,
+    )
+    session = check_session(await source.run(Task("0"), Label(0, 0, 0)))
+    assert session.status is Status.COMPLETED and len(chains(session)) == 1
+    conversation = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for prompt, reply in zip(engine.prompts, engine.replies, strict=True):
+        assert prompt.tolist() == ours.encode_chat(conversation).tolist()
+        conversation += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "And in Lyon?"},
+        ]
