@@ -45,7 +45,7 @@ class Turn:
         text_ids: the ids of `text` as the engine saw and sampled them, where they are known
             (a completion cut at its stop token or a stop string answers less text than it
             sampled: its client's text goes on without those tokens).
-        prompt_text: under a checkpoint's chat template, the template's text of the request.
+        templated: under a checkpoint's chat template, the request as the template rendered it.
     """
 
     call: Call
@@ -56,9 +56,7 @@ class Turn:
     text: str | None = None
     text_ids: np.ndarray | None = None
     rendered: np.ndarray | None = None  # the turn's ids in a later prompt, made once
-    # Under a checkpoint's template: the template's text of the request, which a later call's
-    # prompt must start with for this call's ids to stand for it.
-    prompt_text: str | None = None
+    templated: Rendered | None = None
 
 
 @attrs.frozen(eq=False)

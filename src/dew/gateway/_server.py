@@ -492,7 +492,7 @@ class Gateway:
             tuple(call_id for call_id, _, _ in reply.tool_calls),
             len(request.messages),
             fingerprint,
-            prompt_text=rendered.text,
+            templated=rendered if rendered.text is not None else None,
         )
         session.record(turn)
         session.transcript = [*payload["messages"], assistant_message(reply)]

@@ -8,10 +8,11 @@ extend that call's prompt and the ids it sampled, not a re-tokenisation of the a
 So, where the conversation holds an assistant turn the gateway produced (matched as under ChatML,
 by its tool-call ids or its text), the latest such turn k is spliced:
 
-- the template's rendering of the messages before k, with the generation prompt, must be the text
-  rendered for call k (`Turn.prompt_text`): then call k's prompt ids stand for it;
-- the rendering of the whole conversation must start with that text (the template renders the
-  conversation incrementally there);
+- the messages before k and the tools must be those of call k's request (`Turn.templated`):
+  then call k's prompt ids stand for them;
+- the rendering of the whole conversation must start with the text rendered for call k (the
+  template renders the conversation incrementally there, and renders the same messages the same
+  way: a date it writes has not changed);
 - the prompt is call k's prompt, the ids it sampled, its stop token if it was cut before one, and
   the rendering's text after turn k's stop token, tokenized.
 
@@ -27,7 +28,7 @@ the session and the gateway, and logged once per gateway.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -45,6 +46,8 @@ class Rendered:
         ids: the prompt's token ids.
         text: the template's text of the request (with the generation prompt), which a later
             call's splice checks its prefix against; None under dew's ChatML template.
+        messages: the request's messages as the template took them.
+        tools: the request's tools, or None.
         spliced: whether the prompt extends one of the gateway's calls.
         drift: whether that call's turn renders as other text than was sampled.
         rerendered: how many of the gateway's turns were tokenized from their text.
@@ -52,6 +55,8 @@ class Rendered:
 
     ids: np.ndarray
     text: str | None
+    messages: tuple[dict[str, Any], ...] = ()
+    tools: tuple[dict[str, Any], ...] | None = None
     spliced: bool = False
     drift: bool = False
     rerendered: int = 0
@@ -117,24 +122,28 @@ def templated_prompt(tokenizer, request: ChatRequest, match: Callable[[Message],
                 param=where,
             )
     text = _render(tokenizer, messages, tools, True)
+    asked = (tuple(messages), None if tools is None else tuple(tools))
     if own:
         index, turn = own[-1]
-        spliced = _splice(tokenizer, messages[:index], tools, text, turn)
+        spliced = _splice(tokenizer, (asked[0][:index], asked[1]), text, turn)
         if spliced is not None:
             ids, drift = spliced
-            return Rendered(ids, text, spliced=True, drift=drift)
-    return Rendered(tokenizer.encode_rendered(text), text, rerendered=len(own))
+            return Rendered(ids, text, *asked, spliced=True, drift=drift)
+    return Rendered(tokenizer.encode_rendered(text), text, *asked, rerendered=len(own))
 
 
-def _splice(
-    tokenizer, before: Sequence[dict[str, Any]], tools, text: str, turn
-) -> tuple[np.ndarray, bool] | None:
+def _splice(tokenizer, before: tuple, text: str, turn) -> tuple[np.ndarray, bool] | None:
     """The prompt extending `turn`'s call, and whether its text drifted; None where the
-    template's rendering does not extend what that call was prompted with."""
-    if turn.prompt_text is None or not before:
+    template's rendering does not extend what that call was prompted with.
+
+    Args:
+        before: the messages before the turn and the tools, as the template takes them.
+    """
+    asked = turn.templated
+    if asked is None or (asked.messages, asked.tools) != before:
         return None
-    prefix = _render(tokenizer, list(before), tools, True)
-    if prefix != turn.prompt_text or not text.startswith(prefix):
+    prefix = asked.text
+    if not text.startswith(prefix):
         return None
     completion = turn.call.completion
     ended = len(completion) and int(completion[-1]) == tokenizer.eos_id
