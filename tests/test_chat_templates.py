@@ -139,17 +139,28 @@ def test_an_older_folder_with_the_template_in_tokenizer_config_loads_the_same(tm
 
 
 def test_named_templates_render_tools_with_tool_use_as_transformers_does(tmp_path):
-    family_tokenizer(FAMILIES["qwen2.5"]).save(str(tmp_path / "tokenizer.json"))
-    named = [
-        {"name": "default", "template": "{{ messages[0].content }}|plain"},
-        {"name": "tool_use", "template": "{{ messages[0].content }}|{{ tools | length }} tools"},
-    ]
-    config = {**QWEN_NAMED, "chat_template": named}
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    ours = TemplateTokenizer.from_folder(tmp_path, chat_template=None)
+    """Named templates as transformers saves them (additional_chat_templates/) and as older
+    folders list them in tokenizer_config.json."""
+    named = {
+        "default": "{{ messages[0].content }}|plain<|im_end|>",
+        "tool_use": "{{ messages[0].content }}|{{ tools | length }} tools<|im_end|>",
+    }
+    hf = reference(FAMILIES["qwen2.5"])
+    hf.chat_template = named
+    hf.save_pretrained(tmp_path / "new")
+    old = tmp_path / "old"
+    old.mkdir()
+    family_tokenizer(FAMILIES["qwen2.5"]).save(str(old / "tokenizer.json"))
+    listed = [{"name": name, "template": text} for name, text in named.items()]
+    (old / "tokenizer_config.json").write_text(json.dumps({**QWEN_NAMED, "chat_template": listed}))
     question = [{"role": "user", "content": "Hi"}]
-    assert ours.render(question) == "Hi|plain"
-    assert ours.render(question, tools=TOOLS) == "Hi|1 tools"
+    for folder in (tmp_path / "new", old):
+        ours = TemplateTokenizer.from_folder(folder)
+        assert ours.render(question) == hf.apply_chat_template(question, tokenize=False)
+        assert ours.render(question, tools=TOOLS) == "Hi|1 tools<|im_end|>"
+        assert (
+            hf.apply_chat_template(question, tools=TOOLS, tokenize=False) == "Hi|1 tools<|im_end|>"
+        )
 
 
 def test_generation_config_supplies_the_special_tokens_tokenizer_config_lacks(tmp_path):

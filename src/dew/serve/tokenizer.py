@@ -634,7 +634,8 @@ class TemplateTokenizer(_TokenizersText):
     ) -> TemplateTokenizer:
         """The tokenizer and chat template of a Hugging Face checkpoint folder.
 
-        Reads `tokenizer.json`; the chat template from `chat_template.jinja`, else the
+        Reads `tokenizer.json`; the chat template from `chat_template.jinja` (and the named
+        ones, such as `tool_use`, from `additional_chat_templates/NAME.jinja`), else the
         `chat_template` field of `tokenizer_config.json` (a string, or a list of named templates
         as older folders have it), else `chat_template.json`; the named special tokens
         (`bos_token`, `eos_token`, `pad_token`, ...) from `tokenizer_config.json`, and those it
@@ -797,6 +798,16 @@ class TemplateTokenizer(_TokenizersText):
         return self.encode_rendered(text[at + len(closed) :])
 
 
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"TemplateTokenizer.from_folder: {path!r} does not read: {error}"
+        ) from None
+
+
 def _json_file(root: str, name: str) -> dict[str, Any]:
     """A folder's JSON object file, or {} when there is none."""
     path = os.path.join(root, name)
@@ -822,8 +833,14 @@ def _template_sources(root: str, config: Mapping[str, Any], given: str | None) -
         return {"default": given}
     path = os.path.join(root, "chat_template.jinja")
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as file:
-            return {"default": file.read()}
+        sources = {"default": _read_text(path)}
+        # Newer folders keep the other named templates (tool_use) one file each beside it.
+        extra = os.path.join(root, "additional_chat_templates")
+        if os.path.isdir(extra):
+            for name in sorted(os.listdir(extra)):
+                if name.endswith(".jinja"):
+                    sources[name.removesuffix(".jinja")] = _read_text(os.path.join(extra, name))
+        return sources
     where = os.path.join(root, "tokenizer_config.json")
     value = config.get("chat_template")
     if value is None:
