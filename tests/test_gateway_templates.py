@@ -235,3 +235,57 @@ async def test_what_the_template_refuses_and_forged_special_tokens_answer_400(qw
         error = answer.json()["error"]
         assert culprit in error["message"] and error["param"] in (culprit, "messages")
         assert session.calls == () and session.infra_error is None and engine.started == 0
+
+
+@pytest.mark.parametrize(
+    ("family", "reply", "follow_up", "counts"),
+    [
+        ("qwen3", "It is sunny.", "tool", (1, 0, 0)),
+        ("qwen3", "<think>\nLook it up.\n</think>\n\n" + QWEN_CALL, "tool", (1, 0, 0)),
+        ("qwen3", "<think>\nEasy.\n</think>\n\nIt is sunny.", "user", (1, 1, 0)),
+        ("qwen3-no-thinking", "It is sunny.", "user", (0, 0, 1)),
+        ("mistral", "It is sunny.", "user", (0, 0, 1)),
+    ],
+    ids=[
+        "answer",
+        "thinking-tool-loop",
+        "new-question-drops-thinking",
+        "no-thinking",
+        "mistral-tools-move",
+    ],
+)
+async def test_one_chain_holds_until_the_template_rewrites_what_came_before_a_turn(
+    family, reply, follow_up, counts
+):
+    """Qwen3's template renders a reply (with its reasoning) as the model wrote it until a new
+    question arrives, when it drops the reasoning of the replies before it: the sampled ids are
+    kept and the drift counted. With thinking off, its generation prompt's empty think block is
+    never rendered back, so the text before the reply changes: the prompt is the template's
+    text, counted as rerendered. Mistral's moves the tools to the latest question, likewise."""
+    tokenizer = template_tokenizer(family)
+    hf = reference(FAMILIES[family])
+    engine = ScriptedEngine([reply, "ok"], tokenizer=tokenizer)
+    async with Gateway(engine, max_context=4096, announce=False) as gateway:
+        session = gateway.open()
+        async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key) as api:
+            first = await api.chat.completions.create(model="m", messages=[QUESTION], tools=TOOLS)
+            message = first.choices[0].message
+            if follow_up == "tool":
+                after = {"role": "user", "content": "Go on."}
+                if message.tool_calls:
+                    after = {
+                        "role": "tool",
+                        "tool_call_id": message.tool_calls[0].id,
+                        "content": RESULT,
+                    }
+            else:
+                after = {"role": "user", "content": "And in Lyon?"}
+            await api.chat.completions.create(
+                model="m", messages=[QUESTION, message, after], tools=TOOLS
+            )
+    calls = session.calls
+    assert (dict(gateway.rendering)["spliced"], session.drift, session.rerendered) == counts
+    assert one_chain(calls) == bool(counts[0])
+    if counts[2]:  # the template's own text, as transformers renders it
+        history = [QUESTION, {"role": "assistant", "content": message.content or ""}, after]
+        assert calls[1].prompt.tolist() == expected_ids(hf, history, **FAMILIES[family].kwargs)

@@ -17,11 +17,12 @@ by its tool-call ids or its text), the latest such turn k is spliced:
   the rendering's text after turn k's stop token, tokenized.
 
 Where turn k's text as the template renders it is not the text sampled (a client that reformats
-a call's arguments, Qwen3 re-rendering the reasoning), the sampled ids are kept and the request is
-counted as `drift`: the model is trained on what it saw. Where the prefix does not hold (the
-history before k changed, the tools changed, or the template rewrites earlier turns, as Qwen3
-does once a new question arrives), the conversation is tokenized from its text and each of the
-gateway's turns in it is counted as `rerendered`: the chain breaks, visibly. Both are counted on
+a call's arguments, Qwen3 dropping a reply's reasoning once a new question follows), the sampled
+ids are kept and the request is counted as `drift`: the model is trained on what it saw. Where
+the prefix does not hold (the history before k changed, the tools changed, or the template
+rewrites what came before the reply, as Qwen3 with thinking off and Mistral's moving tools do),
+the conversation is tokenized from its text and each of the gateway's turns in it is counted as
+`rerendered`: the chain breaks, visibly. Both are counted on
 the session and the gateway, and logged once per gateway.
 """
 
