@@ -79,6 +79,11 @@ class Template:
     @classmethod
     def of(cls, tokenizer: Any) -> Template:
         """`tokenizer`'s template pieces."""
+        if isinstance(tokenizer, TemplateTokenizer):
+            # A checkpoint's template renders whole conversations (`_templated`): sessions use
+            # no fixed pieces of it, and a template may have none.
+            none = np.zeros(0, np.int32)
+            return cls(tokenizer, none, none, none)
         return cls(
             tokenizer,
             np.asarray(tokenizer.chat_prefix(), np.int32),

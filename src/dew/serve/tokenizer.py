@@ -584,18 +584,16 @@ class TemplateTokenizer(_TokenizersText):
         named = template.special_tokens
         self.bos_id = self._vocabulary[named["bos_token"]] if "bos_token" in named else None
         self.pad_id = self._vocabulary[named["pad_token"]] if "pad_token" in named else None
-        id_to_text = {
-            token_id: self._tokenizer.id_to_token(token_id) for token_id in self.special_ids
-        }
-        self._special_texts = sorted(id_to_text.values(), key=len, reverse=True)
+        texts = [self._tokenizer.id_to_token(token_id) for token_id in self.special_ids]
+        self._special_texts = sorted(texts, key=len, reverse=True)
         self._forgery = (
             re.compile("|".join(re.escape(text) for text in self._special_texts))
             if self._special_texts
             else None
         )
-        self._probe(id_to_text)
+        self._probe()
 
-    def _probe(self, id_to_text: Mapping[int, str]) -> None:
+    def _probe(self) -> None:
         """Find `eos_id`, the generation prompt and the turn suffix from a probe conversation."""
         self._generation: str | None = None
         self._suffix: str | None = None
