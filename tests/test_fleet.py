@@ -84,6 +84,11 @@ def test_the_public_surface():
         "port",
         "model",
         "max_body",
+        "max_messages",
+        "max_tools",
+        "header_timeout",
+        "body_timeout",
+        "max_session_requests",
         "announce",
         "freeze_gc",
     ]

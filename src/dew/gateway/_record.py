@@ -110,14 +110,16 @@ class GatewaySession:
 
     Attributes:
         base_url: the OpenAI base URL for the harness (`.../<token>/v1`).
-        api_key: a key to hand the client (the URL prefix is the credential; the key is not
-            checked, so harnesses that send a fixed key work).
+        api_key: the key to hand the client. The URL prefix is the credential: a request with
+            no key is served, but one whose `Authorization` bearer key is another is refused
+            (401), so a harness wired to the wrong session is caught.
         label: the rollout's label (keys each call's sampling), or None.
         max_calls: the most calls before the session is TRUNCATED (`turns`), or None.
         drift: under a checkpoint's chat template, the calls whose prompt kept one of the
             gateway's turns as the ids sampled where the template renders it as other text.
         rerendered: under a checkpoint's chat template, the gateway's turns a prompt holds as
             the template's text, not the ids sampled (the session's chain breaks there).
+        requests: the session's requests the gateway is reading or answering now.
     """
 
     def __init__(
@@ -144,6 +146,7 @@ class GatewaySession:
         self._empty = 0  # how many of them answered nothing (no text, no tool call)
         self._started = 0
         self._in_flight: set[trio.CancelScope] = set()
+        self.requests = 0
         self.closed: str | None = None
         self.truncation: str | None = None
         self.infra_error: str | None = None

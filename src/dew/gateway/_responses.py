@@ -22,11 +22,14 @@ from typing import Any
 from dew.gateway._answers import Sample, chat_logprobs, sse, text_deltas
 from dew.gateway._schema import (
     CHAT_FIELDS,
+    MAX_MESSAGES,
+    MAX_TOOLS,
     _check_fields,
     _kind,
     _positive,
     _refuse_given,
     _text_of,
+    check_count,
     invalid,
     unsupported,
 )
@@ -104,14 +107,22 @@ _TYPES = {
 _ROLES = ("user", "system", "developer", "assistant")
 
 
-def chat_payload(body: dict[str, Any]) -> dict[str, Any]:
+def chat_payload(
+    body: dict[str, Any], *, max_messages: int = MAX_MESSAGES, max_tools: int = MAX_TOOLS
+) -> dict[str, Any]:
     """The chat completions body a Responses body stands for.
+
+    Args:
+        max_messages, max_tools: the most `input` items and tools taken.
 
     Raises:
         ApiError: 400 naming the field (an `input` item by its index) that is missing, of the
-            wrong type or unsupported.
+            wrong type or unsupported, or that holds more entries than its limit.
     """
     _check_fields(body, _TYPES, ("model", "input"))
+    if isinstance(body["input"], list):
+        check_count("input", body["input"], max_messages, "max_messages")
+    check_count("tools", body.get("tools") or [], max_tools, "max_tools")
     _refuse_given(body, "previous_response_id", "conversation", "prompt")
     if body.get("background"):
         raise unsupported("background", "'background' responses are not supported")

@@ -145,11 +145,19 @@ COMPLETION_FIELDS: Mapping[str, str] = {
 """What the gateway does with each field of a completions request (same wording as CHAT_FIELDS)."""
 
 
+MAX_DEPTH = 64
+"""How deeply a request's JSON may nest (a tool's parameter schema within its tool within
+`tools` is 5 levels). Rendering a schema as text, and answering a Responses request's settings
+back, recurse once per level: a value nested 1,000 deep would exhaust Python's stack (or
+orjson's 255 levels) while answering, a fault of the gateway, where it is the client's."""
+
+
 def parse_json(body: bytes) -> dict[str, Any]:
     """The request body as a JSON object.
 
     Raises:
-        ApiError: 400 when it is not valid UTF-8 JSON, or not an object.
+        ApiError: 400 when it is not valid UTF-8 JSON, not an object, or a field nests deeper
+            than `MAX_DEPTH` (naming the field).
     """
     try:
         value = orjson.loads(body)
@@ -159,7 +167,31 @@ def parse_json(body: bytes) -> dict[str, Any]:
         ) from None
     if not isinstance(value, dict):
         raise invalid(None, f"the request body must be a JSON object, got {_kind(value)}")
+    for name, field in value.items():
+        _check_depth(name, field)
     return value
+
+
+def _check_depth(name: str, value) -> None:
+    """Refuse a field nesting deeper than MAX_DEPTH, walked without recursion (the walk itself
+    must not be what a deep value breaks)."""
+    level = [value] if isinstance(value, dict | list) else []
+    for _ in range(MAX_DEPTH):  # after k rounds, `level` holds the containers k + 1 deep
+        level = [
+            child
+            for item in level
+            for child in (item.values() if isinstance(item, dict) else item)
+            if isinstance(child, dict | list)
+        ]
+        if not level:
+            return
+    if level:
+        raise invalid(
+            name,
+            f"'{name}' nests deeper than {MAX_DEPTH} levels of arrays and objects, the most "
+            "the gateway takes",
+            "nested_too_deeply",
+        )
 
 
 def _kind(value) -> str:
@@ -516,7 +548,7 @@ def _tool_choice(value, names: frozenset[str]) -> str:
             "tool_choice", f"tool_choice of type {value.get('type')!r} is not supported"
         )
     name = function.get("name")
-    if name not in names:
+    if not isinstance(name, str) or name not in names:
         raise invalid(
             "tool_choice.function.name", f"tool_choice names {name!r}, which is not in tools"
         )
@@ -536,14 +568,40 @@ def _response_format(value) -> dict[str, Any] | None:
     return None if kind == "text" else value
 
 
-def chat_request(body: dict[str, Any]) -> ChatRequest:
+MAX_MESSAGES = 2048
+"""The default most messages of a chat request (the gateway's `max_messages`)."""
+
+MAX_TOOLS = 128
+"""The default most tools of a request (the gateway's `max_tools`; OpenAI's own limit)."""
+
+
+def check_count(name: str, values: list, limit: int, option: str) -> None:
+    """Raises: ApiError 400 naming the field and the gateway's option when `values` holds more
+    than `limit` entries."""
+    if len(values) > limit:
+        raise invalid(
+            name,
+            f"'{name}' holds {len(values)} entries, above the gateway's {option} of {limit}",
+            "too_many_entries",
+        )
+
+
+def chat_request(
+    body: dict[str, Any], *, max_messages: int = MAX_MESSAGES, max_tools: int = MAX_TOOLS
+) -> ChatRequest:
     """Parse a chat completions body.
+
+    Args:
+        max_messages, max_tools: the most messages and tools taken (checked before either is
+            read, so that a runaway request costs no more than its count).
 
     Raises:
         ApiError: 400 naming the field that is missing, of the wrong type, out of bounds or
-            unsupported.
+            unsupported, or that holds more entries than its limit.
     """
     _check_fields(body, _CHAT_TYPES, ("model", "messages"))
+    check_count("messages", body["messages"], max_messages, "max_messages")
+    check_count("tools", body.get("tools") or [], max_tools, "max_tools")
     _single_choice(body)
     _refuse_given(body, "audio", "web_search_options", "functions", "function_call")
     if body.get("modalities") not in (None, ["text"]):

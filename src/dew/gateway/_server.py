@@ -39,8 +39,11 @@ from dew.gateway._answers import (
 from dew.gateway._record import GatewaySession, Template, Turn
 from dew.gateway._responses import Answer, chat_payload, named_sse
 from dew.gateway._schema import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
     ApiError,
     ChatRequest,
+    CompletionRequest,
     chat_request,
     completion_request,
     invalid,
@@ -56,12 +59,42 @@ _log = logging.getLogger("dew.gateway")
 # Closed sessions remembered (to answer 410 rather than 404); older ones are forgotten.
 _CLOSED_KEPT = 100_000
 _JSON = [(b"content-type", b"application/json")]
+# A body at least this large is parsed and rendered in a worker thread: the event loop serves
+# every session, and reading a request of megabytes on it would hold them all (200,000 messages
+# in 6 MB took seconds). Smaller ones stay on the loop, where a thread's round trip would cost
+# more than the work.
+_OFF_LOOP_BYTES = 1 << 16
 
 
 def _check_int(name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     return value
+
+
+def _check_seconds(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e6:
+        raise ValueError(f"{name} must be a number of seconds in (0, 1e6), got {value!r}")
+    return float(value)
+
+
+def _bearer(scope) -> str | None:
+    """The API key of the request's `Authorization: Bearer KEY` header, None without one.
+
+    Raises:
+        ApiError: 401 when the header is there but not a bearer key.
+    """
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, key = value.decode("latin-1").partition(" ")
+            if scheme.lower() != "bearer":
+                raise ApiError(
+                    401,
+                    "the Authorization header must be 'Bearer <the session's api_key>'",
+                    code="invalid_api_key",
+                )
+            return key.strip()
+    return None
 
 
 def _retry_count(scope) -> int:
@@ -163,6 +196,17 @@ class Gateway:
         port: the port; 0 picks a free one.
         model: the model name `GET /v1/models` lists.
         max_body: the largest request body in bytes (413 above it).
+        max_messages: the most messages of a chat request (`input` items of a Responses one);
+            more are refused (400 naming the field and this limit) before any is read.
+        max_tools: the most tools of a request, likewise.
+        header_timeout: seconds a connection may take to send a request's headers, counted
+            from its opening or from its previous answer (hypercorn's `keep_alive_timeout`,
+            so an idle keep-alive connection is closed after as long); then it is closed.
+        body_timeout: seconds a request's body may take to arrive once its headers have;
+            then it is answered 408 and its connection closed.
+        max_session_requests: the most requests of one session read or answered at once; one
+            more is answered 429 (a slow client cannot hold a session's connections open by
+            the thousand).
         announce: print the address to stderr when serving.
         freeze_gc: on entering, collect once and move every object alive then (the imported
             modules, the model, the compiled functions) out of the cyclic garbage collector's
@@ -173,8 +217,8 @@ class Gateway:
             reference goes; only garbage cycles among them are never collected.
 
     Raises:
-        ValueError: naming the argument out of bounds, or an engine whose tokenizer differs
-            from `tokenizer`.
+        ValueError: naming the argument out of bounds, a max_context above an engine's
+            `max_len`, or an engine whose tokenizer differs from `tokenizer`.
     """
 
     def __init__(
@@ -189,6 +233,11 @@ class Gateway:
         port: int = 0,
         model: str = "dew",
         max_body: int = 8 << 20,
+        max_messages: int = MAX_MESSAGES,
+        max_tools: int = MAX_TOOLS,
+        header_timeout: float = 5.0,
+        body_timeout: float = 10.0,
+        max_session_requests: int = 32,
         announce: bool = True,
         freeze_gc: bool = True,
     ):
@@ -200,6 +249,15 @@ class Gateway:
         # Which engines report top log-probs (`RolloutServer.generate(top_logprobs=...)`).
         self._reports_top = [_takes(server.generate, "top_logprobs") for server in servers]
         self.max_context = _check_int("max_context", max_context, 2)
+        for index, server in enumerate(servers):
+            longest = getattr(server, "max_len", None)
+            if isinstance(longest, int) and self.max_context > longest:
+                # A prompt the gateway let through would fail in the engine: a client's long
+                # prompt answered 500 and booked as an infrastructure fault.
+                raise ValueError(
+                    f"max_context must be at most engine {index}'s max_len {longest}, got "
+                    f"{max_context}"
+                )
         self.max_tokens = _check_int("max_tokens", max_tokens, 1)
         self.sampling = Sampling() if sampling is None else sampling
         if not isinstance(self.sampling, Sampling):
@@ -215,6 +273,11 @@ class Gateway:
         self.port = _check_int("port", port, 0)
         self.model = model
         self.max_body = _check_int("max_body", max_body, 1)
+        self.max_messages = _check_int("max_messages", max_messages, 1)
+        self.max_tools = _check_int("max_tools", max_tools, 0)
+        self.header_timeout = _check_seconds("header_timeout", header_timeout)
+        self.body_timeout = _check_seconds("body_timeout", body_timeout)
+        self.max_session_requests = _check_int("max_session_requests", max_session_requests, 1)
         self.announce = announce
         self.freeze_gc = freeze_gc
         self.url: str | None = None
@@ -240,6 +303,13 @@ class Gateway:
         # Agents keep their connections alive across sessions (a client per trio run): no
         # reconnection every 1000 requests, hypercorn's default.
         config.keep_alive_max_requests = sys.maxsize
+        # Hypercorn closes a connection whose request headers have not all come this long after
+        # it opened or was last answered. Its `read_timeout` is not used: it would also close a
+        # connection whose client waits, silent, for a long generation. The body has a
+        # deadline of its own (`_body`).
+        config.keep_alive_timeout = self.header_timeout
+        # Large requests are read two at a time in worker threads (the GIL runs one anyway).
+        self._readers = trio.CapacityLimiter(2)
         self._stack = contextlib.AsyncExitStack()
         nursery = await self._stack.enter_async_context(trio.open_nursery())
         self._nursery = nursery
@@ -376,6 +446,18 @@ class Gateway:
                 404, f"unknown URL {scope['path']!r}", type="not_found_error", code="unknown_url"
             )
         session = self._session(parts[1])
+        key = _bearer(scope)
+        if key is not None and not secrets.compare_digest(
+            key.encode("latin-1"), session.api_key.encode()
+        ):
+            # The URL is the credential; a key is not needed, but a wrong one means a harness
+            # wired to another session, whose calls would be recorded into this rollout.
+            raise ApiError(
+                401,
+                "the Authorization header carries an API key that is not this session's: send "
+                "the session's api_key, or no key",
+                code="invalid_api_key",
+            )
         endpoint = "/".join(parts[3:])
         routes = {
             "chat/completions": ("POST", self._chat),
@@ -396,7 +478,18 @@ class Gateway:
                 code="method_not_allowed",
             )
         session.check_open()
-        await handler(session, scope, receive, send)
+        if session.requests >= self.max_session_requests:
+            raise ApiError(
+                429,
+                f"this session has {session.requests} requests in progress, the gateway's "
+                f"max_session_requests",
+                code="too_many_requests",
+            )
+        session.requests += 1
+        try:
+            await handler(session, scope, receive, send)
+        finally:
+            session.requests -= 1
 
     async def _body(self, scope, receive) -> bytes:
         length = _content_length(scope)
@@ -407,21 +500,66 @@ class Gateway:
                 code="request_too_large",
             )
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _Gone()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                raise ApiError(
-                    413,
-                    f"the request body is above {self.max_body} bytes",
-                    code="request_too_large",
-                )
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                return b"".join(chunks)
+        with trio.move_on_after(self.body_timeout):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise _Gone()
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_body:
+                    raise ApiError(
+                        413,
+                        f"the request body is above {self.max_body} bytes",
+                        code="request_too_large",
+                    )
+                chunks.append(chunk)
+                if not message.get("more_body"):
+                    return b"".join(chunks)
+        raise ApiError(
+            408,
+            f"the request body did not arrive within the gateway's body_timeout of "
+            f"{self.body_timeout:g} s",
+            code="request_timeout",
+        )
+
+    async def _off_loop(self, size: int, function: Callable, *args):
+        """`function(*args)`, in a worker thread when the request's body is `size` bytes or
+        more (see _OFF_LOOP_BYTES), where it holds no other session's request."""
+        if size < _OFF_LOOP_BYTES:
+            return function(*args)
+        return await trio.to_thread.run_sync(
+            functools.partial(function, *args), limiter=self._readers
+        )
+
+    def _read_chat(self, body: bytes, as_chat) -> tuple[dict, dict, ChatRequest, bytes]:
+        """A chat (or Responses, through `as_chat`) body's payload, the chat payload it stands
+        for, the parsed request and the body's fingerprint."""
+        request_payload = parse_json(body)
+        payload = request_payload
+        limit = self.max_messages
+        if as_chat is not None:
+            payload = as_chat(request_payload, max_messages=limit, max_tools=self.max_tools)
+            limit += 1  # `instructions` adds a leading system message to the items
+        request = chat_request(payload, max_messages=limit, max_tools=self.max_tools)
+        return request_payload, payload, request, hashlib.sha256(body).digest()
+
+    def _read_completion(self, body: bytes) -> tuple[CompletionRequest, bytes]:
+        """A completions body's request, checked against the vocabulary, and its fingerprint."""
+        request = completion_request(parse_json(body))
+        if isinstance(request.prompt, str):
+            if not request.prompt:
+                raise invalid("prompt", "'prompt' must not be empty")
+        else:
+            vocab = self.tokenizer.vocab_size
+            for index, token in enumerate(request.prompt):
+                if not 0 <= token < vocab:
+                    raise invalid(
+                        "prompt",
+                        f"prompt[{index}] is {token}: token ids must be in [0, {vocab}), the "
+                        "tokenizer's vocabulary",
+                    )
+        return request, hashlib.sha256(body).digest()
 
     async def _models(self, session, scope, receive, send) -> None:
         await _send_json(
@@ -465,22 +603,23 @@ class Gateway:
         session: GatewaySession,
         scope,
         receive,
-        as_chat: Callable[[dict[str, Any]], dict[str, Any]] = lambda payload: payload,
+        as_chat: Callable[..., dict[str, Any]] | None = None,
     ) -> tuple[dict[str, Any], ChatRequest, Sample, Reply] | None:
         """Read a request, then sample and record the reply to it as to a chat request
         (`as_chat` turns a Responses body into the chat request it stands for): the request's
         own payload, the chat request, the sample and the reply; None when the client hung up
-        first."""
+        first.
+
+        The whole request is checked before the session admits it: a refused request leaves
+        the session as it was."""
         try:
             body = await self._body(scope, receive)
         except _Gone:
             return None
-        request_payload = parse_json(body)
-        payload = as_chat(request_payload)
-        request = chat_request(payload)
-        fingerprint = hashlib.sha256(body).digest()
+        read = await self._off_loop(len(body), self._read_chat, body, as_chat)
+        request_payload, payload, request, fingerprint = read
         index = session.admit(fingerprint, retry=_retry_count(scope) > 0)
-        rendered = session.chat_prompt(request)
+        rendered = await self._off_loop(len(body), session.chat_prompt, request)
         self._count(rendered)
         sample = await self._sample(session, rendered.ids, request.sampled, index, receive)
         if sample is None:
@@ -519,19 +658,15 @@ class Gateway:
             body = await self._body(scope, receive)
         except _Gone:
             return
-        request = completion_request(parse_json(body))
-        fingerprint = hashlib.sha256(body).digest()
+        request, fingerprint = await self._off_loop(len(body), self._read_completion, body)
         index = session.admit(fingerprint, retry=_retry_count(scope) > 0)
         if isinstance(request.prompt, str):
-            if not request.prompt:
-                raise invalid("prompt", "'prompt' must not be empty")
             prompt_text = request.prompt
-            prompt = session.text_prompt(request.prompt)
+            prompt = await self._off_loop(len(body), session.text_prompt, request.prompt)
+            if not len(prompt):  # a tokenizer may write no token for some text (the engine's 500)
+                raise invalid("prompt", "'prompt' encodes to no tokens")
         else:
             prompt = np.array(request.prompt, np.int32)
-            vocab = self.tokenizer.vocab_size
-            if prompt.min() < 0 or prompt.max() >= vocab:
-                raise invalid("prompt", f"prompt token ids must be in [0, {vocab})")
             prompt_text = self.tokenizer.decode(prompt)
         sample = await self._sample(session, prompt, request.sampled, index, receive)
         if sample is None:

@@ -41,12 +41,10 @@ _OPEN = "<tool_call>"
 def call_block(name: str, arguments: str) -> str:
     """One tool call as the model writes it: arguments that are JSON are embedded as JSON."""
     try:
-        value: Any = json.loads(arguments)
-    except json.JSONDecodeError:
-        value = arguments
-    return (
-        _OPEN + json.dumps({"name": name, "arguments": value}, ensure_ascii=False) + "</tool_call>"
-    )
+        block = json.dumps({"name": name, "arguments": json.loads(arguments)}, ensure_ascii=False)
+    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past Python's stack
+        block = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return _OPEN + block + "</tool_call>"
 
 
 def message_text(message: Message) -> str:
@@ -156,7 +154,7 @@ def parse_reply(text: str, *, tools: bool, format: str | None = "hermes") -> Rep
 def _parsed_call(block: str) -> tuple[str, str, str] | None:
     try:
         value = json.loads(block)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # a model can write 1,000 brackets too
         return None
     return _call(value, "arguments", "hermes")
 
@@ -167,7 +165,10 @@ def _call(value: Any, arguments_key: str, format: str) -> tuple[str, str, str] |
         return None
     arguments = value.get(arguments_key, {})
     if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
+        try:
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        except RecursionError:
+            return None
     call_id = value.get("id")
     if not (format == "mistral" and isinstance(call_id, str) and _mistral_id(call_id)):
         call_id = tool_call_id(format)
@@ -185,7 +186,7 @@ def _llama3_reply(text: str) -> Reply:
         return Reply(text)
     try:
         value = json.loads(body)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return Reply(text)
     key = "parameters" if isinstance(value, dict) and "parameters" in value else "arguments"
     call = _call(value, key, "llama3_json")
@@ -199,7 +200,7 @@ def _mistral_reply(text: str) -> Reply:
     before, _, after = text.partition(_MISTRAL)
     try:
         values = json.loads(after)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return Reply(text)
     if not isinstance(values, list) or not values:
         return Reply(text)

@@ -67,7 +67,7 @@ def _arguments(text: str) -> Any:
     """A call's arguments as templates expect them: the JSON object, else the text as sent."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return text
     return value if isinstance(value, dict) else text
 

@@ -200,7 +200,7 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"the chat template refused the conversation: {error}"
             ) from None
-        except (TypeError, AttributeError, KeyError, IndexError) as error:
+        except (TypeError, AttributeError, KeyError, IndexError, RecursionError) as error:
             raise ChatTemplateError(
                 f"the chat template failed on the conversation: {type(error).__name__}: {error}"
             ) from None
