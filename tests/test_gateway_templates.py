@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import json
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import numpy as np
 import openai
@@ -20,6 +22,7 @@ from dew.gateway import Gateway
 from dew.objectives.rl.sessions import Session, Status, chains
 from dew.serve import RolloutServer
 from dew.serve.tokenizer import TemplateTokenizer
+from test_gateway_hostile import CHAT_BODIES, RESPONSE_BODIES, untouched
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
@@ -289,3 +292,39 @@ async def test_one_chain_holds_until_the_template_rewrites_what_came_before_a_tu
     if counts[2]:  # the template's own text, as transformers renders it
         history = [QUESTION, {"role": "assistant", "content": message.content or ""}, after]
         assert calls[1].prompt.tolist() == expected_ids(hf, history, **FAMILIES[family].kwargs)
+
+
+REPLIES = {"qwen2.5": QWEN_CALL, "llama3.2": LLAMA_CALL, "mistral": MISTRAL_CALL}
+
+
+@pytest.mark.parametrize("family", sorted(REPLIES))
+@hypothesis.settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow, hypothesis.HealthCheck.data_too_large],
+    derandomize=True,
+)
+@hypothesis.given(
+    st.one_of(
+        st.tuples(st.just("chat/completions"), CHAT_BODIES),
+        st.tuples(st.just("responses"), RESPONSE_BODIES),
+    )
+)
+async def test_no_request_body_gets_a_server_error_under_a_checkpoints_template(family, case):
+    """The hostile bodies of tests/test_gateway_hostile.py, under each family's template: what
+    the template refuses (Mistral's alternation and call ids, Llama's one call a turn) is a 400
+    naming the messages, never a 5xx."""
+    endpoint, body = case
+    tokenizer = template_tokenizer(family)
+    engine = ScriptedEngine([REPLIES[family]], tokenizer=tokenizer, special=True)
+    async with Gateway(engine, max_context=1 << 20, announce=False, freeze_gc=False) as gw:
+        session = gw.open()
+        path = session.base_url.removeprefix(gw.url) + "/" + endpoint
+        answer = await http(gw.url, "POST", path, json.dumps(body).encode())
+        assert answer.status < 500, answer.body
+        if answer.status == 200:
+            assert len(session.calls) == 1 and session.infra_error is None
+        else:
+            error = answer.json()["error"]
+            assert answer.status in (400, 404) and error["message"], error
+            assert untouched(session), error
