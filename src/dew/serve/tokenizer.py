@@ -86,8 +86,8 @@ class Tokenizer(Protocol):
         ...
 
     def encode_turn(self, message: Mapping[str, str]) -> np.ndarray:
-        """int32[n], one role/content message as the template writes it, ending with `eos_id`
-        and `turn_suffix()`."""
+        """int32[n], one role/content message as the template writes it after an assistant's
+        reply, its `eos_id` and `turn_suffix()` (under ChatML, itself ending with those)."""
         ...
 
     def generation_prompt(self) -> np.ndarray:
@@ -99,8 +99,9 @@ class Tokenizer(Protocol):
         ...
 
     def encode_chat(self, messages, *, add_generation_prompt: bool = True) -> np.ndarray:
-        """int32[n], `chat_prefix()`, each message's `encode_turn`, then `generation_prompt()`
-        when `add_generation_prompt`."""
+        """int32[n], the conversation under the template, ending with `generation_prompt()`
+        when `add_generation_prompt` (under ChatML: `chat_prefix()`, then each message's
+        `encode_turn`)."""
         ...
 
 
