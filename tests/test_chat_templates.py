@@ -138,6 +138,15 @@ def test_an_older_folder_with_the_template_in_tokenizer_config_loads_the_same(tm
     )
 
 
+def test_a_folder_with_a_processors_chat_template_json_loads_it(tmp_path):
+    spec = FAMILIES["qwen2.5"]
+    family_tokenizer(spec).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(spec.named))
+    text = (TEMPLATES / spec.template).read_text()
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": text}))
+    assert TemplateTokenizer.from_folder(tmp_path).template.sources == {"default": text}
+
+
 def test_named_templates_render_tools_with_tool_use_as_transformers_does(tmp_path):
     """Named templates as transformers saves them (additional_chat_templates/) and as older
     folders list them in tokenizer_config.json."""
