@@ -184,6 +184,11 @@ class Gateway:
     each call's key from the rollout's label and call index): a request's temperature, top_p,
     seed or penalties cannot change what is trained on.
 
+    A tokenizer with a checkpoint's own chat template (`dew.serve.tokenizer.TemplateTokenizer`)
+    renders every chat and Responses request with that template; `tool_format` is how replies
+    are parsed for tool calls, and `rendering` counts how prompts kept the gateway's own turns
+    (`spliced`, `drift`, `rerendered`: docs/gateway.md).
+
     Args:
         engine: a `RolloutServer` (anything with its `generate`), or a `Fleet` of them.
         max_context: most tokens of a prompt and its completion, at most the engines' longest
