@@ -141,7 +141,7 @@ async def _in_process(connections: int, calls: int) -> dict[str, float]:
                 body = json.dumps({"model": "m", "messages": messages}).encode()
                 request = chat_request(json.loads(body))
                 index = session.admit(b"", retry=False)
-                prompt = session.chat_prompt(request)
+                prompt = session.chat_prompt(request).ids
                 sample = cut(await engine.generate(prompt, max_tokens=64), gateway.tokenizer, ())
                 reply = parse_reply(sample.text, tools=False)
                 session.record(Turn(sample.call, reply.content, (), len(messages), b""))

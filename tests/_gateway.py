@@ -50,6 +50,9 @@ class ScriptedEngine:
         hang_on: a call whose prompt's text holds it waits until cancelled.
         fail_on: a call whose prompt's text holds it raises RuntimeError (an engine fault).
         tokenizer: what the replies are encoded with.
+        special: encode the replies with the tokenizer's `encode_rendered`, so the special
+            tokens a reply spells are tokens, as a model samples them (Mistral's
+            `[TOOL_CALLS]`).
     """
 
     replies: list[str] = attrs.field(factory=lambda: ["ok"])
@@ -63,6 +66,7 @@ class ScriptedEngine:
     keys: list = attrs.field(factory=list)
     sampling: list = attrs.field(factory=list)
     tokenizer: Any = tokenizer.BYTES
+    special: bool = False
 
     async def generate(self, prompt, *, max_tokens, stop=(), key=None, **sampling) -> Call:
         index = self.started
@@ -79,7 +83,8 @@ class ScriptedEngine:
         except trio.Cancelled:
             self.cancelled += 1
             raise
-        ids = np.concatenate([self.tokenizer.encode(text), [self.tokenizer.eos_id]])
+        encode = self.tokenizer.encode_rendered if self.special else self.tokenizer.encode
+        ids = np.concatenate([encode(text), [self.tokenizer.eos_id]])
         ids = ids.astype(np.int32)
         ids = ids[:max_tokens]
         logprobs = -np.linspace(0.1, 1.0, len(ids), dtype=np.float32)

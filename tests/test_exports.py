@@ -113,3 +113,25 @@ def test_the_modules_around_the_scheduler():
     for name in ("Task", "Batch", "Dataset", "ArrayDataset"):
         assert hasattr(dew.data, name), name
     assert [p[0] for p in parameters(dew.data.ArrayDataset.stream)] == ["start"]
+
+
+def test_the_checkpoint_tokenizer_surface_is_the_docs():
+    """docs/gateway.md's `TemplateTokenizer.from_folder` and the renderer it names."""
+    import dew.serve
+    from dew.serve import chat_template, tokenizer
+
+    assert {"chat_template", "tokenizer"} <= set(dew.serve.__all__)
+    for name in ("ChatTemplate", "ChatTemplateError", "SPECIAL_TOKEN_NAMES"):
+        assert hasattr(chat_template, name), name
+    keyword = P.KEYWORD_ONLY
+    assert parameters(tokenizer.TemplateTokenizer.from_folder) == [
+        ("folder", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("chat_template", keyword, None),
+        ("template_kwargs", keyword, None),
+    ]
+    assert parameters(chat_template.ChatTemplate.render) == [
+        ("messages", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("tools", keyword, None),
+        ("add_generation_prompt", keyword, False),
+        ("kwargs", P.VAR_KEYWORD, P.empty),
+    ]

@@ -7,6 +7,11 @@ rendered as those exact ids rather than re-tokenised text, so the next call's pr
 previous call's prompt and completion and the session's calls merge into one chain. Clients
 re-serialise tool-call arguments, wrap invalid JSON, strip text: none of that changes the ids.
 A client that drops the empty assistant turn it was answered gets it put back where it was.
+
+Under a checkpoint's own chat template (`dew.serve.tokenizer.TemplateTokenizer`) the template
+renders the conversation and the gateway's latest turn in it is spliced in as its call's ids
+(`dew.gateway._templated`); a rendering that differs from what was sampled is counted on the
+session (`drift`, `rerendered`) rather than re-tokenised silently.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import trio
 
 from dew.gateway._schema import ApiError, ChatRequest, Message
 from dew.gateway._template import message_text, system_text
+from dew.gateway._templated import Rendered, templated_prompt
 from dew.objectives.rl.sessions import Call, Label
+from dew.serve.tokenizer import TemplateTokenizer
 
 
 @attrs.define(eq=False)
@@ -38,6 +45,7 @@ class Turn:
         text_ids: the ids of `text` as the engine saw and sampled them, where they are known
             (a completion cut at its stop token or a stop string answers less text than it
             sampled: its client's text goes on without those tokens).
+        templated: under a checkpoint's chat template, the request as the template rendered it.
     """
 
     call: Call
@@ -48,6 +56,7 @@ class Turn:
     text: str | None = None
     text_ids: np.ndarray | None = None
     rendered: np.ndarray | None = None  # the turn's ids in a later prompt, made once
+    templated: Rendered | None = None
 
 
 @attrs.frozen(eq=False)
@@ -70,6 +79,11 @@ class Template:
     @classmethod
     def of(cls, tokenizer: Any) -> Template:
         """`tokenizer`'s template pieces."""
+        if isinstance(tokenizer, TemplateTokenizer):
+            # A checkpoint's template renders whole conversations (`_templated`): sessions use
+            # no fixed pieces of it, and a template may have none.
+            none = np.zeros(0, np.int32)
+            return cls(tokenizer, none, none, none)
         return cls(
             tokenizer,
             np.asarray(tokenizer.chat_prefix(), np.int32),
@@ -101,6 +115,10 @@ class GatewaySession:
             (401), so a harness wired to the wrong session is caught.
         label: the rollout's label (keys each call's sampling), or None.
         max_calls: the most calls before the session is TRUNCATED (`turns`), or None.
+        drift: under a checkpoint's chat template, the calls whose prompt kept one of the
+            gateway's turns as the ids sampled where the template renders it as other text.
+        rerendered: under a checkpoint's chat template, the gateway's turns a prompt holds as
+            the template's text, not the ids sampled (the session's chain breaks there).
         requests: the session's requests the gateway is reading or answering now.
     """
 
@@ -134,6 +152,8 @@ class GatewaySession:
         self.infra_error: str | None = None
         self.ended = trio.Event()
         self.transcript: list[dict[str, Any]] = []
+        self.drift = 0
+        self.rerendered = 0
         # Harnesses send the whole conversation each call: each message is encoded once.
         self._encoded: dict[tuple[str, str], np.ndarray] = {}
 
@@ -231,9 +251,18 @@ class GatewaySession:
 
     # --- prompts --------------------------------------------------------------------------------
 
-    def chat_prompt(self, request: ChatRequest) -> np.ndarray:
+    def chat_prompt(self, request: ChatRequest) -> Rendered:
         """The token ids the engine sees for a chat request: the gateway's own turns as the ids
-        it sampled, everything else through the chat template."""
+        it sampled, everything else through the chat template.
+
+        Raises:
+            ApiError: 400 when a checkpoint's template refuses the conversation.
+        """
+        if isinstance(self.tokenizer, TemplateTokenizer):
+            rendered = templated_prompt(self.tokenizer, request, self._match)
+            self.drift += rendered.drift
+            self.rerendered += rendered.rerendered
+            return rendered
         head = [self.template.prefix]
         system = system_text(request)
         if system is not None:
@@ -249,7 +278,8 @@ class GatewaySession:
                 text = message_text(message)
                 pieces.append(self._encode(message.role, text))
         self._restore_dropped(request.messages, head, pieces, matched)
-        return np.concatenate([*head, *pieces, self.template.generation]).astype(np.int32)
+        ids = np.concatenate([*head, *pieces, self.template.generation]).astype(np.int32)
+        return Rendered(ids, None)
 
     def _match(self, message: Message) -> Turn | None:
         """The gateway's turn an assistant message stands for: by its tool-call ids, else (for a

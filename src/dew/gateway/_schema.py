@@ -88,11 +88,13 @@ CHAT_FIELDS: Mapping[str, str] = {
         "behaviour policy's distribution (tokens it cannot draw, filtered by top-k/top-p, are "
         "left out); an engine without `generate(top_logprobs=...)` lists the sampled token alone"
     ),
-    "tools": "honoured: rendered into a leading system turn",
-    "tool_choice": "honoured: rendered as an instruction; 'none' turns off tool-call parsing",
+    "tools": "honoured: rendered into a leading system turn, or as a checkpoint's own chat "
+    "template renders them",
+    "tool_choice": "honoured: rendered as an instruction; 'none' turns off tool-call parsing "
+    "(under a checkpoint's own chat template, which has no place for it, only 'none' acts)",
     "parallel_tool_calls": "ignored: every parsed tool call is returned",
-    "response_format": "honoured in part: the format or schema is rendered as an instruction, "
-    "never enforced by constrained decoding",
+    "response_format": "honoured in part: the format or schema is rendered as an instruction "
+    "(not under a checkpoint's own chat template), never enforced by constrained decoding",
     "temperature": "ignored: the gateway's sampling settings are the behaviour policy's",
     "top_p": "ignored: as temperature",
     "seed": "ignored: each call's key comes from the rollout's label and call index",
@@ -309,11 +311,13 @@ class Message:
         role: system (developer is rendered as system), user, assistant or tool.
         content: its text ("" for an assistant turn with only tool calls).
         tool_calls: an assistant turn's calls as (id, name, arguments text).
+        tool_call_id: a tool turn's call id (a checkpoint's template may render it).
     """
 
     role: str
     content: str
     tool_calls: tuple[tuple[str, str, str], ...] = ()
+    tool_call_id: str | None = None
 
 
 @attrs.frozen
@@ -497,7 +501,8 @@ def _message(index: int, message) -> Message:
     if role == "tool":
         if not isinstance(message.get("tool_call_id"), str):
             raise invalid(f"{where}.tool_call_id", f"'{where}.tool_call_id' must be a string")
-        return Message("tool", _text_of(content if content is not None else "", f"{where}.content"))
+        text = _text_of(content if content is not None else "", f"{where}.content")
+        return Message("tool", text, tool_call_id=message["tool_call_id"])
     if role == "assistant":
         calls = _tool_calls(message.get("tool_calls"), f"{where}.tool_calls")
         text = "" if content is None else _text_of(content, f"{where}.content")

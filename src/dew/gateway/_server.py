@@ -49,7 +49,8 @@ from dew.gateway._schema import (
     invalid,
     parse_json,
 )
-from dew.gateway._template import Reply, parse_reply
+from dew.gateway._template import Reply, parse_reply, tool_format
+from dew.gateway._templated import Rendered
 from dew.objectives.rl.sessions import Call, Label
 from dew.serve.tokenizer import BYTES, Tokenizer
 
@@ -183,6 +184,11 @@ class Gateway:
     each call's key from the rollout's label and call index): a request's temperature, top_p,
     seed or penalties cannot change what is trained on.
 
+    A tokenizer with a checkpoint's own chat template (`dew.serve.tokenizer.TemplateTokenizer`)
+    renders every chat and Responses request with that template; `tool_format` is how replies
+    are parsed for tool calls, and `rendering` counts how prompts kept the gateway's own turns
+    (`spliced`, `drift`, `rerendered`: docs/gateway.md).
+
     Args:
         engine: a `RolloutServer` (anything with its `generate`), or a `Fleet` of them.
         max_context: most tokens of a prompt and its completion, at most the engines' longest
@@ -263,6 +269,11 @@ class Gateway:
             raise ValueError(f"sampling must be a Sampling, got {sampling!r}")
         self.tokenizer = _tokenizer(tokenizer, self.servers)
         self.template = Template.of(self.tokenizer)
+        self.tool_format = tool_format(self.tokenizer)
+        # Under a checkpoint's template: prompts that extended one of the gateway's calls
+        # ("spliced"), those that kept its ids where the template renders other text ("drift"),
+        # and the gateway's turns tokenized from their text ("rerendered").
+        self.rendering: collections.Counter[str] = collections.Counter()
         self.host = host
         self.port = _check_int("port", port, 0)
         self.model = model
@@ -613,21 +624,39 @@ class Gateway:
         read = await self._off_loop(len(body), self._read_chat, body, as_chat)
         request_payload, payload, request, fingerprint = read
         index = session.admit(fingerprint, retry=_retry_count(scope) > 0)
-        prompt = await self._off_loop(len(body), session.chat_prompt, request)
-        sample = await self._sample(session, prompt, request.sampled, index, receive)
+        rendered = await self._off_loop(len(body), session.chat_prompt, request)
+        self._count(rendered)
+        sample = await self._sample(session, rendered.ids, request.sampled, index, receive)
         if sample is None:
             return None
-        reply = parse_reply(sample.text, tools=request.parses_tools)
+        reply = parse_reply(sample.text, tools=request.parses_tools, format=self.tool_format)
         turn = Turn(
             sample.call,
             reply.content,
             tuple(call_id for call_id, _, _ in reply.tool_calls),
             len(request.messages),
             fingerprint,
+            templated=rendered if rendered.text is not None else None,
         )
         session.record(turn)
         session.transcript = [*payload["messages"], assistant_message(reply)]
         return request_payload, request, sample, reply
+
+    def _count(self, rendered: Rendered) -> None:
+        """Count how a prompt under a checkpoint's template kept the gateway's turns, and say
+        once when the template first renders one of them other than as sampled."""
+        if rendered.text is None:
+            return
+        first = not (self.rendering["drift"] or self.rendering["rerendered"])
+        self.rendering["spliced"] += rendered.spliced
+        self.rendering["drift"] += rendered.drift
+        self.rendering["rerendered"] += rendered.rerendered
+        if first and (rendered.drift or rendered.rerendered):
+            _log.warning(
+                "dew gateway: the chat template renders one of the gateway's own turns other "
+                "than as the model sampled it (%s); Gateway.rendering counts these",
+                "its ids kept" if rendered.drift else "the session's chain breaks there",
+            )
 
     async def _completions(self, session: GatewaySession, scope, receive, send) -> None:
         try:

@@ -14,6 +14,12 @@ The formats (documented in docs/gateway.md):
 - An assistant turn the harness wrote itself renders as its content followed by its calls' blocks
   on their own lines; an assistant turn the gateway produced renders as the ids it sampled.
 - A `tool` message renders as a turn of role `tool` holding its content.
+
+Under a checkpoint's own chat template (`dew.serve.tokenizer.TemplateTokenizer`) the template
+renders the tools, calls and results (`dew.gateway._templated`), and a reply's calls are parsed
+in the format that template teaches (`tool_format`): Qwen's and Hermes' `<tool_call>` blocks as
+above, Llama 3.x's reply that is one JSON object `{"name": ..., "parameters": {...}}`, or
+Mistral's `[TOOL_CALLS]` followed by a JSON list of `{"name", "arguments"}` objects.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import string
+from typing import Any
 
 import attrs
 
@@ -86,19 +94,49 @@ class Reply:
     tool_calls: tuple[tuple[str, str, str], ...] = ()
 
 
-def tool_call_id() -> str:
-    """A fresh, unguessable tool-call id."""
+def tool_call_id(format: str | None = "hermes") -> str:
+    """A fresh, unguessable tool-call id (for Mistral's template, 9 letters and digits, the
+    only ids it renders)."""
+    if format == "mistral":
+        return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
     return "call_" + secrets.token_urlsafe(12)
 
 
-def parse_reply(text: str, *, tools: bool) -> Reply:
-    """Split a completion's text into content and tool calls (see the module for the format).
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def tool_format(tokenizer: Any) -> str | None:
+    """How the model a tokenizer's chat template is for writes tool calls: "hermes" (dew's
+    ChatML, Qwen, Hermes), "llama3_json", "mistral", or None where the template names no format
+    (its replies are never parsed for calls)."""
+    template = getattr(tokenizer, "template", None)
+    if template is None:
+        return "hermes"
+    source = template.source(tools=True)
+    if _OPEN in source:
+        return "hermes"
+    if _MISTRAL in source:
+        return "mistral"
+    if '"parameters"' in source:
+        return "llama3_json"
+    return None
+
+
+def parse_reply(text: str, *, tools: bool, format: str | None = "hermes") -> Reply:
+    """Split a completion's text into content and tool calls (see the module for the formats).
 
     Args:
         text: the completion's text, without its stop token.
         tools: whether the request's tools allow calls; without them the text is content.
+        format: the tool-call format (`tool_format`); None parses no calls.
     """
-    if not tools or _OPEN not in text:
+    if not tools or format is None:
+        return Reply(text)
+    if format == "llama3_json":
+        return _llama3_reply(text)
+    if format == "mistral":
+        return _mistral_reply(text)
+    if _OPEN not in text:
         return Reply(text)
     calls = []
     for match in _BLOCK.finditer(text):
@@ -116,11 +154,61 @@ def parse_reply(text: str, *, tools: bool) -> Reply:
 def _parsed_call(block: str) -> tuple[str, str, str] | None:
     try:
         value = json.loads(block)
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            return None
-        arguments = value.get("arguments", {})
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
     except (json.JSONDecodeError, RecursionError):  # a model can write 1,000 brackets too
         return None
-    return tool_call_id(), value["name"], arguments
+    return _call(value, "arguments", "hermes")
+
+
+def _call(value: Any, arguments_key: str, format: str) -> tuple[str, str, str] | None:
+    """(id, name, arguments JSON text) of a call the model wrote as a JSON object, or None."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get(arguments_key, {})
+    if not isinstance(arguments, str):
+        try:
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        except RecursionError:
+            return None
+    call_id = value.get("id")
+    if not (format == "mistral" and isinstance(call_id, str) and _mistral_id(call_id)):
+        call_id = tool_call_id(format)
+    return call_id, value["name"], arguments
+
+
+_PYTHON_TAG = "<|python_tag|>"
+_MISTRAL = "[TOOL_CALLS]"
+
+
+def _llama3_reply(text: str) -> Reply:
+    """Llama 3.x: a reply that is one JSON object with a `name` and `parameters` is a call."""
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return Reply(text)
+    try:
+        value = json.loads(body)
+    except (json.JSONDecodeError, RecursionError):
+        return Reply(text)
+    key = "parameters" if isinstance(value, dict) and "parameters" in value else "arguments"
+    call = _call(value, key, "llama3_json")
+    return Reply(text) if call is None else Reply(None, (call,))
+
+
+def _mistral_reply(text: str) -> Reply:
+    """Mistral: `[TOOL_CALLS]` then a JSON list of calls; the text before it is the content."""
+    if _MISTRAL not in text:
+        return Reply(text)
+    before, _, after = text.partition(_MISTRAL)
+    try:
+        values = json.loads(after)
+    except (json.JSONDecodeError, RecursionError):
+        return Reply(text)
+    if not isinstance(values, list) or not values:
+        return Reply(text)
+    calls = [_call(value, "arguments", "mistral") for value in values]
+    if None in calls:
+        return Reply(text)
+    return Reply(before.strip() or None, tuple(calls))
+
+
+def _mistral_id(call_id: str) -> bool:
+    return len(call_id) == 9 and all(c in _ALPHANUMERIC for c in call_id)
