@@ -28,6 +28,7 @@ from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.serve import RolloutServer, ServedSource
 from dew.train import Trainer
+from dew.train._checkpoint import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 hide_broken_media_packages()
@@ -354,3 +355,87 @@ def test_save_refuses_params_of_another_model(folders, tmp_path):
     ):
         hf.save(tmp_path / "out", model, params)
     assert not (tmp_path / "out").exists()
+
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 checkpoint with a tokenizer of its own (a byte-level BPE trained
+    here, one embedding row per id) and Qwen2.5's real chat template."""
+    from _bpe import train_bpe
+
+    folder = tmp_path_factory.mktemp("qwen2-chat")
+    tokenizer = train_bpe(folder / "tokenizer.json")
+    vocab = json.loads(tokenizer.read_text())["model"]["vocab"]
+    (folder / "chat_template.jinja").write_text((TEMPLATES / "qwen2.5-instruct.jinja").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(**{**SHAPE, "vocab_size": len(vocab) + 8})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_dew_train_trains_a_checkpoint_folder_into_folders_transformers_loads(
+    chat_folder, tmp_path
+):
+    from dew.cli import main
+
+    run = tmp_path / "run"
+    argv = ["train", "--model", str(chat_folder), "--run", str(run), "--steps", "2"]
+    argv += ["--batch-size", "2", "--groups", "2", "--tasks", "8", "--checkpoint-every", "1"]
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        assert main(argv) == 0
+    lines = _metrics(run)
+    assert [line["updates"] for line in lines] == [1, 2]
+    assert all(math.isfinite(line["loss"]) for line in lines)
+    saved = run / "checkpoints" / "model"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"):
+        assert (saved / name).is_file(), name
+    # The run's checkpoint is a folder holding the params of dew's checkpoint beside it, which
+    # transformers loads and scores as dew does.
+    model, params = hf.load(saved)
+    state = load_checkpoint(run / "checkpoints", params, optax.adam(1e-3).init(params))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.variables), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    sequence = np.random.default_rng(5).integers(0, model.vocab, 10)
+    np.testing.assert_allclose(
+        _reference(saved, sequence), _logits(model, params, sequence), atol=1e-4, rtol=0
+    )
+    # dew's own checkpoint beside it resumes the run where it stopped.
+    with jax.numpy_dtype_promotion("standard"):
+        assert main([*argv[:5], "--steps", "3", "--resume"]) == 0
+    assert [line["updates"] for line in _metrics(run)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("options", "culprit"),
+    [
+        (["--dtype", "bfloat16"], "dtype is the dtype of a --model checkpoint"),
+        (["--model", "{folder}", "--tokenizer", "t.json"], "leave out tokenizer"),
+        (["--model", "{empty}"], "has no config.json"),
+        (["--model", "{folder}", "--dtype", "float16"], "dtype must be float32, bfloat16"),
+        (["--model", "{small}"], "more than the 24 embedding rows"),
+    ],
+)
+def test_dew_train_refuses_a_bad_model_option_naming_it(
+    chat_folder, tmp_path, capsys, options, culprit
+):
+    from dew.cli import main
+
+    small = tmp_path / "small"
+    shutil.copytree(chat_folder, small)
+    _edit_config(small, vocab_size=24)
+    (tmp_path / "empty").mkdir()
+    paths = {"folder": chat_folder, "empty": tmp_path / "empty", "small": small}
+    argv = ["train", "--run", str(tmp_path / "run"), *[o.format(**paths) for o in options]]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert culprit in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
