@@ -48,6 +48,7 @@ __all__ = [
     "HFModel",
     "Llama3Scaling",
     "load",
+    "model_of",
     "save",
     "TOKENIZER_FILES",
 ]
@@ -130,6 +131,22 @@ def load(
                 placement = None if shardings is None else _params.get_leaf(shardings, leaf.path)
                 _params.set_leaf(tree, leaf.path, _place(value, placement))
     return model, tree
+
+
+def model_of(folder: str | os.PathLike, *, dtype: str | None = None) -> HFModel:
+    """The model of the checkpoint folder `folder`, from its `config.json` and the tensors'
+    headers, no tensor read: to build the shardings `load` places each tensor on as it reads.
+
+    Raises:
+        ValueError, CheckpointError: as `load`, for the config and the headers.
+    """
+    folder = Path(folder)
+    config, named = read_config(folder)
+    expected = list(_params.leaves(config))
+    headers = _check_tensors(folder, config, _tensor_files(folder), expected)
+    if dtype is None:
+        dtype = named if named in _DTYPE_NAMES else _tensors_dtype(folder, headers, expected)
+    return HFModel(config, check_dtype(dtype))
 
 
 def _place(value: np.ndarray, sharding) -> jax.Array:
