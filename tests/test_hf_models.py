@@ -11,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,6 +215,26 @@ def test_bfloat16_params_keep_their_dtype_and_give_float32_logits(folders, tmp_p
     # The checkpoint's dtype is the default: a bfloat16 folder loads as bfloat16.
     assert hf.load(tmp_path / "half")[0].dtype == "bfloat16"
     assert hf.load(tmp_path / "half", dtype="float32")[0].dtype == "float32"
+
+
+def test_rows_past_the_tokenizers_ids_get_no_probability(folders):
+    """A checkpoint pads its embedding rows past its tokenizer's ids: with `vocab_limit` they
+    are never sampled nor scored, and the other ids' logits are as they were."""
+    model, params = hf.load(folders["llama"])
+    limited = attrs.evolve(model, vocab_limit=200)
+    sequence = np.random.default_rng(6).integers(0, 200, 10)
+    full, cut = _logits(model, params, sequence), _logits(limited, params, sequence)
+    np.testing.assert_array_equal(cut[:, :200], full[:, :200])
+    probabilities = np.asarray(jax.nn.softmax(jnp.asarray(cut), axis=-1))
+    assert np.all(probabilities[:, 200:] == 0) and np.all(np.isfinite(cut))
+    cache = limited.init_cache(slots=1, max_len=32)
+    _, prefilled = limited.prefill(params, cache, jnp.asarray(sequence, jnp.int32), jnp.int32(0))
+    np.testing.assert_allclose(np.asarray(prefilled), cut, atol=1e-5)
+
+
+def test_model_of_reads_the_model_without_its_tensors(folders):
+    assert hf.model_of(folders["qwen2"]) == hf.load(folders["qwen2"])[0]
+    assert hf.model_of(folders["qwen2"], dtype="bfloat16").dtype == "bfloat16"
 
 
 def test_a_sharded_checkpoint_loads_as_the_single_file(folders, tmp_path):
