@@ -20,6 +20,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from _hf_folders import chat_checkpoint
 from dew._torch_media import hide_broken_media_packages
 from dew.envs.environment import Score
 from dew.envs.prompts import PromptSource
@@ -378,24 +379,10 @@ def test_save_refuses_params_of_another_model(folders, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
-
-
 @pytest.fixture(scope="module")
 def chat_folder(tmp_path_factory) -> Path:
-    """A tiny random Qwen2 checkpoint with a tokenizer of its own (a byte-level BPE trained
-    here, one embedding row per id) and Qwen2.5's real chat template."""
-    from _bpe import train_bpe
-
-    folder = tmp_path_factory.mktemp("qwen2-chat")
-    tokenizer = train_bpe(folder / "tokenizer.json")
-    vocab = json.loads(tokenizer.read_text())["model"]["vocab"]
-    (folder / "chat_template.jinja").write_text((TEMPLATES / "qwen2.5-instruct.jinja").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(**{**SHAPE, "vocab_size": len(vocab) + 8})
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    return folder
+    """A tiny random Qwen2 checkpoint with its own tokenizer and Qwen2.5's chat template."""
+    return chat_checkpoint(tmp_path_factory.mktemp("qwen2-chat"), SHAPE)
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -442,6 +429,9 @@ def test_dew_train_trains_a_checkpoint_folder_into_folders_transformers_loads(
         (["--model", "{empty}"], "has no config.json"),
         (["--model", "{folder}", "--dtype", "float16"], "dtype must be float32, bfloat16"),
         (["--model", "{small}"], "more than the 24 embedding rows"),
+        (["--model", "{folder}", "--mesh", "1x2x2"], "--mesh 1x2x2 needs 4 devices"),
+        (["--mesh", "1x2x2"], "mesh splits a --model checkpoint over devices"),
+        (["--model", "{folder}", "--mesh", "2x2"], "mesh must be DATAxFSDPxTENSOR"),
     ],
 )
 def test_dew_train_refuses_a_bad_model_option_naming_it(

@@ -67,6 +67,16 @@ def _dtype_or_none(instance, attribute, value):
         raise ValueError(f"{attribute.name} must be float32, bfloat16 or None, got {value!r}")
 
 
+def _mesh_or_none(instance, attribute, value):
+    if value is None:
+        return
+    sizes = value.split("x") if isinstance(value, str) else []
+    if len(sizes) != 3 or not all(size.isdigit() and int(size) >= 1 for size in sizes):
+        raise ValueError(
+            f"{attribute.name} must be DATAxFSDPxTENSOR, three sizes >= 1 (1x2x2), got {value!r}"
+        )
+
+
 def _option(default: Any, validator: Callable, help: str, *, kind: type | None = None) -> Any:
     """A TrainConfig field that is also a `dew train` option, with its help text and, where
     the default (None) does not tell it, the type of its values."""
@@ -116,6 +126,9 @@ class TrainConfig:
             (`HuggingFaceTokenizer.from_folder`); the run's checkpoints hold it as such a
             folder, `checkpoints/model`.
         dtype: the checkpoint's params dtype ("float32" or "bfloat16"); None keeps its own.
+        mesh: the device mesh the checkpoint's params, optimizer state and batch are split
+            over, "DATAxFSDPxTENSOR" (`dew.models.hf.sharding`); its sizes' product must be this
+            process's device count. None keeps everything on one device.
     """
 
     task: str = _option(
@@ -196,7 +209,17 @@ class TrainConfig:
         kind=str,
     )
 
+    mesh: str | None = _option(
+        None,
+        _mesh_or_none,
+        "split the --model checkpoint's params, optimizer state and batch over this process's "
+        "devices as DATAxFSDPxTENSOR, e.g. 1x2x2 (none: one device)",
+        kind=str,
+    )
+
     def __attrs_post_init__(self):
+        if self.mesh is not None and self.model is None:
+            raise ValueError("mesh splits a --model checkpoint over devices: give model too")
         if self.model is not None and self.tokenizer is not None:
             raise ValueError("model brings its folder's tokenizer: leave out tokenizer")
         if self.dtype is not None and self.model is None:
@@ -295,6 +318,30 @@ def _model_tokenizer(folder: str) -> Tokenizer:
             f"{checkpoint.vocab} embedding rows of its config.json's vocab_size"
         )
     return tokenizer
+
+
+def _mesh_sizes(config: TrainConfig, processes: int = 1) -> tuple[int, int, int] | None:
+    """The data, fsdp and tensor sizes of `config.mesh`, or None.
+
+    Raises:
+        ValueError: naming --mesh when its devices are not this process's, or in a pool.
+    """
+    if config.mesh is None:
+        return None
+    import jax
+
+    data, fsdp, tensor = (int(size) for size in config.mesh.split("x"))
+    if processes > 1:
+        raise ValueError(
+            "--mesh splits a model over one process's devices; a pool of processes trains "
+            "data-parallel: give one of them"
+        )
+    if data * fsdp * tensor != jax.device_count():
+        raise ValueError(
+            f"--mesh {config.mesh} needs {data * fsdp * tensor} devices, this process has "
+            f"{jax.device_count()}"
+        )
+    return data, fsdp, tensor
 
 
 def _fields_of(data: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -20,16 +20,18 @@ import jax
 import numpy as np
 import optax
 import trio
+from jax.sharding import Mesh
 
 from dew import models, replay
 from dew.envs.environment import Sampling
 from dew.models import hf
+from dew.models.hf import sharding
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Label, Status
 from dew.parallel import ProcessRows, default_pool
 from dew.serve import RolloutServer
 from dew.train._checkpoint import _write_atomically
-from dew.train._config import TrainConfig, _load_tokenizer
+from dew.train._config import TrainConfig, _load_tokenizer, _mesh_sizes
 from dew.train._curves import write_curves
 from dew.train._folders import _check_record, _check_run, _check_split
 from dew.train._interrupt import _Interrupted
@@ -89,6 +91,7 @@ def train(
         _check_run(config, run, resume=resume)
         _check_split(config, processes)
         _load_tokenizer(config)
+        _mesh_sizes(config, processes)
         if record is not None and processes > 1:
             raise ValueError("--record traces a single process's run; run it without a pool")
         if record is not None:
@@ -108,6 +111,9 @@ def train(
     task = _task(config, tokenizer)
     shape = task.shape
     model, variables = _model(config, shape.max_len, tokenizer)
+    mesh = _mesh(config, model)
+    if mesh is not None:
+        variables = sharding.shard(variables, sharding.param_shardings(model, mesh))
     objective = _objective(model, config.temperature)
     trainer = _FolderTrainer(
         objective,
@@ -121,6 +127,12 @@ def train(
     )
     if resume:
         trainer.resume()
+        if mesh is not None:  # a checkpoint's arrays come back whole: split them again
+            trainer.variables = sharding.shard(
+                trainer.variables, sharding.param_shardings(model, mesh)
+            )
+            placed = sharding.state_shardings(trainer.opt_state, trainer.variables, mesh)
+            trainer.opt_state = sharding.shard(trainer.opt_state, placed)
     tasks = config.batch_size // processes  # this process's share of each batch
     admit = None if config.admit is None else config.admit // processes
     slots = tasks * (config.groups + config.oversample) * (config.ahead + 1)
@@ -179,14 +191,20 @@ def train(
         if recorder is None:
             try:
                 trainer.run(
-                    scheduler, scheduler.tasks(dataset), steps=config.steps, ahead=config.ahead
+                    _split(scheduler, mesh),
+                    scheduler.tasks(dataset),
+                    steps=config.steps,
+                    ahead=config.ahead,
                 )
             finally:
                 scheduler.close()
         else:
             with recorder.record(scheduler):  # closes the scheduler, then ends the trace
                 trainer.run(
-                    recorder, recorder.tasks(dataset), steps=config.steps, ahead=config.ahead
+                    _split(recorder, mesh),
+                    recorder.tasks(dataset),
+                    steps=config.steps,
+                    ahead=config.ahead,
                 )
     except _Interrupted:
         trainer.save()  # the last completed step's, which no periodic checkpoint may hold
@@ -219,6 +237,20 @@ def _model(config: TrainConfig, max_len: int, tokenizer) -> tuple[models.Model, 
         )
     # Rows past the tokenizer's ids decode to no text: never sampled, never scored.
     return attrs.evolve(model, vocab_limit=tokenizer.vocab_size), params
+
+
+def _mesh(config: TrainConfig, model) -> Mesh | None:
+    """The device mesh `--mesh` names, or None."""
+    sizes = _mesh_sizes(config, jax.process_count())
+    if sizes is None:
+        return None
+    data, fsdp, tensor = sizes
+    return sharding.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
+
+
+def _split(rollout, mesh: Mesh | None):
+    """The rollout whose packed rows go to the update split over the mesh's data axes."""
+    return rollout if mesh is None else sharding.ShardedRollout(rollout, mesh)
 
 
 class _FolderTrainer(Trainer):
