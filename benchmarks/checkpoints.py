@@ -83,7 +83,7 @@ def resident_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def load_and_step(folder: str, rows: int, width: int) -> dict:
+def load_and_step(folder: str, rows: int, width: int, *, step: bool = True) -> dict:
     """In this (fresh) process: load `folder`, measuring memory; then time a training step."""
     import jax
     import jax.numpy as jnp
@@ -108,6 +108,8 @@ def load_and_step(folder: str, rows: int, width: int) -> dict:
         "peak_bytes": peak,
         "load_seconds": loaded,
     }
+    if not step:
+        return figures
     rng = np.random.default_rng(1)
     half = width // 2
     batch = {
@@ -143,13 +145,16 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--rows", type=int, default=2, help="packed rows of the step's batch")
     parser.add_argument("--width", type=int, default=256, help="tokens a packed row")
+    parser.add_argument(
+        "--no-step", dest="step", action="store_false", help="measure the loading only"
+    )
     parser.add_argument("--load", metavar="FOLDER", help=argparse.SUPPRESS)  # the child's part
     args = parser.parse_args()
     for name in ("rows", "width"):
         if getattr(args, name) < 2:
             parser.error(f"--{name} must be >= 2, got {getattr(args, name)}")
     if args.load is not None:
-        print(json.dumps(load_and_step(args.load, args.rows, args.width)))
+        print(json.dumps(load_and_step(args.load, args.rows, args.width, step=args.step)))
         return
     shape = SMOKE if args.smoke else QWEN_05B
     with tempfile.TemporaryDirectory() as scratch:
@@ -159,6 +164,7 @@ def main() -> None:
         written = time.perf_counter() - started
         child = [sys.executable, __file__, "--load", str(folder)]
         child += ["--rows", str(args.rows), "--width", str(args.width)]
+        child += [] if args.step else ["--no-step"]
         done = subprocess.run(child, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             sys.exit(f"the loading process failed:\n{done.stderr[-3000:]}")
@@ -175,6 +181,8 @@ def main() -> None:
         f"{peak:.3f} GiB: {above / gib:.3f} GiB above, {above / figures['params_bytes']:.2f} x "
         "the params' bytes"
     )
+    if not args.step:
+        return
     print(
         f"one GRPO step (Adam) on {figures['tokens']} tokens ({args.rows} rows x {args.width}): "
         f"{figures['first_step_seconds']:.1f}s compiling and stepping, then "
