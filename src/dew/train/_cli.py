@@ -22,7 +22,14 @@ from dew import _pool_guard
 from dew._launch import run_pool
 from dew.envs.lookup import HARNESSES
 from dew.train._checkpoint import read_commit
-from dew.train._config import HARNESS, TrainConfig, _check_harness, _load_tokenizer, _read_json
+from dew.train._config import (
+    HARNESS,
+    TrainConfig,
+    _check_harness,
+    _load_tokenizer,
+    _mesh_sizes,
+    _read_json,
+)
 from dew.train._folders import _check_record, _check_run, _check_split, _default_run
 from dew.train._interrupt import INTERRUPTED, _CtrlC, _Interrupted, _say, any_process
 from dew.train._progress import Progress
@@ -157,6 +164,7 @@ def run_cli(args: argparse.Namespace) -> int:
         if args.record is not None:
             _check_record(args.record)
         _load_tokenizer(config)
+        _mesh_sizes(config, args.processes or args.num_processes or 1)
         # A damaged checkpoint is refused here, before anything starts or is written.
         commit = read_commit(run / "checkpoints") if args.resume else None
     except ValueError as error:

@@ -1,0 +1,181 @@
+"""Sharding a checkpoint's params, optimizer state and training batch over a device mesh.
+
+The mesh has three axes: `data` and `fsdp` split the batch's rows; `fsdp` also splits every
+large param (and the optimizer state that mirrors it) along its residual-width axis, and
+`tensor` along its heads or MLP columns. Which leaf axis goes to which mesh axis is declared
+once, beside the checkpoint's names, in `_params.TABLE` and `_params.LAYER` (each row's `spec`);
+this module only turns those into `NamedSharding`s for a given mesh, replicating an axis whose
+size the mesh axis does not divide (two key/value heads over four tensor devices stay whole).
+The forward pass is written for one device: `jax.jit` partitions it from its inputs' shardings.
+
+Sharded state is saved with orbax-checkpoint, each process writing the shards it holds, and
+restored onto the same mesh or another.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dew.models.hf import _params
+from dew.models.hf._modeling import HFModel
+
+DATA = "data"
+"""The mesh axis that splits only the batch's rows."""
+FSDP = _params.FSDP
+TENSOR = _params.TENSOR
+AXES = (DATA, FSDP, TENSOR)
+"""The mesh's axes, in order."""
+
+
+def make_mesh(
+    *,
+    data: int = 1,
+    fsdp: int | None = None,
+    tensor: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A mesh of `devices` (all of them by default) with axes `AXES`.
+
+    Args:
+        data, tensor: the data and tensor axes' sizes.
+        fsdp: the fsdp axis's size; None takes the devices the other axes leave.
+
+    Raises:
+        ValueError: when the sizes' product is not the number of devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    for name, size in (("data", data), ("tensor", tensor), ("fsdp", fsdp)):
+        if size is not None and (not isinstance(size, int) or size < 1):
+            raise ValueError(f"{name} must be an int >= 1, got {size!r}")
+    if fsdp is None:
+        fsdp = len(devices) // (data * tensor)
+    if data * fsdp * tensor != len(devices):
+        raise ValueError(
+            f"a mesh of data {data} x fsdp {fsdp} x tensor {tensor} needs "
+            f"{data * fsdp * tensor} devices, there are {len(devices)}"
+        )
+    return Mesh(np.array(devices).reshape(data, fsdp, tensor), AXES)
+
+
+def param_specs(model: HFModel, mesh: Mesh) -> dict[str, Any]:
+    """Each param's `PartitionSpec` on `mesh`: its table row's spec, with each mesh axis that
+    does not divide the leaf's axis dropped (that axis replicated)."""
+    tree = _params.empty_tree(model.config)
+    for leaf in _params.leaves(model.config):
+        spec = [
+            axis if axis is not None and size % mesh.shape[axis] == 0 else None
+            for axis, size in zip(leaf.entry.spec, leaf.shape, strict=True)
+        ]
+        _params.set_leaf(tree, leaf.path, PartitionSpec(*spec))
+    return tree
+
+
+def param_shardings(model: HFModel, mesh: Mesh) -> dict[str, Any]:
+    """Each param's `NamedSharding` on `mesh` (see `param_specs`): what `dew.models.hf.load`
+    takes as `shardings` to place each tensor as it is read."""
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        param_specs(model, mesh),
+        is_leaf=lambda node: isinstance(node, PartitionSpec),
+    )
+
+
+def shard(tree: Any, shardings: Any) -> Any:
+    """`tree`'s arrays placed on `shardings` (a tree of the same layout)."""
+    return jax.device_put(tree, shardings)
+
+
+def state_shardings(state: Any, params: Any, mesh: Mesh) -> Any:
+    """Shardings for an optimizer state of the sharded `params`: each leaf that mirrors a param
+    (Adam's moments: a subtree laid out as the params, so its path ends with the param's path,
+    and of its shape) as that param; every other leaf (step counts) replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    by_path = {
+        tuple(path): (np.shape(leaf), leaf.sharding)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+    }
+
+    def placed(path, leaf):
+        for start in range(len(path)):
+            shape, sharding = by_path.get(tuple(path[start:]), (None, None))
+            if shape == np.shape(leaf):
+                return sharding
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(placed, state)
+
+
+def batch_sharding(mesh: Mesh, rows: int, ndim: int) -> NamedSharding:
+    """A batch array's sharding: its leading rows axis over the data and fsdp axes when they
+    divide it, else replicated."""
+    split = mesh.shape[DATA] * mesh.shape[FSDP]
+    if rows % split:
+        return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, PartitionSpec((DATA, FSDP), *([None] * (ndim - 1))))
+
+
+def shard_batch(batch: Mapping[str, Any], mesh: Mesh) -> dict[str, Any]:
+    """A packed batch with its numeric arrays' rows split over the mesh's data axes (other
+    entries, such as object arrays, kept as they are)."""
+    placed = {}
+    for key, value in batch.items():
+        array = np.asarray(value) if not isinstance(value, jax.Array) else value
+        if array.ndim and array.dtype != object:
+            placed[key] = jax.device_put(array, batch_sharding(mesh, array.shape[0], array.ndim))
+        else:
+            placed[key] = value
+    return placed
+
+
+class ShardedRollout:
+    """A Rollout (what the Trainer packs its batches with) whose packed rows are split over the
+    mesh's data axes before the update, so the step is computed data-parallel; everything else
+    (the scheduler's records and events) is the wrapped rollout's.
+
+    Args:
+        rollout: the rollout (a `RolloutScheduler`).
+        mesh: the mesh the params are sharded over.
+    """
+
+    def __init__(self, rollout: Any, mesh: Mesh):
+        self.rollout = rollout
+        self.mesh = mesh
+
+    def __call__(self, batch, variables, updates: int):
+        return shard_batch(self.rollout(batch, variables, updates), self.mesh)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rollout, name)
+
+
+def save_sharded(directory: str | os.PathLike, tree: Any) -> None:
+    """Write a tree of sharded arrays with orbax-checkpoint: each process writes the shards it
+    holds, so the whole never passes through one host. Every process calls it alike."""
+    import orbax.checkpoint as ocp  # the sharded extra, needed only here
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(Path(directory).absolute(), tree, force=True)
+
+
+def restore_sharded(directory: str | os.PathLike, like: Any) -> Any:
+    """The tree `save_sharded` wrote, each array placed on `like`'s leaf's sharding (any mesh,
+    not necessarily the one it was saved from).
+
+    Args:
+        like: a tree of the saved layout whose leaves have `shape`, `dtype` and `sharding`
+            (arrays, or `jax.ShapeDtypeStruct`s).
+    """
+    import orbax.checkpoint as ocp
+
+    target = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding), like
+    )
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(Path(directory).absolute(), target)

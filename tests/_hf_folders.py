@@ -1,0 +1,31 @@
+"""A tiny Hugging Face checkpoint folder with a tokenizer and chat template of its own, for the
+tests that train one with `dew train --model`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from _bpe import train_bpe
+from dew._torch_media import hide_broken_media_packages
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+
+
+def chat_checkpoint(folder: Path, shape: dict) -> Path:
+    """A random Qwen2 checkpoint of `shape` in `folder` (made by transformers), with a
+    byte-level BPE trained here (its embedding rows eight past the tokenizer's ids, as real
+    checkpoints pad them) and Qwen2.5's real chat template."""
+    hide_broken_media_packages()
+    import torch
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_bpe(folder / "tokenizer.json")
+    vocab = json.loads(tokenizer.read_text())["model"]["vocab"]
+    (folder / "chat_template.jinja").write_text((TEMPLATES / "qwen2.5-instruct.jinja").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(**{**shape, "vocab_size": len(vocab) + 8})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder

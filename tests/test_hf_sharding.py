@@ -1,0 +1,61 @@
+"""A checkpoint's params, optimizer state and batch sharded over a four-device mesh (CPU devices
+forced by XLA_FLAGS, which must be set before jax is imported: hence a process of its own,
+tests/_hf_sharding_worker.py, whose assertions these are)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from _hf_folders import chat_checkpoint
+
+WORKER = Path(__file__).parent / "_hf_sharding_worker.py"
+SHAPE = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+
+
+def test_sharded_params_train_serve_and_restore_onto_another_mesh(tmp_path):
+    """Params and Adam's moments are split over fsdp x tensor as the params table declares; a
+    sharded step with the batch over the data axes equals the one-device step to 1e-5 and hands
+    its params back sharded alike; the engine serves sharded params as it serves whole ones;
+    `load` places each tensor on its shard as it reads it; orbax restores sharded state onto a
+    mesh of another shape."""
+    environment = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    finished = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path)],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert "sharding checks passed" in finished.stdout
+
+
+def test_dew_train_splits_a_checkpoint_over_a_mesh_and_resumes(tmp_path):
+    """`dew train --model --mesh 1x2x2` on four devices trains, checkpoints a folder, and a
+    resumed run splits the restored state again and goes on."""
+    folder = chat_checkpoint(tmp_path / "checkpoint", SHAPE)
+    run = tmp_path / "run"
+    environment = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    command = [sys.executable, "-m", "dew", "train", "--model", str(folder), "--mesh", "1x2x2"]
+    command += ["--run", str(run), "--batch-size", "2", "--groups", "2", "--tasks", "8"]
+    for steps in (["--steps", "2"], ["--steps", "3", "--resume"]):
+        finished = subprocess.run(
+            [*command, *steps], env=environment, capture_output=True, text=True, timeout=600
+        )
+        assert finished.returncode == 0, finished.stdout + finished.stderr
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["updates"] for line in lines] == [1, 2, 3]
+    assert all(math.isfinite(line["loss"]) for line in lines)
+    assert (run / "checkpoints" / "model" / "model.safetensors").is_file()
