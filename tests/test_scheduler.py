@@ -632,7 +632,9 @@ def simulated_run(scheduling_seed: int) -> tuple[list, list, list]:
 
     async def main():
         engine = SimulatedEngine(slots=6)
-        config = SimulatedConfig(seed=3, duration_mean=2.0, infra_error=0.1, truncated=0.1)
+        config = SimulatedConfig(
+            seed=3, duration_mean=2.0, infra_error=0.1, truncated=0.1, vocab=OBJECTIVE.model.vocab
+        )
         sched = RolloutScheduler(
             OBJECTIVE,
             SimulatedSource(engine, config),
@@ -678,7 +680,7 @@ def test_the_sync_facade_runs_the_trio_side_in_its_own_thread():
     from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
 
     engine = SimulatedEngine(slots=8)
-    small = dict(prompt_tokens=(2, 4), completion_tokens=(1, 4), calls=(1, 2))
+    small = dict(prompt_tokens=(2, 4), completion_tokens=(1, 4), calls=(1, 2), vocab=32)
     source = SimulatedSource(engine, SimulatedConfig(seed=0, duration_mean=0.01, **small))
     logged = []
     before = set(threading.enumerate())
