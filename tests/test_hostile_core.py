@@ -13,6 +13,7 @@ each test pins one defect it found, and fails without its fix.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import sys
@@ -32,10 +33,12 @@ from _scripted import OBJECTIVE, PARAMS, ROWS, WIDTH, Engine, Plan, Scripted, da
 from dew import models
 from dew.cli import main
 from dew.data import Task
-from dew.envs import Score
+from dew.envs import Score, SimulatedConfig
 from dew.envs.tasks import CopyDigits
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import SessionError
+from dew.replay import PROXIMAL, VERSION, Trace, TraceError, read_trace
+from dew.testing import assert_replays, run_simulated
 from dew.train import NothingTrained, fit
 from dew.train._trainer import _check_finite, _RunTally
 
@@ -523,3 +526,79 @@ def test_dew_train_ends_with_one_line_and_status_1_when_it_trained_on_nothing(
     assert "RuntimeError: the grader is down" in line
     assert "trained 2 steps" not in out
     assert "Traceback" not in err
+
+
+# Item 3: no field of a trace is written but never read -----------------------------------------
+
+
+async def record_small(path) -> Trace:
+    return await run_simulated(
+        path, updates=range(3), config=SimulatedConfig(seed=2), width=256, rows=4, groups=2
+    )
+
+
+async def test_a_trace_holds_no_whole_batch_digest_and_replays(autojump_clock, tmp_path):
+    """The whole-batch `digest` covered the proximal log-probs, which no replay can rescore,
+    so nothing ever checked it: the format (version 4) no longer writes it. Every array's own
+    digest is still written, and replay compares each but the proximal log-probs'."""
+    trace = await record_small(tmp_path / "run.trace")
+    lines = [json.loads(line) for line in (tmp_path / "run.trace").read_text().splitlines()]
+    assert lines[0]["version"] == VERSION == 4
+    calls = [line for line in lines if line.get("kind") == "call"]
+    assert calls and all("digest" not in line for line in calls)
+    assert all(PROXIMAL in line["arrays"] for line in calls)
+    assert not hasattr(trace.calls[0], "digest")
+    await assert_replays(trace)
+
+
+async def test_a_version_3_trace_is_read_without_its_digest_and_others_are_refused(
+    autojump_clock, tmp_path
+):
+    await record_small(tmp_path / "run.trace")
+    lines = [json.loads(line) for line in (tmp_path / "run.trace").read_text().splitlines()]
+    lines[0]["version"] = 3
+    for line in lines:
+        if line.get("kind") == "call":
+            line["digest"] = "a digest no replay can check"
+    old = tmp_path / "old.trace"
+    old.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = await assert_replays(old)
+    assert result.steps == 3
+    lines[0]["version"] = 2
+    older = tmp_path / "older.trace"
+    older.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(TraceError, match=r"older.trace:1: dew-trace version 2 is not one"):
+        read_trace(older)
+
+
+# Item 16: the first wait, on the engine's compilation, is one line -------------------------------
+
+
+async def test_the_wait_on_the_first_batch_is_one_line_and_later_waits_are_in_full(
+    autojump_clock, caplog
+):
+    """The first batch waits on the engine's first compilations, a minute or more on a small
+    CPU: its long-wait report is one line that says so (with the rollouts finished so far),
+    not a dump of every rollout a newcomer reads as a hang. A later long wait is in full."""
+    engine = Engine()
+    source = Scripted(engine, lambda task, label: Plan(duration=130.0 if label.sample else 10.0))
+    sched = RolloutScheduler(
+        OBJECTIVE, source, engine, width=WIDTH, rows=ROWS, groups=2, ahead=0, max_lag=0
+    )
+    assert sched.long_wait == 60.0  # the default
+    caplog.set_level("WARNING", logger="dew.objectives.rl.scheduler")
+    async with sched:
+        stream = sched.tasks(dataset(2, 1)).stream(0)
+        await sched.step(next(stream), PARAMS, 0)
+        first = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        await sched.step(next(stream), PARAMS, 1)
+        later = [r.getMessage() for r in caplog.records]
+    assert first == [
+        "the trainer has waited 60s for its first batch (1 of 2 rollouts finished): the engine "
+        "compiles its steps on the first calls; status() says more",
+        "the trainer has waited 120s for its first batch (1 of 2 rollouts finished): the engine "
+        "compiles its steps on the first calls; status() says more",
+    ]
+    assert len(later) == 2 and all(m.startswith("the trainer has waited") for m in later)
+    assert all("\n  group 1 task '1' running: " in m for m in later), later

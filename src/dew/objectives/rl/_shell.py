@@ -233,6 +233,7 @@ class _Scheduler:
         self._events: list[LogEvent] = []
         self._watch: trio.CancelScope | None = None
         self._waiting = False  # a hand-over waits for its delivery
+        self._delivered = False  # whether any call was answered: the first waits on compiles
         self._newest_pushed: int | None = None  # the newest version ever pushed to the engines
         # Failed sessions' error texts and how often each came, for status().
         # Failed sessions' error texts, for status(); the trainer's side reports a streak of
@@ -721,16 +722,34 @@ class _Scheduler:
         self._post(core.HandedOver(time=now, **handover.event_fields))
         if self.long_wait is not None:
             self._watch = trio.CancelScope()
-            self._nursery.start_soon(self._watch_wait, self._watch, self.long_wait)
+            first = not self._delivered
+            self._nursery.start_soon(self._watch_wait, self._watch, self.long_wait, first)
 
-    async def _watch_wait(self, scope: trio.CancelScope, long_wait: float) -> None:
-        """Log what the trainer waits on when a wait grows long."""
+    async def _watch_wait(self, scope: trio.CancelScope, long_wait: float, first: bool) -> None:
+        """Log what the trainer waits on when a wait grows long: in full, but for the wait on
+        the scheduler's first batch, which is said in one line, since that wait holds the
+        engine's first compilations (a minute or more on a small CPU) and is no hang."""
         with scope:
             waited = 0.0
             while True:
                 await trio.sleep(max(long_wait, waited))
                 waited = max(long_wait, 2 * waited)
-                logger.warning("the trainer has waited %.0fs\n%s", waited, self.status())
+                if first:
+                    logger.warning(
+                        "the trainer has waited %.0fs for its first batch (%s): the engine "
+                        "compiles its steps on the first calls; status() says more",
+                        waited,
+                        self._progress(),
+                    )
+                else:
+                    logger.warning("the trainer has waited %.0fs\n%s", waited, self.status())
+
+    def _progress(self) -> str:
+        """How far the batch the trainer waits on has come: its rollouts finished of all."""
+        status = self.status()
+        samples = [s for g in status.groups if g.batch == status.waiting for s in g.samples]
+        finished = sum(s.state == core.SampleState.FINISHED.value for s in samples)
+        return f"{finished} of {len(samples)} rollouts finished"
 
     async def _watch_deadlines(self) -> None:
         """Post a rollout's timeout at its deadline. Deadlines are submission + timeout, so they
@@ -803,6 +822,7 @@ class _Scheduler:
 
     def _deliver(self, message: _Delivery | _Failure) -> None:
         self._waiting = False
+        self._delivered = True
         if self._watch is not None:
             self._watch.cancel(reason="delivered")
             self._watch = None
