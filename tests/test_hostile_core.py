@@ -71,8 +71,9 @@ class CloseAt:
     call runs in the scheduler's own modules, close() is called from another thread.
 
     The thread facade waits for that close() to finish before the call goes on (so the close
-    lands exactly there), but where the call is starting the scheduler's trio thread: a
-    close() then waits for it to serve, as it must. The async facade's close() can only land
+    lands exactly there), but where the call holds the lock close() takes (starting the
+    scheduler's trio thread, or closing it itself): the close() then waits for it, as it must.
+    The async facade's close() can only land
     at the trio thread's next checkpoint (it runs there), so the call goes on as soon as the
     closing thread has marked the scheduler closed and posted its close.
     """
@@ -108,20 +109,27 @@ class CloseAt:
         if self.lines == self.offset:
             self.closer = threading.Thread(target=self.close, name="closer")
             self.closer.start()
-            if self.facade == "async":
+            if _holding_the_lifecycle_lock(self.sched, frame):
+                pass  # the close waits for this thread to let go of it
+            elif self.facade == "async":
                 self.posted.wait(HANG)
-            elif not _starting_the_thread(frame):
+            else:
                 self.closer.join(HANG)
         self.lines += 1
         return self.line
 
 
-def _starting_the_thread(frame) -> bool:
-    """Whether `frame` is inside the scheduler's start of its trio thread (which close()
-    waits for)."""
+def _holding_the_lifecycle_lock(sched: RolloutScheduler, frame) -> bool:
+    """Whether `frame` runs where the scheduler holds the lock that close() takes from
+    another thread (starting its trio thread, or closing): that close() waits for it."""
+    if not hasattr(sched._inner, "_life"):
+        return False
     while frame is not None:
-        if frame.f_code.co_name in ("_start_thread", "_start_thread_now"):
-            return hasattr(shell._Scheduler, "_start_thread_now")
+        if frame.f_code.co_filename == shell.__file__ and frame.f_code.co_name in (
+            "_start_thread",
+            "close",
+        ):
+            return True
         frame = frame.f_back
     return False
 
@@ -139,6 +147,7 @@ def _patched_run_sync(close_at: CloseAt, monkeypatch) -> None:
 
 
 def race_thread_facade(offset: int) -> tuple[CloseAt, list]:
+    before = set(threading.enumerate())
     sched, _ = make_scheduler()
     stream = sched.tasks(dataset(1, 1)).stream(0)
     batch = next(stream)
@@ -162,6 +171,7 @@ def race_thread_facade(offset: int) -> tuple[CloseAt, list]:
         close_at.closer.join(HANG)
         assert not close_at.closer.is_alive(), f"offset {offset}: close() hangs"
     sched.close()
+    assert set(threading.enumerate()) <= before, f"offset {offset}: a thread outlives close()"
     return close_at, outcome
 
 
@@ -172,17 +182,23 @@ def race_async_facade(offset: int, monkeypatch) -> tuple[CloseAt, list]:
     outcome: list = []
 
     async def main():
-        async with sched:
-            stream = sched.tasks(dataset(1, 1)).stream(0)
-            batch = next(stream)
-            close_at.task = trio.lowlevel.current_task()
-            sys.settrace(close_at.trace)
-            try:
-                outcome.append(await sched.step(batch, PARAMS, 0))
-            except BaseException as error:
-                outcome.append(error)
-            finally:
-                sys.settrace(None)
+        # From the block's entry: a close() before the scheduler's trio side has its token
+        # finds nothing to post its close to.
+        close_at.task = trio.lowlevel.current_task()
+        sys.settrace(close_at.trace)
+        try:
+            async with sched:
+                # The block ends normally whatever the call answers, as a trainer's that
+                # handles the answer does: its end must close the trio side all the same.
+                try:
+                    stream = sched.tasks(dataset(1, 1)).stream(0)
+                    outcome.append(await sched.step(next(stream), PARAMS, 0))
+                except Exception as error:
+                    outcome.append(error)
+        except BaseException as error:
+            outcome.append(error)
+        finally:
+            sys.settrace(None)
 
     def run():
         try:

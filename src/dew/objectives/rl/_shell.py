@@ -597,10 +597,16 @@ class _Scheduler:
         self._token = trio.lowlevel.current_trio_token()
         self._clock = trio.lowlevel.current_clock()
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._drive)
             if self.timeout is not None:
                 nursery.start_soon(self._watch_deadlines)
             task_status.started(nursery)
+            # close() from another thread marks the scheduler closed, then posts its close
+            # here if it finds the token set above: one that came before found none to post
+            # to, so this side closes itself.
+            if self._closed:
+                self._close_in_trio()
 
     def close(self) -> None:
         """Cancel every rollout in flight; the source belongs to the caller.
@@ -640,6 +646,8 @@ class _Scheduler:
             self.close()
 
     def _close_in_trio(self) -> None:
+        if self._ended:
+            return  # closed here already, by the close() of another thread or by `_serve`
         self._ended = True
         self._apply([core.Closed(trio.current_time())])
         self.closing_events, self._events = tuple(self._events), []
