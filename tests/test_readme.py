@@ -22,3 +22,8 @@ def test_a_readme_block_runs(index, capsys):
     # promotion refuses; a reader's Python runs under JAX's standard promotion.
     with jax.numpy_dtype_promotion("standard"):
         exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), {"__name__": "readme"})
+    # Each block shows what it did, and in lines of its own: the trainer's first wait (the
+    # engine compiling) is one line, not a dump of every rollout.
+    out, err = capsys.readouterr()
+    assert out.strip(), f"README.md block {index} prints nothing"
+    assert "running(attempt" not in err, err

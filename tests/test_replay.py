@@ -177,8 +177,8 @@ def test_a_replay_reproduces_every_record_event_and_packed_array(recorded):
     assert str(result).endswith(
         f"replay matched: {len(UPDATES)} steps, {result.groups} groups, {len(log(recorded))} events"
     )
-    # Recorded with NoRescoring too, even the proximal log-probs agree: the whole digests do.
-    assert [c.digest for c in result.calls] == [c.digest for c in recorded.calls]
+    # Recorded with NoRescoring too, even the proximal log-probs agree: every array's digest does.
+    assert [c.arrays for c in result.calls] == [c.arrays for c in recorded.calls]
     # The collector, frozen over the trace while it replayed, is as it was found.
     assert gc.isenabled() and (gc.get_freeze_count() == 0) == (frozen == 0)
 
@@ -217,8 +217,8 @@ def test_a_recording_is_the_same_under_any_trio_scheduling_order(recorded, tmp_p
         for seed in (4, 5):
             trio_scheduler_random.seed(seed)
             again = record(tmp_path / f"run{seed}.trace")
-            assert [(c.record, c.events, c.digest) for c in again.calls] == [
-                (c.record, c.events, c.digest) for c in recorded.calls
+            assert [(c.record, c.events, c.arrays) for c in again.calls] == [
+                (c.record, c.events, c.arrays) for c in recorded.calls
             ]
     finally:
         trio_scheduler_random.setstate(state)
@@ -310,7 +310,7 @@ def short_array(lines):
     "change, problem",
     [
         (corrupt, "is not JSON"),
-        (unknown_version, "dew-trace version 2 is not one this dew reads (version 3)"),
+        (unknown_version, "dew-trace version 2 is not one this dew reads (versions 3, 4)"),
         (unlabelled, "lacks field 'label'"),
         (short_array, "array calls[0].prompt holds"),
     ],
@@ -626,7 +626,7 @@ def test_a_thread_trace_replays_every_decision_and_packed_array(thread_recorded)
     assert any(e.kind == "submitted" and e.reason == "timeout" for e in events)
     for recorded, replayed in zip(thread_recorded.calls, result.calls, strict=True):
         assert replayed.events == recorded.events
-        assert replayed.digest == recorded.digest
+        assert replayed.arrays == recorded.arrays
         assert real_clock_free(replayed.record) == real_clock_free(recorded.record)
     # The trainer thread's real seconds are in the trace, and the replay's mock ones differ.
     assert [c.record.waited for c in result.calls] != [

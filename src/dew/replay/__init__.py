@@ -1,7 +1,7 @@
 """Traces: record a scheduler run, replay it bit for bit, and find where two runs part.
 
 A trace is JSON lines, no pickle. Its first line is a header, `{"format": "dew-trace",
-"version": 2, "facade": ..., "config": {...}, "start": ...}`, holding every RolloutScheduler
+"version": 4, "facade": ..., "config": {...}, "start": ...}`, holding every RolloutScheduler
 argument but the objective, source, weights, tasks and log, and which facade the trainer called:
 `async` (`await step` inside the caller's trio run) or `thread` (`scheduler(batch, ...)` from the
 trainer's thread). Each later line has a `kind`:
@@ -19,9 +19,9 @@ trainer's thread). Each later line has a `kind`:
 - `push`: a weight push (`version`, `time`);
 - `call`: one trainer call: its `step`, `batch`, `updates`, the `stream` and how many batches it
   had yielded (`read`), `handed_over` and `returned` times, and either the SchedulerRecord
-  (`record`, metrics included), the event log (`events`) and digests of the packed batch it
-  returned (`digest` over every array; `arrays`, one per key) — or what it `raised`, with the
-  event log up to its failure;
+  (`record`, metrics included), the event log (`events`) and the digests of the packed batch's
+  arrays it returned (`arrays`, one per key) — or what it `raised`, with the event log up to its
+  failure;
 - `end`: the time the scheduler was closed and its `closing_events` (the event log after the
   last call's, through the close); the last line.
 
@@ -55,8 +55,10 @@ each recorded rollout back by (task name, label) with its recorded duration and 
 trio's MockClock: the trainer's calls are made at their recorded hand-over times and every
 record, event and packed array is compared. The proximal log-probs are not replayed: they are the
 trainer's weights' rescoring, and a trace holds no weights. Replay uses `NoRescoring` (zeros) and
-compares every packed array but `proximal_logprobs`; the recorded `digest` still covers them, so
-two recordings can be compared whole.
+compares every packed array but `proximal_logprobs`, whose recorded digest is left for
+comparing two recordings. Every field a trace holds is read: version 3 traces also held a
+whole-batch `digest`, which no replay could check (it covers the proximal log-probs); version 4
+drops it, and reads version 3 traces without it (`READ_VERSIONS`).
 
 `replay(path, **overrides)` runs a replay in a trio run of its own (`replay_async` from inside
 another, through a worker thread), and `dew replay TRACE [--max-lag N ...]` from the command
@@ -85,10 +87,10 @@ from dew.replay._format import (
     MAX_LINE,
     OUTCOMES,
     PROXIMAL,
+    READ_VERSIONS,
     VERSION,
     RecordedSourceError,
     TraceError,
-    batch_digest,
 )
 from dew.replay._record import Recorder, RecordingPublisher, RecordingSource
 from dew.replay._replay import (
@@ -109,6 +111,7 @@ __all__ = [
     "MAX_LINE",
     "OUTCOMES",
     "PROXIMAL",
+    "READ_VERSIONS",
     "VERSION",
     "Divergence",
     "NoRescoring",
@@ -127,7 +130,6 @@ __all__ = [
     "ReplayedCall",
     "Trace",
     "TraceError",
-    "batch_digest",
     "configure_cli",
     "read_trace",
     "replay",

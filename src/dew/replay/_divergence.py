@@ -28,12 +28,11 @@ class ReplayNote:
 
 @attrs.frozen
 class ReplayedCall:
-    """One trainer call as the replay made it: its record, event log, the packed batch's digest
-    and its arrays' (or what it raised), and when it returned."""
+    """One trainer call as the replay made it: its record, event log, its packed arrays'
+    digests (or what it raised), and when it returned."""
 
     record: SchedulerRecord | None
     events: tuple[LogEvent, ...]
-    digest: str | None
     arrays: Mapping[str, str]
     raised: str | None
     returned: float

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -17,8 +17,13 @@ from dew.objectives.rl.sessions import Call, Label, Session, Status
 
 FORMAT = "dew-trace"
 """The `format` a trace's header names."""
-VERSION = 3
-"""The trace format's version; a trace of another version is refused by name."""
+VERSION = 4
+"""The trace format's version, which traces are written in."""
+READ_VERSIONS = (3, VERSION)
+"""The versions read; a trace of another is refused by name. Version 3's call lines also hold
+a whole-batch `digest`, over the proximal log-probs too, which no replay can check (a trace
+holds no weights to rescore them with): version 4 drops it, and a version 3 trace is read
+without it. Every array's own digest (`arrays`) is in both."""
 FACADES = ("async", "thread")
 """How a recorded trainer called the scheduler: `await scheduler.step` or the thread facade."""
 CONFIG = (
@@ -156,24 +161,10 @@ def _array_digest(array: np.ndarray) -> str:
     return hashlib.sha256(header + array.tobytes()).hexdigest()
 
 
-def batch_digest(batch: Mapping[str, np.ndarray], *, exclude: Sequence[str] = ()) -> str:
-    """sha256 over a packed batch's arrays in sorted key order: name, dtype, shape and bytes.
-
-    Args:
-        batch: name -> array.
-        exclude: names left out (e.g. `proximal_logprobs`, which replay does not rescore).
-
-    Returns:
-        the hex digest.
-    """
-    digest = hashlib.sha256()
-    for key in sorted(batch):
-        if key in exclude:
-            continue
-        array = np.asarray(batch[key])
-        digest.update(f"{key}\0{array.dtype.str}{list(array.shape)}\0".encode())
-        digest.update(array.tobytes())
-    return digest.hexdigest()
+def array_digests(batch: Mapping[str, np.ndarray]) -> dict[str, str]:
+    """A packed batch's digests as a trace holds them: per key, in sorted order, the sha256 of
+    the array's dtype, shape and bytes."""
+    return {key: _array_digest(batch[key]) for key in sorted(batch)}
 
 
 def _describe(error: BaseException) -> str:

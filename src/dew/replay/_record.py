@@ -23,7 +23,6 @@ from dew.replay._format import (
     FORMAT,
     MAX_LINE,
     VERSION,
-    _array_digest,
     _describe,
     _encode_event,
     _encode_label,
@@ -31,7 +30,7 @@ from dew.replay._format import (
     _encode_session,
     _encode_task,
     _plain,
-    batch_digest,
+    array_digests,
 )
 
 
@@ -171,7 +170,7 @@ class Recorder:
         if error is not None:
             # A failed call's log runs up to its failure; a refused call has none.
             events = [_encode_event(e) for e in scheduler.last_events]
-            outcome = {"raised": _describe(error), "record": None, "events": events, "digest": None}
+            outcome = {"raised": _describe(error), "record": None, "events": events}
             self._write({**line, "returned": time, **outcome, "arrays": {}})
             return
         self.last_record = scheduler.last_record
@@ -182,8 +181,7 @@ class Recorder:
                 "raised": None,
                 "record": _encode_record(scheduler.last_record),
                 "events": [_encode_event(e) for e in scheduler.last_events],
-                "digest": batch_digest(packed),
-                "arrays": {key: _array_digest(packed[key]) for key in sorted(packed)},
+                "arrays": array_digests(packed),
             }
         )
 

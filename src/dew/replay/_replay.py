@@ -26,9 +26,8 @@ from dew.replay._format import (
     CONFIG,
     RecordedSourceError,
     TraceError,
-    _array_digest,
     _describe,
-    batch_digest,
+    array_digests,
 )
 from dew.replay._trace import RecordedCall, Trace, read_trace
 
@@ -452,14 +451,11 @@ async def _call(scheduler: RolloutScheduler, call: RecordedCall) -> ReplayedCall
     try:
         packed = await scheduler.step(_batch(call.batch), None, call.updates)
     except Exception as error:
-        return ReplayedCall(
-            None, scheduler.last_events, None, {}, _describe(error), trio.current_time()
-        )
+        return ReplayedCall(None, scheduler.last_events, {}, _describe(error), trio.current_time())
     return ReplayedCall(
         scheduler.last_record,
         scheduler.last_events,
-        batch_digest(packed),
-        {key: _array_digest(packed[key]) for key in sorted(packed)},
+        array_digests(packed),
         None,
         trio.current_time(),
     )

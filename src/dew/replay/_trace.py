@@ -27,7 +27,7 @@ from dew.replay._format import (
     GZIP_MAGIC,
     MAX_LINE,
     OUTCOMES,
-    VERSION,
+    READ_VERSIONS,
     TraceError,
 )
 
@@ -69,8 +69,7 @@ class RecordedCall:
             from the trainer's thread, its `handed_over` event and its delivery; None when such a
             call raised).
         record, events: the call's SchedulerRecord and event log.
-        digest: batch_digest of the returned packed batch.
-        arrays: per key, the digest of that array alone.
+        arrays: per key of the returned packed batch, the digest of that array alone.
         raised: what the call raised instead, if it did.
     """
 
@@ -83,7 +82,6 @@ class RecordedCall:
     returned: float | None
     record: SchedulerRecord | None
     events: tuple[LogEvent, ...]
-    digest: str | None
     arrays: Mapping[str, str]
     raised: str | None
 
@@ -309,8 +307,11 @@ def _read_header(line: _Line) -> tuple[str, dict, float | None]:
             f"'format' is {line.data.get('format')!r}"
         )
     version = line.data.get("version")
-    if version != VERSION:
-        line.fail(f"{FORMAT} version {version!r} is not one this dew reads (version {VERSION})")
+    if version not in READ_VERSIONS:
+        line.fail(
+            f"{FORMAT} version {version!r} is not one this dew reads (versions "
+            f"{', '.join(map(str, READ_VERSIONS))})"
+        )
     facade = line.get("facade", (str,))
     if facade not in FACADES:
         line.fail(f"facade {facade!r} is not one of {FACADES}")
@@ -437,7 +438,6 @@ def _read_trace(path: str, partial: bool) -> Trace:
                     returned=line.optional_time("returned"),
                     record=None if raised else _decode_record(line, line.mapping("record")),
                     events=tuple(_decode_event(line, e) for e in line.get("events", (list,))),
-                    digest=None if raised else line.get("digest", (str,)),
                     arrays=line.mapping("arrays"),
                     raised=raised,
                 )

@@ -48,13 +48,14 @@ from dew.train._progress import Progress
 from dew.train._run import train
 from dew.train._samples import SampleLog, sample_record
 from dew.train._tensorboard import TensorBoard
-from dew.train._trainer import METRICS, Rollout, Trainer, record_fields
+from dew.train._trainer import METRICS, NothingTrained, Rollout, Trainer, record_fields
 
 __all__ = [
     "CHECKPOINT_FORMAT",
     "CHECKPOINT_VERSION",
     "COMMIT",
     "METRICS",
+    "NothingTrained",
     "TASKS",
     "Checkpoint",
     "Progress",

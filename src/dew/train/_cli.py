@@ -34,6 +34,7 @@ from dew.train._folders import _check_record, _check_run, _check_split, _default
 from dew.train._interrupt import INTERRUPTED, _CtrlC, _Interrupted, _say, any_process
 from dew.train._progress import Progress
 from dew.train._run import train
+from dew.train._trainer import NothingTrained
 
 
 def configure_cli(parser: argparse.ArgumentParser) -> None:
@@ -181,7 +182,8 @@ def _train_until_interrupted(
     config: TrainConfig, run: Path, *, resume: bool, record: str | None
 ) -> int:
     """Train in this process, with progress lines, until the last step or a Ctrl-C (`_CtrlC`);
-    return the exit status: 0, or INTERRUPTED after one line saying where it stopped."""
+    return the exit status: 0, INTERRUPTED after one line saying where it stopped, or 1 after
+    one line saying that the run trained on nothing (`NothingTrained`)."""
     stopped = None
     # The second press raises KeyboardInterrupt wherever the code is, even in the context's
     # exit: the outer handler takes it there too.
@@ -197,6 +199,9 @@ def _train_until_interrupted(
                 )
             except _Interrupted as stop:
                 stopped = f"stopped after step {stop.updates}/{config.steps}, its checkpoint saved"
+            except NothingTrained as nothing:
+                _say(f"dew train: {nothing}")
+                return 1
     except KeyboardInterrupt:
         stopped = stopped or "stopped at once; the last checkpoint stands"
     if stopped is not None:

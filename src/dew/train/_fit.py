@@ -239,6 +239,9 @@ def fit(
             than the model's, a context shorter than the longest prompt + `max_tokens`, a
             `width` below the longest chain, a model shorter than the context, or a source
             given twice or not at all.
+        NothingTrained: at the end of a run none of whose steps had a rollout to train on
+            (a verifier that raises, answers NaN or a bare float rather than a `Score`, fails
+            every rollout), naming the errors its rollouts failed with.
     """
     tasks = list(tasks)
     batch_size = check_int("batch_size", batch_size, low=1)

@@ -98,6 +98,57 @@ def call_errors(events) -> dict[str, int]:
     return dict(counts.most_common(ERRORS_SHOWN))
 
 
+class NothingTrained(RuntimeError):
+    """A run none of whose steps had a token to train on: every group of every step was
+    abandoned, cut or failed (a verifier that raises, answers NaN or a bare float fails every
+    rollout it scores). Raised at the run's end, once its state is saved where checkpoints are
+    on; the message gives the steps, what became of their groups and the most frequent errors.
+    """
+
+
+class _RunTally:
+    """What one `Trainer.run` trained on, step by step, to say at its end that it trained on
+    nothing: a short run ends before the scheduler's warning of a streak of empty steps."""
+
+    def __init__(self):
+        self.steps: list[int] = []  # the updates before each step
+        self.trained = 0  # steps with at least one trained token
+        self.abandoned = 0
+        self.cut = 0
+        self.errors: collections.Counter[str] = collections.Counter()
+
+    def observe(self, updates: int, metrics: Mapping[str, Any], rollout: Any) -> None:
+        """Take one step's loss metrics and its rollout's record and event log."""
+        self.steps.append(updates)
+        # `tokens` is the loss mask's weight over the pool's batch, alike on every process.
+        if float(metrics.get("tokens", 1.0)) > 0:
+            self.trained += 1
+        record = getattr(rollout, "last_record", None)
+        if isinstance(record, SchedulerRecord):
+            self.abandoned += record.abandoned
+            self.cut += record.cut
+        events = getattr(rollout, "last_events", ())
+        self.errors.update(e.error for e in events if e.kind == "failed" and e.error)
+
+    def check(self) -> None:
+        """Raise if the run made steps and none trained on anything.
+
+        Raises:
+            NothingTrained: naming the steps, the groups abandoned and cut, and the errors.
+        """
+        if not self.steps or self.trained:
+            return
+        text = (
+            f"the run trained on nothing: none of its {len(self.steps)} steps (updates "
+            f"{self.steps[0]}..{self.steps[-1]}) had a token to train on; groups abandoned "
+            f"after failed attempts: {self.abandoned}, cut: {self.cut}"
+        )
+        if self.errors:
+            shown = ", ".join(f"{error!r} x{n}" for error, n in self.errors.most_common(3))
+            text += f"; rollouts failed with {shown}"
+        raise NothingTrained(text)
+
+
 def _check_finite(metrics: Mapping[str, Any], step: int) -> None:
     """Stop at a step whose loss or gradient norm is not finite.
 
@@ -113,7 +164,8 @@ def _check_finite(metrics: Mapping[str, Any], step: int) -> None:
         values = ", ".join(f"{name} {value}" for name, value in bad.items())
         raise FloatingPointError(
             f"step {step}: {values}; training stops, the weights left as the step before found "
-            "them (look for NaN or infinite rewards, advantages or log-probs in the batch)"
+            "them (look for NaN or infinite rewards, advantages or log-probs in the batch, or "
+            "token ids outside the model's vocabulary, which score as non-finite log-probs)"
         )
 
 
@@ -185,6 +237,9 @@ class Trainer:
             `samples.jsonl`, `eval.jsonl`), kept in step with the checkpoints as the metrics
             log is.
 
+    A run whose every step had no token to train on (every group abandoned, cut or failed)
+    raises NothingTrained at its end, naming what became of the groups and the errors behind.
+
     A step whose loss or gradient is not finite stops the run with a FloatingPointError naming
     the step, before its line or any checkpoint is written; the update left the weights as they
     were (`GRPOObjective.update_fn`), so NaN never reaches them.
@@ -230,6 +285,7 @@ class Trainer:
         self._deadline = None
         if deadline is not None and self.processes > 1:
             self._deadline = _pool_guard.Deadline(deadline)
+        self._tally = _RunTally()  # what the current (or last) run trained on
         # The metrics log's length that goes with the state above: the next run cuts it there.
         self._logged_bytes = 0
         # The same for the other logs; a log of unknown length (a checkpoint older than the
@@ -306,9 +362,12 @@ class Trainer:
 
         Raises:
             ValueError: naming the argument out of bounds.
+            NothingTrained: at the end of a run that made steps, none of which had a token to
+                train on (its state saved first, with checkpoints on).
         """
         steps = check_int("steps", steps, low=0)
         ahead = check_int("ahead", ahead, low=0)
+        self._tally = _RunTally()
         stream = dataset.stream(self.position)
         read: collections.deque[Batch] = collections.deque()
         with contextlib.ExitStack() as stack:
@@ -326,6 +385,7 @@ class Trainer:
                 self._step(rollout, read.popleft(), log)
             if self.checkpoint_every is not None and self.updates % self.checkpoint_every:
                 self.save()
+        self._tally.check()
 
     def _step(self, rollout: Rollout, batch: Batch, log: BinaryIO | None) -> None:
         """Train on one batch: roll it out, update, log the line, checkpoint when due."""
@@ -342,6 +402,7 @@ class Trainer:
         )
         metrics = jax.device_get(metrics)
         _check_finite(metrics, self.updates)
+        self._tally.observe(self.updates, metrics, rollout)
         finished = time.perf_counter()
         self.elapsed += finished - started
         fields: dict[str, Any] = {

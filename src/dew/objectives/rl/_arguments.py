@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
+
 from dew._checks import check_int, check_number
 from dew.objectives.rl.sessions import ESTIMATORS, TRUNCATION
 
@@ -142,3 +144,61 @@ def check_sizes(
             f"support_capacity must keep rows * support_capacity <= {MAX_CELLS}, "
             f"got {rows} * {support_capacity}"
         )
+
+
+def check_pool(pool) -> None:
+    """Refuse, as `scheduler.pool`, what is not a `dew.parallel.Pool`.
+
+    Raises:
+        TypeError: naming what the value lacks.
+    """
+    lacking = [
+        name
+        for name in ("agree", "rescore", "is_first_reader")
+        if not callable(getattr(pool, name, None))
+    ]
+    if not isinstance(getattr(pool, "share_size", None), int):
+        lacking.append("share_size")
+    if lacking:
+        raise TypeError(
+            f"scheduler.pool must be a dew.parallel.Pool (LocalPool, DistributedPool); "
+            f"{type(pool).__name__} lacks {', '.join(lacking)}"
+        )
+
+
+def check_long_wait(long_wait) -> None:
+    """Refuse, as `scheduler.long_wait`, what is neither None nor seconds > 0.
+
+    Raises:
+        ValueError: naming the setting and the value.
+    """
+    if long_wait is not None:
+        check_number("long_wait", long_wait, low=0, low_open=True)
+
+
+def model_vocab(objective) -> int | None:
+    """The vocabulary of the objective's model where it declares one (`dew.models.Model`'s
+    `vocab`, as `GRPOObjective(model)` holds it); None for an objective without one."""
+    vocab = getattr(getattr(objective, "model", None), "vocab", None)
+    if isinstance(vocab, bool) or not isinstance(vocab, int | np.integer) or vocab < 1:
+        return None
+    return int(vocab)
+
+
+def resolve_vocab(objective, vocab: int | None) -> int | None:
+    """The vocabulary the scheduler checks sessions' token ids against: `vocab` where given,
+    else the objective's model's, so that an id the model has no logit for is refused by name
+    rather than rescored into a non-finite log-prob.
+
+    Raises:
+        ValueError: for a `vocab` larger than the model's.
+    """
+    declared = model_vocab(objective)
+    if vocab is None or declared is None:
+        return declared if vocab is None else vocab
+    if vocab > declared:
+        raise ValueError(
+            f"vocab must be <= {declared}, the objective's model's vocabulary (an id at or "
+            f"above it has no logit to score), got {vocab}"
+        )
+    return vocab

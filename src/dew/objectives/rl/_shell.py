@@ -34,7 +34,7 @@ from dew._trio import exit_unwrapped, stop_in
 from dew.data import Batch, Dataset, Task
 from dew.objectives.rl import _admission as core
 from dew.objectives.rl._admission import LogEvent
-from dew.objectives.rl._arguments import MAX_IN_FLIGHT, check_arguments
+from dew.objectives.rl._arguments import MAX_IN_FLIGHT, check_arguments, resolve_vocab
 from dew.objectives.rl._records import (
     GroupStatus,
     Publisher,
@@ -95,6 +95,11 @@ def _event_order(item: tuple[int, core.Event]) -> tuple:
     deadline = isinstance(event, core.TimedOut)
     return (event.time, int(deadline), label.group, label.sample, label.attempt)
 
+
+# What a closed scheduler answers a call, a stream or a block; a call that waited when close()
+# came says so after it.
+CLOSED = "the scheduler is closed"
+CLOSED_WAITING = f"{CLOSED}: close() came while the trainer waited"
 
 # Distinct error texts status() counts, and how many of the most frequent it shows.
 ERRORS_KEPT = 64
@@ -169,7 +174,7 @@ class _Scheduler:
         self.truncation = truncation
         self.support_capacity = support_capacity
         self.log = log
-        self.vocab = vocab
+        self.vocab = resolve_vocab(objective, vocab)
         self.empty_streak = empty_streak
         self.config = core.Config(
             groups=groups,
@@ -197,6 +202,8 @@ class _Scheduler:
         # The trainer's side: what its stream registered, what it handed over, what it pushed.
         self._lock = threading.Lock()
         self._calling = threading.Lock()
+        # Held while the trio thread starts and while close() marks the scheduler closed.
+        self._life = threading.Lock()
         self._tasked = -1  # the newest batch whose tasks the trio side has
         self._registry: list[tuple[int, Batch]] = []
         self._next_batch = 0
@@ -204,7 +211,8 @@ class _Scheduler:
         self._updates: int | None = None
         self._served: int | None = None
         self._failed: BaseException | None = None
-        self._closed = False
+        self._closed = False  # set by close(), from any thread
+        self._ended = False  # set by close() on the trio side, where the close is carried out
         # The trio side.
         self._trio_thread: int | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -225,6 +233,7 @@ class _Scheduler:
         self._events: list[LogEvent] = []
         self._watch: trio.CancelScope | None = None
         self._waiting = False  # a hand-over waits for its delivery
+        self._delivered = False  # whether any call was answered: the first waits on compiles
         self._newest_pushed: int | None = None  # the newest version ever pushed to the engines
         # Failed sessions' error texts and how often each came, for status().
         # Failed sessions' error texts, for status(); the trainer's side reports a streak of
@@ -245,6 +254,7 @@ class _Scheduler:
         return _RegisteringDataset(self, dataset)
 
     def _open_stream(self) -> int:
+        self.check_open()
         with self._lock:
             self._generation += 1
             self._registry.clear()
@@ -264,6 +274,7 @@ class _Scheduler:
 
     def __call__(self, batch: Batch, variables: Variables, updates: int) -> dict[str, np.ndarray]:
         """Hand batch over from the trainer's thread; return its packed, rescored rows."""
+        self.check_open()
         if self._mode == "async":
             raise RuntimeError("inside `async with scheduler:` use `await scheduler.step(...)`")
         with self._one_call():
@@ -290,9 +301,7 @@ class _Scheduler:
                 raise stop from None
             if message is None and self._closed:
                 # close() from another thread ended the run before this call's trip reached it.
-                message = _Failure(
-                    RuntimeError("the scheduler was closed while the trainer waited")
-                )
+                message = _Failure(RuntimeError(CLOSED_WAITING))
             if message is None:
                 error = RuntimeError("the scheduler's trio thread stopped")
                 error.__cause__ = self._crash or stopped
@@ -303,6 +312,7 @@ class _Scheduler:
 
     async def step(self, batch: Batch, variables: Variables, updates: int) -> dict[str, np.ndarray]:
         """The same call as `scheduler(batch, variables, updates)`, inside `async with`."""
+        self.check_open()
         if self._mode != "async" or self._trio_thread != threading.get_ident():
             raise RuntimeError("`await scheduler.step(...)` runs inside `async with scheduler:`")
         with self._one_call():
@@ -333,6 +343,11 @@ class _Scheduler:
         return self._finish(message, variables, updates, trio.current_time() - start)
 
     async def _hand_over_and_wait(self, handover: _HandOver) -> _Delivery | _Failure:
+        # close() from another thread sets the flag before it posts the close here, so a flag
+        # still down means the scheduler's nursery is still open for the hand-over's tasks,
+        # and the close, when it comes, answers the wait.
+        if self._closed:
+            return _Failure(RuntimeError(CLOSED))
         self._hand_over(handover)
         return await self._receive.receive()
 
@@ -357,11 +372,19 @@ class _Scheduler:
         finally:
             self._calling.release()
 
+    def check_open(self) -> None:
+        """Refuse to use a closed scheduler: a call, a stream, a `with` or `async with` block.
+
+        Raises:
+            RuntimeError: `the scheduler is closed`.
+        """
+        if self._closed:
+            raise RuntimeError(CLOSED)
+
     def _check_usable(self) -> None:
         """Refuse a call to a closed or stopped scheduler, before it meets the pool: a failure
         met at the agreement point stopped every process's scheduler alike."""
-        if self._closed:
-            raise RuntimeError("the scheduler is closed")
+        self.check_open()
         if self._failed is not None:
             raise RuntimeError(
                 f"the scheduler stopped after an earlier call failed: {self._failed!r}"
@@ -541,6 +564,7 @@ class _Scheduler:
     # --- running the trio side ----------------------------------------------------------------
 
     async def __aenter__(self) -> _Scheduler:
+        self.check_open()
         if self._mode is not None:
             raise RuntimeError("the scheduler is already running")
         self._mode = "async"
@@ -573,16 +597,28 @@ class _Scheduler:
         self._token = trio.lowlevel.current_trio_token()
         self._clock = trio.lowlevel.current_clock()
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._drive)
             if self.timeout is not None:
                 nursery.start_soon(self._watch_deadlines)
             task_status.started(nursery)
+            # close() from another thread marks the scheduler closed, then posts its close
+            # here if it finds the token set above: one that came before found none to post
+            # to, so this side closes itself.
+            if self._closed:
+                self._close_in_trio()
 
     def close(self) -> None:
-        """Cancel every rollout in flight; the source belongs to the caller."""
-        if self._closed:
-            return
-        self._closed = True
+        """Cancel every rollout in flight; the source belongs to the caller.
+
+        Safe at any instant of a call from another thread: the trio thread is either not
+        started (and never will be) or started with its token (`_life`), and the call is
+        answered `the scheduler is closed`, or returns what it was delivered.
+        """
+        with self._life:
+            if self._closed:
+                return
+            self._closed = True
         if self._trio_thread == threading.get_ident():
             self._close_in_trio()
         elif self._token is not None:
@@ -610,15 +646,24 @@ class _Scheduler:
             self.close()
 
     def _close_in_trio(self) -> None:
+        if self._ended:
+            return  # closed here already, by the close() of another thread or by `_serve`
+        self._ended = True
         self._apply([core.Closed(trio.current_time())])
         self.closing_events, self._events = tuple(self._events), []
-        self._fail_trainer(RuntimeError("the scheduler was closed while the trainer waited"))
+        self._fail_trainer(RuntimeError(CLOSED_WAITING))
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel(reason="closed")
 
     def _start_thread(self) -> None:
-        if self._thread is not None:
-            return
+        """Start the trio thread on the first call, and wait until it serves; under `_life`,
+        so that a close() from another thread finds it either not started or serving."""
+        with self._life:
+            self.check_open()
+            if self._thread is None:
+                self._start_thread_now()
+
+    def _start_thread_now(self) -> None:
         self._mode = "thread"
         ready = threading.Event()
 
@@ -685,16 +730,34 @@ class _Scheduler:
         self._post(core.HandedOver(time=now, **handover.event_fields))
         if self.long_wait is not None:
             self._watch = trio.CancelScope()
-            self._nursery.start_soon(self._watch_wait, self._watch, self.long_wait)
+            first = not self._delivered
+            self._nursery.start_soon(self._watch_wait, self._watch, self.long_wait, first)
 
-    async def _watch_wait(self, scope: trio.CancelScope, long_wait: float) -> None:
-        """Log what the trainer waits on when a wait grows long."""
+    async def _watch_wait(self, scope: trio.CancelScope, long_wait: float, first: bool) -> None:
+        """Log what the trainer waits on when a wait grows long: in full, but for the wait on
+        the scheduler's first batch, which is said in one line, since that wait holds the
+        engine's first compilations (a minute or more on a small CPU) and is no hang."""
         with scope:
             waited = 0.0
             while True:
                 await trio.sleep(max(long_wait, waited))
                 waited = max(long_wait, 2 * waited)
-                logger.warning("the trainer has waited %.0fs\n%s", waited, self.status())
+                if first:
+                    logger.warning(
+                        "the trainer has waited %.0fs for its first batch (%s): the engine "
+                        "compiles its steps on the first calls; status() says more",
+                        waited,
+                        self._progress(),
+                    )
+                else:
+                    logger.warning("the trainer has waited %.0fs\n%s", waited, self.status())
+
+    def _progress(self) -> str:
+        """How far the batch the trainer waits on has come: its rollouts finished of all."""
+        status = self.status()
+        samples = [s for g in status.groups if g.batch == status.waiting for s in g.samples]
+        finished = sum(s.state == core.SampleState.FINISHED.value for s in samples)
+        return f"{finished} of {len(samples)} rollouts finished"
 
     async def _watch_deadlines(self) -> None:
         """Post a rollout's timeout at its deadline. Deadlines are submission + timeout, so they
@@ -723,6 +786,10 @@ class _Scheduler:
                     for batch, _ in event.tasks:
                         if batch > self._state.last_submitted and batch not in self._batches:
                             self._batches[batch] = await self._nursery.start(self._run_batch, batch)
+            if self._ended:
+                # close() came while a batch's nursery started: the batches' nurseries are
+                # gone, so what these events would submit has nowhere to run.
+                return
             self._apply(events)
 
     def _apply(self, events: list[core.Event]) -> None:
@@ -763,6 +830,7 @@ class _Scheduler:
 
     def _deliver(self, message: _Delivery | _Failure) -> None:
         self._waiting = False
+        self._delivered = True
         if self._watch is not None:
             self._watch.cancel(reason="delivered")
             self._watch = None

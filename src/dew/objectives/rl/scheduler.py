@@ -17,7 +17,14 @@ import numpy as np
 
 from dew.data import Batch, Dataset, Task
 from dew.objectives.rl._admission import LogEvent
-from dew.objectives.rl._arguments import MAX_CELLS, MAX_IN_FLIGHT, MAX_SAMPLES, MAX_WIDTH
+from dew.objectives.rl._arguments import (
+    MAX_CELLS,
+    MAX_IN_FLIGHT,
+    MAX_SAMPLES,
+    MAX_WIDTH,
+    check_long_wait,
+    check_pool,
+)
 from dew.objectives.rl._records import (
     GroupStatus,
     Publisher,
@@ -44,6 +51,10 @@ __all__ = [
     "SchedulerStatus",
     "task_ids",
 ]
+
+
+# What may be assigned to a scheduler after construction, each with the check of its value.
+_SETTINGS = {"pool": check_pool, "long_wait": check_long_wait}
 
 
 def task_ids(batch: Batch) -> list[Task]:
@@ -101,14 +112,26 @@ class RolloutScheduler:
         estimator, truncation, support_capacity: pack's advantage family, truncation policy and
             per-row support length.
         log: receives a SchedulerRecord per call.
-        vocab: the model's vocabulary size. The scheduler cannot read it off the objective (whose
-            model is any callable), so the caller says it: a session holding a token id at or
-            above it is refused as broken (`SessionError`, naming task, label and field) rather
-            than rescored into NaN log-probs. None checks only that ids are not negative.
+        vocab: the model's vocabulary size: a session holding a token id at or above it is
+            refused as broken (`SessionError`, naming task, label and field) rather than
+            rescored into non-finite log-probs. None takes the objective's model's `vocab`
+            where it declares one (a `dew.models.Model` does), else checks only that ids are
+            not negative; a vocab above the model's is refused.
         empty_streak: after this many consecutive calls that train on no group (every group
             cut, abandoned or failed), log a warning that gives the streak's counts and most
             frequent errors, once per streak; None never warns. A healthy run rarely
             has even one such call, and 5 wastes few steps before saying so.
+
+    Settings, assigned after construction (any other assignment is refused, naming them):
+
+    - `scheduler.pool`: where this process meets the others of a multi-process trainer, twice
+      a call (`dew.parallel.Pool`): `default_pool()` unless assigned, which is a
+      `DistributedPool` of one process a share in a pool of processes, else a `LocalPool`.
+      Assign `DistributedPool(share_size=k)` (or `DistributedPool.from_mesh(...)`) when k
+      consecutive processes read one data share (a tensor or sequence axis across processes):
+      only a share's first reader then samples, and the others train on its rows.
+    - `scheduler.long_wait`: seconds the trainer waits before the scheduler logs what it waits
+      on (then after twice as long, and so on), 60 unless assigned; None logs nothing.
 
     Limits: width <= MAX_WIDTH, rows * width <= MAX_CELLS, groups <= rows * width (a larger
     group could never be packed), groups + oversample <= MAX_SAMPLES, rows * support_capacity
@@ -178,6 +201,13 @@ class RolloutScheduler:
         return getattr(self._inner, name)
 
     def __setattr__(self, name: str, value) -> None:
+        """Set `pool` or `long_wait`, checked; refuse any other name, which nothing reads."""
+        if name not in _SETTINGS:
+            raise AttributeError(
+                f"RolloutScheduler has no setting {name!r}: the settings assigned after "
+                f"construction are {', '.join(_SETTINGS)}; the rest are constructor arguments"
+            )
+        _SETTINGS[name](value)
         setattr(self._inner, name, value)
 
     def tasks(self, dataset: Dataset) -> Dataset:
@@ -208,7 +238,12 @@ class RolloutScheduler:
 
     def __enter__(self) -> RolloutScheduler:
         """`with scheduler:` around the synchronous facade's calls closes it at the block's
-        end: its trio thread runs until close(), holding the source and what is in flight."""
+        end: its trio thread runs until close(), holding the source and what is in flight.
+
+        Raises:
+            RuntimeError: when the scheduler is closed already.
+        """
+        self._inner.check_open()
         return self
 
     def __exit__(self, *exc_info) -> None:
