@@ -2,6 +2,7 @@
 
 from dew.serve import tokenizer
 from dew.serve._engine import EngineStats, RolloutServer, sample
+from dew.serve._failure import CallFailed
 from dew.serve._served import ServedSource
 
-__all__ = ["EngineStats", "RolloutServer", "ServedSource", "sample", "tokenizer"]
+__all__ = ["CallFailed", "EngineStats", "RolloutServer", "ServedSource", "sample", "tokenizer"]
