@@ -1,0 +1,388 @@
+"""Hugging Face checkpoint folders of the Llama family, loaded into and saved from dew's JAX model.
+
+`load(folder)` reads a checkpoint folder (`config.json`, and `model.safetensors` or a sharded
+`model.safetensors.index.json`) of a `LlamaForCausalLM`, `MistralForCausalLM`,
+`Qwen2ForCausalLM` or `Qwen3ForCausalLM` into an `HFModel` (a `dew.models.Model`, so the
+objective, the engine and the scheduler take it unchanged) and its params. `save` writes a
+model's params back as a folder `transformers` and vLLM load as it is: the same tensor names,
+shapes and dtypes, `config.json`, and the tokenizer files of the folder it came from.
+
+Loading reads tensor by tensor, each converted and placed before the next is read, so the host
+never holds the params twice; saving writes tensor by tensor likewise. Every problem a folder
+has (a tensor missing, extra, of another shape; a truncated file) is found from the files'
+headers before any tensor is read, and reported at once in one error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import struct
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from dew.models.hf import _params
+from dew.models.hf._config import (
+    CONFIG,
+    FAMILIES,
+    HFConfig,
+    Llama3Scaling,
+    check_dtype,
+    read_config,
+)
+from dew.models.hf._modeling import HFModel
+
+__all__ = [
+    "FAMILIES",
+    "CheckpointError",
+    "HFConfig",
+    "HFModel",
+    "Llama3Scaling",
+    "load",
+    "save",
+    "TOKENIZER_FILES",
+]
+
+WEIGHTS = "model.safetensors"
+"""A single-file checkpoint's tensors."""
+INDEX = "model.safetensors.index.json"
+"""A sharded checkpoint's index: which file holds each tensor."""
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+)
+"""The files `save` copies from `tokenizer_from`, those that exist: the tokenizer, its chat
+template, and the generation settings that name its stop tokens."""
+
+# safetensors' dtype names of the float dtypes a checkpoint may hold, and numpy's of them.
+_TENSOR_DTYPES = {
+    "F32": np.dtype(np.float32),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F16": np.dtype(np.float16),
+}
+_DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder dew cannot load: every problem found, one a line."""
+
+
+def load(
+    folder: str | os.PathLike, *, dtype: str | None = None, shardings: Any = None
+) -> tuple[HFModel, dict]:
+    """The model and params of the checkpoint folder `folder`.
+
+    Args:
+        folder: a Hugging Face checkpoint folder: `config.json`, and `model.safetensors` or
+            `model.safetensors.index.json` with the files it names.
+        dtype: the params' dtype, "float32" or "bfloat16"; None keeps the checkpoint's (its
+            `config.json`'s `dtype`, else its tensors').
+        shardings: a pytree of `jax.sharding.Sharding`s laid out as the params (see
+            `dew.models.hf.sharding`) to place each leaf on as it is read; None puts every leaf
+            on the default device.
+
+    Returns:
+        The `HFModel` and its params.
+
+    Raises:
+        ValueError: naming the folder or `config.json` and its field, when the config is
+            missing or not one dew computes (see `HFConfig`).
+        CheckpointError: listing, each with its tensor and file, every tensor missing, extra,
+            of another shape or of a dtype that is not a float; a file the index names that
+            is missing, or one that is truncated or not safetensors.
+    """
+    folder = Path(folder)
+    config, named = read_config(folder)
+    files = _tensor_files(folder)
+    expected = list(_params.leaves(config))
+    headers = _check_tensors(folder, config, files, expected)
+    if dtype is None:
+        dtype = named if named in _DTYPE_NAMES else _tensors_dtype(folder, headers, expected)
+    model = HFModel(config, check_dtype(dtype))
+    target = np.dtype(jnp.dtype(dtype))
+    tree = _params.empty_tree(config)
+    by_file: dict[str, list[_params.Leaf]] = {}
+    for leaf in expected:
+        by_file.setdefault(files[leaf.name], []).append(leaf)
+    for file, leaves in by_file.items():
+        with safe_open(folder / file, framework="numpy") as opened:
+            for leaf in leaves:
+                tensor = opened.get_tensor(leaf.name)
+                value = leaf.entry.layout.to_leaf(tensor, leaf.shape).astype(target, copy=False)
+                del tensor
+                placement = None if shardings is None else _params.get_leaf(shardings, leaf.path)
+                _params.set_leaf(tree, leaf.path, _place(value, placement))
+    return model, tree
+
+
+def _place(value: np.ndarray, sharding) -> jax.Array:
+    """A host array as a jax array on `sharding` (each device its own slice, so a process
+    addresses only its devices' shards), or on the default device."""
+    if sharding is None:
+        return jnp.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def _tensor_files(folder: Path) -> dict[str, str]:
+    """Each tensor's file name: from the sharded index, else all in `model.safetensors`.
+
+    Raises:
+        CheckpointError: naming the folder when it has neither, or the index when it is not
+            JSON of a weight map.
+    """
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not (
+                isinstance(weight_map, dict)
+                and all(isinstance(file, str) for file in weight_map.values())
+            ):
+                raise ValueError("weight_map must map tensor names to file names")
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{index} is not a safetensors index: {error!r}") from None
+        return dict(weight_map)
+    single = folder / WEIGHTS
+    if not single.is_file():
+        raise CheckpointError(f"{folder} has neither {WEIGHTS} nor {INDEX}: no tensors to load")
+    with _opened(single) as opened:
+        return dict.fromkeys(opened.keys(), WEIGHTS)
+
+
+class _opened:
+    """`safe_open` of a file, its errors (truncated, not safetensors) as a CheckpointError
+    naming the file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        try:
+            self.handle = safe_open(self.path, framework="numpy")
+            return self.handle.__enter__()
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(
+                f"{self.path} is truncated or not a safetensors file: {error}"
+            ) from None
+
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc)
+
+
+def _check_tensors(
+    folder: Path, config: HFConfig, files: Mapping[str, str], expected: list[_params.Leaf]
+) -> dict[str, tuple[str, list[int]]]:
+    """Every tensor's dtype and shape, read from the files' headers; every problem collected.
+
+    Raises:
+        CheckpointError: listing every problem at once.
+    """
+    problems: list[str] = []
+    headers: dict[str, tuple[str, list[int]]] = {}
+    held: dict[str, str] = {}
+    unreadable = set()
+    for file in sorted(set(files.values())):
+        path = folder / file
+        if not path.is_file():
+            problems.append(f"{path} is missing (the index names it)")
+            unreadable.add(file)
+            continue
+        try:
+            with _opened(path) as opened:
+                for name in opened.keys():
+                    tensor = opened.get_slice(name)
+                    headers[name] = (tensor.get_dtype(), list(tensor.get_shape()))
+                    held[name] = file
+        except CheckpointError as error:
+            problems.append(str(error))
+            unreadable.add(file)
+    architecture = config.architecture
+    wanted = {leaf.name for leaf in expected}
+    for leaf in expected:
+        if leaf.name not in headers:
+            if files.get(leaf.name) not in unreadable:  # else its file is reported above
+                listing = INDEX if (folder / INDEX).is_file() else WEIGHTS
+                where = folder / files.get(leaf.name, listing)
+                problems.append(f"tensor {leaf.name} is missing from {where}")
+            continue
+        kind, shape = headers[leaf.name]
+        path = folder / held[leaf.name]
+        if tuple(shape) != leaf.tensor_shape:
+            problems.append(
+                f"tensor {leaf.name} in {path} is {shape}, a {architecture} of this "
+                f"config.json has {list(leaf.tensor_shape)}"
+            )
+        if kind not in _TENSOR_DTYPES:
+            problems.append(
+                f"tensor {leaf.name} in {path} is {kind}, not a float dtype dew loads "
+                f"({', '.join(_TENSOR_DTYPES)})"
+            )
+    for name in sorted(set(held) - wanted):
+        if not _params.ignored(name, config):
+            problems.append(
+                f"tensor {name} in {folder / held[name]} is not one a {architecture} of this "
+                "config.json has"
+            )
+    if problems:
+        raise CheckpointError(
+            f"cannot load the checkpoint in {folder} ({len(problems)} problem"
+            f"{'s' if len(problems) > 1 else ''}):\n  " + "\n  ".join(problems)
+        )
+    return headers
+
+
+def _tensors_dtype(
+    folder: Path, headers: Mapping[str, tuple[str, list[int]]], expected: list[_params.Leaf]
+) -> str:
+    """The params' dtype when config.json names none: the embedding's, if float32 or bfloat16."""
+    kind = headers[expected[0].name][0]
+    for name, tensor in _DTYPE_NAMES.items():
+        if tensor == kind:
+            return name
+    raise CheckpointError(
+        f"the checkpoint in {folder} holds {kind} tensors and its {CONFIG} names no dtype: "
+        "pass dtype='float32' or 'bfloat16'"
+    )
+
+
+def _tensors_of(model: HFModel, params: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """Each checkpoint tensor of `params`, converted back to the checkpoint's layout, one at a
+    time (a sharded leaf gathered to the host only as it is written)."""
+    for leaf in _params.leaves(model.config):
+        value = np.asarray(jax.device_get(_params.get_leaf(params, leaf.path)))
+        yield leaf.name, np.ascontiguousarray(leaf.entry.layout.to_tensor(value))
+
+
+def save(
+    folder: str | os.PathLike,
+    model: HFModel,
+    params: dict,
+    *,
+    tokenizer_from: str | os.PathLike | None = None,
+) -> None:
+    """Write `params` of `model` as a checkpoint folder `transformers` and vLLM load unchanged.
+
+    The folder gets `config.json` (the loaded one, with the params' dtype), `model.safetensors`
+    (the checkpoint's tensor names, shapes and layouts, in the params' dtype) and the tokenizer
+    files of `tokenizer_from` (`TOKENIZER_FILES`, those it has). It is written whole or not at
+    all: into a fresh folder beside it, then renamed over it.
+
+    Args:
+        folder: where to write; replaced when it exists.
+        model: the model the params are of.
+        params: its params, laid out as `model.init`'s.
+        tokenizer_from: a folder whose tokenizer files to copy (the checkpoint loaded), or None.
+
+    Raises:
+        ValueError: when a params leaf's shape or dtype is not the model's, naming the leaf;
+            when `folder` is a file or `tokenizer_from` not a folder.
+    """
+    if not isinstance(model, HFModel):
+        raise TypeError(f"model must be a dew.models.hf.HFModel, got {type(model).__name__}")
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{folder} is a file, not a checkpoint folder to write")
+    if tokenizer_from is not None and not Path(tokenizer_from).is_dir():
+        raise ValueError(f"tokenizer_from {tokenizer_from} is not a folder")
+    _check_params(model, params)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = folder.with_name(f".{folder.name}.{secrets.token_hex(4)}.tmp")
+    staging.mkdir()
+    try:
+        config = model.config.to_json(model.dtype)
+        (staging / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        _write_safetensors(staging / WEIGHTS, _tensors_of(model, params), model)
+        if tokenizer_from is not None:
+            for name in TOKENIZER_FILES:
+                source = Path(tokenizer_from) / name
+                if source.is_file():
+                    shutil.copyfile(source, staging / name)
+        for written in staging.iterdir():
+            _fsync(written)
+        _swap_in(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _check_params(model: HFModel, params: dict) -> None:
+    want = jax.eval_shape(model.init, jax.random.key(0))
+    if jax.tree.structure(params) != jax.tree.structure(want):
+        raise ValueError("params must have the tree layout of the model's init")
+    for (path, leaf), wanted in zip(
+        jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(want), strict=True
+    ):
+        if np.shape(leaf) != wanted.shape or jnp.result_type(leaf) != wanted.dtype:
+            raise ValueError(
+                f"params{jax.tree_util.keystr(path)} must be {wanted.dtype}{list(wanted.shape)}, "
+                f"got {jnp.result_type(leaf)}{list(np.shape(leaf))}"
+            )
+
+
+def _write_safetensors(
+    path: Path, tensors: Iterator[tuple[str, np.ndarray]], model: HFModel
+) -> None:
+    """Write a safetensors file one tensor at a time: the header (every tensor's dtype, shape
+    and byte range, computed from the table beforehand) then each tensor's bytes as it comes,
+    so the host never holds all the params' bytes at once (the safetensors library's writers
+    take every tensor in one dict)."""
+    kind = _DTYPE_NAMES[model.dtype]
+    itemsize = jnp.dtype(model.dtype).itemsize
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for leaf in _params.leaves(model.config):
+        size = int(np.prod(leaf.tensor_shape)) * itemsize
+        header[leaf.name] = {
+            "dtype": kind,
+            "shape": list(leaf.tensor_shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(encoded)))
+        file.write(encoded)
+        for name, tensor in tensors:
+            entry = header[name]
+            if list(tensor.shape) != entry["shape"]:
+                raise AssertionError(f"{name} is {tensor.shape}, its header says {entry['shape']}")
+            file.write(tensor.tobytes())
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _swap_in(staging: Path, folder: Path) -> None:
+    """Rename the written folder to `folder`; an old `folder` is moved aside first and removed
+    after, so `folder` is the old checkpoint or the new one, never a mix."""
+    old = None
+    if folder.exists():
+        old = folder.with_name(f".{folder.name}.{secrets.token_hex(4)}.old")
+        os.replace(folder, old)
+    os.replace(staging, folder)
+    _fsync(folder.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
