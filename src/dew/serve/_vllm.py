@@ -21,7 +21,9 @@ version, resume.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import math
 import shutil
 import tempfile
@@ -75,7 +77,7 @@ class VLLMEngine:
 
     Args:
         servers: the servers' URLs and, for those dew started, their processes.
-        model: the model name the servers serve (the `model` of every request).
+        name: the model name the servers serve (the `model` of every request).
         max_model_len: the servers' longest prompt + completion.
         save: writes pushed params as a checkpoint folder vLLM reloads: `save(folder,
             variables)`.
@@ -88,15 +90,15 @@ class VLLMEngine:
         self,
         servers: Sequence[_Server],
         *,
-        model: str,
+        name: str,
         max_model_len: int,
-        save: Callable[[Path, Any], None] | None,
+        save: Callable[[Path, Any], None],
         push_dir: Path,
         version: int,
         owned_dir: Path | None = None,
     ):
         self._servers = list(servers)
-        self.model = model
+        self.name = name
         self.max_len = max_model_len
         self._save = save
         self._push_dir = push_dir
@@ -121,7 +123,8 @@ class VLLMEngine:
         dtype: str = "float32",
         port: int = 0,
         host: str = "127.0.0.1",
-        model: str | None = None,
+        name: str | None = None,
+        model: Any = None,
         save: Callable[[Path, Any], None] | None = None,
         version: int = 0,
         ready_timeout: float = 900.0,
@@ -144,9 +147,11 @@ class VLLMEngine:
             dtype: the weights' dtype on the servers ("float32" to match dew's float32 model).
             port: the first server's port (the others count up from it); 0 picks free ports.
             host: the address to listen on.
-            model: the name the servers serve; the checkpoint folder's name unless given.
-            save: writes pushed params as a checkpoint: `save(folder, variables)`; by default
-                `dew.models.hf.save` of the checkpoint's model, with its tokenizer.
+            name: the model name the servers serve; the checkpoint folder's name unless given.
+            model: the `dew.models.hf.HFModel` pushed params are of; read from the checkpoint
+                at the first push unless given.
+            save: writes pushed params as a checkpoint folder, `save(folder, variables)`; by
+                default `dew.models.hf.save` of `model`, with the checkpoint's tokenizer.
             version: the version of the checkpoint's weights.
             ready_timeout: seconds to wait for all servers to be ready.
             arguments: more vLLM flags.
@@ -172,7 +177,7 @@ class VLLMEngine:
         for index in range(servers if port else 0):
             check_port_free(host, port + index)
             ports.append(port + index)
-        model = checkpoint.name if model is None else model
+        name = checkpoint.name if name is None else name
         owned = None
         if work_dir is None:
             work_dir = owned = Path(tempfile.mkdtemp(prefix="dew-vllm-"))
@@ -180,7 +185,7 @@ class VLLMEngine:
         work_dir.mkdir(parents=True, exist_ok=True)
         flags = [
             "--served-model-name",
-            model,
+            name,
             "--dtype",
             dtype,
             "--max-model-len",
@@ -204,9 +209,9 @@ class VLLMEngine:
                 )
             engine = cls(
                 [_Server(process.url, process) for process in started],
-                model=model,
+                name=name,
                 max_model_len=max_model_len,
-                save=save if save is not None else _hf_save(checkpoint),
+                save=_hf_save(checkpoint, model) if save is None else save,
                 push_dir=work_dir,
                 version=version,
                 owned_dir=owned,
@@ -214,9 +219,9 @@ class VLLMEngine:
             deadline = time.monotonic() + ready_timeout
             for process in started:
                 process.wait_ready(deadline, engine._pushes)
-            for server in engine._servers:
-                engine._post(server, "/update_weight_version", json={"new_version": str(version)})
-                engine._warm_up(server)
+            # Together: a first call takes tens of seconds on each server.
+            with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
+                list(pool.map(functools.partial(engine._warm_up, version), engine._servers))
         except BaseException:
             for process in started:
                 process.stop()
@@ -230,22 +235,28 @@ class VLLMEngine:
         cls,
         urls: Sequence[str],
         *,
-        model: str,
-        save: Callable[[Path, Any], None],
+        name: str,
         push_dir: str | Path,
+        checkpoint: str | Path | None = None,
+        model: Any = None,
+        save: Callable[[Path, Any], None] | None = None,
         version: int = 0,
     ) -> VLLMEngine:
         """Use vLLM servers that are already running.
 
-        Each must serve `model`, run in vLLM's development mode (`VLLM_SERVER_DEV_MODE=1`)
+        Each must serve `name`, run in vLLM's development mode (`VLLM_SERVER_DEV_MODE=1`)
         with `--logprobs-mode processed_logprobs` and `--enable-scale-out`, and read
         `push_dir`. Their weights version is set to `version`.
 
         Args:
             urls: the servers' base URLs (`http://host:port`).
-            model: the model name the run expects them to serve.
-            save: writes pushed params as a checkpoint: `save(folder, variables)`.
+            name: the model name the run expects them to serve.
             push_dir: where pushed checkpoints are written, a folder every server reads.
+            checkpoint: the run's checkpoint folder: pushes copy its tokenizer files, and read
+                `model` from it unless given.
+            model: the `dew.models.hf.HFModel` pushed params are of.
+            save: writes pushed params as a checkpoint folder, `save(folder, variables)`, in
+                place of `dew.models.hf.save`.
             version: the version of the weights they hold.
 
         Raises:
@@ -255,15 +266,17 @@ class VLLMEngine:
         """
         if not urls:
             raise ValueError("attach needs at least one server URL")
+        if save is None and checkpoint is None and model is None:
+            raise ValueError("attach needs the run's checkpoint or model (or save=) for pushes")
         version = check_int("version", version, low=0)
         servers = [_Server(url) for url in urls]
         push_dir = Path(push_dir)
         push_dir.mkdir(parents=True, exist_ok=True)
         engine = cls(
             servers,
-            model=model,
+            name=name,
             max_model_len=0,
-            save=save,
+            save=_hf_save(checkpoint, model) if save is None else save,
             push_dir=push_dir,
             version=version,
         )
@@ -286,10 +299,10 @@ class VLLMEngine:
         if answer.status_code != 200:
             raise VLLMError(f"the vLLM server {server.url} answered /v1/models {_said(answer)}")
         served = {entry.get("id"): entry for entry in answer.json().get("data", [])}
-        if self.model not in served:
+        if self.name not in served:
             raise VLLMError(
                 f"the vLLM server {server.url} serves {sorted(served)}, not the run's model "
-                f"{self.model!r}"
+                f"{self.name!r}"
             )
         paused = self._pushes.get(f"{server.url}/is_paused", timeout=30)
         if paused.status_code == 404:
@@ -297,11 +310,13 @@ class VLLMEngine:
                 f"the vLLM server {server.url} has no RL endpoints (/pause, /collective_rpc): "
                 "start it with VLLM_SERVER_DEV_MODE=1"
             )
-        return int(served[self.model].get("max_model_len") or 0)
+        return int(served[self.name].get("max_model_len") or 0)
 
-    def _warm_up(self, server: _Server) -> None:
-        """One one-token call: a server's first call takes tens of seconds on a CPU."""
-        body = _body(self.model, [0], max_tokens=1, sampling={"temperature": 1.0}, stop=())
+    def _warm_up(self, version: int, server: _Server) -> None:
+        """Label a new server's weights `version` and run one one-token call: a server's first
+        call takes tens of seconds on a CPU."""
+        self._post(server, "/update_weight_version", json={"new_version": str(version)})
+        body = _body(self.name, [0], max_tokens=1, sampling={"temperature": 1.0}, stop=())
         self._post(server, _GENERATE, json=body)
 
     # --- life ------------------------------------------------------------------------------------
@@ -401,7 +416,7 @@ class VLLMEngine:
         sampling = _sampling(temperature, top_k, top_p, key)
         stop_ids = [check_int("stop id", token, low=0) for token in stop]
         body = _body(
-            self.model,
+            self.name,
             ids,
             max_tokens=min(max_tokens, self.max_len - len(ids)),
             sampling=sampling,
@@ -451,60 +466,78 @@ class VLLMEngine:
     def load(self, variables, version: int) -> None:
         """Serve `variables` under `version` on every live server (the Publisher protocol).
 
-        Writes them as a checkpoint folder under the push folder, then on each server: pause
-        in "keep" mode (calls in flight freeze, then go on under the new weights, each keeping
-        the version its first token was drawn under), reload the weights from the folder, set
-        the version, resume. Blocks until every server serves them.
+        Writes them as a checkpoint folder under the push folder, then pauses every server in
+        "keep" mode (calls in flight freeze, then go on under the new weights, each keeping
+        the version its first token was drawn under), has each reload its weights from the
+        folder, sets the version and resumes them. Blocks until every server serves them.
 
         Raises:
             VLLMError: naming the server's URL and its error when a step of the push fails (the
-                server is resumed first where it still answers), or when no server is alive.
+                servers are resumed first where they still answer), or when no server is alive.
             ValueError: if `version` is not an int >= 0, or as the checkpoint writer refuses
                 `variables`.
         """
         version = check_int("version", version, low=0)
-        if self._closed:
-            raise RuntimeError("this VLLMEngine is closed")
-        if self._save is None:
-            raise VLLMError("this VLLMEngine has no checkpoint writer (save=) for pushes")
-        live = [server for server in self._servers if server.alive]
-        if not live:
-            raise VLLMError(
-                f"no vLLM server is alive to push version {version} to: {self._obituary()}"
-            )
         began = time.perf_counter()
+        self._live_for(version)
         folder = self._push_dir / f"push-{version}"
-        if folder.exists():
-            shutil.rmtree(folder)
         self._save(folder, variables)
-        for server in live:
-            self._push(server, folder, version)
-        with self._lock:
-            self._version = version
+        self.pause()
+        try:
+            reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+            for server in self._live_for(version):
+                self._post(server, "/collective_rpc", json=reload)
+        except VLLMError as error:
+            self._resume_all()
+            raise VLLMError(f"pushing version {version}: {error}") from None
+        self.resume(version)
         previous, self._pushed = self._pushed, folder
         if previous is not None and previous != folder:
             shutil.rmtree(previous, ignore_errors=True)
         self.push_seconds.append(time.perf_counter() - began)
 
-    def _push(self, server: _Server, folder: Path, version: int) -> None:
-        steps = [
-            ("pause", "/pause", {"params": {"mode": "keep"}}),
-            (
-                "reload",
-                "/collective_rpc",
-                {"json": {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}},
-            ),
-            ("version", "/update_weight_version", {"json": {"new_version": str(version)}}),
-            ("resume", "/resume", {}),
-        ]
-        for name, path, options in steps:
-            try:
-                self._post(server, path, **options)
-            except VLLMError as error:
-                if name != "resume":
-                    with contextlib.suppress(VLLMError):
-                        self._post(server, "/resume")
-                raise VLLMError(f"pushing version {version} ({name}): {error}") from None
+    def pause(self) -> None:
+        """Pause every live server in "keep" mode: calls in flight freeze until `resume`.
+
+        Raises:
+            VLLMError: naming the server that failed (those paused already are resumed).
+        """
+        paused = []
+        try:
+            for server in self._live_for(None):
+                self._post(server, "/pause", params={"mode": "keep"})
+                paused.append(server)
+        except VLLMError:
+            self._resume_all(paused)
+            raise
+
+    def resume(self, version: int) -> None:
+        """Label what the servers hold `version` and resume them; calls from now on report it.
+
+        Raises:
+            VLLMError: naming the server that failed.
+        """
+        for server in self._live_for(version):
+            self._post(server, "/update_weight_version", json={"new_version": str(version)})
+            self._post(server, "/resume")
+        with self._lock:
+            self._version = version
+
+    def _resume_all(self, servers: Sequence[_Server] | None = None) -> None:
+        """Resume servers after a failed push, those that still answer."""
+        for server in self._servers if servers is None else servers:
+            if server.alive:
+                with contextlib.suppress(VLLMError):
+                    self._post(server, "/resume")
+
+    def _live_for(self, version: int | None) -> list[_Server]:
+        if self._closed:
+            raise RuntimeError("this VLLMEngine is closed")
+        live = [server for server in self._servers if server.alive]
+        if not live:
+            to = "" if version is None else f" to push version {version} to"
+            raise VLLMError(f"no vLLM server is alive{to}: {self._obituary()}")
+        return live
 
     def _post(self, server: _Server, path: str, **options) -> httpx.Response:
         """A synchronous POST to a server; VLLMError naming the URL for any answer but 200."""
@@ -521,15 +554,13 @@ class VLLMEngine:
         return answer
 
 
-def _hf_save(checkpoint: Path) -> Callable[[Path, Any], None]:
-    """Write pushed params with `dew.models.hf.save`, as the model of `checkpoint`, with its
-    tokenizer."""
-    model = None
+def _hf_save(checkpoint: str | Path | None, model: Any) -> Callable[[Path, Any], None]:
+    """Write pushed params with `dew.models.hf.save` as `model`'s (read from `checkpoint` at the
+    first push when None), with the checkpoint's tokenizer files."""
+    from dew.models import hf
 
     def save(folder: Path, variables) -> None:
         nonlocal model
-        from dew.models import hf
-
         if model is None:
             model = hf.load(checkpoint)[0]
         hf.save(folder, model, variables, tokenizer_from=checkpoint)
