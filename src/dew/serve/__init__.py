@@ -1,8 +1,16 @@
-"""Serving: an in-process JAX sampling engine, and tokenizers with a chat template."""
+"""Serving: an in-process JAX sampling engine, and tokenizers with their chat templates."""
 
-from dew.serve import tokenizer
+from dew.serve import chat_template, tokenizer
 from dew.serve._engine import EngineStats, RolloutServer, sample
 from dew.serve._failure import CallFailed
 from dew.serve._served import ServedSource
 
-__all__ = ["CallFailed", "EngineStats", "RolloutServer", "ServedSource", "sample", "tokenizer"]
+__all__ = [
+    "CallFailed",
+    "EngineStats",
+    "RolloutServer",
+    "ServedSource",
+    "chat_template",
+    "sample",
+    "tokenizer",
+]

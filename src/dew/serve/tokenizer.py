@@ -1,6 +1,6 @@
-"""Tokenizers and the ChatML chat template: text to token ids and back, and conversations to ids.
+"""Tokenizers and chat templates: text to token ids and back, and conversations to ids.
 
-`Tokenizer` is what the engine's sources and the gateway need of a tokenizer. Two implement it:
+`Tokenizer` is what the engine's sources and the gateway need of a tokenizer. Three implement it:
 
 - `ByteTokenizer` (its instance `BYTES`), which needs nothing downloaded: ids 0..255 are the bytes
   of the text's UTF-8 encoding and the special tokens follow them, so its vocabulary is `VOCAB` =
@@ -8,11 +8,16 @@
   `parse_chat` are `BYTES`'s.
 - `HuggingFaceTokenizer`, a `tokenizers.Tokenizer` (say, a BPE one read from a `tokenizer.json`)
   whose vocabulary holds the template's special tokens.
+- `TemplateTokenizer`, a Hugging Face checkpoint folder's tokenizer under the folder's own chat
+  template (`TemplateTokenizer.from_folder(folder)`): conversations render byte for byte as
+  `transformers`' `apply_chat_template` renders them (`dew.serve.chat_template`), for Qwen2.5,
+  Qwen3, Llama 3.x, Mistral and any other template.
 
 Text never encodes to a special token: a message whose content spells "<|im_end|>" encodes those
-characters, so content cannot forge the template's structure.
+characters (a `TemplateTokenizer`, whose template's output is tokenized as a whole, refuses such
+a message), so content cannot forge the template's structure.
 
-The chat template is ChatML's, opened by a `<bos>`:
+The byte and ChatML tokenizers' chat template is ChatML's, opened by a `<bos>`:
 
     <bos><|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello<|im_end|>\\n...
 
@@ -29,11 +34,15 @@ session in one chain (`dew.objectives.rl.sessions.chains`).
 from __future__ import annotations
 
 import abc
+import json
 import os
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
+from dew.serve.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError
 
 BOS = 256
 EOS = 257
@@ -99,6 +108,23 @@ def _ids(*parts) -> np.ndarray:
     return np.concatenate([np.asarray(part, np.int32).reshape(-1) for part in parts]).astype(
         np.int32
     )
+
+
+def _checked_ids(ids, vocab_size: int, who: str) -> np.ndarray:
+    """`ids` as int32, or a ValueError naming `who` and the first id outside the vocabulary."""
+    array = np.asarray(ids)
+    if array.ndim != 1 or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
+        raise ValueError(
+            f"{who}: ids must be a 1-D integer array, got {array.dtype}[{array.shape}]"
+        )
+    bad = np.flatnonzero((array < 0) | (array >= vocab_size))
+    if bad.size:
+        position = int(bad[0])
+        raise ValueError(
+            f"{who}: id {int(array[position])} at position {position} is outside the "
+            f"vocabulary [0, {vocab_size})"
+        )
+    return array.astype(np.int32)
 
 
 def _check_message(index: int, message) -> tuple[str, str]:
@@ -203,19 +229,7 @@ class _ChatML(abc.ABC):
         return _ids(*pieces)
 
     def _check_ids(self, ids, who: str) -> np.ndarray:
-        array = np.asarray(ids)
-        if array.ndim != 1 or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
-            raise ValueError(
-                f"{who}: ids must be a 1-D integer array, got {array.dtype}[{array.shape}]"
-            )
-        bad = np.flatnonzero((array < 0) | (array >= self.vocab_size))
-        if bad.size:
-            position = int(bad[0])
-            raise ValueError(
-                f"{who}: id {int(array[position])} at position {position} is outside the "
-                f"vocabulary [0, {self.vocab_size})"
-            )
-        return array.astype(np.int32)
+        return _checked_ids(ids, self.vocab_size, who)
 
     def _describe(self, array: np.ndarray, position: int) -> str:
         token = int(array[position])
@@ -352,76 +366,37 @@ encode_chat = BYTES.encode_chat
 parse_chat = BYTES.parse_chat
 
 
-class HuggingFaceTokenizer(_ChatML):
-    """A Hugging Face `tokenizers.Tokenizer` under the ChatML template (a `Tokenizer`).
+class _TokenizersText:
+    """Text to ids and back through a Hugging Face `tokenizers.Tokenizer`: what the ChatML
+    tokenizer and a checkpoint's templated one share.
 
-    The template's tokens are looked up by name in its vocabulary: `<|im_start|>`, `<|im_end|>`
-    (the `eos_id`) and the `bos` token. `encode` never splits text on special tokens, so text
-    that spells one encodes as ordinary text; `special_ids` are the tokenizer's added special
-    tokens.
-
-    Args:
-        tokenizer: a `tokenizers.Tokenizer`; it is copied, not changed.
-        bos: the name of the token that opens a conversation; None for none.
-
-    Raises:
-        ValueError: naming a template token missing from the vocabulary, or one that is not an
-            added special token (text could encode to it).
+    Two copies of the tokenizer: one reads text as text, never splitting out a special token
+    (`encode`), the other reads a template's output as `transformers` does, where the special
+    tokens the template wrote are tokens (`encode_rendered`).
     """
 
-    def __init__(self, tokenizer: Any, *, bos: str | None = "<bos>"):
+    vocab_size: int
+    special_ids: frozenset[int]
+
+    def _read(self, tokenizer: Any, who: str) -> None:
         import tokenizers
 
         if not isinstance(tokenizer, tokenizers.Tokenizer):
             raise TypeError(
-                f"HuggingFaceTokenizer: tokenizer must be a tokenizers.Tokenizer, "
-                f"got {type(tokenizer).__name__}"
+                f"{who}: tokenizer must be a tokenizers.Tokenizer, got {type(tokenizer).__name__}"
             )
-        # A copy, so that reading text as text (never as special tokens) stays local.
+        # Copies, so that how each reads special tokens stays local.
         self._tokenizer = tokenizers.Tokenizer.from_str(tokenizer.to_str())
         self._tokenizer.encode_special_tokens = True
-        vocabulary = self._tokenizer.get_vocab(with_added_tokens=True)
-        self.vocab_size = max(vocabulary.values()) + 1
+        self._rendered = tokenizers.Tokenizer.from_str(tokenizer.to_str())
+        self._rendered.encode_special_tokens = False
+        self._vocabulary = self._tokenizer.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(self._vocabulary.values()) + 1
         self.special_ids = frozenset(
             token_id
             for token_id, added in self._tokenizer.get_added_tokens_decoder().items()
             if added.special
         )
-        self._im_start = self._special("<|im_start|>", vocabulary)
-        self.eos_id = self._special("<|im_end|>", vocabulary)
-        self._bos = None if bos is None else self._special(bos, vocabulary)
-        self._bos_name = bos
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike, *, bos: str | None = "<bos>"):
-        """The tokenizer saved at `path` (a `tokenizer.json`).
-
-        Raises:
-            FileNotFoundError: naming the path when there is no file.
-            ValueError: naming a template token missing from its vocabulary.
-        """
-        import tokenizers
-
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"HuggingFaceTokenizer: no tokenizer file at {str(path)!r}")
-        return cls(tokenizers.Tokenizer.from_file(os.fspath(path)), bos=bos)
-
-    def __repr__(self) -> str:
-        return f"HuggingFaceTokenizer(vocab_size={self.vocab_size}, bos={self._bos_name!r})"
-
-    def _special(self, name: str, vocabulary: Mapping[str, int]) -> int:
-        if name not in vocabulary:
-            raise ValueError(
-                f"HuggingFaceTokenizer: the chat template needs {name!r}, which the tokenizer's "
-                "vocabulary lacks; add it as a special token"
-            )
-        token_id = vocabulary[name]
-        if token_id not in self.special_ids:
-            raise ValueError(
-                f"HuggingFaceTokenizer: {name!r} (id {token_id}) must be a special token, so "
-                "that text never encodes to it"
-            )
-        return token_id
 
     def encode(self, text: str) -> np.ndarray:
         """The token ids of `text`, read as text even where it spells a special token.
@@ -444,11 +419,453 @@ class HuggingFaceTokenizer(_ChatML):
             )
         return ids
 
+    def encode_rendered(self, text: str) -> np.ndarray:
+        """The token ids of a chat template's output, its special tokens read as tokens: what
+        `transformers`' `apply_chat_template(..., tokenize=True)` returns for that text.
+
+        Returns:
+            int32[tokens].
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode_rendered: text must be a str, got {type(text).__name__}")
+        return np.array(self._rendered.encode(text, add_special_tokens=False).ids, np.int32)
+
     def decode(self, ids, *, skip_special: bool = False) -> str:
         """The text of token ids, special tokens by name unless `skip_special`.
 
         Raises:
             ValueError: naming the position of an id outside the vocabulary.
         """
-        array = self._check_ids(ids, "decode")
+        array = _checked_ids(ids, self.vocab_size, "decode")
         return self._tokenizer.decode(array.tolist(), skip_special_tokens=skip_special)
+
+
+class HuggingFaceTokenizer(_TokenizersText, _ChatML):
+    """A Hugging Face `tokenizers.Tokenizer` under the ChatML template (a `Tokenizer`).
+
+    The template's tokens are looked up by name in its vocabulary: `<|im_start|>`, `<|im_end|>`
+    (the `eos_id`) and the `bos` token. `encode` never splits text on special tokens, so text
+    that spells one encodes as ordinary text; `special_ids` are the tokenizer's added special
+    tokens. A checkpoint folder's tokenizer under the folder's own chat template is a
+    `TemplateTokenizer` (`from_folder`).
+
+    Args:
+        tokenizer: a `tokenizers.Tokenizer`; it is copied, not changed.
+        bos: the name of the token that opens a conversation; None for none.
+
+    Raises:
+        ValueError: naming a template token missing from the vocabulary, or one that is not an
+            added special token (text could encode to it).
+    """
+
+    def __init__(self, tokenizer: Any, *, bos: str | None = "<bos>"):
+        self._read(tokenizer, "HuggingFaceTokenizer")
+        self._im_start = self._special("<|im_start|>", self._vocabulary)
+        self.eos_id = self._special("<|im_end|>", self._vocabulary)
+        self._bos = None if bos is None else self._special(bos, self._vocabulary)
+        self._bos_name = bos
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, *, bos: str | None = "<bos>"):
+        """The tokenizer saved at `path` (a `tokenizer.json`).
+
+        Raises:
+            FileNotFoundError: naming the path when there is no file.
+            ValueError: naming a template token missing from its vocabulary.
+        """
+        import tokenizers
+
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"HuggingFaceTokenizer: no tokenizer file at {str(path)!r}")
+        return cls(tokenizers.Tokenizer.from_file(os.fspath(path)), bos=bos)
+
+    @staticmethod
+    def from_folder(folder: str | os.PathLike, **options: Any) -> TemplateTokenizer:
+        """A checkpoint folder's tokenizer under the folder's chat template: the
+        `TemplateTokenizer.from_folder(folder, **options)`."""
+        return TemplateTokenizer.from_folder(folder, **options)
+
+    def __repr__(self) -> str:
+        return f"HuggingFaceTokenizer(vocab_size={self.vocab_size}, bos={self._bos_name!r})"
+
+    def _special(self, name: str, vocabulary: Mapping[str, int]) -> int:
+        if name not in vocabulary:
+            raise ValueError(
+                f"HuggingFaceTokenizer: the chat template needs {name!r}, which the tokenizer's "
+                "vocabulary lacks; add it as a special token"
+            )
+        token_id = vocabulary[name]
+        if token_id not in self.special_ids:
+            raise ValueError(
+                f"HuggingFaceTokenizer: {name!r} (id {token_id}) must be a special token, so "
+                "that text never encodes to it"
+            )
+        return token_id
+
+
+# The conversation a template is probed with for its fixed pieces (see TemplateTokenizer).
+_PROBE_QUESTION = {"role": "user", "content": "dew probe question"}
+_PROBE_REPLY = {"role": "assistant", "content": "dew probe reply"}
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside a message: its content, its parts, its tool calls' fields."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
+
+
+class TemplateTokenizer(_TokenizersText):
+    """A checkpoint's tokenizer under the checkpoint's own chat template (a `Tokenizer`).
+
+    `encode_chat` renders a conversation with the template (`ChatTemplate.render`, in the
+    Jinja environment `transformers` uses) and tokenizes the text as `transformers` does, special
+    tokens read as tokens: the ids are `apply_chat_template(..., tokenize=True)`'s. A message
+    whose text spells one of the tokenizer's special tokens is refused, since the template's
+    output would carry it as structure (a user cannot close a turn by writing `<|im_end|>`).
+
+    The template's fixed pieces are found by rendering a probe conversation (one question, one
+    reply), once:
+
+    - `eos_id`: the special token the template writes right after an assistant's reply
+      (`<|im_end|>` for Qwen, `<|eot_id|>` for Llama 3, `</s>` for Mistral): the stop token the
+      engine samples up to. Where the template writes none, the folder's `eos_token`.
+    - `generation_prompt()`: what `add_generation_prompt` adds (`<|im_start|>assistant\\n`;
+      nothing for Mistral, whose reply follows `[/INST]`).
+    - `turn_suffix()`: what follows the reply's `eos_id` (`\\n` for Qwen, nothing for Llama).
+    - `encode_turn(message)`: what the template writes for `message` after an assistant's reply.
+    - `chat_prefix()`: the `bos_token`, where the template opens with it.
+
+    Templates are not all incremental: Llama 3.x writes the tools into the first user turn,
+    Mistral writes them before the last user turn, Qwen3 drops the reasoning of replies before
+    the last question. `encode_turn` raises ValueError where the template does not render a
+    message as an addition to what came before; the gateway reports where an earlier turn's
+    rendering changed (docs/gateway.md).
+
+    Args:
+        tokenizer: a `tokenizers.Tokenizer`; it is copied, not changed.
+        template: the chat template, with the tokenizer's named special tokens.
+        template_kwargs: extra template variables for every rendering (`{"enable_thinking":
+            False}` for Qwen3); a call's own keywords override them.
+
+    Attributes:
+        template: the `ChatTemplate`.
+        template_kwargs: the extra variables.
+        bos_id, pad_id: the ids of the `bos_token` and `pad_token`, or None.
+
+    Raises:
+        ValueError: naming a special token of the template missing from the vocabulary.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        template: ChatTemplate,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ):
+        self._read(tokenizer, "TemplateTokenizer")
+        if not isinstance(template, ChatTemplate):
+            raise TypeError(
+                f"TemplateTokenizer: template must be a ChatTemplate, got {type(template).__name__}"
+            )
+        self.template = template
+        self.template_kwargs = dict(template_kwargs or {})
+        for name, text in template.special_tokens.items():
+            if text not in self._vocabulary:
+                raise ValueError(
+                    f"TemplateTokenizer: the {name} {text!r} is not in the tokenizer's vocabulary"
+                )
+        named = template.special_tokens
+        self.bos_id = self._vocabulary[named["bos_token"]] if "bos_token" in named else None
+        self.pad_id = self._vocabulary[named["pad_token"]] if "pad_token" in named else None
+        id_to_text = {
+            token_id: self._tokenizer.id_to_token(token_id) for token_id in self.special_ids
+        }
+        self._special_texts = sorted(id_to_text.values(), key=len, reverse=True)
+        self._forgery = (
+            re.compile("|".join(re.escape(text) for text in self._special_texts))
+            if self._special_texts
+            else None
+        )
+        self._probe(id_to_text)
+
+    def _probe(self, id_to_text: Mapping[int, str]) -> None:
+        """Find `eos_id`, the generation prompt and the turn suffix from a probe conversation."""
+        self._generation: str | None = None
+        self._suffix: str | None = None
+        eos_text = None
+        try:
+            asked = self.render([_PROBE_QUESTION])
+            prompted = self.render([_PROBE_QUESTION], add_generation_prompt=True)
+            answered = self.render([_PROBE_QUESTION, _PROBE_REPLY])
+        except ChatTemplateError:
+            asked = prompted = answered = ""
+        if prompted.startswith(asked) and asked:
+            self._generation = prompted[len(asked) :]
+        reply = _PROBE_REPLY["content"]
+        if reply in answered:
+            after = answered[answered.rindex(reply) + len(reply) :]
+            eos_text = next((t for t in self._special_texts if after.startswith(t)), None)
+            if eos_text is not None:
+                self._suffix = after[len(eos_text) :]
+        if eos_text is None:
+            eos_text = self.template.special_tokens.get("eos_token")
+        if eos_text is None:
+            raise ValueError(
+                "TemplateTokenizer: the chat template closes no assistant reply with a special "
+                "token, and there is no eos_token: nothing to stop sampling on"
+            )
+        self.eos_id = self._vocabulary[eos_text]
+        self._eos_text = eos_text
+
+    @classmethod
+    def from_folder(
+        cls,
+        folder: str | os.PathLike,
+        *,
+        chat_template: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> TemplateTokenizer:
+        """The tokenizer and chat template of a Hugging Face checkpoint folder.
+
+        Reads `tokenizer.json`; the chat template from `chat_template.jinja`, else the
+        `chat_template` field of `tokenizer_config.json` (a string, or a list of named templates
+        as older folders have it), else `chat_template.json`; the named special tokens
+        (`bos_token`, `eos_token`, `pad_token`, ...) from `tokenizer_config.json`, and those it
+        lacks from `generation_config.json`'s `bos_token_id`, `eos_token_id` (the first of a
+        list) and `pad_token_id`.
+
+        Args:
+            folder: the checkpoint folder.
+            chat_template: a template's text to use instead of the folder's (for a base model's
+                folder, which ships none).
+            template_kwargs: extra template variables for every rendering.
+
+        Raises:
+            FileNotFoundError: naming the folder, or the tokenizer.json it lacks.
+            ValueError: naming the file and field that is malformed, a special token missing
+                from the vocabulary, or a folder without a chat template.
+        """
+        import tokenizers
+
+        root = os.fspath(folder)
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"TemplateTokenizer.from_folder: no folder at {root!r}")
+        path = os.path.join(root, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"TemplateTokenizer.from_folder: {root!r} has no tokenizer.json (a folder with "
+                "only a slow tokenizer's files can be converted with transformers: "
+                "AutoTokenizer.from_pretrained(folder).save_pretrained(folder))"
+            )
+        try:
+            tokenizer = tokenizers.Tokenizer.from_file(path)
+        except Exception as error:
+            raise ValueError(
+                f"TemplateTokenizer.from_folder: {path!r} does not load: {error}"
+            ) from None
+        config = _json_file(root, "tokenizer_config.json")
+        sources = _template_sources(root, config, chat_template)
+        special = _special_tokens(root, config, tokenizer)
+        return cls(tokenizer, ChatTemplate(sources, special), template_kwargs=template_kwargs)
+
+    def __repr__(self) -> str:
+        return f"TemplateTokenizer(vocab_size={self.vocab_size}, eos={self._eos_text!r})"
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        **kwargs: Any,
+    ) -> str:
+        """The template's text of a conversation (`ChatTemplate.render`, with the tokenizer's
+        `template_kwargs` under the call's own)."""
+        return self.template.render(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **{**self.template_kwargs, **kwargs},
+        )
+
+    def check_messages(self, messages: Sequence[Mapping[str, Any]]) -> None:
+        """Refuse messages whose text spells a special token the template's output would carry
+        as structure.
+
+        Raises:
+            ValueError: naming the message and the token.
+        """
+        if self._forgery is None:
+            return
+        for index, message in enumerate(messages):
+            for text in _strings(message):
+                found = self._forgery.search(text)
+                if found:
+                    raise ValueError(
+                        f"messages[{index}] spells the special token {found.group()!r}; the chat "
+                        "template's output would read it as structure"
+                    )
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> np.ndarray:
+        """The token ids of a conversation under the template: `apply_chat_template(messages,
+        tools=tools, add_generation_prompt=..., tokenize=True, **kwargs)`'s.
+
+        Raises:
+            ValueError: naming a message that spells a special token, or with the template's
+                own message when it refuses the conversation (`ChatTemplateError`).
+        """
+        self.check_messages(messages)
+        text = self.render(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+        return self.encode_rendered(text)
+
+    def _piece(self, text: str | None, what: str) -> np.ndarray:
+        if text is None:
+            raise ValueError(
+                f"TemplateTokenizer: the chat template has no fixed {what} (found by rendering "
+                "a one-question, one-reply conversation)"
+            )
+        return self.encode_rendered(text)
+
+    def chat_prefix(self) -> np.ndarray:
+        """The `bos_token`'s id where the template opens a conversation with it, else none."""
+        bos = self.template.special_tokens.get("bos_token")
+        try:
+            opens = bos is not None and self.render([_PROBE_QUESTION]).startswith(bos)
+        except ChatTemplateError:
+            opens = False
+        return _ids([self.bos_id] if opens else [])
+
+    def generation_prompt(self) -> np.ndarray:
+        """The ids `add_generation_prompt` adds: what opens an assistant's reply."""
+        return self._piece(self._generation, "generation prompt")
+
+    def turn_suffix(self) -> np.ndarray:
+        """The ids the template writes after an assistant reply's `eos_id`."""
+        return self._piece(self._suffix, "text after a reply's stop token")
+
+    def encode_turn(self, message: Mapping[str, Any]) -> np.ndarray:
+        """The ids the template writes for `message` after an assistant's reply (what a session
+        appends once the reply's `eos_id` and `turn_suffix()` are written).
+
+        Raises:
+            ValueError: where the template renders the conversation with `message` other than as
+                the conversation before it plus `message`'s text, or refuses it.
+        """
+        self.check_messages([message])
+        before = [_PROBE_QUESTION, _PROBE_REPLY]
+        head = self.render(before)
+        text = self.render([*before, message])
+        if not text.startswith(head):
+            raise ValueError(
+                f"encode_turn: the chat template does not render a {message.get('role')!r} "
+                "message as an addition to the conversation before it"
+            )
+        return self.encode_rendered(text[len(head) :])
+
+
+def _json_file(root: str, name: str) -> dict[str, Any]:
+    """A folder's JSON object file, or {} when there is none."""
+    path = os.path.join(root, name)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as file:
+            value = json.load(file)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(
+            f"TemplateTokenizer.from_folder: {path!r} is not valid JSON: {error}"
+        ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"TemplateTokenizer.from_folder: {path!r} must hold a JSON object")
+    return value
+
+
+def _template_sources(root: str, config: Mapping[str, Any], given: str | None) -> dict[str, str]:
+    """The folder's chat templates by name (see `TemplateTokenizer.from_folder`)."""
+    if given is not None:
+        if not isinstance(given, str):
+            raise TypeError(f"chat_template must be the template's text, got {given!r}")
+        return {"default": given}
+    path = os.path.join(root, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as file:
+            return {"default": file.read()}
+    where = os.path.join(root, "tokenizer_config.json")
+    value = config.get("chat_template")
+    if value is None:
+        value = _json_file(root, "chat_template.json").get("chat_template")
+        where = os.path.join(root, "chat_template.json")
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, list) and value:
+        named = {}
+        for index, entry in enumerate(value):
+            if not (
+                isinstance(entry, dict)
+                and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("template"), str)
+            ):
+                raise ValueError(
+                    f"TemplateTokenizer.from_folder: {where!r} chat_template[{index}] must be an "
+                    "object with a string 'name' and 'template'"
+                )
+            named[entry["name"]] = entry["template"]
+        return named
+    if value is not None:
+        raise ValueError(
+            f"TemplateTokenizer.from_folder: {where!r} chat_template must be a string or a "
+            f"list of named templates, got {type(value).__name__}"
+        )
+    raise ValueError(
+        f"TemplateTokenizer.from_folder: {root!r} has no chat template (chat_template.jinja, or "
+        "chat_template in tokenizer_config.json): pass chat_template= the template's text"
+    )
+
+
+def _special_tokens(root: str, config: Mapping[str, Any], tokenizer: Any) -> dict[str, str]:
+    """The named special tokens' text: tokenizer_config.json's, then generation_config.json's
+    ids for those it lacks."""
+    path = os.path.join(root, "tokenizer_config.json")
+    special = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        value = config.get(name)
+        if isinstance(value, dict):  # older files write an AddedToken's fields
+            value = value.get("content")
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise ValueError(
+                f"TemplateTokenizer.from_folder: {path!r} {name} must be a string, got {value!r}"
+            )
+        special[name] = value
+    generation = _json_file(root, "generation_config.json")
+    for name in ("bos_token", "eos_token", "pad_token"):
+        token_id = generation.get(name + "_id")
+        if name in special or token_id is None:
+            continue
+        if isinstance(token_id, list) and token_id:
+            token_id = token_id[0]
+        text = tokenizer.id_to_token(token_id) if isinstance(token_id, int) else None
+        if text is None:
+            raise ValueError(
+                f"TemplateTokenizer.from_folder: {os.path.join(root, 'generation_config.json')!r}"
+                f" {name}_id {token_id!r} is not an id of the tokenizer"
+            )
+        special[name] = text
+    return special

@@ -62,6 +62,11 @@ def _path_or_none(instance, attribute, value):
         raise ValueError(f"{attribute.name} must be a file's path or None, got {value!r}")
 
 
+def _dtype_or_none(instance, attribute, value):
+    if value not in (None, "float32", "bfloat16"):
+        raise ValueError(f"{attribute.name} must be float32, bfloat16 or None, got {value!r}")
+
+
 def _option(default: Any, validator: Callable, help: str, *, kind: type | None = None) -> Any:
     """A TrainConfig field that is also a `dew train` option, with its help text and, where
     the default (None) does not tell it, the type of its values."""
@@ -106,6 +111,11 @@ class TrainConfig:
         tokenizer: a Hugging Face `tokenizer.json` (`dew.serve.tokenizer.HuggingFaceTokenizer`)
             that renders the prompts and decodes the replies; the model's vocabulary is its
             size. None for the byte tokenizer.
+        model: a Hugging Face checkpoint folder (`dew.models.hf`) to train instead of dew's
+            transformer, with the folder's tokenizer and chat template
+            (`HuggingFaceTokenizer.from_folder`); the run's checkpoints hold it as such a
+            folder, `checkpoints/model`.
+        dtype: the checkpoint's params dtype ("float32" or "bfloat16"); None keeps its own.
     """
 
     task: str = _option(
@@ -171,8 +181,26 @@ class TrainConfig:
         "and <|im_end|> as special tokens; the model's vocabulary is its size (none: bytes)",
         kind=str,
     )
+    model: str | None = _option(
+        None,
+        _path_or_none,
+        "a Hugging Face checkpoint folder to train (Llama, Mistral, Qwen2, Qwen3), with its own "
+        "tokenizer and chat template; its checkpoints are such folders (none: dew's transformer "
+        "of --d-model, --layers, --heads, --d-ff)",
+        kind=str,
+    )
+    dtype: str | None = _option(
+        None,
+        _dtype_or_none,
+        "the --model checkpoint's params dtype, float32 or bfloat16 (none: the checkpoint's)",
+        kind=str,
+    )
 
     def __attrs_post_init__(self):
+        if self.model is not None and self.tokenizer is not None:
+            raise ValueError("model brings its folder's tokenizer: leave out tokenizer")
+        if self.dtype is not None and self.model is None:
+            raise ValueError("dtype is the dtype of a --model checkpoint: give model too")
         if self.tasks < self.batch_size:
             raise ValueError(f"tasks must be >= batch_size {self.batch_size}, got {self.tasks}")
         if self.admit is not None and self.admit > self.batch_size:
@@ -233,6 +261,8 @@ def _load_tokenizer(config: TrainConfig) -> Tokenizer:
         ValueError: naming the path when it is no file, or not a tokenizer the chat template
             can use.
     """
+    if config.model is not None:
+        return _model_tokenizer(config.model)
     if config.tokenizer is None:
         return BYTES
     if Path(config.tokenizer).exists() and not Path(config.tokenizer).is_file():
@@ -243,6 +273,28 @@ def _load_tokenizer(config: TrainConfig) -> Tokenizer:
         raise ValueError(f"--tokenizer {config.tokenizer}: there is no such file") from None
     except Exception as error:  # tokenizers raises a bare Exception for a malformed file
         raise ValueError(f"--tokenizer {config.tokenizer}: {error}") from error
+
+
+def _model_tokenizer(folder: str) -> Tokenizer:
+    """The tokenizer and chat template of the checkpoint folder `folder`, once its config.json
+    is checked (before any tensor is read) and found to have an embedding row for every id.
+
+    Raises:
+        ValueError: naming --model and the file or field at fault.
+    """
+    from dew.models.hf._config import read_config  # safetensors and the family on demand
+
+    try:
+        checkpoint, _ = read_config(Path(folder))
+        tokenizer = HuggingFaceTokenizer.from_folder(folder)
+    except (ValueError, FileNotFoundError) as error:
+        raise ValueError(f"--model {folder}: {error}") from None
+    if tokenizer.vocab_size > checkpoint.vocab:
+        raise ValueError(
+            f"--model {folder}: its tokenizer.json has {tokenizer.vocab_size} ids, more than the "
+            f"{checkpoint.vocab} embedding rows of its config.json's vocab_size"
+        )
+    return tokenizer
 
 
 def _fields_of(data: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import trio
 
 from dew import models, replay
 from dew.envs.environment import Sampling
+from dew.models import hf
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Label, Status
 from dew.parallel import ProcessRows, default_pool
@@ -106,10 +107,9 @@ def train(
     tokenizer = _load_tokenizer(config)
     task = _task(config, tokenizer)
     shape = task.shape
-    model_config = config.model_config(shape.max_len, vocab=tokenizer.vocab_size)
-    variables = models.init(jax.random.key(config.seed), model_config)
-    objective = _objective(model_config, config.temperature)
-    trainer = Trainer(
+    model, variables = _model(config, shape.max_len, tokenizer)
+    objective = _objective(model, config.temperature)
+    trainer = _FolderTrainer(
         objective,
         optax.adam(config.learning_rate),
         variables,
@@ -117,13 +117,21 @@ def train(
         checkpoint_every=config.checkpoint_every,
         deadline=deadline,
         logs=(SAMPLES, EVALUATIONS),
+        folder=config.model,
     )
     if resume:
         trainer.resume()
     tasks = config.batch_size // processes  # this process's share of each batch
     admit = None if config.admit is None else config.admit // processes
     slots = tasks * (config.groups + config.oversample) * (config.ahead + 1)
-    server = RolloutServer(model_config, trainer.variables, slots=slots, version=trainer.updates)
+    server = RolloutServer(
+        model,
+        trainer.variables,
+        slots=slots,
+        max_len=shape.max_len,
+        version=trainer.updates,
+        tokenizer=tokenizer,
+    )
     source = task.source(server, _sampling(config, trainer.updates))
     samples = None
     logs = None
@@ -132,7 +140,7 @@ def train(
             source = samples = SampleLog(source, tokenizer, batch_size=tasks, keep=config.samples)
         logs = _RunLogs(config, run, trainer, samples, on_step)
         if config.eval_every:
-            logs.evaluation = _Evaluation(task, config, model_config, slots)
+            logs.evaluation = _Evaluation(task, config, server, slots)
     trainer.on_step = on_step if logs is None else logs
     source = task.serve(source, server)
     publisher = server
@@ -156,7 +164,7 @@ def train(
         oversample=config.oversample,
         admit=admit,
         truncation="score",
-        vocab=model_config.vocab,
+        vocab=model.vocab,
     )
     per_epoch = config.tasks // config.batch_size * config.batch_size
     dataset = ProcessRows(
@@ -189,6 +197,49 @@ def train(
     if index == 0:
         write_curves(run / METRICS, run / "curves.png", evaluations=run / EVALUATIONS)
     return trainer
+
+
+def _model(config: TrainConfig, max_len: int, tokenizer) -> tuple[models.Model, Any]:
+    """The run's model and its first params: the `--model` checkpoint folder's, or dew's
+    transformer of the config's shape, seeded, with `max_len` positions and the tokenizer's
+    vocabulary.
+
+    Raises:
+        ValueError: naming the folder when the task's sequences are longer than the checkpoint
+            takes (or the checkpoint is malformed: see `dew.models.hf.load`).
+    """
+    if config.model is None:
+        model_config = config.model_config(max_len, vocab=tokenizer.vocab_size)
+        return models.model(model_config), models.init(jax.random.key(config.seed), model_config)
+    model, params = hf.load(config.model, dtype=config.dtype)
+    if max_len > model.max_len:
+        raise ValueError(
+            f"--model {config.model}: the task's sequences reach {max_len} tokens, beyond its "
+            f"max_position_embeddings {model.max_len}"
+        )
+    # Rows past the tokenizer's ids decode to no text: never sampled, never scored.
+    return attrs.evolve(model, vocab_limit=tokenizer.vocab_size), params
+
+
+class _FolderTrainer(Trainer):
+    """A Trainer whose checkpoints of a `--model` run also hold the params as a checkpoint
+    folder, `checkpoints/model` (config.json, model.safetensors and the tokenizer's files of the
+    folder trained), which transformers and vLLM load as they are; the optimizer's and the
+    trainer's state stay beside it in the checkpoint's own files, which resume reads.
+
+    Args:
+        folder: the checkpoint folder trained, or None for dew's transformer (no folder kept).
+    """
+
+    def __init__(self, *args, folder: str | None, **options):
+        super().__init__(*args, **options)
+        self.folder = folder
+
+    def save(self) -> Path:
+        if self.folder is not None and self.checkpoints is not None and self._writes:
+            model = self.objective.model
+            hf.save(self.checkpoints / "model", model, self.variables, tokenizer_from=self.folder)
+        return super().save()
 
 
 class _RunLogs:
@@ -247,13 +298,19 @@ class _Evaluation:
     functions.
     """
 
-    def __init__(self, task: _RunTask, config: TrainConfig, model_config, slots: int):
+    def __init__(self, task: _RunTask, config: TrainConfig, server: RolloutServer, slots: int):
         ids = np.arange(config.tasks, config.tasks + config.eval_tasks, dtype=np.int64)
         self.tasks = list(task.tasks({"task_id": ids}))
         self.task = task
         # Placeholder weights: each evaluation loads the trainer's.
-        variables = models.init(jax.random.key(0), model_config)
-        self.server = RolloutServer(model_config, variables, slots=slots)
+        model = server.model
+        self.server = RolloutServer(
+            model,
+            model.init(jax.random.key(0)),
+            slots=slots,
+            max_len=server.max_len,
+            tokenizer=server.tokenizer,
+        )
 
     def __call__(self, variables, updates: int) -> dict[str, Any]:
         """Roll out every held-out task greedily under `variables`.

@@ -303,7 +303,7 @@ def save(
         raise ValueError(f"tokenizer_from {tokenizer_from} is not a folder")
     _check_params(model, params)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = folder.with_name(f".{folder.name}.{secrets.token_hex(4)}.tmp")
+    staging = folder.with_name(f".{folder.name}.{secrets.token_hex(4)}.partial")
     staging.mkdir()
     try:
         config = model.config.to_json(model.dtype)

@@ -20,6 +20,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 
+from dew._checks import int_at_least
 from dew.models import _lead, _starts, _write_prompt, _write_step, cache_blocks
 from dew.models.hf import _params
 from dew.models.hf._config import HFConfig, check_dtype
@@ -95,14 +96,21 @@ def embed(params: dict, tokens: jax.Array) -> jax.Array:
     return params["embed"][tokens]
 
 
-def unembed(params: dict, x: jax.Array, config: HFConfig) -> jax.Array:
-    """float32[..., vocab]: the next-token logits of the final hidden states."""
+def unembed(params: dict, x: jax.Array, config: HFConfig, limit: int | None) -> jax.Array:
+    """float32[..., vocab]: the next-token logits of the final hidden states; ids at or above
+    `limit` (when below vocab) get -1e9, so they are never drawn and their probability is 0."""
     head = params["embed"] if config.tied else params["lm_head"]
     h = rms_norm(x, params["norm"], config.rms_eps)
-    return jnp.einsum("...h,vh->...v", h, head, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...h,vh->...v", h, head, preferred_element_type=jnp.float32)
+    if limit is None or limit >= config.vocab:
+        return logits
+    usable = _lead(jnp.arange(config.vocab) < limit, logits.ndim)
+    return jnp.where(usable, logits, jnp.float32(-1e9))
 
 
-def apply(params, tokens, positions, segment_ids, *, config: HFConfig) -> jax.Array:
+def apply(
+    params, tokens, positions, segment_ids, *, config: HFConfig, limit: int | None = None
+) -> jax.Array:
     """Next-token logits over packed rows: int32[rows, width] tokens, positions (from 0 in each
     segment) and segment ids (0 = padding) -> float32[rows, width, vocab]. A token attends to
     earlier tokens of its own segment only."""
@@ -114,7 +122,7 @@ def apply(params, tokens, positions, segment_ids, *, config: HFConfig) -> jax.Ar
     for layer in params["layers"]:
         q, k, v = block_qkv(layer, x, positions, config)
         x = block_finish(layer, x, attend(q, k, v, allowed), config)
-    return unembed(params, x, config)
+    return unembed(params, x, config, limit)
 
 
 def init_cache(config: HFConfig, dtype: str, *, slots: int, max_len: int) -> list[dict]:
@@ -132,7 +140,7 @@ def init_cache(config: HFConfig, dtype: str, *, slots: int, max_len: int) -> lis
     ]
 
 
-def prefill(params, cache, tokens, slot, *, config: HFConfig):
+def prefill(params, cache, tokens, slot, *, config: HFConfig, limit: int | None = None):
     """Run a prompt (int32[T], padded at its end) from position 0 into cache slot `slot`: the
     cache with the slot's positions 0..T-1 written, and float32[T, vocab] logits."""
     width = tokens.shape[0]
@@ -149,7 +157,7 @@ def prefill(params, cache, tokens, slot, *, config: HFConfig):
             }
         )
         x = block_finish(layer, x, attend(q, k, v, causal), config)
-    return written, unembed(params, x, config)
+    return written, unembed(params, x, config, limit)
 
 
 def _attend_cache(q, keys: list, values: list, positions):
@@ -194,7 +202,7 @@ def _attend_cache(q, keys: list, values: list, positions):
     return jax.lax.switch(needed, branches, grouped, keys, values).reshape(q.shape)
 
 
-def decode(params, cache, tokens, positions, *, config: HFConfig):
+def decode(params, cache, tokens, positions, *, config: HFConfig, limit: int | None = None):
     """Advance every slot by one token (int32[slots] tokens at int32[slots] positions): the
     cache with each written, and float32[slots, vocab], each slot's next-token logits."""
     x = embed(params, tokens)
@@ -205,7 +213,7 @@ def decode(params, cache, tokens, positions, *, config: HFConfig):
         values = _write_step(cached["v"], v[:, 0], positions)
         written.append({"k": keys, "v": values})
         x = block_finish(layer, x, _attend_cache(q[:, 0], keys, values, positions), config)
-    return written, unembed(params, x, config)
+    return written, unembed(params, x, config, limit)
 
 
 def init(key: jax.Array, config: HFConfig, dtype: str) -> dict[str, Any]:
@@ -236,10 +244,17 @@ class HFModel:
     Args:
         config: the checkpoint's shape (`HFConfig`, read from its `config.json`).
         dtype: the params' dtype, "float32" or "bfloat16"; logits are float32 either way.
+        vocab_limit: the tokenizer's vocabulary where it is smaller than the embedding rows
+            (checkpoints pad their rows to a round number: Qwen2.5 has 151936 for 151665
+            tokens): the rows from it on are never sampled nor given probability, since no
+            text decodes from them. None scores every row.
     """
 
     config: HFConfig = attrs.field(validator=attrs.validators.instance_of(HFConfig))
     dtype: str = attrs.field(default="float32", validator=_dtype)
+    vocab_limit: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(int_at_least(1))
+    )
 
     @property
     def vocab(self) -> int:
@@ -257,7 +272,9 @@ class HFModel:
 
     def __call__(self, params, tokens, positions, segment_ids) -> jax.Array:
         """Next-token logits over packed rows (see `apply`)."""
-        return apply(params, tokens, positions, segment_ids, config=self.config)
+        return apply(
+            params, tokens, positions, segment_ids, config=self.config, limit=self.vocab_limit
+        )
 
     def init_cache(self, *, slots: int, max_len: int) -> list[dict]:
         """An empty key/value cache (see `init_cache`)."""
@@ -265,8 +282,8 @@ class HFModel:
 
     def prefill(self, params, cache, tokens, slot):
         """Run a prompt into one slot of the cache (see `prefill`)."""
-        return prefill(params, cache, tokens, slot, config=self.config)
+        return prefill(params, cache, tokens, slot, config=self.config, limit=self.vocab_limit)
 
     def decode(self, params, cache, tokens, positions):
         """Advance every slot by one token (see `decode`)."""
-        return decode(params, cache, tokens, positions, config=self.config)
+        return decode(params, cache, tokens, positions, config=self.config, limit=self.vocab_limit)
