@@ -16,9 +16,17 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_qwen2(folder: Path, *, seed: int = 0, vocab: int = 320, max_len: int = 256) -> Path:
-    """Write a 2-layer Qwen2 (hidden 128, 2 heads of 64) with a byte-level BPE tokenizer and a
-    ChatML chat template into `folder`, and return it."""
+def tiny_qwen2(
+    folder: Path,
+    *,
+    seed: int = 0,
+    vocab: int = 320,
+    max_len: int = 256,
+    hidden: int = 128,
+    layers: int = 2,
+) -> Path:
+    """Write a Qwen2 of `layers` layers and width `hidden` (heads of 64, one key/value head)
+    with a byte-level BPE tokenizer and a ChatML chat template into `folder`, and return it."""
     from dew._torch_media import hide_broken_media_packages
 
     hide_broken_media_packages()
@@ -38,10 +46,10 @@ def tiny_qwen2(folder: Path, *, seed: int = 0, vocab: int = 320, max_len: int = 
     tokenizer.save_pretrained(folder)
     config = transformers.Qwen2Config(
         vocab_size=vocab,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
         num_key_value_heads=1,
         head_dim=64,
         max_position_embeddings=max_len,

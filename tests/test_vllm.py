@@ -7,11 +7,13 @@ server runs last. References are `transformers`' float32 forward pass of the sam
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
 
 import httpx
+import jax
 import numpy as np
 import openai
 import pytest
@@ -312,37 +314,100 @@ async def test_an_agent_harness_runs_through_the_gateway_with_vllm_serving(
     np.testing.assert_array_equal(second.prompt[: len(drawn)], drawn)
 
 
-async def test_a_killed_server_fails_its_calls_as_infra_errors_and_the_other_serves(
-    engine, params, references
-):
-    engine.load(params[0], 20)
-    victim = engine.processes[1]
-    source = PromptSource(engine, {"t": "hello"}, lambda task, reply: Score(1.0), max_tokens=100)
-    sessions = []
-    async with engine:
+def test_dew_train_trains_a_checkpoint_with_vllm_serving(engine, folders, tmp_path):
+    from dew.cli import main
 
-        async def one(index):
-            sessions.append(await source.run(Task("t"), Label(index, 0, 0)))
+    run = tmp_path / "run"
+    argv = ["train", "--model", str(folders[0]), "--engine", "vllm", "--run", str(run)]
+    argv += ["--engine-url", *engine.urls, "--steps", "5", "--batch-size", "2", "--groups", "2"]
+    argv += ["--tasks", "10", "--eval-every", "0", "--samples", "0"]
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        assert main(argv) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["updates"] for line in lines] == [1, 2, 3, 4, 5]
+    assert all(math.isfinite(line["loss"]) for line in lines)
+    # Every server serves the weights of the run's last push (before its fifth step).
+    for url in engine.urls:
+        assert httpx.get(f"{url}/weight_info").json() == {"weight_version": "4"}
+
+
+@pytest.mark.parametrize(
+    ("options", "culprit"),
+    [
+        (["--engine", "vllm"], "engine vllm serves a --model checkpoint folder"),
+        (["--engine-url", "http://127.0.0.1:9"], "engine_url names vLLM servers"),
+        (["--engine", "sglang"], "'engine' must be in"),
+    ],
+)
+def test_dew_train_refuses_engine_options_that_do_not_go_together(
+    tmp_path, capsys, options, culprit
+):
+    from dew.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--run", str(tmp_path / "run"), *options])
+    assert exited.value.code == 2
+    assert culprit in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+class KeptSessions:
+    """A source that keeps every session its inner source returns."""
+
+    def __init__(self, source):
+        self.source = source
+        self.sessions = []
+
+    async def run(self, task, label):
+        session = await self.source.run(task, label)
+        self.sessions.append(session)
+        return session
+
+
+async def test_a_killed_servers_rollouts_are_resubmitted_to_the_server_left(
+    engine, folders, params
+):
+    victim = engine.processes[1]
+    chat = tokenizer.HuggingFaceTokenizer.from_folder(folders[0])
+    kept = KeptSessions(
+        PromptSource(
+            engine,
+            lambda task: "hello",
+            lambda task, reply: Score(len(reply) / 100),
+            max_tokens=100,
+            tokenizer=chat,
+        )
+    )
+    model = hf.load(folders[0])[0]
+    scheduler = RolloutScheduler(
+        GRPOObjective(model), kept, engine, width=MAX_LEN, rows=4, groups=2, ahead=0,
+        truncation="score",
+    )  # fmt: skip
+    dataset = scheduler.tasks(ArrayDataset({"task_id": np.arange(4)}, batch_size=2))
+    async with engine, scheduler:
+        batches = iter(dataset.stream())
+
+        async def step():
+            await scheduler.step(next(batches), params[0], 30)
 
         async with trio.open_nursery() as nursery:
-            for index in range(4):
-                nursery.start_soon(one, index)
+            nursery.start_soon(step)
             while await _running(victim.url) < 1:
                 await trio.sleep(0.05)
             os.killpg(victim.pid, signal.SIGKILL)
-        statuses = {session.status for session in sessions}
-        assert Status.INFRA_ERROR in statuses and len(statuses) > 1
-        failed = [session for session in sessions if session.status is Status.INFRA_ERROR]
-        assert all(victim.url in session.error for session in failed)
-        # The next calls go to the live server; a push skips the dead one.
-        engine.load(params[1], 21)
-        call = await engine.generate(PROMPT, max_tokens=4)
-        assert call.version == 21
+        record = scheduler.last_record
+        assert record.resubmitted["infra_error"] >= 1
+        assert (record.groups, record.abandoned) == (2, 0)
+        failed = [session for session in kept.sessions if session.status is Status.INFRA_ERROR]
+        assert failed and all(victim.url in session.error for session in failed)
+        # Pushes skip the dead server; calls go to the live one.
+        engine.load(params[1], 31)
+        assert (await engine.generate(PROMPT, max_tokens=4)).version == 31
         # With no server left, the engine stops the run with a clear error.
         engine.processes[0].kill()
         with pytest.raises(CallFailed):
             await engine.generate(PROMPT, max_tokens=4)
         with pytest.raises(VLLMError, match="no vLLM server is alive"):
             await engine.generate(PROMPT, max_tokens=4)
-        with pytest.raises(VLLMError, match="no vLLM server is alive to push version 22"):
-            engine.load(params[1], 22)
+        with pytest.raises(VLLMError, match="no vLLM server is alive to push version 32"):
+            engine.load(params[1], 32)

@@ -79,8 +79,13 @@ class VLLMEngine:
         servers: the servers' URLs and, for those dew started, their processes.
         name: the model name the servers serve (the `model` of every request).
         max_model_len: the servers' longest prompt + completion.
-        save: writes pushed params as a checkpoint folder vLLM reloads: `save(folder,
-            variables)`.
+        checkpoint: the checkpoint folder served: pushes copy its tokenizer files, and read
+            `model` from it when None.
+        model: the `dew.models.hf.HFModel` pushed params are of; with a `vocab_limit`, calls
+            draw only ids below it, as dew's engine does.
+        tokenizer: what the served ids mean (the gateway renders chats with it), or None.
+        save: writes pushed params as a checkpoint folder vLLM reloads, `save(folder,
+            variables)`, in place of `dew.models.hf.save`.
         push_dir: where pushed checkpoints are written; every server must read it.
         version: the version of the weights the servers hold now.
         owned_dir: a temporary folder of dew's to remove at close, or None.
@@ -92,15 +97,28 @@ class VLLMEngine:
         *,
         name: str,
         max_model_len: int,
-        save: Callable[[Path, Any], None],
+        checkpoint: str | Path | None,
+        model: Any,
+        tokenizer: Any,
+        save: Callable[[Path, Any], None] | None,
         push_dir: Path,
         version: int,
         owned_dir: Path | None = None,
     ):
+        if save is None and checkpoint is None and model is None:
+            raise ValueError("a VLLMEngine needs the run's checkpoint or model (or save=)")
         self._servers = list(servers)
         self.name = name
         self.max_len = max_model_len
+        self._checkpoint = checkpoint
+        self._model = model
+        self.tokenizer = tokenizer
         self._save = save
+        # A model that masks the ids past its tokenizer's (`vocab_limit`) never draws them: nor
+        # does vLLM then, so both sides' log-probs are over the same ids. The list goes with
+        # every call, so it costs a few bytes per id.
+        limit = getattr(model, "vocab_limit", None)
+        self._allowed = None if limit is None or limit >= model.vocab else list(range(limit))
         self._push_dir = push_dir
         self._owned_dir = owned_dir
         self._version = version
@@ -125,6 +143,7 @@ class VLLMEngine:
         host: str = "127.0.0.1",
         name: str | None = None,
         model: Any = None,
+        tokenizer: Any = None,
         save: Callable[[Path, Any], None] | None = None,
         version: int = 0,
         ready_timeout: float = 900.0,
@@ -150,6 +169,8 @@ class VLLMEngine:
             name: the model name the servers serve; the checkpoint folder's name unless given.
             model: the `dew.models.hf.HFModel` pushed params are of; read from the checkpoint
                 at the first push unless given.
+            tokenizer: what the served ids mean; the checkpoint's own
+                (`HuggingFaceTokenizer.from_folder`) unless given, where it has one.
             save: writes pushed params as a checkpoint folder, `save(folder, variables)`; by
                 default `dew.models.hf.save` of `model`, with the checkpoint's tokenizer.
             version: the version of the checkpoint's weights.
@@ -211,7 +232,10 @@ class VLLMEngine:
                 [_Server(process.url, process) for process in started],
                 name=name,
                 max_model_len=max_model_len,
-                save=_hf_save(checkpoint, model) if save is None else save,
+                checkpoint=checkpoint,
+                model=model,
+                tokenizer=_folder_tokenizer(checkpoint) if tokenizer is None else tokenizer,
+                save=save,
                 push_dir=work_dir,
                 version=version,
                 owned_dir=owned,
@@ -235,26 +259,29 @@ class VLLMEngine:
         cls,
         urls: Sequence[str],
         *,
-        name: str,
         push_dir: str | Path,
         checkpoint: str | Path | None = None,
+        name: str | None = None,
         model: Any = None,
+        tokenizer: Any = None,
         save: Callable[[Path, Any], None] | None = None,
         version: int = 0,
     ) -> VLLMEngine:
         """Use vLLM servers that are already running.
 
-        Each must serve `name`, run in vLLM's development mode (`VLLM_SERVER_DEV_MODE=1`)
+        Each must serve the run's model, run in vLLM's development mode (`VLLM_SERVER_DEV_MODE=1`)
         with `--logprobs-mode processed_logprobs` and `--enable-scale-out`, and read
         `push_dir`. Their weights version is set to `version`.
 
         Args:
             urls: the servers' base URLs (`http://host:port`).
-            name: the model name the run expects them to serve.
             push_dir: where pushed checkpoints are written, a folder every server reads.
             checkpoint: the run's checkpoint folder: pushes copy its tokenizer files, and read
                 `model` from it unless given.
+            name: the model name the run expects them to serve; unless given, the one whose
+                folder is `checkpoint` (vLLM's `--model`) or that bears its folder's name.
             model: the `dew.models.hf.HFModel` pushed params are of.
+            tokenizer: what the served ids mean; the checkpoint's own unless given.
             save: writes pushed params as a checkpoint folder, `save(folder, variables)`, in
                 place of `dew.models.hf.save`.
             version: the version of the weights they hold.
@@ -266,8 +293,8 @@ class VLLMEngine:
         """
         if not urls:
             raise ValueError("attach needs at least one server URL")
-        if save is None and checkpoint is None and model is None:
-            raise ValueError("attach needs the run's checkpoint or model (or save=) for pushes")
+        if name is None and checkpoint is None:
+            raise ValueError("attach needs the served model's name or the run's checkpoint")
         version = check_int("version", version, low=0)
         servers = [_Server(url) for url in urls]
         push_dir = Path(push_dir)
@@ -276,7 +303,14 @@ class VLLMEngine:
             servers,
             name=name,
             max_model_len=0,
-            save=_hf_save(checkpoint, model) if save is None else save,
+            checkpoint=checkpoint,
+            model=model,
+            tokenizer=(
+                _folder_tokenizer(checkpoint)
+                if tokenizer is None and checkpoint is not None
+                else tokenizer
+            ),
+            save=save,
             push_dir=push_dir,
             version=version,
         )
@@ -299,10 +333,12 @@ class VLLMEngine:
         if answer.status_code != 200:
             raise VLLMError(f"the vLLM server {server.url} answered /v1/models {_said(answer)}")
         served = {entry.get("id"): entry for entry in answer.json().get("data", [])}
+        if self.name is None:
+            self.name = _served_name(served, Path(self._checkpoint))
         if self.name not in served:
+            run = self._checkpoint if self.name is None else repr(self.name)
             raise VLLMError(
-                f"the vLLM server {server.url} serves {sorted(served)}, not the run's model "
-                f"{self.name!r}"
+                f"the vLLM server {server.url} serves {sorted(served)}, not the run's model {run}"
             )
         paused = self._pushes.get(f"{server.url}/is_paused", timeout=30)
         if paused.status_code == 404:
@@ -320,6 +356,15 @@ class VLLMEngine:
         self._post(server, _GENERATE, json=body)
 
     # --- life ------------------------------------------------------------------------------------
+
+    @property
+    def model(self):
+        """The `dew.models.hf.HFModel` served (read from the checkpoint on first use)."""
+        if self._model is None:
+            from dew.models import hf
+
+            self._model = hf.load(self._checkpoint)[0]
+        return self._model
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -414,6 +459,8 @@ class VLLMEngine:
         ids = _prompt_ids(prompt, self.max_len)
         max_tokens = check_int("max_tokens", max_tokens, low=1)
         sampling = _sampling(temperature, top_k, top_p, key)
+        if self._allowed is not None:
+            sampling["allowed_token_ids"] = self._allowed
         stop_ids = [check_int("stop id", token, low=0) for token in stop]
         body = _body(
             self.name,
@@ -481,7 +528,12 @@ class VLLMEngine:
         began = time.perf_counter()
         self._live_for(version)
         folder = self._push_dir / f"push-{version}"
-        self._save(folder, variables)
+        if self._save is not None:
+            self._save(folder, variables)
+        else:
+            from dew.models import hf
+
+            hf.save(folder, self.model, variables, tokenizer_from=self._checkpoint)
         self.pause()
         try:
             reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
@@ -554,18 +606,23 @@ class VLLMEngine:
         return answer
 
 
-def _hf_save(checkpoint: str | Path | None, model: Any) -> Callable[[Path, Any], None]:
-    """Write pushed params with `dew.models.hf.save` as `model`'s (read from `checkpoint` at the
-    first push when None), with the checkpoint's tokenizer files."""
-    from dew.models import hf
+def _folder_tokenizer(checkpoint: str | Path):
+    """The checkpoint folder's tokenizer and chat template, None where it has no tokenizer."""
+    from dew.serve.tokenizer import HuggingFaceTokenizer
 
-    def save(folder: Path, variables) -> None:
-        nonlocal model
-        if model is None:
-            model = hf.load(checkpoint)[0]
-        hf.save(folder, model, variables, tokenizer_from=checkpoint)
+    if not (Path(checkpoint) / "tokenizer.json").is_file():
+        return None
+    return HuggingFaceTokenizer.from_folder(checkpoint)
 
-    return save
+
+def _served_name(served: dict[str, dict], checkpoint: Path) -> str | None:
+    """The served model whose folder (vLLM's `root`) is `checkpoint`, else the one named as its
+    folder; None when none is."""
+    for name, entry in served.items():
+        root = entry.get("root")
+        if root and Path(root).resolve() == checkpoint.resolve():
+            return name
+    return checkpoint.name if checkpoint.name in served else None
 
 
 def _prompt_ids(prompt, max_len: int) -> list[int]:

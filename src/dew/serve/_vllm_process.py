@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -27,17 +26,17 @@ from dew.serve._failure import CallFailed
 
 _SITE = Path(__file__).with_name("_vllm_site")
 _TAIL_LINES = 25
-_PR_SET_PDEATHSIG = 1
 
-# vLLM's own switches for a small CPU server: the RL endpoints (pause, reload, weight version)
-# exist only in its development mode; a KV cache of 1 GiB and threads not bound to cores suit a
-# shared machine; offline, a missing file fails at once instead of trying the hub.
 SERVER_ENVIRONMENT = {
     "VLLM_SERVER_DEV_MODE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "HF_HUB_OFFLINE": "1",
 }
+"""The environment every server dew starts runs in (`environment=` adds to it): vLLM's RL
+endpoints (pause, reload, weight version) exist only in its development mode; a KV cache of
+1 GiB and threads not bound to cores suit a shared CPU machine; offline, a missing file fails at
+once instead of trying the model hub."""
 
 
 class VLLMError(RuntimeError):
@@ -62,12 +61,6 @@ def check_port_free(host: str, port: int) -> None:
                 f"port {port} on {host} is in use ({error.strerror}): give another port, or 0 "
                 "for a free one"
             ) from None
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: receive SIGTERM when the thread that started it ends."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ServerProcess:
@@ -110,7 +103,11 @@ class ServerProcess:
             str(port),
             *arguments,
         ]
-        main_thread = threading.current_thread() is threading.main_thread()
+        # Linux's parent-death signal follows the thread that started the process: asked for
+        # (by the server's `sitecustomize`) only when that thread is the main one, which lives
+        # as long as dew's process.
+        if threading.current_thread() is threading.main_thread() and sys.platform == "linux":
+            env["DEW_VLLM_PARENT"] = str(os.getpid())
         with open(log, "wb") as output:
             self._process = subprocess.Popen(
                 command,
@@ -119,12 +116,12 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if main_thread and sys.platform == "linux" else None,
             )
         _RUNNING.add(self)
 
     @property
     def pid(self) -> int:
+        """The server's process id, also its process group's."""
         return self._process.pid
 
     def exit_code(self) -> int | None:

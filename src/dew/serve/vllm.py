@@ -6,6 +6,16 @@ See docs/vllm.md.
 
 from dew.serve._failure import CallFailed
 from dew.serve._vllm import VLLMEngine
-from dew.serve._vllm_process import SERVER_ENVIRONMENT, ServerProcess, VLLMError
+from dew.serve._vllm_nccl import NCCL_SERVER_FLAGS, NCCLPublisher
+from dew.serve._vllm_process import SERVER_ENVIRONMENT, ServerProcess, VLLMError, free_port
 
-__all__ = ["SERVER_ENVIRONMENT", "CallFailed", "ServerProcess", "VLLMEngine", "VLLMError"]
+__all__ = [
+    "NCCL_SERVER_FLAGS",
+    "SERVER_ENVIRONMENT",
+    "CallFailed",
+    "NCCLPublisher",
+    "ServerProcess",
+    "VLLMEngine",
+    "VLLMError",
+    "free_port",
+]
