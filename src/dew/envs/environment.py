@@ -30,6 +30,7 @@ from attrs.validators import optional
 from dew._checks import at_least, finite, in_range, int_at_least, is_callable, positive
 from dew.data import Task
 from dew.objectives.rl.sessions import Call, Label, Session, Status
+from dew.serve._failure import CallFailed
 from dew.serve.tokenizer import BYTES, Tokenizer
 
 Message = Mapping[str, str]
@@ -327,9 +328,12 @@ class EnvironmentSource:
             budget = min(self.max_tokens, self.max_context - len(prompt))
             if budget < 1:
                 return _End(Status.TRUNCATED, "context")
-            call = await self.engine.generate(
-                prompt, max_tokens=budget, stop=self.stop, **self.sampling.options(label, turn)
-            )
+            try:
+                call = await self.engine.generate(
+                    prompt, max_tokens=budget, stop=self.stop, **self.sampling.options(label, turn)
+                )
+            except CallFailed as error:
+                return _End(Status.INFRA_ERROR, error=f"engine: {describe(error)}")
             play.calls.append(call)
             completion = np.asarray(call.completion)
             if not (len(completion) and int(completion[-1]) in self.stop):

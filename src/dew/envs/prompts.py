@@ -32,6 +32,7 @@ from dew.envs.environment import (
     scored_session,
 )
 from dew.objectives.rl.sessions import Label, Session, Status
+from dew.serve._failure import CallFailed
 from dew.serve.tokenizer import BYTES, Tokenizer
 
 PromptVerifier = Callable[[Task, str], Score | None]
@@ -104,12 +105,15 @@ class PromptSource:
 
     async def run(self, task: Task, label: Label) -> Session:
         """Sample one reply to `task`'s prompt and score it."""
-        call = await self.engine.generate(
-            self.prompt(task),
-            max_tokens=self.max_tokens,
-            stop=self.stop,
-            **self.sampling.options(label, 0),
-        )
+        try:
+            call = await self.engine.generate(
+                self.prompt(task),
+                max_tokens=self.max_tokens,
+                stop=self.stop,
+                **self.sampling.options(label, 0),
+            )
+        except CallFailed as error:
+            return Session(Status.INFRA_ERROR, (), error=f"engine: {describe(error)}")
         completion = np.asarray(call.completion)
         if len(completion) and int(completion[-1]) in self.stop:
             status, truncation = Status.COMPLETED, None

@@ -66,6 +66,7 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
             default=None,
             metavar=field.name.upper(),
             help=help,
+            **({"nargs": field.metadata["nargs"]} if "nargs" in field.metadata else {}),
         )
     parser.add_argument(
         "--harness",

@@ -208,6 +208,28 @@ class TrainConfig:
         "the --model checkpoint's params dtype, float32 or bfloat16 (none: the checkpoint's)",
         kind=str,
     )
+    # The engine that samples the rollouts (docs/vllm.md).
+    engine: str = _option(
+        "dew",
+        attrs.validators.in_(("dew", "vllm")),
+        "the engine that samples: dew (its JAX engine) or vllm (vLLM servers of --model)",
+    )
+    engine_url: tuple[str, ...] | None = attrs.field(
+        default=None,
+        converter=attrs.converters.optional(tuple),
+        validator=attrs.validators.optional(
+            attrs.validators.deep_iterable(attrs.validators.instance_of(str))
+        ),
+        metadata={
+            "help": "with --engine vllm, the URLs of running vLLM servers to use instead of "
+            "starting them (none: start --engine-servers)",
+            "type": str,
+            "nargs": "+",
+        },
+    )
+    engine_servers: int = _option(
+        1, int_at_least(1), "with --engine vllm, how many vLLM servers to start"
+    )
 
     mesh: str | None = _option(
         None,
@@ -224,6 +246,10 @@ class TrainConfig:
             raise ValueError("model brings its folder's tokenizer: leave out tokenizer")
         if self.dtype is not None and self.model is None:
             raise ValueError("dtype is the dtype of a --model checkpoint: give model too")
+        if self.engine == "vllm" and self.model is None:
+            raise ValueError("engine vllm serves a --model checkpoint folder: give model too")
+        if self.engine_url is not None and self.engine != "vllm":
+            raise ValueError("engine_url names vLLM servers: give engine vllm too")
         if self.tasks < self.batch_size:
             raise ValueError(f"tasks must be >= batch_size {self.batch_size}, got {self.tasks}")
         if self.admit is not None and self.admit > self.batch_size:

@@ -136,14 +136,19 @@ def train(
     tasks = config.batch_size // processes  # this process's share of each batch
     admit = None if config.admit is None else config.admit // processes
     slots = tasks * (config.groups + config.oversample) * (config.ahead + 1)
-    server = RolloutServer(
-        model,
-        trainer.variables,
-        slots=slots,
-        max_len=shape.max_len,
-        version=trainer.updates,
-        tokenizer=tokenizer,
-    )
+    if config.engine == "vllm":
+        # Stopped in the `finally` below; should an error come before it, at the interpreter's
+        # exit.
+        server = _vllm_engine(config, run, model, tokenizer, shape.max_len, trainer.updates)
+    else:
+        server = RolloutServer(
+            model,
+            trainer.variables,
+            slots=slots,
+            max_len=shape.max_len,
+            version=trainer.updates,
+            tokenizer=tokenizer,
+        )
     source = task.source(server, _sampling(config, trainer.updates))
     samples = None
     logs = None
@@ -212,6 +217,8 @@ def train(
     finally:
         if logs is not None:
             logs.close()
+        if config.engine == "vllm":
+            server.close()
     if index == 0:
         write_curves(run / METRICS, run / "curves.png", evaluations=run / EVALUATIONS)
     return trainer
@@ -251,6 +258,45 @@ def _mesh(config: TrainConfig, model) -> Mesh | None:
 def _split(rollout, mesh: Mesh | None):
     """The rollout whose packed rows go to the update split over the mesh's data axes."""
     return rollout if mesh is None else sharding.ShardedRollout(rollout, mesh)
+def _vllm_engine(config: TrainConfig, run: Path, model, tokenizer, max_len: int, version: int):
+    """The run's vLLM servers (docs/vllm.md): those at `--engine-url`, or `--engine-servers`
+    started on loopback with the `--model` folder, their logs and pushed checkpoints under the
+    run folder's `vllm/process-I/`. The servers hold the folder's weights, the trainer's
+    `version` ones only from the first push on, which the scheduler makes before any rollout."""
+    from dew.serve.vllm import VLLMEngine  # the vllm extra, only where it is asked for
+
+    work = run / "vllm" / f"process-{jax.process_index()}"
+    if config.engine_url is not None and jax.process_count() > 1:
+        raise ValueError(
+            "--engine-url: every process of a pool pushes its own weights; give each process "
+            "servers of its own (--engine-servers) rather than one set of URLs"
+        )
+    if config.engine_url is not None:
+        engine = VLLMEngine.attach(
+            config.engine_url,
+            checkpoint=config.model,
+            model=model,
+            tokenizer=tokenizer,
+            push_dir=work,
+            version=version,
+        )
+        if engine.max_len < max_len:
+            engine.close()
+            raise ValueError(
+                f"--engine-url: the servers take {engine.max_len} tokens (--max-model-len), "
+                f"the task's sequences reach {max_len}"
+            )
+        return engine
+    return VLLMEngine.start(
+        config.model,
+        servers=config.engine_servers,
+        max_model_len=max_len,
+        dtype=model.dtype,
+        model=model,
+        tokenizer=tokenizer,
+        version=version,
+        work_dir=work,
+    )
 
 
 class _FolderTrainer(Trainer):

@@ -1,0 +1,725 @@
+"""VLLMEngine: vLLM servers as dew's engine and weight Publisher.
+
+Sources and the gateway use it as they use a `RolloutServer`: `generate` takes token ids and
+returns a `Call` of token ids, each token's behaviour log-prob and the weights version the call
+started under; `load` pushes weights; `version` is the version calls start under now; `async
+with engine:` opens its HTTP client in the caller's trio run.
+
+Calls go to vLLM's token-in/token-out endpoint (`POST /inference/v1/generate`), which takes the
+prompt's ids as they are and answers the drawn ids: nothing is tokenised or detokenised between
+dew and the engine. The servers run with `--logprobs-mode processed_logprobs`, so a token's
+log-prob is taken under the distribution it was drawn from (after temperature, top-k and
+top-p), as behaviour log-probs must be; and the endpoint labels each token with the weights
+version that drew it, so a call that straddles a push reports the version it really started
+under.
+
+A push writes the params as a checkpoint folder (`dew.models.hf.save`) and has each server
+reload it in place through vLLM's RL endpoints: pause in "keep" mode (calls in flight freeze
+and go on after the resume, under the new weights), reload from the folder, set the weights
+version, resume.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import math
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import trio
+
+from dew._checks import check_int, check_number
+from dew.objectives.rl.sessions import Call
+from dew.serve._failure import CallFailed
+from dew.serve._vllm_process import ServerProcess, VLLMError, check_port_free, free_port
+
+_GENERATE = "/inference/v1/generate"
+
+# Flags every server dew starts runs with: log-probs of the distribution each token was drawn
+# from; the token-in/token-out endpoint; no torch.compile warm-up (minutes on a CPU).
+_REQUIRED_FLAGS = ("--logprobs-mode", "processed_logprobs", "--enable-scale-out")
+
+
+class _Server:
+    """One server of the engine: its URL, the process when dew started it, whether it is alive
+    and how many calls it holds."""
+
+    def __init__(self, url: str, process: ServerProcess | None = None):
+        self.url = url.rstrip("/")
+        self.process = process
+        self.alive = True
+        self.calls = 0
+        self.failure = ""
+
+    def died(self, why: str) -> None:
+        self.alive = False
+        self.failure = why
+
+
+class VLLMEngine:
+    """vLLM servers as one engine for sources and the gateway, and one weight Publisher.
+
+    Make one with `start` (dew starts the servers, on loopback) or `attach` (servers already
+    running). The servers live until `close` (or the end of `with engine:`); `async with
+    engine:` opens the HTTP client of the trio run that makes the calls. A call goes to the live
+    server holding the fewest calls. A server that dies fails the calls it held with
+    `CallFailed` (sources report those rollouts as INFRA_ERROR, and the scheduler resubmits them
+    to the servers left); with none left, `generate` and `load` raise VLLMError.
+
+    Args:
+        servers: the servers' URLs and, for those dew started, their processes.
+        name: the model name the servers serve (the `model` of every request).
+        max_model_len: the servers' longest prompt + completion.
+        checkpoint: the checkpoint folder served: pushes copy its tokenizer files, and read
+            `model` from it when None.
+        model: the `dew.models.hf.HFModel` pushed params are of; with a `vocab_limit`, calls
+            draw only ids below it, as dew's engine does.
+        tokenizer: what the served ids mean (the gateway renders chats with it), or None.
+        save: writes pushed params as a checkpoint folder vLLM reloads, `save(folder,
+            variables)`, in place of `dew.models.hf.save`.
+        push_dir: where pushed checkpoints are written; every server must read it.
+        version: the version of the weights the servers hold now.
+        owned_dir: a temporary folder of dew's to remove at close, or None.
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[_Server],
+        *,
+        name: str,
+        max_model_len: int,
+        checkpoint: str | Path | None,
+        model: Any,
+        tokenizer: Any,
+        save: Callable[[Path, Any], None] | None,
+        push_dir: Path,
+        version: int,
+        owned_dir: Path | None = None,
+    ):
+        if save is None and checkpoint is None and model is None:
+            raise ValueError("a VLLMEngine needs the run's checkpoint or model (or save=)")
+        self._servers = list(servers)
+        self.name = name
+        self.max_len = max_model_len
+        self._checkpoint = checkpoint
+        self._model = model
+        self.tokenizer = tokenizer
+        self._save = save
+        # A model that masks the ids past its tokenizer's (`vocab_limit`) never draws them: nor
+        # does vLLM then, so both sides' log-probs are over the same ids. The list goes with
+        # every call, so it costs a few bytes per id.
+        limit = getattr(model, "vocab_limit", None)
+        self._allowed = None if limit is None or limit >= model.vocab else list(range(limit))
+        self._push_dir = push_dir
+        self._owned_dir = owned_dir
+        self._version = version
+        self._lock = threading.Lock()
+        self._pushes = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0))
+        self._client: httpx.AsyncClient | None = None
+        self._pushed: Path | None = None
+        self._closed = False
+        self.push_seconds: list[float] = []
+
+    # --- making one ------------------------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        checkpoint: str | Path,
+        *,
+        servers: int = 1,
+        max_model_len: int,
+        dtype: str = "float32",
+        port: int = 0,
+        host: str = "127.0.0.1",
+        name: str | None = None,
+        model: Any = None,
+        tokenizer: Any = None,
+        save: Callable[[Path, Any], None] | None = None,
+        version: int = 0,
+        ready_timeout: float = 900.0,
+        arguments: Sequence[str] = (),
+        environment: dict[str, str] | None = None,
+        work_dir: str | Path | None = None,
+    ) -> VLLMEngine:
+        """Start `servers` vLLM servers of `checkpoint` on `host` and wait until each answers.
+
+        Each server runs `python -m vllm.entrypoints.openai.api_server` with `--dtype`,
+        `--max-model-len`, `--enforce-eager`, `--logprobs-mode processed_logprobs` and
+        `--enable-scale-out`, in vLLM's development mode (its RL endpoints). Ready means
+        `/health` answers and a one-token call has run (a server's first call warms it up,
+        tens of seconds on a CPU). A Ctrl-C or an error while waiting stops every server.
+
+        Args:
+            checkpoint: a Hugging Face checkpoint folder vLLM can load.
+            servers: how many servers, >= 1.
+            max_model_len: the longest prompt + completion.
+            dtype: the weights' dtype on the servers ("float32" to match dew's float32 model).
+            port: the first server's port (the others count up from it); 0 picks free ports.
+            host: the address to listen on.
+            name: the model name the servers serve; the checkpoint folder's name unless given.
+            model: the `dew.models.hf.HFModel` pushed params are of; read from the checkpoint
+                at the first push unless given.
+            tokenizer: what the served ids mean; the checkpoint's own
+                (`HuggingFaceTokenizer.from_folder`) unless given, where it has one.
+            save: writes pushed params as a checkpoint folder, `save(folder, variables)`; by
+                default `dew.models.hf.save` of `model`, with the checkpoint's tokenizer.
+            version: the version of the checkpoint's weights.
+            ready_timeout: seconds to wait for all servers to be ready.
+            arguments: more vLLM flags.
+            environment: more environment variables for the servers.
+            work_dir: where logs and pushed checkpoints go; a temporary folder (removed at
+                close) unless given.
+
+        Raises:
+            VLLMError: a port in use, or naming the server's URL and its last log lines when it
+                exits early (vLLM refused the checkpoint or a flag: its error is in those lines)
+                or is not ready within `ready_timeout`.
+            ValueError: naming an argument out of bounds or a checkpoint that is not a folder.
+        """
+        checkpoint = Path(checkpoint)
+        if not (checkpoint / "config.json").is_file():
+            raise ValueError(f"checkpoint {checkpoint}: not a checkpoint folder (no config.json)")
+        servers = check_int("servers", servers, low=1)
+        max_model_len = check_int("max_model_len", max_model_len, low=2)
+        version = check_int("version", version, low=0)
+        check_number("ready_timeout", ready_timeout, low=0, low_open=True)
+        port = check_int("port", port, low=0)
+        ports = [free_port(host) for _ in range(servers)] if port == 0 else []
+        for index in range(servers if port else 0):
+            check_port_free(host, port + index)
+            ports.append(port + index)
+        name = checkpoint.name if name is None else name
+        owned = None
+        if work_dir is None:
+            work_dir = owned = Path(tempfile.mkdtemp(prefix="dew-vllm-"))
+        work_dir = Path(work_dir)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        flags = [
+            "--served-model-name",
+            name,
+            "--dtype",
+            dtype,
+            "--max-model-len",
+            str(max_model_len),
+            "--enforce-eager",
+            *_REQUIRED_FLAGS,
+            *arguments,
+        ]
+        started: list[ServerProcess] = []
+        try:
+            for index, server_port in enumerate(ports):
+                started.append(
+                    ServerProcess(
+                        checkpoint,
+                        host=host,
+                        port=server_port,
+                        arguments=flags,
+                        log=work_dir / f"vllm-{index}.log",
+                        environment=environment or {},
+                    )
+                )
+            engine = cls(
+                [_Server(process.url, process) for process in started],
+                name=name,
+                max_model_len=max_model_len,
+                checkpoint=checkpoint,
+                model=model,
+                tokenizer=_folder_tokenizer(checkpoint) if tokenizer is None else tokenizer,
+                save=save,
+                push_dir=work_dir,
+                version=version,
+                owned_dir=owned,
+            )
+            deadline = time.monotonic() + ready_timeout
+            for process in started:
+                process.wait_ready(deadline, engine._pushes)
+            # Together: a first call takes tens of seconds on each server.
+            with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
+                list(pool.map(functools.partial(engine._warm_up, version), engine._servers))
+        except BaseException:
+            for process in started:
+                process.stop()
+            if owned is not None:
+                shutil.rmtree(owned, ignore_errors=True)
+            raise
+        return engine
+
+    @classmethod
+    def attach(
+        cls,
+        urls: Sequence[str],
+        *,
+        push_dir: str | Path,
+        checkpoint: str | Path | None = None,
+        name: str | None = None,
+        model: Any = None,
+        tokenizer: Any = None,
+        save: Callable[[Path, Any], None] | None = None,
+        version: int = 0,
+    ) -> VLLMEngine:
+        """Use vLLM servers that are already running.
+
+        Each must serve the run's model, run in vLLM's development mode (`VLLM_SERVER_DEV_MODE=1`)
+        with `--logprobs-mode processed_logprobs` and `--enable-scale-out`, and read
+        `push_dir`. Their weights version is set to `version`.
+
+        Args:
+            urls: the servers' base URLs (`http://host:port`).
+            push_dir: where pushed checkpoints are written, a folder every server reads.
+            checkpoint: the run's checkpoint folder: pushes copy its tokenizer files, and read
+                `model` from it unless given.
+            name: the model name the run expects them to serve; unless given, the one whose
+                folder is `checkpoint` (vLLM's `--model`) or that bears its folder's name.
+            model: the `dew.models.hf.HFModel` pushed params are of.
+            tokenizer: what the served ids mean; the checkpoint's own unless given.
+            save: writes pushed params as a checkpoint folder, `save(folder, variables)`, in
+                place of `dew.models.hf.save`.
+            version: the version of the weights they hold.
+
+        Raises:
+            VLLMError: naming the URL of a server that does not answer, serves another model,
+                or lacks the development-mode endpoints.
+            ValueError: when `urls` is empty.
+        """
+        if not urls:
+            raise ValueError("attach needs at least one server URL")
+        if name is None and checkpoint is None:
+            raise ValueError("attach needs the served model's name or the run's checkpoint")
+        version = check_int("version", version, low=0)
+        servers = [_Server(url) for url in urls]
+        push_dir = Path(push_dir)
+        push_dir.mkdir(parents=True, exist_ok=True)
+        engine = cls(
+            servers,
+            name=name,
+            max_model_len=0,
+            checkpoint=checkpoint,
+            model=model,
+            tokenizer=(
+                _folder_tokenizer(checkpoint)
+                if tokenizer is None and checkpoint is not None
+                else tokenizer
+            ),
+            save=save,
+            push_dir=push_dir,
+            version=version,
+        )
+        try:
+            lengths = [engine._check_attached(server) for server in servers]
+            engine.max_len = min(lengths)
+            for server in servers:
+                engine._post(server, "/update_weight_version", json={"new_version": str(version)})
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    def _check_attached(self, server: _Server) -> int:
+        """The attached server's max_model_len, once it is known to serve the run's model."""
+        try:
+            answer = self._pushes.get(f"{server.url}/v1/models", timeout=30)
+        except httpx.HTTPError as error:
+            raise VLLMError(f"the vLLM server {server.url} does not answer: {error}") from None
+        if answer.status_code != 200:
+            raise VLLMError(f"the vLLM server {server.url} answered /v1/models {_said(answer)}")
+        served = {entry.get("id"): entry for entry in answer.json().get("data", [])}
+        if self.name is None:
+            self.name = _served_name(served, Path(self._checkpoint))
+        if self.name not in served:
+            run = self._checkpoint if self.name is None else repr(self.name)
+            raise VLLMError(
+                f"the vLLM server {server.url} serves {sorted(served)}, not the run's model {run}"
+            )
+        paused = self._pushes.get(f"{server.url}/is_paused", timeout=30)
+        if paused.status_code == 404:
+            raise VLLMError(
+                f"the vLLM server {server.url} has no RL endpoints (/pause, /collective_rpc): "
+                "start it with VLLM_SERVER_DEV_MODE=1"
+            )
+        return int(served[self.name].get("max_model_len") or 0)
+
+    def _warm_up(self, version: int, server: _Server) -> None:
+        """Label a new server's weights `version` and run one one-token call: a server's first
+        call takes tens of seconds on a CPU."""
+        self._post(server, "/update_weight_version", json={"new_version": str(version)})
+        body = _body(self.name, [0], max_tokens=1, sampling={"temperature": 1.0}, stop=())
+        self._post(server, _GENERATE, json=body)
+
+    # --- life ------------------------------------------------------------------------------------
+
+    @property
+    def model(self):
+        """The `dew.models.hf.HFModel` served (read from the checkpoint on first use)."""
+        if self._model is None:
+            from dew.models import hf
+
+            self._model = hf.load(self._checkpoint)[0]
+        return self._model
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The servers' URLs."""
+        return tuple(server.url for server in self._servers)
+
+    @property
+    def processes(self) -> tuple[ServerProcess | None, ...]:
+        """The servers' processes, None for an attached server."""
+        return tuple(server.process for server in self._servers)
+
+    def close(self) -> None:
+        """Stop the servers dew started and remove its temporary folder. Safe to call again."""
+        if self._closed:
+            return
+        self._closed = True
+        for server in self._servers:
+            if server.process is not None:
+                server.process.stop()
+        self._pushes.close()
+        if self._owned_dir is not None:
+            shutil.rmtree(self._owned_dir, ignore_errors=True)
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    async def __aenter__(self) -> VLLMEngine:
+        if self._client is not None:
+            raise RuntimeError("this VLLMEngine's calls are already open in a trio run")
+        # No pool limit: every rollout in flight holds one connection while its call runs.
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
+        return self
+
+    async def __aexit__(self, *exc_info) -> bool:
+        client, self._client = self._client, None
+        with trio.CancelScope(shield=True):
+            await client.aclose()
+        return False
+
+    # --- calls -----------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The weights version calls submitted now start under (the last one pushed)."""
+        with self._lock:
+            return self._version
+
+    async def generate(
+        self,
+        prompt: np.ndarray,
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        stop: Sequence[int] = (),
+        key: int | None = None,
+    ) -> Call:
+        """Sample a completion of `prompt` on the live server holding the fewest calls.
+
+        As `RolloutServer.generate`: the completion ends after a stop token (which it
+        includes), after `max_tokens` tokens, or when prompt + completion reach max_len.
+
+        Args:
+            prompt: 1-D integer token ids, 1 to max_len - 1 of them.
+            max_tokens: the most tokens to draw, >= 1.
+            temperature: >= 0; 0 draws the most likely token at each position.
+            top_k: keep the top_k most likely tokens (>= 1).
+            top_p: keep the most likely tokens until they hold top_p of the probability.
+            stop: token ids that end the completion.
+            key: the call's seed, so that a call is reproducible on the same server.
+
+        Returns:
+            The Call: int32 prompt and completion, float32 behaviour log-probs and the version
+            of the weights that drew its first token.
+
+        Raises:
+            CallFailed: naming the server when it died or dropped the call.
+            VLLMError: naming the server when it refuses the request or answers without token
+                ids or log-probs, or when no server is alive.
+            ValueError: naming the argument out of bounds.
+            RuntimeError: outside `async with engine:`.
+        """
+        if self._client is None:
+            raise RuntimeError("VLLMEngine.generate needs its HTTP client: use `async with`")
+        ids = _prompt_ids(prompt, self.max_len)
+        max_tokens = check_int("max_tokens", max_tokens, low=1)
+        sampling = _sampling(temperature, top_k, top_p, key)
+        if self._allowed is not None:
+            sampling["allowed_token_ids"] = self._allowed
+        stop_ids = [check_int("stop id", token, low=0) for token in stop]
+        body = _body(
+            self.name,
+            ids,
+            max_tokens=min(max_tokens, self.max_len - len(ids)),
+            sampling=sampling,
+            stop=stop_ids,
+        )
+        server = self._pick()
+        submitted = self.version
+        server.calls += 1
+        try:
+            answer = await self._client.post(f"{server.url}{_GENERATE}", json=body)
+        except httpx.TransportError as error:
+            raise self._lost(server, error) from None
+        finally:
+            server.calls -= 1
+        if answer.status_code >= 500:
+            raise self._lost(server, _said(answer))
+        if answer.status_code != 200:
+            raise VLLMError(f"the vLLM server {server.url} refused the call: {_said(answer)}")
+        return _call(server.url, np.asarray(ids, np.int32), answer.json(), submitted)
+
+    def _pick(self) -> _Server:
+        live = [server for server in self._servers if server.alive]
+        if not live:
+            raise VLLMError(f"no vLLM server is alive: {self._obituary()}")
+        return min(live, key=lambda server: server.calls)
+
+    def _lost(self, server: _Server, error: object) -> CallFailed:
+        """The failure of a call its server dropped; the server counts as dead when its process
+        ended or it no longer answers `/health`."""
+        why = f"{type(error).__name__}: {error}" if isinstance(error, Exception) else str(error)
+        if server.process is not None and server.process.exit_code() is not None:
+            server.died(f"exit code {server.process.exit_code()}")
+        else:
+            try:
+                healthy = self._pushes.get(f"{server.url}/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                healthy = False
+            if not healthy:
+                server.died(why)
+        return CallFailed(f"the vLLM server {server.url} failed the call: {why}")
+
+    def _obituary(self) -> str:
+        return "; ".join(f"{server.url} ({server.failure})" for server in self._servers)
+
+    # --- pushes ----------------------------------------------------------------------------------
+
+    def load(self, variables, version: int) -> None:
+        """Serve `variables` under `version` on every live server (the Publisher protocol).
+
+        Writes them as a checkpoint folder under the push folder, then pauses every server in
+        "keep" mode (calls in flight freeze, then go on under the new weights, each keeping
+        the version its first token was drawn under), has each reload its weights from the
+        folder, sets the version and resumes them. Blocks until every server serves them.
+
+        Raises:
+            VLLMError: naming the server's URL and its error when a step of the push fails (the
+                servers are resumed first where they still answer), or when no server is alive.
+            ValueError: if `version` is not an int >= 0, or as the checkpoint writer refuses
+                `variables`.
+        """
+        version = check_int("version", version, low=0)
+        began = time.perf_counter()
+        self._live_for(version)
+        folder = self._push_dir / f"push-{version}"
+        if self._save is not None:
+            self._save(folder, variables)
+        else:
+            from dew.models import hf
+
+            hf.save(folder, self.model, variables, tokenizer_from=self._checkpoint)
+        self.pause()
+        try:
+            reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+            for server in self._live_for(version):
+                self._post(server, "/collective_rpc", json=reload)
+        except VLLMError as error:
+            self._resume_all()
+            raise VLLMError(f"pushing version {version}: {error}") from None
+        self.resume(version)
+        previous, self._pushed = self._pushed, folder
+        if previous is not None and previous != folder:
+            shutil.rmtree(previous, ignore_errors=True)
+        self.push_seconds.append(time.perf_counter() - began)
+
+    def pause(self) -> None:
+        """Pause every live server in "keep" mode: calls in flight freeze until `resume`.
+
+        Raises:
+            VLLMError: naming the server that failed (those paused already are resumed).
+        """
+        paused = []
+        try:
+            for server in self._live_for(None):
+                self._post(server, "/pause", params={"mode": "keep"})
+                paused.append(server)
+        except VLLMError:
+            self._resume_all(paused)
+            raise
+
+    def resume(self, version: int) -> None:
+        """Label what the servers hold `version` and resume them; calls from now on report it.
+
+        Raises:
+            VLLMError: naming the server that failed.
+        """
+        for server in self._live_for(version):
+            self._post(server, "/update_weight_version", json={"new_version": str(version)})
+            self._post(server, "/resume")
+        with self._lock:
+            self._version = version
+
+    def _resume_all(self, servers: Sequence[_Server] | None = None) -> None:
+        """Resume servers after a failed push, those that still answer."""
+        for server in self._servers if servers is None else servers:
+            if server.alive:
+                with contextlib.suppress(VLLMError):
+                    self._post(server, "/resume")
+
+    def _live_for(self, version: int | None) -> list[_Server]:
+        if self._closed:
+            raise RuntimeError("this VLLMEngine is closed")
+        live = [server for server in self._servers if server.alive]
+        if not live:
+            to = "" if version is None else f" to push version {version} to"
+            raise VLLMError(f"no vLLM server is alive{to}: {self._obituary()}")
+        return live
+
+    def _post(self, server: _Server, path: str, **options) -> httpx.Response:
+        """A synchronous POST to a server; VLLMError naming the URL for any answer but 200."""
+        try:
+            answer = self._pushes.post(f"{server.url}{path}", **options)
+        except httpx.HTTPError as error:
+            if server.process is not None and server.process.exit_code() is not None:
+                server.died(f"exit code {server.process.exit_code()}")
+            raise VLLMError(
+                f"the vLLM server {server.url} failed {path}: {type(error).__name__}: {error}"
+            ) from None
+        if answer.status_code != 200:
+            raise VLLMError(f"the vLLM server {server.url} failed {path}: {_said(answer)}")
+        return answer
+
+
+def _folder_tokenizer(checkpoint: str | Path):
+    """The checkpoint folder's tokenizer and chat template, None where it has no tokenizer."""
+    from dew.serve.tokenizer import HuggingFaceTokenizer
+
+    if not (Path(checkpoint) / "tokenizer.json").is_file():
+        return None
+    return HuggingFaceTokenizer.from_folder(checkpoint)
+
+
+def _served_name(served: dict[str, dict], checkpoint: Path) -> str | None:
+    """The served model whose folder (vLLM's `root`) is `checkpoint`, else the one named as its
+    folder; None when none is."""
+    for name, entry in served.items():
+        root = entry.get("root")
+        if root and Path(root).resolve() == checkpoint.resolve():
+            return name
+    return checkpoint.name if checkpoint.name in served else None
+
+
+def _prompt_ids(prompt, max_len: int) -> list[int]:
+    array = np.asarray(prompt)
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"prompt must be 1-D integer ids, got {array.dtype}{list(array.shape)}")
+    if not 1 <= len(array) < max_len:
+        raise ValueError(
+            f"prompt must hold 1 to max_len - 1 = {max_len - 1} tokens, got {len(array)}"
+        )
+    if array.min() < 0:
+        raise ValueError(f"prompt ids must be >= 0, got {array.min()}")
+    return array.tolist()
+
+
+def _sampling(temperature, top_k, top_p, key) -> dict[str, Any]:
+    check_number("temperature", temperature, low=0)
+    sampling: dict[str, Any] = {"temperature": float(temperature)}
+    if top_k is not None:
+        sampling["top_k"] = check_int("top_k", top_k, low=1)
+    if top_p is not None:
+        sampling["top_p"] = float(check_number("top_p", top_p, low=0, high=1, low_open=True))
+    if key is not None:
+        # vLLM takes a signed 64-bit seed.
+        sampling["seed"] = check_int("key", key, low=0) % (1 << 63)
+    return sampling
+
+
+def _body(model: str, ids: list[int], *, max_tokens: int, sampling, stop) -> dict[str, Any]:
+    """A token-in/token-out request: only the given stop ids end it (`ignore_eos`), and the
+    sampled token's log-prob comes back (`logprobs` 0) without detokenising anything."""
+    return {
+        "model": model,
+        "token_ids": ids,
+        "output_mode": "tokens",
+        "sampling_params": {
+            **sampling,
+            "max_tokens": max_tokens,
+            "stop_token_ids": list(stop),
+            "ignore_eos": True,
+            "logprobs": 0,
+            "detokenize": False,
+            "skip_special_tokens": False,
+        },
+    }
+
+
+def _call(url: str, prompt: np.ndarray, answer: dict, submitted: int) -> Call:
+    """The Call of a generate answer; VLLMError naming the server when it lacks token ids or
+    log-probs or they disagree, CallFailed when the server aborted the call."""
+    try:
+        (choice,) = answer["choices"]
+    except (KeyError, TypeError, ValueError):
+        raise VLLMError(
+            f"the vLLM server {url} answered without one choice: {answer!r:.300}"
+        ) from None
+    if choice.get("finish_reason") == "abort":
+        raise CallFailed(f"the vLLM server {url} aborted the call")
+    tokens = choice.get("token_ids")
+    content = (choice.get("logprobs") or {}).get("content")
+    if tokens is None or content is None:
+        raise VLLMError(
+            f"the vLLM server {url} answered without token ids or log-probs: is it a vLLM "
+            "token-in/token-out endpoint?"
+        )
+    logprobs = [entry.get("logprob") for entry in content]
+    if len(logprobs) != len(tokens) or any(
+        not isinstance(value, float) or math.isnan(value) for value in logprobs
+    ):
+        raise VLLMError(
+            f"the vLLM server {url} answered {len(tokens)} token ids with log-probs "
+            f"{logprobs!r:.200}"
+        )
+    return Call(
+        prompt=prompt,
+        completion=np.asarray(tokens, np.int32),
+        logprobs=np.asarray(logprobs, np.float32),
+        version=_started_under(choice.get("weight_versions"), submitted),
+    )
+
+
+def _started_under(spans, submitted: int) -> int:
+    """The version that drew a call's first token, from vLLM's weight version spans; the version
+    served at submission where the server labels none (or not with dew's integers)."""
+    if spans:
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            return int(spans[0]["version"])
+    return submitted
+
+
+def _said(answer: httpx.Response) -> str:
+    """A server's error answer in one line: its status and message."""
+    try:
+        body = answer.json()
+        message = body.get("error") or body.get("detail") or body.get("message") or body
+        if isinstance(message, dict):
+            message = message.get("message", message)
+    except ValueError:
+        message = answer.text
+    return f"{answer.status_code} {str(message)[:500]}"

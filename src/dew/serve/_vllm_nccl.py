@@ -1,0 +1,119 @@
+"""NCCLPublisher: weight pushes into GPU vLLM servers through vLLM's NCCL weight transfer.
+
+On GPUs, writing a checkpoint folder per push costs a disk round trip of the whole model; vLLM's
+NCCL weight-transfer engine broadcasts the tensors from the trainer's GPU into every server's
+workers instead. The trainer opens the NCCL group as rank 0 once (vLLM's
+`NCCLTrainerWeightTransferEngine.trainer_init`, which also has each server join it through its
+`/init_weight_transfer_engine` endpoint); each push pauses the servers in "keep" mode,
+broadcasts every checkpoint tensor of the params (named, shaped and laid out as
+`dew.models.hf.save` writes them), sets the weights version and resumes.
+
+The servers must run with `--weight-transfer-config '{"backend": "nccl"}'` on GPUs. Exercised by
+`benchmarks/vllm_nccl_push.py` where a GPU exists; the CPU path (`VLLMEngine.load`) is the
+tested default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from dew._checks import check_int
+from dew.serve._vllm import VLLMEngine
+
+NCCL_SERVER_FLAGS = ("--weight-transfer-config", '{"backend": "nccl"}')
+"""The vLLM flags a server needs to receive NCCL pushes."""
+
+
+class NCCLPublisher:
+    """A Publisher that broadcasts params into a `VLLMEngine`'s GPU servers over NCCL.
+
+    Args:
+        engine: the servers (started with `NCCL_SERVER_FLAGS` among their `arguments`).
+        model: the `dew.models.hf.HFModel` the params are of.
+        master_address: the trainer's address the servers' workers reach for the rendezvous.
+        master_port: a free port there.
+        workers_per_server: each server's inference workers (its tensor x pipeline parallel
+            size).
+
+    Raises:
+        ImportError: without torch and vLLM's weight-transfer engines.
+    """
+
+    def __init__(
+        self,
+        engine: VLLMEngine,
+        model,
+        *,
+        master_address: str = "127.0.0.1",
+        master_port: int,
+        workers_per_server: int = 1,
+    ):
+        import torch
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.nccl_engine import (
+            NCCLTrainerInitInfo,
+            NCCLTrainerWeightTransferEngine,
+        )
+
+        from dew.models import hf
+
+        self.engine = engine
+        self._model = model
+        self._variables = None
+        publisher = self
+
+        class _ParamsSource(WeightSource):
+            """The params being pushed, as checkpoint tensors on the trainer's GPU."""
+
+            def metadata(self) -> list[ParamMeta]:
+                return [
+                    ParamMeta(leaf.name, _torch_dtype(model.dtype), tuple(leaf.tensor_shape))
+                    for leaf in hf._params.leaves(model.config)
+                ]
+
+            def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+                for name, tensor in hf._tensors_of(model, publisher._variables):
+                    yield name, torch.from_numpy(tensor).to("cuda", non_blocking=True)
+
+        # One trainer rank (0) and every server's workers.
+        workers = check_int("workers_per_server", workers_per_server, low=1)
+        if len(engine.urls) != 1:
+            raise ValueError(
+                "NCCLPublisher drives one server per NCCL group; give it an engine of one "
+                f"server, got {len(engine.urls)}"
+            )
+        info = NCCLTrainerInitInfo(
+            master_address=master_address,
+            master_port=check_int("master_port", master_port, low=1),
+            world_size=1 + workers,
+            rank=0,
+        )
+        self._client = HTTPVLLMWeightSyncClient(engine.urls[0])
+        self._transfer = NCCLTrainerWeightTransferEngine.trainer_init(
+            info, client=self._client, source=_ParamsSource()
+        )
+
+    @property
+    def version(self) -> int:
+        """The version calls submitted now start under (the last one pushed)."""
+        return self.engine.version
+
+    def load(self, variables, version: int) -> None:
+        """Broadcast `variables` into the server and serve them under `version`."""
+        version = check_int("version", version, low=0)
+        self._variables = variables
+        try:
+            self.engine.pause()
+            try:
+                self._transfer.send_weights()
+            finally:
+                self.engine.resume(version)
+        finally:
+            self._variables = None
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]

@@ -1,0 +1,206 @@
+"""Starting and stopping a vLLM server process on loopback, and waiting for it to be ready.
+
+The server runs in a session (and process group) of its own, so stopping it reaches the engine
+core processes vLLM spawns too, and a Ctrl-C at the terminal reaches dew alone, which stops its
+servers in order. Started from the main thread, the server is also told to stop when dew's
+process dies (Linux's parent-death signal), so not even a killed run leaves one behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+from dew.serve._failure import CallFailed
+
+_SITE = Path(__file__).with_name("_vllm_site")
+_TAIL_LINES = 25
+
+SERVER_ENVIRONMENT = {
+    "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "HF_HUB_OFFLINE": "1",
+}
+"""The environment every server dew starts runs in (`environment=` adds to it): vLLM's RL
+endpoints (pause, reload, weight version) exist only in its development mode; a KV cache of
+1 GiB and threads not bound to cores suit a shared CPU machine; offline, a missing file fails at
+once instead of trying the model hub."""
+
+
+class VLLMError(RuntimeError):
+    """A vLLM server that cannot serve the run: it failed to start, refused a push, answered
+    out of contract, or none is left alive. The message names the server's URL."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (the system's pick)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise VLLMError naming `host:port` when something already listens there."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise VLLMError(
+                f"port {port} on {host} is in use ({error.strerror}): give another port, or 0 "
+                "for a free one"
+            ) from None
+
+
+class ServerProcess:
+    """One vLLM OpenAI-compatible server process that dew started, and its log.
+
+    Args:
+        checkpoint: the folder vLLM serves.
+        port: where it listens on `host`.
+        arguments: vLLM's command-line flags after `--model`, `--host` and `--port`.
+        log: the file its output goes to.
+        environment: variables added to dew's environment for it.
+    """
+
+    def __init__(
+        self,
+        checkpoint: Path,
+        *,
+        host: str,
+        port: int,
+        arguments: Sequence[str],
+        log: Path,
+        environment: Mapping[str, str],
+    ):
+        self.url = f"http://{host}:{port}"
+        self.log = log
+        env = {**os.environ, **SERVER_ENVIRONMENT, **environment}
+        # Every Python process vLLM starts imports `_vllm_site/sitecustomize.py` first.
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(_SITE), *filter(None, [env.get("PYTHONPATH")]), *_dew_source()]
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(checkpoint),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            *arguments,
+        ]
+        # Linux's parent-death signal follows the thread that started the process: asked for
+        # (by the server's `sitecustomize`) only when that thread is the main one, which lives
+        # as long as dew's process.
+        if threading.current_thread() is threading.main_thread() and sys.platform == "linux":
+            env["DEW_VLLM_PARENT"] = str(os.getpid())
+        with open(log, "wb") as output:
+            self._process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        _RUNNING.add(self)
+
+    @property
+    def pid(self) -> int:
+        """The server's process id, also its process group's."""
+        return self._process.pid
+
+    def exit_code(self) -> int | None:
+        """The process's exit code, None while it runs."""
+        return self._process.poll()
+
+    def tail(self, lines: int = _TAIL_LINES) -> str:
+        """The last lines of its log."""
+        try:
+            text = self.log.read_bytes()[-64_000:].decode(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, deadline: float, client: httpx.Client) -> None:
+        """Wait until `GET /health` answers 200.
+
+        Raises:
+            VLLMError: naming the URL and quoting the log's last lines, when the process exits
+                first (vLLM refused the checkpoint or its flags) or `deadline` passes.
+        """
+        while True:
+            code = self.exit_code()
+            if code is not None:
+                raise VLLMError(
+                    f"the vLLM server {self.url} exited with code {code} before it was ready; "
+                    f"its last log lines ({self.log}):\n{self.tail()}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise VLLMError(
+                    f"the vLLM server {self.url} was not ready within the timeout; its last log "
+                    f"lines ({self.log}):\n{self.tail()}"
+                )
+            time.sleep(0.5)
+
+    def check_alive(self) -> None:
+        """Raise CallFailed naming the URL and the exit code when the process has ended."""
+        code = self.exit_code()
+        if code is not None:
+            raise CallFailed(f"the vLLM server {self.url} died (exit code {code})")
+
+    def kill(self) -> None:
+        """Kill the server's whole process group at once (a crash, as tests make one)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._process.pid, signal.SIGKILL)
+        self._process.wait()
+
+    def stop(self, grace: float = 20.0) -> None:
+        """Stop the server and every process of its group: SIGTERM, then SIGKILL after `grace`
+        seconds. Safe to call again."""
+        _RUNNING.discard(self)
+        group = self._process.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
+        try:
+            self._process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        # The engine core may outlive the API server's exit: nothing of the group stays.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+        self._process.wait()
+
+
+def _dew_source() -> list[str]:
+    """The folder dew imports from, so the servers' `sitecustomize` finds `dew._torch_media`
+    however dew was installed."""
+    return [str(Path(__file__).resolve().parents[2])]
+
+
+# The servers not yet stopped: stopped at interpreter exit, should an exception skip the
+# engine's own `close`.
+_RUNNING: set[ServerProcess] = set()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_RUNNING):
+        server.stop(grace=5.0)

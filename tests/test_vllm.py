@@ -1,0 +1,413 @@
+"""vLLM as dew's engine, on real vLLM servers (its CPU build) serving a tiny Qwen2 checkpoint.
+
+One engine of two servers is shared by the whole module (a server takes minutes to start on a
+loaded CI machine); tests that push weights push what they need first. The test that kills a
+server runs last. References are `transformers`' float32 forward pass of the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+import trio
+
+from _checkpoint import tiny_qwen2
+from dew._torch_media import hide_broken_media_packages
+from dew.data import ArrayDataset, Task
+from dew.envs import HarnessSource, Score
+from dew.envs.prompts import PromptSource
+from dew.gateway import Gateway
+from dew.models import hf
+from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.rl.scheduler import RolloutScheduler
+from dew.objectives.rl.sessions import Label, Status
+from dew.serve import CallFailed, tokenizer
+from dew.serve.vllm import VLLMEngine, VLLMError
+
+hide_broken_media_packages()
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+MAX_LEN = 128
+PROMPT = np.array([0, 1, 17, 42, 99, 7], np.int32)
+LABEL = Label(0, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    return tiny_qwen2(root / "first", seed=0), tiny_qwen2(root / "second", seed=1)
+
+
+@pytest.fixture(scope="module")
+def params(folders):
+    """Each checkpoint's params as dew loads them, to push."""
+    return [hf.load(folder)[1] for folder in folders]
+
+
+@pytest.fixture(scope="module")
+def references(folders):
+    return [
+        transformers.Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        for folder in folders
+    ]
+
+
+@pytest.fixture(scope="module")
+def engine(folders, tmp_path_factory):
+    with VLLMEngine.start(
+        folders[0],
+        servers=2,
+        max_model_len=MAX_LEN,
+        work_dir=tmp_path_factory.mktemp("engine"),
+    ) as engine:
+        yield engine
+
+
+def reference_logprobs(model, call, *, temperature=1.0, top_k=None) -> np.ndarray:
+    """Each completion token's log-prob under `model`, after temperature and top-k, as the
+    behaviour policy drew it."""
+    ids = torch.from_numpy(np.concatenate([call.prompt, call.completion])[None].astype(np.int64))
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(call.prompt) - 1 : -1] / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = torch.where(logits < kth, -math.inf, logits)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs[torch.arange(len(call.completion)), torch.tensor(call.completion)].numpy()
+
+
+async def test_generate_takes_ids_and_answers_ids_with_behaviour_logprobs(
+    engine, params, references
+):
+    engine.load(params[0], 0)
+    async with engine:
+        call = await engine.generate(PROMPT, max_tokens=12, key=3)
+        again = await engine.generate(PROMPT, max_tokens=12, key=3)
+        filtered = await engine.generate(PROMPT, max_tokens=8, temperature=0.5, top_k=5, key=4)
+    np.testing.assert_array_equal(call.prompt, PROMPT)
+    assert call.completion.dtype == np.int32 and len(call.completion) == 12
+    assert call.version == 0 and call.logprobs.dtype == np.float32
+    np.testing.assert_allclose(call.logprobs, reference_logprobs(references[0], call), atol=2e-4)
+    np.testing.assert_array_equal(again.completion, call.completion)
+    # The log-prob of the distribution the token was drawn from, not the raw one.
+    want = reference_logprobs(references[0], filtered, temperature=0.5, top_k=5)
+    np.testing.assert_allclose(filtered.logprobs, want, atol=2e-4)
+
+
+async def test_a_stop_token_ends_the_completion_and_stays_in_it(engine, params, references):
+    engine.load(params[0], 0)
+    async with engine:
+        call = await engine.generate(PROMPT, max_tokens=12, key=3)
+        stop = int(call.completion[3])
+        first = int(np.flatnonzero(call.completion == stop)[0])
+        stopped = await engine.generate(PROMPT, max_tokens=12, key=3, stop=[stop])
+        # A prompt near max_len: the completion ends at max_len.
+        long = np.resize(PROMPT, MAX_LEN - 3)
+        clipped = await engine.generate(long, max_tokens=12, key=3)
+    np.testing.assert_array_equal(stopped.completion, call.completion[: first + 1])
+    assert len(clipped.completion) == 3
+
+
+async def test_bad_calls_are_refused_naming_the_argument(engine):
+    async with engine:
+        with pytest.raises(ValueError, match="prompt must hold 1 to max_len - 1 = 127"):
+            await engine.generate(np.zeros(MAX_LEN, np.int32), max_tokens=1)
+        with pytest.raises(ValueError, match="top_p"):
+            await engine.generate(PROMPT, max_tokens=1, top_p=0)
+        with pytest.raises(VLLMError, match=f"{engine.urls[0]}|{engine.urls[1]}"):
+            await engine.generate(np.array([100_000]), max_tokens=1)
+    with pytest.raises(RuntimeError, match="async with"):
+        await engine.generate(PROMPT, max_tokens=1)
+
+
+async def test_a_push_changes_what_is_served_and_the_version(engine, params, references):
+    engine.load(params[1], 7)
+    assert engine.version == 7
+    async with engine:
+        calls = [await engine.generate(PROMPT, max_tokens=10, key=k) for k in range(4)]
+    for call in calls:
+        assert call.version == 7
+        np.testing.assert_allclose(
+            call.logprobs, reference_logprobs(references[1], call), atol=2e-4
+        )
+
+
+async def _running(url: str) -> float:
+    """The calls a server is running now, from its Prometheus metrics."""
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"{url}/metrics")).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:num_requests_running")
+    )
+
+
+async def test_a_push_while_calls_run_keeps_them_running_under_their_version(
+    engine, params, references
+):
+    engine.load(params[0], 10)
+    results = {}
+    async with engine:
+
+        async def one(index):
+            results[index] = await engine.generate(PROMPT, max_tokens=100, key=index)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(4):
+                nursery.start_soon(one, index)
+            while sum([await _running(url) for url in engine.urls]) < 4:
+                await trio.sleep(0.05)
+            await trio.to_thread.run_sync(engine.load, params[1], 11)
+            after = await engine.generate(PROMPT, max_tokens=10, key=9)
+    assert [len(results[index].completion) for index in range(4)] == [100] * 4
+    assert {results[index].version for index in range(4)} == {10}
+    assert after.version == 11
+    np.testing.assert_allclose(after.logprobs, reference_logprobs(references[1], after), atol=2e-4)
+    # The tokens drawn after the push were drawn by the new weights: some differ from what the
+    # old weights alone give.
+    old = [reference_logprobs(references[0], results[index]) for index in range(4)]
+    assert any(
+        not np.allclose(results[index].logprobs, old[index], atol=2e-4) for index in range(4)
+    )
+
+
+def engine_mismatch(batch) -> float:
+    """The k3 estimate of KL(behaviour || proximal) over the trained tokens: the step's
+    `mismatch/engine` at lag 0."""
+    trained = batch["loss_mask"] > 0
+    log_rho = batch["proximal_logprobs"][trained].astype(np.float64) - batch["behavior_logprobs"][
+        trained
+    ].astype(np.float64)
+    return float(np.mean(np.expm1(log_rho) - log_rho))
+
+
+async def test_each_push_lands_the_engine_agreeing_with_dews_rescoring_at_lag_0(
+    engine, folders, params
+):
+    model = hf.load(folders[0])[0]
+    chat = tokenizer.HuggingFaceTokenizer.from_file(folders[0] / "tokenizer.json")
+    source = PromptSource(
+        engine,
+        lambda task: f"count to {task.name}",
+        lambda task, reply: Score(len(reply) / 50),
+        max_tokens=24,
+        tokenizer=chat,
+    )
+    scheduler = RolloutScheduler(
+        GRPOObjective(model),
+        source,
+        engine,
+        width=64,
+        rows=4,
+        groups=2,
+        ahead=0,
+        sync_every=1,
+        truncation="score",
+    )
+    dataset = scheduler.tasks(ArrayDataset({"task_id": np.arange(10)}, batch_size=2))
+    mismatches = []
+    async with engine, scheduler:
+        batches = iter(dataset.stream())
+        for updates in range(5):
+            # Each step trains other weights than the last: a push that did not land would
+            # leave the engine sampling under the previous ones.
+            batch = await scheduler.step(next(batches), params[updates % 2], updates)
+            assert engine.version == updates
+            trained = batch["loss_mask"] > 0
+            assert trained.sum() > 0 and set(batch["versions"][trained].tolist()) == {updates}
+            mismatches.append(engine_mismatch(batch))
+    assert max(mismatches) <= 1e-6, mismatches
+    # The same tokens rescored under the other weights are far off: the check can fail.
+    other = GRPOObjective(model).packed_log_probs(params[1], batch)
+    stale = dict(batch, proximal_logprobs=np.asarray(other))
+    assert engine_mismatch(stale) > 1e-3
+
+
+def test_attaching_checks_the_model_and_the_server(engine, folders, tmp_path):
+    with pytest.raises(VLLMError, match=f"{engine.urls[0]} serves \\['first'\\], not the run's"):
+        VLLMEngine.attach(engine.urls[:1], name="other", checkpoint=folders[0], push_dir=tmp_path)
+    with pytest.raises(VLLMError, match="http://127.0.0.1:9 does not answer"):
+        VLLMEngine.attach(
+            ["http://127.0.0.1:9"], name="first", checkpoint=folders[0], push_dir=tmp_path
+        )
+    attached = VLLMEngine.attach(
+        engine.urls[:1], name="first", checkpoint=folders[0], push_dir=tmp_path, version=10
+    )
+    assert attached.max_len == MAX_LEN and attached.version == 10
+    attached.close()
+
+
+def test_a_port_in_use_is_refused_before_starting(engine, folders):
+    port = int(engine.urls[0].rsplit(":", 1)[1])
+    with pytest.raises(VLLMError, match=f"port {port} on 127.0.0.1 is in use"):
+        VLLMEngine.start(folders[0], max_model_len=MAX_LEN, port=port)
+
+
+def test_a_checkpoint_vllm_refuses_fails_with_its_error(tmp_path):
+    folder = tiny_qwen2(tmp_path / "broken")
+    config = (folder / "config.json").read_text()
+    (folder / "config.json").write_text(
+        config.replace("Qwen2ForCausalLM", "NoSuchModelForCausalLM")
+    )
+    with pytest.raises(VLLMError, match="exited with code") as caught:
+        VLLMEngine.start(folder, max_model_len=MAX_LEN, ready_timeout=600)
+    assert "NoSuchModelForCausalLM" in str(caught.value)
+
+
+def test_a_server_never_ready_times_out_naming_it_and_is_stopped(folders, tmp_path):
+    with pytest.raises(VLLMError, match="was not ready within the timeout") as caught:
+        VLLMEngine.start(folders[0], max_model_len=MAX_LEN, ready_timeout=1, work_dir=tmp_path)
+    assert "http://127.0.0.1:" in str(caught.value) and str(tmp_path / "vllm-0.log") in str(
+        caught.value
+    )
+
+
+async def test_an_agent_harness_runs_through_the_gateway_with_vllm_serving(
+    engine, folders, params, references
+):
+    engine.load(params[1], 15)
+    chat = tokenizer.HuggingFaceTokenizer.from_file(folders[0] / "tokenizer.json")
+    replies = []
+
+    async def agent(base_url: str, api_key: str, task: Task) -> str:
+        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as api:
+            messages = [{"role": "user", "content": "hello there"}]
+            for _ in range(2):
+                answer = await api.chat.completions.create(model="m", messages=messages)
+                replies.append(answer.choices[0].message.content)
+                messages += [
+                    {"role": "assistant", "content": replies[-1]},
+                    {"role": "user", "content": "and?"},
+                ]
+            return replies[-1]
+
+    async with (
+        engine,
+        Gateway(
+            engine, max_context=MAX_LEN, max_tokens=16, tokenizer=chat, announce=False
+        ) as gateway,
+    ):
+        session = await HarnessSource(gateway, agent, lambda result: Score(1.0)).run(
+            Task("t"), LABEL
+        )
+    assert session.status is Status.COMPLETED and session.reward == 1.0
+    assert len(session.calls) == 2
+    for call, reply in zip(session.calls, replies, strict=True):
+        assert call.version == 15
+        np.testing.assert_allclose(
+            call.logprobs, reference_logprobs(references[1], call), atol=2e-4
+        )
+        assert chat.decode(call.completion[call.completion != chat.eos_id]) == reply
+    # The second call's prompt holds the first one's tokens as the engine drew them.
+    first, second = session.calls
+    drawn = np.concatenate([first.prompt, first.completion])
+    np.testing.assert_array_equal(second.prompt[: len(drawn)], drawn)
+
+
+def test_dew_train_trains_a_checkpoint_with_vllm_serving(engine, folders, tmp_path):
+    from dew.cli import main
+
+    run = tmp_path / "run"
+    argv = ["train", "--model", str(folders[0]), "--engine", "vllm", "--run", str(run)]
+    argv += ["--engine-url", *engine.urls, "--steps", "5", "--batch-size", "2", "--groups", "2"]
+    argv += ["--tasks", "10", "--eval-every", "0", "--samples", "0"]
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        assert main(argv) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["updates"] for line in lines] == [1, 2, 3, 4, 5]
+    assert all(math.isfinite(line["loss"]) for line in lines)
+    # Every server serves the weights of the run's last push (before its fifth step).
+    for url in engine.urls:
+        assert httpx.get(f"{url}/weight_info").json() == {"weight_version": "4"}
+
+
+@pytest.mark.parametrize(
+    ("options", "culprit"),
+    [
+        (["--engine", "vllm"], "engine vllm serves a --model checkpoint folder"),
+        (["--engine-url", "http://127.0.0.1:9"], "engine_url names vLLM servers"),
+        (["--engine", "sglang"], "'engine' must be in"),
+    ],
+)
+def test_dew_train_refuses_engine_options_that_do_not_go_together(
+    tmp_path, capsys, options, culprit
+):
+    from dew.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--run", str(tmp_path / "run"), *options])
+    assert exited.value.code == 2
+    assert culprit in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+class KeptSessions:
+    """A source that keeps every session its inner source returns."""
+
+    def __init__(self, source):
+        self.source = source
+        self.sessions = []
+
+    async def run(self, task, label):
+        session = await self.source.run(task, label)
+        self.sessions.append(session)
+        return session
+
+
+async def test_a_killed_servers_rollouts_are_resubmitted_to_the_server_left(
+    engine, folders, params
+):
+    victim = engine.processes[1]
+    chat = tokenizer.HuggingFaceTokenizer.from_folder(folders[0])
+    kept = KeptSessions(
+        PromptSource(
+            engine,
+            lambda task: "hello",
+            lambda task, reply: Score(len(reply) / 100),
+            max_tokens=100,
+            tokenizer=chat,
+        )
+    )
+    model = hf.load(folders[0])[0]
+    scheduler = RolloutScheduler(
+        GRPOObjective(model), kept, engine, width=MAX_LEN, rows=4, groups=2, ahead=0,
+        truncation="score",
+    )  # fmt: skip
+    dataset = scheduler.tasks(ArrayDataset({"task_id": np.arange(4)}, batch_size=2))
+    async with engine, scheduler:
+        batches = iter(dataset.stream())
+
+        async def step():
+            await scheduler.step(next(batches), params[0], 30)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(step)
+            while await _running(victim.url) < 1:
+                await trio.sleep(0.05)
+            os.killpg(victim.pid, signal.SIGKILL)
+        record = scheduler.last_record
+        assert record.resubmitted["infra_error"] >= 1
+        assert (record.groups, record.abandoned) == (2, 0)
+        failed = [session for session in kept.sessions if session.status is Status.INFRA_ERROR]
+        assert failed and all(victim.url in session.error for session in failed)
+        # Pushes skip the dead server; calls go to the live one.
+        engine.load(params[1], 31)
+        assert (await engine.generate(PROMPT, max_tokens=4)).version == 31
+        # With no server left, the engine stops the run with a clear error.
+        engine.processes[0].kill()
+        with pytest.raises(CallFailed):
+            await engine.generate(PROMPT, max_tokens=4)
+        with pytest.raises(VLLMError, match="no vLLM server is alive"):
+            await engine.generate(PROMPT, max_tokens=4)
+        with pytest.raises(VLLMError, match="no vLLM server is alive to push version 32"):
+            engine.load(params[1], 32)
