@@ -54,7 +54,7 @@ _WORKLOAD_OPTIONS = (
 
 
 MAX_SIMULATED = 10**5
-"""The most rollouts `dew simulate` simulates for one setting (minutes of CPU for the whole table)."""
+"""The most rollouts `dew simulate` simulates a setting: the whole table then takes minutes."""
 
 
 def _configure_simulate(parser: argparse.ArgumentParser) -> None:

@@ -26,6 +26,7 @@ import numpy as np
 
 from dew import calibrate
 from dew._checks import int_option, number_option
+from dew._processes import end_with_parent
 from dew.simulate import Outcome, Setting, Workload, describe, simulate
 
 
@@ -245,7 +246,10 @@ def _simulate_all(runs: Sequence[tuple[Workload, Setting]], jobs: int) -> Iterat
             return
         # Spawned workers: a forked copy of a process that runs JAX threads can deadlock.
         context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        # The workers end with this process however it ends (a kill -9 included).
+        with concurrent.futures.ProcessPoolExecutor(
+            jobs, mp_context=context, initializer=end_with_parent, initargs=(os.getpid(),)
+        ) as pool:
             yield from pool.map(_quiet_simulate, runs)
     finally:
         logger.setLevel(level)

@@ -212,7 +212,7 @@ def _train_until_interrupted(
     # The second press raises KeyboardInterrupt wherever the code is, even in the context's
     # exit: the outer handler takes it there too.
     try:
-        with _CtrlC() as ctrl_c:
+        with _CtrlC(terminate=True) as ctrl_c:
             try:
                 trainer = train(
                     config,
