@@ -31,7 +31,7 @@ from dew.objectives.rl.sessions import Label, Status
 from dew.parallel import ProcessRows, default_pool
 from dew.serve import RolloutServer
 from dew.train._checkpoint import _write_atomically
-from dew.train._config import TrainConfig, _load_tokenizer, _mesh_sizes
+from dew.train._config import TrainConfig, _check_task, _load_tokenizer, _mesh_sizes
 from dew.train._curves import write_curves
 from dew.train._folders import _check_record, _check_run, _check_split
 from dew.train._interrupt import _Interrupted
@@ -92,6 +92,7 @@ def train(
         _check_split(config, processes)
         _load_tokenizer(config)
         _mesh_sizes(config, processes)
+        _check_task(config)
         if record is not None and processes > 1:
             raise ValueError("--record traces a single process's run; run it without a pool")
         if record is not None:
@@ -258,6 +259,8 @@ def _mesh(config: TrainConfig, model) -> Mesh | None:
 def _split(rollout, mesh: Mesh | None):
     """The rollout whose packed rows go to the update split over the mesh's data axes."""
     return rollout if mesh is None else sharding.ShardedRollout(rollout, mesh)
+
+
 def _vllm_engine(config: TrainConfig, run: Path, model, tokenizer, max_len: int, version: int):
     """The run's vLLM servers (docs/vllm.md): those at `--engine-url`, or `--engine-servers`
     started on loopback with the `--model` folder, their logs and pushed checkpoints under the
