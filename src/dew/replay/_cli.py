@@ -21,6 +21,15 @@ def _optional(kind: type):
     return parse
 
 
+def _flag(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise ValueError(text)
+    return text.lower() == "true"
+
+
+_flag.__name__ = "true or false"
+
+
 _OPTIONS = {
     "width": int,
     "rows": int,
@@ -37,6 +46,7 @@ _OPTIONS = {
     "support_capacity": _optional(int),
     "vocab": _optional(int),
     "empty_streak": _optional(int),
+    "filter_uniform": _flag,
 }
 
 

@@ -34,7 +34,8 @@ from dew._trio import exit_unwrapped, stop_in
 from dew.data import Batch, Dataset, Task
 from dew.objectives.rl import _admission as core
 from dew.objectives.rl._admission import LogEvent
-from dew.objectives.rl._arguments import MAX_IN_FLIGHT, check_arguments
+from dew.objectives.rl._arguments import MAX_IN_FLIGHT, check_arguments, check_filtering
+from dew.objectives.rl._packing import uniform_group
 from dew.objectives.rl._records import (
     GroupStatus,
     Publisher,
@@ -44,7 +45,7 @@ from dew.objectives.rl._records import (
     Variables,
 )
 from dew.objectives.rl._reports import EmptyStreak, ErrorCounts, TooLongChain
-from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.rl.grpo import GRPOObjective, mismatch_metrics
 from dew.objectives.rl.sessions import (
     Label,
     Packed,
@@ -73,6 +74,7 @@ class _HandOver:
 class _Delivery:
     groups: tuple[tuple[Session, ...], ...]
     events: tuple[LogEvent, ...]
+    uniform: int = 0  # the batch's groups discarded as uniform
 
 
 @attrs.frozen
@@ -133,6 +135,8 @@ class _Scheduler:
         log: Callable[[SchedulerRecord], None] | None,
         vocab: int | None,
         empty_streak: int | None,
+        filter_uniform: bool = False,
+        reference: Variables | None = None,
     ):
         check_arguments(
             objective,
@@ -156,6 +160,9 @@ class _Scheduler:
             vocab=vocab,
             empty_streak=empty_streak,
         )
+        check_filtering(
+            objective, groups=groups, filter_uniform=filter_uniform, reference=reference
+        )
         self.objective = objective
         self.source = source
         self.weights = weights
@@ -171,6 +178,10 @@ class _Scheduler:
         self.log = log
         self.vocab = vocab
         self.empty_streak = empty_streak
+        self.filter_uniform = filter_uniform
+        # The frozen reference policy rescored over the rows beside the proximal one, for the
+        # objective's KL term.
+        self.reference = reference
         self.config = core.Config(
             groups=groups,
             oversample=oversample,
@@ -178,6 +189,7 @@ class _Scheduler:
             max_lag=max_lag,
             max_attempts=max_attempts,
             truncation=truncation,
+            filter_uniform=filter_uniform,
         )
         # While the trainer waits, what it waits on is logged after this many seconds, then
         # after twice as many, and so on; None logs nothing (simulations that wait by design).
@@ -410,6 +422,8 @@ class _Scheduler:
         )
         batch = first_reader_batch(packed.batch, share_size=self.pool.share_size)
         batch["proximal_logprobs"] = self.pool.rescore(self.objective, variables, batch)
+        if self.reference is not None:
+            batch["reference_logprobs"] = self.pool.rescore(self.objective, self.reference, batch)
         return packed, batch
 
     def _prepare(self, batch: Batch, variables: Variables, updates: int) -> _HandOver:
@@ -500,7 +514,8 @@ class _Scheduler:
             abandoned=sum(e.kind == "abandoned" for e in events),
             cut=len(packed.cut),
             waited=float(waited),
-            metrics=session_metrics(sessions, packed, version=updates),
+            metrics=session_metrics(sessions, packed, version=updates)
+            | self._step_metrics(message, packed, batch, updates),
         )
         self.last_record, self.last_events = record, events
         if self.log is not None:
@@ -508,6 +523,30 @@ class _Scheduler:
         self._too_long.observe(message.groups, packed.cut)
         self._empty.observe(record, events)
         return batch
+
+    def _step_metrics(
+        self, message: _Delivery, packed: Packed, batch: dict, updates: int
+    ) -> dict[str, float]:
+        """The record's figures beyond `session_metrics`: the batch's complete groups whose
+        rewards were all equal (`groups/uniform`: discarded under filter_uniform, else trained
+        or cut) and those of them trained on (`groups/uniform_trained`); the behaviour
+        importance (`GRPOObjective.importance_metrics`) and the mismatch split by version."""
+        trained = [message.groups[i] for i in packed.packed]
+        uniform_trained = sum(uniform_group(g, self.truncation) for g in trained)
+        cut = [message.groups[c.group] for c in packed.cut]
+        uniform_cut = sum(uniform_group(g, self.truncation) for g in cut)
+        metrics = {}
+        # Counted over the batch's complete groups: a batch that completed none leaves them out.
+        if message.groups or message.uniform:
+            metrics["groups/uniform"] = float(message.uniform + uniform_trained + uniform_cut)
+            metrics["groups/uniform_trained"] = float(uniform_trained)
+        if isinstance(self.objective, GRPOObjective):
+            importance = self.objective.importance_metrics(batch, version=updates)
+        else:
+            importance = mismatch_metrics(batch, version=updates)
+        # A record's figures are finite (see session_metrics): a log-prob that is not leaves
+        # its figures out here, and the loss, NaN too, stops the trainer naming the step.
+        return metrics | {k: v for k, v in importance.items() if math.isfinite(v)}
 
     def status(self) -> SchedulerStatus:
         """Which groups are in play, which batch the trainer waits on, how old each rollout is
@@ -752,7 +791,7 @@ class _Scheduler:
                 scope.cancel(reason=command.reason)
         elif isinstance(command, core.Deliver):
             events, self._events = tuple(self._events), []
-            self._deliver(_Delivery(command.groups, events))
+            self._deliver(_Delivery(command.groups, events, command.uniform))
         elif isinstance(command, core.Fail):
             if self._failure is not None:
                 logger.error("a failure after the one the trainer gets", exc_info=command.error)
