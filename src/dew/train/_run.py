@@ -108,7 +108,9 @@ def train(
     shape = task.shape
     model_config = config.model_config(shape.max_len, vocab=tokenizer.vocab_size)
     variables = models.init(jax.random.key(config.seed), model_config)
-    objective = _objective(model_config, config.temperature)
+    # The initial weights, kept as the KL term's reference; a resumed run derives them again.
+    reference = variables if config.kl_coef > 0 else None
+    objective = _objective(model_config, config.temperature, **_levers(config))
     trainer = Trainer(
         objective,
         optax.adam(config.learning_rate),
@@ -157,6 +159,8 @@ def train(
         admit=admit,
         truncation="score",
         vocab=model_config.vocab,
+        filter_uniform=config.filter_uniform,
+        reference=reference,
     )
     per_epoch = config.tasks // config.batch_size * config.batch_size
     dataset = ProcessRows(
@@ -189,6 +193,19 @@ def train(
     if index == 0:
         write_curves(run / METRICS, run / "curves.png", evaluations=run / EVALUATIONS)
     return trainer
+
+
+def _levers(config: TrainConfig) -> dict[str, Any]:
+    """The objective's settings a run's config holds (`GRPOObjective`'s keyword arguments)."""
+    names = (
+        "kl_coef",
+        "aggregation",
+        "importance_level",
+        "correction",
+        "importance_cap",
+        "importance_floor",
+    )
+    return {name: getattr(config, name) for name in names}
 
 
 class _RunLogs:
