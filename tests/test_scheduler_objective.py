@@ -11,11 +11,15 @@ import jax
 import numpy as np
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _scripted import CONFIG, OBJECTIVE, PARAMS, ROWS, WIDTH, Engine, Plan, Scripted, dataset
 from dew import models
+from dew.objectives.rl._shell import selection_bias
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
+from dew.objectives.rl.sessions import Call, Session, Status, note_progress
 
 
 def scheduler(source, engine, objective=OBJECTIVE, **kwargs) -> RolloutScheduler:
@@ -134,3 +138,61 @@ async def test_the_record_reports_the_importance_and_the_mismatch_split(autojump
 def test_settings_that_cannot_work_are_refused_naming_them(objective, kwargs, message):
     with pytest.raises(ValueError, match=message):
         scheduler(Scripted(Engine()), Engine(), objective, **kwargs)
+
+
+class Noting:
+    """A source whose rollouts note their progress as an engine does: sample 0 makes one
+    10-token call in 1 s, sample 1 five 4-token calls of 0.4 s each."""
+
+    async def run(self, task, label):
+        count, tokens, seconds = (1, 10, 1.0) if label.sample == 0 else (5, 4, 0.4)
+        calls = []
+        for i in range(count):
+            note_progress(calls=1)
+            await trio.sleep(seconds)
+            note_progress(tokens)
+            prompt = np.arange(1, 3 + i * (1 + tokens), dtype=np.int32)
+            completion = np.full(tokens, 7, np.int32)
+            calls.append(Call(prompt, completion, np.full(tokens, -0.5, np.float32), 0))
+        return Session(Status.COMPLETED, calls, reward=float(label.sample))
+
+
+async def test_the_record_measures_the_selection_bias_of_the_cut_tail(autojump_clock):
+    """With oversample 1, sample 0 finishes first (10 tokens, 1 call) and sample 1 is cancelled
+    at 1 s, after 2 calls and into its third (8 tokens, 3 calls begun: lower bounds)."""
+    engine = Engine()
+    async with scheduler(Noting(), engine, groups=1, oversample=1) as sched:
+        await steps(sched, dataset(batches=1, size=1), 1)
+        metrics = sched.last_record.metrics
+    assert metrics["bias/tokens/admitted_mean"] == 10.0
+    assert metrics["bias/tokens/started_mean"] == 9.0
+    assert metrics["bias/tokens/ratio_mean"] == pytest.approx(10 / 9)
+    assert metrics["bias/turns/admitted_mean"] == 1.0
+    assert metrics["bias/turns/started_mean"] == 2.0
+    assert metrics["bias/turns/ratio_p90"] == pytest.approx(1 / 2.8)
+
+
+@settings(max_examples=50, deadline=None, derandomize=True, database=None)
+@given(
+    admitted=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 4)), max_size=6),
+    started=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 4)), max_size=9),
+)
+def test_selection_bias_matches_numpy(admitted, started):
+    got = selection_bias(admitted, started)
+    if not admitted or not started:
+        assert got == {}
+        return
+    for kind, column in (("tokens", 0), ("turns", 1)):
+        a = np.array([x[column] for x in admitted], float)
+        b = np.array([x[column] for x in started], float)
+        for stat, f in (
+            ("mean", np.mean),
+            ("p50", np.median),
+            ("p90", lambda v: np.percentile(v, 90)),
+        ):
+            assert got[f"bias/{kind}/admitted_{stat}"] == pytest.approx(f(a))
+            assert got[f"bias/{kind}/started_{stat}"] == pytest.approx(f(b))
+            if f(b) > 0:
+                assert got[f"bias/{kind}/ratio_{stat}"] == pytest.approx(f(a) / f(b))
+            else:
+                assert f"bias/{kind}/ratio_{stat}" not in got

@@ -35,7 +35,7 @@ from dew.data import Batch, Dataset, Task
 from dew.objectives.rl import _admission as core
 from dew.objectives.rl._admission import LogEvent
 from dew.objectives.rl._arguments import MAX_IN_FLIGHT, check_arguments, check_filtering
-from dew.objectives.rl._packing import uniform_group
+from dew.objectives.rl._packing import _percentile, uniform_group
 from dew.objectives.rl._records import (
     GroupStatus,
     Publisher,
@@ -45,6 +45,7 @@ from dew.objectives.rl._records import (
     Variables,
 )
 from dew.objectives.rl._reports import EmptyStreak, ErrorCounts, TooLongChain
+from dew.objectives.rl._session import Progress, track_progress
 from dew.objectives.rl.grpo import GRPOObjective, mismatch_metrics
 from dew.objectives.rl.sessions import (
     Label,
@@ -75,6 +76,9 @@ class _Delivery:
     groups: tuple[tuple[Session, ...], ...]
     events: tuple[LogEvent, ...]
     uniform: int = 0  # the batch's groups discarded as uniform
+    # (tokens, calls) of every submission the batch started: finished ones exactly, cancelled
+    # ones as far as they got (lower bounds).
+    started: tuple[tuple[int, int], ...] = ()
 
 
 @attrs.frozen
@@ -229,6 +233,11 @@ class _Scheduler:
         self._pending: list[core.Event] = []
         self._wake = trio.Event()
         self._scopes: dict[Label, trio.CancelScope] = {}
+        # For the selection bias: each live submission's batch and progress, and per batch the
+        # lengths of the submissions it started that have ended.
+        self._batch_of: dict[Label, int] = {}
+        self._progress: dict[Label, Progress] = {}
+        self._started: dict[int, dict[Label, tuple[int, int]]] = {}
         self._deadlines: collections.deque[tuple[float, Label]] = collections.deque()
         self._deadline_added = trio.Event()
         self._batches: dict[int, tuple[trio.Nursery, trio.Event]] = {}
@@ -540,6 +549,8 @@ class _Scheduler:
         if message.groups or message.uniform:
             metrics["groups/uniform"] = float(message.uniform + uniform_trained + uniform_cut)
             metrics["groups/uniform_trained"] = float(uniform_trained)
+        admitted = [(s.tokens, len(s.calls)) for group in message.groups for s in group]
+        metrics |= selection_bias(admitted, message.started)
         if isinstance(self.objective, GRPOObjective):
             importance = self.objective.importance_metrics(batch, version=updates)
         else:
@@ -765,12 +776,25 @@ class _Scheduler:
             self._apply(events)
 
     def _apply(self, events: list[core.Event]) -> None:
+        for event in events:
+            if isinstance(event, core.Finished) and event.label in self._batch_of:
+                length = (event.session.tokens, len(event.session.calls))
+                self._started[self._batch_of[event.label]][event.label] = length
         self._state, commands = core.run(self._state, events)
         for command in commands:
             self._carry_out(command)
         for batch, (_, done) in list(self._batches.items()):
             if batch not in self._state.batches:
                 done.set()
+        for batch in [b for b in self._started if b not in self._state.batches]:
+            self._forget_lengths(batch)
+
+    def _forget_lengths(self, batch: int) -> tuple[tuple[int, int], ...]:
+        """Drop a batch that left the state from the length books; return its lengths."""
+        lengths = self._started.pop(batch, {})
+        for label in [x for x, b in self._batch_of.items() if b == batch]:
+            del self._batch_of[label]
+        return tuple(lengths.values())
 
     def _carry_out(self, command: core.Command) -> None:
         if isinstance(command, LogEvent):
@@ -778,6 +802,8 @@ class _Scheduler:
             if command.error is not None:
                 self._errors.add(command.error)
         elif isinstance(command, core.Submit):
+            self._batch_of[command.label] = command.batch
+            self._started.setdefault(command.batch, {})
             scope = trio.CancelScope()
             self._scopes[command.label] = scope
             nursery, _ = self._batches[command.batch]
@@ -786,12 +812,17 @@ class _Scheduler:
                 self._deadlines.append((command.time + self.timeout, command.label))
                 self._deadline_added.set()
         elif isinstance(command, core.Cancel):
+            batch = self._batch_of.get(command.label)
+            if batch is not None:
+                progress = self._progress.get(command.label, Progress())
+                self._started[batch].setdefault(command.label, progress.length())
             scope = self._scopes.get(command.label)
             if scope is not None:
                 scope.cancel(reason=command.reason)
         elif isinstance(command, core.Deliver):
             events, self._events = tuple(self._events), []
-            self._deliver(_Delivery(command.groups, events, command.uniform))
+            started = self._forget_lengths(command.batch)
+            self._deliver(_Delivery(command.groups, events, command.uniform, started))
         elif isinstance(command, core.Fail):
             if self._failure is not None:
                 logger.error("a failure after the one the trainer gets", exc_info=command.error)
@@ -828,6 +859,7 @@ class _Scheduler:
 
     async def _rollout(self, scope: trio.CancelScope, submission: core.Submit) -> None:
         task, label, submitted = submission.task, submission.label, submission.time
+        self._progress[label] = track_progress()  # this task's own: its engine calls count here
         try:
             with scope:
                 try:
@@ -854,6 +886,7 @@ class _Scheduler:
             self._post(core.Finished(now, label, session))
         finally:
             del self._scopes[label]
+            del self._progress[label]
 
     def _check_versions(self, session: Session, submission: core.Submit) -> None:
         """Refuse calls outside the versions served while the rollout ran: one older than its
@@ -877,6 +910,43 @@ class _Scheduler:
                 f"{where}: a call reports version {newest}, newer than the newest version "
                 f"{self._newest_pushed} pushed (does the engine number versions itself?)"
             )
+
+
+def selection_bias(
+    admitted: Sequence[tuple[int, int]], started: Sequence[tuple[int, int]]
+) -> dict[str, float]:
+    """The price of cutting the long tail: the lengths of the rollouts a batch admitted beside
+    those of every rollout it started, in tokens and in turns (model calls).
+
+    Args:
+        admitted: (tokens, calls) of each admitted rollout.
+        started: (tokens, calls) of each submission the batch started, finished or cancelled;
+            a cancelled one's as far as it got, a lower bound.
+
+    Returns:
+        For `kind` in tokens and turns, `bias/<kind>/admitted_<stat>` and
+        `bias/<kind>/started_<stat>` for the stats mean, p50 and p90, and
+        `bias/<kind>/ratio_<stat>`, admitted over started (present where started is above 0):
+        below 1, the admitted rollouts are shorter than what the batch ran, the bias the cut
+        pays. Empty when either side is.
+    """
+    metrics: dict[str, float] = {}
+    if not admitted or not started:
+        return metrics
+    for kind, column in (("tokens", 0), ("turns", 1)):
+        stats = {}
+        for side, lengths in (("admitted", admitted), ("started", started)):
+            ordered = sorted(float(length[column]) for length in lengths)
+            stats[side] = {
+                "mean": math.fsum(ordered) / len(ordered),
+                "p50": _percentile(ordered, 50),
+                "p90": _percentile(ordered, 90),
+            }
+            metrics |= {f"bias/{kind}/{side}_{s}": v for s, v in stats[side].items()}
+        for s, below in stats["started"].items():
+            if below > 0:
+                metrics[f"bias/{kind}/ratio_{s}"] = stats["admitted"][s] / below
+    return metrics
 
 
 @attrs.frozen
