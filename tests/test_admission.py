@@ -91,6 +91,20 @@ def cause_of(finished: Session, truncation: str) -> str | None:
     return {Status.INFRA_ERROR: "infra_error", Status.CANCELLED: "cancelled"}.get(finished.status)
 
 
+def training_rewards(sessions, truncation: str) -> set[float]:
+    """The distinct rewards a group's training rollouts train on (sessions.py's truncation
+    policies): a set of at most one says the group carries no signal."""
+    rewards = set()
+    for s in sessions:
+        if s.status is Status.TRUNCATED:
+            if truncation == "mask":
+                continue
+            rewards.add(0.0 if truncation == "zero" else s.reward)
+        else:
+            rewards.add(s.reward)
+    return rewards
+
+
 def by_label(label: Label) -> tuple[int, int, int]:
     return (label.group, label.sample, label.attempt)
 
@@ -125,6 +139,7 @@ def setups(draw) -> Setup:
         max_lag=ahead + sync_every - 1 + draw(st.sampled_from((0, 0, 1, 2))),
         max_attempts=draw(st.integers(1, 3)),
         truncation=draw(st.sampled_from(TRUNCATION)),
+        filter_uniform=draw(st.booleans()),
     )
     steady = draw(st.integers(0, 2)) == 0
     # A broken source ends the trainer's run: only one run in four may break, so that most
@@ -172,6 +187,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.failures: collections.Counter[tuple[int, int]] = collections.Counter()
         self.groups: dict[int, tuple[int, Task]] = {}  # group -> (batch, task)
         self.abandoned: set[int] = set()
+        self.uniform: set[int] = set()  # groups discarded because their rewards were all equal
         self.completed: dict[int, float] = {}
         self.delivered: set[Label] = set()
         self.events: list[core.Event] = []
@@ -594,6 +610,14 @@ class Referee:
             assert m.complete(label.group) or (
                 config.admit is not None and sum(map(m.complete, members)) >= config.admit
             ), f"{label} cancelled as surplus of a group and batch not yet complete"
+        elif log.reason == "uniform":
+            assert log.kind == "discarded" and config.filter_uniform
+            if label.group not in m.uniform:  # its first discard: the group just completed
+                results = [r for x, r in m.results.items() if x.group == label.group]
+                assert m.complete(label.group), f"{label} discarded as uniform, group incomplete"
+                rewards = training_rewards(results, config.truncation)
+                assert len(rewards) <= 1, f"{label} discarded as uniform, its rewards {rewards}"
+                m.uniform.add(label.group)
         elif log.reason == "abandoned":
             assert label.group in self.abandoned_now
         elif log.reason == "broken":
@@ -637,7 +661,16 @@ class Referee:
         assert not self.admitting, f"admitted but not delivered: {sorted(self.admitting)}"
         if config.admit is None:
             members = {g for g, (b, _) in m.groups.items() if b == deliver.batch}
-            assert {g for _, g in order} == members - m.abandoned
+            assert {g for _, g in order} == members - m.abandoned - m.uniform
+        batch_uniform = {g for g in m.uniform if m.groups[g][0] == deliver.batch}
+        assert deliver.uniform == len(batch_uniform), "uniform groups miscounted"
+        assert batch_uniform.isdisjoint(g for _, g in order), "a uniform group delivered"
+        if config.filter_uniform:
+            for sessions in deliver.groups:
+                rewards = training_rewards(sessions, config.truncation)
+                assert len(rewards) > 1, (
+                    f"a uniform group delivered under filter_uniform: {rewards}"
+                )
 
     def fail(self, fail: Fail) -> None:
         event = self.event
@@ -835,3 +868,64 @@ def test_a_source_failure_stops_its_batch_and_answers_the_waiting_trainer():
     assert fail.batch == 0 and fail.error is error
     # The shell hands the Fail over once the batch has left the state; the trainer waits no more.
     assert 0 not in state.batches and state.waiting is None
+
+
+def test_a_uniform_group_is_discarded_and_a_later_group_takes_its_place_under_admit():
+    """With admit=1, the first group to complete scores alike throughout: it is discarded (it
+    would train nothing), the batch's other group keeps running and is the one admitted."""
+    config = Config(groups=2, admit=1, filter_uniform=True)
+    alike = [session(reward=1.0), session(reward=1.0)]
+    differ = [session(reward=1.0), session(reward=0.0)]
+    state, answers = play(
+        config,
+        hand_over(0, "a", "b"),
+        Finished(1.0, Label(0, 0, 0), alike[0]),
+        Finished(2.0, Label(0, 1, 0), alike[1]),
+        Finished(3.0, Label(1, 0, 0), differ[0]),
+        Finished(4.0, Label(1, 1, 0), differ[1]),
+    )
+    assert [(e.label, e.reason) for e in logs(answers[2], "discarded")] == [
+        (Label(0, 0, 0), "uniform"),
+        (Label(0, 1, 0), "uniform"),
+    ]
+    assert not of_type(answers[2], Cancel), "the other group is no surplus of a uniform one"
+    assert of_type(answers[4], Deliver) == [Deliver(0, (tuple(differ),), uniform=1)]
+    assert state.groups == {}
+
+
+def test_without_filtering_a_uniform_group_is_admitted_and_counts_toward_admit():
+    alike = [session(reward=1.0), session(reward=1.0)]
+    _, answers = play(
+        Config(groups=2, admit=1),
+        hand_over(0, "a", "b"),
+        Finished(1.0, Label(0, 0, 0), alike[0]),
+        Finished(2.0, Label(0, 1, 0), alike[1]),
+    )
+    assert of_type(answers[2], Cancel) == [
+        Cancel(Label(1, 0, 0), "surplus"),
+        Cancel(Label(1, 1, 0), "surplus"),
+    ]
+    assert of_type(answers[2], Deliver) == [Deliver(0, (tuple(alike),))]
+
+
+@pytest.mark.parametrize(
+    "truncation, rewards, uniform",
+    [
+        ("mask", (1.0, 1.0, None), True),  # the truncation is masked: two alike train
+        ("mask", (1.0, 0.0, None), False),
+        ("zero", (0.0, 0.0, 0.5), True),  # a truncation trains on 0 under zero
+        ("score", (0.0, 0.0, 0.5), False),  # and on its score under score
+    ],
+)
+def test_uniform_means_the_rewards_the_group_trains_on_are_alike(truncation, rewards, uniform):
+    """The third rollout is a truncation with the given reward; which rewards train is the
+    truncation policy's."""
+    group = [session(reward=rewards[0]), session(reward=rewards[1])]
+    group.append(session(Status.TRUNCATED, reward=rewards[2]))
+    events = [Finished(float(i + 1), Label(0, i, 0), s) for i, s in enumerate(group)]
+    config = Config(groups=3, truncation=truncation, filter_uniform=True)
+    _, answers = play(config, hand_over(0, "a"), *events)
+    (deliver,) = of_type(answers[-1], Deliver)
+    assert deliver.uniform == uniform and len(deliver.groups) == (not uniform)
+    discarded = logs(answers[-1], "discarded")
+    assert [e.reason for e in discarded] == ["uniform"] * 3 * uniform

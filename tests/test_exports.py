@@ -50,6 +50,8 @@ def test_rollout_scheduler_signature_is_the_pages():
         ("log", keyword, None),
         ("vocab", keyword, None),
         ("empty_streak", keyword, 5),
+        ("filter_uniform", keyword, False),
+        ("reference", keyword, None),
     ]
     assert [p[0] for p in parameters(scheduler.RolloutScheduler.tasks)] == ["dataset"]
     assert parameters(scheduler.RolloutScheduler.close) == []

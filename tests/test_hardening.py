@@ -380,6 +380,9 @@ VALID = {
     "support_capacity": st.none() | st.integers(1, 8),
     "vocab": st.none() | st.integers(CONFIG.vocab, 64),
     "empty_streak": st.none() | st.integers(1, 5),
+    "filter_uniform": st.booleans(),
+    # The objective has no KL term: a reference is refused, naming it.
+    "reference": st.none(),
 }
 # Collaborators: what each is when valid, and what it may be instead.
 COLLABORATORS = {

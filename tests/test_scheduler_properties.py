@@ -9,7 +9,8 @@ time between calls. Whatever hypothesis draws, every call must keep the page's p
 - every submission ends exactly once, and after close() none is left open;
 - every admitted group has exactly `groups` rollouts, none admitted twice;
 - every trained token is within `max_lag` of the trainer's updates;
-- the batch's shape never changes, and each record adds up to its event log.
+- the batch's shape never changes, and each record adds up to its event log;
+- under filter_uniform, no group whose rewards are all equal is trained on.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def runs(draw) -> dict:
             "truncation": draw(st.sampled_from(["mask", "score", "zero"])),
             "width": draw(st.integers(24, 64)),
             "rows": draw(st.integers(1, 6)),
+            # A lone rollout is always uniform: the scheduler refuses to filter groups of one.
+            "filter_uniform": groups >= 2 and draw(st.booleans()),
         },
         "source": SimulatedConfig(
             seed=draw(st.integers(0, 2**16)),
@@ -122,6 +125,10 @@ def test_every_call_keeps_the_pages_promises():
             cut = {e.group for e in events if e.kind == "cut"}
             assert record.groups == len(per_group) - len(cut)
             happened.update((e.kind, e.reason) for e in events)
+            if run["scheduler"]["filter_uniform"]:
+                assert record.metrics["groups/uniform_trained"] == 0
+            uniform = {e.group for e in events if e.reason == "uniform"}
+            assert not uniform & set(per_group), "a group discarded as uniform and admitted"
         log = [event for *_, events in calls for event in events]
         assert assert_exactly_once(log + list(scheduler.closing_events)) == frozenset()
 
@@ -133,6 +140,7 @@ def test_every_call_keeps_the_pages_promises():
         ("cancelled", "timeout"),
         ("cancelled", "abandoned"),
         ("discarded", "stale"),
+        ("discarded", "uniform"),
         ("failed", "infra_error"),
         ("failed", "unscored"),
         ("cut", "no_room"),

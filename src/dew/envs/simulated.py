@@ -28,7 +28,14 @@ from trio.testing import wait_all_tasks_blocked
 
 from dew._checks import at_least, check_int, int_at_least, positive, probability
 from dew.data import Task
-from dew.objectives.rl.sessions import TRUNCATION_REASONS, Call, Label, Session, Status
+from dew.objectives.rl.sessions import (
+    TRUNCATION_REASONS,
+    Call,
+    Label,
+    Session,
+    Status,
+    note_progress,
+)
 
 # The reward's named parts: a correct answer is worth CORRECT, a well-formed one up to FORMAT.
 CORRECT = 0.8
@@ -494,7 +501,9 @@ class SimulatedSource:
         key = (task.name, label.group, label.sample, label.attempt)
         calls = []
         for call, decode in zip(session.calls, seconds, strict=True):
+            note_progress(0, calls=1)  # a call begun counts as a turn, finished or not
             version = await self.engine.call(decode, key)
+            note_progress(len(call.completion))
             calls.append(attrs.evolve(call, version=version))
         if failing is not None:
             await self.engine.call(failing, key)

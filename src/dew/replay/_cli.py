@@ -30,6 +30,15 @@ def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse_or_none
 
 
+def _flag(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise ValueError(text)
+    return text.lower() == "true"
+
+
+_flag.__name__ = "true or false"
+
+
 # Each override's parser, bounded: a typo of a few zeros would otherwise replay for hours or
 # allocate terabytes before the scheduler found anything wrong. The scheduler checks the rest
 # (rows x width within its cells, max_lag against ahead and sync_every, ...).
@@ -49,6 +58,7 @@ _OPTIONS: dict[str, Callable[[str], Any]] = {
     "support_capacity": _optional(int_option(1, MAX_CELLS)),
     "vocab": _optional(int_option(1, 2**31 - 1)),
     "empty_streak": _optional(int_option(1, 10**6)),
+    "filter_uniform": _flag,
 }
 
 

@@ -8,9 +8,10 @@ from typing import Any
 
 import attrs
 
+from dew.objectives.rl.grpo import RESCORED_METRICS
 from dew.objectives.rl.scheduler import LogEvent, SchedulerRecord
 from dew.objectives.rl.sessions import Label
-from dew.replay._format import PROXIMAL
+from dew.replay._format import RESCORED
 from dew.replay._trace import RecordedCall, Trace
 
 
@@ -240,13 +241,15 @@ def _call_divergence(
         a, b = getattr(recorded.record, field.name), getattr(replayed.record, field.name)
         if isinstance(a, Mapping):
             for key in sorted(set(a) | set(b)):
+                if key in RESCORED_METRICS:  # figures of the rescoring, which replay skips
+                    continue
                 if not _same(a.get(key), b.get(key)):
                     name = f"record.{field.name}[{key!r}]"
                     return Divergence(step, name, a.get(key), b.get(key), time=end)
         elif not _same(a, b):
             return Divergence(step, f"record.{field.name}", a, b, time=end)
     for key in sorted(set(recorded.arrays) | set(replayed.arrays)):
-        if key != PROXIMAL and recorded.arrays.get(key) != replayed.arrays.get(key):
+        if key not in RESCORED and recorded.arrays.get(key) != replayed.arrays.get(key):
             return Divergence(
                 step,
                 f"packed[{key!r}]",

@@ -12,6 +12,7 @@ import attrs
 import numpy as np
 
 from dew.data import Task
+from dew.objectives.rl.grpo import REFERENCE
 from dew.objectives.rl.scheduler import LogEvent, SchedulerRecord
 from dew.objectives.rl.sessions import Call, Label, Session, Status
 
@@ -42,11 +43,12 @@ CONFIG = (
     "support_capacity",
     "vocab",
     "empty_streak",
+    "filter_uniform",
 )
 """The RolloutScheduler arguments a trace holds: all but objective, source, weights, tasks, log."""
 # CONFIG names added after traces of this VERSION were first written: a trace without one ran
 # with the default here.
-ADDED = {"vocab": None, "empty_streak": 5}
+ADDED = {"vocab": None, "empty_streak": 5, "filter_uniform": False}
 OUTCOMES = ("returned", "cancelled", "raised", "invalid")
 """How a recorded rollout ended: returned a session, was cancelled, raised, or returned what no
 trace can hold."""
@@ -57,6 +59,9 @@ GZIP_MAGIC = b"\x1f\x8b"
 """The first bytes of a gzip file: a trace that starts with them is read through gzip."""
 PROXIMAL = "proximal_logprobs"
 """The packed array replay cannot compare: the trainer's rescoring, which needs its weights."""
+RESCORED = (PROXIMAL, REFERENCE)
+"""Every packed array replay cannot compare: the rescorings under the trainer's weights and
+under its reference policy's."""
 
 
 class TraceError(ValueError):

@@ -205,6 +205,7 @@ class Recorder:
             "support_capacity": scheduler.support_capacity,
             "vocab": scheduler.vocab,
             "empty_streak": scheduler.empty_streak,
+            "filter_uniform": scheduler.filter_uniform,
         }
         # Open until `_stop`: the recording spans a `with` of the caller's.
         if self.path.endswith(".gz"):

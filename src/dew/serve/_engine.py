@@ -33,7 +33,7 @@ import trio
 from dew import models
 from dew._checks import check_int, check_number
 from dew._trio import exit_unwrapped
-from dew.objectives.rl.sessions import Call
+from dew.objectives.rl.sessions import Call, note_progress
 from dew.serve.tokenizer import BYTES, Tokenizer
 
 _MIN_BUCKET = 16
@@ -490,9 +490,12 @@ class RolloutServer:
         )
         self._queue.append(request)
         self._wake.set()
+        # What the call samples counts toward its rollout's length, even if it is cancelled.
+        note_progress(calls=1, sampling=request.tokens)
         try:
             await request.done.wait()
         finally:
+            note_progress(len(request.tokens))
             if not request.done.is_set():
                 request.cancelled = True
                 if request in self._queue:

@@ -20,6 +20,7 @@ from dew import models
 from dew._checks import in_range, int_within
 from dew.envs.lookup import HARNESSES
 from dew.envs.reasoning_gym import PREFIX, ReasoningGym
+from dew.objectives.rl.grpo import AGGREGATIONS, CORRECTIONS, IMPORTANCE_LEVELS
 from dew.serve.tokenizer import BYTES, HuggingFaceTokenizer, Tokenizer
 
 TASKS = ("copy", "guess")
@@ -88,6 +89,14 @@ def _mesh_or_none(instance, attribute, value):
         )
 
 
+def _one_of(choices: tuple[str, ...]) -> Callable:
+    def validate(instance, attribute, value) -> None:
+        if value not in choices:
+            raise ValueError(f"{attribute.name} must be one of {choices}, got {value!r}")
+
+    return validate
+
+
 def _option(default: Any, validator: Callable, help: str, *, kind: type | None = None) -> Any:
     """A TrainConfig field that is also a `dew train` option, with its help text and, where
     the default (None) does not tell it, the type of its values."""
@@ -121,6 +130,13 @@ class TrainConfig:
         admit: groups trained per batch, the first to complete; the batch's other groups are
             cancelled. None trains every task's group. In a pool each process admits its
             share, so it must split evenly over the processes.
+        filter_uniform: discard a group whose rollouts all scored alike (it trains nothing)
+            and, with `admit`, admit a later group in its place (`RolloutScheduler`).
+        kl_coef: the weight of a k3 KL penalty to the initial weights, kept as the reference
+            policy; 0 for none. A resumed run derives the reference again from the config (the
+            seed's initial weights), so checkpoints need not hold it.
+        aggregation, importance_level, correction, importance_cap, importance_floor: the
+            objective's loss aggregation and behaviour-importance correction (`GRPOObjective`).
         checkpoint_every: updates between checkpoints.
         seed: seeds the initial weights, the task order and the sampling.
         d_model, layers, heads, d_ff: the transformer's shape (`dew.models.TransformerConfig`).
@@ -176,6 +192,35 @@ class TrainConfig:
         attrs.validators.optional(int_within(1, 4096)),
         "groups trained per batch, the first to complete; none trains every task's group",
         kind=int,
+    )
+    filter_uniform: bool = _option(
+        False,
+        attrs.validators.instance_of(bool),
+        "discard groups whose rollouts all scored alike (they train nothing); with --admit, "
+        "later groups of the batch take their places",
+    )
+    kl_coef: float = _option(
+        0.0, in_range(0, 100), "weight of a KL penalty to the initial weights (0 = none)"
+    )
+    aggregation: str = _option(
+        "token_mean",
+        _one_of(AGGREGATIONS),
+        "how the loss averages: token_mean, sequence_mean, or constant (Dr. GRPO)",
+    )
+    importance_level: str = _option(
+        "token",
+        _one_of(IMPORTANCE_LEVELS),
+        "the behaviour importance weight per token, sequence (product) or geometric (mean)",
+    )
+    correction: str = _option(
+        "truncate",
+        _one_of(CORRECTIONS),
+        "truncate the importance weight at --importance-cap, or mask tokens outside "
+        "[--importance-floor, --importance-cap]",
+    )
+    importance_cap: float = _option(5.0, in_range(1, 10**4), "the importance weight's upper bound")
+    importance_floor: float = _option(
+        0.0, in_range(0, 1), "the importance weight's lower bound under --correction mask"
     )
     checkpoint_every: int = _option(25, int_within(1, 10**6), "updates between checkpoints")
     seed: int = _option(
@@ -284,6 +329,10 @@ class TrainConfig:
             raise ValueError(
                 f"layers x (4 d_model^2 + 2 d_model d_ff) is the transformer's weights, which "
                 f"must be <= {MAX_WEIGHTS}, got {weights}"
+            )
+        if self.correction == "truncate" and self.importance_floor != 0:
+            raise ValueError(
+                "importance_floor bounds masking only: give correction mask, or leave it 0"
             )
         if self.tasks < self.batch_size:
             raise ValueError(f"tasks must be >= batch_size {self.batch_size}, got {self.tasks}")

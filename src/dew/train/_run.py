@@ -112,10 +112,12 @@ def train(
     task = _task(config, tokenizer)
     shape = task.shape
     model, variables = _model(config, shape.max_len, tokenizer)
+    # The initial weights, kept as the KL term's reference; a resumed run derives them again.
+    reference = variables if config.kl_coef > 0 else None
     mesh = _mesh(config, model)
     if mesh is not None:
         variables = sharding.shard(variables, sharding.param_shardings(model, mesh))
-    objective = _objective(model, config.temperature)
+    objective = _objective(model, config.temperature, **_levers(config))
     trainer = _FolderTrainer(
         objective,
         optax.adam(config.learning_rate),
@@ -183,6 +185,8 @@ def train(
         admit=admit,
         truncation="score",
         vocab=model.vocab,
+        filter_uniform=config.filter_uniform,
+        reference=reference,
     )
     per_epoch = config.tasks // config.batch_size * config.batch_size
     dataset = ProcessRows(
@@ -321,6 +325,19 @@ class _FolderTrainer(Trainer):
             model = self.objective.model
             hf.save(self.checkpoints / "model", model, self.variables, tokenizer_from=self.folder)
         return super().save()
+
+
+def _levers(config: TrainConfig) -> dict[str, Any]:
+    """The objective's settings a run's config holds (`GRPOObjective`'s keyword arguments)."""
+    names = (
+        "kl_coef",
+        "aggregation",
+        "importance_level",
+        "correction",
+        "importance_cap",
+        "importance_floor",
+    )
+    return {name: getattr(config, name) for name in names}
 
 
 class _RunLogs:

@@ -94,11 +94,12 @@ def _task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
 
 
 @functools.lru_cache(maxsize=4)
-def _objective(model: models.Model, temperature: float) -> GRPOObjective:
+def _objective(model: models.Model, temperature: float, **levers: Any) -> GRPOObjective:
     """The objective of a run's model at `temperature`, one per process: the trainer's compiled
     step and the scheduler's rescoring are the objective's, so a second run in the process (a
-    resumed run, a notebook's next cell) reuses them rather than compiling again."""
-    return GRPOObjective(model, temperature=temperature)
+    resumed run, a notebook's next cell) reuses them rather than compiling again. `levers` are
+    the objective's other settings (its correction, aggregation and KL weight)."""
+    return GRPOObjective(model, temperature=temperature, **levers)
 
 
 def _harness_task(config: TrainConfig) -> _RunTask:

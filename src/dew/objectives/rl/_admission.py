@@ -9,7 +9,8 @@ this module directly, and equal inputs give equal outputs.
 Every submission ends exactly once, and says how in the event log (`LogEvent`):
 - `admitted`: delivered to the trainer in a complete group;
 - `cancelled` (reason): stopped in flight;
-- `discarded` (reason): finished, but its result was thrown away;
+- `discarded` (reason): finished, but its result was thrown away: `stale` (past the bound) or
+  `uniform` (its group's rewards were all equal, under `filter_uniform`);
 - `failed` (cause): finished with a failing status (infra_error, cancelled, unscored).
 A failed, timed-out or stale submission is followed by a new `submitted` event whose reason is
 the cause (infra_error, cancelled, timeout, stale or unscored), unless the sample is out of
@@ -24,6 +25,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from dew.data import Task
+from dew.objectives.rl._packing import uniform_group
 from dew.objectives.rl.sessions import Label, Session, Status
 
 CAUSES = ("infra_error", "cancelled", "stale", "timeout", "unscored")
@@ -32,6 +34,8 @@ CAUSES = ("infra_error", "cancelled", "stale", "timeout", "unscored")
 # failure cannot grow the event log without bound.
 ERROR_TEXT = 300
 REASONS = ("surplus", "stale", "timeout", "reopened", "closed", "abandoned", "broken")
+DISCARDS = ("stale", "uniform")
+"""Why a finished result is thrown away (a `discarded` event's reason)."""
 # Causes that use up one of a sample's max_attempts; stale resubmission does not.
 FAILURES = ("infra_error", "cancelled", "timeout", "unscored")
 
@@ -46,6 +50,7 @@ class Config:
     max_lag: int = 1
     max_attempts: int = 3
     truncation: str = "mask"
+    filter_uniform: bool = False
 
     @property
     def samples(self) -> int:
@@ -64,9 +69,16 @@ class GroupState(enum.Enum):
     SURPLUS = "surplus"
     ABANDONED = "abandoned"
     BROKEN = "broken"
+    UNIFORM = "uniform"  # complete, its rewards all equal: discarded under filter_uniform
 
 
-FINAL = (GroupState.COMPLETE, GroupState.SURPLUS, GroupState.ABANDONED, GroupState.BROKEN)
+FINAL = (
+    GroupState.COMPLETE,
+    GroupState.SURPLUS,
+    GroupState.ABANDONED,
+    GroupState.BROKEN,
+    GroupState.UNIFORM,
+)
 
 
 @attrs.frozen
@@ -201,10 +213,12 @@ class Cancel:
 
 @attrs.frozen
 class Deliver:
-    """Hand batch's admitted groups, in admission order, to the trainer."""
+    """Hand batch's admitted groups, in admission order, to the trainer; `uniform` counts the
+    batch's groups discarded because their rewards were all equal."""
 
     batch: int
     groups: tuple[tuple[Session, ...], ...]
+    uniform: int = 0
 
 
 @attrs.frozen
@@ -494,10 +508,21 @@ class _Step:
 
     def complete(self, group: Group) -> None:
         """The group has its `groups` rollouts: cancel the rest, and with `admit`, once enough
-        groups of its batch are complete, the batch's other groups."""
+        groups of its batch are complete, the batch's other groups.
+
+        Under `filter_uniform`, a group whose training rewards are all equal is discarded
+        instead: its advantages would all be 0, so it would take rows and train nothing. It
+        does not count toward `admit`, so the batch's later groups take its place."""
         for sample in group.samples:
             if sample.state is SampleState.RUNNING:
                 group = self.end(group, sample, "surplus")
+        if self.config.filter_uniform:
+            results = [s.result for s in group.samples if s.state is SampleState.FINISHED]
+            if uniform_group(results, self.config.truncation):
+                for sample in group.samples:
+                    group = self.end(group, sample, "uniform")
+                self.put(group.with_state(GroupState.UNIFORM, self.time))
+                return
         self.put(group.with_state(GroupState.COMPLETE, self.time))
         admit = self.config.admit
         if admit is None:
@@ -561,5 +586,6 @@ class _Step:
                 if sample.state is SampleState.FINISHED:
                     self.log("admitted", group, sample.label, version=sample.version)
             groups.append(sessions)
+        uniform = sum(g.state is GroupState.UNIFORM for g in members)
         self.drop(batch)
-        self.commands.append(Deliver(batch, tuple(groups)))
+        self.commands.append(Deliver(batch, tuple(groups), uniform))

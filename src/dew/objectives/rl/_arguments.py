@@ -202,3 +202,30 @@ def resolve_vocab(objective, vocab: int | None) -> int | None:
             f"above it has no logit to score), got {vocab}"
         )
     return vocab
+
+
+def check_filtering(objective, *, groups: int, filter_uniform, reference) -> None:
+    """Refuse uniform-group filtering that would discard every group, and a reference policy
+    without the KL term that reads it (or the term without it).
+
+    Raises:
+        ValueError: naming the argument.
+    """
+    if not isinstance(filter_uniform, bool):
+        raise ValueError(f"filter_uniform must be a bool, got {filter_uniform!r}")
+    if filter_uniform and groups < 2:
+        raise ValueError(
+            "filter_uniform discards every group of groups=1: a lone rollout's reward is "
+            "always uniform (it has no baseline); use groups >= 2"
+        )
+    kl_coef = getattr(objective, "kl_coef", 0.0)
+    if kl_coef > 0 and reference is None:
+        raise ValueError(
+            f"reference is required: the objective's kl_coef is {kl_coef}, and its KL term "
+            "reads reference_logprobs, rescored under the frozen reference policy's variables"
+        )
+    if kl_coef == 0 and reference is not None:
+        raise ValueError(
+            "reference is rescored for the objective's KL term, but its kl_coef is 0: set "
+            "GRPOObjective(kl_coef=...) or leave reference out"
+        )

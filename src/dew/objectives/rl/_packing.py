@@ -116,6 +116,21 @@ def _training_reward(session: Session, truncation: str) -> float:
     return float(session.reward)
 
 
+def uniform_group(group: Sequence[Session], truncation: str) -> bool:
+    """Whether a complete group carries no signal: its training rollouts' rewards (as
+    `truncation` makes them) are all equal, or fewer than two of them train. Every advantage
+    `pack` gives such a group is 0, under every estimator.
+
+    Args:
+        group: finished sessions of statuses `pack` takes; a TRUNCATED one under `score` has a
+            reward (the scheduler resubmits those without as unscored).
+        truncation: the truncation policy.
+    """
+    trains = _training_statuses(truncation)
+    rewards = {_training_reward(s, truncation) for s in group if s.status in trains}
+    return len(rewards) <= 1
+
+
 def _advantages(rewards: list[float], sizes: list[int], estimator: str) -> np.ndarray:
     """Per-rollout advantages of every group's training rewards at once.
 

@@ -75,6 +75,16 @@ class EmptyStreak:
             + "".join(f" ({reason} {n})" for reason, n in sorted(cuts.items()))
             + f", abandoned {sum(r.abandoned for r in records)}, resubmitted: {counted}"
         )
+        uniform = sum(
+            r.metrics.get("groups/uniform", 0) - r.metrics.get("groups/uniform_trained", 0)
+            for r in records
+        )
+        if uniform:
+            text += (
+                f"; filter_uniform discarded {uniform:.0f} groups whose rewards were all equal "
+                "(every rollout of a task scored alike: the tasks are too easy or too hard "
+                "for the policy)"
+            )
         if errors:
             text += "; most frequent errors: " + ", ".join(
                 f"{error!r} x{n}" for error, n in errors.most_common(3)

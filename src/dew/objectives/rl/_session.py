@@ -6,9 +6,10 @@ Public through `dew.objectives.rl.sessions`; the leaf of the sessions modules (`
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sized
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -127,6 +128,52 @@ class Session:
     def tokens(self) -> int:
         """Completion tokens over all its calls: what the engine sampled for it."""
         return sum(len(call.completion) for call in self.calls)
+
+
+@attrs.define(eq=False)
+class Progress:
+    """How far a rollout got: tokens sampled by its finished calls, calls begun, and the tokens
+    of the call being sampled (a list the engine grows), None between calls."""
+
+    tokens: int = 0
+    calls: int = 0
+    sampling: Sized | None = None
+
+    def length(self) -> tuple[int, int]:
+        """Its tokens and calls so far: a cancelled rollout's lower bounds."""
+        live = 0 if self.sampling is None else len(self.sampling)
+        return self.tokens + live, self.calls
+
+
+# The rollout running in a trio task. The scheduler gives each rollout's task its own; an
+# engine adds to it as it samples.
+_PROGRESS: contextvars.ContextVar[Progress | None] = contextvars.ContextVar(
+    "dew_rollout_progress", default=None
+)
+
+
+def note_progress(tokens: int = 0, *, calls: int = 0, sampling: Sized | None = None) -> None:
+    """Count, for the rollout running in this trio task, tokens its finished calls sampled and
+    calls begun, and say which call samples now (`sampling`, its growing tokens; None once no
+    call does).
+
+    An engine calls it as it samples (dew's RolloutServer and SimulatedSource do), so that a
+    rollout the scheduler cancels still says how far it got: the lower bounds of its length
+    that the record's selection-bias figures take. Outside a scheduler's rollout it does
+    nothing.
+    """
+    progress = _PROGRESS.get()
+    if progress is not None:
+        progress.tokens += tokens
+        progress.calls += calls
+        progress.sampling = sampling
+
+
+def track_progress() -> Progress:
+    """A fresh Progress for the rollout this trio task runs (see note_progress)."""
+    progress = Progress()
+    _PROGRESS.set(progress)
+    return progress
 
 
 @runtime_checkable

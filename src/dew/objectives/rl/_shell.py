@@ -34,7 +34,13 @@ from dew._trio import exit_unwrapped, stop_in
 from dew.data import Batch, Dataset, Task
 from dew.objectives.rl import _admission as core
 from dew.objectives.rl._admission import LogEvent
-from dew.objectives.rl._arguments import MAX_IN_FLIGHT, check_arguments, resolve_vocab
+from dew.objectives.rl._arguments import (
+    MAX_IN_FLIGHT,
+    check_arguments,
+    check_filtering,
+    resolve_vocab,
+)
+from dew.objectives.rl._packing import _percentile, uniform_group
 from dew.objectives.rl._records import (
     GroupStatus,
     Publisher,
@@ -44,7 +50,8 @@ from dew.objectives.rl._records import (
     Variables,
 )
 from dew.objectives.rl._reports import EmptyStreak, ErrorCounts, TooLongChain
-from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.rl._session import Progress, track_progress
+from dew.objectives.rl.grpo import GRPOObjective, mismatch_metrics
 from dew.objectives.rl.sessions import (
     Label,
     Packed,
@@ -73,6 +80,10 @@ class _HandOver:
 class _Delivery:
     groups: tuple[tuple[Session, ...], ...]
     events: tuple[LogEvent, ...]
+    uniform: int = 0  # the batch's groups discarded as uniform
+    # (tokens, calls) of every submission the batch started: finished ones exactly, cancelled
+    # ones as far as they got (lower bounds).
+    started: tuple[tuple[int, int], ...] = ()
 
 
 @attrs.frozen
@@ -138,6 +149,8 @@ class _Scheduler:
         log: Callable[[SchedulerRecord], None] | None,
         vocab: int | None,
         empty_streak: int | None,
+        filter_uniform: bool = False,
+        reference: Variables | None = None,
     ):
         check_arguments(
             objective,
@@ -161,6 +174,9 @@ class _Scheduler:
             vocab=vocab,
             empty_streak=empty_streak,
         )
+        check_filtering(
+            objective, groups=groups, filter_uniform=filter_uniform, reference=reference
+        )
         self.objective = objective
         self.source = source
         self.weights = weights
@@ -176,6 +192,10 @@ class _Scheduler:
         self.log = log
         self.vocab = resolve_vocab(objective, vocab)
         self.empty_streak = empty_streak
+        self.filter_uniform = filter_uniform
+        # The frozen reference policy rescored over the rows beside the proximal one, for the
+        # objective's KL term.
+        self.reference = reference
         self.config = core.Config(
             groups=groups,
             oversample=oversample,
@@ -183,6 +203,7 @@ class _Scheduler:
             max_lag=max_lag,
             max_attempts=max_attempts,
             truncation=truncation,
+            filter_uniform=filter_uniform,
         )
         # While the trainer waits, what it waits on is logged after this many seconds, then
         # after twice as many, and so on; None logs nothing (simulations that wait by design).
@@ -225,6 +246,11 @@ class _Scheduler:
         self._pending: list[core.Event] = []
         self._wake = trio.Event()
         self._scopes: dict[Label, trio.CancelScope] = {}
+        # For the selection bias: each live submission's batch and progress, and per batch the
+        # lengths of the submissions it started that have ended.
+        self._batch_of: dict[Label, int] = {}
+        self._progress: dict[Label, Progress] = {}
+        self._started: dict[int, dict[Label, tuple[int, int]]] = {}
         self._deadlines: collections.deque[tuple[float, Label]] = collections.deque()
         self._deadline_added = trio.Event()
         self._batches: dict[int, tuple[trio.Nursery, trio.Event]] = {}
@@ -433,6 +459,8 @@ class _Scheduler:
         )
         batch = first_reader_batch(packed.batch, share_size=self.pool.share_size)
         batch["proximal_logprobs"] = self.pool.rescore(self.objective, variables, batch)
+        if self.reference is not None:
+            batch["reference_logprobs"] = self.pool.rescore(self.objective, self.reference, batch)
         return packed, batch
 
     def _prepare(self, batch: Batch, variables: Variables, updates: int) -> _HandOver:
@@ -523,7 +551,8 @@ class _Scheduler:
             abandoned=sum(e.kind == "abandoned" for e in events),
             cut=len(packed.cut),
             waited=float(waited),
-            metrics=session_metrics(sessions, packed, version=updates),
+            metrics=session_metrics(sessions, packed, version=updates)
+            | self._step_metrics(message, packed, batch, updates),
         )
         self.last_record, self.last_events = record, events
         if self.log is not None:
@@ -531,6 +560,32 @@ class _Scheduler:
         self._too_long.observe(message.groups, packed.cut)
         self._empty.observe(record, events)
         return batch
+
+    def _step_metrics(
+        self, message: _Delivery, packed: Packed, batch: dict, updates: int
+    ) -> dict[str, float]:
+        """The record's figures beyond `session_metrics`: the batch's complete groups whose
+        rewards were all equal (`groups/uniform`: discarded under filter_uniform, else trained
+        or cut) and those of them trained on (`groups/uniform_trained`); the behaviour
+        importance (`GRPOObjective.importance_metrics`) and the mismatch split by version."""
+        trained = [message.groups[i] for i in packed.packed]
+        uniform_trained = sum(uniform_group(g, self.truncation) for g in trained)
+        cut = [message.groups[c.group] for c in packed.cut]
+        uniform_cut = sum(uniform_group(g, self.truncation) for g in cut)
+        metrics = {}
+        # Counted over the batch's complete groups: a batch that completed none leaves them out.
+        if message.groups or message.uniform:
+            metrics["groups/uniform"] = float(message.uniform + uniform_trained + uniform_cut)
+            metrics["groups/uniform_trained"] = float(uniform_trained)
+        admitted = [(s.tokens, len(s.calls)) for group in message.groups for s in group]
+        metrics |= selection_bias(admitted, message.started)
+        if isinstance(self.objective, GRPOObjective):
+            importance = self.objective.importance_metrics(batch, version=updates)
+        else:
+            importance = mismatch_metrics(batch, version=updates)
+        # A record's figures are finite (see session_metrics): a log-prob that is not leaves
+        # its figures out here, and the loss, NaN too, stops the trainer naming the step.
+        return metrics | {k: v for k, v in importance.items() if math.isfinite(v)}
 
     def status(self) -> SchedulerStatus:
         """Which groups are in play, which batch the trainer waits on, how old each rollout is
@@ -793,12 +848,25 @@ class _Scheduler:
             self._apply(events)
 
     def _apply(self, events: list[core.Event]) -> None:
+        for event in events:
+            if isinstance(event, core.Finished) and event.label in self._batch_of:
+                length = (event.session.tokens, len(event.session.calls))
+                self._started[self._batch_of[event.label]][event.label] = length
         self._state, commands = core.run(self._state, events)
         for command in commands:
             self._carry_out(command)
         for batch, (_, done) in list(self._batches.items()):
             if batch not in self._state.batches:
                 done.set()
+        for batch in [b for b in self._started if b not in self._state.batches]:
+            self._forget_lengths(batch)
+
+    def _forget_lengths(self, batch: int) -> tuple[tuple[int, int], ...]:
+        """Drop a batch that left the state from the length books; return its lengths."""
+        lengths = self._started.pop(batch, {})
+        for label in [x for x, b in self._batch_of.items() if b == batch]:
+            del self._batch_of[label]
+        return tuple(lengths.values())
 
     def _carry_out(self, command: core.Command) -> None:
         if isinstance(command, LogEvent):
@@ -806,6 +874,8 @@ class _Scheduler:
             if command.error is not None:
                 self._errors.add(command.error)
         elif isinstance(command, core.Submit):
+            self._batch_of[command.label] = command.batch
+            self._started.setdefault(command.batch, {})
             scope = trio.CancelScope()
             self._scopes[command.label] = scope
             nursery, _ = self._batches[command.batch]
@@ -814,12 +884,17 @@ class _Scheduler:
                 self._deadlines.append((command.time + self.timeout, command.label))
                 self._deadline_added.set()
         elif isinstance(command, core.Cancel):
+            batch = self._batch_of.get(command.label)
+            if batch is not None:
+                progress = self._progress.get(command.label, Progress())
+                self._started[batch].setdefault(command.label, progress.length())
             scope = self._scopes.get(command.label)
             if scope is not None:
                 scope.cancel(reason=command.reason)
         elif isinstance(command, core.Deliver):
             events, self._events = tuple(self._events), []
-            self._deliver(_Delivery(command.groups, events))
+            started = self._forget_lengths(command.batch)
+            self._deliver(_Delivery(command.groups, events, command.uniform, started))
         elif isinstance(command, core.Fail):
             if self._failure is not None:
                 logger.error("a failure after the one the trainer gets", exc_info=command.error)
@@ -857,6 +932,7 @@ class _Scheduler:
 
     async def _rollout(self, scope: trio.CancelScope, submission: core.Submit) -> None:
         task, label, submitted = submission.task, submission.label, submission.time
+        self._progress[label] = track_progress()  # this task's own: its engine calls count here
         try:
             with scope:
                 try:
@@ -883,6 +959,7 @@ class _Scheduler:
             self._post(core.Finished(now, label, session))
         finally:
             del self._scopes[label]
+            del self._progress[label]
 
     def _check_versions(self, session: Session, submission: core.Submit) -> None:
         """Refuse calls outside the versions served while the rollout ran: one older than its
@@ -906,6 +983,43 @@ class _Scheduler:
                 f"{where}: a call reports version {newest}, newer than the newest version "
                 f"{self._newest_pushed} pushed (does the engine number versions itself?)"
             )
+
+
+def selection_bias(
+    admitted: Sequence[tuple[int, int]], started: Sequence[tuple[int, int]]
+) -> dict[str, float]:
+    """The price of cutting the long tail: the lengths of the rollouts a batch admitted beside
+    those of every rollout it started, in tokens and in turns (model calls).
+
+    Args:
+        admitted: (tokens, calls) of each admitted rollout.
+        started: (tokens, calls) of each submission the batch started, finished or cancelled;
+            a cancelled one's as far as it got, a lower bound.
+
+    Returns:
+        For `kind` in tokens and turns, `bias/<kind>/admitted_<stat>` and
+        `bias/<kind>/started_<stat>` for the stats mean, p50 and p90, and
+        `bias/<kind>/ratio_<stat>`, admitted over started (present where started is above 0):
+        below 1, the admitted rollouts are shorter than what the batch ran, the bias the cut
+        pays. Empty when either side is.
+    """
+    metrics: dict[str, float] = {}
+    if not admitted or not started:
+        return metrics
+    for kind, column in (("tokens", 0), ("turns", 1)):
+        stats = {}
+        for side, lengths in (("admitted", admitted), ("started", started)):
+            ordered = sorted(float(length[column]) for length in lengths)
+            stats[side] = {
+                "mean": math.fsum(ordered) / len(ordered),
+                "p50": _percentile(ordered, 50),
+                "p90": _percentile(ordered, 90),
+            }
+            metrics |= {f"bias/{kind}/{side}_{s}": v for s, v in stats[side].items()}
+        for s, below in stats["started"].items():
+            if below > 0:
+                metrics[f"bias/{kind}/ratio_{s}"] = stats["admitted"][s] / below
+    return metrics
 
 
 @attrs.frozen

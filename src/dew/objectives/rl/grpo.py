@@ -13,7 +13,16 @@ The batch is a mapping of `[rows, width]` arrays: `tokens`, `positions`, `segmen
 padding), `loss_mask`, `advantages`, `behavior_logprobs`, `proximal_logprobs`, and optionally
 `support_tokens` and `support_positions` (`[rows, S]`, position -1 = unused) where a filtered
 (top-k/top-p) sampler drew tokens. The log-prob at `[r, p]` is that of `tokens[r, p]` given the
-segment's tokens before `p`; it is 0 at a segment's first position and at padding.
+segment's tokens before `p`; it is 0 at a segment's first position and at padding. With a
+`kl_coef`, the batch also carries `reference_logprobs`, the frozen reference policy's log-probs
+rescored over the same rows (`RolloutScheduler(reference=...)`).
+
+The levers a practitioner tunes, each documented with its formula in docs/concepts.md: the
+behaviour importance weight's level (`importance_level`: per token, per sequence, or the
+sequence's geometric mean) and how it is applied (`correction`: truncated at the cap, or tokens
+outside `[importance_floor, importance_cap]` masked out of the loss); how the loss is averaged
+(`aggregation`); and a k3 KL penalty to a reference policy (`kl_coef`). The defaults are
+decoupled PPO as AReaL trains it: token-level weights truncated at 5, the token mean.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from typing import Any
 import attrs
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from dew._checks import at_least, in_range, is_callable, positive
@@ -33,6 +43,28 @@ Model = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
 SCORED = ("tokens", "positions", "segment_ids")
 SUPPORT = ("support_tokens", "support_positions")
 TRAINED = ("loss_mask", "advantages", "behavior_logprobs", "proximal_logprobs")
+REFERENCE = "reference_logprobs"
+
+IMPORTANCE_LEVELS = ("token", "sequence", "geometric")
+"""Where the behaviour importance weight is taken: each token's own, the product over its
+sequence's trained tokens, or that product's geometric mean (see `GRPOObjective`)."""
+CORRECTIONS = ("truncate", "mask")
+"""How the weight is applied: capped at `importance_cap`, or masked outside its bounds."""
+AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
+"""How per-token losses become the loss (see `GRPOObjective`)."""
+QUANTILES = (10, 50, 90)
+"""The percentiles of the importance weight that `importance_metrics` reports."""
+RESCORED_METRICS = (
+    "importance/masked",
+    *(f"importance/p{q}" for q in QUANTILES),
+    "mismatch/engine",
+    "staleness/kl",
+)
+"""The record's figures that `importance_metrics` computes from the proximal rescoring: a replay,
+which does not rescore, leaves them out of its comparison."""
+# The reference KL's log-ratio is clamped here: beyond it exp overflows float32's gradient,
+# and a token the reference finds e^20 times likelier is held back hard enough.
+_KL_LOG_RATIO = 20.0
 
 
 def _require(batch: Mapping[str, Any], keys: tuple[str, ...]) -> None:
@@ -41,11 +73,73 @@ def _require(batch: Mapping[str, Any], keys: tuple[str, ...]) -> None:
         raise KeyError(f"batch lacks {', '.join(map(repr, missing))}; it has {sorted(batch)}")
 
 
+def _one_of(choices: tuple[str, ...]):
+    """An attrs validator: the field is one of `choices`, named in the message."""
+
+    def validate(instance, attribute, value) -> None:
+        if value not in choices:
+            raise ValueError(f"{attribute.name} must be one of {choices}, got {value!r}")
+
+    return validate
+
+
 def _support(batch: Mapping[str, Any]) -> bool:
     present = [key in batch for key in SUPPORT]
     if any(present) and not all(present):
         raise KeyError(f"batch must carry both or neither of {SUPPORT}, got {sorted(batch)}")
     return all(present)
+
+
+def _sequence_index(batch: Mapping[str, Any]) -> tuple[jax.Array, int]:
+    """Each cell's sequence, int32[rows * width], and how many indices there can be: a
+    sequence is one segment of one row (segment ids restart in each row and are at most the
+    width), and padding, segment 0, is a sequence of its own that no trained token is in."""
+    segment_ids = jnp.asarray(batch["segment_ids"], jnp.int32)
+    rows, width = segment_ids.shape
+    row = jnp.arange(rows, dtype=jnp.int32)[:, None] * jnp.int32(width + 1)
+    return (row + segment_ids).reshape(-1), rows * (width + 1)
+
+
+def mismatch_metrics(batch: Mapping[str, Any], *, version: int) -> dict[str, float]:
+    """The behaviour–proximal mismatch of a packed batch, split by where it comes from.
+
+    Both are the k3 estimate of KL(behaviour || proximal), the mean over trained tokens of
+    (rho - 1) - log rho with rho = proximal / behaviour:
+
+    - `mismatch/engine`: over the tokens sampled at `version`, the proximal policy's own
+      version. Behaviour and proximal are then the same weights computed twice (by the engine
+      and by the trainer), so this is the engine–trainer difference alone: float noise for an
+      engine that computes as the trainer does, more for another kernel, dtype or quantisation.
+    - `staleness/kl`: over the tokens sampled at older versions: how far the policy moved since
+      they were sampled (plus the engine's own share, which `mismatch/engine` shows).
+
+    A figure over no tokens is left out (a synchronous run has no stale tokens).
+
+    Args:
+        batch: `loss_mask`, `behavior_logprobs`, `proximal_logprobs` float32[rows, width] and
+            `versions` int32[rows, width] (each completion token's call version), as
+            `RolloutScheduler` returns them.
+        version: the version the proximal log-probs were rescored under (the trainer's updates).
+
+    Returns:
+        The figures that are defined, as floats.
+
+    Raises:
+        KeyError: naming a missing key.
+    """
+    _require(batch, ("loss_mask", "behavior_logprobs", "proximal_logprobs", "versions"))
+    trained = np.asarray(batch["loss_mask"]) > 0
+    log_rho = (
+        np.asarray(batch["proximal_logprobs"], np.float64)[trained]
+        - np.asarray(batch["behavior_logprobs"], np.float64)[trained]
+    )
+    k3 = np.expm1(log_rho) - log_rho
+    current = np.asarray(batch["versions"])[trained] == version
+    metrics = {}
+    for name, where in (("mismatch/engine", current), ("staleness/kl", ~current)):
+        if where.any():
+            metrics[name] = float(k3[where].mean())
+    return metrics
 
 
 @attrs.frozen(eq=False)
@@ -56,8 +150,22 @@ class GRPOObjective:
         model: `model(variables, tokens, positions, segment_ids) -> logits`, float[rows, width,
             vocab] the next-token logits at each position; attention must stay in its segment.
         clip: the surrogate clips the ratio to current / proximal to [1 - clip, 1 + clip].
-        importance_cap: the behaviour importance weight proximal / behaviour is capped here, so
-            one token the engine found unlikely cannot dominate the step.
+        importance_cap: the behaviour importance weight proximal / behaviour is capped here
+            (truncation), or a token or sequence whose weight lies above it is left out of the
+            loss (masking), so one token the engine found unlikely cannot dominate the step.
+        importance_level: `token` (each token's proximal / behaviour), `sequence` (the product
+            over its sequence's trained tokens: a sequence is one packed segment, a chain) or
+            `geometric` (that product's geometric mean); a sequence's weight applies to each of
+            its tokens.
+        correction: `truncate` (min(weight, importance_cap): truncated importance sampling)
+            or `mask` (a token whose weight lies outside [importance_floor, importance_cap] is
+            left out of the loss and counted: masked importance sampling, IcePop).
+        importance_floor: masking's lower bound, in [0, 1]; 0 with `truncate`.
+        aggregation: `token_mean` (over every trained token of the batch), `sequence_mean`
+            (the mean over sequences of each one's token mean) or `constant` (the sum over
+            trained tokens divided by the batch's rows x width, a constant: Dr. GRPO).
+        kl_coef: the weight of the k3 estimate of KL(current || reference) in the loss; above
+            0 the batch must carry `reference_logprobs`.
         temperature: the engine's sampling temperature. Every log-prob here is of the logits
             divided by it, the distribution the engine drew from and reported its behaviour
             log-probs under; at another temperature, behaviour and proximal would differ by
@@ -66,8 +174,11 @@ class GRPOObjective:
 
     Raises:
         ValueError: naming the argument, for a model that is not callable, a clip outside (0, 1),
-            an importance_cap below 1 (an on-policy token weighs 1) or a temperature that is
-            not a finite number > 0 (greedy decoding has no log-probs to train on).
+            an importance_cap below 1 or an importance_floor outside [0, 1] (an on-policy token
+            weighs 1 and must train), a floor other than 0 with `truncate` (it bounds only
+            masking), an unknown level, correction or aggregation, a negative kl_coef, or a
+            temperature that is not a finite number > 0 (greedy decoding has no log-probs to
+            train on).
     """
 
     model: Model = attrs.field(validator=is_callable)
@@ -75,6 +186,15 @@ class GRPOObjective:
         default=0.2, kw_only=True, validator=in_range(0, 1, low_open=True, high_open=True)
     )
     importance_cap: float = attrs.field(default=5.0, kw_only=True, validator=at_least(1))
+    importance_level: str = attrs.field(
+        default="token", kw_only=True, validator=_one_of(IMPORTANCE_LEVELS)
+    )
+    correction: str = attrs.field(default="truncate", kw_only=True, validator=_one_of(CORRECTIONS))
+    importance_floor: float = attrs.field(default=0.0, kw_only=True, validator=in_range(0, 1))
+    aggregation: str = attrs.field(
+        default="token_mean", kw_only=True, validator=_one_of(AGGREGATIONS)
+    )
+    kl_coef: float = attrs.field(default=0.0, kw_only=True, validator=at_least(0))
     temperature: float = attrs.field(default=1.0, kw_only=True, validator=positive)
     # Built once per objective, so each batch shape compiles once for the objective's lifetime.
     _jitted_log_probs: Callable = attrs.field(
@@ -82,6 +202,18 @@ class GRPOObjective:
         repr=False,
         default=attrs.Factory(lambda self: jax.jit(self._log_probs), takes_self=True),
     )
+    _jitted_weights: Callable = attrs.field(
+        init=False,
+        repr=False,
+        default=attrs.Factory(lambda self: jax.jit(self._weights), takes_self=True),
+    )
+
+    def __attrs_post_init__(self):
+        if self.correction == "truncate" and self.importance_floor != 0:
+            raise ValueError(
+                f"importance_floor bounds masking only: with correction='truncate' leave it 0, "
+                f"got {self.importance_floor}"
+            )
 
     def packed_log_probs(self, variables, batch: Mapping[str, Any]) -> jax.Array:
         """Score packed rows: each token's log-prob given its segment's earlier tokens.
@@ -107,24 +239,64 @@ class GRPOObjective:
         return self._jitted_log_probs(variables, {key: batch[key] for key in keys})
 
     def behavior_importance(self, batch: Mapping[str, Any]) -> jax.Array:
-        """Per-token weight proximal / behaviour, capped at `importance_cap`.
+        """Per-token behaviour importance weight, at `importance_level`, as `correction` applies it.
 
         Decoupled PPO's correction for sampling under a stale or differently computed policy:
         the surrogate is taken against the proximal policy, and this reweights each token
         towards it from the behaviour policy the engine really sampled.
 
         Args:
-            batch: `loss_mask`, `behavior_logprobs`, `proximal_logprobs`, float32[rows, width].
+            batch: `loss_mask`, `behavior_logprobs`, `proximal_logprobs`, float32[rows, width];
+                `segment_ids` too at the sequence and geometric levels.
 
         Returns:
-            float32[rows, width]: min(exp(proximal - behaviour), importance_cap) at trained
-            tokens, 0 where `loss_mask` is 0.
+            float32[rows, width]: at trained tokens, the level's weight w (token: exp(proximal -
+            behaviour); sequence: the product of the token weights over the sequence's trained
+            tokens; geometric: their geometric mean) as min(w, importance_cap) under
+            `truncate`, or w where it lies within [importance_floor, importance_cap] and 0
+            where masking leaves the token out; 0 where `loss_mask` is 0.
 
         Raises:
             KeyError: naming a missing key.
         """
-        _require(batch, ("loss_mask", "behavior_logprobs", "proximal_logprobs"))
-        return self._importance(batch)[2]
+        self._require_weighted(batch)
+        return self._weights(batch)[2]
+
+    def importance_metrics(
+        self, batch: Mapping[str, Any], *, version: int | None = None
+    ) -> dict[str, float]:
+        """What the behaviour importance looked like over a packed batch, for the step's record.
+
+        Computed from the batch alone (behaviour and proximal log-probs, no model call), so the
+        scheduler reports it beside the step's other figures. A figure over no tokens is left
+        out.
+
+        Args:
+            batch: as `behavior_importance` reads it, plus `versions` (int32[rows, width], each
+                completion token's call version) when `version` is given.
+            version: the proximal policy's version (the trainer's updates when the rows were
+                rescored), to split the mismatch by where it comes from.
+
+        Returns:
+            `importance/masked`, the share of trained tokens the correction leaves out (0 under
+            `truncate`); `importance/p10`, `/p50`, `/p90`, the level's weight w over trained
+            tokens before it is capped or masked; with `version`, `mismatch/engine` and
+            `staleness/kl` (see `mismatch_metrics`).
+
+        Raises:
+            KeyError: naming a missing key.
+        """
+        self._require_weighted(batch)
+        trained, level_log, _, kept = (np.asarray(a) for a in self._jitted_weights(dict(batch)))
+        metrics: dict[str, float] = {}
+        if trained.any():
+            metrics["importance/masked"] = float(1 - kept[trained].mean())
+            weights = np.exp(level_log[trained].astype(np.float64))
+            for q in QUANTILES:
+                metrics[f"importance/p{q}"] = float(np.percentile(weights, q))
+        if version is not None:
+            metrics |= mismatch_metrics(batch, version=version)
+        return metrics
 
     def loss(self, variables, batch: Mapping[str, Any]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The importance-weighted clipped surrogate, to minimise, and what the step looked like.
@@ -134,27 +306,31 @@ class GRPOObjective:
         Args:
             variables: the model's variables being trained.
             batch: the packed keys `packed_log_probs` reads, plus `loss_mask`, `advantages`,
-                `behavior_logprobs` and `proximal_logprobs`, float32[rows, width].
+                `behavior_logprobs` and `proximal_logprobs`, float32[rows, width]; with a
+                `kl_coef`, `reference_logprobs` too.
 
         Returns:
-            The loss, minus the mean over loss-mask weight of importance x min(ratio x A,
-            clip(ratio) x A) with ratio = exp(current - proximal); and float32 metrics over
-            trained tokens (each 0 when there are none):
+            The loss: per kept token t, l_t = -w_t x min(r_t x A_t, clip(r_t) x A_t) (+ kl_coef
+            x k3_t against the reference), with r_t = exp(current - proximal) and w_t the
+            `behavior_importance`, aggregated as `aggregation` says with each token weighted by
+            its loss mask; and float32 metrics over trained tokens (each 0 when there are none):
             `loss`; `kl/behavior_proximal`, the k3 estimate of KL(behaviour || proximal), the
-            trainer-engine mismatch; `clip_fraction`, the share of tokens whose gradient the
-            clip removes; `importance/mean`, `importance/max`; `ratio/mean`; `tokens`, the
-            loss mask's total weight.
+            trainer-engine mismatch and staleness together (`importance_metrics` splits them);
+            `clip_fraction`, the share of tokens whose gradient the clip removes;
+            `importance/mean`, `importance/max`; `ratio/mean`; `tokens`, the loss mask's total
+            weight; with a `kl_coef`, `kl/reference`, the mean k3 estimate of KL(current ||
+            reference) over the kept tokens.
 
         Raises:
             KeyError: naming a missing key.
         """
-        _require(batch, SCORED + TRAINED)
+        _require(batch, SCORED + TRAINED + ((REFERENCE,) if self.kl_coef > 0 else ()))
         keys = SCORED + (SUPPORT if _support(batch) else ())
         current = self._log_probs(variables, {key: batch[key] for key in keys})
         mask = jnp.asarray(batch["loss_mask"], jnp.float32)
         advantages = jnp.asarray(batch["advantages"], jnp.float32)
         proximal = jnp.asarray(batch["proximal_logprobs"], jnp.float32)
-        trained, log_importance, importance = self._importance(batch)
+        trained, level_log, importance, kept = self._weights(batch)
 
         # Masked before exp, so an untrained token's ratio can't overflow into a NaN gradient.
         log_ratio = jnp.where(trained, current - proximal, jnp.float32(0))
@@ -162,7 +338,7 @@ class GRPOObjective:
         low, high = jnp.float32(1.0 - self.clip), jnp.float32(1.0 + self.clip)
         unclipped = ratio * advantages
         clipped = jnp.clip(ratio, low, high) * advantages
-        surrogate = jnp.minimum(unclipped, clipped)
+        per_token = -importance * jnp.minimum(unclipped, clipped)
 
         tokens = mask.sum()
         count = jnp.maximum(trained.sum().astype(jnp.float32), jnp.float32(1))
@@ -170,10 +346,29 @@ class GRPOObjective:
         def mean(values: jax.Array) -> jax.Array:
             return jnp.where(trained, values, jnp.float32(0)).sum() / count
 
-        loss = -(mask * importance * surrogate).sum() / jnp.maximum(tokens, jnp.float32(1))
+        metrics = {}
+        if self.kl_coef > 0:
+            reference = jnp.asarray(batch[REFERENCE], jnp.float32)
+            # k3 = e^d - d - 1, d = reference - current, over the behaviour's samples; clamped
+            # and masked first, so neither an untrained token nor a wild one overflows.
+            gap = jnp.clip(
+                jnp.where(kept, reference - current, jnp.float32(0)),
+                -_KL_LOG_RATIO,
+                _KL_LOG_RATIO,
+            )
+            k3_reference = jnp.expm1(gap) - gap
+            per_token = per_token + jnp.float32(self.kl_coef) * k3_reference
+            kept_count = jnp.maximum(kept.sum().astype(jnp.float32), jnp.float32(1))
+            metrics["kl/reference"] = jnp.where(kept, k3_reference, 0.0).sum() / kept_count
+        loss = self._aggregate(jnp.where(kept, mask, jnp.float32(0)), per_token, batch)
         clipped_out = ((advantages > 0) & (ratio > high)) | ((advantages < 0) & (ratio < low))
         # k3 = (r - 1) - log r with r = proximal / behaviour over behaviour's samples: unbiased
         # for KL(behaviour || proximal) and never negative, unlike the plain -log r.
+        log_importance = jnp.where(
+            trained,
+            proximal - jnp.asarray(batch["behavior_logprobs"], jnp.float32),
+            jnp.float32(0),
+        )
         k3 = jnp.expm1(log_importance) - log_importance
         metrics = {
             "loss": loss,
@@ -183,6 +378,7 @@ class GRPOObjective:
             "importance/max": jnp.max(importance),
             "ratio/mean": mean(ratio),
             "tokens": tokens,
+            **metrics,
         }
         return loss, metrics
 
@@ -218,15 +414,57 @@ class GRPOObjective:
 
         return update
 
-    def _importance(self, batch: Mapping[str, Any]) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Trained tokens, bool[rows, width]; log(proximal / behaviour) there, 0 elsewhere so
-        nothing downstream overflows on untrained tokens; and `behavior_importance`."""
+    def _require_weighted(self, batch: Mapping[str, Any]) -> None:
+        level = () if self.importance_level == "token" else ("segment_ids",)
+        _require(batch, ("loss_mask", "behavior_logprobs", "proximal_logprobs", *level))
+
+    def _aggregate(self, weight: jax.Array, per_token: jax.Array, batch: Mapping[str, Any]):
+        """The loss from per-token losses, float32[rows, width], each weighted by `weight` (the
+        loss mask at kept tokens, 0 elsewhere), as `aggregation` says."""
+        total = jnp.where(weight > 0, weight * per_token, jnp.float32(0))
+        if self.aggregation == "token_mean":
+            return total.sum() / jnp.maximum(weight.sum(), jnp.float32(1))
+        if self.aggregation == "constant":
+            return total.sum() / jnp.float32(weight.size)
+        index, segments = _sequence_index(batch)
+        sums = jax.ops.segment_sum(total.reshape(-1), index, num_segments=segments)
+        weights = jax.ops.segment_sum(weight.reshape(-1), index, num_segments=segments)
+        present = weights > 0
+        means = jnp.where(present, sums / jnp.where(present, weights, jnp.float32(1)), 0.0)
+        return means.sum() / jnp.maximum(present.sum().astype(jnp.float32), jnp.float32(1))
+
+    def _weights(
+        self, batch: Mapping[str, Any]
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """The behaviour importance over a batch, each bool or float32[rows, width]: trained
+        tokens; the log of the level's weight there (0 elsewhere, so nothing downstream
+        overflows on untrained tokens); `behavior_importance`; and the tokens the correction
+        keeps (the trained ones, less those masking leaves out)."""
         trained = jnp.asarray(batch["loss_mask"], jnp.float32) > 0
         behavior = jnp.asarray(batch["behavior_logprobs"], jnp.float32)
         proximal = jnp.asarray(batch["proximal_logprobs"], jnp.float32)
-        log_importance = jnp.where(trained, proximal - behavior, jnp.float32(0))
-        capped = jnp.minimum(jnp.exp(log_importance), jnp.float32(self.importance_cap))
-        return trained, log_importance, jnp.where(trained, capped, jnp.float32(0))
+        log_weight = jnp.where(trained, proximal - behavior, jnp.float32(0))
+        if self.importance_level != "token":
+            index, segments = _sequence_index(batch)
+            sums = jax.ops.segment_sum(log_weight.reshape(-1), index, num_segments=segments)
+            if self.importance_level == "geometric":
+                counts = jax.ops.segment_sum(
+                    trained.reshape(-1).astype(jnp.float32), index, num_segments=segments
+                )
+                sums = sums / jnp.maximum(counts, jnp.float32(1))
+            log_weight = jnp.where(trained, sums[index].reshape(trained.shape), jnp.float32(0))
+        cap = jnp.float32(self.importance_cap)
+        if self.correction == "truncate":
+            # min after exp, so a token at the cap weighs the cap exactly; an overflow to inf
+            # is capped all the same, and the weight carries no gradient.
+            weight = jnp.where(trained, jnp.minimum(jnp.exp(log_weight), cap), jnp.float32(0))
+            return trained, log_weight, weight, trained
+        kept = trained & (log_weight <= jnp.log(cap))
+        if self.importance_floor > 0:
+            kept = kept & (log_weight >= jnp.log(jnp.float32(self.importance_floor)))
+        # Masked before exp: a kept weight is at most the cap, so it cannot overflow.
+        weight = jnp.exp(jnp.where(kept, log_weight, jnp.float32(0)))
+        return trained, log_weight, jnp.where(kept, weight, jnp.float32(0)), kept
 
     def _log_probs(self, variables, batch: Mapping[str, Any]) -> jax.Array:
         """`packed_log_probs` before jit: traced by it and by `loss`."""

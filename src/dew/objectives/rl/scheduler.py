@@ -121,6 +121,17 @@ class RolloutScheduler:
             cut, abandoned or failed), log a warning that gives the streak's counts and most
             frequent errors, once per streak; None never warns. A healthy run rarely
             has even one such call, and 5 wastes few steps before saying so.
+        filter_uniform: discard a complete group whose training rewards are all equal (its
+            advantages would all be 0: it takes rows and trains nothing; DAPO's dynamic
+            sampling). Its finished rollouts end `discarded` (reason `uniform`), and it does
+            not count toward `admit`, so with `admit` below the task batch size the batch's
+            later groups take its place; nothing is read beyond the trainer's prefetch for it,
+            so a batch whose groups are all uniform trains on nothing. The record's metrics
+            count the batch's uniform groups either way (`groups/uniform`, and
+            `groups/uniform_trained` of them trained on).
+        reference: a frozen reference policy's variables, rescored over the packed rows as
+            `reference_logprobs` beside the proximal log-probs, for an objective with a
+            `kl_coef`; required by one, refused without one.
 
     Settings, assigned after construction (any other assignment is refused, naming them):
 
@@ -166,6 +177,8 @@ class RolloutScheduler:
         log: Callable[[SchedulerRecord], None] | None = None,
         vocab: int | None = None,
         empty_streak: int | None = 5,
+        filter_uniform: bool = False,
+        reference: Variables | None = None,
     ):
         inner = _Scheduler(
             objective,
@@ -188,6 +201,8 @@ class RolloutScheduler:
             log=log,
             vocab=vocab,
             empty_streak=empty_streak,
+            filter_uniform=filter_uniform,
+            reference=reference,
         )
         object.__setattr__(self, "_inner", inner)
         finalizer = weakref.finalize(self, inner.dropped)

@@ -27,6 +27,7 @@ from dew.objectives.rl._session import (
     SessionSource,
     Status,
     check_session,
+    note_progress,
 )
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "chains",
     "check_session",
     "merge_ratio",
+    "note_progress",
     "pack",
     "session_metrics",
 ]
