@@ -37,8 +37,8 @@ How an episode's outcome becomes a dew status:
   reward what verifiers recorded (0 where scoring did not run).
 - INFRA_ERROR: dew's engine failed a call.
 
-Each trace's rewards and metrics are the session's reward components (`reward/NAME`,
-`metric/NAME`, prefixed with the agent's name when the episode has several).
+Each trace's rewards (their unweighted scores, by name) and metrics (`metric/NAME`) are the
+session's reward components, prefixed with the agent's name when the episode has several.
 """
 
 from __future__ import annotations
@@ -289,6 +289,17 @@ class Verifiers:
             )
         return Task(str(index), payload=self._tasks[index])
 
+    def prompt(self, task: Task) -> list[dict[str, Any]]:
+        """The first messages an agent sends for `task`: its system prompt and prompt (what
+        sizes a run's context)."""
+        from verifiers.v1.dialects.chat import message_to_wire
+
+        data = task.payload.data
+        messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+        if isinstance(data.prompt, str):
+            return [*messages, {"role": "user", "content": data.prompt}]
+        return [*messages, *(message_to_wire(message) for message in data.prompt or [])]
+
     def tasks(self, batch: Batch) -> list[Task]:
         """One task per `task_id` row (the scheduler's `tasks=`)."""
         return [self.task(int(index)) for index in np.asarray(batch["task_id"])]
@@ -429,7 +440,7 @@ def outcome(episode: Any) -> Outcome:
         prefix = f"{trace.agent.name}/" if named and trace.agent and trace.agent.name else ""
         for name, reward in trace.rewards.items():
             if reward is not None and math.isfinite(reward.score):
-                components[f"{prefix}reward/{name}"] = reward.score
+                components[f"{prefix}{name}"] = reward.score
         for name, value in trace.metrics.items():
             if value is not None and math.isfinite(value):
                 components[f"{prefix}metric/{name}"] = float(value)

@@ -26,6 +26,12 @@ TASKS = ("copy", "guess")
 """The built-in tasks `dew train --task` runs: CopyDigits and GuessDigit."""
 HARNESS = "harness:"
 """The prefix of a task that is a built-in agent harness (`--harness NAME` is this plus NAME)."""
+ENVIRONMENTS = {
+    "verifiers:": ("verifiers", "textarena", "hypercorn", "openai", "orjson"),
+    "textarena:": ("textarena", "nltk"),
+}
+"""The prefixes of a task that is an environment of another package (`--env SPEC`), and the
+packages each needs: a verifiers environment through the recording gateway, a TextArena game."""
 # What a harness run needs installed: the gateway extra.
 _GATEWAY_PACKAGES = ("hypercorn", "openai", "orjson")
 # Fields that change what a run logs, not what it trains: a resumed run may change them.
@@ -35,10 +41,13 @@ _LOGGING = ("steps", "eval_every", "samples", "tensorboard")
 def _task_name(instance, attribute, value):
     if isinstance(value, str) and value.startswith(HARNESS):
         _check_harness(value.removeprefix(HARNESS))
+    elif isinstance(value, str) and value.startswith(tuple(ENVIRONMENTS)):
+        _check_environment(value)
     elif not isinstance(value, str) or not (value in TASKS or value.startswith(PREFIX)):
         raise ValueError(
-            f"{attribute.name} must be one of {TASKS}, {PREFIX}NAME[,key=value...] or "
-            f"{HARNESS}NAME, got {value!r}"
+            f"{attribute.name} must be one of {TASKS}, {PREFIX}NAME[,key=value...], "
+            f"{HARNESS}NAME, verifiers:NAME[,key=value...] or textarena:GAME[,key=value...], "
+            f"got {value!r}"
         )
 
 
@@ -55,6 +64,17 @@ def _check_harness(name: str) -> None:
             f"a harness trains through the recording gateway, which needs {', '.join(missing)}: "
             "pip install 'dew[gateway]'"
         )
+
+
+def _check_environment(spec: str) -> None:
+    """Raises: ValueError naming the packages an environment task needs and lacks, or a spec
+    without a name."""
+    prefix = next(prefix for prefix in ENVIRONMENTS if spec.startswith(prefix))
+    if not spec.removeprefix(prefix).split(",")[0].strip():
+        raise ValueError(f"{spec!r} names no environment: {prefix}NAME[,key=value...]")
+    missing = [p for p in ENVIRONMENTS[prefix] if not importlib.util.find_spec(p)]
+    if missing:
+        raise ValueError(f"{spec} needs {', '.join(missing)}: pip install 'dew[verifiers]'")
 
 
 def _path_or_none(instance, attribute, value):
@@ -77,7 +97,10 @@ class TrainConfig:
         task: the built-in task, `copy` (CopyDigits, single turn) or `guess` (GuessDigit,
             multi-turn), a reasoning-gym dataset, `reasoning-gym:NAME[,key=value...]`
             (`dew.envs.reasoning_gym`), or a built-in agent harness behind the recording
-            gateway, `harness:NAME` (`dew.envs.lookup.HARNESSES`; `dew train --harness NAME`).
+            gateway, `harness:NAME` (`dew.envs.lookup.HARNESSES`; `dew train --harness NAME`),
+            a verifiers environment, `verifiers:NAME[,key=value...]` (`dew.envs.verifiers`), or
+            a TextArena game, `textarena:GAME[,key=value...]` (`dew.envs.textarena`); the last
+            two as `dew train --env SPEC`.
         steps: optimizer updates to train for.
         batch_size: tasks per batch, one group each.
         groups: rollouts per task that train together.
@@ -103,6 +126,10 @@ class TrainConfig:
         eval_tasks: held-out tasks, the ids after the training ones.
         samples: rollouts per step written, decoded, to `samples.jsonl`; 0 for none.
         tensorboard: also write the metrics as TensorBoard scalars (needs tensorboardX).
+        max_context: an environment's (`verifiers:` or `textarena:`) most tokens per episode,
+            its prompts and replies together (the model's context and the packed rows' width);
+            None for a TextArena game's own, or a verifiers environment's longest first prompt
+            plus `max_tokens` (one turn).
         tokenizer: a Hugging Face `tokenizer.json` (`dew.serve.tokenizer.HuggingFaceTokenizer`)
             that renders the prompts and decodes the replies; the model's vocabulary is its
             size. None for the byte tokenizer.
@@ -164,6 +191,13 @@ class TrainConfig:
         attrs.validators.instance_of(bool),
         "also write the metrics as TensorBoard scalars to RUN/tensorboard (needs tensorboardX)",
     )
+    max_context: int | None = _option(
+        None,
+        attrs.validators.optional(int_at_least(2)),
+        "an environment's (--env) most tokens per episode, prompts and replies together; none: "
+        "a TextArena game's own, or a verifiers environment's longest first prompt + a reply",
+        kind=int,
+    )
     tokenizer: str | None = _option(
         None,
         _path_or_none,
@@ -173,6 +207,11 @@ class TrainConfig:
     )
 
     def __attrs_post_init__(self):
+        if self.max_context is not None and not self.task.startswith(tuple(ENVIRONMENTS)):
+            raise ValueError(
+                f"max_context sizes an environment's episodes (--env); task {self.task!r} sets "
+                "its own"
+            )
         if self.tasks < self.batch_size:
             raise ValueError(f"tasks must be >= batch_size {self.batch_size}, got {self.tasks}")
         if self.admit is not None and self.admit > self.batch_size:
