@@ -37,6 +37,10 @@ How an episode's outcome becomes a dew status:
   reward what verifiers recorded (0 where scoring did not run).
 - INFRA_ERROR: dew's engine failed a call.
 
+An environment's errors are counted by text (`VerifiersSource.errors`) and reported as a
+warning of this module's logger at their 1st, 10th, 100th ... time, the way the scheduler
+reports its sessions' errors: a broken environment shows in the log, not only as rewards of 0.
+
 Each trace's rewards (their unweighted scores, by name) and metrics (`metric/NAME`) are the
 session's reward components, prefixed with the agent's name when the episode has several.
 """
@@ -46,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import os
 import threading
@@ -59,7 +64,10 @@ import trio
 from dew._checks import int_at_least
 from dew.data import ArrayDataset, Batch, Task
 from dew.envs.environment import describe
+from dew.objectives.rl._reports import ErrorCounts
 from dew.objectives.rl.sessions import Call, Label, Session, Status
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "verifiers:"
 """How `dew train --env` names a verifiers environment: `verifiers:NAME[,key=value...]`."""
@@ -154,22 +162,21 @@ def load_env(name: str, options: Mapping[str, Any] | None = None) -> Any:
 
     try:
         config_type = env_config_type(name)
+        harness = None if default_harness_id(name) == name else {"id": HARNESS_ID}
+        agent = {"runtime": {"type": "subprocess"}} | ({"harness": harness} if harness else {})
+        data = {"taskset": {"id": name, **dict(options or {})}}
+        data |= {role: agent for role in _roles(config_type)}
+        config = vf.resolve_env_config(data)
+        return vf.load_environment(config)
     except ModuleNotFoundError as error:
         raise ImportError(
             f"verifiers environment {name!r} is not installed: install its taskset package "
-            f"(a package named {name.replace('-', '_')!r} exporting a vf.Taskset)"
+            f"(a package named {name.replace('-', '_')!r} exporting a vf.Taskset): {error}"
         ) from error
-    harness = None if default_harness_id(name) == name else {"id": HARNESS_ID}
-    agent = {"runtime": {"type": "subprocess"}} | ({"harness": harness} if harness else {})
-    data = {"taskset": {"id": name, **dict(options or {})}}
-    data |= {role: agent for role in _roles(config_type)}
-    try:
-        config = vf.resolve_env_config(data)
     except ValueError as error:  # pydantic's ValidationError is one
         raise ValueError(
-            f"verifiers environment {name!r} refuses {dict(options)}: {error}"
+            f"verifiers environment {name!r} refuses {dict(options or {})}: {error}"
         ) from None
-    return vf.load_environment(config)
 
 
 def check_offline(env: Any) -> None:
@@ -472,6 +479,9 @@ class VerifiersSource:
         model: the model name the environment's agents ask for.
         max_calls: the most model calls per episode; None for no limit.
         wall_clock: seconds of trio's clock an episode may run; None for no limit.
+
+    Attributes:
+        errors: the AGENT_ERROR texts so far and how often each came.
     """
 
     gateway: Any = attrs.field(validator=_gateway)
@@ -479,6 +489,7 @@ class VerifiersSource:
     model: str = attrs.field(default="dew", kw_only=True)
     max_calls: int | None = attrs.field(default=None, kw_only=True, validator=_optional_count)
     wall_clock: float | None = attrs.field(default=None, kw_only=True, validator=_optional_seconds)
+    errors: ErrorCounts = attrs.field(factory=lambda: ErrorCounts(64), init=False, eq=False)
 
     def __attrs_post_init__(self):
         check_offline(self.env)
@@ -492,7 +503,21 @@ class VerifiersSource:
             played = True
         finally:
             session.close("finished" if played else "cancelled")
-        return _session(session, result)
+        ended = _session(session, result)
+        if ended.status is Status.AGENT_ERROR:
+            self._count(ended.error)
+        return ended
+
+    def _count(self, error: str) -> None:
+        self.errors.add(error)
+        count = dict(self.errors.most_common(64)).get(error, 0)
+        if count and math.log10(count).is_integer():
+            logger.warning(
+                "verifiers environment %r: %d rollouts so far ended with %r",
+                self.env.config.env_id,
+                count,
+                error,
+            )
 
     async def _play(self, session, task: Task) -> Outcome | None:
         """The episode's outcome; None when it was cut (a limit, a fault, time)."""
