@@ -187,6 +187,7 @@ def check_offline(env: Any) -> None:
     """
     vf = _import_verifiers()
     from verifiers.v1.configs.agent import agent_config_fields
+    from verifiers.v1.utils.loaders import harness_class
 
     if not isinstance(env, vf.Env):
         raise ValueError(f"a verifiers environment must be a verifiers.v1.Env, got {env!r}")
@@ -196,6 +197,11 @@ def check_offline(env: Any) -> None:
     for role, agent in agent_config_fields(env.config).items():
         harness = agent.harness.id if agent.harness is not None else default_harness
         own = harness == env.config.taskset.id
+        if own and harness_class(harness).NEEDS_CONTAINER:
+            raise ValueError(
+                f"verifiers environment {name!r}: agent {role!r} runs the taskset's harness "
+                f"{harness!r}, which needs a container"
+            )
         if harness != HARNESS_ID and not own:
             raise ValueError(
                 f"verifiers environment {name!r}: agent {role!r} runs harness {harness!r}, a "
@@ -371,8 +377,10 @@ class _Loop:
         return future.result()
 
     def close(self) -> None:
+        """Stop the loop; its thread cancels what is left and ends. An episode whose cleanup
+        does not end in a minute is left to the daemon thread (the process's exit ends it)."""
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
+        self.thread.join(timeout=60)
 
 
 _LOOP = trio.lowlevel.RunVar("dew.envs.verifiers.loop")
