@@ -35,7 +35,7 @@ from dew.gateway import Gateway, ServedGateway
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Label, Status, chains
-from dew.serve import RolloutServer, tokenizer
+from dew.serve import RolloutServer, ServedSource, tokenizer
 from dew.train import Trainer
 
 # verifiers' MCP client retries with tenacity's deprecated `initial=` (a DeprecationWarning that
@@ -246,7 +246,7 @@ def test_wordle_trains_end_to_end_with_the_games_own_rewards(tmp_path, nltk_data
     game = TextArena.parse("textarena:Wordle-v0")
     config, server = engine(1024)
     source = Recording(game.source(server, max_tokens=8, max_turns=2, max_context=1024))
-    lines = train(source, server, config, tmp_path, tasks=game.tasks)
+    lines = train(ServedSource(source, server), server, config, tmp_path, tasks=game.tasks)
     assert [line["updates"] for line in lines] == [1, 2]
     for task, session in source.sessions:
         env = game.environment()

@@ -14,8 +14,9 @@ draw; a game ended by invalid moves gives what the game gives, Wordle the share 
 found). verifiers' TextArena taskset is not used: it downloads nltk data each time it loads.
 textarena's Wordle needs nltk's `words` corpus and `averaged_perceptron_tagger_eng` tagger,
 which it downloads when missing: dew refuses the game instead, naming the data to install
-(`python -m nltk.downloader words averaged_perceptron_tagger_eng`), and the game is built with
-nltk's downloader refusing to reach the network.
+(`python -m nltk.downloader words averaged_perceptron_tagger_eng`), and builds the game inside
+`dew.envs._offline.no_downloads` (nltk's downloader, which textarena calls even for data in
+place, answers from the data without reaching the network).
 
 Outcomes (through `EnvironmentSource`): COMPLETED when the game is over, scored with the game's
 reward; TRUNCATED with `turns` when `max_turns` moves pass first, or `context` when the
@@ -24,12 +25,11 @@ conversation outgrows `max_context`: a game not over has no reward (the verifier
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import random
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -37,6 +37,7 @@ import numpy as np
 
 from dew._checks import int_at_least
 from dew.data import ArrayDataset, Batch, Task
+from dew.envs._offline import no_downloads
 from dew.envs.environment import EnvironmentSource, Episode, Observation, Sampling, Score
 from dew.envs.tasks import task_id
 from dew.envs.verifiers import parse_spec
@@ -89,27 +90,6 @@ GAMES: Mapping[str, Game] = {
 
 def _nltk_package(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
-
-
-@contextlib.contextmanager
-def _no_downloads(game: str, paths: tuple[str, ...]) -> Iterator[None]:
-    """nltk's downloader answers from the data in place, without reaching the network, while
-    the game is built: textarena calls it for data it already found."""
-    import nltk
-
-    have = {_nltk_package(path) for path in paths}
-
-    def download(info_or_id=None, *args, **kwargs) -> bool:
-        if info_or_id in have:
-            return True
-        raise ValueError(f"textarena {game} asks nltk to download {info_or_id!r}; dew runs offline")
-
-    real = nltk.download
-    nltk.download = download
-    try:
-        yield
-    finally:
-        nltk.download = real
 
 
 def _check_data(name: str, game: Game) -> None:
@@ -255,7 +235,7 @@ class TextArena:
         game = GAMES[self.name]
         _check_data(self.name, game)
         try:
-            with _no_downloads(self.name, game.nltk):
+            with no_downloads():
                 # The raw game: dew writes the conversation itself, one turn per message.
                 template = ta.make(f"{self.name}-raw", **self.options)
         except (TypeError, ValueError) as error:

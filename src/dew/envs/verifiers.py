@@ -21,7 +21,9 @@ refused at load, naming what it needs, when it pins a harness other than `dew-ch
 agent or a tool server outside a local subprocess runtime (docker, prime, modal: a sandbox
 service), needs a container for its tasks, or keeps taskset-wide tool servers or resources of
 its own (`Env.start`); a taskset whose tasks cannot load offline (a dataset to download) is
-refused naming the error, with HF_DATASETS_OFFLINE and HF_HUB_OFFLINE set while it loads.
+refused naming the error. Tasks load, and episodes run, inside `dew.envs._offline`'s
+`no_downloads`: Hugging Face datasets and hub offline, nltk's downloader answering from the
+data in place or refusing by name.
 
 How an episode's outcome becomes a dew status:
 
@@ -52,9 +54,8 @@ import contextlib
 import json
 import logging
 import math
-import os
 import threading
-from collections.abc import Callable, Coroutine, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import attrs
@@ -63,6 +64,7 @@ import trio
 
 from dew._checks import int_at_least
 from dew.data import ArrayDataset, Batch, Task
+from dew.envs._offline import no_downloads
 from dew.envs.environment import describe
 from dew.objectives.rl._reports import ErrorCounts
 from dew.objectives.rl.sessions import Call, Label, Session, Status
@@ -121,22 +123,6 @@ def parse_spec(spec: str, prefix: str) -> tuple[str, dict[str, Any]]:
     if not name.strip():
         raise ValueError(f"environment {spec!r} names no environment")
     return name.strip(), options
-
-
-@contextlib.contextmanager
-def offline() -> Iterator[None]:
-    """Hugging Face datasets and hub refuse to download while inside (restored after)."""
-    names = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
-    before = {name: os.environ.get(name) for name in names}
-    os.environ.update(dict.fromkeys(names, "1"))
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _roles(config_type: type) -> list[str]:
@@ -248,12 +234,12 @@ def _load_tasks(env: Any, size: int) -> list[Any]:
     """
     name = env.config.env_id
     try:
-        with offline():
+        with no_downloads():
             tasks = list(env.taskset.take(size))
     except Exception as error:
         raise ValueError(
-            f"verifiers environment {name!r} cannot load its tasks offline (HF_DATASETS_OFFLINE "
-            f"and HF_HUB_OFFLINE set: a dataset to download is refused): {describe(error)}"
+            f"verifiers environment {name!r} cannot load its tasks offline (a dataset to "
+            f"download is refused): {describe(error)}"
         ) from error
     if len(tasks) < size:
         raise ValueError(
@@ -343,6 +329,9 @@ class _Loop:
     there; a trio task awaits each without holding a thread."""
 
     def __init__(self):
+        # Episodes download nothing either (a game built per episode may ask nltk).
+        self.offline = contextlib.ExitStack()
+        self.offline.enter_context(no_downloads())
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._serve, name="dew-verifiers", daemon=True)
         self.thread.start()
@@ -381,6 +370,7 @@ class _Loop:
         does not end in a minute is left to the daemon thread (the process's exit ends it)."""
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=60)
+        self.offline.close()
 
 
 _LOOP = trio.lowlevel.RunVar("dew.envs.verifiers.loop")
