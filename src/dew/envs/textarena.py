@@ -146,6 +146,8 @@ class TextArenaGame:
         self.rng: np.random.Generator | None = None
 
     def reset(self, task: Task) -> Observation:
+        """Start `task`'s game (seeded by the run's seed and its id); return the rules and
+        board player 0 sees first, after the opponent's moves when it starts."""
         index = task_id(task)
         seed = int(np.random.SeedSequence([self.seed, index]).generate_state(1)[0])
         self.env = copy.copy(self.template)
@@ -157,6 +159,8 @@ class TextArenaGame:
         return _message_text(self.env.get_observation()[1])
 
     def step(self, action: str) -> tuple[Observation | None, bool]:
+        """Play the agent's move, then the opponent's; return what player 0 sees next and
+        whether the game is over."""
         done, _ = self.env.step(action)
         done = done or self._opponent_moves()
         if done:
@@ -252,6 +256,7 @@ class TextArena:
 
     @property
     def game(self) -> Game:
+        """What dew knows of this game (`GAMES`)."""
         return GAMES[self.name]
 
     def environment(self) -> TextArenaGame:
