@@ -27,6 +27,7 @@ from dew.train._config import (
     HARNESS,
     TrainConfig,
     _check_harness,
+    _load_environment,
     _load_tokenizer,
     _read_json,
 )
@@ -174,6 +175,7 @@ def run_cli(args: argparse.Namespace) -> int:
         if args.record is not None:
             _check_record(args.record)
         _load_tokenizer(config)
+        _load_environment(config)
         # A damaged checkpoint is refused here, before anything starts or is written.
         commit = read_commit(run / "checkpoints") if args.resume else None
     except ValueError as error:

@@ -77,6 +77,26 @@ def _check_environment(spec: str) -> None:
         raise ValueError(f"{spec} needs {', '.join(missing)}: pip install 'dew[verifiers]'")
 
 
+def _load_environment(config: TrainConfig) -> None:
+    """Load an environment task (`--env`) as the run will, so a bad one is refused before the
+    run starts.
+
+    Raises:
+        ValueError: naming the environment, the package to install or what it needs.
+    """
+    try:
+        if config.task.startswith("verifiers:"):
+            from dew.envs.verifiers import Verifiers
+
+            Verifiers.parse(config.task, size=config.tasks + config.eval_tasks)
+        elif config.task.startswith("textarena:"):
+            from dew.envs.textarena import TextArena
+
+            TextArena.parse(config.task, seed=config.seed)
+    except ImportError as error:
+        raise ValueError(str(error)) from error
+
+
 def _path_or_none(instance, attribute, value):
     if value is not None and not (isinstance(value, str) and value):
         raise ValueError(f"{attribute.name} must be a file's path or None, got {value!r}")
