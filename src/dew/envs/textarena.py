@@ -20,7 +20,8 @@ place, answers from the data without reaching the network).
 
 Outcomes (through `EnvironmentSource`): COMPLETED when the game is over, scored with the game's
 reward; TRUNCATED with `turns` when `max_turns` moves pass first, or `context` when the
-conversation outgrows `max_context`: a game not over has no reward (the verifier gives none).
+conversation outgrows `max_context`: the game is not over, and dew scores it as lost (0 in
+Wordle, -1 in TicTacToe), so running out of turns never pays better than losing.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class Game:
         max_context: most tokens of a game's conversation (prompt and replies).
         nltk: the nltk data (resource paths) the game reads.
         opponent: the second player's move from its observation and a seeded generator.
+        cut: the reward of a game dew cuts (too many moves, too long a conversation): the
+            game's reward for a loss, so that running out of turns never beats losing.
     """
 
     players: int
@@ -76,14 +79,16 @@ class Game:
     max_context: int
     nltk: tuple[str, ...] = ()
     opponent: Callable[[str, np.random.Generator], str] | None = None
+    cut: float = 0.0
 
 
 _WORDLE_DATA = ("corpora/words", "taggers/averaged_perceptron_tagger_eng/")
 GAMES: Mapping[str, Game] = {
+    # Wordle gives a lost game 0 (and a game lost to invalid moves the share of letters found).
     "Wordle-v0": Game(1, 8, 2048, _WORDLE_DATA),
     "Wordle-v0-hardcore": Game(1, 8, 2048, _WORDLE_DATA),
     "Wordle-v0-long": Game(1, 11, 3072, _WORDLE_DATA),
-    "TicTacToe-v0": Game(2, 6, 2048, opponent=_available_move),
+    "TicTacToe-v0": Game(2, 6, 2048, opponent=_available_move, cut=-1.0),
 }
 """The games dew plays, by TextArena id."""
 
@@ -185,17 +190,15 @@ class TextArenaGame:
         return None if not rewards else float(rewards[0])
 
 
-def verify(env: TextArenaGame, episode: Episode) -> Score | None:
-    """The game's reward for player 0, and whether it won, moved invalidly, and its moves; None
-    for a game not over (a truncated episode)."""
+def verify(env: TextArenaGame, episode: Episode) -> Score:
+    """The game's reward for player 0 (a game dew cut: its loss, `Game.cut`), and whether it
+    won, moved invalidly, and its moves."""
     reward = env.reward
-    if reward is None:
-        return None
     info = env.env.state.game_info[0]
     return Score(
-        reward,
+        env.game.cut if reward is None else reward,
         {
-            "win": float(reward > 0),
+            "win": float(reward is not None and reward > 0),
             "invalid_move": float(bool(info.get("invalid_move"))),
             "moves": float(len(episode.actions)),
         },

@@ -32,8 +32,10 @@ How an episode's outcome becomes a dew status:
 - TRUNCATED: a trace hit one of verifiers' limits: `turns` (`max_turns`), `length`
   (`max_output_tokens`, or the last reply cut by its token budget), `context`
   (`max_input_tokens`, `max_total_tokens`, a failed compaction), `wall_clock` (a stage's
-  timeout, the episode's or `wall_clock`); or dew's gateway cut the session (`turns` past
-  `max_calls`, `context` for a prompt past the gateway's context). Scored as verifiers scored it.
+  timeout, the episode's or `wall_clock`): scored as verifiers scored it. Or dew cut the
+  episode at once: its gateway (`turns` past `max_calls`, `context` for a prompt past the
+  gateway's context) or `wall_clock`: reward 0, which verifiers never gave (resubmitting the
+  same overflowing episode would only cut it again).
 - AGENT_ERROR: the environment raised, in its protocol, its hooks, its harness or its tools (an
   `Error` on the episode or a trace): `error` is its type and message (the first failure), the
   reward what verifiers recorded (0 where scoring did not run).
@@ -547,7 +549,9 @@ def _session(session, result: Outcome | None) -> Session:
     if session.infra_error is not None:
         return Session(Status.INFRA_ERROR, calls, error=session.infra_error)
     if session.truncation is not None:
-        reward = None if result is None else result.reward
+        # The episode was cut before verifiers scored it: 0, which a resubmission of the same
+        # overflowing episode would only repeat.
+        reward = 0.0 if result is None else result.reward
         components = {} if result is None else dict(result.components)
         return Session(Status.TRUNCATED, calls, reward, components, truncation=session.truncation)
     if result is None:
