@@ -618,8 +618,14 @@ def _chat_harness_classes() -> tuple[type, type]:
                 name: {"url": url, "timeout": self.config.tool_timeout}
                 for name, url in mcp_urls.items()
             }
+            # No client timeout: on a busy machine a connect to the rollout's interception server
+            # can take longer than openai's 5 s, and the rollout's own limits (the source's
+            # wall_clock, verifiers' agent timeout) bound it.
+            client = openai.AsyncOpenAI(
+                base_url=endpoint, api_key=secret, max_retries=0, timeout=None
+            )
             async with (
-                openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client,
+                client,
                 contextlib.AsyncExitStack() as stack,
             ):
                 tools, dispatch, connections = (

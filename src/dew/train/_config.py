@@ -46,7 +46,7 @@ def _task_name(instance, attribute, value):
     elif not isinstance(value, str) or not (value in TASKS or value.startswith(PREFIX)):
         raise ValueError(
             f"{attribute.name} must be one of {TASKS}, {PREFIX}NAME[,key=value...], "
-            f"{HARNESS}NAME, verifiers:NAME[,key=value...] or textarena:GAME[,key=value...], "
+            f"verifiers:NAME[,key=value...], textarena:GAME[,key=value...] or {HARNESS}NAME, "
             f"got {value!r}"
         )
 
