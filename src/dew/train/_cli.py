@@ -23,10 +23,12 @@ from dew._launch import run_pool
 from dew.envs.lookup import HARNESSES
 from dew.train._checkpoint import read_commit
 from dew.train._config import (
+    ENVIRONMENTS,
     HARNESS,
     TrainConfig,
     _check_harness,
     _check_task,
+    _load_environment,
     _load_tokenizer,
     _mesh_sizes,
     _read_json,
@@ -76,6 +78,15 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         help="train a built-in agent harness through the recording gateway (the task "
         f"harness:NAME): {'; '.join(f'{name}: {h.summary}' for name, h in HARNESSES.items())} "
         "(default: none)",
+    )
+    parser.add_argument(
+        "--env",
+        metavar="SPEC",
+        default=None,
+        help="train an environment of another package (the task SPEC): verifiers:NAME"
+        "[,key=value...] (a verifiers environment, its agents' model calls through the "
+        "recording gateway) or textarena:GAME[,key=value...] (Wordle-v0, TicTacToe-v0 against "
+        "a fixed opponent) (default: none)",
     )
     parser.add_argument(
         "--run",
@@ -172,6 +183,7 @@ def run_cli(args: argparse.Namespace) -> int:
     given = {f.name: getattr(args, f.name) for f in attrs.fields(TrainConfig)}
     given = {name: value for name, value in given.items() if value is not None}
     _harness_option(args, given)
+    _env_option(args, given)
     if args.resume and args.run_folder is None:
         args.parser.error("--resume needs --run, the folder of the run to continue")
     run = None if args.run_folder is None else Path(args.run_folder)
@@ -195,6 +207,7 @@ def run_cli(args: argparse.Namespace) -> int:
         _load_tokenizer(config)
         _mesh_sizes(config, args.processes or args.num_processes or 1)
         _check_task(config)
+        _load_environment(config)
         # A damaged checkpoint is refused here, before anything starts or is written.
         commit = read_commit(run / "checkpoints") if args.resume else None
     except ValueError as error:
@@ -267,6 +280,20 @@ def _harness_option(args: argparse.Namespace, given: dict[str, Any]) -> None:
     except ValueError as error:
         args.parser.error(f"--harness: {error}")
     given["task"] = HARNESS + args.harness
+
+
+def _env_option(args: argparse.Namespace, given: dict[str, Any]) -> None:
+    """Make `--env SPEC` the task SPEC in `given`, or exit 2 naming the prefixes when SPEC has
+    none, or when `--task` or `--harness` is given too."""
+    if args.env is None:
+        return
+    if "task" in given:
+        args.parser.error("--env SPEC is the task SPEC: give one of --task, --harness and --env")
+    if not args.env.startswith(tuple(ENVIRONMENTS)):
+        args.parser.error(
+            f"--env {args.env}: name verifiers:NAME[,key=value...] or textarena:GAME[,...]"
+        )
+    given["task"] = args.env
 
 
 def _pool_options(args: argparse.Namespace) -> bool:

@@ -27,6 +27,12 @@ TASKS = ("copy", "guess")
 """The built-in tasks `dew train --task` runs: CopyDigits and GuessDigit."""
 HARNESS = "harness:"
 """The prefix of a task that is a built-in agent harness (`--harness NAME` is this plus NAME)."""
+ENVIRONMENTS = {
+    "verifiers:": ("verifiers", "textarena", "hypercorn", "openai", "orjson"),
+    "textarena:": ("textarena", "nltk"),
+}
+"""The prefixes of a task that is an environment of another package (`--env SPEC`), and the
+packages each needs: a verifiers environment through the recording gateway, a TextArena game."""
 # What a harness run needs installed: the gateway extra.
 _GATEWAY_PACKAGES = ("hypercorn", "openai", "orjson")
 MAX_IN_FLIGHT = 2**16
@@ -41,10 +47,13 @@ _LOGGING = ("steps", "eval_every", "samples", "tensorboard")
 def _task_name(instance, attribute, value):
     if isinstance(value, str) and value.startswith(HARNESS):
         _check_harness(value.removeprefix(HARNESS))
+    elif isinstance(value, str) and value.startswith(tuple(ENVIRONMENTS)):
+        _check_environment(value)
     elif not isinstance(value, str) or not (value in TASKS or value.startswith(PREFIX)):
         raise ValueError(
-            f"{attribute.name} must be one of {TASKS}, {PREFIX}NAME[,key=value...] or "
-            f"{HARNESS}NAME, got {value!r}"
+            f"{attribute.name} must be one of {TASKS}, {PREFIX}NAME[,key=value...], "
+            f"verifiers:NAME[,key=value...], textarena:GAME[,key=value...] or {HARNESS}NAME, "
+            f"got {value!r}"
         )
 
 
@@ -67,6 +76,37 @@ def _flag(instance, attribute, value):
     # A config file's "yes" or 1 is a mistake to name, not a truth to guess.
     if not isinstance(value, bool):
         raise ValueError(f"{attribute.name} must be true or false, got {value!r}")
+
+
+def _check_environment(spec: str) -> None:
+    """Raises: ValueError naming the packages an environment task needs and lacks, or a spec
+    without a name."""
+    prefix = next(prefix for prefix in ENVIRONMENTS if spec.startswith(prefix))
+    if not spec.removeprefix(prefix).split(",")[0].strip():
+        raise ValueError(f"{spec!r} names no environment: {prefix}NAME[,key=value...]")
+    missing = [p for p in ENVIRONMENTS[prefix] if not importlib.util.find_spec(p)]
+    if missing:
+        raise ValueError(f"{spec} needs {', '.join(missing)}: pip install 'dew[verifiers]'")
+
+
+def _load_environment(config: TrainConfig) -> None:
+    """Load an environment task (`--env`) as the run will, so a bad one is refused before the
+    run starts.
+
+    Raises:
+        ValueError: naming the environment, the package to install or what it needs.
+    """
+    try:
+        if config.task.startswith("verifiers:"):
+            from dew.envs.verifiers import Verifiers
+
+            Verifiers.parse(config.task, size=config.tasks + config.eval_tasks)
+        elif config.task.startswith("textarena:"):
+            from dew.envs.textarena import TextArena
+
+            TextArena.parse(config.task, seed=config.seed)
+    except ImportError as error:
+        raise ValueError(str(error)) from error
 
 
 def _path_or_none(instance, attribute, value):
@@ -112,7 +152,10 @@ class TrainConfig:
         task: the built-in task, `copy` (CopyDigits, single turn) or `guess` (GuessDigit,
             multi-turn), a reasoning-gym dataset, `reasoning-gym:NAME[,key=value...]`
             (`dew.envs.reasoning_gym`), or a built-in agent harness behind the recording
-            gateway, `harness:NAME` (`dew.envs.lookup.HARNESSES`; `dew train --harness NAME`).
+            gateway, `harness:NAME` (`dew.envs.lookup.HARNESSES`; `dew train --harness NAME`),
+            a verifiers environment, `verifiers:NAME[,key=value...]` (`dew.envs.verifiers`), or
+            a TextArena game, `textarena:GAME[,key=value...]` (`dew.envs.textarena`); the last
+            two as `dew train --env SPEC`.
         steps: optimizer updates to train for.
         batch_size: tasks per batch, one group each.
         groups: rollouts per task that train together.
@@ -145,6 +188,10 @@ class TrainConfig:
         eval_tasks: held-out tasks, the ids after the training ones.
         samples: rollouts per step written, decoded, to `samples.jsonl`; 0 for none.
         tensorboard: also write the metrics as TensorBoard scalars (needs tensorboardX).
+        max_context: an environment's (`verifiers:` or `textarena:`) most tokens per episode,
+            its prompts and replies together (the model's context and the packed rows' width);
+            None for a TextArena game's own, or a verifiers environment's longest first prompt
+            plus `max_tokens` (one turn).
         tokenizer: a Hugging Face `tokenizer.json` (`dew.serve.tokenizer.HuggingFaceTokenizer`)
             that renders the prompts and decodes the replies; the model's vocabulary is its
             size. None for the byte tokenizer.
@@ -249,6 +296,13 @@ class TrainConfig:
         _flag,
         "also write the metrics as TensorBoard scalars to RUN/tensorboard (needs tensorboardX)",
     )
+    max_context: int | None = _option(
+        None,
+        attrs.validators.optional(int_within(2, 2**20)),
+        "an environment's (--env) most tokens per episode, prompts and replies together; none: "
+        "a TextArena game's own, or a verifiers environment's longest first prompt + a reply",
+        kind=int,
+    )
     tokenizer: str | None = _option(
         None,
         _path_or_none,
@@ -333,6 +387,11 @@ class TrainConfig:
         if self.correction == "truncate" and self.importance_floor != 0:
             raise ValueError(
                 "importance_floor bounds masking only: give correction mask, or leave it 0"
+            )
+        if self.max_context is not None and not self.task.startswith(tuple(ENVIRONMENTS)):
+            raise ValueError(
+                f"max_context sizes an environment's episodes (--env); task {self.task!r} sets "
+                "its own"
             )
         if self.tasks < self.batch_size:
             raise ValueError(f"tasks must be >= batch_size {self.batch_size}, got {self.tasks}")

@@ -127,4 +127,5 @@ def _check_record(record: str | os.PathLike) -> None:
 def _default_run(task: str) -> Path:
     # A reasoning-gym task names the folder by its dataset, without its options.
     name = task.removeprefix(PREFIX).removeprefix(HARNESS).split(",")[0]
+    name = name.rsplit(":", 1)[-1]  # verifiers:NAME, textarena:GAME
     return Path("dew-runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -17,6 +17,8 @@ from dew.envs.environment import Sampling
 from dew.envs.lookup import HARNESSES
 from dew.envs.reasoning_gym import ReasoningGym
 from dew.envs.tasks import CopyDigits, GuessDigit
+from dew.envs.textarena import PREFIX as TEXTARENA
+from dew.envs.verifiers import PREFIX as VERIFIERS
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import task_ids
 from dew.objectives.rl.sessions import SessionSource
@@ -50,6 +52,10 @@ class _RunTask:
 def _task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
     if config.task.startswith(HARNESS):
         return _harness_task(config)
+    if config.task.startswith(VERIFIERS):
+        return _verifiers_task(config, tokenizer)
+    if config.task.startswith(TEXTARENA):
+        return _textarena_task(config, tokenizer)
     if config.task == "copy":
         copy = CopyDigits(seed=config.seed)
         # Every prompt has the same length in bytes; another tokenizer's may differ.
@@ -124,6 +130,59 @@ def _harness_task(config: TrainConfig) -> _RunTask:
 
     shape = _Shape(max_len=harness.max_len, width=harness.max_len, chains_per_row=1)
     return _RunTask(source, harness.dataset, task_ids, shape, serve=_served_by_gateway)
+
+
+def _verifiers_task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
+    """A verifiers environment as a run's task (`dew.envs.verifiers`): its taskset's first
+    `tasks` tasks train and the next `eval_tasks` are held out; its source is a `ServedGateway`
+    serving the engine and a recording gateway, each episode's agents calling the gateway. The
+    context is the longest first prompt plus a reply, or `max_context` for a multi-turn one."""
+    from dew.envs.verifiers import Verifiers
+    from dew.gateway import ServedGateway
+
+    env = Verifiers.parse(config.task, size=config.tasks + config.eval_tasks)
+    sizes = measure(
+        [env.task(index) for index in range(env.size)],
+        env.prompt,
+        max_tokens=config.max_tokens,
+        rollouts=config.batch_size * config.groups,
+        tokenizer=tokenizer,
+        max_context=config.max_context,
+        width=None,
+    )
+
+    def source(engine, sampling: Sampling) -> SessionSource:
+        options = {
+            "max_context": sizes.context,
+            "max_tokens": config.max_tokens,
+            "sampling": sampling,
+            "announce": False,
+        }
+        return ServedGateway(engine, env.source, options)
+
+    shape = _Shape(max_len=sizes.context, width=sizes.width, chains_per_row=1)
+    return _RunTask(source, env.dataset, env.tasks, shape, serve=_served_by_gateway)
+
+
+def _textarena_task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
+    """A TextArena game as a run's task (`dew.envs.textarena`): task ids draw its games, those
+    after `tasks` held out; an episode's context is the game's own unless `max_context`."""
+    from dew.envs.textarena import TextArena
+
+    game = TextArena.parse(config.task, seed=config.seed)
+    context = config.max_context or game.game.max_context
+
+    def source(engine, sampling: Sampling) -> SessionSource:
+        return game.source(
+            engine,
+            max_tokens=config.max_tokens,
+            max_context=context,
+            sampling=sampling,
+            tokenizer=tokenizer,
+        )
+
+    shape = _Shape(max_len=context, width=context, chains_per_row=1)
+    return _RunTask(source, game.dataset, game.tasks, shape)
 
 
 def _served_by_gateway(source: SessionSource, server: RolloutServer) -> SessionSource:

@@ -1,0 +1,306 @@
+"""TextArena games as in-process multi-turn environments, the agent against the game engine.
+
+`TextArena.parse("Wordle-v0")` names a game of the optional `textarena` package
+(`pip install 'dew[verifiers]'`) and its options (the game's own keyword arguments, e.g.
+`Wordle-v0,word_length=4`). Each task is one seeded game: its index and the seed draw the secret
+word (or the opponent's moves), so a task replays alike. The agent is player 0: it sees what
+the engine tells player 0 (the rules first, then each turn's feedback and board), and its
+decoded reply is its move, exactly as written (the game reads its bracketed token). In a
+two-player game the opponent is fixed: a seeded random legal move (TicTacToe-v0's "Available
+Moves"), played at once after each of the agent's moves.
+
+The reward is the game's own for player 0 (TextArena's: 1 for a win, -1 for a loss, 0 for a
+draw; a game ended by invalid moves gives what the game gives, Wordle the share of letters
+found). verifiers' TextArena taskset is not used: it downloads nltk data each time it loads.
+textarena's Wordle needs nltk's `words` corpus and `averaged_perceptron_tagger_eng` tagger,
+which it downloads when missing: dew refuses the game instead, naming the data to install
+(`python -m nltk.downloader words averaged_perceptron_tagger_eng`), and builds the game inside
+`dew.envs._offline.no_downloads` (nltk's downloader, which textarena calls even for data in
+place, answers from the data without reaching the network).
+
+Outcomes (through `EnvironmentSource`): COMPLETED when the game is over, scored with the game's
+reward; TRUNCATED with `turns` when `max_turns` moves pass first, or `context` when the
+conversation outgrows `max_context`: the game is not over, and dew scores it as lost (0 in
+Wordle, -1 in TicTacToe), so running out of turns never pays better than losing.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+
+from dew._checks import int_at_least
+from dew.data import ArrayDataset, Batch, Task
+from dew.envs._offline import no_downloads
+from dew.envs.environment import EnvironmentSource, Episode, Observation, Sampling, Score
+from dew.envs.tasks import task_id
+from dew.envs.verifiers import parse_spec
+from dew.serve.tokenizer import BYTES, Tokenizer
+
+PREFIX = "textarena:"
+"""How `dew train --env` names a TextArena game: `textarena:GAME[,key=value...]`."""
+
+# textarena seeds its games from the process-wide `random`: seeding and resetting hold this.
+_RANDOM = threading.Lock()
+_AVAILABLE = re.compile(r"'\[(\d+)\]'")
+
+
+def _available_move(observation: str, rng: np.random.Generator) -> str:
+    """A random move among the board's "Available Moves" ('[4]', ...), the latest listed."""
+    board = observation.rsplit("Available Moves:", 1)[-1]
+    moves = _AVAILABLE.findall(board)
+    return f"[{moves[rng.integers(len(moves))]}]" if moves else "[0]"
+
+
+@attrs.frozen
+class Game:
+    """What dew knows of a supported game.
+
+    Args:
+        players: 1, or 2 for a game against the fixed opponent.
+        max_turns: the agent's most moves per game (the game's own limit, and its invalid
+            moves, end it sooner).
+        max_context: most tokens of a game's conversation (prompt and replies).
+        nltk: the nltk data (resource paths) the game reads.
+        opponent: the second player's move from its observation and a seeded generator.
+        cut: the reward of a game dew cuts (too many moves, too long a conversation): the
+            game's reward for a loss, so that running out of turns never beats losing.
+    """
+
+    players: int
+    max_turns: int
+    max_context: int
+    nltk: tuple[str, ...] = ()
+    opponent: Callable[[str, np.random.Generator], str] | None = None
+    cut: float = 0.0
+
+
+_WORDLE_DATA = ("corpora/words", "taggers/averaged_perceptron_tagger_eng/")
+GAMES: Mapping[str, Game] = {
+    # Wordle gives a lost game 0 (and a game lost to invalid moves the share of letters found).
+    "Wordle-v0": Game(1, 8, 2048, _WORDLE_DATA),
+    "Wordle-v0-hardcore": Game(1, 8, 2048, _WORDLE_DATA),
+    "Wordle-v0-long": Game(1, 11, 3072, _WORDLE_DATA),
+    "TicTacToe-v0": Game(2, 6, 2048, opponent=_available_move, cut=-1.0),
+}
+"""The games dew plays, by TextArena id."""
+
+
+def _nltk_package(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _check_data(name: str, game: Game) -> None:
+    """Raises: ValueError naming the nltk data the game needs and does not find."""
+    if not game.nltk:
+        return
+    import nltk
+
+    missing = []
+    for path in game.nltk:
+        try:
+            nltk.data.find(path)
+        except LookupError:
+            missing.append(_nltk_package(path))
+    if missing:
+        raise ValueError(
+            f"textarena {name} needs nltk data it would download: {', '.join(missing)} (not "
+            f"in nltk.data.path {nltk.data.path}); install it with `python -m nltk.downloader "
+            f"{' '.join(missing)}`, or point NLTK_DATA at a folder holding it"
+        )
+
+
+def _message_text(messages) -> str:
+    """Player 0's new messages as one user turn. Moves echoed back are left out when they are
+    the agent's own (sent by player 0, or by the game, -1, in a one-player game such as Wordle)
+    and named when they are the opponent's."""
+    import textarena as ta
+
+    texts = [
+        f"Player {sender}: {text}" if kind == ta.ObservationType.PLAYER_ACTION else str(text)
+        for sender, text, kind in messages
+        if not (kind == ta.ObservationType.PLAYER_ACTION and sender < 1)
+    ]
+    return "\n\n".join(texts)
+
+
+class TextArenaGame:
+    """One episode of a TextArena game as a dew `Environment` (reset/step), the agent player 0.
+
+    Args:
+        template: the game as built once (building Wordle tags its word list and reads two
+            dictionaries). Each episode plays a shallow copy: `reset` gives the copy a state of
+            its own, and these games only read the rest (a deep copy of Wordle's dictionaries
+            took 1.6 s an episode).
+        game: what dew knows of it.
+        seed: the run's seed; a task's game is a function of it and the task's id.
+    """
+
+    def __init__(self, template: Any, game: Game, seed: int):
+        self.template = template
+        self.game = game
+        self.seed = seed
+        self.env: Any = None
+        self.rng: np.random.Generator | None = None
+
+    def reset(self, task: Task) -> Observation:
+        """Start `task`'s game (seeded by the run's seed and its id); return the rules and
+        board player 0 sees first, after the opponent's moves when it starts."""
+        index = task_id(task)
+        seed = int(np.random.SeedSequence([self.seed, index]).generate_state(1)[0])
+        self.env = copy.copy(self.template)
+        self.rng = np.random.default_rng(seed)
+        with _RANDOM:
+            random.seed(seed)
+            self.env.reset(num_players=self.game.players, seed=seed)
+        self._opponent_moves()
+        return _message_text(self.env.get_observation()[1])
+
+    def step(self, action: str) -> tuple[Observation | None, bool]:
+        """Play the agent's move, then the opponent's; return what player 0 sees next and
+        whether the game is over."""
+        done, _ = self.env.step(action)
+        done = done or self._opponent_moves()
+        if done:
+            return None, True
+        player, messages = self.env.get_observation()
+        return _message_text(messages), False
+
+    def _opponent_moves(self) -> bool:
+        """Play the opponent until it is the agent's turn; return whether the game is over."""
+        while not self.env.state.done and self.env.state.current_player_id != 0:
+            _, messages = self.env.get_observation()
+            text = "\n".join(str(text) for _, text, _ in messages)
+            done, _ = self.env.step(self.game.opponent(text, self.rng))
+            if done:
+                return True
+        return bool(self.env.state.done)
+
+    @property
+    def reward(self) -> float | None:
+        """Player 0's reward in a finished game; None before it ends."""
+        rewards = self.env.state.rewards if self.env is not None else None
+        return None if not rewards else float(rewards[0])
+
+
+def verify(env: TextArenaGame, episode: Episode) -> Score:
+    """The game's reward for player 0 (a game dew cut: its loss, `Game.cut`), and whether it
+    won, moved invalidly, and its moves."""
+    reward = env.reward
+    info = env.env.state.game_info[0]
+    return Score(
+        env.game.cut if reward is None else reward,
+        {
+            "win": float(reward is not None and reward > 0),
+            "invalid_move": float(bool(info.get("invalid_move"))),
+            "moves": float(len(episode.actions)),
+        },
+    )
+
+
+def _options(instance, attribute, value):
+    if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
+        raise ValueError(f"{attribute.name} must be a mapping of str keys, got {value!r}")
+
+
+@attrs.frozen
+class TextArena:
+    """A TextArena game's tasks, their dataset and their source.
+
+    Args:
+        name: the game's TextArena id, one of `GAMES`.
+        options: the game's keyword arguments (e.g. `word_length` for Wordle).
+        seed: draws each task's game with its id.
+
+    Raises:
+        ImportError: naming the extra to install when textarena is missing.
+        ValueError: naming the game when dew does not play it, the option it refuses, or the
+            nltk data it needs and does not find.
+    """
+
+    name: str = attrs.field(validator=attrs.validators.instance_of(str))
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict, validator=_options)
+    seed: int = attrs.field(default=0, kw_only=True, validator=int_at_least(0))
+    _template: Any = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self):
+        try:
+            import textarena as ta
+        except ImportError as error:
+            raise ImportError(
+                "TextArena games need the textarena package: pip install 'dew[verifiers]'"
+            ) from error
+        if self.name not in GAMES:
+            raise ValueError(f"dew plays TextArena games {', '.join(GAMES)}; not {self.name!r}")
+        game = GAMES[self.name]
+        _check_data(self.name, game)
+        try:
+            with no_downloads():
+                # The raw game: dew writes the conversation itself, one turn per message.
+                template = ta.make(f"{self.name}-raw", **self.options)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"textarena {self.name} refuses options {dict(self.options)}: {error}"
+            ) from error
+        object.__setattr__(self, "_template", template)
+
+    @classmethod
+    def parse(cls, spec: str, *, seed: int = 0) -> TextArena:
+        """The game `spec` names: `GAME[,key=value...]`, with or without `textarena:`."""
+        name, options = parse_spec(spec, PREFIX)
+        return cls(name, options, seed=seed)
+
+    @property
+    def game(self) -> Game:
+        """What dew knows of this game (`GAMES`)."""
+        return GAMES[self.name]
+
+    def environment(self) -> TextArenaGame:
+        """A fresh episode's environment."""
+        return TextArenaGame(self._template, self.game, self.seed)
+
+    def tasks(self, batch: Batch) -> list[Task]:
+        """One task per `task_id` row, named by its id."""
+        return [Task(str(int(index))) for index in np.asarray(batch["task_id"])]
+
+    def dataset(
+        self, rows: int, batch_size: int, *, shuffle_seed: int | None = 0, epochs: int = 1
+    ) -> ArrayDataset:
+        """Task ids 0 .. rows-1 in batches of `batch_size`, shuffled per epoch."""
+        return ArrayDataset(
+            {"task_id": np.arange(rows, dtype=np.int64)},
+            batch_size,
+            shuffle_seed=shuffle_seed,
+            epochs=epochs,
+        )
+
+    def source(
+        self,
+        engine: Any,
+        *,
+        max_tokens: int,
+        max_turns: int | None = None,
+        max_context: int | None = None,
+        sampling: Sampling | None = None,
+        tokenizer: Tokenizer = BYTES,
+    ) -> EnvironmentSource:
+        """An `EnvironmentSource` of this game on `engine`: a reply of up to `max_tokens` is a
+        move even without a stop token (the game reads its bracketed token)."""
+        return EnvironmentSource(
+            engine,
+            self.environment,
+            verify,
+            max_turns=self.game.max_turns if max_turns is None else max_turns,
+            max_tokens=max_tokens,
+            max_context=self.game.max_context if max_context is None else max_context,
+            require_stop=False,
+            sampling=Sampling() if sampling is None else sampling,
+            tokenizer=tokenizer,
+        )

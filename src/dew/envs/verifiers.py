@@ -1,0 +1,673 @@
+"""`verifiers` environments as dew tasks: each rollout plays one episode of the environment, its
+model calls recorded by dew's gateway, and trains on the environment's own rewards.
+
+`Verifiers.parse("NAME,key=value...")` loads an environment of the optional `verifiers`
+package (`pip install 'dew[verifiers]'`) the way verifiers itself does (`verifiers.v1`): NAME is
+an installed taskset package (`EnvConfig.taskset.id`), the options are its taskset config, and
+the `Env` is the taskset's own or verifiers' single-agent one. `Verifiers(env)` takes an `Env` a
+user built. Each dew task is one of the taskset's tasks, by index.
+
+A rollout (`VerifiersSource`) opens a session on a `dew.gateway.Gateway` and runs the
+environment's own episode (`Env.run_episode`: its setup, its protocol between agents, user turns
+and tools, its rewards) with a `ModelContext` whose client is the session's private URL, so
+every model call the environment's agents make reaches dew's engine through the gateway and is
+recorded token in / token out. verifiers is asyncio and dew runs trio: episodes run on an
+asyncio loop in a thread of their own, one per trio run.
+
+Offline and in-process. verifiers' own harnesses install their program with `uv` (from the
+network) into a sandbox; dew runs each agent with `ChatHarness` instead (harness id
+`dew-chat`): the same chat loop, in-process, offering the task's MCP tools. An environment is
+refused at load, naming what it needs, when it pins a harness other than `dew-chat`, runs an
+agent or a tool server outside a local subprocess runtime (docker, prime, modal: a sandbox
+service), needs a container for its tasks, or keeps taskset-wide tool servers or resources of
+its own (`Env.start`); a taskset whose tasks cannot load offline (a dataset to download) is
+refused naming the error. Tasks load, and episodes run, inside `dew.envs._offline`'s
+`no_downloads`: Hugging Face datasets and hub offline, nltk's downloader answering from the
+data in place or refusing by name.
+
+How an episode's outcome becomes a dew status:
+
+- COMPLETED: the episode finished without error (a `@vf.stop` that ended it is the
+  environment's own end, not a truncation); reward the sum of its traces' weighted rewards.
+- TRUNCATED: a trace hit one of verifiers' limits: `turns` (`max_turns`), `length`
+  (`max_output_tokens`, or the last reply cut by its token budget), `context`
+  (`max_input_tokens`, `max_total_tokens`, a failed compaction), `wall_clock` (a stage's
+  timeout, the episode's or `wall_clock`): scored as verifiers scored it. Or dew cut the
+  episode at once: its gateway (`turns` past `max_calls`, `context` for a prompt past the
+  gateway's context) or `wall_clock`: reward 0, which verifiers never gave (resubmitting the
+  same overflowing episode would only cut it again).
+- AGENT_ERROR: the environment raised, in its protocol, its hooks, its harness or its tools (an
+  `Error` on the episode or a trace): `error` is its type and message (the first failure), the
+  reward what verifiers recorded (0 where scoring did not run).
+- INFRA_ERROR: dew's engine failed a call.
+
+An environment's errors are counted by text (`VerifiersSource.errors`) and reported as a
+warning of this module's logger at their 1st, 10th, 100th ... time, the way the scheduler
+reports its sessions' errors: a broken environment shows in the log, not only as rewards of 0.
+
+Each trace's rewards (their unweighted scores, by name) and metrics (`metric/NAME`) are the
+session's reward components, prefixed with the agent's name when the episode has several.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import threading
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+import trio
+
+from dew._checks import int_at_least
+from dew.data import ArrayDataset, Batch, Task
+from dew.envs._offline import no_downloads
+from dew.envs.environment import describe
+from dew.objectives.rl._reports import ErrorCounts
+from dew.objectives.rl.sessions import Call, Label, Session, Status
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "verifiers:"
+"""How `dew train --env` names a verifiers environment: `verifiers:NAME[,key=value...]`."""
+
+HARNESS_ID = "dew-chat"
+"""The verifiers harness id of `ChatHarness` (its plugin module is `dew_chat`)."""
+
+# verifiers' own limits (`Trace.stop_condition`) as dew's truncation reasons.
+_LIMITS = {
+    "max_turns": "turns",
+    "max_output_tokens": "length",
+    "max_input_tokens": "context",
+    "max_total_tokens": "context",
+    "compaction_failed": "context",
+}
+
+
+def _import_verifiers():
+    try:
+        import verifiers.v1 as vf
+    except ImportError as error:
+        raise ImportError(
+            "verifiers environments need the verifiers package: pip install 'dew[verifiers]'"
+        ) from error
+    return vf
+
+
+def _value(text: str) -> Any:
+    """An option's value: JSON where it parses (numbers, booleans, lists), else the text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_spec(spec: str, prefix: str) -> tuple[str, dict[str, Any]]:
+    """`NAME[,key=value...]` (with or without `prefix`) as the name and its options.
+
+    Raises:
+        ValueError: naming the part that is not `key=value`, a repeated key, or a missing name.
+    """
+    name, *parts = spec.removeprefix(prefix).split(",")
+    options: dict[str, Any] = {}
+    for part in parts:
+        key, equals, value = part.partition("=")
+        if not (equals and key.strip()):
+            raise ValueError(f"environment {spec!r}: {part!r} is not key=value")
+        if key.strip() in options:
+            raise ValueError(f"environment {spec!r}: {key.strip()!r} is given twice")
+        options[key.strip()] = _value(value.strip())
+    if not name.strip():
+        raise ValueError(f"environment {spec!r} names no environment")
+    return name.strip(), options
+
+
+def _roles(config_type: type) -> list[str]:
+    vf = _import_verifiers()
+    return [
+        name
+        for name, field in config_type.model_fields.items()
+        if isinstance(field.default, vf.AgentConfig)
+    ]
+
+
+def load_env(name: str, options: Mapping[str, Any] | None = None) -> Any:
+    """The verifiers `Env` of the taskset package `name` with taskset config `options`, each
+    agent played by `ChatHarness` in a local subprocess runtime unless the taskset ships its
+    own harness.
+
+    Raises:
+        ImportError: naming the package to install (verifiers, or the taskset).
+        ValueError: naming an option the taskset's config refuses.
+    """
+    vf = _import_verifiers()
+    from verifiers.v1.utils.loaders import default_harness_id, env_config_type
+
+    try:
+        config_type = env_config_type(name)
+        harness = None if default_harness_id(name) == name else {"id": HARNESS_ID}
+        agent = {"runtime": {"type": "subprocess"}} | ({"harness": harness} if harness else {})
+        data = {"taskset": {"id": name, **dict(options or {})}}
+        data |= {role: agent for role in _roles(config_type)}
+        config = vf.resolve_env_config(data)
+        return vf.load_environment(config)
+    except ModuleNotFoundError as error:
+        raise ImportError(
+            f"verifiers environment {name!r} is not installed: install its taskset package "
+            f"(a package named {name.replace('-', '_')!r} exporting a vf.Taskset): {error}"
+        ) from error
+    except ValueError as error:  # pydantic's ValidationError is one
+        raise ValueError(
+            f"verifiers environment {name!r} refuses {dict(options or {})}: {error}"
+        ) from None
+
+
+def check_offline(env: Any) -> None:
+    """Refuse an environment dew cannot run offline and in-process, naming what it needs.
+
+    Raises:
+        ValueError: see the module.
+    """
+    vf = _import_verifiers()
+    from verifiers.v1.configs.agent import agent_config_fields
+    from verifiers.v1.utils.loaders import harness_class
+
+    if not isinstance(env, vf.Env):
+        raise ValueError(f"a verifiers environment must be a verifiers.v1.Env, got {env!r}")
+    name = env.config.env_id or type(env).__name__
+    taskset = env.taskset
+    default_harness = vf.default_harness_id(env.config.taskset.id)
+    for role, agent in agent_config_fields(env.config).items():
+        harness = agent.harness.id if agent.harness is not None else default_harness
+        own = harness == env.config.taskset.id
+        if own and harness_class(harness).NEEDS_CONTAINER:
+            raise ValueError(
+                f"verifiers environment {name!r}: agent {role!r} runs the taskset's harness "
+                f"{harness!r}, which needs a container"
+            )
+        if harness != HARNESS_ID and not own:
+            raise ValueError(
+                f"verifiers environment {name!r}: agent {role!r} runs harness {harness!r}, a "
+                "program verifiers installs with uv from the network (into a sandbox); dew runs "
+                f"agents in-process with harness {HARNESS_ID!r}"
+            )
+        if agent.runtime.type != "subprocess":
+            raise ValueError(
+                f"verifiers environment {name!r}: agent {role!r} runs in a "
+                f"{agent.runtime.type!r} runtime, a sandbox service; dew runs agents in a local "
+                "subprocess runtime"
+            )
+    task_type = type(taskset).task_type()
+    if task_type.NEEDS_CONTAINER:
+        raise ValueError(
+            f"verifiers environment {name!r}: its tasks ({task_type.__name__}) need a container"
+        )
+    for toolset in task_type.toolsets(taskset.config.task):
+        if toolset.config.url or toolset.config.runtime.type != "subprocess":
+            where = toolset.config.url or f"a {toolset.config.runtime.type!r} runtime"
+            raise ValueError(
+                f"verifiers environment {name!r}: tool server {type(toolset).__name__} runs at "
+                f"{where}, outside this machine; dew serves tools in local subprocesses"
+            )
+    if taskset.toolsets(taskset.config):
+        raise ValueError(
+            f"verifiers environment {name!r} keeps taskset-wide tool servers "
+            f"({', '.join(type(t).__name__ for t in taskset.toolsets(taskset.config))}), which "
+            "dew does not serve; give each task its own (Task.toolsets)"
+        )
+    if type(env).start is not vf.Env.start or type(env).stop is not vf.Env.stop:
+        raise ValueError(
+            f"verifiers environment {name!r} ({type(env).__name__}) serves resources of its own "
+            "(Env.start/stop), which dew does not start"
+        )
+
+
+def _load_tasks(env: Any, size: int) -> list[Any]:
+    """The first `size` tasks of the environment's taskset, loaded offline.
+
+    Raises:
+        ValueError: naming the taskset and the error when its tasks cannot load offline, or
+            when it has fewer than `size`.
+    """
+    name = env.config.env_id
+    try:
+        with no_downloads():
+            tasks = list(env.taskset.take(size))
+    except Exception as error:
+        raise ValueError(
+            f"verifiers environment {name!r} cannot load its tasks offline (a dataset to "
+            f"download is refused): {describe(error)}"
+        ) from error
+    if len(tasks) < size:
+        raise ValueError(
+            f"verifiers environment {name!r} has {len(tasks)} tasks, fewer than the {size} "
+            "asked for (training and held-out tasks together)"
+        )
+    return tasks
+
+
+@attrs.frozen
+class Verifiers:
+    """A verifiers environment's tasks, their dataset, and its source.
+
+    Args:
+        env: a `verifiers.v1.Env` (`load_env`, or one a user built); checked by `check_offline`.
+        size: tasks taken from its taskset; task ids are 0 .. size-1.
+
+    Raises:
+        ValueError: as `check_offline`, or when the tasks cannot load (`_load_tasks`).
+    """
+
+    env: Any = attrs.field()
+    size: int = attrs.field(default=1000, kw_only=True, validator=int_at_least(1))
+    _tasks: tuple[Any, ...] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self):
+        check_offline(self.env)
+        object.__setattr__(self, "_tasks", tuple(_load_tasks(self.env, self.size)))
+
+    @classmethod
+    def parse(cls, spec: str, *, size: int = 1000) -> Verifiers:
+        """The environment `spec` names: `NAME[,key=value...]`, with or without `verifiers:`;
+        values are JSON where they parse, else strings (`load_env`)."""
+        name, options = parse_spec(spec, PREFIX)
+        return cls(load_env(name, options), size=size)
+
+    def task(self, index: int) -> Task:
+        """Task `index`, with the taskset's task as its payload.
+
+        Raises:
+            ValueError: for an index outside 0 .. size-1.
+        """
+        if not 0 <= index < self.size:
+            raise ValueError(
+                f"{self.env.config.env_id}: task id {index} is outside 0 .. {self.size - 1}"
+            )
+        return Task(str(index), payload=self._tasks[index])
+
+    def prompt(self, task: Task) -> list[dict[str, Any]]:
+        """The first messages an agent sends for `task`: its system prompt and prompt (what
+        sizes a run's context)."""
+        from verifiers.v1.dialects.chat import message_to_wire
+
+        data = task.payload.data
+        messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+        if isinstance(data.prompt, str):
+            return [*messages, {"role": "user", "content": data.prompt}]
+        return [*messages, *(message_to_wire(message) for message in data.prompt or [])]
+
+    def tasks(self, batch: Batch) -> list[Task]:
+        """One task per `task_id` row (the scheduler's `tasks=`)."""
+        return [self.task(int(index)) for index in np.asarray(batch["task_id"])]
+
+    def dataset(
+        self, rows: int, batch_size: int, *, shuffle_seed: int | None = 0, epochs: int = 1
+    ) -> ArrayDataset:
+        """Task ids 0 .. rows-1 in batches of `batch_size`, shuffled per epoch."""
+        if rows > self.size:
+            raise ValueError(f"{self.env.config.env_id}: {rows} task ids run past size {self.size}")
+        return ArrayDataset(
+            {"task_id": np.arange(rows, dtype=np.int64)},
+            batch_size,
+            shuffle_seed=shuffle_seed,
+            epochs=epochs,
+        )
+
+    def source(self, gateway: Any, **options: Any) -> VerifiersSource:
+        """A `VerifiersSource` of this environment over a serving gateway."""
+        return VerifiersSource(gateway, self.env, **options)
+
+
+# --- the asyncio side ---------------------------------------------------------------------------
+
+
+class _Loop:
+    """An asyncio event loop in a thread of its own, for one trio run: verifiers' episodes run
+    there; a trio task awaits each without holding a thread."""
+
+    def __init__(self):
+        # Episodes download nothing either (a game built per episode may ask nltk).
+        self.offline = contextlib.ExitStack()
+        self.offline.enter_context(no_downloads())
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._serve, name="dew-verifiers", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+        # Stopped with the trio run: what is left (cancelled episodes unwinding) ends here.
+        left = asyncio.all_tasks(self.loop)
+        for task in left:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+
+    async def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        """Await `coroutine` on the asyncio loop; a trio cancel cancels its asyncio task."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+
+        def wake(_) -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(done.set)
+
+        future.add_done_callback(wake)
+        try:
+            await done.wait()
+        except BaseException:
+            future.cancel()
+            raise
+        return future.result()
+
+    def close(self) -> None:
+        """Stop the loop; its thread cancels what is left and ends. An episode whose cleanup
+        does not end in a minute is left to the daemon thread (the process's exit ends it)."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=60)
+        self.offline.close()
+
+
+_LOOP = trio.lowlevel.RunVar("dew.envs.verifiers.loop")
+
+
+def _run_loop() -> _Loop:
+    """This trio run's asyncio loop, started on first use and stopped when the run ends."""
+    try:
+        return _LOOP.get()
+    except LookupError:
+        loop = _Loop()
+        _LOOP.set(loop)
+        trio.lowlevel.spawn_system_task(_close_when_the_run_ends, loop)
+        return loop
+
+
+async def _close_when_the_run_ends(loop: _Loop) -> None:
+    try:
+        await trio.sleep_forever()
+    finally:
+        loop.close()
+
+
+# --- the source ---------------------------------------------------------------------------------
+
+
+def _gateway(instance, attribute, value):
+    if not callable(getattr(value, "open", None)):
+        raise ValueError(f"gateway must be a dew.gateway.Gateway, got {value!r}")
+
+
+def _optional_count(instance, attribute, value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{attribute.name} must be an int >= 1 or None, got {value!r}")
+
+
+def _optional_seconds(instance, attribute, value):
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+    ):
+        raise ValueError(f"{attribute.name} must be a number of seconds > 0 or None, got {value!r}")
+
+
+@attrs.frozen
+class Outcome:
+    """What one episode came to, in dew's terms (see the module).
+
+    Args:
+        status: COMPLETED, TRUNCATED or AGENT_ERROR.
+        reward: the sum of the traces' weighted rewards.
+        components: each trace's rewards and metrics by name.
+        truncation: why a TRUNCATED episode stopped.
+        error: the first error's type and message, for AGENT_ERROR.
+    """
+
+    status: Status
+    reward: float
+    components: Mapping[str, float]
+    truncation: str | None = None
+    error: str | None = None
+
+
+def _error_text(error: Any) -> str:
+    return f"{error.type}: {error.message}"
+
+
+def outcome(episode: Any) -> Outcome:
+    """A verifiers `Episode`'s status, reward and components (see the module)."""
+    named = len({trace.agent.name for trace in episode.traces if trace.agent}) > 1
+    components: dict[str, float] = {}
+    for trace in episode.traces:
+        prefix = f"{trace.agent.name}/" if named and trace.agent and trace.agent.name else ""
+        for name, reward in trace.rewards.items():
+            if reward is not None and math.isfinite(reward.score):
+                components[f"{prefix}{name}"] = reward.score
+        for name, value in trace.metrics.items():
+            if value is not None and math.isfinite(value):
+                components[f"{prefix}metric/{name}"] = float(value)
+    reward = math.fsum(trace.reward for trace in episode.traces)
+    reward = reward if math.isfinite(reward) else 0.0
+    errors = [*episode.errors, *(e for trace in episode.traces for e in trace.errors)]
+    if errors:
+        return Outcome(Status.AGENT_ERROR, reward, components, error=_error_text(errors[0]))
+    for trace in episode.traces:
+        if trace.stop_condition in _LIMITS:
+            return Outcome(Status.TRUNCATED, reward, components, _LIMITS[trace.stop_condition])
+        if trace.is_timeout:
+            return Outcome(Status.TRUNCATED, reward, components, "wall_clock")
+        if trace.is_truncated:  # the last reply ran out of its token budget
+            return Outcome(Status.TRUNCATED, reward, components, "length")
+    if episode.is_timeout:
+        return Outcome(Status.TRUNCATED, reward, components, "wall_clock")
+    return Outcome(Status.COMPLETED, reward, components)
+
+
+@attrs.frozen
+class VerifiersSource:
+    """Runs one episode of a verifiers environment per rollout, through a recording gateway
+    (a `SessionSource`); see the module for the outcomes.
+
+    Args:
+        gateway: a serving `dew.gateway.Gateway` (in the rollouts' trio run).
+        env: the `verifiers.v1.Env` (checked by `check_offline`).
+        model: the model name the environment's agents ask for.
+        max_calls: the most model calls per episode; None for no limit.
+        wall_clock: seconds of trio's clock an episode may run; None for no limit.
+
+    Attributes:
+        errors: the AGENT_ERROR texts so far and how often each came.
+    """
+
+    gateway: Any = attrs.field(validator=_gateway)
+    env: Any = attrs.field()
+    model: str = attrs.field(default="dew", kw_only=True)
+    max_calls: int | None = attrs.field(default=None, kw_only=True, validator=_optional_count)
+    wall_clock: float | None = attrs.field(default=None, kw_only=True, validator=_optional_seconds)
+    errors: ErrorCounts = attrs.field(factory=lambda: ErrorCounts(64), init=False, eq=False)
+
+    def __attrs_post_init__(self):
+        check_offline(self.env)
+
+    async def run(self, task: Task, label: Label) -> Session:
+        """Play one episode of `task` (its payload a verifiers task) in a fresh gateway session."""
+        session = self.gateway.open(label, max_calls=self.max_calls)
+        played = False
+        try:
+            result = await self._play(session, task)
+            played = True
+        finally:
+            session.close("finished" if played else "cancelled")
+        ended = _session(session, result)
+        if ended.status is Status.AGENT_ERROR:
+            self._count(ended.error)
+        return ended
+
+    def _count(self, error: str) -> None:
+        self.errors.add(error)
+        count = dict(self.errors.most_common(64)).get(error, 0)
+        if count and math.log10(count).is_integer():
+            logger.warning(
+                "verifiers environment %r: %d rollouts so far ended with %r",
+                self.env.config.env_id,
+                count,
+                error,
+            )
+
+    async def _play(self, session, task: Task) -> Outcome | None:
+        """The episode's outcome; None when it was cut (a limit, a fault, time)."""
+        vf = _import_verifiers()
+        context = vf.ModelContext(
+            model=self.model,
+            client=vf.EvalClientConfig(base_url=session.base_url, api_key_var="DEW_GATEWAY_KEY"),
+        )
+        limit = math.inf if self.wall_clock is None else self.wall_clock
+        result: dict[str, Outcome] = {}
+        with trio.move_on_after(limit) as deadline:
+            async with trio.open_nursery() as nursery:
+
+                async def stop_when_session_ends() -> None:
+                    await session.ended.wait()
+                    nursery.cancel_scope.cancel(reason="session ended")
+
+                nursery.start_soon(stop_when_session_ends)
+                episode = await _run_loop().run(self.env.run_episode(task.payload, context))
+                result["outcome"] = outcome(episode)
+                nursery.cancel_scope.cancel(reason="episode ended")
+        if deadline.cancelled_caught and "outcome" not in result:
+            session.truncate("wall_clock")
+        return result.get("outcome")
+
+
+def _session(session, result: Outcome | None) -> Session:
+    calls: tuple[Call, ...] = session.calls
+    if session.infra_error is not None:
+        return Session(Status.INFRA_ERROR, calls, error=session.infra_error)
+    if session.truncation is not None:
+        # The episode was cut before verifiers scored it: 0, which a resubmission of the same
+        # overflowing episode would only repeat.
+        reward = 0.0 if result is None else result.reward
+        components = {} if result is None else dict(result.components)
+        return Session(Status.TRUNCATED, calls, reward, components, truncation=session.truncation)
+    if result is None:
+        return Session(Status.INFRA_ERROR, calls, error="the episode ended without an outcome")
+    return Session(
+        result.status,
+        calls,
+        result.reward,
+        dict(result.components),
+        truncation=result.truncation,
+        error=result.error,
+    )
+
+
+# --- the harness --------------------------------------------------------------------------------
+
+
+def _chat_harness_classes() -> tuple[type, type]:
+    """`ChatHarness` and its config, built on first use (verifiers is an optional extra)."""
+    vf = _import_verifiers()
+    from verifiers.v1.dialects.chat import message_to_wire
+    from verifiers.v1.harnesses.utils.mcp import call_mcp, connect_mcp
+    from verifiers.v1.runtimes import ProgramResult
+
+    class ChatHarnessConfig(vf.HarnessConfig):
+        """`ChatHarness`'s config: verifiers' harness knobs (`tool_timeout` among them)."""
+
+        id: str = HARNESS_ID
+
+    class ChatHarness(vf.Harness[ChatHarnessConfig]):
+        """An agent's chat loop, in-process: the task's prompt, then one model call after
+        another through the rollout's interception endpoint, running each tool call on the
+        task's MCP servers, until a reply calls no tool. verifiers' `null` harness does the
+        same in a program it installs with uv; this one needs nothing installed."""
+
+        APPENDS_SYSTEM_PROMPT = True
+        SUPPORTS_MCP = True
+        SUPPORTS_RESUME = True
+        EXECUTES_CODE = False
+        NEEDS_CONTAINER = False
+
+        async def launch(
+            self,
+            ctx,
+            trace,
+            runtime,
+            endpoint: str,
+            secret: str,
+            mcp_urls: dict[str, str],
+            data,
+            tool_interception_url: str | None = None,
+        ):
+            import openai
+
+            system, prompt = self.resolve_prompt(data)
+            messages: list[dict[str, Any]] = (
+                [{"role": "system", "content": system}] if system else []
+            )
+            if isinstance(prompt, str):
+                messages.append({"role": "user", "content": prompt})
+            elif prompt is not None:
+                messages += [message_to_wire(message) for message in prompt]
+            servers = {
+                name: {"url": url, "timeout": self.config.tool_timeout}
+                for name, url in mcp_urls.items()
+            }
+            # No client timeout: on a busy machine a connect to the rollout's interception server
+            # can take longer than openai's 5 s, and the rollout's own limits (the source's
+            # wall_clock, verifiers' agent timeout) bound it.
+            client = openai.AsyncOpenAI(
+                base_url=endpoint, api_key=secret, max_retries=0, timeout=None
+            )
+            async with (
+                client,
+                contextlib.AsyncExitStack() as stack,
+            ):
+                tools, dispatch, connections = (
+                    await connect_mcp({"mcpServers": servers}, stack) if servers else ([], {}, {})
+                )
+                while True:
+                    options = {"tools": tools} if tools else {}
+                    answer = await client.chat.completions.create(
+                        model=ctx.model, messages=messages, **options
+                    )
+                    message = answer.choices[0].message
+                    messages.append(message.model_dump(exclude_none=True))
+                    if not message.tool_calls:
+                        return ProgramResult(exit_code=0, stdout="", stderr="")
+                    for call in message.tool_calls:
+                        content = await _run_tool(call, dispatch, connections, call_mcp)
+                        messages.append(
+                            {"role": "tool", "tool_call_id": call.id, "content": content}
+                        )
+
+    return ChatHarness, ChatHarnessConfig
+
+
+async def _run_tool(call, dispatch, connections, call_mcp: Callable) -> str:
+    """A tool call's result, as the model sees it: an MCP tool's answer, or what was wrong with
+    the call (a model's malformed call is the model's to fix, as verifiers' chat loop says)."""
+    try:
+        arguments = json.loads(call.function.arguments or "{}")
+    except json.JSONDecodeError as error:
+        return f"error: invalid JSON in tool arguments ({error})"
+    if not isinstance(arguments, dict):
+        return f"error: tool arguments must be a JSON object, got {type(arguments).__name__}"
+    if call.function.name not in dispatch:
+        return f"error: unknown tool {call.function.name!r}"
+    return await call_mcp(connections, dispatch, call.function.name, arguments)
+
+
+def __getattr__(name: str) -> Any:
+    # ChatHarness subclasses verifiers' Harness: built when first asked for, so importing this
+    # module needs no verifiers.
+    if name in ("ChatHarness", "ChatHarnessConfig"):
+        harness, config = _chat_harness_classes()
+        globals().update(ChatHarness=harness, ChatHarnessConfig=config)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
