@@ -712,7 +712,7 @@ async def test_a_key_that_is_not_the_sessions_is_refused_and_none_is_accepted():
             error = refused.value.body
             assert error["code"] == "invalid_api_key" and "not this session's" in error["message"]
         prefix = mine.base_url.removeprefix(gw.url)
-        for header in ("Basic dXNlcjpwdw==", "Bearer", f"Bearer {theirs.api_key}x"):
+        for header in ("Basic dXNlcjpwdw==", "Bearer empty", f"Bearer {theirs.api_key}x"):
             raw = await http(
                 gw.url, "POST", f"{prefix}/completions", completion(), {"authorization": header}
             )
@@ -723,4 +723,11 @@ async def test_a_key_that_is_not_the_sessions_is_refused_and_none_is_accepted():
             await api.chat.completions.create(model="m", messages=hello)
         bare = await http(gw.url, "POST", f"{prefix}/chat/completions", chat())
         assert bare.status == 200
-    assert len(mine.calls) == 2 and theirs.calls == () and mine.infra_error is None
+        # Nor do the keys that say "no key": an empty one, and the placeholder EMPTY that
+        # verifiers sends when its key variable is unset.
+        for header in ("Bearer", "Bearer EMPTY"):
+            nameless = await http(
+                gw.url, "POST", f"{prefix}/chat/completions", chat(), {"authorization": header}
+            )
+            assert nameless.status == 200, header
+    assert len(mine.calls) == 4 and theirs.calls == () and mine.infra_error is None
