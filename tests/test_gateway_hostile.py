@@ -19,12 +19,17 @@ import pytest
 import trio
 import trio.testing
 
-from _gateway import LOOKUP_TOOL, ScriptedEngine, http, tiny_server, tool_call
+from _gateway import LOOKUP_TOOL, ScriptedEngine, http, tool_call
 from dew.envs import Sampling
 from dew.gateway import Gateway
 from dew.gateway._schema import MAX_DEPTH
 from dew.objectives.rl.sessions import Label
 from dew.serve.tokenizer import ByteTokenizer
+
+# The openai client leaves its stream's event iterator unclosed after [DONE] (see test_gateway.py).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Async generator '.*' was garbage collected:ResourceWarning"
+)
 
 
 def gateway(engine, **kwargs) -> Gateway:
@@ -167,11 +172,54 @@ async def test_a_deep_but_allowed_schema_and_deep_tool_call_arguments_are_served
     assert len(session.calls) == 2 and session.infra_error is None
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_log_probs_of_a_reply_ended_by_its_stop_token_are_answered(stream):
+    # The stop token is not reported: its log-prob was once zipped against the reported tokens,
+    # strictly, and every such request asking for log-probs was answered 500.
+    engine = ScriptedEngine(["fine"])
+    async with gateway(engine) as gw:
+        session = gw.open()
+        async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key) as api:
+            answer = await api.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "hi"}],
+                logprobs=True,
+                top_logprobs=2,
+                stream=stream,
+            )
+            if stream:
+                async with answer:
+                    chunks = [chunk async for chunk in answer]
+                entries = [
+                    e
+                    for c in chunks
+                    if c.choices[0].logprobs
+                    for e in c.choices[0].logprobs.content
+                ]
+            else:
+                entries = answer.choices[0].logprobs.content
+            response = await api.responses.create(
+                model="m", input="hi", include=["message.output_text.logprobs"]
+            )
+    (call, second) = session.calls
+    assert [e.token for e in entries] == list("fine") and len(call.completion) == 5
+    assert [e.logprob for e in entries] == call.logprobs[:4].tolist()
+    assert response.output[0].content[0].logprobs[-1].logprob == second.logprobs[3]
+    assert session.infra_error is None
+
+
+class ShortEngine(ScriptedEngine):
+    """The scripted engine with a `RolloutServer`'s `max_len` (building a real one initialises
+    a model, seconds of compilation for a check made before anything is served)."""
+
+    max_len = 128
+
+
 def test_a_context_longer_than_the_engines_is_refused_when_the_gateway_is_made():
     # Else a prompt the gateway lets through fails in the engine: a 500 for a client's prompt.
     with pytest.raises(ValueError, match="max_context must be at most engine 0's max_len 128"):
-        Gateway(tiny_server(), max_context=129)
-    assert Gateway(tiny_server(), max_context=128).max_context == 128
+        Gateway(ShortEngine(), max_context=129)
+    assert Gateway(ShortEngine(), max_context=128).max_context == 128
 
 
 # Any JSON value: what a client may put in any field.
@@ -189,9 +237,9 @@ JSON = st.recursive(
 
 
 def field(plausible: st.SearchStrategy) -> st.SearchStrategy:
-    """A field's value: mostly something a client might mean, one time in 16 any JSON at all (so
+    """A field's value: mostly something a client might mean, one time in 24 any JSON at all (so
     that most bodies get past their first field to the checks and the rendering behind it)."""
-    return st.integers(0, 15).flatmap(lambda k: JSON if k == 0 else plausible)
+    return st.integers(0, 23).flatmap(lambda k: JSON if k == 0 else plausible)
 
 
 TEXT = st.text(max_size=40)
@@ -199,6 +247,7 @@ SOMETIMES_TEXT = st.text(st.sampled_from('ab {}[]"<>/_:'), max_size=40) | TEXT
 PARTS = st.lists(
     field(st.fixed_dictionaries({"type": st.just("text"), "text": field(TEXT)})), max_size=3
 )
+STOP = st.text(st.sampled_from("ok<>_ \n"), min_size=1, max_size=4)
 ARGUMENTS = SOMETIMES_TEXT | st.just('{"key": [1, 2]}') | JSON.map(json.dumps)
 TOOL_CALLS = st.lists(
     field(
@@ -259,8 +308,8 @@ SCHEMA_FORMAT = {
 COMMON = {
     "stream": field(st.booleans()),
     "stream_options": field(st.fixed_dictionaries({"include_usage": field(st.booleans())})),
-    "max_tokens": field(st.integers(1, 32) | st.integers(-1, 2**70)),
-    "stop": field(SOMETIMES_TEXT | st.lists(SOMETIMES_TEXT, max_size=5)),
+    "max_tokens": field(st.integers(1, 32)),
+    "stop": field(STOP | st.lists(STOP, max_size=4)),
     "temperature": field(st.floats(0, 2)),
     "seed": field(st.integers(-(2**70), 2**70)),
     "n": field(st.just(1)),
@@ -273,7 +322,7 @@ CHAT_BODIES = st.fixed_dictionaries(
         "tools": field(st.lists(CHAT_TOOL, max_size=3)),
         "tool_choice": field(CHOICE),
         "logprobs": field(st.booleans()),
-        "top_logprobs": field(st.integers(0, 20) | st.integers(-2, 2**70)),
+        "top_logprobs": field(st.integers(0, 20)),
         "max_completion_tokens": field(st.integers(1, 32)),
         "response_format": field(
             st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])})
@@ -374,7 +423,7 @@ RESPONSE_BODIES = st.fixed_dictionaries(
 
 
 @hypothesis.settings(
-    max_examples=150,
+    max_examples=250,
     deadline=None,
     suppress_health_check=[hypothesis.HealthCheck.too_slow, hypothesis.HealthCheck.data_too_large],
     derandomize=True,
@@ -384,11 +433,13 @@ RESPONSE_BODIES = st.fixed_dictionaries(
         st.tuples(st.just("chat/completions"), CHAT_BODIES),
         st.tuples(st.just("completions"), COMPLETION_BODIES),
         st.tuples(st.just("responses"), RESPONSE_BODIES),
-    )
+    ),
+    # What the engine writes: a tool call cut by max_tokens, or a short reply and its stop token.
+    st.sampled_from(["ok", "", tool_call("lookup", {"key": "x"}, content="Let me see.")]),
 )
-async def test_no_request_body_gets_a_server_error_or_harms_its_session(case):
+async def test_no_request_body_gets_a_server_error_or_harms_its_session(case, reply):
     endpoint, body = case
-    engine = ScriptedEngine([tool_call("lookup", {"key": "x"}, content="Let me see.")])
+    engine = ScriptedEngine([reply])
     async with gateway(engine) as gw:
         session = gw.open()
         path = session.base_url.removeprefix(gw.url) + "/" + endpoint
@@ -661,7 +712,7 @@ async def test_a_key_that_is_not_the_sessions_is_refused_and_none_is_accepted():
             error = refused.value.body
             assert error["code"] == "invalid_api_key" and "not this session's" in error["message"]
         prefix = mine.base_url.removeprefix(gw.url)
-        for header in ("Basic dXNlcjpwdw==", "Bearer", f"Bearer {theirs.api_key}x"):
+        for header in ("Basic dXNlcjpwdw==", "Bearer empty", f"Bearer {theirs.api_key}x"):
             raw = await http(
                 gw.url, "POST", f"{prefix}/completions", completion(), {"authorization": header}
             )
@@ -672,4 +723,11 @@ async def test_a_key_that_is_not_the_sessions_is_refused_and_none_is_accepted():
             await api.chat.completions.create(model="m", messages=hello)
         bare = await http(gw.url, "POST", f"{prefix}/chat/completions", chat())
         assert bare.status == 200
-    assert len(mine.calls) == 2 and theirs.calls == () and mine.infra_error is None
+        # Nor do the keys that say "no key": an empty one, and the placeholder EMPTY that
+        # verifiers sends when its key variable is unset.
+        for header in ("Bearer", "Bearer EMPTY"):
+            nameless = await http(
+                gw.url, "POST", f"{prefix}/chat/completions", chat(), {"authorization": header}
+            )
+            assert nameless.status == 200, header
+    assert len(mine.calls) == 4 and theirs.calls == () and mine.infra_error is None

@@ -93,7 +93,7 @@ def chat_logprobs(sample: Sample, tokenizer, top: int, start: int = 0, stop: int
     """The `logprobs.content` entries of tokens [start, stop) of a sample."""
     entries = []
     tokens = sample.tokens[start:stop].tolist()
-    logprobs = sample.call.logprobs[start:stop].tolist()
+    logprobs = _reported_logprobs(sample)[start:stop].tolist()
     alternatives = _alternatives(sample, top, start, stop)
     for k, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
         entry = _chat_entry(tokenizer, token, logprob)

@@ -111,8 +111,8 @@ class GatewaySession:
     Attributes:
         base_url: the OpenAI base URL for the harness (`.../<token>/v1`).
         api_key: the key to hand the client. The URL prefix is the credential: a request with
-            no key is served, but one whose `Authorization` bearer key is another is refused
-            (401), so a harness wired to the wrong session is caught.
+            no key (or the placeholder `EMPTY`) is served, but one whose `Authorization` bearer
+            key is another is refused (401), so a harness wired to the wrong session is caught.
         label: the rollout's label (keys each call's sampling), or None.
         max_calls: the most calls before the session is TRUNCATED (`turns`), or None.
         drift: under a checkpoint's chat template, the calls whose prompt kept one of the

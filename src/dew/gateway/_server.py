@@ -64,6 +64,9 @@ _JSON = [(b"content-type", b"application/json")]
 # in 6 MB took seconds). Smaller ones stay on the loop, where a thread's round trip would cost
 # more than the work.
 _OFF_LOOP_BYTES = 1 << 16
+# Keys that say "no key": none, an empty one, and the placeholder OpenAI-compatible local servers
+# (vLLM) document and verifiers sends when its key variable is unset. They name no session.
+_NO_KEY = (None, "", "EMPTY")
 
 
 def _check_int(name: str, value, low: int) -> int:
@@ -452,7 +455,7 @@ class Gateway:
             )
         session = self._session(parts[1])
         key = _bearer(scope)
-        if key is not None and not secrets.compare_digest(
+        if key not in _NO_KEY and not secrets.compare_digest(
             key.encode("latin-1"), session.api_key.encode()
         ):
             # The URL is the credential; a key is not needed, but a wrong one means a harness
