@@ -12,6 +12,9 @@ Every submission ends exactly once, and says how in the event log (`LogEvent`):
 - `discarded` (reason): finished, but its result was thrown away: `stale` (past the bound) or
   `uniform` (its group's rewards were all equal, under `filter_uniform`);
 - `failed` (cause): finished with a failing status (infra_error, cancelled, unscored).
+Under `carry_over`, a group that `admit` leaves out of its batch is `carried` instead of
+cancelled: it keeps running and is admitted at a later call, ahead of that call's own groups,
+or ends as above (stale resubmission, abandoned, reopened, closed, broken).
 A failed, timed-out or stale submission is followed by a new `submitted` event whose reason is
 the cause (infra_error, cancelled, timeout, stale or unscored), unless the sample is out of
 attempts: then its group is `abandoned` and the group's other submissions end.
@@ -51,6 +54,7 @@ class Config:
     max_attempts: int = 3
     truncation: str = "mask"
     filter_uniform: bool = False
+    carry_over: bool = False
 
     @property
     def samples(self) -> int:
@@ -116,12 +120,20 @@ class Group:
     samples: tuple[Sample, ...]
     state: GroupState = GroupState.RUNNING
     completed: float | None = None
+    # Cut from its batch under carry_over: no longer its batch's member, admitted at a later
+    # call's delivery (its batch's number stays, the call it came from).
+    carried: bool = False
 
     def with_samples(self, samples: tuple[Sample, ...]) -> Group:
-        return Group(self.id, self.batch, self.task, samples, self.state, self.completed)
+        return Group(
+            self.id, self.batch, self.task, samples, self.state, self.completed, self.carried
+        )
 
     def with_state(self, state: GroupState, completed: float | None = None) -> Group:
-        return Group(self.id, self.batch, self.task, self.samples, state, completed)
+        return Group(self.id, self.batch, self.task, self.samples, state, completed, self.carried)
+
+    def as_carried(self) -> Group:
+        return Group(self.id, self.batch, self.task, self.samples, self.state, self.completed, True)
 
 
 @attrs.frozen
@@ -138,6 +150,7 @@ class State:
     unsettled: Mapping[int, int] = attrs.field(factory=dict)  # batch -> groups not yet final
     waiting: int | None = None  # the batch the trainer waits on
     closed: bool = False
+    carried: tuple[int, ...] = ()  # ids of carried groups still in play, oldest cut first
 
 
 # Events: what happened. `time` is the scheduler's clock.
@@ -154,6 +167,9 @@ class HandedOver:
     served: int
     pushed: bool
     tasks: tuple[tuple[int, tuple[Task, ...]], ...]
+    # Tasks of groups a checkpoint recorded as carried: a resumed run submits them again, as
+    # carried groups of the call before this one.
+    carried: tuple[Task, ...] = ()
 
 
 @attrs.frozen
@@ -214,11 +230,13 @@ class Cancel:
 @attrs.frozen
 class Deliver:
     """Hand batch's admitted groups, in admission order, to the trainer; `uniform` counts the
-    batch's groups discarded because their rewards were all equal."""
+    batch's groups discarded because their rewards were all equal; under carry_over, the
+    carried groups it admits come first, `carried` giving each one's age in calls."""
 
     batch: int
     groups: tuple[tuple[Session, ...], ...]
     uniform: int = 0
+    carried: tuple[int, ...] = ()  # the age in calls of each carried group, first in `groups`
 
 
 @attrs.frozen
@@ -236,10 +254,11 @@ class LogEvent:
     """One line of the scheduler's event log.
 
     kind is one of submitted, admitted, cancelled, discarded, failed (per submission), abandoned,
-    cut (per group), handed_over (version = the trainer's updates), pushed or reopened; reason is
-    the cause or reason where the kind has one. error is the failed session's own error text (an
-    exception's type and message, as a source reports it), at most ERROR_TEXT characters; it is
-    carried from the session, which a trace already holds, so events compare without it.
+    carried, cut (per group), handed_over (version = the trainer's updates), pushed or reopened;
+    reason is the cause or reason where the kind has one. error is the failed session's own
+    error text (an exception's type and message, as a source reports it), at most ERROR_TEXT
+    characters; it is carried from the session, which a trace already holds, so events compare
+    without it.
     """
 
     kind: str
@@ -327,6 +346,7 @@ class _Step:
         self.updates, self.served = state.updates, state.served
         self.next_group, self.last_submitted = state.next_group, state.last_submitted
         self.waiting, self.closed = state.waiting, state.closed
+        self.carried = list(state.carried)
         self.groups = dict(state.groups)
         self.batches = dict(state.batches)
         self.unsettled = dict(state.unsettled)
@@ -345,6 +365,7 @@ class _Step:
             unsettled=self.unsettled,
             waiting=self.waiting,
             closed=self.closed,
+            carried=tuple(self.carried),
         )
 
     # --- bookkeeping -------------------------------------------------------------------------
@@ -367,7 +388,15 @@ class _Step:
         self.commands.append(event)
 
     def put(self, group: Group) -> Group:
-        """Store a group's new value, counting the batch's groups that are not yet final."""
+        """Store a group's new value, counting the batch's groups that are not yet final. A
+        carried group is no batch's member: one that ends other than complete is forgotten."""
+        if group.carried:
+            if group.state in FINAL and group.state is not GroupState.COMPLETE:
+                del self.groups[group.id]
+                self.carried.remove(group.id)
+            else:
+                self.groups[group.id] = group
+            return group
         old = self.groups.get(group.id)
         settled = group.state in FINAL
         if old is None:
@@ -420,6 +449,20 @@ class _Step:
         for group in list(self.groups.values()):
             if group.state in (GroupState.RUNNING, GroupState.COMPLETE):
                 self.sweep_stale(group)
+        for task in event.carried:
+            # A resumed run's carried groups: of the call before this one, so this one admits
+            # them once complete.
+            group_id = self.next_group
+            self.next_group += 1
+            samples = tuple(
+                Sample(Label(group_id, i, 0), event.served, self.time)
+                for i in range(self.config.samples)
+            )
+            group = Group(group_id, event.batch - 1, task, samples, carried=True)
+            self.groups[group_id] = group
+            self.carried.append(group_id)
+            for sample in samples:
+                self.submit(group, sample, None)
         for batch, tasks in event.tasks:
             if batch <= self.last_submitted:
                 continue
@@ -525,13 +568,30 @@ class _Step:
                 return
         self.put(group.with_state(GroupState.COMPLETE, self.time))
         admit = self.config.admit
-        if admit is None:
+        if admit is None or group.carried:
             return
-        members = [self.groups[i] for i in self.batches[group.batch]]
+        members = self.members(group.batch)
         if sum(g.state is GroupState.COMPLETE for g in members) >= admit:
             for other in members:
-                if other.state is GroupState.RUNNING:
+                if other.state is not GroupState.RUNNING:
+                    continue
+                if self.config.carry_over:
+                    self.carry(other)
+                else:
                     self.end_group(other, GroupState.SURPLUS, "surplus")
+
+    def members(self, batch: int) -> list[Group]:
+        """A batch's own groups: those it still holds, carried ones left out."""
+        groups = (self.groups.get(i) for i in self.batches[batch])
+        return [g for g in groups if g is not None and not g.carried]
+
+    def carry(self, group: Group) -> None:
+        """Take a running group out of its batch, which no longer waits on it: it keeps running
+        and a later call admits it."""
+        self.unsettled[group.batch] -= 1
+        self.groups[group.id] = group.as_carried()
+        self.carried.append(group.id)
+        self.log("carried", group)
 
     def source_failed(self, label: Label, error: BaseException) -> None:
         """A source that raises is broken, whenever it raises: its batch is stopped (when the
@@ -540,16 +600,23 @@ class _Step:
         if found is None:
             self.commands.append(Fail(None, error))
             return
+        if found[0].carried:
+            # No batch waits on a carried group: it ends, and the trainer hears at once.
+            self.end_group(found[0], GroupState.BROKEN, "broken")
+            self.commands.append(Fail(None, error))
+            return
         batch = found[0].batch
-        for group_id in self.batches[batch]:
-            self.end_group(self.groups[group_id], GroupState.BROKEN, "broken")
+        for group in self.members(batch):
+            self.end_group(group, GroupState.BROKEN, "broken")
         self.drop(batch)
         self.commands.append(Fail(batch, error))
 
     def drop(self, batch: int) -> None:
         """Forget a batch that was delivered or broken."""
         for group_id in self.batches.pop(batch):
-            del self.groups[group_id]
+            group = self.groups.get(group_id)
+            if group is not None and not group.carried:
+                del self.groups[group_id]
         del self.unsettled[batch]
         if self.waiting == batch:
             self.waiting = None
@@ -569,18 +636,30 @@ class _Step:
         for group in list(self.groups.values()):
             self.end_group(group, GroupState.BROKEN, reason)
         self.groups, self.batches, self.unsettled, self.waiting = {}, {}, {}, None
+        self.carried = []
 
     def deliver_if_ready(self) -> None:
         batch = self.waiting
         if batch is None or self.unsettled.get(batch, 1) != 0:
             return
-        members = [self.groups[i] for i in self.batches[batch]]
-        admitted = sorted(
+        members = self.members(batch)
+        own = sorted(
             (g for g in members if g.state is GroupState.COMPLETE),
             key=lambda g: (g.completed, g.id),
         )
+        # Carried groups of earlier calls that are complete, first cut first, ahead of the
+        # batch's own, as many as keep the call within its task batch size.
+        room = len(self.batches[batch]) - len(own)
+        ready = [
+            g
+            for i in self.carried
+            if (g := self.groups[i]).state is GroupState.COMPLETE and g.batch < batch
+        ][:room]
+        for group in ready:
+            del self.groups[group.id]
+            self.carried.remove(group.id)
         groups = []
-        for group in admitted:
+        for group in ready + own:
             sessions = tuple(s.result for s in group.samples if s.state is SampleState.FINISHED)
             for sample in group.samples:
                 if sample.state is SampleState.FINISHED:
@@ -588,4 +667,5 @@ class _Step:
             groups.append(sessions)
         uniform = sum(g.state is GroupState.UNIFORM for g in members)
         self.drop(batch)
-        self.commands.append(Deliver(batch, tuple(groups), uniform))
+        ages = tuple(batch - g.batch for g in ready)
+        self.commands.append(Deliver(batch, tuple(groups), uniform, ages))

@@ -229,3 +229,18 @@ def check_filtering(objective, *, groups: int, filter_uniform, reference) -> Non
             "reference is rescored for the objective's KL term, but its kl_coef is 0: set "
             "GRPOObjective(kl_coef=...) or leave reference out"
         )
+
+
+def check_carry_over(carry_over, admit: int | None) -> None:
+    """Refuse carry_over that is not a bool, or without the `admit` whose cut it carries.
+
+    Raises:
+        ValueError: naming the argument.
+    """
+    if not isinstance(carry_over, bool):
+        raise ValueError(f"carry_over must be a bool, got {carry_over!r}")
+    if carry_over and admit is None:
+        raise ValueError(
+            "carry_over needs admit: the groups it carries to a later call are those admit "
+            "leaves out of their batch"
+        )

@@ -37,6 +37,7 @@ from dew.objectives.rl._admission import LogEvent
 from dew.objectives.rl._arguments import (
     MAX_IN_FLIGHT,
     check_arguments,
+    check_carry_over,
     check_filtering,
     resolve_vocab,
 )
@@ -84,6 +85,8 @@ class _Delivery:
     # (tokens, calls) of every submission the batch started: finished ones exactly, cancelled
     # ones as far as they got (lower bounds).
     started: tuple[tuple[int, int], ...] = ()
+    carried: tuple[int, ...] = ()  # under carry_over: the age in calls of each carried group
+    in_play: int = 0  # carried groups still in play after the delivery
 
 
 @attrs.frozen
@@ -151,7 +154,9 @@ class _Scheduler:
         empty_streak: int | None,
         filter_uniform: bool = False,
         reference: Variables | None = None,
+        carry_over: bool = False,
     ):
+        check_carry_over(carry_over, admit)
         check_arguments(
             objective,
             source,
@@ -204,6 +209,7 @@ class _Scheduler:
             max_attempts=max_attempts,
             truncation=truncation,
             filter_uniform=filter_uniform,
+            carry_over=carry_over,
         )
         # While the trainer waits, what it waits on is logged after this many seconds, then
         # after twice as many, and so on; None logs nothing (simulations that wait by design).
@@ -227,6 +233,15 @@ class _Scheduler:
         self._life = threading.Lock()
         self._tasked = -1  # the newest batch whose tasks the trio side has
         self._registry: list[tuple[int, Batch]] = []
+        # Under carry_over, for a checkpoint: each registered batch's stream position, the
+        # newest batch handed over, each group's (position, index in its batch), and the
+        # origins of a resumed run's carried groups in the order the core submits them.
+        self._positions: dict[int, int] = {}
+        self._handed = -1
+        self._origins: dict[int, tuple[int, int] | None] = {}
+        self._resuming: collections.deque[tuple[int, int]] = collections.deque()
+        self._restored: tuple[tuple[int, int], ...] = ()
+        self._resume: tuple[tuple[tuple[int, int], Task], ...] = ()
         self._next_batch = 0
         self._generation = 0
         self._updates: int | None = None
@@ -290,11 +305,62 @@ class _Scheduler:
         self._post_anywhere(lambda: core.Reopened(trio.current_time()))
         return generation
 
-    def _register(self, generation: int, batch: Batch) -> None:
+    def _register(self, generation: int, batch: Batch, position: int) -> None:
         with self._lock:
             if generation == self._generation:
+                self._positions[self._next_batch] = position
                 self._registry.append((self._next_batch, batch))
                 self._next_batch += 1
+
+    # --- checkpoints under carry_over ---------------------------------------------------------
+
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint keeps for this scheduler: the carried groups of the batches handed
+        over so far, as [stream position, index in its batch] of each one's task (the batches
+        not yet handed over are read again by the resumed stream)."""
+        state = self._state
+        carried = []
+        for group_id in state.carried:
+            group = state.groups.get(group_id)
+            origin = self._origins.get(group_id)
+            if group is not None and origin is not None and group.batch <= self._handed:
+                carried.append(list(origin))
+        return {"carried": carried}
+
+    def restore_state(self, state: dict) -> None:
+        """Take a checkpoint's `checkpoint_state`: the next stream opened resubmits its carried
+        groups' tasks, read again from the dataset at their positions.
+
+        Raises:
+            ValueError: when state is not what checkpoint_state writes.
+        """
+        carried = state.get("carried") if isinstance(state, dict) else None
+        if not isinstance(carried, list) or not all(
+            isinstance(c, list | tuple) and len(c) == 2 and all(type(x) is int for x in c)
+            for c in carried
+        ):
+            raise ValueError(
+                f"a scheduler's checkpoint state must be {{'carried': [[position, index], ...]}}, "
+                f"got {state!r}"
+            )
+        self._restored = tuple((int(p), int(i)) for p, i in carried)
+
+    def _resolve_restored(self, dataset: Dataset) -> None:
+        """Read the restored carried groups' tasks again: each one's batch from the dataset at
+        its position, its task by index."""
+        restored, self._restored = self._restored, ()
+        resume = []
+        for position, index in restored:
+            batch = next(iter(dataset.stream(position)), None)
+            tasks = () if batch is None else self._tasks_of(batch)
+            if not 0 <= index < len(tasks):
+                raise ValueError(
+                    f"the checkpoint carries task {index} of the batch at position {position}, "
+                    f"which the dataset does not have (a different dataset?)"
+                )
+            resume.append(((position, index), tasks[index]))
+        with self._lock:
+            self._resume = tuple(resume)
 
     # --- the trainer's side -------------------------------------------------------------------
 
@@ -496,6 +562,12 @@ class _Scheduler:
         if pushed:
             self._served = updates
         fields = dict(batch=index, updates=updates, served=self._served, pushed=pushed, tasks=tasks)
+        with self._lock:
+            self._handed = max(self._handed, index)
+            if self._resume:
+                fields["carried"] = tuple(task for _, task in self._resume)
+                self._resuming.extend(origin for origin, _ in self._resume)
+                self._resume = ()
         return _HandOver(fields, variables if pushed else None)
 
     def _tasks_of(self, batch: Batch) -> tuple[Task, ...]:
@@ -579,6 +651,13 @@ class _Scheduler:
             metrics["groups/uniform_trained"] = float(uniform_trained)
         admitted = [(s.tokens, len(s.calls)) for group in message.groups for s in group]
         metrics |= selection_bias(admitted, message.started)
+        if self.config.carry_over:
+            ages = message.carried
+            metrics["carry/admitted"] = float(len(ages))
+            metrics["carry/in_play"] = float(message.in_play)
+            if ages:
+                metrics["carry/age_mean"] = float(np.mean(ages))
+                metrics["carry/age_max"] = float(max(ages))
         if isinstance(self.objective, GRPOObjective):
             importance = self.objective.importance_metrics(batch, version=updates)
         else:
@@ -860,6 +939,21 @@ class _Scheduler:
                 done.set()
         for batch in [b for b in self._started if b not in self._state.batches]:
             self._forget_lengths(batch)
+        if self.config.carry_over:
+            for group in [g for g in self._origins if g not in self._state.groups]:
+                del self._origins[group]
+
+    def _note_origin(self, submission: core.Submit) -> None:
+        """Remember where a group's task came from, for a checkpoint of its carrying."""
+        group = submission.label.group
+        if group in self._origins:
+            return
+        ids = self._state.batches.get(submission.batch, ())
+        if group in ids:
+            position = self._positions.get(submission.batch)
+            self._origins[group] = None if position is None else (position, ids.index(group))
+        else:
+            self._origins[group] = self._resuming.popleft() if self._resuming else None
 
     def _forget_lengths(self, batch: int) -> tuple[tuple[int, int], ...]:
         """Drop a batch that left the state from the length books; return its lengths."""
@@ -878,7 +972,14 @@ class _Scheduler:
             self._started.setdefault(command.batch, {})
             scope = trio.CancelScope()
             self._scopes[command.label] = scope
-            nursery, _ = self._batches[command.batch]
+            if command.batch in self._state.batches:
+                nursery, _ = self._batches[command.batch]
+            else:
+                # A carried group whose batch was delivered, or a resumed run's: its rollouts
+                # run beside the batches'.
+                nursery = self._nursery
+            if self.config.carry_over:
+                self._note_origin(command)
             nursery.start_soon(self._rollout, scope, command)
             if self.timeout is not None:
                 self._deadlines.append((command.time + self.timeout, command.label))
@@ -894,7 +995,9 @@ class _Scheduler:
         elif isinstance(command, core.Deliver):
             events, self._events = tuple(self._events), []
             started = self._forget_lengths(command.batch)
-            self._deliver(_Delivery(command.groups, events, command.uniform, started))
+            carried, in_play = command.carried, len(self._state.carried)
+            message = _Delivery(command.groups, events, command.uniform, started, carried, in_play)
+            self._deliver(message)
         elif isinstance(command, core.Fail):
             if self._failure is not None:
                 logger.error("a failure after the one the trainer gets", exc_info=command.error)
@@ -1031,11 +1134,14 @@ class _RegisteringDataset:
 
     def stream(self, start: int = 0) -> Iterator[Batch]:
         generation = self.scheduler._open_stream()
-        return self._registering(self.dataset.stream(start), generation)
+        self.scheduler._resolve_restored(self.dataset)
+        return self._registering(self.dataset.stream(start), generation, start)
 
-    def _registering(self, batches: Iterator[Batch], generation: int) -> Iterator[Batch]:
-        for batch in batches:
-            self.scheduler._register(generation, batch)
+    def _registering(
+        self, batches: Iterator[Batch], generation: int, start: int
+    ) -> Iterator[Batch]:
+        for position, batch in enumerate(batches, start):
+            self.scheduler._register(generation, batch, position)
             yield batch
 
     def __len__(self) -> int:

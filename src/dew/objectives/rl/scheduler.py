@@ -132,6 +132,18 @@ class RolloutScheduler:
         reference: a frozen reference policy's variables, rescored over the packed rows as
             `reference_logprobs` beside the proximal log-probs, for an objective with a
             `kl_coef`; required by one, refused without one.
+        carry_over: with `admit`, the groups a batch's cut leaves out keep running instead of
+            being cancelled (`carried` in the event log) and are admitted at a later call,
+            ahead of its own groups and within its task batch size, while their oldest call
+            stays within `max_lag` (else the stale rules resubmit them, as any rollout's). A
+            carried group is admitted once or ends with a reason (`reopened` when the stream
+            is opened again). The record's metrics say how many a call admitted
+            (`carry/admitted`), how many calls old they were (`carry/age_mean`,
+            `carry/age_max`) and how many remain in play (`carry/in_play`). `oversample`'s
+            surplus is still cancelled: a surplus sample is its group's, of its version, and
+            would complete a later group of the same task only when the stream reads that task
+            again within `max_lag`, which a dataset's epoch rarely does. A checkpoint keeps the
+            carried groups' tasks (`checkpoint_state`), and a resumed run submits them again.
 
     Settings, assigned after construction (any other assignment is refused, naming them):
 
@@ -179,6 +191,7 @@ class RolloutScheduler:
         empty_streak: int | None = 5,
         filter_uniform: bool = False,
         reference: Variables | None = None,
+        carry_over: bool = False,
     ):
         inner = _Scheduler(
             objective,
@@ -203,6 +216,7 @@ class RolloutScheduler:
             empty_streak=empty_streak,
             filter_uniform=filter_uniform,
             reference=reference,
+            carry_over=carry_over,
         )
         object.__setattr__(self, "_inner", inner)
         finalizer = weakref.finalize(self, inner.dropped)
@@ -245,6 +259,17 @@ class RolloutScheduler:
         """Which groups are in play, which batch the trainer waits on, how old each rollout is
         and what it is doing, and the most frequent errors of failed sessions."""
         return self._inner.status()
+
+    def checkpoint_state(self) -> dict:
+        """What a trainer's checkpoint keeps for this scheduler: under carry_over, the carried
+        groups' tasks as [stream position, index in its batch] (JSON values)."""
+        return self._inner.checkpoint_state()
+
+    def restore_state(self, state: dict) -> None:
+        """Take a checkpoint's `checkpoint_state` before the stream is opened again: the
+        reopened stream's first call submits the carried groups' tasks again, read from the
+        dataset at their positions, as carried groups."""
+        self._inner.restore_state(state)
 
     def close(self) -> None:
         """Cancel every rollout in flight; the source belongs to the caller."""

@@ -1,0 +1,296 @@
+"""Carry-over: the groups `admit` leaves out of a batch keep running and a later call admits them.
+
+The pure core is driven by random event sequences (hypothesis) and must keep exactly-once: every
+submission ends once, a carried group is admitted at most once and otherwise ends with a reason,
+a call admits no more groups than its task batch, carried ones first, each within `max_lag`.
+The trio shell is driven over the simulated source on the mock clock with the same checks, and
+a checkpoint's carried tasks are submitted again by a resumed stream.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dew.data import ArrayDataset, Task
+from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
+from dew.objectives.rl import _admission as core
+from dew.objectives.rl.scheduler import RolloutScheduler
+from dew.objectives.rl.sessions import Call, Label, Session, Status, check_session
+from dew.simulate import BehaviorObjective
+from dew.testing import assert_exactly_once
+
+TERMINAL = ("admitted", "cancelled", "discarded", "failed")
+
+
+def finished(versions: tuple[int, ...], status: Status = Status.COMPLETED, reward=1.0) -> Session:
+    calls = [
+        Call(np.array([1, 2], np.int32), np.array([3], np.int32), np.full(1, -0.5, np.float32), v)
+        for v in versions
+    ]
+    error = "failed" if status is Status.INFRA_ERROR else None
+    return check_session(Session(status, calls[:1], reward=reward, error=error))
+
+
+def hand_over(batch: int, size: int, updates: int, served: int, pushed: bool, ahead=(), carried=()):
+    tasks = tuple((b, tuple(Task(f"{b}.{k}") for k in range(size))) for b in (batch, *ahead))
+    return core.HandedOver(float(updates), batch, updates, served, pushed, tasks, carried)
+
+
+def commands_of(commands, kind):
+    return [c for c in commands if isinstance(c, kind)]
+
+
+def test_a_carried_group_keeps_running_and_the_next_call_admits_it_first():
+    config = core.Config(groups=1, admit=1, max_lag=2, carry_over=True)
+    state = core.initial(config)
+    state, out = core.step(state, hand_over(0, 2, 0, 0, True, ahead=(1,)))
+    labels = [c.label for c in commands_of(out, core.Submit)]
+    assert [(x.group, x.sample) for x in labels] == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    state, out = core.step(state, core.Finished(1.0, labels[0], finished((0,))))
+    assert not commands_of(out, core.Cancel), "the cut group must keep running"
+    assert [(e.kind, e.group) for e in out if isinstance(e, core.LogEvent)][-2:] == [
+        ("carried", 1),
+        ("admitted", 0),
+    ]
+    assert commands_of(out, core.Deliver)[0].carried == ()
+    assert state.carried == (1,)
+    # The carried group completes while batch 1 runs; batch 1's own first group completes next.
+    state, out = core.step(state, core.Finished(2.0, labels[1], finished((0,))))
+    assert not commands_of(out, core.Deliver)
+    state, out = core.step(state, hand_over(1, 2, 1, 1, True, ahead=(2,)))
+    state, out = core.step(state, core.Finished(3.0, labels[3], finished((1,))))
+    (deliver,) = commands_of(out, core.Deliver)
+    assert deliver.carried == (1,)
+    assert [g[0].calls[0].version for g in deliver.groups] == [0, 1]  # the carried one first
+    admitted = [e.group for e in out if isinstance(e, core.LogEvent) and e.kind == "admitted"]
+    assert admitted == [1, 3]
+    assert state.carried == (2,)  # batch 1's cut group is carried in its turn
+
+
+def test_carried_groups_fill_a_call_only_up_to_its_task_batch():
+    config = core.Config(groups=1, admit=1, max_lag=5, carry_over=True)
+    state = core.initial(config)
+    state, out = core.step(state, hand_over(0, 3, 0, 0, True, ahead=(1,)))
+    labels = [c.label for c in commands_of(out, core.Submit)]
+    for at, i in enumerate((0, 1, 2)):  # batch 0's three groups: one admitted, two carried
+        state, _ = core.step(state, core.Finished(1.0 + at, labels[i], finished((0,))))
+    state, out = core.step(state, hand_over(1, 3, 1, 0, False))
+    # Batch 1 completes all three of its own before a cut: room for none of the carried.
+    state, _ = core.step(state, core.Finished(5.0, labels[3], finished((0,))))
+    assert commands_of(_, core.Deliver)[0].carried == (1, 1)
+
+
+def test_reopening_the_stream_cancels_carried_groups_with_reason_reopened():
+    config = core.Config(groups=2, admit=1, max_lag=1, carry_over=True)
+    state = core.initial(config)
+    state, out = core.step(state, hand_over(0, 2, 0, 0, True))
+    labels = [c.label for c in commands_of(out, core.Submit)]
+    state, _ = core.step(state, core.Finished(1.0, labels[0], finished((0,))))
+    state, _ = core.step(state, core.Finished(1.0, labels[2], finished((0,))))
+    state, out = core.step(state, core.Finished(2.0, labels[1], finished((0,))))
+    assert state.carried == (1,)
+    state, out = core.step(state, core.Reopened(3.0))
+    ends = {(e.label, e.kind, e.reason) for e in out if isinstance(e, core.LogEvent) and e.label}
+    assert ends == {(labels[2], "discarded", "reopened"), (labels[3], "cancelled", "reopened")}
+    assert state.carried == () and state.groups == {}
+
+
+def test_a_resumed_runs_carried_tasks_are_submitted_and_admitted_ahead():
+    config = core.Config(groups=1, admit=1, max_lag=1, carry_over=True)
+    state = core.initial(config)
+    resumed = (Task("old.1"), Task("old.2"))
+    state, out = core.step(state, hand_over(7, 2, 3, 3, True, carried=resumed))
+    submits = commands_of(out, core.Submit)
+    assert [s.task.name for s in submits] == ["old.1", "old.2", "7.0", "7.1"]
+    assert state.carried == (0, 1)
+    state, _ = core.step(state, core.Finished(4.0, submits[1].label, finished((3,))))
+    state, out = core.step(state, core.Finished(5.0, submits[2].label, finished((3,))))
+    (deliver,) = commands_of(out, core.Deliver)
+    assert deliver.carried == (1,) and len(deliver.groups) == 1 + 1
+    assert state.carried == (0, 3)  # batch 7's cut group joins the resumed one not yet done
+
+
+@st.composite
+def plays(draw):
+    size = draw(st.integers(1, 4))
+    config = core.Config(
+        groups=draw(st.integers(1, 3)),
+        oversample=draw(st.integers(0, 1)),
+        admit=draw(st.integers(1, size)),
+        max_lag=draw(st.integers(0, 4)),
+        max_attempts=draw(st.integers(1, 3)),
+        filter_uniform=draw(st.booleans()),
+        carry_over=True,
+    )
+    return config, size
+
+
+def test_exactly_once_holds_for_carried_groups_whatever_happens():
+    seen = collections.Counter()
+
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None)
+    @given(play=plays(), data=st.data())
+    def check(play, data):
+        config, size = play
+        state = core.initial(config)
+        time, updates, served, batch = 0.0, -1, None, 0
+        waiting = None
+        subs: dict[Label, core.Submit] = {}
+        running: set[Label] = set()
+        log: list[core.LogEvent] = []
+        admitted_groups: set[int] = set()
+        carried_groups: set[int] = set()
+        sizes: dict[int, int] = {}
+        submitted_batches: set[int] = set()
+
+        def apply(event):
+            nonlocal state, waiting
+            new, out = core.step(state, event)
+            assert core.step(state, event) == (new, out), "step is not a pure function"
+            state = new
+            for command in out:
+                if isinstance(command, core.Submit):
+                    subs[command.label] = command
+                    running.add(command.label)
+                elif isinstance(command, core.LogEvent):
+                    log.append(command)
+                    if command.kind in TERMINAL:
+                        running.discard(command.label)
+                    if command.kind == "carried":
+                        assert command.group not in carried_groups, "carried twice"
+                        carried_groups.add(command.group)
+                elif isinstance(command, core.Deliver):
+                    assert command.batch == waiting
+                    waiting = None
+                    assert len(command.groups) <= sizes[command.batch], "a call above its batch"
+                    assert all(age >= 1 for age in command.carried)
+                    for group in command.groups:
+                        gid = group[0].label.group
+                        assert gid not in admitted_groups, "a group admitted twice"
+                        admitted_groups.add(gid)
+                        assert len(group) == config.groups
+                        for s in group:
+                            oldest = min(c.version for c in s.calls)
+                            assert updates - oldest <= config.max_lag, (
+                                "a carried group past max_lag"
+                            )
+                    leading = [g[0].label.group for g in command.groups[: len(command.carried)]]
+                    assert set(leading) <= carried_groups, "carried groups come first"
+                    assert not set(g[0].label.group for g in command.groups[len(leading) :]) & (
+                        carried_groups
+                    )
+                elif isinstance(command, core.Fail):
+                    waiting = None
+            return out
+
+        for _ in range(data.draw(st.integers(5, 60), label="events")):
+            time += data.draw(st.sampled_from((0.0, 1.0)), label="tick")
+            # Reopening is rare, so that most plays reach later calls that admit carried groups.
+            choice = data.draw(st.sampled_from(("hand",) * 3 + ("finish",) * 8 + ("reopen",)))
+            if choice == "hand" and waiting is None:
+                updates += data.draw(st.integers(1, 2), label="updates")
+                pushed = served is None or updates - served >= 1
+                served = updates if pushed else served
+                ahead = data.draw(st.integers(0, 1), label="ahead")
+                tasks = []
+                for b in range(batch, batch + 1 + ahead):
+                    if b not in submitted_batches:
+                        submitted_batches.add(b)
+                        sizes[b] = size
+                    tasks.append((b, tuple(Task(f"{b}.{k}") for k in range(size))))
+                waiting = batch
+                apply(core.HandedOver(time, batch, updates, served, pushed, tuple(tasks)))
+                batch += 1
+            elif choice == "finish" and running:
+                label = data.draw(
+                    st.sampled_from(sorted(running, key=lambda x: (x.group, x.sample, x.attempt))),
+                    label="label",
+                )
+                sub = subs[label]
+                outcome = data.draw(st.sampled_from(("ok", "ok", "ok", "zero", "infra", "timeout")))
+                if outcome == "timeout":
+                    apply(core.TimedOut(time, label))
+                else:
+                    version = data.draw(st.integers(sub.version, served), label="version")
+                    status = Status.INFRA_ERROR if outcome == "infra" else Status.COMPLETED
+                    reward = 0.0 if outcome == "zero" else 1.0
+                    result = finished((version,), status, reward).stamped(
+                        sub.task, label, sub.time, time
+                    )
+                    apply(core.Finished(time, label, result))
+                    running.discard(label)
+            elif choice == "reopen" and waiting is None:
+                apply(core.Reopened(time))
+                assert state.carried == () and not running
+                assert all(e.reason == "reopened" for e in log[-len(log) :] if e.kind == "cut")
+        apply(core.Closed(time))
+        assert assert_exactly_once(log) == frozenset()
+        assert state.carried == ()
+        # Every carried group was admitted once or ended each of its submissions with a reason.
+        for gid in carried_groups - admitted_groups:
+            ends = [e for e in log if e.group == gid and e.kind in TERMINAL]
+            assert ends and all(e.reason is not None or e.kind == "failed" for e in ends)
+        seen["carried"] += len(carried_groups)
+        seen["carried and admitted"] += len(carried_groups & admitted_groups)
+
+    check()
+    # The draws reach what they test: groups carried, and carried groups admitted.
+    assert seen["carried"] > 30 and seen["carried and admitted"] > 3, seen
+
+
+def _dataset(batches: int, size: int) -> ArrayDataset:
+    return ArrayDataset({"task_id": np.arange(batches * size)}, batch_size=size)
+
+
+def _scheduler(engine, seed: int, **options) -> RolloutScheduler:
+    source = SimulatedSource(engine, SimulatedConfig(seed=seed, duration_mean=2.0))
+    scheduler = RolloutScheduler(
+        BehaviorObjective(), source, engine, width=64, rows=8, groups=2, **options
+    )
+    scheduler.long_wait = None
+    return scheduler
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, database=None)
+@given(seed=st.integers(0, 2**16), admit=st.integers(1, 3), max_lag=st.integers(1, 3))
+def test_the_shell_carries_groups_over_and_records_them(seed, admit, max_lag):
+    async def drive():
+        engine = SimulatedEngine(slots=6)
+        scheduler = _scheduler(engine, seed, admit=admit, max_lag=max_lag, carry_over=True)
+        records, events = [], []
+        async with scheduler:
+            stream = scheduler.tasks(_dataset(12, 4)).stream(0)
+            pending = collections.deque([next(stream), next(stream)])
+            for updates in range(8):
+                await scheduler.step(pending.popleft(), None, updates)
+                records.append(scheduler.last_record)
+                events += scheduler.last_events
+                pending.append(next(stream))
+                await trio.sleep(1.0)
+        return records, events + list(scheduler.closing_events)
+
+    records, events = trio.run(drive, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert assert_exactly_once(events) == frozenset()
+    carried = {e.group for e in events if e.kind == "carried"}
+    admitted = collections.Counter(e.group for e in events if e.kind == "admitted")
+    assert all(n == 2 for n in admitted.values())
+    assert sum(r.metrics["carry/admitted"] for r in records) == len(carried & set(admitted))
+    for record in records:
+        assert record.groups <= 4 and record.lag <= max_lag
+        if record.metrics["carry/admitted"]:
+            assert 1 <= record.metrics["carry/age_mean"] <= record.metrics["carry/age_max"]
+
+
+def test_carry_over_needs_admit():
+    engine = SimulatedEngine()
+    with pytest.raises(ValueError, match="carry_over needs admit"):
+        _scheduler(engine, 0, carry_over=True)
+    with pytest.raises(ValueError, match="carry_over must be a bool"):
+        _scheduler(engine, 0, admit=1, carry_over=1)
