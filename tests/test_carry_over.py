@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 
 import numpy as np
+import optax
 import pytest
 import trio
 import trio.testing
@@ -25,6 +26,7 @@ from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Call, Label, Session, Status, check_session
 from dew.simulate import BehaviorObjective
 from dew.testing import assert_exactly_once
+from dew.train import Trainer
 
 TERMINAL = ("admitted", "cancelled", "discarded", "failed")
 
@@ -294,3 +296,129 @@ def test_carry_over_needs_admit():
         _scheduler(engine, 0, carry_over=True)
     with pytest.raises(ValueError, match="carry_over must be a bool"):
         _scheduler(engine, 0, admit=1, carry_over=1)
+
+
+class _Recording:
+    """A source that notes each task it starts, then runs it on the simulated source."""
+
+    def __init__(self, source: SimulatedSource):
+        self.source = source
+        self.started: list[str] = []
+
+    async def run(self, task, label):
+        self.started.append(task.name)
+        return await self.source.run(task, label)
+
+
+def test_a_checkpoint_keeps_carried_tasks_and_a_resumed_stream_submits_them_again():
+    """A run stopped after two calls: its checkpoint state names the carried groups of the
+    batches handed over by stream position and index, and a fresh scheduler given that state
+    submits exactly those tasks first when its stream opens at the checkpoint's position, and
+    admits them at a later call. The tasks of batches not yet handed over are left to the
+    stream, which reads them again."""
+    data = _dataset(10, 4)
+
+    async def first_run():
+        engine = SimulatedEngine(slots=4)
+        scheduler = _scheduler(engine, 3, admit=2, max_lag=4, carry_over=True)
+        async with scheduler:
+            stream = scheduler.tasks(data).stream(0)
+            pending = collections.deque([next(stream), next(stream)])
+            events = []
+            for updates in range(2):
+                await scheduler.step(pending.popleft(), None, updates)
+                events += scheduler.last_events
+                pending.append(next(stream))
+            return scheduler.checkpoint_state(), events, scheduler._state
+
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    state, events, core_state = trio.run(first_run, clock=clock)
+    carried = state["carried"]
+    assert carried, "the workload must leave groups carried at the checkpoint"
+    handed = {g.id: g for g in core_state.groups.values() if g.carried and g.batch <= 1}
+    names = sorted(g.task.name for g in handed.values())
+    # Batch p's task k is task_id 4 p + k.
+    assert sorted(str(4 * p + k) for p, k in carried) == names
+    assert all(p < 2 for p, _ in carried)
+
+    async def resumed():
+        engine = SimulatedEngine(slots=4)
+        source = _Recording(SimulatedSource(engine, SimulatedConfig(seed=5, duration_mean=2.0)))
+        scheduler = RolloutScheduler(
+            BehaviorObjective(),
+            source,
+            engine,
+            width=64,
+            rows=8,
+            groups=2,
+            admit=2,
+            max_lag=4,
+            carry_over=True,
+        )
+        scheduler.long_wait = None
+        scheduler.restore_state(state)
+        admitted, submitted = [], []
+        async with scheduler:
+            stream = scheduler.tasks(data).stream(2)
+            pending = collections.deque([next(stream), next(stream)])
+            for updates in range(2, 6):
+                await scheduler.step(pending.popleft(), None, updates)
+                events = scheduler.last_events
+                admitted += [e.task for e in events if e.kind == "admitted"]
+                submitted += [e.task for e in events if e.kind == "submitted"]
+                pending.append(next(stream))
+        return source.started, submitted, admitted
+
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    started, submitted, admitted = trio.run(resumed, clock=clock)
+    assert sorted(submitted[: 2 * len(carried)]) == sorted(names * 2)
+    assert set(names) <= set(started)
+    assert set(names) & set(admitted), "a resumed carried group is admitted"
+
+
+def test_restore_state_refuses_what_checkpoint_state_does_not_write():
+    scheduler = _scheduler(SimulatedEngine(), 0, admit=1, carry_over=True)
+    try:
+        with pytest.raises(ValueError, match="checkpoint state must be"):
+            scheduler.restore_state({"carried": [[0, "1"]]})
+    finally:
+        scheduler.close()
+
+
+def test_a_trainers_checkpoint_keeps_its_schedulers_state_and_a_resume_hands_it_back(tmp_path):
+    """The Trainer saves `checkpoint_state()` with each checkpoint and hands it back through
+    `restore_state` before the resumed run opens its stream."""
+    from _scripted import OBJECTIVE, PARAMS, ROWS, WIDTH, Engine, Plan, Scripted, dataset
+
+    engine = Engine()
+    source = Scripted(engine, lambda task, label: Plan(duration=0.0))
+    sched = RolloutScheduler(
+        OBJECTIVE, source, engine, width=WIDTH, rows=ROWS, groups=2, admit=1, carry_over=True
+    )
+    sched.long_wait = None
+    restored = []
+    trainer = Trainer(OBJECTIVE, optax.sgd(1e-3), PARAMS, directory=tmp_path, checkpoint_every=2)
+    data = sched.tasks(dataset(8, 2))
+    try:
+        trainer.run(sched, data, steps=2, ahead=1)
+        again = Trainer(OBJECTIVE, optax.sgd(1e-3), PARAMS, directory=tmp_path)
+        checkpoint = again.resume()
+        assert checkpoint.metadata["rollout"] == sched.checkpoint_state()
+        inner_restore = sched.restore_state
+
+        class Watching:
+            def __call__(self, *args):
+                return sched(*args)
+
+            def checkpoint_state(self):
+                return sched.checkpoint_state()
+
+            def restore_state(self, state):
+                restored.append(state)
+                inner_restore(state)
+
+        again.run(Watching(), data, steps=3, ahead=1)
+    finally:
+        sched.close()
+    assert restored == [checkpoint.metadata["rollout"]]
+    assert again.updates == 3

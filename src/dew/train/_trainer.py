@@ -291,6 +291,11 @@ class Trainer:
         # The same for the other logs; a log of unknown length (a checkpoint older than the
         # log's care) is left whole.
         self._log_bytes: dict[str, int | None] = dict.fromkeys(logs, 0)
+        # A rollout that keeps state across steps (a scheduler's carried groups) saves it with
+        # each checkpoint through `checkpoint_state()`, and a resumed run hands it back through
+        # `restore_state(state)` before it opens the stream.
+        self._rollout: Rollout | None = None
+        self._rollout_state: Any = None
 
     @property
     def checkpoints(self) -> Path | None:
@@ -319,6 +324,7 @@ class Trainer:
             self._logged_bytes = int(checkpoint.metadata.get("metrics_bytes", 0))
             kept = checkpoint.metadata.get("log_bytes", {})
             self._log_bytes = {name: kept.get(name) for name in self._log_bytes}
+            self._rollout_state = checkpoint.metadata.get("rollout")
         return checkpoint
 
     def save(self) -> Path:
@@ -338,6 +344,9 @@ class Trainer:
             "elapsed": self.elapsed,
             "processes": self.processes,
         }
+        state = getattr(self._rollout, "checkpoint_state", None)
+        if callable(state):
+            metadata["rollout"] = state()
         checkpoint = Checkpoint(
             self.variables, self.opt_state, self.updates, self.position, metadata
         )
@@ -352,6 +361,10 @@ class Trainer:
         earlier stream left in flight) and reads it `ahead` batches beyond the batch it hands
         over, never past the batch of the last step. With checkpoints on, the last state is
         saved too.
+
+        A rollout with `checkpoint_state()` (a scheduler under carry_over) has what it returns
+        saved with each checkpoint as the metadata's `rollout`; a resumed run hands it back
+        through the rollout's `restore_state(state)` before it opens the stream.
 
         Args:
             rollout: packs each batch's rollouts.
@@ -368,6 +381,11 @@ class Trainer:
         steps = check_int("steps", steps, low=0)
         ahead = check_int("ahead", ahead, low=0)
         self._tally = _RunTally()
+        self._rollout = rollout
+        restore = getattr(rollout, "restore_state", None)
+        if callable(restore) and self._rollout_state is not None:
+            restore(self._rollout_state)
+            self._rollout_state = None
         stream = dataset.stream(self.position)
         read: collections.deque[Batch] = collections.deque()
         with contextlib.ExitStack() as stack:
