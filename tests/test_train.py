@@ -448,6 +448,7 @@ def test_help_lists_every_option_with_its_default(capsys):
         ),
         (["--admit", "0"], "argument --admit: admit must be an int within [1, 4096], got 0"),
         (["--admit", "9"], "admit must be <= batch_size 8, got 9"),
+        (["--carry-over"], "carry_over needs admit"),
         (["--resume"], "--resume needs --run"),
     ],
 )
@@ -481,6 +482,24 @@ def test_oversample_and_admit_train_the_first_groups_to_complete(tmp_path, capsy
     with pytest.raises(SystemExit):
         main([*argv[:-2], "--admit", "3", "--resume"])
     assert "admit" in capsys.readouterr().err
+
+
+def test_carry_over_trains_the_groups_admit_cut_at_later_steps(tmp_path):
+    # 4 tasks a batch, the first 2 groups to complete train and the other 2 keep running, to
+    # train at a later step within max_lag: a step trains up to the whole batch, and what it
+    # took from earlier steps its record counts.
+    run = tmp_path / "run"
+    argv = ["train", "--run", str(run), *TINY, "--batch-size", "4", "--steps", "4"]
+    argv += ["--groups", "2", "--admit", "2", "--carry-over", "--max-lag", "3"]
+    with jax.numpy_dtype_promotion("standard"):
+        assert main(argv) == 0
+    lines = metrics_lines(run)
+    assert all("carry/admitted" in line and "carry/in_play" in line for line in lines)
+    assert lines[0]["carry/admitted"] == 0 and lines[0]["groups"] == 2
+    carried = sum(line["carry/admitted"] for line in lines)
+    assert sum(line["groups"] for line in lines) == 2 * len(lines) + carried
+    assert all(line["cut"] == 0 and line["lag"] <= 3 for line in lines)
+    assert json.loads((run / "config.json").read_text())["carry_over"] is True
 
 
 def test_a_run_folder_is_never_mixed(tmp_path, capsys):

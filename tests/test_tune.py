@@ -270,6 +270,17 @@ def test_the_grid_keeps_within_max_lags_bound():
         tune.Grid(ahead=(-1,))
 
 
+def test_the_grid_crosses_carry_over_with_the_admit_values_only():
+    grid = tune.Grid(ahead=(1,), admit=(None, 3), sync_every=(1,), carry_over=(False, True))
+    names = [s.name for s in grid.settings(tasks=4)]
+    assert names == [
+        "ahead=1 sync=1 lag=1",
+        "ahead=1 sync=1 lag=1 admit=3",
+        "ahead=1 sync=1 lag=1 admit=3 carry",
+    ]
+    assert [s.carry_over for s in grid.settings(tasks=4)] == [False, False, True]
+
+
 def test_tune_is_deterministic_for_a_seed(rows):
     """A grid's rows are a pure function of the workload and its seed: a second tune of part
     of the grid repeats those rows exactly, and another seed changes them."""

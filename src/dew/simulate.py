@@ -162,8 +162,11 @@ class Setting:
         default=None, validator=attrs.validators.optional(int_at_least(1))
     )
     sync_every: int = attrs.field(default=1, validator=int_at_least(1))
+    carry_over: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self):
+        if self.carry_over and self.admit is None:
+            raise ValueError("carry_over needs admit: it carries the groups admit leaves out")
         least = self.ahead + self.sync_every - 1
         if self.max_lag < least:
             raise ValueError(
@@ -176,7 +179,8 @@ def settings(workload: Workload) -> tuple[Setting, ...]:
 
     Synchronous on-policy training; one and two batches ahead at the least max_lag each allows;
     and, one batch ahead, the two ways to cut the tail: two extra rollouts per group, and
-    admitting the first three quarters of a batch's groups to complete.
+    admitting the first three quarters of a batch's groups to complete; and that cut with
+    carry-over within max_lag 3, which trains the groups it leaves out at later steps.
     """
     admit = max(1, 3 * workload.tasks // 4)
     return (
@@ -185,6 +189,7 @@ def settings(workload: Workload) -> tuple[Setting, ...]:
         Setting("ahead=2", ahead=2, max_lag=2),
         Setting("ahead=1 oversample=2", ahead=1, max_lag=1, oversample=2),
         Setting(f"ahead=1 admit={admit}", ahead=1, max_lag=1, admit=admit),
+        Setting(f"ahead=1 admit={admit} carry", ahead=1, max_lag=3, admit=admit, carry_over=True),
     )
 
 
@@ -315,6 +320,7 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
         ahead=setting.ahead,
         sync_every=setting.sync_every,
         log=records.append,
+        carry_over=setting.carry_over,
     )
     # The trainer prefetches `ahead` batches, as far as the scheduler may read ahead of it.
     batches = workload.steps + setting.ahead
@@ -337,7 +343,10 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
         elapsed = trio.current_time() - start
 
     measured = records[workload.warmup :]
-    admitted_groups = workload.tasks if setting.admit is None else setting.admit
+    # Carry-over admits a batch's cut groups at later calls: the trainer takes a whole batch's
+    # worth a call on average, as without admit.
+    full = setting.admit is None or setting.carry_over
+    admitted_groups = workload.tasks if full else setting.admit
     wasted, spent, durations = _account(events, source.spans, simulated.model_time)
     engine_bound = math.inf if workload.slots is None else workload.slots / workload.population_mean
     trainer_bound = (

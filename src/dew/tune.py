@@ -54,6 +54,8 @@ class Grid:
         sync_every: updates between weight pushes.
         max_lag: the staleness bound; None takes the least each (ahead, sync_every) allows.
             A value below that least is left out of the settings for that pair.
+        carry_over: whether the scheduler carries the groups `admit` leaves out to a later
+            call; True is crossed with the admit values only (it carries what admit cuts).
 
     Raises:
         ValueError: naming the knob with an empty list or a value out of bounds.
@@ -68,6 +70,11 @@ class Grid:
     max_lag: tuple[int | None, ...] = attrs.field(
         default=(None,), converter=tuple, validator=_ints(0)
     )
+    carry_over: tuple[bool, ...] = attrs.field(
+        default=(False,),
+        converter=tuple,
+        validator=attrs.validators.deep_iterable(attrs.validators.instance_of(bool)),
+    )
 
     def settings(self, tasks: int) -> list[Setting]:
         """Every setting of the grid within max_lag's bound, in the grid's order.
@@ -79,15 +86,16 @@ class Grid:
             if admit is not None and admit > tasks:
                 raise ValueError(f"admit must be <= the workload's {tasks} tasks, got {admit}")
         found: dict[tuple, Setting] = {}
-        for ahead, sync, lag, over, admit in itertools.product(
-            self.ahead, self.sync_every, self.max_lag, self.oversample, self.admit
+        for ahead, sync, lag, over, admit, carry in itertools.product(
+            self.ahead, self.sync_every, self.max_lag, self.oversample, self.admit, self.carry_over
         ):
             least = ahead + sync - 1
             lag = least if lag is None else lag
-            if lag < least:
+            if lag < least or (carry and admit is None):
                 continue
-            key = (ahead, sync, lag, over, admit)
-            found.setdefault(key, Setting(_name(*key), ahead, lag, over, admit, sync))
+            key = (ahead, sync, lag, over, admit, carry)
+            setting = Setting(_name(*key), ahead, lag, over, admit, sync, carry_over=carry)
+            found.setdefault(key, setting)
         if not found:
             raise ValueError(
                 f"no setting of the grid has max_lag >= ahead + sync_every - 1: max_lag "
@@ -96,10 +104,11 @@ class Grid:
         return list(found.values())
 
 
-def _name(ahead: int, sync: int, lag: int, over: int, admit: int | None) -> str:
+def _name(ahead: int, sync: int, lag: int, over: int, admit: int | None, carry: bool) -> str:
     parts = [f"ahead={ahead}", f"sync={sync}", f"lag={lag}"]
     parts += [f"over={over}"] if over else []
     parts += [f"admit={admit}"] if admit is not None else []
+    parts += ["carry"] if carry else []
     return " ".join(parts)
 
 
@@ -439,6 +448,11 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         help="groups admitted per batch, 'all' for every task's (default: all)",
     )
     knobs.add_argument(
+        "--carry-over",
+        action="store_true",
+        help="also each admit setting with carry-over (the groups admit cuts train later)",
+    )
+    knobs.add_argument(
         "--sync-every", type=_int_list(1, 1000), default=default.sync_every, help="default: 1,2"
     )
     knobs.add_argument(
@@ -538,7 +552,8 @@ def run_cli(args: argparse.Namespace) -> int:
     workload = fitted.workload(steps=args.steps, seed=args.seed, slots=args.slots)
     if args.step_time is not None:
         workload = attrs.evolve(workload, step_time=args.step_time, step_times=())
-    grid = Grid(args.ahead, args.oversample, args.admit, args.sync_every, args.max_lag)
+    carry = (False, True) if args.carry_over else (False,)
+    grid = Grid(args.ahead, args.oversample, args.admit, args.sync_every, args.max_lag, carry)
     try:
         settings = grid.settings(workload.tasks)
     except ValueError as error:

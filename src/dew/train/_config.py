@@ -175,6 +175,9 @@ class TrainConfig:
             share, so it must split evenly over the processes.
         filter_uniform: discard a group whose rollouts all scored alike (it trains nothing)
             and, with `admit`, admit a later group in its place (`RolloutScheduler`).
+        carry_over: with `admit`, the groups a batch's cut leaves out keep running and train at
+            a later step, within `max_lag` (`RolloutScheduler`'s carry_over); a step's rows
+            are sized for the whole batch, and a checkpoint keeps the carried groups' tasks.
         kl_coef: the weight of a k3 KL penalty to the initial weights, kept as the reference
             policy; 0 for none. A resumed run derives the reference again from the config (the
             seed's initial weights), so checkpoints need not hold it.
@@ -245,6 +248,12 @@ class TrainConfig:
         attrs.validators.instance_of(bool),
         "discard groups whose rollouts all scored alike (they train nothing); with --admit, "
         "later groups of the batch take their places",
+    )
+    carry_over: bool = _option(
+        False,
+        attrs.validators.instance_of(bool),
+        "with --admit, keep the groups a batch's cut leaves out running and train them at a "
+        "later step (within --max-lag) instead of cancelling them",
     )
     kl_coef: float = _option(
         0.0, in_range(0, 100), "weight of a KL penalty to the initial weights (0 = none)"
@@ -397,6 +406,8 @@ class TrainConfig:
             raise ValueError(f"tasks must be >= batch_size {self.batch_size}, got {self.tasks}")
         if self.admit is not None and self.admit > self.batch_size:
             raise ValueError(f"admit must be <= batch_size {self.batch_size}, got {self.admit}")
+        if self.carry_over and self.admit is None:
+            raise ValueError("carry_over needs admit: it carries the groups admit leaves out")
         if self.max_lag < self.ahead + self.sync_every - 1:
             raise ValueError(
                 f"max_lag must be >= ahead + sync_every - 1 = {self.ahead + self.sync_every - 1}, "

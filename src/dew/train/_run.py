@@ -169,7 +169,8 @@ def train(
         recorder = replay.Recorder(record)
         source = replay.RecordingSource(source, recorder)
         publisher = replay.RecordingPublisher(server, recorder)
-    rollouts = (tasks if admit is None else admit) * config.groups
+    # Carry-over trains a batch's cut groups at a later step: a step may take a whole batch.
+    rollouts = (tasks if admit is None or config.carry_over else admit) * config.groups
     scheduler = RolloutScheduler(
         objective,
         source,
@@ -187,6 +188,7 @@ def train(
         vocab=model.vocab,
         filter_uniform=config.filter_uniform,
         reference=reference,
+        carry_over=config.carry_over,
     )
     per_epoch = config.tasks // config.batch_size * config.batch_size
     dataset = ProcessRows(

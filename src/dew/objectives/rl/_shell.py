@@ -881,12 +881,12 @@ class _Scheduler:
                         "the trainer has waited %.0fs for its first batch (%s): the engine "
                         "compiles its steps on the first calls; status() says more",
                         waited,
-                        self._progress(),
+                        self._first_wait_progress(),
                     )
                 else:
                     logger.warning("the trainer has waited %.0fs\n%s", waited, self.status())
 
-    def _progress(self) -> str:
+    def _first_wait_progress(self) -> str:
         """How far the batch the trainer waits on has come: its rollouts finished of all."""
         status = self.status()
         samples = [s for g in status.groups if g.batch == status.waiting for s in g.samples]
