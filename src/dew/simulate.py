@@ -322,6 +322,7 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
         log=records.append,
         carry_over=setting.carry_over,
     )
+    scheduler.long_wait = None  # a simulated trainer waits by design: nothing to report
     # The trainer prefetches `ahead` batches, as far as the scheduler may read ahead of it.
     batches = workload.steps + setting.ahead
     dataset = scheduler.tasks(
