@@ -59,6 +59,7 @@ _OPTIONS: dict[str, Callable[[str], Any]] = {
     "vocab": _optional(int_option(1, 2**31 - 1)),
     "empty_streak": _optional(int_option(1, 10**6)),
     "filter_uniform": _flag,
+    "carry_over": _flag,
 }
 
 

@@ -206,6 +206,7 @@ class Recorder:
             "vocab": scheduler.vocab,
             "empty_streak": scheduler.empty_streak,
             "filter_uniform": scheduler.filter_uniform,
+            "carry_over": scheduler.config.carry_over,
         }
         # Open until `_stop`: the recording spans a `with` of the caller's.
         if self.path.endswith(".gz"):
