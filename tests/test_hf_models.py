@@ -429,6 +429,7 @@ def test_dew_train_trains_a_checkpoint_folder_into_folders_transformers_loads(
         (["--model", "{empty}"], "has no config.json"),
         (["--model", "{folder}", "--dtype", "float16"], "dtype must be float32, bfloat16"),
         (["--model", "{small}"], "more than the 24 embedding rows"),
+        (["--model", "{broken}"], "model.safetensors is truncated"),
         (["--model", "{folder}", "--mesh", "1x2x2"], "--mesh 1x2x2 needs 4 devices"),
         (["--mesh", "1x2x2"], "mesh splits a --model checkpoint over devices"),
         (["--model", "{folder}", "--mesh", "2x2"], "mesh must be DATAxFSDPxTENSOR"),
@@ -442,8 +443,12 @@ def test_dew_train_refuses_a_bad_model_option_naming_it(
     small = tmp_path / "small"
     shutil.copytree(chat_folder, small)
     _edit_config(small, vocab_size=24)
+    broken = tmp_path / "broken"
+    shutil.copytree(chat_folder, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
     (tmp_path / "empty").mkdir()
-    paths = {"folder": chat_folder, "empty": tmp_path / "empty", "small": small}
+    paths = {"folder": chat_folder, "empty": tmp_path / "empty", "small": small, "broken": broken}
     argv = ["train", "--run", str(tmp_path / "run"), *[o.format(**paths) for o in options]]
     with pytest.raises(SystemExit) as exited:
         main(argv)
