@@ -5,6 +5,7 @@ the scheduler; and every malformed folder is refused with one error naming what 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -97,13 +98,20 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     return made
 
 
-def _reference(folder: Path, tokens: np.ndarray) -> np.ndarray:
-    """transformers' float32 logits of one sequence, from the checkpoint in `folder`."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
+@functools.lru_cache(maxsize=8)
+def _transformers_model(folder: Path):
+    """transformers' float32 model of the checkpoint in `folder`, loaded once a folder (every
+    folder a test reads is one it made, never rewritten)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager"
     )
+
+
+def _reference(folder: Path, tokens: np.ndarray) -> np.ndarray:
+    """transformers' float32 logits of one sequence, from the checkpoint in `folder`."""
     with torch.no_grad():
-        return model(torch.tensor(tokens[None], dtype=torch.long)).logits[0].numpy()
+        logits = _transformers_model(folder)(torch.tensor(tokens[None], dtype=torch.long)).logits
+    return logits[0].numpy()
 
 
 def _logits(model, params, tokens: np.ndarray) -> np.ndarray:
