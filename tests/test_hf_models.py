@@ -217,6 +217,16 @@ def test_bfloat16_params_keep_their_dtype_and_give_float32_logits(folders, tmp_p
     assert error.max() < 0.3 and error.mean() < 0.05
     cache = model.init_cache(slots=1, max_len=32)
     assert {leaf.dtype for leaf in jax.tree.leaves(cache)} == {jnp.dtype(jnp.bfloat16)}
+    # Prefill and decode over the bfloat16 cache give the packed rows' logits (to bfloat16's
+    # rounding of the keys and values the cache keeps).
+    prompt = jnp.zeros(16, jnp.int32).at[:8].set(jnp.asarray(sequence[:8], jnp.int32))
+    cache, prefilled = jax.jit(model.prefill)(params, cache, prompt, jnp.int32(0))
+    assert prefilled.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(prefilled[:8]), logits[:8], atol=0.1)
+    for position in range(8, 12):
+        token = jnp.asarray(sequence[position : position + 1], jnp.int32)
+        cache, decoded = jax.jit(model.decode)(params, cache, token, jnp.int32([position]))
+        np.testing.assert_allclose(np.asarray(decoded[0]), logits[position], atol=0.1)
     hf.save(tmp_path / "half", model, params)
     with safe_open(tmp_path / "half" / "model.safetensors", "numpy") as saved:
         assert {saved.get_slice(name).get_dtype() for name in saved.keys()} == {"BF16"}
