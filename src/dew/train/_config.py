@@ -470,23 +470,26 @@ def _load_tokenizer(config: TrainConfig) -> Tokenizer:
 
 def _model_tokenizer(folder: str) -> Tokenizer:
     """The tokenizer and chat template of the checkpoint folder `folder`, once its config.json
-    is checked (before any tensor is read) and found to have an embedding row for every id.
+    and its tensors' headers are checked (before any tensor is read) and it is found to have an
+    embedding row for every id.
 
     Raises:
-        ValueError: naming --model and the file or field at fault.
+        ValueError: naming --model and the file, field or tensors at fault.
     """
-    from dew.models.hf._config import read_config  # safetensors and the family on demand
+    from dew.models import hf  # safetensors and the family on demand
+    from dew.models.hf._config import read_config
 
     try:
         checkpoint, _ = read_config(Path(folder))
         tokenizer = HuggingFaceTokenizer.from_folder(folder)
+        if tokenizer.vocab_size > checkpoint.vocab:
+            raise ValueError(
+                f"its tokenizer.json has {tokenizer.vocab_size} ids, more than the "
+                f"{checkpoint.vocab} embedding rows of its config.json's vocab_size"
+            )
+        hf.model_of(folder)  # every tensor's name, shape and file, from the headers
     except (ValueError, FileNotFoundError) as error:
         raise ValueError(f"--model {folder}: {error}") from None
-    if tokenizer.vocab_size > checkpoint.vocab:
-        raise ValueError(
-            f"--model {folder}: its tokenizer.json has {tokenizer.vocab_size} ids, more than the "
-            f"{checkpoint.vocab} embedding rows of its config.json's vocab_size"
-        )
     return tokenizer
 
 

@@ -119,20 +119,16 @@ def load(
     model = HFModel(config, check_dtype(dtype))
     target = np.dtype(jnp.dtype(dtype))
     tree = _params.empty_tree(config)
-    by_file: dict[str, list[_params.Leaf]] = {}
     for leaf in expected:
-        by_file.setdefault(files[leaf.name], []).append(leaf)
-    for file, leaves in by_file.items():
-        for leaf in leaves:
-            # The file is opened for each tensor: safetensors maps the whole file, and the pages
-            # a read touched stay in the process's memory until the map is closed.
-            with safe_open(folder / file, framework="numpy") as opened:
-                tensor = opened.get_tensor(leaf.name)
-            value = leaf.entry.layout.to_leaf(tensor, leaf.shape).astype(target, copy=False)
-            del tensor
-            placement = None if shardings is None else _params.get_leaf(shardings, leaf.path)
-            _params.set_leaf(tree, leaf.path, _place(value, placement))
-            del value
+        # The file is opened for each tensor: safetensors maps the whole file, and the pages a
+        # read touched stay in the process's memory until the map is closed.
+        with safe_open(folder / files[leaf.name], framework="numpy") as opened:
+            tensor = opened.get_tensor(leaf.name)
+        value = leaf.entry.layout.to_leaf(tensor, leaf.shape).astype(target, copy=False)
+        del tensor
+        placement = None if shardings is None else _params.get_leaf(shardings, leaf.path)
+        _params.set_leaf(tree, leaf.path, _place(value, placement))
+        del value
     return model, tree
 
 
