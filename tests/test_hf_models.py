@@ -295,6 +295,16 @@ def test_a_loaded_checkpoint_trains_through_the_scheduler(folders):
     assert max(jax.tree.leaves(moved)) > 0
 
 
+def test_save_copies_the_named_chat_templates_beside_the_tokenizer(folders, tmp_path):
+    source = _copy(folders["qwen2"], tmp_path)
+    (source / "additional_chat_templates").mkdir()
+    (source / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    model, params = hf.load(source)
+    hf.save(tmp_path / "saved", model, params, tokenizer_from=source)
+    copied = tmp_path / "saved" / "additional_chat_templates" / "tool_use.jinja"
+    assert copied.read_text() == "{{ messages }}"
+
+
 def _copy(folder: Path, tmp_path: Path) -> Path:
     copied = tmp_path / "checkpoint"
     shutil.copytree(folder, copied)

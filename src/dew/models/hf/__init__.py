@@ -68,6 +68,7 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
     "generation_config.json",
+    "additional_chat_templates",  # a folder: named templates (transformers' `tool_use`)
 )
 """The files `save` copies from `tokenizer_from`, those that exist: the tokenizer, its chat
 template, and the generation settings that name its stop tokens."""
@@ -330,8 +331,11 @@ def save(
                 source = Path(tokenizer_from) / name
                 if source.is_file():
                     shutil.copyfile(source, staging / name)
-        for written in staging.iterdir():
-            _fsync(written)
+                elif source.is_dir():
+                    shutil.copytree(source, staging / name)
+        for written in staging.rglob("*"):
+            if written.is_file():
+                _fsync(written)
         _swap_in(staging, folder)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
