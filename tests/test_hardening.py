@@ -316,7 +316,8 @@ def float_options():
         (name, action.option_strings[0])
         for name, sub in commands.choices.items()
         for action in sub._actions
-        if action.option_strings and getattr(action.type, "__name__", "") == "finite_float"
+        if action.option_strings
+        and getattr(action.type, "__name__", "") in ("finite_float", "number")
     ]
 
 

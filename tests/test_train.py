@@ -432,12 +432,21 @@ def test_help_lists_every_option_with_its_default(capsys):
 @pytest.mark.parametrize(
     ("argv", "culprit"),
     [
-        (["--groups", "1"], "groups must be an int >= 2, got 1"),
+        (["--groups", "1"], "argument --groups: groups must be an int within [2, 4096], got 1"),
         (["--ahead", "2"], "max_lag must be >= ahead + sync_every - 1 = 2, got 1"),
-        (["--learning-rate", "0"], "learning_rate must be a finite number > 0"),
-        (["--temperature", "0"], "temperature must be a finite number > 0, got 0"),
-        (["--oversample", "-1"], "oversample must be an int >= 0, got -1"),
-        (["--admit", "0"], "admit must be an int >= 1, got 0"),
+        (
+            ["--learning-rate", "0"],
+            "argument --learning-rate: learning_rate must be within (0, 1], got 0",
+        ),
+        (
+            ["--temperature", "0"],
+            "argument --temperature: temperature must be within [0.01, 100], got 0",
+        ),
+        (
+            ["--oversample", "-1"],
+            "argument --oversample: oversample must be an int within [0, 4096], got -1",
+        ),
+        (["--admit", "0"], "argument --admit: admit must be an int within [1, 4096], got 0"),
         (["--admit", "9"], "admit must be <= batch_size 8, got 9"),
         (["--resume"], "--resume needs --run"),
     ],

@@ -278,7 +278,7 @@ def test_a_pools_run_resumes_on_one_process_at_the_exact_data_position(killed, t
     [
         (["--processes", "2", "--process-id", "0"], "--processes starts a pool of its own"),
         (["--coordinator", "127.0.0.1:1234"], "takes --coordinator, --num-processes and"),
-        (["--processes", "0"], "--processes must be an int >= 1, got 0"),
+        (["--processes", "0"], "argument --processes: must be an int within [1, 1024], got '0'"),
         (["--deadline", "0"], "--deadline must be a finite number of seconds > 0, got 0.0"),
         (
             ["--processes", "3", "--batch-size", "4"],

@@ -10,6 +10,7 @@ count is a mistake, not a 1.
 
 from __future__ import annotations
 
+import argparse
 import math
 import numbers
 from collections.abc import Callable
@@ -25,14 +26,22 @@ def is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
 
 
-def check_int(name: str, value: Any, *, low: int) -> int:
-    """`value` as a Python int, checked to be an int (numpy's included) of at least `low`.
+def check_int(name: str, value: Any, *, low: int, high: int | None = None) -> int:
+    """`value` as a Python int, checked to be an int (numpy's included) of at least `low` (and
+    at most `high`, when given).
 
     Raises:
-        ValueError: `{name} must be an int >= {low}, got {value!r}`.
+        ValueError: `{name} must be an int >= {low}, got {value!r}`, or with `high`
+            `{name} must be an int within [{low}, {high}], got {value!r}`.
     """
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    wanted = f">= {low}" if high is None else f"within [{low}, {high}]"
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | np.integer)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        raise ValueError(f"{name} must be an int {wanted}, got {value!r}")
     return int(value)
 
 
@@ -95,6 +104,16 @@ def int_at_least(low: int) -> Validator:
     return validate
 
 
+def int_within(low: int, high: int) -> Validator:
+    """An attrs validator: the field is an int within [low, high] (see check_int); the upper
+    bound keeps a count or size a typo made huge from allocating for minutes first."""
+
+    def validate(instance: Any, attribute: Any, value: Any) -> None:
+        check_int(attribute.name, value, low=low, high=high)
+
+    return validate
+
+
 def in_range(
     low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False
 ) -> Validator:
@@ -131,3 +150,46 @@ def is_callable(instance: Any, attribute: Any, value: Any) -> None:
     """
     if not callable(value):
         raise ValueError(f"{attribute.name} must be callable, got {type(value).__name__}")
+
+
+def int_option(low: int, high: int) -> Callable[[str], int]:
+    """An argparse `type`: the option's text as an int within [low, high]. Every count and size
+    a command takes has an upper bound, past which it would allocate or run for hours before
+    anything failed; argparse puts the option's name before the message.
+
+    Raises:
+        argparse.ArgumentTypeError: `must be an int within [low, high], got 'text'`.
+    """
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an int within [{low}, {high}], got {text!r}")
+        return value
+
+    return parse
+
+
+def number_option(low: float, high: float) -> Callable[[str], float]:
+    """An argparse `type`: the option's text as a finite number within [low, high].
+
+    Raises:
+        argparse.ArgumentTypeError: `must be a finite number within [low, high], got 'text'`.
+    """
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not (math.isfinite(value) and low <= value <= high):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number within [{low:g}, {high:g}], got {text!r}"
+            )
+        return value
+
+    parse.__name__ = "number"
+    return parse

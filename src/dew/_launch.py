@@ -10,20 +10,22 @@ progress, with its checkpoint), and only a second one stops them at once.
 
 Each process runs in a session of its own, so a terminal's Ctrl-C reaches the launcher alone and
 the launcher stops the processes in a known order, rather than each racing to unwind on its own.
+Should the launcher itself die (`kill -9`), its watchdog stops them (`dew._processes`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO, TextIO
+
+from dew._processes import kill_group, terminate_as_interrupt, unwatch, watch
 
 # Seconds a stopped process has to exit after SIGTERM before it is killed.
 GRACE = 5.0
@@ -72,7 +74,9 @@ def run_pool(
             for index, (command, log) in enumerate(zip(commands, logs, strict=True))
         ]
         processes = [process for process, _ in started]
-        with _terminate_as_interrupt():
+        for process in processes:  # stopped below; should the launcher die, the watchdog
+            stack.callback(unwatch, process.pid)
+        with terminate_as_interrupt():
             try:
                 return _watch(processes, ended, report, grace)
             except KeyboardInterrupt:
@@ -118,6 +122,7 @@ def _start(
         env=None if env is None else dict(env),
         start_new_session=True,
     )
+    watch(process.pid)
 
     def wait() -> None:
         if piped:
@@ -199,28 +204,10 @@ def _stop(
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
         running = [p for p in processes if p.poll() is None]
         for process in running:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, sig)
+            kill_group(process.pid, sig)
         for process in running:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=wait)
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """Inside, a SIGTERM to the launcher stops the pool as Ctrl-C does (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _names(indices) -> str:

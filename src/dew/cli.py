@@ -16,10 +16,12 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import NoReturn
 
 import attrs
 
 from dew import replay, simulate, train, tune
+from dew._checks import int_option, number_option
 
 
 @attrs.frozen
@@ -37,17 +39,22 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
-# The simulate options that set a Workload field: (option, field, type, help).
+# The simulate options that set a Workload field: (option, field, type, help). Each type bounds
+# its values: a typo of a few zeros would otherwise simulate for hours.
 _WORKLOAD_OPTIONS = (
-    ("--seed", "seed", int, "seeds the simulated rollouts"),
-    ("--steps", "steps", int, "trainer steps per setting"),
-    ("--slots", "slots", int, "calls the engine decodes at once (C)"),
-    ("--tasks", "tasks", int, "tasks per batch, one group each"),
-    ("--groups", "groups", int, "rollouts per task that train together"),
-    ("--duration-mean", "duration_mean", float, "mean seconds of a rollout's model time"),
-    ("--duration-sigma", "duration_sigma", float, "sigma of the lognormal duration's log"),
-    ("--step-time", "step_time", float, "seconds the trainer spends on each step (T)"),
+    ("--seed", "seed", int_option(0, 2**32 - 1), "seeds the simulated rollouts"),
+    ("--steps", "steps", int_option(1, 10**4), "trainer steps per setting"),
+    ("--slots", "slots", int_option(1, 2**20), "calls the engine decodes at once (C)"),
+    ("--tasks", "tasks", int_option(1, 4096), "tasks per batch, one group each"),
+    ("--groups", "groups", int_option(1, 4096), "rollouts per task that train together"),
+    ("--duration-mean", "duration_mean", number_option(0, 1e6), "a rollout's mean model seconds"),
+    ("--duration-sigma", "duration_sigma", number_option(0, 10), "the lognormal duration's sigma"),
+    ("--step-time", "step_time", number_option(0, 1e6), "trainer seconds per step (T)"),
 )
+
+
+MAX_SIMULATED = 10**5
+"""The most rollouts `dew simulate` simulates a setting: the whole table then takes minutes."""
 
 
 def _configure_simulate(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +85,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
     base = simulate.Workload.smoke() if args.smoke else simulate.Workload()
     try:
         workload = attrs.evolve(base, **given)
+        rollouts = workload.steps * workload.tasks * workload.groups
+        if rollouts > MAX_SIMULATED:
+            raise ValueError(
+                f"steps x tasks x groups must be <= {MAX_SIMULATED} rollouts a setting, got "
+                f"{workload.steps} x {workload.tasks} x {workload.groups}"
+            )
         # Long trainer waits are what the simulation measures, not news to log.
         with _quiet("dew.objectives.rl.scheduler"):
             outcomes = simulate.long_tail(workload)
@@ -147,13 +160,24 @@ def _finite_floats(parser: argparse.ArgumentParser) -> None:
             action.type = finite_float
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose refusals are the error and a hint, two lines: argparse's own
+    print the whole usage block first, in which a newcomer must hunt for the one line that
+    matters."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print `PROG: error: MESSAGE` and where the options are described; exit with 2."""
+        self.exit(2, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
+
+
 def parser() -> argparse.ArgumentParser:
     """The `dew` argument parser, with one subparser per entry of COMMANDS; every float option of
-    every command takes finite numbers only."""
-    top = argparse.ArgumentParser(
-        prog="dew", description="Asynchronous RL of language-model agents."
+    every command takes finite numbers only, and every refusal is one line and a hint."""
+    top = _Parser(prog="dew", description="Asynchronous RL of language-model agents.")
+    # The metavar lists the commands: the error for a missing one names them.
+    subparsers = top.add_subparsers(
+        title="commands", dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}"
     )
-    subparsers = top.add_subparsers(title="commands", dest="command", required=True)
     for name, command in COMMANDS.items():
         sub = subparsers.add_parser(name, help=command.summary, description=command.summary)
         command.configure(sub)

@@ -17,12 +17,16 @@ import logging
 import math
 import multiprocessing
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import attrs
 import numpy as np
 
 from dew import calibrate
+from dew._checks import int_option, number_option
+from dew._processes import end_with_parent
 from dew.simulate import Outcome, Setting, Workload, describe, simulate
 
 
@@ -242,7 +246,10 @@ def _simulate_all(runs: Sequence[tuple[Workload, Setting]], jobs: int) -> Iterat
             return
         # Spawned workers: a forked copy of a process that runs JAX threads can deadlock.
         context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        # The workers end with this process however it ends (a kill -9 included).
+        with concurrent.futures.ProcessPoolExecutor(
+            jobs, mp_context=context, initializer=end_with_parent, initargs=(os.getpid(),)
+        ) as pool:
             yield from pool.map(_quiet_simulate, runs)
     finally:
         logger.setLevel(level)
@@ -374,42 +381,29 @@ def plot(
 # --- the command line -----------------------------------------------------------------------------
 
 
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text!r}")
-        return value
-
-    return parse
+# The most values one knob of the grid may list, and the most simulated runs (settings x
+# seeds) one `dew tune` makes: each run takes a moment, so a grid past these takes hours.
+MAX_VALUES = 64
+MAX_RUNS = 4096
+MAX_SLOTS = 2**20
+# What --plot writes: matplotlib draws these by the file's suffix.
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
 
-def _int_list(low: int, word: str | None = None):
-    """A parser of comma-separated ints >= low; `word` (when given) stands for None."""
-    single = _int_at_least(low)
+def _int_list(low: int, high: int, word: str | None = None):
+    """A parser of at most MAX_VALUES comma-separated ints within [low, high]; `word` (when
+    given) stands for None."""
+    single = int_option(low, high)
 
     def parse(text: str) -> tuple[int | None, ...]:
         items = [item.strip() for item in text.split(",")]
         if not all(items):
             raise argparse.ArgumentTypeError(f"must be a comma-separated list, got {text!r}")
+        if len(items) > MAX_VALUES:
+            raise argparse.ArgumentTypeError(
+                f"must list at most {MAX_VALUES} values, got {len(items)}"
+            )
         return tuple(None if item == word else single(item) for item in items)
-
-    return parse
-
-
-def _number(low: float, high: float = math.inf):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-        if not (math.isfinite(value) and low <= value <= high):
-            bound = f"within [{low:g}, {high:g}]" if high < math.inf else f">= {low:g}"
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text!r}")
-        return value
 
     return parse
 
@@ -418,10 +412,10 @@ def _slots(text: str) -> int | str | None:
     if text in ("observed", "unbounded"):
         return None if text == "unbounded" else text
     try:
-        return _int_at_least(1)(text)
+        return int_option(1, MAX_SLOTS)(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"must be an int >= 1, 'observed' or 'unbounded', got {text!r}"
+            f"must be an int within [1, {MAX_SLOTS}], 'observed' or 'unbounded', got {text!r}"
         ) from None
 
 
@@ -432,22 +426,24 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         "traces", nargs="+", metavar="TRACE", help="recorded runs (dew train --record)"
     )
     knobs = parser.add_argument_group("the grid (comma-separated values)")
-    knobs.add_argument("--ahead", type=_int_list(0), default=default.ahead, help="default: 0,1,2")
     knobs.add_argument(
-        "--oversample", type=_int_list(0), default=default.oversample, help="default: 0"
+        "--ahead", type=_int_list(0, 64), default=default.ahead, help="default: 0,1,2"
+    )
+    knobs.add_argument(
+        "--oversample", type=_int_list(0, 4096), default=default.oversample, help="default: 0"
     )
     knobs.add_argument(
         "--admit",
-        type=_int_list(1, "all"),
+        type=_int_list(1, 4096, "all"),
         default=default.admit,
         help="groups admitted per batch, 'all' for every task's (default: all)",
     )
     knobs.add_argument(
-        "--sync-every", type=_int_list(1), default=default.sync_every, help="default: 1,2"
+        "--sync-every", type=_int_list(1, 1000), default=default.sync_every, help="default: 1,2"
     )
     knobs.add_argument(
         "--max-lag",
-        type=_int_list(0, "least"),
+        type=_int_list(0, 10**4, "least"),
         default=default.max_lag,
         help="'least' for the least ahead + sync_every - 1 allows; values below it are left "
         "out (default: least)",
@@ -455,21 +451,24 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("the simulation")
     run.add_argument(
         "--steps",
-        type=_int_at_least(1),
+        type=int_option(1, 10**4),
         default=24,
         help="trainer steps per run, warmup included (default: 24)",
     )
     run.add_argument(
         "--warmup",
-        type=_int_at_least(0),
+        type=int_option(0, 10**4),
         default=2,
         help="first trainer calls left out of the fit and the figures (default: 2)",
     )
     run.add_argument(
-        "--seeds", type=_int_at_least(1), default=3, help="runs per setting (default: 3)"
+        "--seeds", type=int_option(1, 1000), default=3, help="runs per setting (default: 3)"
     )
     run.add_argument(
-        "--seed", type=_int_at_least(0), default=0, help="the first run's seed (default: 0)"
+        "--seed",
+        type=int_option(0, 2**32 - 1),
+        default=0,
+        help="the first run's seed (default: 0)",
     )
     run.add_argument(
         "--slots",
@@ -480,13 +479,13 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--step-time",
-        type=_number(0.0),
+        type=number_option(0.0, 86400.0),
         default=None,
         help="the trainer's seconds per step instead of the traces' own step times",
     )
     run.add_argument(
         "--engine-scaling",
-        type=_number(0.0),
+        type=number_option(0.0, 10.0),
         default=0.0,
         metavar="EXPONENT",
         help="for an engine sized to ahead as dew train's is: a setting's rollouts take "
@@ -494,18 +493,18 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         "train's CPU engine (default: 0, one engine for every setting)",
     )
     run.add_argument(
-        "--jobs", type=_int_at_least(1), default=1, help="processes to simulate in (default: 1)"
+        "--jobs", type=int_option(1, 256), default=1, help="processes to simulate in (default: 1)"
     )
     limits = parser.add_argument_group("the front")
     limits.add_argument(
         "--max-waste",
-        type=_number(0.0, 1.0),
+        type=number_option(0.0, 1.0),
         default=None,
         help="the most wasted share of rollout-seconds a setting may have (default: none)",
     )
     limits.add_argument(
         "--max-bias",
-        type=_number(0.0),
+        type=number_option(0.0, 1e6),
         default=None,
         help="the most |1 - selection| a setting may have (default: none)",
     )
@@ -525,6 +524,12 @@ def run_cli(args: argparse.Namespace) -> int:
     """
     if args.warmup >= args.steps:
         args.parser.error(f"argument --warmup: must be < --steps {args.steps}, got {args.warmup}")
+    plot_path = None
+    if args.plot is not None:
+        try:
+            plot_path = _plot_path(args.plot)
+        except ValueError as error:
+            args.parser.error(f"argument --plot: {error}")
     try:
         fitted = calibrate.calibrate(args.traces, warmup=args.warmup)
     except (OSError, ValueError) as error:
@@ -535,10 +540,15 @@ def run_cli(args: argparse.Namespace) -> int:
         workload = attrs.evolve(workload, step_time=args.step_time, step_times=())
     grid = Grid(args.ahead, args.oversample, args.admit, args.sync_every, args.max_lag)
     try:
-        grid.settings(workload.tasks)
+        settings = grid.settings(workload.tasks)
     except ValueError as error:
         option = "--admit" if str(error).startswith("admit") else "--max-lag"
         args.parser.error(f"argument {option}: {error}")
+    if len(settings) * args.seeds > MAX_RUNS:
+        args.parser.error(
+            f"the grid's {len(settings)} settings x --seeds {args.seeds} must make at most "
+            f"{MAX_RUNS} simulated runs; list fewer values or seeds"
+        )
     engine = None
     if args.engine_scaling > 0:
         if len(set(fitted.aheads)) > 1:
@@ -550,7 +560,36 @@ def run_cli(args: argparse.Namespace) -> int:
     print(f"simulated {args.seeds} seed(s) per setting: {describe(workload)}")
     limits = {"max_waste": args.max_waste, "max_bias": args.max_bias}
     print(table(rows, **limits))
-    if args.plot is not None:
-        plot(rows, args.plot, **limits)
-        print(f"front drawn in {args.plot}")
+    if plot_path is not None:
+        try:
+            plot(rows, plot_path, **limits)
+        except OSError as error:
+            print(f"dew tune: cannot write {plot_path}: {error.strerror or error}", file=sys.stderr)
+            return 1
+        print(f"front drawn in {plot_path}")
     return 0
+
+
+def _plot_path(text: str) -> Path:
+    """The file `--plot TEXT` writes: TEXT itself, TEXT.png when it has no suffix (as
+    matplotlib would write it), or front.png in TEXT when TEXT is a folder; checked before the
+    simulation runs, so that a path that cannot be written is not found out minutes later.
+
+    Raises:
+        ValueError: naming the path and what is wrong with it.
+    """
+    from dew.train._folders import _probe
+
+    path = Path(text)
+    if path.is_dir():
+        path = path / "front.png"
+    elif not path.suffix:
+        path = path.with_suffix(".png")
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise ValueError(f"{text} must end in {', '.join(PLOT_SUFFIXES)} (or be a folder)")
+    if not path.parent.is_dir():
+        raise ValueError(f"{path}: the folder {path.parent} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder")
+    _probe(path.parent, str(path), directory=False)
+    return path

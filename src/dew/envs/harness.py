@@ -18,14 +18,14 @@ Outcomes:
 
 A rollout that hits a limit, or whose engine failed, ends at once: the harness is cancelled (a
 command's whole process group is killed). So does a cancelled rollout, whose session then refuses
-every call (410) and cancels its engine calls in flight.
+every call (410) and cancels its engine calls in flight. A command's group is killed too when
+dew itself dies, however it dies (`dew._processes`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import signal
 import subprocess
 import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -34,6 +34,7 @@ from typing import Any
 import attrs
 import trio
 
+from dew._processes import kill_group, watched
 from dew.data import Task
 from dew.envs.environment import Score, blocking, describe, scored_session
 from dew.objectives.rl.sessions import Call, Label, Session, Status
@@ -221,19 +222,22 @@ class HarnessSource:
             session.fail(f"harness command could not start: {describe(error)}")
             return _End(Status.INFRA_ERROR, error=session.infra_error)
         stdout, stderr = bytearray(), bytearray()
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_read, process.stdout, stdout, _STDOUT_KEPT, False)
-                nursery.start_soon(_read, process.stderr, stderr, self.stderr_tail * 4, True)
-                status = await process.wait()
-                # The harness is over: whatever it left running in its group goes too, which
-                # also closes the pipes those processes held.
-                _kill_group(process)
-        finally:
-            if process.returncode is None:
-                _kill_group(process)
-                with trio.CancelScope(shield=True):
-                    await process.wait()
+        # Should dew die before the finally below runs (kill -9, a crash), the watchdog kills
+        # the group.
+        with watched(process.pid):
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_read, process.stdout, stdout, _STDOUT_KEPT, False)
+                    nursery.start_soon(_read, process.stderr, stderr, self.stderr_tail * 4, True)
+                    status = await process.wait()
+                    # The harness is over: whatever it left running in its group goes too,
+                    # which also closes the pipes those processes held.
+                    kill_group(process.pid)
+            finally:
+                if process.returncode is None:
+                    kill_group(process.pid)
+                    with trio.CancelScope(shield=True):
+                        await process.wait()
         output = stdout.decode("utf-8", errors="replace")
         if status == 0:
             return _End(Status.COMPLETED, output)
@@ -270,11 +274,3 @@ async def _read(stream, into: bytearray, keep: int, tail: bool) -> None:
                 del into[: max(0, len(into) - keep)]
             elif len(into) < keep:
                 into += chunk[: keep - len(into)]
-
-
-def _kill_group(process) -> None:
-    """Kill the process group a harness command leads (it was started in a session of its own)."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

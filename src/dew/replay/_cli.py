@@ -6,37 +6,49 @@ import argparse
 import logging
 import sys
 import time
-from typing import TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
-from dew.objectives.rl.scheduler import RolloutScheduler
+from dew._checks import int_option, number_option
+from dew.objectives.rl.scheduler import (
+    MAX_CELLS,
+    MAX_IN_FLIGHT,
+    MAX_SAMPLES,
+    MAX_WIDTH,
+    RolloutScheduler,
+)
 from dew.replay._format import CONFIG, TraceError
 from dew.replay._replay import replay
 
 
-def _optional(kind: type):
-    def parse(text: str):
-        return None if text.lower() == "none" else kind(text)
+def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse`, or None for the text `none`."""
 
-    parse.__name__ = f"{kind.__name__} or none"
-    return parse
+    def parse_or_none(text: str) -> Any:
+        return None if text.lower() == "none" else parse(text)
+
+    return parse_or_none
 
 
-_OPTIONS = {
-    "width": int,
-    "rows": int,
-    "groups": int,
-    "oversample": int,
-    "admit": _optional(int),
-    "max_lag": int,
-    "ahead": int,
-    "sync_every": int,
-    "max_attempts": int,
-    "timeout": _optional(float),
+# Each override's parser, bounded: a typo of a few zeros would otherwise replay for hours or
+# allocate terabytes before the scheduler found anything wrong. The scheduler checks the rest
+# (rows x width within its cells, max_lag against ahead and sync_every, ...).
+_OPTIONS: dict[str, Callable[[str], Any]] = {
+    "width": int_option(1, MAX_WIDTH),
+    "rows": int_option(1, MAX_CELLS),
+    "groups": int_option(1, MAX_SAMPLES),
+    "oversample": int_option(0, MAX_SAMPLES),
+    "admit": _optional(int_option(1, MAX_IN_FLIGHT)),
+    "max_lag": int_option(0, 10**6),
+    "ahead": int_option(0, 64),
+    "sync_every": int_option(1, 10**6),
+    "max_attempts": int_option(1, 1000),
+    "timeout": _optional(number_option(0, 10**7)),
     "estimator": str,
     "truncation": str,
-    "support_capacity": _optional(int),
-    "vocab": _optional(int),
-    "empty_streak": _optional(int),
+    "support_capacity": _optional(int_option(1, MAX_CELLS)),
+    "vocab": _optional(int_option(1, 2**31 - 1)),
+    "empty_streak": _optional(int_option(1, 10**6)),
 }
 
 
@@ -74,7 +86,7 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--progress-every",
-        type=float,
+        type=number_option(0, 86400),
         metavar="SECONDS",
         default=5.0,
         help="print how far the replay has got to standard error every SECONDS of real time "
@@ -106,8 +118,6 @@ def run_cli(args: argparse.Namespace) -> int:
         SystemExit: with status 2, through the parser, for an override the scheduler refuses.
     """
     overrides = {name: getattr(args, name) for name in CONFIG if hasattr(args, name)}
-    if args.progress_every < 0:
-        args.parser.error(f"--progress-every must be >= 0 seconds, got {args.progress_every}")
     logger = logging.getLogger(RolloutScheduler.__module__)
     level = logger.level
     # The replayed scheduler's long-wait warnings describe the replay, not the recorded run.

@@ -7,22 +7,29 @@ The run itself is `_run.train`; its config `_config.TrainConfig`; its paths are 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import socket
 import sys
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from dew import _pool_guard
+from dew._checks import int_option, number_option
 from dew._launch import run_pool
 from dew.envs.lookup import HARNESSES
 from dew.train._checkpoint import read_commit
-from dew.train._config import HARNESS, TrainConfig, _check_harness, _load_tokenizer, _read_json
+from dew.train._config import (
+    HARNESS,
+    TrainConfig,
+    _check_harness,
+    _check_task,
+    _load_tokenizer,
+    _read_json,
+)
 from dew.train._folders import _check_record, _check_run, _check_split, _default_run
 from dew.train._interrupt import INTERRUPTED, _CtrlC, _Interrupted, _say, any_process
 from dew.train._progress import Progress
@@ -54,7 +61,7 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             option,
             dest=field.name,
-            type=field.metadata["type"],
+            type=_checked(field),
             default=None,
             metavar=field.name.upper(),
             help=help,
@@ -94,7 +101,7 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
     )
     pool.add_argument(
         "--processes",
-        type=int,
+        type=int_option(1, 1024),
         metavar="N",
         default=None,
         help="start N processes on this machine, on the loopback interface; their logs go to "
@@ -107,19 +114,45 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         help="join a pool across machines: process 0's address, where it listens",
     )
     pool.add_argument(
-        "--num-processes", type=int, metavar="N", default=None, help="the pool's size"
+        "--num-processes",
+        type=int_option(1, 2**16),
+        metavar="N",
+        default=None,
+        help="the pool's size",
     )
     pool.add_argument(
-        "--process-id", type=int, metavar="I", default=None, help="this process's index, 0..N-1"
+        "--process-id",
+        type=int_option(0, 2**16 - 1),
+        metavar="I",
+        default=None,
+        help="this process's index, 0..N-1",
     )
     pool.add_argument(
         "--deadline",
-        type=float,
+        type=number_option(0, 7 * 86400),
         metavar="SECONDS",
         default=600.0,
         help="in a pool, the seconds a step may take before every process stops, naming the "
         "processes behind (default: 600)",
     )
+
+
+def _checked(field: attrs.Attribute) -> Callable[[str], Any]:
+    """The argparse type of `field`'s option: its text as the field's type, checked by the
+    field's own validator, so that a value out of bounds is refused naming the option (and the
+    bound, in one place: the field's declaration)."""
+    kind = field.metadata["type"]
+
+    def parse(text: str) -> Any:
+        value = kind(text)  # argparse names the option and the type when this fails
+        try:
+            field.validator(None, field, value)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -158,6 +191,7 @@ def run_cli(args: argparse.Namespace) -> int:
         if args.record is not None:
             _check_record(args.record)
         _load_tokenizer(config)
+        _check_task(config)
         # A damaged checkpoint is refused here, before anything starts or is written.
         commit = read_commit(run / "checkpoints") if args.resume else None
     except ValueError as error:
@@ -179,7 +213,7 @@ def _train_until_interrupted(
     # The second press raises KeyboardInterrupt wherever the code is, even in the context's
     # exit: the outer handler takes it there too.
     try:
-        with _CtrlC() as ctrl_c:
+        with _CtrlC(terminate=True) as ctrl_c:
             try:
                 trainer = train(
                     config,
@@ -190,6 +224,17 @@ def _train_until_interrupted(
                 )
             except _Interrupted as stop:
                 stopped = f"stopped after step {stop.updates}/{config.steps}, its checkpoint saved"
+            except OSError as error:  # a full disk, a folder gone: the run cannot go on
+                where = error.filename or run
+                _say(
+                    f"dew train: cannot write {where}: {error.strerror or error}; the last "
+                    f"checkpoint stands: continue with `dew train --run {run} --resume` once it "
+                    "can be written"
+                )
+                return 1
+            except FloatingPointError as error:  # the step that went non-finite, named
+                _say(f"dew train: {error}")
+                return 1
     except KeyboardInterrupt:
         stopped = stopped or "stopped at once; the last checkpoint stands"
     if stopped is not None:
@@ -226,11 +271,9 @@ def _pool_options(args: argparse.Namespace) -> bool:
                 "--processes starts a pool of its own: leave out --coordinator, "
                 "--num-processes and --process-id"
             )
-        if args.processes < 1:
-            args.parser.error(f"--processes must be an int >= 1, got {args.processes}")
     elif any(option is not None for option in joining) and None in joining:
         args.parser.error("joining a pool takes --coordinator, --num-processes and --process-id")
-    if not 0 < args.deadline < math.inf:
+    if args.deadline <= 0:
         args.parser.error(f"--deadline must be a finite number of seconds > 0, got {args.deadline}")
     return args.coordinator is not None
 

@@ -17,9 +17,9 @@ from typing import Any
 import attrs
 
 from dew import models
-from dew._checks import int_at_least, positive
+from dew._checks import in_range, int_within
 from dew.envs.lookup import HARNESSES
-from dew.envs.reasoning_gym import PREFIX
+from dew.envs.reasoning_gym import PREFIX, ReasoningGym
 from dew.serve.tokenizer import BYTES, HuggingFaceTokenizer, Tokenizer
 
 TASKS = ("copy", "guess")
@@ -28,6 +28,11 @@ HARNESS = "harness:"
 """The prefix of a task that is a built-in agent harness (`--harness NAME` is this plus NAME)."""
 # What a harness run needs installed: the gateway extra.
 _GATEWAY_PACKAGES = ("hypercorn", "openai", "orjson")
+MAX_IN_FLIGHT = 2**16
+"""The most rollouts a run has in flight, batch_size x (groups + oversample) x (ahead + 1): the
+engine holds a slot, and its cache, for each."""
+MAX_WEIGHTS = 2**31
+"""The most weights of a run's transformer blocks (8 GiB of float32, before Adam's two more)."""
 # Fields that change what a run logs, not what it trains: a resumed run may change them.
 _LOGGING = ("steps", "eval_every", "samples", "tensorboard")
 
@@ -55,6 +60,12 @@ def _check_harness(name: str) -> None:
             f"a harness trains through the recording gateway, which needs {', '.join(missing)}: "
             "pip install 'dew[gateway]'"
         )
+
+
+def _flag(instance, attribute, value):
+    # A config file's "yes" or 1 is a mistake to name, not a truth to guess.
+    if not isinstance(value, bool):
+        raise ValueError(f"{attribute.name} must be true or false, got {value!r}")
 
 
 def _path_or_none(instance, attribute, value):
@@ -129,53 +140,59 @@ class TrainConfig:
         "reasoning-gym:NAME[,key=value...] (a reasoning-gym dataset and its config) or "
         "harness:NAME (a built-in agent harness, as --harness NAME)",
     )
-    steps: int = _option(400, int_at_least(1), "optimizer updates to train for")
-    batch_size: int = _option(8, int_at_least(1), "tasks per batch, one group each")
-    groups: int = _option(16, int_at_least(2), "rollouts per task that train together")
+    steps: int = _option(400, int_within(1, 10**6), "optimizer updates to train for")
+    batch_size: int = _option(8, int_within(1, 4096), "tasks per batch, one group each")
+    groups: int = _option(16, int_within(2, 4096), "rollouts per task that train together")
     tasks: int = _option(
-        1000, int_at_least(1), "distinct task ids the stream goes over, epoch after epoch"
+        1000, int_within(1, 10**6), "distinct task ids the stream goes over, epoch after epoch"
     )
-    learning_rate: float = _option(1e-3, positive, "Adam's step size")
+    learning_rate: float = _option(1e-3, in_range(0, 1, low_open=True), "Adam's step size")
     temperature: float = _option(
-        1.0, positive, "the sampling temperature, which the objective scores at too"
+        1.0, in_range(0.01, 100), "the sampling temperature, which the objective scores at too"
     )
     ahead: int = _option(
-        1, int_at_least(0), "task batches submitted before the trainer needs them (0 = sync)"
+        1, int_within(0, 64), "task batches submitted before the trainer needs them (0 = sync)"
     )
     max_lag: int = _option(
-        1, int_at_least(0), "the most updates a rollout may be behind when it trains"
+        1, int_within(0, 10**6), "the most updates a rollout may be behind when it trains"
     )
-    sync_every: int = _option(1, int_at_least(1), "updates between weight pushes to the engine")
+    sync_every: int = _option(
+        1, int_within(1, 10**6), "updates between weight pushes to the engine"
+    )
     oversample: int = _option(
-        0, int_at_least(0), "extra rollouts per group; the first `groups` to finish train"
+        0, int_within(0, 4096), "extra rollouts per group; the first `groups` to finish train"
     )
     admit: int | None = _option(
         None,
-        attrs.validators.optional(int_at_least(1)),
+        attrs.validators.optional(int_within(1, 4096)),
         "groups trained per batch, the first to complete; none trains every task's group",
         kind=int,
     )
-    checkpoint_every: int = _option(25, int_at_least(1), "updates between checkpoints")
-    seed: int = _option(0, int_at_least(0), "seeds the weights, the task order and the sampling")
-    d_model: int = _option(64, int_at_least(1), "the transformer's width")
-    layers: int = _option(2, int_at_least(1), "the transformer's blocks")
-    heads: int = _option(4, int_at_least(1), "the transformer's attention heads")
-    d_ff: int = _option(256, int_at_least(1), "the transformer's MLP width")
+    checkpoint_every: int = _option(25, int_within(1, 10**6), "updates between checkpoints")
+    seed: int = _option(
+        0, int_within(0, 2**32 - 1), "seeds the weights, the task order and the sampling"
+    )
+    d_model: int = _option(64, int_within(1, 2**14), "the transformer's width")
+    layers: int = _option(2, int_within(1, 256), "the transformer's blocks")
+    heads: int = _option(4, int_within(1, 256), "the transformer's attention heads")
+    d_ff: int = _option(256, int_within(1, 2**16), "the transformer's MLP width")
     max_tokens: int = _option(
-        4, int_at_least(1), "a reasoning-gym reply's most tokens (built-in tasks set their own)"
+        4,
+        int_within(1, 2**16),
+        "a reasoning-gym reply's most tokens (built-in tasks set their own)",
     )
     eval_every: int = _option(
-        0, int_at_least(0), "steps between greedy evaluations on held-out tasks (0 = none)"
+        0, int_within(0, 10**6), "steps between greedy evaluations on held-out tasks (0 = none)"
     )
     eval_tasks: int = _option(
-        16, int_at_least(1), "held-out tasks, the ids after the training ones"
+        16, int_within(1, 10**5), "held-out tasks, the ids after the training ones"
     )
     samples: int = _option(
-        4, int_at_least(0), "rollouts per step written, decoded, to samples.jsonl (0 = none)"
+        4, int_within(0, 10**4), "rollouts per step written, decoded, to samples.jsonl (0 = none)"
     )
     tensorboard: bool = _option(
         False,
-        attrs.validators.instance_of(bool),
+        _flag,
         "also write the metrics as TensorBoard scalars to RUN/tensorboard (needs tensorboardX)",
     )
     tokenizer: str | None = _option(
@@ -219,7 +236,7 @@ class TrainConfig:
         },
     )
     engine_servers: int = _option(
-        1, int_at_least(1), "with --engine vllm, how many vLLM servers to start"
+        1, int_within(1, 64), "with --engine vllm, how many vLLM servers to start"
     )
 
     def __attrs_post_init__(self):
@@ -231,6 +248,24 @@ class TrainConfig:
             raise ValueError("engine vllm serves a --model checkpoint folder: give model too")
         if self.engine_url is not None and self.engine != "vllm":
             raise ValueError("engine_url names vLLM servers: give engine vllm too")
+        if self.d_model % self.heads:
+            raise ValueError(
+                f"d_model must be a multiple of heads {self.heads}, got {self.d_model}"
+            )
+        # What the engine and the model allocate grows with products of the fields: each field
+        # within its bound can still multiply up to terabytes.
+        in_flight = self.batch_size * (self.groups + self.oversample) * (self.ahead + 1)
+        if in_flight > MAX_IN_FLIGHT:
+            raise ValueError(
+                f"batch_size x (groups + oversample) x (ahead + 1) is the rollouts in flight, "
+                f"which must be <= {MAX_IN_FLIGHT}, got {in_flight}"
+            )
+        weights = self.layers * (4 * self.d_model**2 + 2 * self.d_model * self.d_ff)
+        if weights > MAX_WEIGHTS:
+            raise ValueError(
+                f"layers x (4 d_model^2 + 2 d_model d_ff) is the transformer's weights, which "
+                f"must be <= {MAX_WEIGHTS}, got {weights}"
+            )
         if self.tasks < self.batch_size:
             raise ValueError(f"tasks must be >= batch_size {self.batch_size}, got {self.tasks}")
         if self.admit is not None and self.admit > self.batch_size:
@@ -262,7 +297,8 @@ class TrainConfig:
         path = Path(path)
         try:
             text = path.read_text(encoding="utf-8")
-            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+            toml = path.suffix.lower() == ".toml"
+            data = tomllib.loads(text) if toml else json.loads(text)
         except (OSError, UnicodeDecodeError, ValueError) as error:
             raise ValueError(f"cannot read the config file {str(path)!r}: {error}") from error
         if not isinstance(data, Mapping):
@@ -325,6 +361,25 @@ def _model_tokenizer(folder: str) -> Tokenizer:
             f"{checkpoint.vocab} embedding rows of its config.json's vocab_size"
         )
     return tokenizer
+
+
+def _check_task(config: TrainConfig) -> None:
+    """Refuse a reasoning-gym task that names no dataset, or options its dataset refuses,
+    before the run folder is made: reasoning-gym only says so when the task is built.
+
+    Raises:
+        ValueError: naming the task and what reasoning-gym refuses.
+    """
+    if not config.task.startswith(PREFIX):
+        return
+    try:
+        # One entry is enough to meet the dataset's refusals: they come with its config or
+        # its first draw.
+        ReasoningGym.parse(config.task, size=1, seed=config.seed).entry(0)
+    except ImportError as error:
+        raise ValueError(f"--task {config.task}: {error}") from None
+    except (TypeError, ValueError, AssertionError) as error:
+        raise ValueError(f"--task {config.task}: {error}") from None
 
 
 def _fields_of(data: Mapping[str, Any], where: str) -> dict[str, Any]:

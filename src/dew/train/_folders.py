@@ -11,6 +11,7 @@ from pathlib import Path
 import attrs
 
 from dew.envs.reasoning_gym import PREFIX
+from dew.train._checkpoint import COMMIT
 from dew.train._config import _LOGGING, HARNESS, TrainConfig, _read_json
 from dew.train._trainer import METRICS
 
@@ -45,8 +46,17 @@ def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
         ]
         if changed:
             raise ValueError(f"{run} was trained with other {', '.join(changed)}: {previous}")
-    elif not resume and (saved.exists() or (run / METRICS).exists()):
+    elif not resume and _trained(run):
         raise ValueError(f"{run} already holds a run; resume it or choose another folder")
+
+
+def _trained(run: Path) -> bool:
+    """Whether the run in `run` trained a step: logged one, or checkpointed one. A run refused
+    or stopped before its first step (a full disk, a bad task) leaves its config behind, which
+    must not block the run that follows: that one cuts the logs and replaces the config."""
+    metrics = run / METRICS
+    logged = metrics.exists() and metrics.stat().st_size > 0
+    return logged or (run / "checkpoints" / COMMIT).exists()
 
 
 def _check_run_folder(run: Path) -> None:

@@ -36,29 +36,40 @@ class _CtrlC:
 
     A KeyboardInterrupt at an arbitrary moment could land between the update of the weights
     and that of the step count, so the first press only asks; the step's end answers (`after`).
+
+    Args:
+        terminate: take a SIGTERM (what `kill`, a job scheduler or a container's stop send) as
+            a press too: by default it would end the process at once, with no `finally` block
+            run, and the processes the run started (a harness's commands) left behind.
     """
 
-    def __init__(self):
+    def __init__(self, *, terminate: bool = False):
         self.presses = 0
-        self._previous = None
+        self._signals = (signal.SIGINT, signal.SIGTERM) if terminate else (signal.SIGINT,)
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _CtrlC:
-        self._previous = signal.signal(signal.SIGINT, self._press)
+        for signum in self._signals:
+            self._previous[signum] = signal.signal(signum, self._press)
         return self
 
     def __exit__(self, *exc_info) -> None:
-        # After a press, the process is on its way out: a later one would only interrupt its
-        # clean-up (and print "Exception ignored in atexit callback").
-        signal.signal(signal.SIGINT, signal.SIG_IGN if self.presses else self._previous)
+        # After a press, the process is on its way out: a later Ctrl-C would only interrupt
+        # its clean-up (and print "Exception ignored in atexit callback"); a later SIGTERM ends
+        # it at once, as the sender asks a second time.
+        for signum, previous in self._previous.items():
+            ignored = self.presses and signum == signal.SIGINT
+            signal.signal(signum, signal.SIG_IGN if ignored else previous)
 
     def _press(self, signum, frame) -> None:
         self.presses += 1
         if self.presses > 1:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             raise KeyboardInterrupt
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         _say(
-            "dew train: Ctrl-C: stopping after the step in progress, with its checkpoint "
-            "(Ctrl-C again stops at once)"
+            f"dew train: {name}: stopping after the step in progress, with its checkpoint "
+            f"({name} again stops at once)"
         )
 
     def after(

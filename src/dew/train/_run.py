@@ -29,7 +29,7 @@ from dew.objectives.rl.sessions import Label, Status
 from dew.parallel import ProcessRows, default_pool
 from dew.serve import RolloutServer
 from dew.train._checkpoint import _write_atomically
-from dew.train._config import TrainConfig, _load_tokenizer
+from dew.train._config import TrainConfig, _check_task, _load_tokenizer
 from dew.train._curves import write_curves
 from dew.train._folders import _check_record, _check_run, _check_split
 from dew.train._interrupt import _Interrupted
@@ -89,6 +89,7 @@ def train(
         _check_run(config, run, resume=resume)
         _check_split(config, processes)
         _load_tokenizer(config)
+        _check_task(config)
         if record is not None and processes > 1:
             raise ValueError("--record traces a single process's run; run it without a pool")
         if record is not None:
