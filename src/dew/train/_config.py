@@ -137,6 +137,10 @@ def _one_of(choices: tuple[str, ...]) -> Callable:
     return validate
 
 
+def _optional_tuple(values: Any) -> tuple | None:
+    return None if values is None else tuple(values)
+
+
 def _option(default: Any, validator: Callable, help: str, *, kind: type | None = None) -> Any:
     """A TrainConfig field that is also a `dew train` option, with its help text and, where
     the default (None) does not tell it, the type of its values."""
@@ -332,7 +336,7 @@ class TrainConfig:
     )
     engine_url: tuple[str, ...] | None = attrs.field(
         default=None,
-        converter=attrs.converters.optional(tuple),
+        converter=lambda urls: (urls,) if isinstance(urls, str) else _optional_tuple(urls),
         validator=attrs.validators.optional(
             attrs.validators.deep_iterable(attrs.validators.instance_of(str))
         ),
