@@ -54,14 +54,6 @@ AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
 """How per-token losses become the loss (see `GRPOObjective`)."""
 QUANTILES = (10, 50, 90)
 """The percentiles of the importance weight that `importance_metrics` reports."""
-RESCORED_METRICS = (
-    "importance/masked",
-    *(f"importance/p{q}" for q in QUANTILES),
-    "mismatch/engine",
-    "staleness/kl",
-)
-"""The record's figures that `importance_metrics` computes from the proximal rescoring: a replay,
-which does not rescore, leaves them out of its comparison."""
 # The reference KL's log-ratio is clamped here: beyond it exp overflows float32's gradient,
 # and a token the reference finds e^20 times likelier is held back hard enough.
 _KL_LOG_RATIO = 20.0
