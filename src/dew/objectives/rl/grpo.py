@@ -385,7 +385,8 @@ class GRPOObjective:
             optimizer update; metrics are `loss`'s plus `grad_norm`, the gradient's global norm.
             A step whose loss or gradient norm is not finite returns variables and opt_state
             as they were, so NaN never reaches the weights; its metrics show the non-finite
-            value, for the caller to stop on.
+            value, for the caller to stop on. So does a step with no trained token: nothing to
+            learn from, and Adam's momentum alone would move the weights.
         """
         value_and_grad = jax.value_and_grad(self.loss, has_aux=True)
 
@@ -396,6 +397,9 @@ class GRPOObjective:
             updates, new_state = optimizer.update(grads, opt_state, variables)
             new_variables = optax.apply_updates(variables, updates)
             finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+            # A batch with no trained token carries nothing to learn: an optimizer's momentum
+            # alone would move the weights (uniform-group filtering can empty a step).
+            finite = finite & (metrics["tokens"] > 0)
 
             def unless_finite(new, old):
                 return jnp.where(finite, new, old)
