@@ -541,9 +541,21 @@ def _check_task(config: TrainConfig) -> None:
 
 
 def _fields_of(data: Mapping[str, Any], where: str) -> dict[str, Any]:
-    unknown = sorted(set(data) - {field.name for field in attrs.fields(TrainConfig)})
+    """The fields `data` (the file `where`) gives, each checked by its own validator, so that a
+    bad value is refused naming the file it is in.
+
+    Raises:
+        ValueError: naming `where` and the key that is not a field or the value out of bounds.
+    """
+    fields = attrs.fields_dict(TrainConfig)
+    unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ValueError(f"{where} has keys that are not TrainConfig fields: {unknown}")
+    for name, value in data.items():
+        try:
+            fields[name].validator(None, fields[name], value)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
     return dict(data)
 
 
