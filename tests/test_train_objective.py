@@ -36,8 +36,9 @@ def test_a_filtered_run_reports_its_uniform_groups_and_trains_on_none(tmp_path):
     with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as in test_train
         train.train(config, tmp_path / "run", record=trace)
     lines = metrics_lines(tmp_path / "run")
-    assert sum(line["groups/uniform"] for line in lines) > 0
-    assert all(line["groups/uniform_trained"] == 0 for line in lines)
+    # (Left out of a step that completed no group.)
+    assert sum(line.get("groups/uniform", 0) for line in lines) > 0
+    assert all(line.get("groups/uniform_trained", 0) == 0 for line in lines)
     # The recorded run, read independently: every admitted group's rewards differ, and each
     # group discarded as uniform scored alike.
     recorded = replay.read_trace(trace)
