@@ -484,8 +484,9 @@ def test_oversample_and_admit_train_the_first_groups_to_complete(tmp_path, capsy
 
 
 def test_a_run_folder_is_never_mixed(tmp_path, capsys):
+    # A run that trained a step (a folder that trained none is free: see test_hostile_cli.py).
     (tmp_path / "config.json").write_text(json.dumps(attrs.asdict(TrainConfig())))
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')  # a run that trained a step
+    (tmp_path / "metrics.jsonl").write_text('{"updates": 1}\n')
     with pytest.raises(SystemExit):
         main(["train", "--run", str(tmp_path)])
     assert "already holds a run" in capsys.readouterr().err
