@@ -59,6 +59,21 @@ def params_bytes(params) -> int:
     return sum(leaf.nbytes for leaf in jax.tree.leaves(params))
 
 
+def mismatch(model, params, calls) -> tuple[float, float]:
+    """The largest |behaviour - dew| log-prob over the calls' tokens, and the k3 estimate of
+    KL(behaviour || dew): the engine's `mismatch/engine` at lag 0."""
+    gaps = []
+    for call in calls:
+        tokens = np.concatenate([call.prompt, call.completion]).astype(np.int32)[None]
+        positions = np.arange(tokens.shape[1], dtype=np.int32)[None]
+        logits = model(params, tokens, positions, np.ones_like(tokens))[0]
+        logprobs = jax.nn.log_softmax(logits[len(call.prompt) - 1 : -1].astype(np.float32))
+        ours = np.take_along_axis(np.asarray(logprobs), call.completion[:, None], axis=1)[:, 0]
+        gaps.append(ours.astype(np.float64) - call.logprobs)
+    log_rho = np.concatenate(gaps)
+    return float(np.abs(log_rho).max()), float(np.mean(np.expm1(log_rho) - log_rho))
+
+
 async def compare(folder: pathlib.Path, engine: VLLMEngine, args) -> None:
     model, params = hf.load(folder)
     server = RolloutServer(model, params, slots=args.calls, max_len=args.max_len)
@@ -69,6 +84,12 @@ async def compare(folder: pathlib.Path, engine: VLLMEngine, args) -> None:
         for _ in range(args.best_of):
             rates["dew"].append(await throughput(server, args.calls, tokens=args.tokens))
             rates["vLLM"].append(await throughput(engine, args.calls, tokens=args.tokens))
+        calls = [
+            await engine.generate(np.arange(12, dtype=np.int32) + index, max_tokens=args.tokens)
+            for index in range(4)
+        ]
+    gap, kl = mismatch(model, params, calls)
+    print(f"vLLM's behaviour log-probs against dew's model: max gap {gap:.2e}, k3 KL {kl:.2e}")
     print(
         f"decode, {args.calls} concurrent calls of {args.tokens} tokens, "
         f"{params_bytes(params) / 2**20:.2f} MiB of float32 params:"

@@ -35,7 +35,7 @@ def panels(figure) -> dict:
     return {ax.get_title(): ax for ax in figure.axes if ax.get_title()}
 
 
-def test_six_panels_with_labelled_axes():
+def test_eight_panels_with_labelled_axes():
     figure = curves_figure(lines())
     titled = panels(figure)
     assert list(titled) == [
@@ -45,11 +45,13 @@ def test_six_panels_with_labelled_axes():
         "lag",
         "trainer's wait share",
         "packed rows",
+        "selection bias",
+        "uniform groups",
     ]
     for title, ax in titled.items():
         assert ax.get_ylabel(), title
     assert all(
-        ax.get_xlabel() == "step" for ax in (titled["trainer's wait share"], titled["packed rows"])
+        ax.get_xlabel() == "step" for ax in (titled["selection bias"], titled["uniform groups"])
     )
 
 
@@ -105,7 +107,7 @@ def test_write_curves_writes_a_png(tmp_path):
     metrics.write_text("".join(json.dumps(line) + "\n" for line in lines()))
     write_curves(metrics, tmp_path / "curves.png")
     image = matplotlib.image.imread(tmp_path / "curves.png")
-    assert image.shape[:2] == (900, 1200)
+    assert image.shape[:2] == (1200, 1200)
     assert image.std() > 0  # not a blank canvas
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "metrics.jsonl"]
 
@@ -119,3 +121,28 @@ def test_a_broken_metrics_line_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not JSON"):
         write_curves(metrics, tmp_path / "curves.png")
     assert not (tmp_path / "curves.png").exists()
+
+
+def test_the_mismatch_split_the_selection_bias_and_the_uniform_groups_are_drawn():
+    data = [
+        {
+            "step": s,
+            "mismatch/engine": 1e-13,
+            "staleness/kl": 0.01 * s,
+            "bias/tokens/ratio_mean": 0.8,
+            "bias/seconds/ratio_mean": 0.6,
+            "groups/uniform": 5,
+            "groups/uniform_trained": 0,
+        }
+        for s in range(10)
+    ]
+    titled = panels(curves_figure(data))
+    kl = {line.get_label(): line.get_ydata() for line in titled["KL(behaviour ‖ proximal)"].lines}
+    assert set(kl) == {"engine (current version)", "staleness (older versions)"}
+    np.testing.assert_allclose(kl["staleness (older versions)"], [0.01 * s for s in range(10)])
+    bias = {line.get_label(): line.get_ydata() for line in titled["selection bias"].lines}
+    assert set(bias) >= {"tokens", "seconds"} and "turns" not in bias
+    np.testing.assert_allclose(bias["seconds"], 0.6)
+    uniform = {line.get_label(): line.get_ydata() for line in titled["uniform groups"].lines}
+    np.testing.assert_allclose(uniform["rewards all equal"], 5)
+    np.testing.assert_allclose(uniform["trained on (advantage 0)"], 0)

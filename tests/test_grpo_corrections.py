@@ -306,3 +306,20 @@ def test_a_kl_coef_needs_reference_log_probs():
     del batch["reference_logprobs"]
     with pytest.raises(KeyError, match="reference_logprobs"):
         GRPOObjective(bigram, kl_coef=0.1).loss(variables, batch)
+
+
+def test_an_empty_batch_leaves_the_weights_and_the_momentum_as_they_were():
+    """After a real step the optimizer has momentum; a batch with no trained token (a step filtering
+    emptied) must not move the weights on it."""
+    rng = np.random.default_rng(9)
+    variables, batch = table(rng), random_batch(rng, spread=0.3)
+    objective = GRPOObjective(bigram)
+    optimizer = optax.sgd(1e-2, momentum=0.9)
+    update = objective.update_fn(optimizer)
+    variables, state, _ = update(variables, optimizer.init(variables), batch)
+    empty = {**batch, "loss_mask": np.zeros_like(batch["loss_mask"])}
+    after, after_state, metrics = update(variables, state, empty)
+    assert float(metrics["tokens"]) == 0.0
+    np.testing.assert_array_equal(np.asarray(after["table"]), np.asarray(variables["table"]))
+    for new, old in zip(jax.tree.leaves(after_state), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(old))

@@ -5,6 +5,7 @@ the scheduler; and every malformed folder is refused with one error naming what 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -97,13 +98,20 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     return made
 
 
-def _reference(folder: Path, tokens: np.ndarray) -> np.ndarray:
-    """transformers' float32 logits of one sequence, from the checkpoint in `folder`."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
+@functools.lru_cache(maxsize=8)
+def _transformers_model(folder: Path):
+    """transformers' float32 model of the checkpoint in `folder`, loaded once a folder (every
+    folder a test reads is one it made, never rewritten)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager"
     )
+
+
+def _reference(folder: Path, tokens: np.ndarray) -> np.ndarray:
+    """transformers' float32 logits of one sequence, from the checkpoint in `folder`."""
     with torch.no_grad():
-        return model(torch.tensor(tokens[None], dtype=torch.long)).logits[0].numpy()
+        logits = _transformers_model(folder)(torch.tensor(tokens[None], dtype=torch.long)).logits
+    return logits[0].numpy()
 
 
 def _logits(model, params, tokens: np.ndarray) -> np.ndarray:
@@ -209,6 +217,16 @@ def test_bfloat16_params_keep_their_dtype_and_give_float32_logits(folders, tmp_p
     assert error.max() < 0.3 and error.mean() < 0.05
     cache = model.init_cache(slots=1, max_len=32)
     assert {leaf.dtype for leaf in jax.tree.leaves(cache)} == {jnp.dtype(jnp.bfloat16)}
+    # Prefill and decode over the bfloat16 cache give the packed rows' logits (to bfloat16's
+    # rounding of the keys and values the cache keeps).
+    prompt = jnp.zeros(16, jnp.int32).at[:8].set(jnp.asarray(sequence[:8], jnp.int32))
+    cache, prefilled = jax.jit(model.prefill)(params, cache, prompt, jnp.int32(0))
+    assert prefilled.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(prefilled[:8]), logits[:8], atol=0.1)
+    for position in range(8, 12):
+        token = jnp.asarray(sequence[position : position + 1], jnp.int32)
+        cache, decoded = jax.jit(model.decode)(params, cache, token, jnp.int32([position]))
+        np.testing.assert_allclose(np.asarray(decoded[0]), logits[position], atol=0.1)
     hf.save(tmp_path / "half", model, params)
     with safe_open(tmp_path / "half" / "model.safetensors", "numpy") as saved:
         assert {saved.get_slice(name).get_dtype() for name in saved.keys()} == {"BF16"}
@@ -275,6 +293,16 @@ def test_a_loaded_checkpoint_trains_through_the_scheduler(folders):
     assert server.version >= 2
     moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), trainer.variables, params)
     assert max(jax.tree.leaves(moved)) > 0
+
+
+def test_save_copies_the_named_chat_templates_beside_the_tokenizer(folders, tmp_path):
+    source = _copy(folders["qwen2"], tmp_path)
+    (source / "additional_chat_templates").mkdir()
+    (source / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    model, params = hf.load(source)
+    hf.save(tmp_path / "saved", model, params, tokenizer_from=source)
+    copied = tmp_path / "saved" / "additional_chat_templates" / "tool_use.jinja"
+    assert copied.read_text() == "{{ messages }}"
 
 
 def _copy(folder: Path, tmp_path: Path) -> Path:
@@ -429,6 +457,7 @@ def test_dew_train_trains_a_checkpoint_folder_into_folders_transformers_loads(
         (["--model", "{empty}"], "has no config.json"),
         (["--model", "{folder}", "--dtype", "float16"], "dtype must be float32, bfloat16"),
         (["--model", "{small}"], "more than the 24 embedding rows"),
+        (["--model", "{broken}"], "model.safetensors is truncated"),
         (["--model", "{folder}", "--mesh", "1x2x2"], "--mesh 1x2x2 needs 4 devices"),
         (["--mesh", "1x2x2"], "mesh splits a --model checkpoint over devices"),
         (["--model", "{folder}", "--mesh", "2x2"], "mesh must be DATAxFSDPxTENSOR"),
@@ -442,8 +471,12 @@ def test_dew_train_refuses_a_bad_model_option_naming_it(
     small = tmp_path / "small"
     shutil.copytree(chat_folder, small)
     _edit_config(small, vocab_size=24)
+    broken = tmp_path / "broken"
+    shutil.copytree(chat_folder, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
     (tmp_path / "empty").mkdir()
-    paths = {"folder": chat_folder, "empty": tmp_path / "empty", "small": small}
+    paths = {"folder": chat_folder, "empty": tmp_path / "empty", "small": small, "broken": broken}
     argv = ["train", "--run", str(tmp_path / "run"), *[o.format(**paths) for o in options]]
     with pytest.raises(SystemExit) as exited:
         main(argv)

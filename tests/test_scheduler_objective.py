@@ -170,19 +170,23 @@ async def test_the_record_measures_the_selection_bias_of_the_cut_tail(autojump_c
     assert metrics["bias/turns/admitted_mean"] == 1.0
     assert metrics["bias/turns/started_mean"] == 2.0
     assert metrics["bias/turns/ratio_p90"] == pytest.approx(1 / 2.8)
+    # Both ran 1 s: sample 1 was cancelled as sample 0 finished.
+    assert metrics["bias/seconds/admitted_mean"] == metrics["bias/seconds/started_mean"] == 1.0
 
 
 @settings(max_examples=50, deadline=None, derandomize=True, database=None)
 @given(
-    admitted=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 4)), max_size=6),
-    started=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 4)), max_size=9),
+    admitted=st.lists(
+        st.tuples(st.integers(0, 50), st.integers(0, 4), st.floats(0, 9)), max_size=6
+    ),
+    started=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 4), st.floats(0, 9)), max_size=9),
 )
 def test_selection_bias_matches_numpy(admitted, started):
     got = selection_bias(admitted, started)
     if not admitted or not started:
         assert got == {}
         return
-    for kind, column in (("tokens", 0), ("turns", 1)):
+    for kind, column in (("tokens", 0), ("turns", 1), ("seconds", 2)):
         a = np.array([x[column] for x in admitted], float)
         b = np.array([x[column] for x in started], float)
         for stat, f in (

@@ -126,7 +126,7 @@ def test_every_call_keeps_the_pages_promises():
             assert record.groups == len(per_group) - len(cut)
             happened.update((e.kind, e.reason) for e in events)
             if run["scheduler"]["filter_uniform"]:
-                assert record.metrics["groups/uniform_trained"] == 0
+                assert record.metrics.get("groups/uniform_trained", 0) == 0
             uniform = {e.group for e in events if e.reason == "uniform"}
             assert not uniform & set(per_group), "a group discarded as uniform and admitted"
         log = [event for *_, events in calls for event in events]

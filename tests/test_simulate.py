@@ -224,3 +224,17 @@ def test_selection_is_of_model_time_so_settings_that_select_nothing_read_alike(s
     for name, row in rows.items():
         if "oversample" in name or "admit" in name:
             assert row.selection < rows["sync"].selection, name
+
+
+def test_the_records_measure_the_bias_of_the_cuts_and_none_without_them(smoke):
+    """The admitted/started column: what a trainer's records see of the selection bias, with
+    cancelled rollouts counted until their cancel. Without a cut every started rollout is
+    admitted; with one the admitted are shorter, but less so than against the population,
+    which the lower bounds cannot see whole."""
+    _, outcomes = smoke
+    rows = by_name(outcomes)
+    for name in ("sync", "ahead=1", "ahead=2"):
+        assert rows[name].length_ratio == pytest.approx(1.0)
+    for name in ("ahead=1 oversample=2", "ahead=1 admit=3"):
+        assert rows[name].length_ratio < 1.0
+        assert rows[name].selection <= rows[name].length_ratio

@@ -503,7 +503,9 @@ def test_carry_over_trains_the_groups_admit_cut_at_later_steps(tmp_path):
 
 
 def test_a_run_folder_is_never_mixed(tmp_path, capsys):
+    # A run that trained a step (a folder that trained none is free: see test_hostile_cli.py).
     (tmp_path / "config.json").write_text(json.dumps(attrs.asdict(TrainConfig())))
+    (tmp_path / "metrics.jsonl").write_text('{"updates": 1}\n')
     with pytest.raises(SystemExit):
         main(["train", "--run", str(tmp_path)])
     assert "already holds a run" in capsys.readouterr().err

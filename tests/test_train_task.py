@@ -149,7 +149,7 @@ def test_a_bad_config_file_is_named_on_the_command_line(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
         main(["train", "--config", str(path), "--run", str(tmp_path / "run")])
     assert exit_.value.code == 2
-    assert "groups must be an int >= 2, got 1" in capsys.readouterr().err
+    assert f"{path}: groups must be an int within [2, 4096], got 1" in capsys.readouterr().err
 
 
 def test_a_resumed_run_cuts_its_samples_and_evaluations_back_to_the_checkpoint(tmp_path):

@@ -264,7 +264,7 @@ def test_a_checkpoint_vllm_refuses_fails_with_its_error(tmp_path):
     assert "NoSuchModelForCausalLM" in str(caught.value)
 
 
-def test_a_server_never_ready_times_out_naming_it_and_is_stopped(folders, tmp_path):
+def test_a_server_never_ready_times_out_naming_it_and_its_log(folders, tmp_path):
     with pytest.raises(VLLMError, match="was not ready within the timeout") as caught:
         VLLMEngine.start(folders[0], max_model_len=MAX_LEN, ready_timeout=1, work_dir=tmp_path)
     assert "http://127.0.0.1:" in str(caught.value) and str(tmp_path / "vllm-0.log") in str(

@@ -216,6 +216,13 @@ class Outcome:
             completion-time selection favours short rollouts, about 1 where nothing is
             selected.
         cut: groups cut for lack of room in the packed rows (0 by construction of the rows).
+        length_ratio: the admitted rollouts' mean seconds (submission to finish) over those
+            of every rollout their batches started (a cancelled one's until its cancellation,
+            a lower bound), each averaged over steps as the records' `bias/seconds/
+            admitted_mean` and `bias/seconds/started_mean`: the selection bias as a trainer's
+            record shows it, below 1 where the cut favours short rollouts (the simulated
+            sessions' tokens do not follow their durations, so seconds, not tokens, show it
+            here). NaN when no step admitted any.
     """
 
     setting: Setting
@@ -228,6 +235,7 @@ class Outcome:
     wasted_seconds: float
     selection: float
     cut: int
+    length_ratio: float = math.nan
 
     @property
     def goodput(self) -> float:
@@ -366,7 +374,22 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
         wasted_seconds=wasted,
         selection=float(np.mean(durations)) / workload.population_mean,
         cut=sum(record.cut for record in measured),
+        length_ratio=_length_ratio(measured),
     )
+
+
+def _length_ratio(records) -> float:
+    """The admitted over the started mean seconds, each averaged over the records that have
+    them (see Outcome.length_ratio)."""
+    pairs = [
+        (r.metrics["bias/seconds/admitted_mean"], r.metrics["bias/seconds/started_mean"])
+        for r in records
+        if "bias/seconds/started_mean" in r.metrics
+    ]
+    if not pairs:
+        return math.nan
+    admitted, started = np.mean(pairs, axis=0)
+    return float(admitted / started) if started > 0 else math.nan
 
 
 def _account(
@@ -417,19 +440,23 @@ def report(workload: Workload, outcomes: Sequence[Outcome]) -> str:
 
     Columns: goodput (admitted samples per simulated second), its share of the capacity bound,
     the trainer's idle share, the mean and max over steps of a step's lag (its oldest admitted
-    call's), the wasted share of rollout-seconds, and the admitted rollouts' mean duration over
-    the population mean (selection bias; see Outcome). A last line
+    call's), the wasted share of rollout-seconds, the admitted rollouts' mean duration over
+    the population mean (selection bias; see Outcome), and their mean seconds over those of
+    everything their batches started (the same bias as a trainer's record measures it: see
+    Outcome.length_ratio). A last line
     gives the goodput of `ahead=1` over `sync` where both were run.
     """
     lines = [
         describe(workload),
         f"{'setting':<22}{'goodput/s':>10}{'of bound':>10}{'idle':>7}"
-        f"{'lag mean':>10}{'lag max':>9}{'wasted':>8}{'admitted/mean':>15}",
+        f"{'lag mean':>10}{'lag max':>9}{'wasted':>8}{'admitted/mean':>15}"
+        f"{'admitted/started':>18}",
     ]
     for o in outcomes:
         lines.append(
             f"{o.setting.name:<22}{o.goodput:>10.2f}{o.share:>10.1%}{o.idle:>7.1%}"
             f"{np.mean(o.lags):>10.2f}{max(o.lags):>9d}{o.wasted:>8.1%}{o.selection:>15.2f}"
+            f"{o.length_ratio:>18.2f}"
         )
     by_name = {o.setting.name: o for o in outcomes}
     if "sync" in by_name and "ahead=1" in by_name:

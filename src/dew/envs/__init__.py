@@ -1,5 +1,5 @@
 """Environments and session sources: in-process, single-turn prompt sets, reasoning-gym
-datasets, and simulated."""
+datasets, verifiers environments, TextArena games, and simulated."""
 
 from dew.envs.environment import (
     Environment,
@@ -15,6 +15,8 @@ from dew.envs.prompts import PromptSource
 from dew.envs.reasoning_gym import ReasoningGym
 from dew.envs.simulated import SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.envs.tasks import CopyDigits, GuessDigit, GuessDigitEnv, task_dataset
+from dew.envs.textarena import TextArena
+from dew.envs.verifiers import Verifiers, VerifiersSource
 
 __all__ = [
     "CopyDigits",
@@ -33,6 +35,9 @@ __all__ = [
     "SimulatedConfig",
     "SimulatedEngine",
     "SimulatedSource",
+    "TextArena",
     "Verifier",
+    "Verifiers",
+    "VerifiersSource",
     "task_dataset",
 ]

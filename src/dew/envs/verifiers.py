@@ -240,8 +240,8 @@ def _load_tasks(env: Any, size: int) -> list[Any]:
             tasks = list(env.taskset.take(size))
     except Exception as error:
         raise ValueError(
-            f"verifiers environment {name!r} cannot load its tasks offline (a dataset to "
-            f"download is refused): {describe(error)}"
+            f"verifiers environment {name!r} cannot load its tasks here (offline: downloads "
+            f"are refused): {describe(error)}"
         ) from error
     if len(tasks) < size:
         raise ValueError(

@@ -8,10 +8,9 @@ from typing import Any
 
 import attrs
 
-from dew.objectives.rl.grpo import RESCORED_METRICS
 from dew.objectives.rl.scheduler import LogEvent, SchedulerRecord
 from dew.objectives.rl.sessions import Label
-from dew.replay._format import RESCORED
+from dew.replay._format import RESCORED, UNCOMPARED
 from dew.replay._trace import RecordedCall, Trace
 
 
@@ -241,7 +240,7 @@ def _call_divergence(
         a, b = getattr(recorded.record, field.name), getattr(replayed.record, field.name)
         if isinstance(a, Mapping):
             for key in sorted(set(a) | set(b)):
-                if key in RESCORED_METRICS:  # figures of the rescoring, which replay skips
+                if key.startswith(UNCOMPARED):
                     continue
                 if not _same(a.get(key), b.get(key)):
                     name = f"record.{field.name}[{key!r}]"

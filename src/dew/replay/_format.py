@@ -63,6 +63,10 @@ PROXIMAL = "proximal_logprobs"
 RESCORED = (PROXIMAL, REFERENCE)
 """Every packed array replay cannot compare: the rescorings under the trainer's weights and
 under its reference policy's."""
+UNCOMPARED = ("importance/", "mismatch/", "staleness/", "bias/")
+"""The prefixes of the record's figures replay cannot compare: those of the rescoring
+(`GRPOObjective.importance_metrics`), and the selection bias, whose cancelled rollouts count as
+far as their engine reported (replay has none) by the clock they were cancelled at."""
 
 
 class TraceError(ValueError):

@@ -475,11 +475,11 @@ class VLLMEngine:
         try:
             answer = await self._client.post(f"{server.url}{_GENERATE}", json=body)
         except httpx.TransportError as error:
-            raise self._lost(server, error) from None
+            raise await self._lost(server, error) from None
         finally:
             server.calls -= 1
         if answer.status_code >= 500:
-            raise self._lost(server, _said(answer))
+            raise await self._lost(server, _said(answer))
         if answer.status_code != 200:
             raise VLLMError(f"the vLLM server {server.url} refused the call: {_said(answer)}")
         return _call(server.url, np.asarray(ids, np.int32), answer.json(), submitted)
@@ -490,7 +490,7 @@ class VLLMEngine:
             raise VLLMError(f"no vLLM server is alive: {self._obituary()}")
         return min(live, key=lambda server: server.calls)
 
-    def _lost(self, server: _Server, error: object) -> CallFailed:
+    async def _lost(self, server: _Server, error: object) -> CallFailed:
         """The failure of a call its server dropped; the server counts as dead when its process
         ended or it no longer answers `/health`."""
         why = f"{type(error).__name__}: {error}" if isinstance(error, Exception) else str(error)
@@ -498,7 +498,8 @@ class VLLMEngine:
             server.died(f"exit code {server.process.exit_code()}")
         else:
             try:
-                healthy = self._pushes.get(f"{server.url}/health", timeout=5).status_code == 200
+                answer = await self._client.get(f"{server.url}/health", timeout=5)
+                healthy = answer.status_code == 200
             except httpx.HTTPError:
                 healthy = False
             if not healthy:

@@ -2,8 +2,8 @@
 
 The server runs in a session (and process group) of its own, so stopping it reaches the engine
 core processes vLLM spawns too, and a Ctrl-C at the terminal reaches dew alone, which stops its
-servers in order. Started from the main thread, the server is also told to stop when dew's
-process dies (Linux's parent-death signal), so not even a killed run leaves one behind.
+servers in order. The group is registered with dew's watchdog (`dew._processes`) while it runs,
+so not even a killed dew leaves a server behind.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
 
+from dew._processes import kill_group, unwatch, watch
 from dew.serve._failure import CallFailed
 
 _SITE = Path(__file__).with_name("_vllm_site")
@@ -103,11 +103,6 @@ class ServerProcess:
             str(port),
             *arguments,
         ]
-        # Linux's parent-death signal follows the thread that started the process: asked for
-        # (by the server's `sitecustomize`) only when that thread is the main one, which lives
-        # as long as dew's process.
-        if threading.current_thread() is threading.main_thread() and sys.platform == "linux":
-            env["DEW_VLLM_PARENT"] = str(os.getpid())
         with open(log, "wb") as output:
             self._process = subprocess.Popen(
                 command,
@@ -117,6 +112,7 @@ class ServerProcess:
                 env=env,
                 start_new_session=True,
             )
+        watch(self._process.pid)
         _RUNNING.add(self)
 
     @property
@@ -168,8 +164,7 @@ class ServerProcess:
 
     def kill(self) -> None:
         """Kill the server's whole process group at once (a crash, as tests make one)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self._process.pid, signal.SIGKILL)
+        kill_group(self._process.pid)
         self._process.wait()
 
     def stop(self, grace: float = 20.0) -> None:
@@ -177,16 +172,15 @@ class ServerProcess:
         seconds. Safe to call again."""
         _RUNNING.discard(self)
         group = self._process.pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signal.SIGTERM)
+        kill_group(group, signal.SIGTERM)
         try:
             self._process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             pass
         # The engine core may outlive the API server's exit: nothing of the group stays.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signal.SIGKILL)
+        kill_group(group)
         self._process.wait()
+        unwatch(group)
 
 
 def _dew_source() -> list[str]:

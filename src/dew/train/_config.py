@@ -137,6 +137,10 @@ def _one_of(choices: tuple[str, ...]) -> Callable:
     return validate
 
 
+def _optional_tuple(values: Any) -> tuple | None:
+    return None if values is None else tuple(values)
+
+
 def _option(default: Any, validator: Callable, help: str, *, kind: type | None = None) -> Any:
     """A TrainConfig field that is also a `dew train` option, with its help text and, where
     the default (None) does not tell it, the type of its values."""
@@ -341,7 +345,7 @@ class TrainConfig:
     )
     engine_url: tuple[str, ...] | None = attrs.field(
         default=None,
-        converter=attrs.converters.optional(tuple),
+        converter=lambda urls: (urls,) if isinstance(urls, str) else _optional_tuple(urls),
         validator=attrs.validators.optional(
             attrs.validators.deep_iterable(attrs.validators.instance_of(str))
         ),
@@ -481,23 +485,26 @@ def _load_tokenizer(config: TrainConfig) -> Tokenizer:
 
 def _model_tokenizer(folder: str) -> Tokenizer:
     """The tokenizer and chat template of the checkpoint folder `folder`, once its config.json
-    is checked (before any tensor is read) and found to have an embedding row for every id.
+    and its tensors' headers are checked (before any tensor is read) and it is found to have an
+    embedding row for every id.
 
     Raises:
-        ValueError: naming --model and the file or field at fault.
+        ValueError: naming --model and the file, field or tensors at fault.
     """
-    from dew.models.hf._config import read_config  # safetensors and the family on demand
+    from dew.models import hf  # safetensors and the family on demand
+    from dew.models.hf._config import read_config
 
     try:
         checkpoint, _ = read_config(Path(folder))
         tokenizer = HuggingFaceTokenizer.from_folder(folder)
+        if tokenizer.vocab_size > checkpoint.vocab:
+            raise ValueError(
+                f"its tokenizer.json has {tokenizer.vocab_size} ids, more than the "
+                f"{checkpoint.vocab} embedding rows of its config.json's vocab_size"
+            )
+        hf.model_of(folder)  # every tensor's name, shape and file, from the headers
     except (ValueError, FileNotFoundError) as error:
         raise ValueError(f"--model {folder}: {error}") from None
-    if tokenizer.vocab_size > checkpoint.vocab:
-        raise ValueError(
-            f"--model {folder}: its tokenizer.json has {tokenizer.vocab_size} ids, more than the "
-            f"{checkpoint.vocab} embedding rows of its config.json's vocab_size"
-        )
     return tokenizer
 
 
@@ -545,9 +552,21 @@ def _check_task(config: TrainConfig) -> None:
 
 
 def _fields_of(data: Mapping[str, Any], where: str) -> dict[str, Any]:
-    unknown = sorted(set(data) - {field.name for field in attrs.fields(TrainConfig)})
+    """The fields `data` (the file `where`) gives, each checked by its own validator, so that a
+    bad value is refused naming the file it is in.
+
+    Raises:
+        ValueError: naming `where` and the key that is not a field or the value out of bounds.
+    """
+    fields = attrs.fields_dict(TrainConfig)
+    unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ValueError(f"{where} has keys that are not TrainConfig fields: {unknown}")
+    for name, value in data.items():
+        try:
+            fields[name].validator(None, fields[name], value)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
     return dict(data)
 
 

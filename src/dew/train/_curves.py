@@ -1,4 +1,4 @@
-"""`curves.png`: a run's metrics log drawn as six panels over the step axis.
+"""`curves.png`: a run's metrics log drawn as eight panels over the step axis.
 
 Drawn with matplotlib's object API (a `Figure` of its own, never pyplot's global state), so it
 works in a headless process and in a notebook alike: `curves_figure` returns the figure for a
@@ -61,20 +61,27 @@ def curves_figure(
 ) -> Figure:
     """Draw a run's metrics lines (one per step, as `metrics.jsonl` holds them).
 
-    Six panels over the step axis: the mean reward per step and its trailing mean; the loss;
-    the behaviour–proximal KL (the trainer–engine mismatch); the lag in whole updates; the
-    trainer's wait share (seconds waited on the scheduler over the step's seconds); and the
-    packed rows' fill with the groups cut per step. A panel whose key no line holds says so.
-    With evaluations, the reward panel also marks the held-out reward at each one.
+    Eight panels over the step axis: the mean reward per step and its trailing mean; the loss;
+    the behaviour–proximal KL, split where the record has it into the engine's own mismatch
+    (tokens sampled at the trainer's version) and staleness (older tokens), on a scale that
+    shows both; the lag in whole updates; the trainer's wait share (seconds waited on the
+    scheduler over the step's seconds); the packed rows' fill with the groups cut per step;
+    the selection bias (the admitted rollouts' mean length over that of everything their batch
+    started, in tokens, turns and seconds: below 1, the cut favoured short rollouts); and the
+    groups whose rewards were all equal, those trained on among them. A panel whose keys no
+    line holds says so. With evaluations, the reward panel also marks the held-out reward at
+    each one.
 
     Args:
         lines: the metrics lines, each with `step` and any of `reward/mean`, `loss`,
-            `kl/behavior_proximal`, `lag`, `waited`, `seconds/step`, `fill`, `cut`.
+            `kl/behavior_proximal`, `mismatch/engine`, `staleness/kl`, `lag`, `waited`,
+            `seconds/step`, `fill`, `cut`, `bias/<tokens|turns|seconds>/ratio_mean`,
+            `groups/uniform`, `groups/uniform_trained`.
         evaluations: the held-out evaluations (`eval.jsonl`'s lines), each with `updates` and
             `reward/mean`.
 
     Returns:
-        The figure, 12 x 9 inches.
+        The figure, 12 x 12 inches.
 
     Raises:
         ValueError: when a line has no `step`.
@@ -86,8 +93,8 @@ def curves_figure(
     # Imported here: matplotlib takes half a second, which every `dew` command would pay.
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(12, 9), layout="constrained")
-    axes = figure.subplots(3, 2, sharex=True)
+    figure = Figure(figsize=(12, 12), layout="constrained")
+    axes = figure.subplots(4, 2, sharex=True)
     reward = _series(lines, "reward/mean")
     window = min(max(len(lines) // 10, SMOOTHING[0]), SMOOTHING[1])
     _panel(axes[0, 0], steps, reward, "reward", "mean reward", alpha=0.35, label="per step")
@@ -100,19 +107,37 @@ def curves_figure(
     if np.isfinite(reward).any() or evaluations:
         axes[0, 0].legend(loc="best", fontsize="small")
     _panel(axes[0, 1], steps, _series(lines, "loss"), "loss", "clipped surrogate")
-    _panel(
+    _series_panel(
         axes[1, 0],
         steps,
-        _series(lines, "kl/behavior_proximal"),
+        lines,
+        {
+            "mismatch/engine": "engine (current version)",
+            "staleness/kl": "staleness (older versions)",
+            "kl/behavior_proximal": "all trained tokens",
+        },
         "KL(behaviour ‖ proximal)",
         "nats per token",
     )
+    # The engine's own mismatch is float noise beside staleness: a linear scale near 0 and a
+    # log scale above shows both.
+    axes[1, 0].set_yscale("symlog", linthresh=1e-9)
     _panel(axes[1, 1], steps, _series(lines, "lag"), "lag", "updates", drawstyle="steps-mid")
     axes[1, 1].yaxis.set_major_locator(_whole_numbers())
     wait = _series(lines, "waited") / _series(lines, "seconds/step")
     _panel(axes[2, 0], steps, wait, "trainer's wait share", "waited / step time")
     axes[2, 0].set_ylim(0, 1.05)
     _rows_panel(axes[2, 1], steps, _series(lines, "fill"), _series(lines, "cut"))
+    bias = {f"bias/{kind}/ratio_mean": kind for kind in ("tokens", "turns", "seconds")}
+    title, ylabel = "selection bias", "admitted / started mean length"
+    if _series_panel(axes[3, 0], steps, lines, bias, title, ylabel):
+        axes[3, 0].axhline(1.0, color="grey", linewidth=0.8)
+    uniform = {
+        "groups/uniform": "rewards all equal",
+        "groups/uniform_trained": "trained on (advantage 0)",
+    }
+    _series_panel(axes[3, 1], steps, lines, uniform, "uniform groups", "groups per step")
+    axes[3, 1].yaxis.set_major_locator(_whole_numbers())
     for ax in axes[-1]:
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(_whole_numbers())
@@ -128,6 +153,27 @@ def _panel(ax, steps: np.ndarray, values: np.ndarray, title: str, ylabel: str, *
         ax.plot(steps, values, **style)
     else:
         ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center")
+
+
+def _series_panel(
+    ax, steps: np.ndarray, lines, keys: Mapping[str, str], title: str, ylabel: str
+) -> bool:
+    """The series of `keys` (key -> legend label) that some line holds, or a note where none
+    does; return whether any was drawn."""
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    drawn = False
+    for key, label in keys.items():
+        values = _series(lines, key)
+        if np.isfinite(values).any():
+            ax.plot(steps, values, label=label)
+            drawn = True
+    if drawn:
+        ax.legend(loc="best", fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center")
+    return drawn
 
 
 def _rows_panel(ax, steps: np.ndarray, fill: np.ndarray, cut: np.ndarray) -> None:

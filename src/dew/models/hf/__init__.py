@@ -68,6 +68,7 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
     "generation_config.json",
+    "additional_chat_templates",  # a folder: named templates (transformers' `tool_use`)
 )
 """The files `save` copies from `tokenizer_from`, those that exist: the tokenizer, its chat
 template, and the generation settings that name its stop tokens."""
@@ -119,20 +120,16 @@ def load(
     model = HFModel(config, check_dtype(dtype))
     target = np.dtype(jnp.dtype(dtype))
     tree = _params.empty_tree(config)
-    by_file: dict[str, list[_params.Leaf]] = {}
     for leaf in expected:
-        by_file.setdefault(files[leaf.name], []).append(leaf)
-    for file, leaves in by_file.items():
-        for leaf in leaves:
-            # The file is opened for each tensor: safetensors maps the whole file, and the pages
-            # a read touched stay in the process's memory until the map is closed.
-            with safe_open(folder / file, framework="numpy") as opened:
-                tensor = opened.get_tensor(leaf.name)
-            value = leaf.entry.layout.to_leaf(tensor, leaf.shape).astype(target, copy=False)
-            del tensor
-            placement = None if shardings is None else _params.get_leaf(shardings, leaf.path)
-            _params.set_leaf(tree, leaf.path, _place(value, placement))
-            del value
+        # The file is opened for each tensor: safetensors maps the whole file, and the pages a
+        # read touched stay in the process's memory until the map is closed.
+        with safe_open(folder / files[leaf.name], framework="numpy") as opened:
+            tensor = opened.get_tensor(leaf.name)
+        value = leaf.entry.layout.to_leaf(tensor, leaf.shape).astype(target, copy=False)
+        del tensor
+        placement = None if shardings is None else _params.get_leaf(shardings, leaf.path)
+        _params.set_leaf(tree, leaf.path, _place(value, placement))
+        del value
     return model, tree
 
 
@@ -334,8 +331,11 @@ def save(
                 source = Path(tokenizer_from) / name
                 if source.is_file():
                     shutil.copyfile(source, staging / name)
-        for written in staging.iterdir():
-            _fsync(written)
+                elif source.is_dir():
+                    shutil.copytree(source, staging / name)
+        for written in staging.rglob("*"):
+            if written.is_file():
+                _fsync(written)
         _swap_in(staging, folder)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -82,9 +82,9 @@ class _Delivery:
     groups: tuple[tuple[Session, ...], ...]
     events: tuple[LogEvent, ...]
     uniform: int = 0  # the batch's groups discarded as uniform
-    # (tokens, calls) of every submission the batch started: finished ones exactly, cancelled
-    # ones as far as they got (lower bounds).
-    started: tuple[tuple[int, int], ...] = ()
+    # (tokens, calls, seconds) of every submission the batch started: finished ones exactly,
+    # cancelled ones as far as they got (lower bounds).
+    started: tuple[tuple[float, float, float], ...] = ()
     carried: tuple[int, ...] = ()  # under carry_over: the age in calls of each carried group
     in_play: int = 0  # carried groups still in play after the delivery
 
@@ -261,11 +261,11 @@ class _Scheduler:
         self._pending: list[core.Event] = []
         self._wake = trio.Event()
         self._scopes: dict[Label, trio.CancelScope] = {}
-        # For the selection bias: each live submission's batch and progress, and per batch the
-        # lengths of the submissions it started that have ended.
-        self._batch_of: dict[Label, int] = {}
+        # For the selection bias: each live submission's batch and submission time, its
+        # progress, and per batch the lengths of the submissions it started that have ended.
+        self._batch_of: dict[Label, tuple[int, float]] = {}
         self._progress: dict[Label, Progress] = {}
-        self._started: dict[int, dict[Label, tuple[int, int]]] = {}
+        self._started: dict[int, dict[Label, tuple[float, float, float]]] = {}
         self._deadlines: collections.deque[tuple[float, Label]] = collections.deque()
         self._deadline_added = trio.Event()
         self._batches: dict[int, tuple[trio.Nursery, trio.Event]] = {}
@@ -649,7 +649,7 @@ class _Scheduler:
         if message.groups or message.uniform:
             metrics["groups/uniform"] = float(message.uniform + uniform_trained + uniform_cut)
             metrics["groups/uniform_trained"] = float(uniform_trained)
-        admitted = [(s.tokens, len(s.calls)) for group in message.groups for s in group]
+        admitted = [_length(s) for group in message.groups for s in group]
         metrics |= selection_bias(admitted, message.started)
         if self.config.carry_over:
             ages = message.carried
@@ -929,8 +929,8 @@ class _Scheduler:
     def _apply(self, events: list[core.Event]) -> None:
         for event in events:
             if isinstance(event, core.Finished) and event.label in self._batch_of:
-                length = (event.session.tokens, len(event.session.calls))
-                self._started[self._batch_of[event.label]][event.label] = length
+                batch, _ = self._batch_of[event.label]
+                self._started[batch][event.label] = _length(event.session)
         self._state, commands = core.run(self._state, events)
         for command in commands:
             self._carry_out(command)
@@ -958,7 +958,7 @@ class _Scheduler:
     def _forget_lengths(self, batch: int) -> tuple[tuple[int, int], ...]:
         """Drop a batch that left the state from the length books; return its lengths."""
         lengths = self._started.pop(batch, {})
-        for label in [x for x, b in self._batch_of.items() if b == batch]:
+        for label in [x for x, (b, _) in self._batch_of.items() if b == batch]:
             del self._batch_of[label]
         return tuple(lengths.values())
 
@@ -968,7 +968,7 @@ class _Scheduler:
             if command.error is not None:
                 self._errors.add(command.error)
         elif isinstance(command, core.Submit):
-            self._batch_of[command.label] = command.batch
+            self._batch_of[command.label] = (command.batch, command.time)
             self._started.setdefault(command.batch, {})
             scope = trio.CancelScope()
             self._scopes[command.label] = scope
@@ -985,10 +985,11 @@ class _Scheduler:
                 self._deadlines.append((command.time + self.timeout, command.label))
                 self._deadline_added.set()
         elif isinstance(command, core.Cancel):
-            batch = self._batch_of.get(command.label)
-            if batch is not None:
-                progress = self._progress.get(command.label, Progress())
-                self._started[batch].setdefault(command.label, progress.length())
+            if command.label in self._batch_of:
+                batch, submitted = self._batch_of[command.label]
+                tokens, calls = self._progress.get(command.label, Progress()).length()
+                ran = trio.current_time() - submitted
+                self._started[batch].setdefault(command.label, (tokens, calls, ran))
             scope = self._scopes.get(command.label)
             if scope is not None:
                 scope.cancel(reason=command.reason)
@@ -1088,19 +1089,26 @@ class _Scheduler:
             )
 
 
+def _length(session: Session) -> tuple[float, float, float]:
+    """A finished session's tokens, calls and seconds from submission to finish."""
+    return session.tokens, len(session.calls), session.finished - session.submitted
+
+
 def selection_bias(
-    admitted: Sequence[tuple[int, int]], started: Sequence[tuple[int, int]]
+    admitted: Sequence[tuple[float, ...]], started: Sequence[tuple[float, ...]]
 ) -> dict[str, float]:
     """The price of cutting the long tail: the lengths of the rollouts a batch admitted beside
-    those of every rollout it started, in tokens and in turns (model calls).
+    those of every rollout it started, in tokens, in turns (model calls) and in seconds (from
+    submission to finish, slot queueing included).
 
     Args:
-        admitted: (tokens, calls) of each admitted rollout.
-        started: (tokens, calls) of each submission the batch started, finished or cancelled;
-            a cancelled one's as far as it got, a lower bound.
+        admitted: (tokens, calls, seconds) of each admitted rollout.
+        started: the same of each submission the batch started, finished or cancelled; a
+            cancelled one's as far as it got (tokens and calls where its engine reports them
+            through note_progress, else 0), a lower bound.
 
     Returns:
-        For `kind` in tokens and turns, `bias/<kind>/admitted_<stat>` and
+        For `kind` in tokens, turns and seconds, `bias/<kind>/admitted_<stat>` and
         `bias/<kind>/started_<stat>` for the stats mean, p50 and p90, and
         `bias/<kind>/ratio_<stat>`, admitted over started (present where started is above 0):
         below 1, the admitted rollouts are shorter than what the batch ran, the bias the cut
@@ -1109,7 +1117,7 @@ def selection_bias(
     metrics: dict[str, float] = {}
     if not admitted or not started:
         return metrics
-    for kind, column in (("tokens", 0), ("turns", 1)):
+    for kind, column in (("tokens", 0), ("turns", 1), ("seconds", 2)):
         stats = {}
         for side, lengths in (("admitted", admitted), ("started", started)):
             ordered = sorted(float(length[column]) for length in lengths)

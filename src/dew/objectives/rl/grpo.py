@@ -54,14 +54,6 @@ AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
 """How per-token losses become the loss (see `GRPOObjective`)."""
 QUANTILES = (10, 50, 90)
 """The percentiles of the importance weight that `importance_metrics` reports."""
-RESCORED_METRICS = (
-    "importance/masked",
-    *(f"importance/p{q}" for q in QUANTILES),
-    "mismatch/engine",
-    "staleness/kl",
-)
-"""The record's figures that `importance_metrics` computes from the proximal rescoring: a replay,
-which does not rescore, leaves them out of its comparison."""
 # The reference KL's log-ratio is clamped here: beyond it exp overflows float32's gradient,
 # and a token the reference finds e^20 times likelier is held back hard enough.
 _KL_LOG_RATIO = 20.0
@@ -393,7 +385,8 @@ class GRPOObjective:
             optimizer update; metrics are `loss`'s plus `grad_norm`, the gradient's global norm.
             A step whose loss or gradient norm is not finite returns variables and opt_state
             as they were, so NaN never reaches the weights; its metrics show the non-finite
-            value, for the caller to stop on.
+            value, for the caller to stop on. So does a step with no trained token: nothing to
+            learn from, and Adam's momentum alone would move the weights.
         """
         value_and_grad = jax.value_and_grad(self.loss, has_aux=True)
 
@@ -404,6 +397,9 @@ class GRPOObjective:
             updates, new_state = optimizer.update(grads, opt_state, variables)
             new_variables = optax.apply_updates(variables, updates)
             finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+            # A batch with no trained token carries nothing to learn: an optimizer's momentum
+            # alone would move the weights (uniform-group filtering can empty a step).
+            finite = finite & (metrics["tokens"] > 0)
 
             def unless_finite(new, old):
                 return jnp.where(finite, new, old)
