@@ -503,6 +503,8 @@ def test_a_push_checks_shapes_and_dtypes_off_the_leaves_without_tracing(monkeypa
 def test_the_public_surface_keeps_its_signatures():
     # ServedSource joined dew.serve (it was dew.train's, which still re-exports it).
     assert set(dew.serve.__all__) == {
+        "CallFailed",
+        "chat_template",
         "EngineStats",
         "RolloutServer",
         "ServedSource",

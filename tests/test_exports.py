@@ -52,6 +52,7 @@ def test_rollout_scheduler_signature_is_the_pages():
         ("empty_streak", keyword, 5),
         ("filter_uniform", keyword, False),
         ("reference", keyword, None),
+        ("carry_over", keyword, False),
     ]
     assert [p[0] for p in parameters(scheduler.RolloutScheduler.tasks)] == ["dataset"]
     assert parameters(scheduler.RolloutScheduler.close) == []

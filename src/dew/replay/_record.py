@@ -67,11 +67,13 @@ class Recorder:
 
     Attributes:
         last_record: the SchedulerRecord of the latest call that returned.
+        last_events: that call's event log.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         self.last_record: SchedulerRecord | None = None
+        self.last_events: tuple = ()
         self._file = None
         self._lock = threading.Lock()
         self._scheduler: RolloutScheduler | None = None
@@ -174,6 +176,7 @@ class Recorder:
             self._write({**line, "returned": time, **outcome, "arrays": {}})
             return
         self.last_record = scheduler.last_record
+        self.last_events = tuple(scheduler.last_events)
         self._write(
             {
                 **line,

@@ -115,6 +115,7 @@ class _RunTally:
         self.trained = 0  # steps with at least one trained token
         self.abandoned = 0
         self.cut = 0
+        self.uniform = 0  # groups discarded as uniform (filter_uniform)
         self.errors: collections.Counter[str] = collections.Counter()
 
     def observe(self, updates: int, metrics: Mapping[str, Any], rollout: Any) -> None:
@@ -129,6 +130,7 @@ class _RunTally:
             self.cut += record.cut
         events = getattr(rollout, "last_events", ())
         self.errors.update(e.error for e in events if e.kind == "failed" and e.error)
+        self.uniform += sum(e.kind == "discarded" and e.reason == "uniform" for e in events)
 
     def check(self) -> None:
         """Raise if the run made steps and none trained on anything.
@@ -143,6 +145,11 @@ class _RunTally:
             f"{self.steps[0]}..{self.steps[-1]}) had a token to train on; groups abandoned "
             f"after failed attempts: {self.abandoned}, cut: {self.cut}"
         )
+        if self.uniform:
+            text += (
+                f"; {self.uniform} groups were discarded as uniform (filter_uniform): every "
+                "rollout of each scored alike"
+            )
         if self.errors:
             shown = ", ".join(f"{error!r} x{n}" for error, n in self.errors.most_common(3))
             text += f"; rollouts failed with {shown}"

@@ -19,13 +19,16 @@ from typing import Any
 import attrs
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dew._checks import int_at_least
 from dew.models import _lead, _starts, _write_prompt, _write_step, cache_blocks
 from dew.models.hf import _params
 from dew.models.hf._config import HFConfig, check_dtype
 
-_NEGATIVE = jnp.float32(-1e30)
+# A numpy scalar, not a jax one: making a jax array at import would start JAX's backend, which
+# a process joining a pool must leave to jax.distributed.initialize.
+_NEGATIVE = np.float32(-1e30)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
