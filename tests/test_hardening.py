@@ -383,6 +383,8 @@ VALID = {
     "filter_uniform": st.booleans(),
     # The objective has no KL term: a reference is refused, naming it.
     "reference": st.none(),
+    # Needs admit: without it, refused naming carry_over.
+    "carry_over": st.booleans(),
 }
 # Collaborators: what each is when valid, and what it may be instead.
 COLLABORATORS = {

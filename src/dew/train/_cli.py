@@ -376,6 +376,11 @@ def _join(args: argparse.Namespace, config: TrainConfig, run: Path) -> int:
             f"continue with `dew train --run {run} --resume --processes {args.num_processes}`"
         )
         return INTERRUPTED
+    except NothingTrained as nothing:
+        # Every process finds it at the same step: `tokens` is counted over the pool's batch.
+        _say(f"dew train: process {args.process_id}: {nothing}")
+        sys.stdout.flush()
+        os._exit(1)
     except Exception as error:
         print(_pool_guard.stop(error), file=sys.stderr, flush=True)
         traceback.print_exc()
