@@ -68,6 +68,7 @@ from dew._checks import int_at_least
 from dew.data import ArrayDataset, Batch, Task
 from dew.envs._offline import no_downloads
 from dew.envs.environment import describe
+from dew.envs.harness import _gateway, _optional_count, _optional_seconds
 from dew.objectives.rl._reports import ErrorCounts
 from dew.objectives.rl.sessions import Call, Label, Session, Status
 
@@ -397,23 +398,6 @@ async def _close_when_the_run_ends(loop: _Loop) -> None:
 
 
 # --- the source ---------------------------------------------------------------------------------
-
-
-def _gateway(instance, attribute, value):
-    if not callable(getattr(value, "open", None)):
-        raise ValueError(f"gateway must be a dew.gateway.Gateway, got {value!r}")
-
-
-def _optional_count(instance, attribute, value):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{attribute.name} must be an int >= 1 or None, got {value!r}")
-
-
-def _optional_seconds(instance, attribute, value):
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
-    ):
-        raise ValueError(f"{attribute.name} must be a number of seconds > 0 or None, got {value!r}")
 
 
 @attrs.frozen
