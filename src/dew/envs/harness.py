@@ -85,6 +85,27 @@ def _harness(instance, attribute, value):
         )
 
 
+async def play_in_session(session, wall_clock: float | None, play):
+    """Run `play()` until it returns, its gateway session ends (a limit or a fault ends it) or
+    `wall_clock` seconds pass, whichever comes first.
+
+    Returns:
+        What `play()` returned (None where it was cut short) and whether the wall clock cut it.
+    """
+    played = None
+    with trio.move_on_after(math.inf if wall_clock is None else wall_clock) as deadline:
+        async with trio.open_nursery() as nursery:
+
+            async def stop_when_session_ends() -> None:
+                await session.ended.wait()
+                nursery.cancel_scope.cancel(reason="session ended")
+
+            nursery.start_soon(stop_when_session_ends)
+            played = await play()
+            nursery.cancel_scope.cancel(reason="play ended")
+    return played, deadline.cancelled_caught
+
+
 def _gateway(instance, attribute, value):
     if not callable(getattr(value, "open", None)):
         raise ValueError(f"gateway must be a dew.gateway.Gateway, got {value!r}")
@@ -167,24 +188,15 @@ class HarnessSource:
 
     async def _play(self, session, task: Task) -> _End:
         """Run the harness until it ends, the session ends (a limit or a fault) or time is up."""
-        limit = math.inf if self.wall_clock is None else self.wall_clock
-        result: dict[str, _End] = {}
-        with trio.move_on_after(limit) as deadline:
-            async with trio.open_nursery() as nursery:
-
-                async def stop_when_session_ends() -> None:
-                    await session.ended.wait()
-                    nursery.cancel_scope.cancel(reason="session ended")
-
-                nursery.start_soon(stop_when_session_ends)
-                result["end"] = await self._attempt(session, task)
-                nursery.cancel_scope.cancel(reason="harness ended")
-        ran = result.get("end", _End(Status.COMPLETED))
+        ended, timed_out = await play_in_session(
+            session, self.wall_clock, lambda: self._attempt(session, task)
+        )
+        ran = _End(Status.COMPLETED) if ended is None else ended
         if session.infra_error is not None:
             return _End(Status.INFRA_ERROR, error=session.infra_error)
         if session.truncation is not None:
             return attrs.evolve(ran, status=Status.TRUNCATED, truncation=session.truncation)
-        if deadline.cancelled_caught:
+        if timed_out:
             return attrs.evolve(ran, status=Status.TRUNCATED, truncation="wall_clock")
         return ran
 

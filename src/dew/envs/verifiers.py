@@ -68,7 +68,7 @@ from dew._checks import int_at_least
 from dew.data import ArrayDataset, Batch, Task
 from dew.envs._offline import no_downloads
 from dew.envs.environment import describe
-from dew.envs.harness import _gateway, _optional_count, _optional_seconds
+from dew.envs.harness import _gateway, _optional_count, _optional_seconds, play_in_session
 from dew.objectives.rl._reports import ErrorCounts
 from dew.objectives.rl.sessions import Call, Label, Session, Status
 
@@ -510,22 +510,14 @@ class VerifiersSource:
             model=self.model,
             client=vf.EvalClientConfig(base_url=session.base_url, api_key_var="DEW_GATEWAY_KEY"),
         )
-        limit = math.inf if self.wall_clock is None else self.wall_clock
-        result: dict[str, Outcome] = {}
-        with trio.move_on_after(limit) as deadline:
-            async with trio.open_nursery() as nursery:
 
-                async def stop_when_session_ends() -> None:
-                    await session.ended.wait()
-                    nursery.cancel_scope.cancel(reason="session ended")
+        async def episode() -> Outcome:
+            return outcome(await _run_loop().run(self.env.run_episode(task.payload, context)))
 
-                nursery.start_soon(stop_when_session_ends)
-                episode = await _run_loop().run(self.env.run_episode(task.payload, context))
-                result["outcome"] = outcome(episode)
-                nursery.cancel_scope.cancel(reason="episode ended")
-        if deadline.cancelled_caught and "outcome" not in result:
+        played, timed_out = await play_in_session(session, self.wall_clock, episode)
+        if timed_out and played is None:
             session.truncate("wall_clock")
-        return result.get("outcome")
+        return played
 
 
 def _session(session, result: Outcome | None) -> Session:
