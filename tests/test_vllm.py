@@ -152,6 +152,15 @@ async def _running(url: str) -> float:
     )
 
 
+async def wait_running(urls, count: int, ended) -> None:
+    """Waits until the servers at `urls` run `count` calls between them. Fails, rather than
+    hangs, when `ended()` says the calls ended before they were all seen running."""
+    with trio.fail_after(120):
+        while sum([await _running(url) for url in urls]) < count:
+            assert not ended(), f"the calls ended before {count} were seen running at once"
+            await trio.sleep(0.05)
+
+
 async def test_a_push_while_calls_run_keeps_them_running_under_their_version(
     engine, params, references
 ):
@@ -165,8 +174,7 @@ async def test_a_push_while_calls_run_keeps_them_running_under_their_version(
         async with trio.open_nursery() as nursery:
             for index in range(4):
                 nursery.start_soon(one, index)
-            while sum([await _running(url) for url in engine.urls]) < 4:
-                await trio.sleep(0.05)
+            await wait_running(engine.urls, 4, lambda: bool(results))
             await trio.to_thread.run_sync(engine.load, params[1], 11)
             after = await engine.generate(PROMPT, max_tokens=10, key=9)
     assert [len(results[index].completion) for index in range(4)] == [100] * 4
@@ -387,13 +395,15 @@ async def test_a_killed_servers_rollouts_are_resubmitted_to_the_server_left(
     async with engine, scheduler:
         batches = iter(dataset.stream())
 
+        stepped = trio.Event()
+
         async def step():
             await scheduler.step(next(batches), params[0], 30)
+            stepped.set()
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(step)
-            while await _running(victim.url) < 1:
-                await trio.sleep(0.05)
+            await wait_running([victim.url], 1, stepped.is_set)
             os.killpg(victim.pid, signal.SIGKILL)
         record = scheduler.last_record
         assert record.resubmitted["infra_error"] >= 1
