@@ -141,30 +141,33 @@ async def test_a_push_changes_what_is_served_and_the_version(engine, params, ref
         )
 
 
-async def _running(url: str) -> float:
-    """The calls a server is running now, from its Prometheus metrics."""
-    async with httpx.AsyncClient() as client:
+async def _running(client: httpx.AsyncClient, urls) -> float:
+    """The calls the servers at `urls` run now, from their Prometheus metrics."""
+    running = 0.0
+    for url in urls:
         text = (await client.get(f"{url}/metrics")).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:num_requests_running")
-    )
+        running += sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:num_requests_running")
+        )
+    return running
 
 
 async def wait_running(urls, count: int, ended) -> None:
     """Waits until the servers at `urls` run `count` calls between them. Fails, rather than
     hangs, when `ended()` says the calls ended before they were all seen running."""
-    with trio.fail_after(120):
-        while sum([await _running(url) for url in urls]) < count:
-            assert not ended(), f"the calls ended before {count} were seen running at once"
-            await trio.sleep(0.05)
+    async with httpx.AsyncClient() as client:
+        with trio.fail_after(120):
+            while await _running(client, urls) < count:
+                assert not ended(), f"the calls ended before {count} were seen running at once"
+                await trio.sleep(0.005)
 
 
-async def test_a_push_while_calls_run_keeps_them_running_under_their_version(
-    engine, params, references
-):
-    engine.load(params[0], 10)
+async def push_while_calls_run(engine, params, old: int, new: int):
+    """Push `params[1]` as version `new` once 4 calls under `params[0]` (version `old`) are seen
+    running; return the calls and one call after the push."""
+    engine.load(params[0], old)
     results = {}
     async with engine:
 
@@ -174,19 +177,37 @@ async def test_a_push_while_calls_run_keeps_them_running_under_their_version(
         async with trio.open_nursery() as nursery:
             for index in range(4):
                 nursery.start_soon(one, index)
-            await wait_running(engine.urls, 4, lambda: bool(results))
-            await trio.to_thread.run_sync(engine.load, params[1], 11)
+            await wait_running(engine.urls, 4, lambda: len(results) == 4)
+            await trio.to_thread.run_sync(engine.load, params[1], new)
             after = await engine.generate(PROMPT, max_tokens=10, key=9)
-    assert [len(results[index].completion) for index in range(4)] == [100] * 4
-    assert {results[index].version for index in range(4)} == {10}
-    assert after.version == 11
-    np.testing.assert_allclose(after.logprobs, reference_logprobs(references[1], after), atol=2e-4)
-    # The tokens drawn after the push were drawn by the new weights: some differ from what the
-    # old weights alone give.
-    old = [reference_logprobs(references[0], results[index]) for index in range(4)]
-    assert any(
-        not np.allclose(results[index].logprobs, old[index], atol=2e-4) for index in range(4)
-    )
+    return [results[index] for index in range(4)], after
+
+
+async def test_a_push_while_calls_run_keeps_them_running_under_their_version(
+    engine, params, references
+):
+    """Whether a push lands while calls run is up to timing: a tiny model draws 100 tokens in
+    a fraction of a second on an idle machine, and in seconds on a loaded one. So each try
+    pushes once 4 calls are seen running, and counts only when some call went on under the
+    new weights after the push (its log-probs are not the old weights' alone); three tries."""
+    for attempt in range(3):
+        old, new = 10 + 2 * attempt, 11 + 2 * attempt
+        calls, after = await push_while_calls_run(engine, params, old, new)
+        assert [len(call.completion) for call in calls] == [100] * 4
+        assert {call.version for call in calls} == {old}
+        assert after.version == new
+        np.testing.assert_allclose(
+            after.logprobs, reference_logprobs(references[1], after), atol=2e-4
+        )
+        # The tokens drawn after the push were drawn by the new weights: some differ from what
+        # the old weights alone give.
+        old_weights = [reference_logprobs(references[0], call) for call in calls]
+        if any(
+            not np.allclose(call.logprobs, expected, atol=2e-4)
+            for call, expected in zip(calls, old_weights, strict=True)
+        ):
+            return
+    pytest.fail("in three tries, every call ended before its push landed")
 
 
 def engine_mismatch(batch) -> float:
