@@ -42,20 +42,37 @@ def test_sharded_params_train_serve_and_restore_onto_another_mesh(tmp_path):
     assert "sharding checks passed" in finished.stdout
 
 
-def test_dew_train_splits_a_checkpoint_over_a_mesh_and_resumes(tmp_path):
-    """`dew train --model --mesh 1x2x2` on four devices trains, checkpoints a folder, and a
-    resumed run splits the restored state again and goes on."""
+def test_dew_train_splits_a_checkpoint_over_a_mesh_and_resumes_on_another(tmp_path):
+    """`dew train --model --mesh 1x2x2` on four devices trains and checkpoints orbax shards (no
+    npz of the params), with the checkpoint folder written at the run's end; resumed with
+    `--mesh 1x4x1` it restores the shards onto the new mesh and goes on."""
     folder = chat_checkpoint(tmp_path / "checkpoint", SHAPE)
     run = tmp_path / "run"
     environment = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    command = [sys.executable, "-m", "dew", "train", "--model", str(folder), "--mesh", "1x2x2"]
+    command = [sys.executable, "-m", "dew", "train", "--model", str(folder)]
     command += ["--run", str(run), "--batch-size", "2", "--groups", "2", "--tasks", "8"]
-    for steps in (["--steps", "2"], ["--steps", "3", "--resume"]):
+    checkpoints = run / "checkpoints"
+    for options in (["--steps", "2", "--mesh", "1x2x2"], ["--steps", "3", "--mesh", "1x4x1"]):
+        resume = ["--resume"] if checkpoints.exists() else []
         finished = subprocess.run(
-            [*command, *steps], env=environment, capture_output=True, text=True, timeout=600
+            [*command, *options, *resume],
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert finished.returncode == 0, finished.stdout + finished.stderr
+        record = json.loads((checkpoints / "checkpoint.json").read_text())
+        assert record["storage"] == "orbax", record
+        shards = checkpoints / record["arrays"]
+        assert sorted(p.name for p in checkpoints.iterdir()) == sorted(
+            ["checkpoint.json", "model", shards.name]
+        )
+        assert (shards / "variables" / "ocdbt.process_0").is_dir()
+        assert not list(run.rglob("*.npz"))
+        assert (checkpoints / "model" / "model.safetensors").is_file()
+    assert "resuming at step 2, data position 2" in finished.stdout
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["updates"] for line in lines] == [1, 2, 3]
     assert all(math.isfinite(line["loss"]) for line in lines)
-    assert (run / "checkpoints" / "model" / "model.safetensors").is_file()
+    assert json.loads((run / "config.json").read_text())["mesh"] == "1x4x1"

@@ -28,6 +28,7 @@ from dew.train._checkpoint import (
     COMMIT,
     Checkpoint,
     Variables,
+    is_sharded,
     load_checkpoint,
     save_checkpoint,
 )
@@ -335,7 +336,8 @@ class Trainer:
         return checkpoint
 
     def save(self) -> Path:
-        """Checkpoint the trainer's state now (in a pool, process 0 writes it for every process).
+        """Checkpoint the trainer's state now (in a pool, process 0 writes it for every process;
+        variables sharded over a mesh are written by every process, each its own shards).
 
         Returns:
             The commit record's path.
@@ -357,7 +359,8 @@ class Trainer:
         checkpoint = Checkpoint(
             self.variables, self.opt_state, self.updates, self.position, metadata
         )
-        if not self._writes:
+        # Sharded arrays are written by every process, each its own shards (`save_checkpoint`).
+        if not self._writes and not is_sharded(self.variables):
             return self.checkpoints / COMMIT
         return save_checkpoint(self.checkpoints, checkpoint)
 
