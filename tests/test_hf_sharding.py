@@ -11,7 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
+import pytest
+
 from _hf_folders import chat_checkpoint
+from dew.cli import main
+from dew.train import TrainConfig
 
 WORKER = Path(__file__).parent / "_hf_sharding_worker.py"
 SHAPE = {
@@ -76,3 +81,21 @@ def test_dew_train_splits_a_checkpoint_over_a_mesh_and_resumes_on_another(tmp_pa
     assert [line["updates"] for line in lines] == [1, 2, 3]
     assert all(math.isfinite(line["loss"]) for line in lines)
     assert json.loads((run / "config.json").read_text())["mesh"] == "1x4x1"
+    # `dew export` restores the last checkpoint's params onto this process's one device and
+    # writes the folder the run wrote at its end, byte for byte.
+    assert main(["export", "--run", str(run), "--to", str(tmp_path / "exported")]) == 0
+    for written in (checkpoints / "model").iterdir():
+        assert (tmp_path / "exported" / written.name).read_bytes() == written.read_bytes()
+
+
+def test_dew_export_names_what_it_cannot_export(tmp_path, capsys):
+    (tmp_path / "own").mkdir()
+    (tmp_path / "own" / "config.json").write_text(json.dumps(attrs.asdict(TrainConfig())))
+    for run, culprit in (
+        (tmp_path / "none", "holds no dew train run (no config.json)"),
+        (tmp_path / "own", "trained dew's own transformer, not a --model checkpoint folder"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            main(["export", "--run", str(run)])
+        assert stopped.value.code == 2
+        assert culprit in capsys.readouterr().err

@@ -172,10 +172,10 @@ def _fresh_name(updates: int) -> str:
     return f"{STATE}{updates:08d}-{int(token):08x}.{ORBAX}"
 
 
-def _flat(leaves: list[tuple[str, Any]], tree_name: str) -> dict[str, Any]:
+def _flat(leaves: list[tuple[int, str, Any]], tree_name: str) -> dict[str, Any]:
     # orbax's keys: the leaf's index in the commit record's list, so no tree node of an
     # optimizer's state (an empty one, a named tuple) need survive orbax's own tree handling.
-    return {f"leaf{i}": leaf for i, (path, leaf) in enumerate(leaves) if path.startswith(tree_name)}
+    return {f"leaf{i}": leaf for i, path, leaf in leaves if path.startswith(tree_name)}
 
 
 def _save_orbax(directory: Path, checkpoint: Checkpoint, leaves: list[tuple[str, Any]]) -> Path:
@@ -185,8 +185,9 @@ def _save_orbax(directory: Path, checkpoint: Checkpoint, leaves: list[tuple[str,
 
     name = _fresh_name(checkpoint.updates)
     folder = (directory / name).absolute()
+    numbered = [(index, path, leaf) for index, (path, leaf) in enumerate(leaves)]
     items = {
-        tree: ocp.args.StandardSave(_flat(leaves, tree)) for tree in ("variables", "opt_state")
+        tree: ocp.args.StandardSave(_flat(numbered, tree)) for tree in ("variables", "opt_state")
     }
     # A synchronous checkpointer: every shard is on disk, and orbax has renamed its temporary
     # folder into place on every process's behalf, when `save` returns.
@@ -291,31 +292,96 @@ def _check_files(commit: Path, folder: Path, files: Any) -> None:
 def _target(leaf: Any) -> jax.ShapeDtypeStruct:
     """What a template leaf restores as: its shape and dtype, placed on its own sharding
     (another mesh than the one saved from, or one device), or on this process's first device
-    when it is a host value."""
-    if isinstance(leaf, jax.Array):
-        placed = leaf.sharding
-    else:
+    when it has none (a host value, a ShapeDtypeStruct without one)."""
+    placed = getattr(leaf, "sharding", None)  # an array's, or a ShapeDtypeStruct's
+    if placed is None:
         placed = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf), sharding=placed)
 
 
-def _restore_orbax(folder: Path, expected: list[tuple[str, Any]]) -> list[jax.Array]:
-    """The arrays of an orbax folder `_save_orbax` wrote, each placed as its template leaf is
-    (orbax reads on each process only the shards of that placement)."""
+def _restore_orbax(
+    folder: Path, expected: list[tuple[int, str, Any]], trees: list[str]
+) -> dict[int, jax.Array]:
+    """The arrays of `trees` in an orbax folder `_save_orbax` wrote, by their index in the commit
+    record, each placed as its template leaf is (orbax reads on each process only the shards
+    of that placement)."""
     import orbax.checkpoint as ocp
 
-    targets = [(path, _target(leaf)) for path, leaf in expected]
-    items = {
-        tree: ocp.args.StandardRestore(_flat(targets, tree)) for tree in ("variables", "opt_state")
-    }
+    targets = [(index, path, _target(leaf)) for index, path, leaf in expected]
+    items = {tree: ocp.args.StandardRestore(_flat(targets, tree)) for tree in trees}
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             restored = checkpointer.restore(folder.absolute(), ocp.args.Composite(**items))
     except Exception as error:  # tensorstore's, orbax's: the folder does not read back
         problem = f"{type(error).__name__}: {error}"
         raise ValueError(f"{folder} is damaged ({problem})") from None
-    merged = {**restored["variables"], **restored["opt_state"]}
-    return [merged[f"leaf{i}"] for i in range(len(expected))]
+    merged = {key: value for tree in trees for key, value in restored[tree].items()}
+    return {index: merged[f"leaf{index}"] for index, _, _ in expected}
+
+
+def load_variables(directory: str | os.PathLike, variables: Variables) -> Variables | None:
+    """Only the variables of the checkpoint in `directory`, laid out and placed like the template
+    `variables` (as `load_checkpoint`): what an export needs, without reading the optimizer's
+    state (Adam's is twice the params).
+
+    Returns:
+        The variables; None when the directory holds no checkpoint.
+
+    Raises:
+        ValueError: as `load_checkpoint`.
+    """
+    read = _read_trees(directory, {"variables": variables})
+    return None if read is None else read[1]["variables"]
+
+
+def _read_trees(directory: str | os.PathLike, trees: dict[str, Any]) -> tuple[dict, dict] | None:
+    """The commit record of the checkpoint in `directory` and its trees named in `trees` (those
+    of "variables" and "opt_state" asked for), rebuilt like those templates; None when there is
+    no checkpoint."""
+    commit = Path(directory) / COMMIT
+    record = read_commit(directory)
+    if record is None:
+        return None
+    expected = [leaf for name, tree in trees.items() for leaf in _leaves(name, tree)]
+    saved = [
+        (index, entry)
+        for index, entry in enumerate(record["leaves"])
+        if str(entry.get("path", "")).startswith(tuple(trees))
+    ]
+    if len(saved) != len(expected):
+        raise ValueError(
+            f"{commit} holds {len(saved)} leaves of {' and '.join(trees)}, the templates have "
+            f"{len(expected)}: a checkpoint of another model or optimizer"
+        )
+    numbered = []
+    for (index, entry), (path, leaf) in zip(saved, expected, strict=True):
+        want = jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf))
+        if entry["path"] != path:
+            raise ValueError(f"{commit} leaf {index} is {entry['path']}, the templates' {path}")
+        if tuple(entry["shape"]) != want.shape or entry["dtype"] != want.dtype.name:
+            raise ValueError(
+                f"{commit} leaf {path} is {entry['dtype']}{entry['shape']}, "
+                f"the templates' {want.dtype.name}{list(want.shape)}"
+            )
+        numbered.append((index, path, leaf))
+    arrays = commit.parent / record["arrays"]
+    if record.get("storage") == ORBAX:
+        restored = _restore_orbax(arrays, numbered, list(trees))
+    else:
+        restored = {}
+        with np.load(arrays, allow_pickle=False) as stored:
+            for index, _, leaf in numbered:
+                want = jnp.result_type(leaf)
+                array = stored[f"leaf{index}"]
+                restored[index] = jnp.asarray(array.view(want) if array.dtype != want else array)
+    values = iter(restored[index] for index, _, _ in numbered)
+    rebuilt = {
+        name: jax.tree.unflatten(
+            jax.tree.structure(tree), [next(values) for _ in jax.tree.leaves(tree)]
+        )
+        for name, tree in trees.items()
+    }
+    return record, rebuilt
 
 
 def load_checkpoint(
@@ -337,43 +403,10 @@ def load_checkpoint(
         ValueError: naming the file, or the leaf whose path, shape or dtype differs from the
             templates'.
     """
-    commit = Path(directory) / COMMIT
-    record = read_commit(directory)
-    if record is None:
+    read = _read_trees(directory, {"variables": variables, "opt_state": opt_state})
+    if read is None:
         return None
-    trees = {"variables": variables, "opt_state": opt_state}
-    expected = [leaf for name, tree in trees.items() for leaf in _leaves(name, tree)]
-    saved = record["leaves"]
-    if len(saved) != len(expected):
-        raise ValueError(
-            f"{commit} holds {len(saved)} leaves, the templates have {len(expected)}: "
-            f"a checkpoint of another model or optimizer"
-        )
-    for index, (entry, (path, leaf)) in enumerate(zip(saved, expected, strict=True)):
-        want = jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf))
-        if entry["path"] != path:
-            raise ValueError(f"{commit} leaf {index} is {entry['path']}, the templates' {path}")
-        if tuple(entry["shape"]) != want.shape or entry["dtype"] != want.dtype.name:
-            raise ValueError(
-                f"{commit} leaf {path} is {entry['dtype']}{entry['shape']}, "
-                f"the templates' {want.dtype.name}{list(want.shape)}"
-            )
-    if record.get("storage") == ORBAX:
-        restored = _restore_orbax(commit.parent / record["arrays"], expected)
-    else:
-        restored = []
-        with np.load(commit.parent / record["arrays"], allow_pickle=False) as stored:
-            for index, (_, leaf) in enumerate(expected):
-                want = jnp.result_type(leaf)
-                array = stored[f"leaf{index}"]
-                restored.append(jnp.asarray(array.view(want) if array.dtype != want else array))
-    values = iter(restored)
-    rebuilt = {
-        name: jax.tree.unflatten(
-            jax.tree.structure(tree), [next(values) for _ in jax.tree.leaves(tree)]
-        )
-        for name, tree in trees.items()
-    }
+    record, rebuilt = read
     return Checkpoint(
         rebuilt["variables"],
         rebuilt["opt_state"],
