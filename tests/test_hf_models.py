@@ -461,6 +461,14 @@ def test_dew_train_trains_a_checkpoint_folder_into_folders_transformers_loads(
         (["--model", "{folder}", "--mesh", "1x2x2"], "--mesh 1x2x2 needs 4 devices"),
         (["--mesh", "1x2x2"], "mesh splits a --model checkpoint over devices"),
         (["--model", "{folder}", "--mesh", "2x2"], "mesh must be DATAxFSDPxTENSOR"),
+        (
+            ["--model", "{folder}", "--mesh", "1x2x1", "--processes", "2"],
+            "in a pool of 2 processes: its data axis (1) must be a multiple of 2",
+        ),
+        (
+            ["--model", "{folder}", "--mesh", "2x2x1", "--processes", "2"],
+            "--mesh 2x2x1 needs 4 devices, the pool of 2 processes has 2 (1 each)",
+        ),
     ],
 )
 def test_dew_train_refuses_a_bad_model_option_naming_it(

@@ -47,26 +47,39 @@ def test_sharded_params_train_serve_and_restore_onto_another_mesh(tmp_path):
     assert "sharding checks passed" in finished.stdout
 
 
-def test_dew_train_splits_a_checkpoint_over_a_mesh_and_resumes_on_another(tmp_path):
-    """`dew train --model --mesh 1x2x2` on four devices trains and checkpoints orbax shards (no
-    npz of the params), with the checkpoint folder written at the run's end; resumed with
-    `--mesh 1x4x1` it restores the shards onto the new mesh and goes on."""
+def test_dew_train_splits_a_checkpoint_over_a_pools_mesh_and_resumes_on_another(tmp_path):
+    """`dew train --model --processes 2 --mesh 2x2x1`, two processes of two CPU devices, trains
+    on a mesh across both (data across the processes, fsdp within each) and checkpoints orbax
+    shards, each process its own (no npz of the params), with the checkpoint folder written at
+    the run's end; resumed by one process of four devices with `--mesh 1x4x1`, it restores the
+    shards onto that mesh and goes on; `dew export` then writes the run's folder again."""
     folder = chat_checkpoint(tmp_path / "checkpoint", SHAPE)
     run = tmp_path / "run"
-    environment = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     command = [sys.executable, "-m", "dew", "train", "--model", str(folder)]
     command += ["--run", str(run), "--batch-size", "2", "--groups", "2", "--tasks", "8"]
     checkpoints = run / "checkpoints"
-    for options in (["--steps", "2", "--mesh", "1x2x2"], ["--steps", "3", "--mesh", "1x4x1"]):
-        resume = ["--resume"] if checkpoints.exists() else []
+    runs = (
+        (2, ["--steps", "2", "--mesh", "2x2x1", "--processes", "2"]),
+        (4, ["--steps", "3", "--mesh", "1x4x1", "--resume"]),
+    )
+    for devices, options in runs:
+        environment = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": os.pathsep.join(sys.path),
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        }
         finished = subprocess.run(
-            [*command, *options, *resume],
+            [*command, *options],
             env=environment,
             capture_output=True,
             text=True,
             timeout=600,
         )
-        assert finished.returncode == 0, finished.stdout + finished.stderr
+        said = finished.stdout + finished.stderr
+        if (run / "logs").is_dir():
+            said += "".join(log.read_text() for log in (run / "logs").iterdir())
+        assert finished.returncode == 0, said
         record = json.loads((checkpoints / "checkpoint.json").read_text())
         assert record["storage"] == "orbax", record
         shards = checkpoints / record["arrays"]
@@ -76,6 +89,9 @@ def test_dew_train_splits_a_checkpoint_over_a_mesh_and_resumes_on_another(tmp_pa
         assert (shards / "variables" / "ocdbt.process_0").is_dir()
         assert not list(run.rglob("*.npz"))
         assert (checkpoints / "model" / "model.safetensors").is_file()
+        if devices == 2:  # the pool's processes wrote shards each
+            assert (shards / "variables" / "ocdbt.process_1").is_dir()
+            assert record["metadata"]["processes"] == 2
     assert "resuming at step 2, data position 2" in finished.stdout
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["updates"] for line in lines] == [1, 2, 3]

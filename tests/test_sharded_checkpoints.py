@@ -9,7 +9,10 @@ transformers, which the worker does not import."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +68,68 @@ def test_sharded_params_export_a_folder_transformers_loads_with_equal_logits(wor
     with torch.no_grad():
         logits = model(torch.tensor(tokens[None], dtype=torch.long)).logits[0].numpy()
     np.testing.assert_allclose(logits, np.load(scratch / "logits.npy"), atol=1e-4, rtol=0)
+
+
+POOL_WORKER = Path(__file__).parent / "_pool_checkpoint_worker.py"
+
+
+def test_a_pool_whose_mesh_spans_its_processes_writes_each_process_its_shards(tmp_path):
+    """Two `jax.distributed` processes of two CPU devices: a trainer on a 1x4x1 mesh across
+    both (each process half of every param) checkpoints orbax shards, each process its own
+    OCDBT files; interrupted, it resumes on a 2x2x1 mesh (data across the processes) equal to
+    the uninterrupted run to 1e-5, and there each process's engine gets whole params from its
+    own shards without a copy; process 0 alone writes the exported folder, gathered tensor by
+    tensor. Here, in one process of one device, the pool's checkpoint restores too."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    environment = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    logs = [tmp_path / f"process-{index}.log" for index in range(2)]
+    with contextlib.ExitStack() as stack:
+        workers = [
+            subprocess.Popen(
+                [sys.executable, str(POOL_WORKER), str(port), str(index), str(tmp_path)],
+                stdout=stack.enter_context(log.open("w")),
+                stderr=subprocess.STDOUT,
+                env=environment,
+            )
+            for index, log in enumerate(logs)
+        ]
+        try:
+            codes = [worker.wait(timeout=500) for worker in workers]
+        finally:
+            for worker in workers:
+                if worker.poll() is None:
+                    worker.kill()
+                    worker.wait()
+    said = "\n".join(log.read_text() for log in logs)
+    assert codes == [0, 0], said
+    assert said.count("pool checkpoint checks passed") == 2, said
+
+    checkpoints = tmp_path / "resumed" / "checkpoints"
+    record = json.loads((checkpoints / "checkpoint.json").read_text())
+    assert (record["storage"], record["updates"]) == ("orbax", 5)
+    for tree in ("variables", "opt_state"):
+        for process in (0, 1):
+            files = checkpoints / record["arrays"] / tree / f"ocdbt.process_{process}"
+            assert any(path.is_file() for path in files.rglob("*")), files
+    # No npz of the params: the workers' reference arrays are the only ones.
+    assert sorted(p.name for p in tmp_path.rglob("*.npz")) == ["straight-0.npz", "straight-1.npz"]
+
+    import jax
+    import optax
+
+    from dew.models import hf
+    from dew.train import load_checkpoint
+
+    model, exported = hf.load(tmp_path / "exported")
+    with np.load(tmp_path / "straight-0.npz") as stored:
+        straight = [stored[f"arr_{index}"] for index in range(len(stored.files))]
+    for leaf, want in zip(jax.tree.leaves(exported), straight, strict=True):
+        np.testing.assert_array_equal(np.asarray(leaf), want)
+    params = model.init(jax.random.key(0))
+    optimizer = optax.sgd(0.05, momentum=0.9)
+    with jax.numpy_dtype_promotion("standard"):
+        loaded = load_checkpoint(checkpoints, params, optimizer.init(params))
+    for leaf, want in zip(jax.tree.leaves(loaded.variables), straight, strict=True):
+        np.testing.assert_allclose(np.asarray(leaf), want, atol=1e-5, rtol=0)

@@ -149,7 +149,7 @@ def train(
     else:
         server = RolloutServer(
             model,
-            trainer.variables,
+            sharding.local_view(trainer.variables),  # a pool's mesh: this process's whole params
             slots=slots,
             max_len=shape.max_len,
             version=trainer.updates,
@@ -167,6 +167,8 @@ def train(
     trainer.on_step = on_step if logs is None else logs
     source = task.serve(source, server)
     publisher = server
+    if mesh is not None and sharding.spans_processes(mesh):
+        publisher = sharding.LocalWeights(server)
     recorder = None
     if record is not None:
         recorder = replay.Recorder(record)
@@ -443,7 +445,7 @@ class _Evaluation:
             `updates`, `reward/mean` (a rollout without a reward counts 0), `status/completed`
             (the share that finished with a stop token) and each task's reward in `rewards`.
         """
-        self.server.load(variables, updates)
+        self.server.load(sharding.local_view(variables), updates)
         sessions = trio.run(self._rollouts)
         rewards = [0.0 if s.reward is None else float(s.reward) for s in sessions]
         completed = [s.status is Status.COMPLETED for s in sessions]
