@@ -70,9 +70,10 @@ def _storable(array: np.ndarray) -> np.ndarray:
     return array if array.dtype.isbuiltin else array.view(f"u{array.dtype.itemsize}")
 
 
-def _fsync_directory(directory: Path) -> None:
-    # A rename is durable once its directory is: without this a power cut can undo it.
-    descriptor = os.open(directory, os.O_RDONLY)
+def _fsync(path: Path) -> None:
+    """Flush a file, or a directory's entries, to disk: a rename is durable once its directory
+    is, and without this a power cut can undo it."""
+    descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
     finally:
@@ -91,7 +92,7 @@ def _write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)
+    _fsync(path.parent)
 
 
 def save_checkpoint(directory: str | os.PathLike, checkpoint: Checkpoint) -> Path:
@@ -200,9 +201,10 @@ def _save_orbax(directory: Path, checkpoint: Checkpoint, leaves: list[tuple[str,
         for path in sorted(folder.rglob("*"))
         if path.is_file()
     }
-    for path in files:
-        _fsync_file(folder / path)
-    _fsync_directory(folder)
+    # On disk before the record that names them: a power cut must not leave a committed
+    # checkpoint whose shards were still in the page cache.
+    for path in [folder / name for name in files] + [folder]:
+        _fsync(path)
     record = {
         "format": CHECKPOINT_FORMAT,
         "version": CHECKPOINT_VERSION,
@@ -218,14 +220,6 @@ def _save_orbax(directory: Path, checkpoint: Checkpoint, leaves: list[tuple[str,
         "files": files,
     }
     return _commit(directory, record)
-
-
-def _fsync_file(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def read_commit(directory: str | os.PathLike) -> dict | None:
