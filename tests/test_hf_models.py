@@ -447,6 +447,10 @@ def test_dew_train_trains_a_checkpoint_folder_into_folders_transformers_loads(
     with jax.numpy_dtype_promotion("standard"):
         assert main([*argv[:5], "--steps", "3", "--resume"]) == 0
     assert [line["updates"] for line in _metrics(run)] == [1, 2, 3]
+    # `dew export` of an unsharded run's checkpoint (an npz) writes the run's own folder again.
+    assert main(["export", "--run", str(run), "--to", str(tmp_path / "exported")]) == 0
+    for written in saved.iterdir():
+        assert (tmp_path / "exported" / written.name).read_bytes() == written.read_bytes()
 
 
 @pytest.mark.parametrize(
