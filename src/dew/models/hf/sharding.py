@@ -9,7 +9,12 @@ size the mesh axis does not divide (two key/value heads over four tensor devices
 The forward pass is written for one device: `jax.jit` partitions it from its inputs' shardings.
 
 Sharded state is saved with orbax-checkpoint, each process writing the shards it holds, and
-restored onto the same mesh or another.
+restored onto the same mesh or another (`dew.train`'s checkpoints of a sharded run are such).
+
+In a pool of processes the mesh spans every process's devices, process by process
+(`make_mesh`); a pool's batch is each process's rows (`shard_batch`), and each process's engine
+serves the params its own devices hold (`local_view`, `LocalWeights`), which are whole where
+only the data axis spans the processes.
 """
 
 from __future__ import annotations
