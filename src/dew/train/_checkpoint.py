@@ -203,7 +203,7 @@ def _save_orbax(directory: Path, checkpoint: Checkpoint, leaves: list[tuple[str,
     }
     # On disk before the record that names them: a power cut must not leave a committed
     # checkpoint whose shards were still in the page cache.
-    for path in [folder / name for name in files] + [folder]:
+    for path in [*folder.rglob("*"), folder]:
         _fsync(path)
     record = {
         "format": CHECKPOINT_FORMAT,
@@ -223,8 +223,9 @@ def _save_orbax(directory: Path, checkpoint: Checkpoint, leaves: list[tuple[str,
 
 
 def read_commit(directory: str | os.PathLike) -> dict | None:
-    """A checkpoint's commit record, with its array archive read through once, so a damaged
-    checkpoint is refused before a resumed run starts anything.
+    """A checkpoint's commit record, with its array archive read through once (an orbax
+    folder's files checked against the sizes the record lists, not read: they are the size of
+    the model), so a damaged checkpoint is refused before a resumed run starts anything.
 
     Returns:
         The commit record; None when the directory holds no checkpoint.
