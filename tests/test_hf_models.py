@@ -447,6 +447,10 @@ def test_dew_train_trains_a_checkpoint_folder_into_folders_transformers_loads(
     with jax.numpy_dtype_promotion("standard"):
         assert main([*argv[:5], "--steps", "3", "--resume"]) == 0
     assert [line["updates"] for line in _metrics(run)] == [1, 2, 3]
+    # `dew export` of an unsharded run's checkpoint (an npz) writes the run's own folder again.
+    assert main(["export", "--run", str(run), "--to", str(tmp_path / "exported")]) == 0
+    for written in saved.iterdir():
+        assert (tmp_path / "exported" / written.name).read_bytes() == written.read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -461,6 +465,14 @@ def test_dew_train_trains_a_checkpoint_folder_into_folders_transformers_loads(
         (["--model", "{folder}", "--mesh", "1x2x2"], "--mesh 1x2x2 needs 4 devices"),
         (["--mesh", "1x2x2"], "mesh splits a --model checkpoint over devices"),
         (["--model", "{folder}", "--mesh", "2x2"], "mesh must be DATAxFSDPxTENSOR"),
+        (
+            ["--model", "{folder}", "--mesh", "1x2x1", "--processes", "2"],
+            "in a pool of 2 processes: its data axis (1) must be a multiple of 2",
+        ),
+        (
+            ["--model", "{folder}", "--mesh", "2x2x1", "--processes", "2"],
+            "--mesh 2x2x1 needs 4 devices, the pool of 2 processes has 2 (1 each)",
+        ),
     ],
 )
 def test_dew_train_refuses_a_bad_model_option_naming_it(

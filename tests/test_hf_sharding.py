@@ -11,7 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
+import pytest
+
 from _hf_folders import chat_checkpoint
+from dew.cli import main
+from dew.train import TrainConfig
 
 WORKER = Path(__file__).parent / "_hf_sharding_worker.py"
 SHAPE = {
@@ -42,20 +47,71 @@ def test_sharded_params_train_serve_and_restore_onto_another_mesh(tmp_path):
     assert "sharding checks passed" in finished.stdout
 
 
-def test_dew_train_splits_a_checkpoint_over_a_mesh_and_resumes(tmp_path):
-    """`dew train --model --mesh 1x2x2` on four devices trains, checkpoints a folder, and a
-    resumed run splits the restored state again and goes on."""
+def test_dew_train_splits_a_checkpoint_over_a_pools_mesh_and_resumes_on_another(tmp_path):
+    """`dew train --model --processes 2 --mesh 2x2x1`, two processes of two CPU devices, trains
+    on a mesh across both (data across the processes, fsdp within each) and checkpoints orbax
+    shards, each process its own (no npz of the params), with the checkpoint folder written at
+    the run's end; resumed by one process of four devices with `--mesh 1x4x1`, it restores the
+    shards onto that mesh and goes on; `dew export` then writes the run's folder again."""
     folder = chat_checkpoint(tmp_path / "checkpoint", SHAPE)
     run = tmp_path / "run"
-    environment = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    command = [sys.executable, "-m", "dew", "train", "--model", str(folder), "--mesh", "1x2x2"]
+    command = [sys.executable, "-m", "dew", "train", "--model", str(folder)]
     command += ["--run", str(run), "--batch-size", "2", "--groups", "2", "--tasks", "8"]
-    for steps in (["--steps", "2"], ["--steps", "3", "--resume"]):
+    checkpoints = run / "checkpoints"
+    runs = (
+        (2, ["--steps", "2", "--mesh", "2x2x1", "--processes", "2"]),
+        (4, ["--steps", "3", "--mesh", "1x4x1", "--resume"]),
+    )
+    for devices, options in runs:
+        environment = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": os.pathsep.join(sys.path),
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        }
         finished = subprocess.run(
-            [*command, *steps], env=environment, capture_output=True, text=True, timeout=600
+            [*command, *options],
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
-        assert finished.returncode == 0, finished.stdout + finished.stderr
+        said = finished.stdout + finished.stderr
+        if (run / "logs").is_dir():
+            said += "".join(log.read_text() for log in (run / "logs").iterdir())
+        assert finished.returncode == 0, said
+        record = json.loads((checkpoints / "checkpoint.json").read_text())
+        assert record["storage"] == "orbax", record
+        shards = checkpoints / record["arrays"]
+        assert sorted(p.name for p in checkpoints.iterdir()) == sorted(
+            ["checkpoint.json", "model", shards.name]
+        )
+        assert (shards / "variables" / "ocdbt.process_0").is_dir()
+        assert not list(run.rglob("*.npz"))
+        assert (checkpoints / "model" / "model.safetensors").is_file()
+        if devices == 2:  # the pool's processes wrote shards each
+            assert (shards / "variables" / "ocdbt.process_1").is_dir()
+            assert record["metadata"]["processes"] == 2
+    assert "resuming at step 2, data position 2" in finished.stdout
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["updates"] for line in lines] == [1, 2, 3]
     assert all(math.isfinite(line["loss"]) for line in lines)
-    assert (run / "checkpoints" / "model" / "model.safetensors").is_file()
+    assert json.loads((run / "config.json").read_text())["mesh"] == "1x4x1"
+    # `dew export` restores the last checkpoint's params onto this process's one device and
+    # writes the folder the run wrote at its end, byte for byte.
+    assert main(["export", "--run", str(run), "--to", str(tmp_path / "exported")]) == 0
+    for written in (checkpoints / "model").iterdir():
+        assert (tmp_path / "exported" / written.name).read_bytes() == written.read_bytes()
+
+
+def test_dew_export_names_what_it_cannot_export(tmp_path, capsys):
+    (tmp_path / "own").mkdir()
+    (tmp_path / "own" / "config.json").write_text(json.dumps(attrs.asdict(TrainConfig())))
+    for run, culprit in (
+        (tmp_path / "none", "holds no dew train run (no config.json)"),
+        (tmp_path / "own", "trained dew's own transformer, not a --model checkpoint folder"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            main(["export", "--run", str(run)])
+        assert stopped.value.code == 2
+        assert culprit in capsys.readouterr().err

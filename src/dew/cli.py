@@ -128,6 +128,11 @@ COMMANDS: dict[str, Command] = {
         configure=tune.configure_cli,
         run=tune.run_cli,
     ),
+    "export": Command(
+        summary="write a dew train --model run's last checkpoint as a Hugging Face folder",
+        configure=train.configure_export_cli,
+        run=train.run_export_cli,
+    ),
     "replay": Command(
         summary="replay a recorded run under a mock clock and say where it first differs",
         configure=replay.configure_cli,

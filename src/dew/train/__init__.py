@@ -38,11 +38,13 @@ from dew.train._checkpoint import (
     Checkpoint,
     Variables,
     load_checkpoint,
+    load_variables,
     save_checkpoint,
 )
 from dew.train._cli import configure_cli, run_cli
 from dew.train._config import TASKS, TrainConfig
 from dew.train._curves import curves_figure, write_curves
+from dew.train._export import configure_export_cli, export, run_export_cli
 from dew.train._fit import Sizes, fit, measure, task_list
 from dew.train._progress import Progress
 from dew.train._run import train
@@ -68,12 +70,16 @@ __all__ = [
     "Trainer",
     "Variables",
     "configure_cli",
+    "configure_export_cli",
     "curves_figure",
+    "export",
     "fit",
     "load_checkpoint",
+    "load_variables",
     "measure",
     "record_fields",
     "run_cli",
+    "run_export_cli",
     "sample_record",
     "save_checkpoint",
     "task_list",

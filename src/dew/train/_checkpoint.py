@@ -1,10 +1,18 @@
-"""Checkpoints: a run's variables, optimizer state and position, written so a crash loses none."""
+"""Checkpoints: a run's variables, optimizer state and position, written so a crash loses none.
+
+Arrays on one device each (dew's transformer, a pool's replicated copies) are written by one
+process as an `.npz`. Arrays sharded over a mesh of devices are written with orbax-checkpoint
+into a folder of their own, every process writing the shards it holds: no host ever holds the
+whole params. Either way the commit record, `checkpoint.json`, is written last and names the
+arrays, so a checkpoint is the one the record names or none.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import secrets
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -13,6 +21,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 Variables = Any
 """A model's variables: any pytree of arrays."""
@@ -23,6 +32,12 @@ CHECKPOINT_VERSION = 1
 """The checkpoint format's version."""
 COMMIT = "checkpoint.json"
 """The commit record's file name in a checkpoint directory."""
+ORBAX = "orbax"
+"""A commit record's `storage` when its arrays are an orbax-checkpoint folder (an npz's record
+names no storage)."""
+STATE = "state-"
+"""The prefix of every checkpoint's arrays (an `.npz`, or an orbax folder), which a commit
+removes but for the one it names."""
 
 
 @attrs.frozen(eq=False)
@@ -55,9 +70,10 @@ def _storable(array: np.ndarray) -> np.ndarray:
     return array if array.dtype.isbuiltin else array.view(f"u{array.dtype.itemsize}")
 
 
-def _fsync_directory(directory: Path) -> None:
-    # A rename is durable once its directory is: without this a power cut can undo it.
-    descriptor = os.open(directory, os.O_RDONLY)
+def _fsync(path: Path) -> None:
+    """Flush a file, or a directory's entries, to disk: a rename is durable once its directory
+    is, and without this a power cut can undo it."""
+    descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
     finally:
@@ -76,7 +92,7 @@ def _write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)
+    _fsync(path.parent)
 
 
 def save_checkpoint(directory: str | os.PathLike, checkpoint: Checkpoint) -> Path:
@@ -85,6 +101,12 @@ def save_checkpoint(directory: str | os.PathLike, checkpoint: Checkpoint) -> Pat
     The arrays go to a freshly named `.npz`, then `checkpoint.json` (the commit record) is renamed
     over the old one, then the arrays of earlier checkpoints and leftovers of interrupted writes
     are removed. A crash before the commit record's rename leaves the earlier checkpoint whole.
+
+    When a leaf is sharded over more than one device (`is_sharded`), the arrays go instead to a
+    freshly named orbax-checkpoint folder, `state-UPDATES-TOKEN.orbax/`, with `variables/` and
+    `opt_state/` in it: every process of a pool must call this alike, each writes the shards it
+    holds, and process 0 alone writes the commit record, which lists every file of the folder
+    with its size (so a truncated one is refused on reading), then removes earlier arrays.
 
     Args:
         directory: the checkpoint directory, created if missing.
@@ -96,6 +118,8 @@ def save_checkpoint(directory: str | os.PathLike, checkpoint: Checkpoint) -> Pat
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     leaves = _leaves("variables", checkpoint.variables) + _leaves("opt_state", checkpoint.opt_state)
+    if is_sharded([leaf for _, leaf in leaves]):
+        return _save_orbax(directory, checkpoint, leaves)
     arrays = {path: np.asarray(leaf) for path, leaf in leaves}
     name = f"state-{checkpoint.updates:08d}-{secrets.token_hex(4)}.npz"
     stored = {f"leaf{i}": _storable(array) for i, array in enumerate(arrays.values())}
@@ -112,17 +136,96 @@ def save_checkpoint(directory: str | os.PathLike, checkpoint: Checkpoint) -> Pat
             for path, array in arrays.items()
         ],
     }
+    return _commit(directory, record)
+
+
+def is_sharded(tree: Any) -> bool:
+    """Whether a leaf of `tree` is a jax array spread over more than one device: such a tree's
+    checkpoints are written with orbax, each process its own shards."""
+    return any(
+        isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
+        for leaf in jax.tree.leaves(tree)
+    )
+
+
+def _commit(directory: Path, record: dict) -> Path:
+    """Rename the commit record naming `record["arrays"]` into place, then remove the arrays of
+    earlier checkpoints and what interrupted writes left (temporary files, orbax's temporary
+    folders)."""
     text = json.dumps(record, indent=1, allow_nan=False).encode()
     _write_atomically(directory / COMMIT, lambda file: file.write(text))
     for stale in directory.iterdir():
-        if stale.name != name and (stale.suffix == ".npz" or stale.name.endswith(".tmp")):
-            stale.unlink(missing_ok=True)
+        if stale.name == record["arrays"]:
+            continue
+        if stale.name.startswith(STATE) or stale.name.endswith(".tmp"):
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
     return directory / COMMIT
 
 
+def _fresh_name(updates: int) -> str:
+    """A new orbax folder's name, the same on every process of a pool (each writes into it)."""
+    token = np.array(secrets.randbits(31), np.int32)
+    if jax.process_count() > 1:
+        token = multihost_utils.broadcast_one_to_all(token)
+    return f"{STATE}{updates:08d}-{int(token):08x}.{ORBAX}"
+
+
+def _flat(leaves: list[tuple[int, str, Any]], tree_name: str) -> dict[str, Any]:
+    # orbax's keys: the leaf's index in the commit record's list, so no tree node of an
+    # optimizer's state (an empty one, a named tuple) need survive orbax's own tree handling.
+    return {f"leaf{i}": leaf for i, path, leaf in leaves if path.startswith(tree_name)}
+
+
+def _save_orbax(directory: Path, checkpoint: Checkpoint, leaves: list[tuple[str, Any]]) -> Path:
+    """`save_checkpoint` of sharded arrays: an orbax folder every process writes its shards
+    into, then process 0's commit record."""
+    import orbax.checkpoint as ocp  # the sharded extra, needed only here
+
+    name = _fresh_name(checkpoint.updates)
+    folder = (directory / name).absolute()
+    numbered = [(index, path, leaf) for index, (path, leaf) in enumerate(leaves)]
+    items = {
+        tree: ocp.args.StandardSave(_flat(numbered, tree)) for tree in ("variables", "opt_state")
+    }
+    # A synchronous checkpointer: every shard is on disk, and orbax has renamed its temporary
+    # folder into place on every process's behalf, when `save` returns.
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(folder, ocp.args.Composite(**items))
+    if jax.process_index() != 0:
+        return directory / COMMIT
+    files = {
+        str(path.relative_to(folder)): path.stat().st_size
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+    # On disk before the record that names them: a power cut must not leave a committed
+    # checkpoint whose shards were still in the page cache.
+    for path in [*folder.rglob("*"), folder]:
+        _fsync(path)
+    record = {
+        "format": CHECKPOINT_FORMAT,
+        "version": CHECKPOINT_VERSION,
+        "storage": ORBAX,
+        "arrays": name,
+        "updates": int(checkpoint.updates),
+        "position": int(checkpoint.position),
+        "metadata": dict(checkpoint.metadata),
+        "leaves": [
+            {"path": path, "shape": list(np.shape(leaf)), "dtype": jnp.result_type(leaf).name}
+            for path, leaf in leaves
+        ],
+        "files": files,
+    }
+    return _commit(directory, record)
+
+
 def read_commit(directory: str | os.PathLike) -> dict | None:
-    """A checkpoint's commit record, with its array archive read through once, so a damaged
-    checkpoint is refused before a resumed run starts anything.
+    """A checkpoint's commit record, with its array archive read through once (an orbax
+    folder's files checked against the sizes the record lists, not read: they are the size of
+    the model), so a damaged checkpoint is refused before a resumed run starts anything.
 
     Returns:
         The commit record; None when the directory holds no checkpoint.
@@ -148,6 +251,9 @@ def read_commit(directory: str | os.PathLike) -> dict | None:
             f"{commit} is not a {CHECKPOINT_FORMAT} version {CHECKPOINT_VERSION} commit record"
         )
     arrays = commit.parent / record["arrays"]
+    if record.get("storage") == ORBAX:
+        _check_files(commit, arrays, record.get("files"))
+        return record
     try:
         # Opened here, so a damaged archive's file is closed too (np.load leaks it).
         with open(arrays, "rb") as file, np.load(file, allow_pickle=False) as stored:
@@ -157,6 +263,120 @@ def read_commit(directory: str | os.PathLike) -> dict | None:
         problem = f"{type(error).__name__}: {error}"
         raise ValueError(f"{arrays} is damaged or missing ({problem})") from None
     return record
+
+
+def _check_files(commit: Path, folder: Path, files: Any) -> None:
+    """Refuse an orbax folder whose files are not those its commit record lists, of the sizes it
+    lists: a file missing, cut short or grown names itself. Nothing is read: a folder of a
+    model's shards is the size of the model."""
+    if not isinstance(files, dict) or not files:
+        raise ValueError(f"{commit} lists no files of its orbax folder {folder.name}")
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is missing (the commit record {commit} names it)")
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            raise ValueError(f"{path} is missing (the commit record {commit} lists it)")
+        if path.stat().st_size != size:
+            raise ValueError(
+                f"{path} is damaged: {path.stat().st_size} bytes, the commit record {commit} "
+                f"says {size} (truncated, or written over)"
+            )
+
+
+def _target(leaf: Any) -> jax.ShapeDtypeStruct:
+    """What a template leaf restores as: its shape and dtype, placed on its own sharding
+    (another mesh than the one saved from, or one device), or on this process's first device
+    when it has none (a host value, a ShapeDtypeStruct without one)."""
+    placed = getattr(leaf, "sharding", None)  # an array's, or a ShapeDtypeStruct's
+    if placed is None:
+        placed = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf), sharding=placed)
+
+
+def _restore_orbax(
+    folder: Path, expected: list[tuple[int, str, Any]], trees: list[str]
+) -> dict[int, jax.Array]:
+    """The arrays of `trees` in an orbax folder `_save_orbax` wrote, by their index in the commit
+    record, each placed as its template leaf is (orbax reads on each process only the shards
+    of that placement)."""
+    import orbax.checkpoint as ocp
+
+    targets = [(index, path, _target(leaf)) for index, path, leaf in expected]
+    items = {tree: ocp.args.StandardRestore(_flat(targets, tree)) for tree in trees}
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            restored = checkpointer.restore(folder.absolute(), ocp.args.Composite(**items))
+    except Exception as error:  # tensorstore's, orbax's: the folder does not read back
+        problem = f"{type(error).__name__}: {error}"
+        raise ValueError(f"{folder} is damaged ({problem})") from None
+    merged = {key: value for tree in trees for key, value in restored[tree].items()}
+    return {index: merged[f"leaf{index}"] for index, _, _ in expected}
+
+
+def load_variables(directory: str | os.PathLike, variables: Variables) -> Variables | None:
+    """Only the variables of the checkpoint in `directory`, laid out and placed like the template
+    `variables` (as `load_checkpoint`): what an export needs, without reading the optimizer's
+    state (Adam's is twice the params).
+
+    Returns:
+        The variables; None when the directory holds no checkpoint.
+
+    Raises:
+        ValueError: as `load_checkpoint`.
+    """
+    read = _read_trees(directory, {"variables": variables})
+    return None if read is None else read[1]["variables"]
+
+
+def _read_trees(directory: str | os.PathLike, trees: dict[str, Any]) -> tuple[dict, dict] | None:
+    """The commit record of the checkpoint in `directory` and its trees named in `trees` (those
+    of "variables" and "opt_state" asked for), rebuilt like those templates; None when there is
+    no checkpoint."""
+    commit = Path(directory) / COMMIT
+    record = read_commit(directory)
+    if record is None:
+        return None
+    expected = [leaf for name, tree in trees.items() for leaf in _leaves(name, tree)]
+    saved = [
+        (index, entry)
+        for index, entry in enumerate(record["leaves"])
+        if str(entry.get("path", "")).startswith(tuple(trees))
+    ]
+    if len(saved) != len(expected):
+        raise ValueError(
+            f"{commit} holds {len(saved)} leaves of {' and '.join(trees)}, the templates have "
+            f"{len(expected)}: a checkpoint of another model or optimizer"
+        )
+    numbered = []
+    for (index, entry), (path, leaf) in zip(saved, expected, strict=True):
+        want = jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf))
+        if entry["path"] != path:
+            raise ValueError(f"{commit} leaf {index} is {entry['path']}, the templates' {path}")
+        if tuple(entry["shape"]) != want.shape or entry["dtype"] != want.dtype.name:
+            raise ValueError(
+                f"{commit} leaf {path} is {entry['dtype']}{entry['shape']}, "
+                f"the templates' {want.dtype.name}{list(want.shape)}"
+            )
+        numbered.append((index, path, leaf))
+    arrays = commit.parent / record["arrays"]
+    if record.get("storage") == ORBAX:
+        restored = _restore_orbax(arrays, numbered, list(trees))
+    else:
+        restored = {}
+        with np.load(arrays, allow_pickle=False) as stored:
+            for index, _, leaf in numbered:
+                want = jnp.result_type(leaf)
+                array = stored[f"leaf{index}"]
+                restored[index] = jnp.asarray(array.view(want) if array.dtype != want else array)
+    values = iter(restored[index] for index, _, _ in numbered)
+    rebuilt = {
+        name: jax.tree.unflatten(
+            jax.tree.structure(tree), [next(values) for _ in jax.tree.leaves(tree)]
+        )
+        for name, tree in trees.items()
+    }
+    return record, rebuilt
 
 
 def load_checkpoint(
@@ -170,46 +390,18 @@ def load_checkpoint(
             and dtypes (their values are not used).
 
     Returns:
-        The checkpoint, its leaves as jax arrays; None when the directory holds none.
+        The checkpoint, its leaves as jax arrays; None when the directory holds none. The
+        arrays of an orbax checkpoint are placed as the templates' leaves are: a template of
+        arrays sharded over another mesh, or on one device, restores the saved shards onto it.
 
     Raises:
         ValueError: naming the file, or the leaf whose path, shape or dtype differs from the
             templates'.
     """
-    commit = Path(directory) / COMMIT
-    record = read_commit(directory)
-    if record is None:
+    read = _read_trees(directory, {"variables": variables, "opt_state": opt_state})
+    if read is None:
         return None
-    trees = {"variables": variables, "opt_state": opt_state}
-    expected = [leaf for name, tree in trees.items() for leaf in _leaves(name, tree)]
-    saved = record["leaves"]
-    if len(saved) != len(expected):
-        raise ValueError(
-            f"{commit} holds {len(saved)} leaves, the templates have {len(expected)}: "
-            f"a checkpoint of another model or optimizer"
-        )
-    restored = []
-    with np.load(commit.parent / record["arrays"], allow_pickle=False) as stored:
-        for index, (entry, (path, leaf)) in enumerate(zip(saved, expected, strict=True)):
-            want = jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf))
-            if entry["path"] != path:
-                raise ValueError(f"{commit} leaf {index} is {entry['path']}, the templates' {path}")
-            if tuple(entry["shape"]) != want.shape or entry["dtype"] != want.dtype.name:
-                raise ValueError(
-                    f"{commit} leaf {path} is {entry['dtype']}{entry['shape']}, "
-                    f"the templates' {want.dtype.name}{list(want.shape)}"
-                )
-            array = stored[f"leaf{index}"]
-            restored.append(
-                jnp.asarray(array.view(want.dtype) if array.dtype != want.dtype else array)
-            )
-    values = iter(restored)
-    rebuilt = {
-        name: jax.tree.unflatten(
-            jax.tree.structure(tree), [next(values) for _ in jax.tree.leaves(tree)]
-        )
-        for name, tree in trees.items()
-    }
+    record, rebuilt = read
     return Checkpoint(
         rebuilt["variables"],
         rebuilt["opt_state"],

@@ -205,7 +205,7 @@ def run_cli(args: argparse.Namespace) -> int:
         if args.record is not None:
             _check_record(args.record)
         _load_tokenizer(config)
-        _mesh_sizes(config, args.processes or args.num_processes or 1)
+        _mesh_sizes(config, args.processes or args.num_processes or 1, count=not joining)
         _check_task(config)
         _load_environment(config)
         # A damaged checkpoint is refused here, before anything starts or is written.

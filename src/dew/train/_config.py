@@ -209,7 +209,8 @@ class TrainConfig:
         dtype: the checkpoint's params dtype ("float32" or "bfloat16"); None keeps its own.
         mesh: the device mesh the checkpoint's params, optimizer state and batch are split
             over, "DATAxFSDPxTENSOR" (`dew.models.hf.sharding`); its sizes' product must be this
-            process's device count. None keeps everything on one device.
+            process's device count, or in a pool the pool's, where the data axis must be a
+            multiple of the processes. None keeps everything on one device.
     """
 
     task: str = _option(
@@ -364,7 +365,8 @@ class TrainConfig:
         None,
         _mesh_or_none,
         "split the --model checkpoint's params, optimizer state and batch over this process's "
-        "devices as DATAxFSDPxTENSOR, e.g. 1x2x2 (none: one device)",
+        "devices (a pool's: its data axis across the processes) as DATAxFSDPxTENSOR, e.g. "
+        "1x2x2 (none: one device)",
         kind=str,
     )
 
@@ -508,11 +510,17 @@ def _model_tokenizer(folder: str) -> Tokenizer:
     return tokenizer
 
 
-def _mesh_sizes(config: TrainConfig, processes: int = 1) -> tuple[int, int, int] | None:
+def _mesh_sizes(
+    config: TrainConfig, processes: int = 1, *, count: bool = True
+) -> tuple[int, int, int] | None:
     """The data, fsdp and tensor sizes of `config.mesh`, or None.
 
+    `count=False` leaves the devices uncounted: a process about to join a pool must not start
+    JAX's backend before `jax.distributed.initialize` (`train` counts them once joined).
+
     Raises:
-        ValueError: naming --mesh when its devices are not this process's, or in a pool.
+        ValueError: naming --mesh when its devices are not this process's (in a pool, the
+            pool's), or in a pool when its data axis does not span the processes.
     """
     if config.mesh is None:
         return None
@@ -520,10 +528,21 @@ def _mesh_sizes(config: TrainConfig, processes: int = 1) -> tuple[int, int, int]
 
     data, fsdp, tensor = (int(size) for size in config.mesh.split("x"))
     if processes > 1:
-        raise ValueError(
-            "--mesh splits a model over one process's devices; a pool of processes trains "
-            "data-parallel: give one of them"
-        )
+        # Each process's engine samples on its own from the params its devices hold, so they
+        # must hold them whole: only the data axis spans processes.
+        if data % processes:
+            raise ValueError(
+                f"--mesh {config.mesh} in a pool of {processes} processes: its data axis "
+                f"({data}) must be a multiple of {processes}, so that each process's devices "
+                "hold whole params for its engine (fsdp and tensor split within a process)"
+            )
+        devices = jax.local_device_count() * processes if count else data * fsdp * tensor
+        if data * fsdp * tensor != devices:
+            raise ValueError(
+                f"--mesh {config.mesh} needs {data * fsdp * tensor} devices, the pool of "
+                f"{processes} processes has {devices} ({jax.local_device_count()} each)"
+            )
+        return data, fsdp, tensor
     if data * fsdp * tensor != jax.device_count():
         raise ValueError(
             f"--mesh {config.mesh} needs {data * fsdp * tensor} devices, this process has "

@@ -26,13 +26,18 @@ def _check_split(config: TrainConfig, processes: int) -> None:
         raise ValueError(f"admit {config.admit} must split evenly over the {processes} processes")
 
 
+# Where a run's arrays live, not what it computes: a run resumes onto another mesh (or one
+# device), its checkpoint's shards restored onto the new placement.
+_PLACEMENT = ("mesh",)
+
+
 def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
     """Refuse a run folder that cannot be written, or that would mix two runs.
 
     Raises:
         ValueError: when `run` cannot be made or written (`_check_run_folder`), holds a run and
             `resume` is not set, or holds a run of a config that differs from `config` in more
-            than `steps`.
+            than its logging (`steps`, ...) and its mesh.
     """
     _check_run_folder(run)
     saved = run / "config.json"
@@ -41,7 +46,7 @@ def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
         changed = [
             field.name
             for field in attrs.fields(TrainConfig)
-            if field.name not in _LOGGING
+            if field.name not in _LOGGING + _PLACEMENT
             and getattr(previous, field.name) != getattr(config, field.name)
         ]
         if changed:

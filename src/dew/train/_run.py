@@ -30,7 +30,7 @@ from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Label, Status
 from dew.parallel import ProcessRows, default_pool
 from dew.serve import RolloutServer
-from dew.train._checkpoint import _write_atomically
+from dew.train._checkpoint import _write_atomically, is_sharded
 from dew.train._config import TrainConfig, _check_task, _load_tokenizer, _mesh_sizes
 from dew.train._curves import write_curves
 from dew.train._folders import _check_record, _check_run, _check_split
@@ -128,9 +128,12 @@ def train(
         logs=(SAMPLES, EVALUATIONS),
         folder=config.model,
     )
+    if mesh is not None:  # Adam's moments as their params, its count replicated over the mesh
+        placed = sharding.state_shardings(trainer.opt_state, trainer.variables, mesh)
+        trainer.opt_state = sharding.shard(trainer.opt_state, placed)
     if resume:
         trainer.resume()
-        if mesh is not None:  # a checkpoint's arrays come back whole: split them again
+        if mesh is not None:  # an npz checkpoint's arrays come back whole: split them again
             trainer.variables = sharding.shard(
                 trainer.variables, sharding.param_shardings(model, mesh)
             )
@@ -146,7 +149,7 @@ def train(
     else:
         server = RolloutServer(
             model,
-            trainer.variables,
+            sharding.local_view(trainer.variables),  # a pool's mesh: this process's whole params
             slots=slots,
             max_len=shape.max_len,
             version=trainer.updates,
@@ -164,6 +167,8 @@ def train(
     trainer.on_step = on_step if logs is None else logs
     source = task.serve(source, server)
     publisher = server
+    if mesh is not None and sharding.spans_processes(mesh):
+        publisher = sharding.LocalWeights(server)
     recorder = None
     if record is not None:
         recorder = replay.Recorder(record)
@@ -220,12 +225,14 @@ def train(
                 )
     except _Interrupted:
         trainer.save()  # the last completed step's, which no periodic checkpoint may hold
+        trainer.export()
         raise
     finally:
         if logs is not None:
             logs.close()
         if config.engine == "vllm":
             server.close()
+    trainer.export()
     if index == 0:
         write_curves(run / METRICS, run / "curves.png", evaluations=run / EVALUATIONS)
     return trainer
@@ -314,6 +321,12 @@ class _FolderTrainer(Trainer):
     folder trained), which transformers and vLLM load as they are; the optimizer's and the
     trainer's state stay beside it in the checkpoint's own files, which resume reads.
 
+    Params sharded over a mesh have their folder written at the run's end only (its last step,
+    or where Ctrl-C stopped it), not with each periodic checkpoint: the folder is one file,
+    written by one process from every tensor gathered to it, which is what a sharded
+    checkpoint's orbax shards avoid; resume never reads it, and `dew export` writes it from any
+    checkpoint of the run.
+
     Args:
         folder: the checkpoint folder trained, or None for dew's transformer (no folder kept).
     """
@@ -323,10 +336,23 @@ class _FolderTrainer(Trainer):
         self.folder = folder
 
     def save(self) -> Path:
-        if self.folder is not None and self.checkpoints is not None and self._writes:
+        if not is_sharded(self.variables):
+            self._write_folder()
+        return super().save()
+
+    def export(self) -> None:
+        """Write `checkpoints/model` of sharded params, gathered one tensor at a time; every
+        process of a pool calls it alike (the gathers are collectives), process 0 writes. The
+        folder of unsharded params is written with each checkpoint instead."""
+        if is_sharded(self.variables):
+            self._write_folder()
+
+    def _write_folder(self) -> None:
+        if self.folder is None or self.checkpoints is None:
+            return
+        if self._writes or is_sharded(self.variables):
             model = self.objective.model
             hf.save(self.checkpoints / "model", model, self.variables, tokenizer_from=self.folder)
-        return super().save()
 
 
 def _levers(config: TrainConfig) -> dict[str, Any]:
@@ -419,7 +445,7 @@ class _Evaluation:
             `updates`, `reward/mean` (a rollout without a reward counts 0), `status/completed`
             (the share that finished with a stop token) and each task's reward in `rewards`.
         """
-        self.server.load(variables, updates)
+        self.server.load(sharding.local_view(variables), updates)
         sessions = trio.run(self._rollouts)
         rewards = [0.0 if s.reward is None else float(s.reward) for s in sessions]
         completed = [s.status is Status.COMPLETED for s in sessions]

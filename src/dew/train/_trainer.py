@@ -28,6 +28,7 @@ from dew.train._checkpoint import (
     COMMIT,
     Checkpoint,
     Variables,
+    is_sharded,
     load_checkpoint,
     save_checkpoint,
 )
@@ -218,7 +219,11 @@ class Trainer:
     the metrics log, one line a step for the pool (`dew.parallel.pool_fields`), and the
     checkpoints; `resume` restores every process from them, which the pool's processes must
     all read (one folder, shared), and a pool of another size may resume them: each process
-    reads its rows of the same global batches from the checkpoint's position on.
+    reads its rows of the same global batches from the checkpoint's position on. Variables
+    sharded over a mesh that spans the pool's processes (`dew train --model --mesh` in a pool)
+    stay so: the step is the objective's own over them and the pool's batch, which the rollout
+    hands over as one array over the mesh (`dew.models.hf.sharding.ShardedRollout`), and every
+    process writes its shards of each checkpoint.
 
     With a `directory`, each step appends one JSON line of flat metrics to
     `directory/metrics.jsonl` — `step` (the updates before it), `updates` (after it), `position`
@@ -286,7 +291,12 @@ class Trainer:
         self.position = 0
         self.elapsed = 0.0
         self.processes = jax.process_count() if jax.distributed.is_initialized() else 1
-        self._update = _update_fn(objective, optimizer, pooled=self.processes > 1)
+        # Variables sharded over a mesh that spans the pool's processes are the pool's arrays
+        # already: the step is the objective's own over them and the pool's batch
+        # (`sharding.shard_batch`); a pool's whole variables are replicated for its step.
+        self._global = _spans_processes(variables)
+        pooled = self.processes > 1 and not self._global
+        self._update = _update_fn(objective, optimizer, pooled=pooled)
         # Process 0 writes for the pool: the metrics log and the checkpoints.
         self._writes = self.processes == 1 or jax.process_index() == 0
         self._deadline = None
@@ -335,7 +345,8 @@ class Trainer:
         return checkpoint
 
     def save(self) -> Path:
-        """Checkpoint the trainer's state now (in a pool, process 0 writes it for every process).
+        """Checkpoint the trainer's state now (in a pool, process 0 writes it for every process;
+        variables sharded over a mesh are written by every process, each its own shards).
 
         Returns:
             The commit record's path.
@@ -357,7 +368,8 @@ class Trainer:
         checkpoint = Checkpoint(
             self.variables, self.opt_state, self.updates, self.position, metadata
         )
-        if not self._writes:
+        # Sharded arrays are written by every process, each its own shards (`save_checkpoint`).
+        if not self._writes and not is_sharded(self.variables):
             return self.checkpoints / COMMIT
         return save_checkpoint(self.checkpoints, checkpoint)
 
@@ -425,7 +437,7 @@ class Trainer:
         self.variables, self.opt_state, metrics = self._update(
             self.variables, self.opt_state, packed
         )
-        metrics = jax.device_get(metrics)
+        metrics = local_copy(metrics) if self._global else jax.device_get(metrics)
         _check_finite(metrics, self.updates)
         self._tally.observe(self.updates, metrics, rollout)
         finished = time.perf_counter()
@@ -492,6 +504,14 @@ class Trainer:
             log.truncate(self._logged_bytes)
             log.seek(self._logged_bytes)
             yield log
+
+
+def _spans_processes(tree: Any) -> bool:
+    """Whether a leaf of `tree` is an array that spans other processes' devices too."""
+    return any(
+        isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+        for leaf in jax.tree.leaves(tree)
+    )
 
 
 def _same_checkpoint(checkpoint: Checkpoint | None) -> None:

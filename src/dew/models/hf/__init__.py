@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.experimental import multihost_utils
 from safetensors import SafetensorError, safe_open
 
 from dew.models.hf import _params
@@ -279,11 +280,20 @@ def _tensors_dtype(
     )
 
 
+def _gathered(value: Any) -> np.ndarray:
+    """One params leaf whole on this host: its shards fetched from this process's devices, or,
+    for an array sharded over a pool's processes, gathered from every process (a collective
+    each process joins)."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return np.asarray(jax.device_get(value))
+
+
 def _tensors_of(model: HFModel, params: dict) -> Iterator[tuple[str, np.ndarray]]:
     """Each checkpoint tensor of `params`, converted back to the checkpoint's layout, one at a
     time (a sharded leaf gathered to the host only as it is written)."""
     for leaf in _params.leaves(model.config):
-        value = np.asarray(jax.device_get(_params.get_leaf(params, leaf.path)))
+        value = _gathered(_params.get_leaf(params, leaf.path))
         yield leaf.name, np.ascontiguousarray(leaf.entry.layout.to_tensor(value))
 
 
@@ -300,6 +310,11 @@ def save(
     (the checkpoint's tensor names, shapes and layouts, in the params' dtype) and the tokenizer
     files of `tokenizer_from` (`TOKENIZER_FILES`, those it has). It is written whole or not at
     all: into a fresh folder beside it, then renamed over it.
+
+    Params sharded over a mesh are gathered one tensor at a time, each written before the next
+    is gathered, so the host holds one tensor, never the params. In a pool of processes whose
+    mesh spans them, every process calls `save` alike (each tensor's gather is a collective)
+    and process 0 alone writes the folder.
 
     Args:
         folder: where to write; replaced when it exists.
@@ -319,6 +334,10 @@ def save(
     if tokenizer_from is not None and not Path(tokenizer_from).is_dir():
         raise ValueError(f"tokenizer_from {tokenizer_from} is not a folder")
     _check_params(model, params)
+    if jax.process_index() != 0:
+        for _ in _tensors_of(model, params):  # join process 0's gathers, writing nothing
+            pass
+        return
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = folder.with_name(f".{folder.name}.{secrets.token_hex(4)}.partial")
     staging.mkdir()

@@ -9,7 +9,12 @@ size the mesh axis does not divide (two key/value heads over four tensor devices
 The forward pass is written for one device: `jax.jit` partitions it from its inputs' shardings.
 
 Sharded state is saved with orbax-checkpoint, each process writing the shards it holds, and
-restored onto the same mesh or another.
+restored onto the same mesh or another (`dew.train`'s checkpoints of a sharded run are such).
+
+In a pool of processes the mesh spans every process's devices, process by process
+(`make_mesh`); a pool's batch is each process's rows (`shard_batch`), and each process's engine
+serves the params its own devices hold (`local_view`, `LocalWeights`), which are whole where
+only the data axis spans the processes.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ def make_mesh(
     tensor: int = 1,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """A mesh of `devices` (all of them by default) with axes `AXES`.
+    """A mesh of `devices` (all of them by default, process by process, so that each
+    process's devices are one block of the leading axes) with axes `AXES`.
 
     Args:
         data, tensor: the data and tensor axes' sizes.
@@ -50,7 +56,9 @@ def make_mesh(
     Raises:
         ValueError: when the sizes' product is not the number of devices.
     """
-    devices = list(jax.devices() if devices is None else devices)
+    if devices is None:
+        devices = sorted(jax.devices(), key=lambda device: (device.process_index, device.id))
+    devices = list(devices)
     for name, size in (("data", data), ("tensor", tensor), ("fsdp", fsdp)):
         if size is not None and (not isinstance(size, int) or size < 1):
             raise ValueError(f"{name} must be an int >= 1, got {size!r}")
@@ -123,15 +131,88 @@ def batch_sharding(mesh: Mesh, rows: int, ndim: int) -> NamedSharding:
 
 def shard_batch(batch: Mapping[str, Any], mesh: Mesh) -> dict[str, Any]:
     """A packed batch with its numeric arrays' rows split over the mesh's data axes (other
-    entries, such as object arrays, kept as they are)."""
+    entries, such as object arrays, kept as they are).
+
+    On a mesh that spans a pool's processes, `batch` is this process's rows, and each array
+    becomes the pool's batch: every process's rows in process order (`_process_rows`)."""
     placed = {}
+    spans = spans_processes(mesh)
     for key, value in batch.items():
         array = np.asarray(value) if not isinstance(value, jax.Array) else value
-        if array.ndim and array.dtype != object:
+        if array.ndim and array.dtype != object and spans:
+            placed[key] = _process_rows(np.asarray(array), mesh)
+        elif array.ndim and array.dtype != object:
             placed[key] = jax.device_put(array, batch_sharding(mesh, array.shape[0], array.ndim))
         else:
             placed[key] = value
     return placed
+
+
+def spans_processes(mesh: Mesh) -> bool:
+    """Whether `mesh` holds devices of other processes than this one."""
+    return any(device.process_index != jax.process_index() for device in mesh.devices.flat)
+
+
+def _process_rows(array: np.ndarray, mesh: Mesh) -> jax.Array:
+    """This process's rows as its block of the pool's batch, the rows split over the data axes.
+
+    They are padded with zero rows (padding, which the loss skips) to a multiple of the data
+    slices this process's devices hold; every process must hand over as many rows (a
+    scheduler's batches are all `rows` long)."""
+    local = mesh.local_mesh
+    padding = -array.shape[0] % (local.shape[DATA] * local.shape[FSDP])
+    if padding:
+        array = np.concatenate([array, np.zeros((padding, *array.shape[1:]), array.dtype)])
+    sharding = NamedSharding(mesh, PartitionSpec((DATA, FSDP), *([None] * (array.ndim - 1))))
+    return jax.make_array_from_process_local_data(sharding, array)
+
+
+def local_view(tree: Any) -> Any:
+    """`tree`'s arrays sharded over a mesh that spans a pool's processes, each as an array over
+    this process's devices alone, made of the shards they hold (nothing copied): what this
+    process's engine serves. Other leaves are kept as they are.
+
+    Raises:
+        ValueError: naming the sharding, where this process's devices do not hold a leaf whole
+            (a mesh axis other than the data axis spans the processes).
+    """
+
+    def view(leaf):
+        if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
+            return leaf
+        local = NamedSharding(leaf.sharding.mesh.local_mesh, leaf.sharding.spec)
+        if local.shard_shape(leaf.shape) != leaf.sharding.shard_shape(leaf.shape):
+            raise ValueError(
+                f"a {leaf.sharding} array is not whole on this process's devices: only the "
+                f"data axis may span processes"
+            )
+        shards = {shard.device: shard.data for shard in leaf.addressable_shards}
+        devices = local.addressable_devices_indices_map(leaf.shape)
+        return jax.make_array_from_single_device_arrays(
+            leaf.shape, local, [shards[device] for device in devices]
+        )
+
+    return jax.tree.map(view, tree)
+
+
+class LocalWeights:
+    """A Publisher (the scheduler's engine) that is handed weights sharded over a mesh that spans
+    a pool's processes and serves this process's view of them (`local_view`): each process's
+    engine samples on its own, from the whole params its devices hold.
+
+    Args:
+        engine: the publisher (a `RolloutServer`, a vLLM engine) the views are loaded into.
+    """
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def load(self, variables: Any, version: int) -> None:
+        """Serve this process's view of `variables` under `version`."""
+        self.engine.load(local_view(variables), version)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
 
 
 class ShardedRollout:
