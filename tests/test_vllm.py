@@ -11,6 +11,8 @@ import json
 import math
 import os
 import signal
+import threading
+import time
 
 import httpx
 import jax
@@ -24,7 +26,7 @@ from dew._torch_media import hide_broken_media_packages
 from dew.data import ArrayDataset, Task
 from dew.envs import HarnessSource, Score
 from dew.envs.prompts import PromptSource
-from dew.gateway import Gateway
+from dew.gateway import Gateway, ServedGateway
 from dew.models import hf
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
@@ -175,7 +177,7 @@ async def test_a_push_while_calls_run_keeps_them_running_under_their_version(
             for index in range(4):
                 nursery.start_soon(one, index)
             await wait_running(engine.urls, 4, lambda: bool(results))
-            await trio.to_thread.run_sync(engine.load, params[1], 11)
+            await engine.load_async(params[1], 11)
             after = await engine.generate(PROMPT, max_tokens=10, key=9)
     assert [len(results[index].completion) for index in range(4)] == [100] * 4
     assert {results[index].version for index in range(4)} == {10}
@@ -239,6 +241,73 @@ async def test_each_push_lands_the_engine_agreeing_with_dews_rescoring_at_lag_0(
     other = GRPOObjective(model).packed_log_probs(params[1], batch)
     stale = dict(batch, proximal_logprobs=np.asarray(other))
     assert engine_mismatch(stale) > 1e-3
+
+
+def test_a_push_runs_beside_the_rollouts_and_the_gateway_in_the_schedulers_run(
+    engine, folders, params, tmp_path
+):
+    """The scheduler's thread facade, as `dew train` drives it, over a harness behind the
+    gateway: while the second push writes its folder, the push waits for the agents to make
+    gateway round trips in the scheduler's trio run, which a push that held the run would never
+    see; while the servers are paused, the agents see them paused."""
+    model = hf.load(folders[0])[0]
+    chat = tokenizer.HuggingFaceTokenizer.from_folder(folders[0])
+    writing = threading.Event()  # set while the second push writes its folder
+    trips, paused = [], []
+
+    def save(folder, variables):
+        if folder.name == "push-1":
+            writing.set()
+            deadline = time.monotonic() + 120
+            while len(trips) < 3:  # three gateway round trips, made while this thread waits
+                assert time.monotonic() < deadline, "nothing ran in the trio run during the push"
+                time.sleep(0.01)
+            writing.clear()
+        hf.save(folder, model, variables, tokenizer_from=folders[0])
+
+    pusher = VLLMEngine.attach(
+        engine.urls, checkpoint=folders[0], model=model, push_dir=tmp_path, save=save
+    )
+
+    async def agent(base_url: str, api_key: str, task: Task) -> str:
+        async with (
+            openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as api,
+            httpx.AsyncClient() as vllm,
+        ):
+            if task.name == "1":  # batch 1 runs while the trainer pushes version 1
+                while not writing.is_set() and pusher.version < 1:
+                    await trio.sleep(0.01)
+                while pusher.version < 1:
+                    await api.models.list()
+                    trips.append(pusher.version)
+                    answers = [await vllm.get(f"{url}/is_paused") for url in pusher.urls]
+                    paused.append(any(answer.json()["is_paused"] for answer in answers))
+            messages = [{"role": "user", "content": "hello"}]
+            answer = await api.chat.completions.create(model="m", messages=messages)
+            return answer.choices[0].message.content
+
+    source = ServedGateway(
+        pusher,
+        lambda gateway: HarnessSource(gateway, agent, lambda result: Score(1.0)),
+        {"max_context": MAX_LEN, "max_tokens": 8, "tokenizer": chat, "announce": False},
+    )
+    scheduler = RolloutScheduler(
+        GRPOObjective(model), source, pusher, width=MAX_LEN, rows=2, groups=2, truncation="score"
+    )
+    stream = iter(scheduler.tasks(ArrayDataset({"task_id": np.arange(4)}, batch_size=1)).stream())
+    try:
+        with scheduler:
+            read = [next(stream), next(stream)]
+            for updates in range(2):
+                scheduler(read.pop(0), params[updates], updates)
+                read.append(next(stream))
+                record = scheduler.last_record
+                assert (record.groups, record.version) == (1, updates)
+    finally:
+        pusher.close()
+    assert len(trips) >= 3 and trips[0] == 0
+    assert any(paused), "the agents never saw a server paused during the push"
+    assert pusher.version == 1 and len(pusher.push_seconds) == 2
 
 
 def test_attaching_checks_the_model_and_the_server(engine, folders, tmp_path):

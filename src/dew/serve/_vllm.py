@@ -512,12 +512,30 @@ class VLLMEngine:
     # --- pushes ----------------------------------------------------------------------------------
 
     def load(self, variables, version: int) -> None:
-        """Serve `variables` under `version` on every live server (the Publisher protocol).
+        """Serve `variables` under `version` on every live server (the Publisher protocol):
+        `load_async`, run to its end from any thread.
 
-        Writes them as a checkpoint folder under the push folder, then pauses every server in
-        "keep" mode (calls in flight freeze, then go on under the new weights, each keeping
-        the version its first token was drawn under), has each reload its weights from the
-        folder, sets the version and resumes them. Blocks until every server serves them.
+        It runs in a trio run of its own, on a thread of its own, and blocks the caller until
+        every server serves the new weights: called from a trio run, it holds that run for the
+        whole push, where `await engine.load_async(...)` would not (the scheduler awaits that).
+
+        Raises:
+            As `load_async`.
+        """
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dew-push") as pool:
+            pool.submit(trio.run, self.load_async, variables, version).result()
+
+    async def load_async(self, variables, version: int) -> None:
+        """Serve `variables` under `version` on every live server, letting the trio run that
+        awaits it go on meanwhile: the rollouts in flight, a gateway and the fleet's other calls.
+
+        Writes them as a checkpoint folder under the push folder (in a worker thread), then
+        pauses every server in "keep" mode (calls in flight freeze, then go on under the new
+        weights, each keeping the version its first token was drawn under), has each reload
+        its weights from the folder, sets the version and resumes them; each step on every
+        server at once, over an HTTP client of the push's own. Returns once every server serves
+        them. Cancelled (or failing) after the pause, it resumes the servers that still answer
+        before it lets the cancel (or error) through.
 
         Raises:
             VLLMError: naming the server's URL and its error when a step of the push fails (the
@@ -529,25 +547,80 @@ class VLLMEngine:
         began = time.perf_counter()
         self._live_for(version)
         folder = self._push_dir / f"push-{version}"
+        await trio.to_thread.run_sync(self._write, folder, variables)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+            try:
+                await self._on_each(client, "/pause", params={"mode": "keep"})
+                reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+                await self._on_each(client, "/collective_rpc", json=reload)
+                label = {"new_version": str(version)}
+                await self._on_each(client, "/update_weight_version", json=label)
+                await self._on_each(client, "/resume")
+            except BaseException as error:
+                # Servers left paused would hold every call in flight for good.
+                with trio.move_on_after(30, shield=True):
+                    await self._resume_all_async(client)
+                if isinstance(error, VLLMError):
+                    raise VLLMError(f"pushing version {version}: {error}") from None
+                raise
+        with self._lock:
+            self._version = version
+        previous, self._pushed = self._pushed, folder
+        if previous is not None and previous != folder:
+            shutil.rmtree(previous, ignore_errors=True)
+        self.push_seconds.append(time.perf_counter() - began)
+
+    def _write(self, folder: Path, variables) -> None:
+        """Write pushed params as the checkpoint folder the servers reload."""
         if self._save is not None:
             self._save(folder, variables)
         else:
             from dew.models import hf
 
             hf.save(folder, self.model, variables, tokenizer_from=self._checkpoint)
-        self.pause()
+
+    async def _on_each(self, client: httpx.AsyncClient, path: str, **options) -> None:
+        """POST `path` to every live server at once; the first failure, once all answered.
+
+        Raises:
+            VLLMError: naming the URL of a server that failed, or when none is alive.
+        """
+        failures: list[VLLMError] = []
+
+        async def one(server: _Server) -> None:
+            try:
+                await self._post_async(client, server, path, **options)
+            except VLLMError as error:
+                failures.append(error)
+
+        async with trio.open_nursery() as nursery:
+            for server in self._live_for(None):
+                nursery.start_soon(one, server)
+        if failures:
+            raise failures[0]
+
+    async def _resume_all_async(self, client: httpx.AsyncClient) -> None:
+        """Resume the live servers after a failed or cancelled push, those that still answer."""
+        async with trio.open_nursery() as nursery:
+            for server in self._servers:
+                if server.alive:
+                    nursery.start_soon(self._resume_quietly, client, server)
+
+    async def _resume_quietly(self, client: httpx.AsyncClient, server: _Server) -> None:
+        with contextlib.suppress(VLLMError):
+            await self._post_async(client, server, "/resume")
+
+    async def _post_async(
+        self, client: httpx.AsyncClient, server: _Server, path: str, **options
+    ) -> httpx.Response:
+        """`_post` over an async client."""
         try:
-            reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
-            for server in self._live_for(version):
-                self._post(server, "/collective_rpc", json=reload)
-        except VLLMError as error:
-            self._resume_all()
-            raise VLLMError(f"pushing version {version}: {error}") from None
-        self.resume(version)
-        previous, self._pushed = self._pushed, folder
-        if previous is not None and previous != folder:
-            shutil.rmtree(previous, ignore_errors=True)
-        self.push_seconds.append(time.perf_counter() - began)
+            answer = await client.post(f"{server.url}{path}", **options)
+        except httpx.HTTPError as error:
+            raise self._post_failed(server, path, error) from None
+        if answer.status_code != 200:
+            raise VLLMError(f"the vLLM server {server.url} failed {path}: {_said(answer)}")
+        return answer
 
     def pause(self) -> None:
         """Pause every live server in "keep" mode: calls in flight freeze until `resume`.
@@ -597,14 +670,19 @@ class VLLMEngine:
         try:
             answer = self._pushes.post(f"{server.url}{path}", **options)
         except httpx.HTTPError as error:
-            if server.process is not None and server.process.exit_code() is not None:
-                server.died(f"exit code {server.process.exit_code()}")
-            raise VLLMError(
-                f"the vLLM server {server.url} failed {path}: {type(error).__name__}: {error}"
-            ) from None
+            raise self._post_failed(server, path, error) from None
         if answer.status_code != 200:
             raise VLLMError(f"the vLLM server {server.url} failed {path}: {_said(answer)}")
         return answer
+
+    def _post_failed(self, server: _Server, path: str, error: httpx.HTTPError) -> VLLMError:
+        """The error of a POST the server did not answer; the server counts as dead when its
+        process ended."""
+        if server.process is not None and server.process.exit_code() is not None:
+            server.died(f"exit code {server.process.exit_code()}")
+        return VLLMError(
+            f"the vLLM server {server.url} failed {path}: {type(error).__name__}: {error}"
+        )
 
 
 def _folder_tokenizer(checkpoint: str | Path):
