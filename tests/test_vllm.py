@@ -11,6 +11,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -22,12 +23,14 @@ import pytest
 import trio
 
 from _checkpoint import tiny_qwen2
+from dew import replay
 from dew._torch_media import hide_broken_media_packages
 from dew.data import ArrayDataset, Task
 from dew.envs import HarnessSource, Score
 from dew.envs.prompts import PromptSource
 from dew.gateway import Gateway, ServedGateway
 from dew.models import hf
+from dew.objectives.rl._session import track_progress
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Label, Status
@@ -167,28 +170,64 @@ async def test_a_push_while_calls_run_keeps_them_running_under_their_version(
     engine, params, references
 ):
     engine.load(params[0], 10)
-    results = {}
+    results, progress = {}, {}
     async with engine:
 
         async def one(index):
+            progress[index] = track_progress()
             results[index] = await engine.generate(PROMPT, max_tokens=100, key=index)
 
         async with trio.open_nursery() as nursery:
             for index in range(4):
                 nursery.start_soon(one, index)
-            await wait_running(engine.urls, 4, lambda: bool(results))
+            with trio.fail_after(120):  # until each call has drawn a token under version 10
+                while len(progress) < 4 or min(p.length()[0] for p in progress.values()) < 1:
+                    await trio.sleep(0.01)
+            engine.pause()  # they freeze there; the push pauses them again, and resumes them
             await engine.load_async(params[1], 11)
             after = await engine.generate(PROMPT, max_tokens=10, key=9)
     assert [len(results[index].completion) for index in range(4)] == [100] * 4
     assert {results[index].version for index in range(4)} == {10}
     assert after.version == 11
     np.testing.assert_allclose(after.logprobs, reference_logprobs(references[1], after), atol=2e-4)
-    # The tokens drawn after the push were drawn by the new weights: some differ from what the
-    # old weights alone give.
-    old = [reference_logprobs(references[0], results[index]) for index in range(4)]
-    assert any(
-        not np.allclose(results[index].logprobs, old[index], atol=2e-4) for index in range(4)
-    )
+    # A call drew its first tokens under the old weights and the rest under the new: its
+    # log-probs are the old weights' up to some token, the new ones' from there on. (One that
+    # raced ahead of the others may have ended before the pause; the last to start cannot.)
+    straddled = 0
+    for call in results.values():
+        old, new = (reference_logprobs(model, call) for model in references)
+        changed = np.flatnonzero(~np.isclose(call.logprobs, old, atol=2e-4))
+        if len(changed):
+            assert changed[0] >= 1
+            np.testing.assert_allclose(call.logprobs[changed[0] :], new[changed[0] :], atol=2e-4)
+            straddled += 1
+    assert straddled >= 1
+
+
+async def test_a_cancelled_call_says_how_many_tokens_it_drew(engine, params):
+    """As dew's engine does: a call counts toward its rollout's progress (what the scheduler
+    reads of a rollout it cancels) as its tokens stream in."""
+    engine.load(params[0], 12)
+    progress = None
+
+    async def rollout():
+        nonlocal progress
+        progress = track_progress()  # as the scheduler gives each rollout's task
+        await engine.generate(PROMPT, max_tokens=MAX_LEN - len(PROMPT), key=5)
+
+    async with engine, trio.open_nursery() as nursery:
+        nursery.start_soon(rollout)
+        with trio.fail_after(120):
+            while progress is None or progress.length()[0] < 1:
+                await trio.sleep(0.01)
+        engine.pause()  # the call freezes where it is
+        try:
+            nursery.cancel_scope.cancel()
+        finally:
+            engine.resume(12)
+    tokens, calls = progress.length()
+    assert calls == 1 and 1 <= tokens < MAX_LEN - len(PROMPT)
+    assert progress.sampling is None  # no call samples for it any more
 
 
 def engine_mismatch(batch) -> float:
@@ -391,21 +430,107 @@ async def test_an_agent_harness_runs_through_the_gateway_with_vllm_serving(
     np.testing.assert_array_equal(second.prompt[: len(drawn)], drawn)
 
 
-def test_dew_train_trains_a_checkpoint_with_vllm_serving(engine, folders, tmp_path):
+def dew_train(folder, run, urls, *options) -> list[str]:
+    """`dew train`'s arguments for a short run of `folder` served by the vLLM servers at `urls`."""
+    argv = ["train", "--model", str(folder), "--engine", "vllm", "--run", str(run)]
+    argv += ["--engine-url", *urls, "--batch-size", "2", "--groups", "2"]
+    return [*argv, "--tasks", "10", "--eval-every", "0", "--samples", "0", *options]
+
+
+def metrics(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_served(urls, version: int) -> None:
+    """Every server serves the weights the run pushed last, under their version."""
+    for url in urls:
+        assert httpx.get(f"{url}/weight_info").json() == {"weight_version": str(version)}
+
+
+def test_dew_train_trains_a_checkpoint_with_vllm_serving_and_replays_its_record(
+    engine, folders, tmp_path
+):
     from dew.cli import main
 
-    run = tmp_path / "run"
-    argv = ["train", "--model", str(folders[0]), "--engine", "vllm", "--run", str(run)]
-    argv += ["--engine-url", *engine.urls, "--steps", "5", "--batch-size", "2", "--groups", "2"]
-    argv += ["--tasks", "10", "--eval-every", "0", "--samples", "0"]
+    run, trace = tmp_path / "run", tmp_path / "run.trace"
+    argv = dew_train(folders[0], run, engine.urls, "--steps", "5", "--record", str(trace))
     with jax.numpy_dtype_promotion("standard"):  # optax's Adam
         assert main(argv) == 0
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = metrics(run)
     assert [line["updates"] for line in lines] == [1, 2, 3, 4, 5]
     assert all(math.isfinite(line["loss"]) for line in lines)
-    # Every server serves the weights of the run's last push (before its fifth step).
-    for url in engine.urls:
-        assert httpx.get(f"{url}/weight_info").json() == {"weight_version": "4"}
+    # The last push came before the fifth step.
+    assert_served(engine.urls, 4)
+    # The trace replays without vLLM: every decision and packed array as recorded.
+    assert main(["replay", str(trace)]) == 0
+    result = replay.replay(trace)
+    assert result.matched and (result.steps, result.groups) == (5, 10)
+    assert [version for _, version in replay.read_trace(trace).pushes] == [0, 1, 2, 3, 4]
+
+
+def test_an_interrupted_vllm_run_resumes_at_its_checkpoint_and_trains_nothing_twice(
+    engine, folders, tmp_path, capsys
+):
+    """Ctrl-C stops the run after the step in progress, with its checkpoint; the resumed run
+    pushes the checkpoint's weights before any rollout and trains the data positions after it.
+    vLLM's draws are not reproducible (a batch's numerics vary with what it holds), so what is
+    exact is the trainer's state, the step and the data position, not the rollouts."""
+    from dew.cli import main
+    from dew.train import COMMIT
+
+    run, steps = tmp_path / "run", 6
+    argv = dew_train(folders[0], run, engine.urls, "--steps", str(steps))
+
+    def press_ctrl_c_after_the_first_step():
+        deadline = time.monotonic() + 600
+        while not (run / "metrics.jsonl").exists() or not metrics(run):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    presser = threading.Thread(target=press_ctrl_c_after_the_first_step)
+    with jax.numpy_dtype_promotion("standard"):
+        presser.start()
+        try:
+            assert main(argv) == 130  # INTERRUPTED: stopped after the step in progress
+        finally:
+            presser.join()
+        commit = json.loads((run / "checkpoints" / COMMIT).read_text())
+        stopped = commit["updates"]
+        assert 1 <= stopped < steps and commit["position"] == stopped
+        assert len(metrics(run)) == stopped
+        capsys.readouterr()
+        assert main([*argv, "--resume"]) == 0
+    assert f"resuming at step {stopped}, data position {stopped}" in capsys.readouterr().out
+    lines = metrics(run)
+    assert [line["step"] for line in lines] == list(range(steps))
+    assert [line["updates"] for line in lines] == list(range(1, steps + 1))
+    # Each data position trained once: no rollout of the stopped run trains again.
+    assert [line["position"] for line in lines] == list(range(steps))
+    assert_served(engine.urls, steps - 1)
+
+
+def test_a_pool_of_processes_trains_each_on_its_share_of_the_vllm_servers(
+    engine, folders, tmp_path
+):
+    """`dew train --processes 2 --engine-url A B`: process 0 pushes to and samples from A,
+    process 1 from B, so no server takes two processes' pushes."""
+    import sys
+
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "dew", *dew_train(folders[0], run, engine.urls)]
+    command += ["--steps", "2", "--processes", "2"]
+    environment = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
+    logs = {path.name: path.read_text() for path in (run / "logs").glob("process-*.log")}
+    assert done.returncode == 0, done.stdout + done.stderr + str(logs)
+    lines = metrics(run)
+    assert [line["updates"] for line in lines] == [1, 2]
+    assert all(line["groups"] == 2 and math.isfinite(line["loss"]) for line in lines)
+    assert_served(engine.urls, 1)
+    # Each process wrote its pushes for its own server.
+    assert sorted(path.name for path in (run / "vllm").iterdir()) == ["process-0", "process-1"]
 
 
 @pytest.mark.parametrize(
@@ -425,6 +550,20 @@ def test_dew_train_refuses_engine_options_that_do_not_go_together(
         main(["train", "--run", str(tmp_path / "run"), *options])
     assert exited.value.code == 2
     assert culprit in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_pool_refuses_urls_that_do_not_split_over_its_processes(folders, tmp_path, capsys):
+    from dew.cli import main
+
+    urls = ["http://127.0.0.1:9", "http://127.0.0.1:10", "http://127.0.0.1:11"]
+    with pytest.raises(SystemExit) as exited:
+        main([*dew_train(folders[0], tmp_path / "run", urls), "--processes", "2"])
+    assert exited.value.code == 2
+    assert (
+        "--engine-url: each of the 2 processes pushes to servers of its own, so the 3 URLs must "
+        "split evenly over them" in capsys.readouterr().err
+    )
     assert not (tmp_path / "run").exists()
 
 

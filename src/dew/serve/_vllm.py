@@ -6,17 +6,20 @@ started under; `load` pushes weights; `version` is the version calls start under
 with engine:` opens its HTTP client in the caller's trio run.
 
 Calls go to vLLM's token-in/token-out endpoint (`POST /inference/v1/generate`), which takes the
-prompt's ids as they are and answers the drawn ids: nothing is tokenised or detokenised between
-dew and the engine. The servers run with `--logprobs-mode processed_logprobs`, so a token's
-log-prob is taken under the distribution it was drawn from (after temperature, top-k and
-top-p), as behaviour log-probs must be; and the endpoint labels each token with the weights
-version that drew it, so a call that straddles a push reports the version it really started
-under.
+prompt's ids as they are and streams the drawn ids back: nothing is tokenised or detokenised
+between dew and the engine, and a rollout the scheduler cancels still says how many tokens its
+call drew (`note_progress`), as with dew's engine. The servers run with `--logprobs-mode
+processed_logprobs`, so a token's log-prob is taken under the distribution it was drawn from
+(after temperature, top-k and top-p), as behaviour log-probs must be; and the endpoint labels
+each token with the weights version that drew it, so a call that straddles a push reports the
+version it really started under.
 
 A push writes the params as a checkpoint folder (`dew.models.hf.save`) and has each server
 reload it in place through vLLM's RL endpoints: pause in "keep" mode (calls in flight freeze
 and go on after the resume, under the new weights), reload from the folder, set the weights
-version, resume.
+version, resume. `load_async` does it without holding the trio run that awaits it (the folder
+is written in a worker thread, the servers driven over an async client), which is what the
+scheduler awaits; `load` is the same push for synchronous callers.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import json
 import math
 import shutil
 import tempfile
@@ -38,7 +42,7 @@ import numpy as np
 import trio
 
 from dew._checks import check_int, check_number
-from dew.objectives.rl.sessions import Call
+from dew.objectives.rl.sessions import Call, note_progress
 from dew.serve._failure import CallFailed
 from dew.serve._vllm_process import ServerProcess, VLLMError, check_port_free, free_port
 
@@ -472,17 +476,66 @@ class VLLMEngine:
         server = self._pick()
         submitted = self.version
         server.calls += 1
+        tokens: list[int] = []
+        # What the call draws counts toward its rollout's length, even if it is cancelled.
+        note_progress(calls=1, sampling=tokens)
         try:
-            answer = await self._client.post(f"{server.url}{_GENERATE}", json=body)
+            choice = await self._stream(server, body, tokens)
         except httpx.TransportError as error:
             raise await self._lost(server, error) from None
         finally:
             server.calls -= 1
-        if answer.status_code >= 500:
-            raise await self._lost(server, _said(answer))
-        if answer.status_code != 200:
-            raise VLLMError(f"the vLLM server {server.url} refused the call: {_said(answer)}")
-        return _call(server.url, np.asarray(ids, np.int32), answer.json(), submitted)
+            note_progress(len(tokens))
+        return _call(server.url, np.asarray(ids, np.int32), {"choices": [choice]}, submitted)
+
+    async def _stream(self, server: _Server, body: dict, tokens: list[int]) -> dict:
+        """Run a call as a stream of its tokens, `tokens` growing as they come (what a cancelled
+        call drew, for note_progress), and return its choice, its chunks joined.
+
+        Raises:
+            CallFailed: when the server fails (5xx) or its stream ends before the call does.
+            VLLMError: when it refuses the call or reports an error in the stream.
+            httpx.TransportError: when the connection breaks.
+        """
+        ids: list[int] | None = []
+        content: list | None = []
+        last: dict = {}
+        url = f"{server.url}{_GENERATE}"
+        async with self._client.stream("POST", url, json={**body, "stream": True}) as answer:
+            if answer.status_code != 200:
+                await answer.aread()
+                if answer.status_code >= 500:
+                    raise await self._lost(server, _said(answer))
+                raise VLLMError(f"the vLLM server {server.url} refused the call: {_said(answer)}")
+            async for line in answer.aiter_lines():
+                data = line.removeprefix("data: ")
+                if data == line or data == "[DONE]":
+                    continue  # a blank separator, or the end
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise VLLMError(
+                        f"the vLLM server {server.url} failed the call: {chunk['error']!r:.500}"
+                    )
+                for choice in chunk.get("choices") or ():
+                    delta = choice.get("token_ids")
+                    drawn = (choice.get("logprobs") or {}).get("content")
+                    if delta is None or drawn is None:
+                        ids = content = None  # not a token-in/token-out answer: `_call` says so
+                    if ids is not None:
+                        tokens.extend(delta)
+                        ids.extend(delta)
+                        content.extend(drawn)
+                    last = choice
+        if ids is not None and last.get("finish_reason") is None:
+            raise CallFailed(
+                f"the vLLM server {server.url} ended the call's stream before the call ended"
+            )
+        return {
+            "token_ids": ids,
+            "logprobs": {"content": content},
+            "finish_reason": last.get("finish_reason"),
+            "weight_versions": last.get("weight_versions"),
+        }
 
     def _pick(self) -> _Server:
         live = [server for server in self._servers if server.alive]
