@@ -500,6 +500,7 @@ class VLLMEngine:
         ids: list[int] | None = []
         content: list | None = []
         last: dict = {}
+        problem = None
         url = f"{server.url}{_GENERATE}"
         async with self._client.stream("POST", url, json={**body, "stream": True}) as answer:
             if answer.status_code != 200:
@@ -507,15 +508,20 @@ class VLLMEngine:
                 if answer.status_code >= 500:
                     raise await self._lost(server, _said(answer))
                 raise VLLMError(f"the vLLM server {server.url} refused the call: {_said(answer)}")
+            # Read to the end whatever comes: leaving httpx's line iterator half read would leave
+            # its generators for the garbage collector (trio warns of each).
             async for line in answer.aiter_lines():
                 data = line.removeprefix("data: ")
-                if data == line or data == "[DONE]":
-                    continue  # a blank separator, or the end
-                chunk = json.loads(data)
+                if data == line or data == "[DONE]" or problem is not None:
+                    continue  # a blank separator, the end, or what follows an error
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    problem = f"a line that is not JSON: {data!r:.200}"
+                    continue
                 if "error" in chunk:
-                    raise VLLMError(
-                        f"the vLLM server {server.url} failed the call: {chunk['error']!r:.500}"
-                    )
+                    problem = f"{chunk['error']!r:.500}"
+                    continue
                 for choice in chunk.get("choices") or ():
                     delta = choice.get("token_ids")
                     drawn = (choice.get("logprobs") or {}).get("content")
@@ -526,6 +532,8 @@ class VLLMEngine:
                         ids.extend(delta)
                         content.extend(drawn)
                     last = choice
+        if problem is not None:
+            raise VLLMError(f"the vLLM server {server.url} failed the call: {problem}")
         if ids is not None and last.get("finish_reason") is None:
             raise CallFailed(
                 f"the vLLM server {server.url} ended the call's stream before the call ended"
