@@ -581,7 +581,8 @@ class VLLMEngine:
         whole push, where `await engine.load_async(...)` would not (the scheduler awaits that).
 
         Raises:
-            As `load_async`.
+            VLLMError: as `load_async`: a step of the push failed, or no server is alive.
+            ValueError: as `load_async`: a bad version, or params the writer refuses.
         """
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dew-push") as pool:
             pool.submit(trio.run, self.load_async, variables, version).result()
