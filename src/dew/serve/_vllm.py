@@ -610,7 +610,12 @@ class VLLMEngine:
         self._live_for(version)
         folder = self._push_dir / f"push-{version}"
         await trio.to_thread.run_sync(self._write, folder, variables)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+        # Made in a worker thread too: making a client (its TLS context) takes tens of ms.
+        timeout = httpx.Timeout(600.0, connect=10.0)
+        client = await trio.to_thread.run_sync(
+            functools.partial(httpx.AsyncClient, timeout=timeout)
+        )
+        async with client:
             try:
                 await self._on_each(client, "/pause", params={"mode": "keep"})
                 reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
