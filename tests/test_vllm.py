@@ -153,24 +153,19 @@ async def test_a_push_changes_what_is_served_and_the_version(engine, params, ref
         )
 
 
-async def _running(url: str) -> float:
-    """The calls a server is running now, from its Prometheus metrics."""
+async def wait_held(url: str, ended) -> None:
+    """Waits until the server at `url` holds a call (running or waiting), from its Prometheus
+    metrics. Fails, rather than hangs, when `ended()` says the calls ended first."""
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
     async with httpx.AsyncClient() as client:
-        text = (await client.get(f"{url}/metrics")).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:num_requests_running")
-    )
-
-
-async def wait_running(urls, count: int, ended) -> None:
-    """Waits until the servers at `urls` run `count` calls between them. Fails, rather than
-    hangs, when `ended()` says the calls ended before they were all seen running."""
-    with trio.fail_after(120):
-        while sum([await _running(url) for url in urls]) < count:
-            assert not ended(), f"the calls ended before {count} were seen running at once"
-            await trio.sleep(0.05)
+        with trio.fail_after(120):
+            while True:
+                text = (await client.get(f"{url}/metrics")).text
+                lines = [line for line in text.splitlines() if line.startswith(names)]
+                if sum(float(line.rsplit(" ", 1)[1]) for line in lines) >= 1:
+                    return
+                assert not ended(), "the calls ended before the server was seen holding one"
+                await trio.sleep(0.05)
 
 
 async def test_a_push_while_calls_run_keeps_them_running_under_their_version(
@@ -618,9 +613,11 @@ async def test_a_killed_servers_rollouts_are_resubmitted_to_the_server_left(
             await scheduler.step(next(batches), params[0], 30)
             stepped.set()
 
+        # Paused, the victim holds the calls it takes until it is killed: none ends first.
+        httpx.post(f"{victim.url}/pause", params={"mode": "keep"}).raise_for_status()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(step)
-            await wait_running([victim.url], 1, stepped.is_set)
+            await wait_held(victim.url, stepped.is_set)
             os.killpg(victim.pid, signal.SIGKILL)
         record = scheduler.last_record
         assert record.resubmitted["infra_error"] >= 1
