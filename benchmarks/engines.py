@@ -10,7 +10,9 @@ are printed side by side.
 Then weight pushes into the vLLM server (`VLLMEngine.load`: the checkpoint folder written by
 `dew.models.hf.save`, then pause, reload, version, resume): the write and the whole push, best
 of `--best-of`, against the params' bytes, for the checkpoint of each `--widths` entry (one
-server each).
+server each); and how long a push holds the trio run it is made from: the longest gap between
+the beats of a task beating every millisecond there, awaiting `load_async` (as the scheduler
+does) against calling `load`.
 
     python benchmarks/engines.py                # widths 128 and 512
     python benchmarks/engines.py --smoke        # one tiny checkpoint, few calls
@@ -116,6 +118,40 @@ def pushes(folder: pathlib.Path, engine: VLLMEngine, args) -> None:
         f"push {size / 2**20:8.2f} MiB: write {min(writes):.3f} s, whole push {min(totals):.3f} s "
         f"({size / min(totals) / 2**20:.1f} MiB/s)"
     )
+    version = args.best_of + 1
+
+    async def awaited():
+        await engine.load_async(params, version)
+
+    async def blocking():
+        engine.load(params, version + 1)
+
+    print(
+        f"  longest stall of the pushing trio run: {1e3 * trio.run(stall, awaited):.1f} ms "
+        f"awaiting load_async, {1e3 * trio.run(stall, blocking):.1f} ms calling load"
+    )
+
+
+async def stall(push) -> float:
+    """The longest gap, in seconds, between the beats of a task that beats every millisecond in
+    the trio run that runs `push()`: how long the push held the run."""
+    gaps = []
+    pushing = True
+
+    async def beat():
+        last = time.perf_counter()
+        while pushing:
+            await trio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(beat)
+        await trio.sleep(0.01)
+        await push()
+        pushing = False
+    return max(gaps)
 
 
 def main(args) -> None:

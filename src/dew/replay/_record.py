@@ -427,13 +427,32 @@ class RecordingSource:
 @attrs.frozen(eq=False)
 class RecordingPublisher:
     """A Publisher that passes every weight push on to `publisher` and, once it is taken,
-    records it (version, time)."""
+    records it (version, time). It offers `load_async` where `publisher` does (an instance of
+    its subclass then), so the scheduler awaits the push as it would the publisher's own."""
 
     publisher: Publisher
     recorder: Recorder
 
+    def __new__(cls, publisher: Publisher, recorder: Recorder):
+        if cls is RecordingPublisher and hasattr(publisher, "load_async"):
+            cls = _AsyncRecordingPublisher
+        return super().__new__(cls)
+
     def load(self, variables: Any, version: int) -> None:
         """Push the weights through `publisher`, then record the push."""
         self.publisher.load(variables, version)
+        self._recorded(version)
+
+    def _recorded(self, version: int) -> None:
         push = {"kind": "push", "version": _plain(version), "time": trio.current_time()}
         self.recorder._write(push)
+
+
+class _AsyncRecordingPublisher(RecordingPublisher):
+    """A RecordingPublisher of a publisher with `load_async`."""
+
+    async def load_async(self, variables: Any, version: int) -> None:
+        """Push the weights through `publisher.load_async` (the scheduler's run goes on
+        meanwhile), then record the push at the instant it ended."""
+        await self.publisher.load_async(variables, version)
+        self._recorded(version)

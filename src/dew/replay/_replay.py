@@ -8,7 +8,7 @@ import functools
 import heapq
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -63,13 +63,30 @@ class NoRescoring:
 
 @attrs.define(eq=False)
 class ReplayPublisher:
-    """A Publisher for replay: it accepts every push and keeps them, as (time, version)."""
+    """A Publisher for replay: it accepts every push and keeps them, as (time, version).
 
+    Args:
+        ends: the recorded pushes' times (when each ended), for a trace of the scheduler's
+            async facade: the k-th push lasts until the k-th of them, as a publisher's async
+            push (`load_async`) did in the recorded run; empty, each push is instant.
+        sleep_until: the replay's clock keeper (`ReplaySource.sleep_until`), which `ends` need.
+    """
+
+    ends: Sequence[float] = ()
+    sleep_until: Callable[[float], Awaitable[None]] | None = None
     pushes: list[tuple[float, int]] = attrs.field(factory=list, init=False)
 
     def load(self, variables: Any, version: int) -> None:
         """Keep the push as (the clock's time, version); the weights go nowhere."""
         self.pushes.append((trio.current_time(), int(version)))
+
+    async def load_async(self, variables: Any, version: int) -> None:
+        """`load`, once the clock reaches the recorded end of this push where that is later
+        (and without a checkpoint where it is not, as a synchronous push)."""
+        index = len(self.pushes)
+        if index < len(self.ends) and self.ends[index] > trio.current_time():
+            await self.sleep_until(self.ends[index])
+        self.load(variables, version)
 
 
 class ReplaySource:
@@ -417,8 +434,10 @@ async def _replay(
             f"replay must start by the trace's start time {trace.start}; "
             f"the clock reads {trio.current_time()}"
         )
-    publisher = ReplayPublisher()
     source = ReplaySource(trace)
+    # An async trace's pushes took the time recorded (a thread trace's are off its clock).
+    ends = [time for time, _ in trace.pushes] if trace.facade == "async" else []
+    publisher = ReplayPublisher(ends, source.sleep_until)
     _check_recorded(trace, source)
     scheduler = _scheduler(trace, config, source, publisher)
     source.settled = scheduler._settled

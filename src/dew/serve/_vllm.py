@@ -6,17 +6,20 @@ started under; `load` pushes weights; `version` is the version calls start under
 with engine:` opens its HTTP client in the caller's trio run.
 
 Calls go to vLLM's token-in/token-out endpoint (`POST /inference/v1/generate`), which takes the
-prompt's ids as they are and answers the drawn ids: nothing is tokenised or detokenised between
-dew and the engine. The servers run with `--logprobs-mode processed_logprobs`, so a token's
-log-prob is taken under the distribution it was drawn from (after temperature, top-k and
-top-p), as behaviour log-probs must be; and the endpoint labels each token with the weights
-version that drew it, so a call that straddles a push reports the version it really started
-under.
+prompt's ids as they are and streams the drawn ids back: nothing is tokenised or detokenised
+between dew and the engine, and a rollout the scheduler cancels still says how many tokens its
+call drew (`note_progress`), as with dew's engine. The servers run with `--logprobs-mode
+processed_logprobs`, so a token's log-prob is taken under the distribution it was drawn from
+(after temperature, top-k and top-p), as behaviour log-probs must be; and the endpoint labels
+each token with the weights version that drew it, so a call that straddles a push reports the
+version it really started under.
 
 A push writes the params as a checkpoint folder (`dew.models.hf.save`) and has each server
 reload it in place through vLLM's RL endpoints: pause in "keep" mode (calls in flight freeze
 and go on after the resume, under the new weights), reload from the folder, set the weights
-version, resume.
+version, resume. `load_async` does it without holding the trio run that awaits it (the folder
+is written in a worker thread, the servers driven over an async client), which is what the
+scheduler awaits; `load` is the same push for synchronous callers.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import json
 import math
 import shutil
 import tempfile
@@ -38,7 +42,7 @@ import numpy as np
 import trio
 
 from dew._checks import check_int, check_number
-from dew.objectives.rl.sessions import Call
+from dew.objectives.rl.sessions import Call, note_progress
 from dew.serve._failure import CallFailed
 from dew.serve._vllm_process import ServerProcess, VLLMError, check_port_free, free_port
 
@@ -472,17 +476,74 @@ class VLLMEngine:
         server = self._pick()
         submitted = self.version
         server.calls += 1
+        tokens: list[int] = []
+        # What the call draws counts toward its rollout's length, even if it is cancelled.
+        note_progress(calls=1, sampling=tokens)
         try:
-            answer = await self._client.post(f"{server.url}{_GENERATE}", json=body)
+            choice = await self._stream(server, body, tokens)
         except httpx.TransportError as error:
             raise await self._lost(server, error) from None
         finally:
             server.calls -= 1
-        if answer.status_code >= 500:
-            raise await self._lost(server, _said(answer))
-        if answer.status_code != 200:
-            raise VLLMError(f"the vLLM server {server.url} refused the call: {_said(answer)}")
-        return _call(server.url, np.asarray(ids, np.int32), answer.json(), submitted)
+            note_progress(len(tokens))
+        return _call(server.url, np.asarray(ids, np.int32), {"choices": [choice]}, submitted)
+
+    async def _stream(self, server: _Server, body: dict, tokens: list[int]) -> dict:
+        """Run a call as a stream of its tokens, `tokens` growing as they come (what a cancelled
+        call drew, for note_progress), and return its choice, its chunks joined.
+
+        Raises:
+            CallFailed: when the server fails (5xx) or its stream ends before the call does.
+            VLLMError: when it refuses the call or reports an error in the stream.
+            httpx.TransportError: when the connection breaks.
+        """
+        ids: list[int] | None = []
+        content: list | None = []
+        last: dict = {}
+        problem = None
+        url = f"{server.url}{_GENERATE}"
+        async with self._client.stream("POST", url, json={**body, "stream": True}) as answer:
+            if answer.status_code != 200:
+                await answer.aread()
+                if answer.status_code >= 500:
+                    raise await self._lost(server, _said(answer))
+                raise VLLMError(f"the vLLM server {server.url} refused the call: {_said(answer)}")
+            # Read to the end whatever comes: leaving httpx's line iterator half read would leave
+            # its generators for the garbage collector (trio warns of each).
+            async for line in answer.aiter_lines():
+                data = line.removeprefix("data: ")
+                if data == line or data == "[DONE]" or problem is not None:
+                    continue  # a blank separator, the end, or what follows an error
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    problem = f"a line that is not JSON: {data!r:.200}"
+                    continue
+                if "error" in chunk:
+                    problem = f"{chunk['error']!r:.500}"
+                    continue
+                for choice in chunk.get("choices") or ():
+                    delta = choice.get("token_ids")
+                    drawn = (choice.get("logprobs") or {}).get("content")
+                    if delta is None or drawn is None:
+                        ids = content = None  # not a token-in/token-out answer: `_call` says so
+                    if ids is not None:
+                        tokens.extend(delta)
+                        ids.extend(delta)
+                        content.extend(drawn)
+                    last = choice
+        if problem is not None:
+            raise VLLMError(f"the vLLM server {server.url} failed the call: {problem}")
+        if ids is not None and last.get("finish_reason") is None:
+            raise CallFailed(
+                f"the vLLM server {server.url} ended the call's stream before the call ended"
+            )
+        return {
+            "token_ids": ids,
+            "logprobs": {"content": content},
+            "finish_reason": last.get("finish_reason"),
+            "weight_versions": last.get("weight_versions"),
+        }
 
     def _pick(self) -> _Server:
         live = [server for server in self._servers if server.alive]
@@ -512,12 +573,31 @@ class VLLMEngine:
     # --- pushes ----------------------------------------------------------------------------------
 
     def load(self, variables, version: int) -> None:
-        """Serve `variables` under `version` on every live server (the Publisher protocol).
+        """Serve `variables` under `version` on every live server (the Publisher protocol):
+        `load_async`, run to its end from any thread.
 
-        Writes them as a checkpoint folder under the push folder, then pauses every server in
-        "keep" mode (calls in flight freeze, then go on under the new weights, each keeping
-        the version its first token was drawn under), has each reload its weights from the
-        folder, sets the version and resumes them. Blocks until every server serves them.
+        It runs in a trio run of its own, on a thread of its own, and blocks the caller until
+        every server serves the new weights: called from a trio run, it holds that run for the
+        whole push, where `await engine.load_async(...)` would not (the scheduler awaits that).
+
+        Raises:
+            VLLMError: as `load_async`: a step of the push failed, or no server is alive.
+            ValueError: as `load_async`: a bad version, or params the writer refuses.
+        """
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dew-push") as pool:
+            pool.submit(trio.run, self.load_async, variables, version).result()
+
+    async def load_async(self, variables, version: int) -> None:
+        """Serve `variables` under `version` on every live server, letting the trio run that
+        awaits it go on meanwhile: the rollouts in flight, a gateway and the fleet's other calls.
+
+        Writes them as a checkpoint folder under the push folder (in a worker thread), then
+        pauses every server in "keep" mode (calls in flight freeze, then go on under the new
+        weights, each keeping the version its first token was drawn under), has each reload
+        its weights from the folder, sets the version and resumes them; each step on every
+        server at once, over an HTTP client of the push's own. Returns once every server serves
+        them. Cancelled (or failing) after the pause, it resumes the servers that still answer
+        before it lets the cancel (or error) through.
 
         Raises:
             VLLMError: naming the server's URL and its error when a step of the push fails (the
@@ -529,25 +609,85 @@ class VLLMEngine:
         began = time.perf_counter()
         self._live_for(version)
         folder = self._push_dir / f"push-{version}"
+        await trio.to_thread.run_sync(self._write, folder, variables)
+        # Made in a worker thread too: making a client (its TLS context) takes tens of ms.
+        timeout = httpx.Timeout(600.0, connect=10.0)
+        client = await trio.to_thread.run_sync(
+            functools.partial(httpx.AsyncClient, timeout=timeout)
+        )
+        async with client:
+            try:
+                await self._on_each(client, "/pause", params={"mode": "keep"})
+                reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+                await self._on_each(client, "/collective_rpc", json=reload)
+                label = {"new_version": str(version)}
+                await self._on_each(client, "/update_weight_version", json=label)
+                await self._on_each(client, "/resume")
+            except BaseException as error:
+                # Servers left paused would hold every call in flight for good.
+                with trio.move_on_after(30, shield=True):
+                    await self._resume_all_async(client)
+                if isinstance(error, VLLMError):
+                    raise VLLMError(f"pushing version {version}: {error}") from None
+                raise
+        with self._lock:
+            self._version = version
+        previous, self._pushed = self._pushed, folder
+        if previous is not None and previous != folder:
+            shutil.rmtree(previous, ignore_errors=True)
+        self.push_seconds.append(time.perf_counter() - began)
+
+    def _write(self, folder: Path, variables) -> None:
+        """Write pushed params as the checkpoint folder the servers reload."""
         if self._save is not None:
             self._save(folder, variables)
         else:
             from dew.models import hf
 
             hf.save(folder, self.model, variables, tokenizer_from=self._checkpoint)
-        self.pause()
+
+    async def _on_each(self, client: httpx.AsyncClient, path: str, **options) -> None:
+        """POST `path` to every live server at once; the first failure, once all answered.
+
+        Raises:
+            VLLMError: naming the URL of a server that failed, or when none is alive.
+        """
+        failures: list[VLLMError] = []
+
+        async def one(server: _Server) -> None:
+            try:
+                await self._post_async(client, server, path, **options)
+            except VLLMError as error:
+                failures.append(error)
+
+        async with trio.open_nursery() as nursery:
+            for server in self._live_for(None):
+                nursery.start_soon(one, server)
+        if failures:
+            raise failures[0]
+
+    async def _resume_all_async(self, client: httpx.AsyncClient) -> None:
+        """Resume the live servers after a failed or cancelled push, those that still answer."""
+        async with trio.open_nursery() as nursery:
+            for server in self._servers:
+                if server.alive:
+                    nursery.start_soon(self._resume_quietly, client, server)
+
+    async def _resume_quietly(self, client: httpx.AsyncClient, server: _Server) -> None:
+        with contextlib.suppress(VLLMError):
+            await self._post_async(client, server, "/resume")
+
+    async def _post_async(
+        self, client: httpx.AsyncClient, server: _Server, path: str, **options
+    ) -> httpx.Response:
+        """`_post` over an async client."""
         try:
-            reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
-            for server in self._live_for(version):
-                self._post(server, "/collective_rpc", json=reload)
-        except VLLMError as error:
-            self._resume_all()
-            raise VLLMError(f"pushing version {version}: {error}") from None
-        self.resume(version)
-        previous, self._pushed = self._pushed, folder
-        if previous is not None and previous != folder:
-            shutil.rmtree(previous, ignore_errors=True)
-        self.push_seconds.append(time.perf_counter() - began)
+            answer = await client.post(f"{server.url}{path}", **options)
+        except httpx.HTTPError as error:
+            raise self._post_failed(server, path, error) from None
+        if answer.status_code != 200:
+            raise VLLMError(f"the vLLM server {server.url} failed {path}: {_said(answer)}")
+        return answer
 
     def pause(self) -> None:
         """Pause every live server in "keep" mode: calls in flight freeze until `resume`.
@@ -597,14 +737,19 @@ class VLLMEngine:
         try:
             answer = self._pushes.post(f"{server.url}{path}", **options)
         except httpx.HTTPError as error:
-            if server.process is not None and server.process.exit_code() is not None:
-                server.died(f"exit code {server.process.exit_code()}")
-            raise VLLMError(
-                f"the vLLM server {server.url} failed {path}: {type(error).__name__}: {error}"
-            ) from None
+            raise self._post_failed(server, path, error) from None
         if answer.status_code != 200:
             raise VLLMError(f"the vLLM server {server.url} failed {path}: {_said(answer)}")
         return answer
+
+    def _post_failed(self, server: _Server, path: str, error: httpx.HTTPError) -> VLLMError:
+        """The error of a POST the server did not answer; the server counts as dead when its
+        process ended."""
+        if server.process is not None and server.process.exit_code() is not None:
+            server.died(f"exit code {server.process.exit_code()}")
+        return VLLMError(
+            f"the vLLM server {server.url} failed {path}: {type(error).__name__}: {error}"
+        )
 
 
 def _folder_tokenizer(checkpoint: str | Path):

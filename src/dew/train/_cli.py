@@ -336,6 +336,8 @@ def _launch(args: argparse.Namespace, given: Mapping[str, Any], run: Path) -> in
         option = name.replace("_", "-")
         if isinstance(value, bool):  # a --flag/--no-flag pair takes no value
             options.append(f"--{option}" if value else f"--no-{option}")
+        elif isinstance(value, list | tuple):  # an option of several values (--engine-url)
+            options += [f"--{option}", *map(str, value)]
         else:
             options.append(f"--{option}={value}")
     options += ["--run", str(run), "--deadline", str(args.deadline)]

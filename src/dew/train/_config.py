@@ -42,6 +42,8 @@ MAX_WEIGHTS = 2**31
 """The most weights of a run's transformer blocks (8 GiB of float32, before Adam's two more)."""
 # Fields that change what a run logs, not what it trains: a resumed run may change them.
 _LOGGING = ("steps", "eval_every", "samples", "tensorboard")
+# Where the vLLM servers run, not what they serve: a resumed run may use other servers.
+_LOGGING += ("engine_url", "engine_servers")
 
 
 def _task_name(instance, attribute, value):

@@ -24,6 +24,12 @@ def _check_split(config: TrainConfig, processes: int) -> None:
         )
     if config.admit is not None and config.admit % processes:
         raise ValueError(f"admit {config.admit} must split evenly over the {processes} processes")
+    urls = config.engine_url
+    if urls is not None and processes > 1 and len(urls) % processes:
+        raise ValueError(
+            f"--engine-url: each of the {processes} processes pushes to servers of its own, "
+            f"so the {len(urls)} URLs must split evenly over them"
+        )
 
 
 # Where a run's arrays live, not what it computes: a run resumes onto another mesh (or one

@@ -275,21 +275,19 @@ def _split(rollout, mesh: Mesh | None):
 
 
 def _vllm_engine(config: TrainConfig, run: Path, model, tokenizer, max_len: int, version: int):
-    """The run's vLLM servers (docs/vllm.md): those at `--engine-url`, or `--engine-servers`
-    started on loopback with the `--model` folder, their logs and pushed checkpoints under the
-    run folder's `vllm/process-I/`. The servers hold the folder's weights, the trainer's
-    `version` ones only from the first push on, which the scheduler makes before any rollout."""
+    """The run's vLLM servers (docs/vllm.md): this process's share of those at `--engine-url`
+    (process I of P takes every P-th URL from the I-th: each process pushes its own weights to
+    servers of its own), or `--engine-servers` started on loopback with the `--model` folder,
+    their logs and pushed checkpoints under the run folder's `vllm/process-I/`. The servers
+    hold the folder's weights, the trainer's `version` ones only from the first push on, which
+    the scheduler makes before any rollout."""
     from dew.serve.vllm import VLLMEngine  # the vllm extra, only where it is asked for
 
-    work = run / "vllm" / f"process-{jax.process_index()}"
-    if config.engine_url is not None and jax.process_count() > 1:
-        raise ValueError(
-            "--engine-url: every process of a pool pushes its own weights; give each process "
-            "servers of its own (--engine-servers) rather than one set of URLs"
-        )
+    index, processes = jax.process_index(), jax.process_count()
+    work = run / "vllm" / f"process-{index}"
     if config.engine_url is not None:
         engine = VLLMEngine.attach(
-            config.engine_url,
+            config.engine_url[index::processes],
             checkpoint=config.model,
             model=model,
             tokenizer=tokenizer,

@@ -109,6 +109,8 @@ def check_collaborators(objective, source, weights, tasks, log) -> None:
         raise refuse("source", "have an async run(task, label) method (a SessionSource)", source)
     if not callable(getattr(weights, "load", None)):
         raise refuse("weights", "have a load(variables, version) method (a Publisher)", weights)
+    if hasattr(weights, "load_async") and not inspect.iscoroutinefunction(weights.load_async):
+        raise refuse("weights", "have load_async as an async method, if any", weights)
     if not callable(tasks):
         raise refuse("tasks", "be callable as tasks(batch) -> Sequence[Task]", tasks)
     if log is not None and not callable(log):

@@ -20,6 +20,15 @@ class Publisher(Protocol):
     """Where the trainer's weights go: load serves them under version.
 
     A RolloutServer is one; so is an engine fleet's publish sequence.
+
+    A publisher whose push waits on other processes or machines (writing a checkpoint folder,
+    HTTP to inference servers, as `dew.serve.vllm.VLLMEngine`'s does) may also offer
+    `async def load_async(variables, version)`, the same push as a trio coroutine: the
+    scheduler awaits it in place of `load`, so that the rollouts in flight, a gateway and
+    anything else in the scheduler's trio run go on during the push. The trainer's call still
+    returns only after the push is done, and rollouts the call submits start under the new
+    version. A publisher without it is called synchronously, at the trainer's call, before that
+    instant settles (what a mock-clock engine such as the simulated one relies on).
     """
 
     def load(self, variables: Variables, version: int) -> None:

@@ -415,10 +415,16 @@ class _Scheduler:
     ) -> dict[str, np.ndarray]:
         self._check_usable()
         if not self.pool.is_first_reader():
-            return self._read_share(variables, updates)
+            return await self._read_share_async(variables, updates)
         start = trio.current_time()
         try:
-            self._hand_over(self._prepare(batch, variables, updates))
+            await self._hand_over(self._prepare(batch, variables, updates))
+        except trio.Cancelled:
+            # An async push cut short: what the engines serve is unknown.
+            self._failed = RuntimeError(
+                f"the call at updates {updates} was cancelled while it pushed its weights"
+            )
+            raise
         except Exception as error:
             return self._finish(_Failure(error), variables, updates, 0.0)
         try:
@@ -440,7 +446,7 @@ class _Scheduler:
         # and the close, when it comes, answers the wait.
         if self._closed:
             return _Failure(RuntimeError(CLOSED))
-        self._hand_over(handover)
+        await self._hand_over(handover)
         return await self._receive.receive()
 
     def _left_behind(self) -> _Delivery | _Failure | None:
@@ -500,12 +506,26 @@ class _Scheduler:
 
     def _read_share(self, variables: Variables, updates: int) -> dict[str, np.ndarray]:
         """A share's later reader: it samples nothing and logs nothing, but meets the pool
-        where the first reader does (the push, the agreement, the rows, the rescoring)."""
+        where the first reader does (the push, the agreement, the rows, the rescoring). From
+        the trainer's thread: its push blocks that thread alone."""
         error = None
         try:
             updates = self._updates = self._check_updates(updates)
             if core.push_due(self._served, updates, self.sync_every):
                 self.weights.load(variables, updates)
+                self._served = updates
+        except Exception as problem:
+            error = problem
+        self._agree(error)
+        return self._pack_and_rescore([], variables)[1]
+
+    async def _read_share_async(self, variables: Variables, updates: int) -> dict:
+        """`_read_share` inside the caller's trio run, whose push the run awaits."""
+        error = None
+        try:
+            updates = self._updates = self._check_updates(updates)
+            if core.push_due(self._served, updates, self.sync_every):
+                await self._push(variables, updates)
                 self._served = updates
         except Exception as problem:
             error = problem
@@ -848,24 +868,42 @@ class _Scheduler:
         instant is over (replay's clock keeper moves the clock only then)."""
         return not self._pending
 
-    def _hand_over(self, handover: _HandOver) -> None:
-        """Push the weights when due, then post the hand-over. The push lands at the trainer's
-        call, before its instant settles: an engine that starts the calls arriving at an
-        instant once it has settled (as the simulated one does) starts them all under the new
-        version, whatever order trio runs the instant's tasks in."""
+    async def _hand_over(self, handover: _HandOver) -> None:
+        """Push the weights when due, then post the hand-over. A synchronous push lands at the
+        trainer's call, before its instant settles: an engine that starts the calls arriving at
+        an instant once it has settled (as the simulated one does) starts them all under the
+        new version, whatever order trio runs the instant's tasks in. An async push
+        (`load_async`) lets the run go on meanwhile; the hand-over, and the submissions it
+        makes, come after it, at the instant it ends."""
         now = trio.current_time()
         if handover.event_fields["pushed"]:
-            self.weights.load(handover.variables, handover.event_fields["served"])
-            # The newest ever: a resumed trainer pushes an older version again, while rollouts
-            # of the old stream may still finish with the newer one before their cancel.
-            served = handover.event_fields["served"]
-            self._newest_pushed = max(served, self._newest_pushed or served)
+            if await self._push(handover.variables, handover.event_fields["served"]):
+                now = trio.current_time()
+            if self._ended:
+                # close() came during the push: the batches' nurseries are going.
+                raise RuntimeError(CLOSED_WAITING)
         self._waiting = True
         self._post(core.HandedOver(time=now, **handover.event_fields))
         if self.long_wait is not None:
             self._watch = trio.CancelScope()
             first = not self._delivered
             self._nursery.start_soon(self._watch_wait, self._watch, self.long_wait, first)
+
+    async def _push(self, variables: Variables, version: int) -> bool:
+        """Serve `variables` under `version`: awaits the publisher's `load_async` where it has
+        one, so that the rollouts in flight and the gateway go on during the push, else calls
+        its `load`, which holds this run until it returns (and checkpoints nowhere). Returns
+        whether the push was awaited."""
+        # The newest ever, and set first: a rollout may finish under the new version before an
+        # async push returns; a resumed trainer pushes an older version again, while rollouts
+        # of the old stream may still finish with the newer one before their cancel.
+        self._newest_pushed = max(version, self._newest_pushed or version)
+        load_async = getattr(self.weights, "load_async", None)
+        if load_async is None:
+            self.weights.load(variables, version)
+            return False
+        await load_async(variables, version)
+        return True
 
     async def _watch_wait(self, scope: trio.CancelScope, long_wait: float, first: bool) -> None:
         """Log what the trainer waits on when a wait grows long: in full, but for the wait on
