@@ -314,7 +314,9 @@ def save(
     Params sharded over a mesh are gathered one tensor at a time, each written before the next
     is gathered, so the host holds one tensor, never the params. In a pool of processes whose
     mesh spans them, every process calls `save` alike (each tensor's gather is a collective)
-    and process 0 alone writes the folder.
+    and process 0 alone writes the folder. Params a process holds whole (a pool's replicated
+    params, as each process pushes them to its own vLLM servers) are written by whichever
+    process calls it.
 
     Args:
         folder: where to write; replaced when it exists.
@@ -334,7 +336,11 @@ def save(
     if tokenizer_from is not None and not Path(tokenizer_from).is_dir():
         raise ValueError(f"tokenizer_from {tokenizer_from} is not a folder")
     _check_params(model, params)
-    if jax.process_index() != 0:
+    spans = any(
+        isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+        for leaf in jax.tree.leaves(params)
+    )
+    if spans and jax.process_index() != 0:
         for _ in _tensors_of(model, params):  # join process 0's gathers, writing nothing
             pass
         return
