@@ -38,7 +38,7 @@ def test_survival_counts_a_cut_group_as_censored_not_as_complete():
     assert s.tolist() == pytest.approx([3 / 4, 3 / 4 * 2 / 3, 0.0])
 
 
-def test_no_cut_until_a_batch_worth_of_groups_has_completed():
+def test_no_estimate_until_a_batch_worth_of_groups_has_completed():
     choice = _auto.choose(
         size=4,
         complete=0,
@@ -52,6 +52,18 @@ def test_no_cut_until_a_batch_worth_of_groups_has_completed():
     )
     assert choice == _auto.Choice(admit=4)
     assert choice.metrics() == {"auto/admit": 4.0, "auto/observed": 0.0}
+    carrying = _auto.choose(
+        size=5,
+        complete=0,
+        running=[_auto.Running(1.0)] * 5,
+        carried_complete=0,
+        carried_running=[],
+        seen=[],
+        steps=[],
+        budget=0.0,
+        carry_over=True,
+    )
+    assert carrying == _auto.Choice(admit=3)  # half the batch: a carried group costs no work
 
 
 def straggler(budget: float, carry_over: bool = False, calls_left: int = 0) -> _auto.Choice:
@@ -274,7 +286,8 @@ def test_each_record_carries_the_cut_auto_chose_and_its_estimate(carry_over):
     assert assert_exactly_once(events) == frozenset()
     chosen = [r.metrics["auto/admit"] for r in records]
     assert all(1 <= a <= 4 for a in chosen)
-    assert chosen[0] == 4 and "auto/wait" not in records[0].metrics  # nothing seen yet
+    # Nothing seen yet: no cut, or under carry-over (where a cut costs no work) half the batch.
+    assert chosen[0] == (2 if carry_over else 4) and "auto/wait" not in records[0].metrics
     estimated = [r for r in records if "auto/wait" in r.metrics]
     assert len(estimated) > len(records) // 2
     for record in estimated:

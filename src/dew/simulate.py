@@ -456,13 +456,13 @@ def report(workload: Workload, outcomes: Sequence[Outcome]) -> str:
     """
     lines = [
         describe(workload),
-        f"{'setting':<22}{'goodput/s':>10}{'of bound':>10}{'idle':>7}"
+        f"{'setting':<26}{'goodput/s':>10}{'of bound':>10}{'idle':>7}"
         f"{'lag mean':>10}{'lag max':>9}{'wasted':>8}{'admitted/mean':>15}"
         f"{'admitted/started':>18}",
     ]
     for o in outcomes:
         lines.append(
-            f"{o.setting.name:<22}{o.goodput:>10.2f}{o.share:>10.1%}{o.idle:>7.1%}"
+            f"{o.setting.name:<26}{o.goodput:>10.2f}{o.share:>10.1%}{o.idle:>7.1%}"
             f"{np.mean(o.lags):>10.2f}{max(o.lags):>9d}{o.wasted:>8.1%}{o.selection:>15.2f}"
             f"{o.length_ratio:>18.2f}"
         )

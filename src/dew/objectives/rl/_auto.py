@@ -47,8 +47,8 @@ class Choice:
     wait: estimated seconds the trainer waits; goodput: estimated groups delivered per second
     of the call (step and wait); waste: estimated share of the call's group-seconds the cut
     throws away (cancelled, or carried past the bound); step: the trainer's estimated seconds
-    per step; observed: completed groups the duration estimate rests on (0: too few yet, so no
-    cut, and the estimates are None).
+    per step; observed: completed groups the duration estimate rests on (0: too few yet, and
+    the estimates are None: no cut, or under carry_over half the batch).
     """
 
     admit: int
@@ -145,7 +145,9 @@ def choose(
     """
     completed = [d for d, done in seen if done]
     if len(completed) < size or not steps:
-        return Choice(admit=size)
+        # Nothing to estimate from yet: under carry_over a cut costs no work, so the first
+        # calls take half the batch rather than wait on its slowest group; else none is cut.
+        return Choice(admit=-(-size // 2) if carry_over else size)
     times, s = survival([d for d, _ in seen], [done for _, done in seen])
     step = float(np.median(steps))
     mean = float(np.mean(completed))
@@ -155,28 +157,47 @@ def choose(
     # Every wait at which a running group's completion chance changes, and none.
     marks = [times[None, :] - ages[:, None], times[None, :] - carried_ages[:, None]]
     waits = np.unique(np.concatenate([np.zeros(1), *(m[m > 0] for m in marks)]))
-    own = complete + _completing(times, s, ages, waits).sum(axis=1)
-    carried = carried_complete + _completing(times, s, carried_ages, waits).sum(axis=1)
+    p_own = _completing(times, s, ages, waits)
+    p_carried = _completing(times, s, carried_ages, waits)
+    own_pmf = _count_pmf(p_own)
+    carried_sf = np.cumsum(_count_pmf(p_carried)[:, ::-1], axis=1)[:, ::-1]  # P(count >= m)
+    carried_sf = np.concatenate([carried_sf, np.zeros((waits.size, 1))], axis=1)
+    expected = complete + p_own.sum(axis=1) + carried_complete + p_carried.sum(axis=1)
     best = None
     for admit in range(1, size + 1):
         # The call is ready once `admit` of its own are complete, or, under carry_over, once
-        # complete groups fill it: the first wait at which the expected count gets there.
-        ready = own >= admit - 1e-9
+        # complete groups fill it: the chance it is by each wait, the groups independent.
+        own_enough = np.arange(own_pmf.shape[1]) + complete >= admit
         if carry_over:
-            ready |= own + carried >= size - 1e-9
-        if not ready.any():
-            continue
-        at = int(np.argmax(ready))
-        wait = float(waits[at])
+            short = size - complete - carried_complete - np.arange(own_pmf.shape[1])
+            fill = carried_sf[:, np.clip(short, 0, carried_sf.shape[1] - 1)]
+            fill[:, short > carried_sf.shape[1] - 2] = 0.0
+            fill[:, short <= 0] = 1.0
+            ready = (own_pmf * np.where(own_enough, 1.0, fill)).sum(axis=1)
+        else:
+            ready = own_pmf[:, own_enough].sum(axis=1)
+        if ready[-1] < 1 - 1e-9:
+            continue  # it may wait on a group beyond this run's experience: without end
+        # The expected wait: the integral of the chance of not being ready yet.
+        wait = float((np.diff(waits) * (1.0 - ready[:-1])).sum())
+        at = int(np.argmax(ready >= 0.5))  # the median wait, where the figures below are read
         if carry_over:
-            delivered = min(size, own[at] + carried[at])
+            delivered = min(size, expected[at])
         else:
             delivered = max(admit, complete)
         goodput = delivered / (step + wait) if step + wait > 0 else math.inf
         # A carried group has its calls left, each a step and about this wait long.
         horizons = calls_left * (step + wait)
         lost, kept = _waste(
-            times, s, ages, horizons, wait, delivered, mean, carry_over, own[at] >= size - 1e-9
+            times,
+            s,
+            ages,
+            horizons,
+            float(waits[at]),
+            delivered,
+            mean,
+            carry_over,
+            admit == size and not carry_over,
         )
         if spent[0] + lost > budget * (spent[1] + lost + kept) + 1e-9:
             continue
@@ -187,6 +208,18 @@ def choose(
     if best is None:
         return Choice(size, None, None, 0.0, step, len(completed), 0.0, size * mean)
     return best
+
+
+def _count_pmf(p: np.ndarray) -> np.ndarray:
+    """[waits, groups + 1]: the chance that exactly j of the groups are complete by each wait,
+    from each one's chance (independent; a Poisson-binomial, by the usual recursion)."""
+    pmf = np.zeros((p.shape[0], p.shape[1] + 1))
+    pmf[:, 0] = 1.0
+    for g in range(p.shape[1]):
+        q = p[:, g : g + 1]
+        pmf[:, 1:] = pmf[:, 1:] * (1 - q) + pmf[:, :-1] * q
+        pmf[:, 0] *= 1 - q[:, 0]
+    return pmf
 
 
 def _waste(times, s, ages, horizons, wait, delivered, mean, carry_over, whole):
