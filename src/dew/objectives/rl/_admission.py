@@ -33,6 +33,12 @@ from dew.objectives.rl._auto import Choice
 from dew.objectives.rl._packing import uniform_group
 from dew.objectives.rl.sessions import Label, Session, Status
 
+# Under carry_over, a group still running when the call before its last admissible one hands
+# over gets a fresh sample beside each of its running ones (a hedge): a straggler whose group
+# would otherwise pass max_lag and be resubmitted whole. One call ahead, not more: earlier
+# hedges rescue more groups but admit more of the short fresh samples (selection bias) and
+# cancel more surplus (benchmarks/long_tail.py; docs/concepts.md, "Carry-over").
+HEDGE = 1
 CAUSES = ("infra_error", "cancelled", "stale", "timeout", "unscored")
 # The most characters of a session's error text a `failed` event keeps: enough for an exception's
 # type and message, bounded so that a source which dumps a whole traceback or page on every
@@ -499,6 +505,10 @@ class _Step:
         for group in list(self.groups.values()):
             if group.state in (GroupState.RUNNING, GroupState.COMPLETE):
                 self.sweep_stale(group)
+        if self.config.carry_over:
+            for group in list(self.groups.values()):
+                if group.state is GroupState.RUNNING:
+                    self.hedge(group)
         for task in event.carried:
             # A resumed run's carried groups: of the call before this one, so this one admits
             # them once complete.
@@ -586,6 +596,19 @@ class _Step:
         if self.config.auto:
             seen = (*self.seen, (self.time - group.started, complete))
             self.seen = seen[-_auto.WINDOW :]
+
+    def hedge(self, group: Group) -> None:
+        """Under carry_over: a group with at most HEDGE calls left before its oldest
+        submission passes max_lag gets one more sample beside each still running, once; the
+        first `groups` to finish complete it and the others are cancelled as surplus."""
+        if len(group.samples) > self.config.samples or self.calls_left(group) > HEDGE:
+            return
+        for sample in list(group.samples):
+            if sample.state is SampleState.RUNNING:
+                index = len(group.samples)
+                fresh = Sample(Label(group.id, index, 0), self.served, self.time)
+                self.submit(group, fresh, None)
+                group = self.put(group.with_samples(group.samples + (fresh,)))
 
     def sweep_stale(self, group: Group) -> None:
         """Resubmit what is already past the bound: running ones by their submission's version,

@@ -660,6 +660,14 @@ class _Scheduler:
             ages = message.carried
             metrics["carry/admitted"] = float(len(ages))
             metrics["carry/in_play"] = float(message.in_play)
+            metrics["carry/hedged"] = float(
+                sum(
+                    e.kind == "submitted"
+                    and e.label.attempt == 0
+                    and e.label.sample >= self.config.samples
+                    for e in message.events
+                )
+            )
             if ages:
                 metrics["carry/age_mean"] = float(np.mean(ages))
                 metrics["carry/age_max"] = float(max(ages))
