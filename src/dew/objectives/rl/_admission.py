@@ -63,7 +63,7 @@ class Config:
     truncation: str = "mask"
     filter_uniform: bool = False
     carry_over: bool = False
-    waste_budget: float = 0.2  # under admit="auto": the most waste a call's cut may cost
+    waste_budget: float = 0.2  # under admit="auto": the most waste the run's cuts may cost
 
     @property
     def samples(self) -> int:
