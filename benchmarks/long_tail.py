@@ -1,5 +1,6 @@
 """Goodput under a heavy-tailed rollout duration, per scheduler setting: `dew simulate`, and
-carry-over beside today's best fixed settings on issue 23's reference workload.
+carry-over and the adaptive cut beside today's best fixed settings on issue 23's reference
+workload and three others.
 
 The simulations are `dew.simulate` under trio's mock clock (the real RolloutScheduler over the
 simulated source and engine), so the figures are deterministic.
@@ -8,13 +9,20 @@ simulated source and engine), so the figures are deterministic.
     python benchmarks/long_tail.py --help     # its options
     python benchmarks/long_tail.py --reference [--steps 300] [--seeds 10] [--jobs 2]
         # the reference workload (8 tasks x 8 rollouts, C=64, lognormal sigma 1, T = mean
-        # rollout, one call per rollout): the best fixed settings and carry-over at max_lag 3, 5
-        # and 8, each figure as mean [min, max] over seeds: goodput's share of the capacity
-        # bound min(C / mean, B G / T), wasted slot-seconds, admitted / population mean duration
-    python benchmarks/long_tail.py --smoke    # both, tiny and fast
+        # rollout, one call per rollout): the best fixed settings, carry-over at max_lag 3, 5
+        # and 8, and admit="auto" with carry-over at each (the same ahead as the fixed row
+        # above it, waste budget 0.15), each figure as mean [min, max] over seeds: goodput's
+        # share of the capacity bound min(C / mean, B G / T), wasted slot-seconds, admitted /
+        # population mean duration
+    python benchmarks/long_tail.py --workloads [--steps 300] [--seeds 3] [--jobs 2]
+        # auto against the best fixed setting at max_lag 5 on the reference workload and on
+        # sigma 0.5, sigma 1.5 and T = 3 x mean, auto told nothing of which: each workload's
+        # fixed settings, the best of them, and auto's goodput over the best's
+    python benchmarks/long_tail.py --smoke    # each, tiny and fast
 
 Targets (issue 23): carry-over at max_lag 5 >= 0.90 of the bound at <= 15 % waste and a duration
-ratio >= 0.90; at max_lag 8 >= 0.95, <= 7 %, >= 0.95; at max_lag 3 above 0.75 at <= 23 % waste.
+ratio >= 0.90; at max_lag 8 >= 0.95, <= 7 %, >= 0.95; at max_lag 3 above 0.75 at <= 23 % waste;
+auto within 5 % of the best setting's goodput on each workload.
 """
 
 from __future__ import annotations
@@ -32,21 +40,42 @@ from dew.simulate import Setting, Workload, simulate
 REFERENCE = dict(
     slots=64, tasks=8, groups=8, duration_mean=10.0, duration_sigma=1.0, step_time=10.0
 )
+BUDGET = dict(waste_budget=0.15)
 
 SETTINGS = (
     # Today's best fixed settings on this workload (issue 23): at most a quarter wasted, and the
     # one that reaches the bound.
     Setting("ahead=3 oversample=1", ahead=3, max_lag=3, oversample=1),
     Setting("ahead=3 oversample=4", ahead=3, max_lag=3, oversample=4),
-    # Carry-over: the best of a small search (100 steps, seed 0) at each max_lag.
+    # Carry-over: the best of a small search (100 steps, seed 0) at each max_lag, and beside
+    # each the cut the scheduler chooses itself, at the same ahead.
     Setting("carry lag=3 ahead=1 admit=4", ahead=1, max_lag=3, admit=4, carry_over=True),
+    Setting("auto lag=3 ahead=1", ahead=1, max_lag=3, admit="auto", carry_over=True, **BUDGET),
     Setting("carry lag=5 ahead=2 admit=4", ahead=2, max_lag=5, admit=4, carry_over=True),
-    Setting("carry lag=5 ahead=3 admit=3", ahead=3, max_lag=5, admit=3, carry_over=True),
-    Setting("carry lag=8 ahead=4 admit=3", ahead=4, max_lag=8, admit=3, carry_over=True),
+    Setting("auto lag=5 ahead=2", ahead=2, max_lag=5, admit="auto", carry_over=True, **BUDGET),
+    Setting("carry lag=8 ahead=3 admit=4", ahead=3, max_lag=8, admit=4, carry_over=True),
+    Setting("auto lag=8 ahead=3", ahead=3, max_lag=8, admit="auto", carry_over=True, **BUDGET),
 )
 
+# The workloads auto must do well on without being told which: the reference, a lighter and a
+# heavier tail, and a trainer three times slower than a mean rollout.
+WORKLOADS = {
+    "reference": REFERENCE,
+    "sigma=0.5": REFERENCE | dict(duration_sigma=0.5),
+    "sigma=1.5": REFERENCE | dict(duration_sigma=1.5),
+    "T=3xmean": REFERENCE | dict(step_time=30.0),
+}
+# The fixed settings at max_lag 5 auto is measured against on each workload, and auto itself.
+AT_LAG_5 = (
+    Setting("ahead=3 oversample=1 lag=5", ahead=3, max_lag=5, oversample=1),
+    Setting("carry ahead=2 admit=2", ahead=2, max_lag=5, admit=2, carry_over=True),
+    Setting("carry ahead=2 admit=4", ahead=2, max_lag=5, admit=4, carry_over=True),
+    Setting("carry ahead=2 admit=6", ahead=2, max_lag=5, admit=6, carry_over=True),
+)
+AUTO = Setting("auto ahead=2", ahead=2, max_lag=5, admit="auto", carry_over=True, **BUDGET)
 
-def _one(job: tuple[Workload, Setting]) -> tuple[str, float, float, float]:
+
+def _one(job: tuple[Workload, Setting]) -> tuple[str, float, float, float, float]:
     workload, setting = job
     outcome = simulate(workload, setting)
     # The issue's bound for every setting: the engine's and a whole batch a step's.
@@ -54,7 +83,19 @@ def _one(job: tuple[Workload, Setting]) -> tuple[str, float, float, float]:
         workload.slots / workload.population_mean,
         workload.tasks * workload.groups / workload.step_time,
     )
-    return setting.name, outcome.goodput / bound, outcome.wasted, outcome.selection
+    share = outcome.goodput / bound
+    return setting.name, share, outcome.wasted, outcome.selection, outcome.goodput
+
+
+def _run(work: list[tuple[Workload, Setting]], jobs: int) -> list[tuple]:
+    # Spawned, not forked: the parent has imported JAX, whose threads a fork would copy.
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=spawn) as pool:
+        return list(pool.map(_one, work))
+
+
+def _cells(rows: np.ndarray) -> str:
+    return "".join(f"{f'{c.mean():.3f} [{c.min():.2f}, {c.max():.2f}]':>22}" for c in rows.T)
 
 
 def reference(steps: int, seeds: int, jobs: int, settings=SETTINGS) -> str:
@@ -64,34 +105,62 @@ def reference(steps: int, seeds: int, jobs: int, settings=SETTINGS) -> str:
         for setting in settings
         for seed in range(seeds)
     ]
-    # Spawned, not forked: the parent has imported JAX, whose threads a fork would copy.
-    spawn = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=spawn) as pool:
-        results = list(pool.map(_one, work))
+    results = _run(work, jobs)
     lines = [
         f"reference workload: C=64, 8 tasks x 8 rollouts, lognormal mean 10 s sigma 1, T=10 s, "
         f"{steps} steps, seeds 0..{seeds - 1}; mean [min, max]",
         f"{'setting':<30}{'of bound':>22}{'wasted':>22}{'admitted/mean':>22}",
     ]
     for setting in settings:
-        rows = np.array([r[1:] for r in results if r[0] == setting.name])
-        cells = "".join(f"{f'{c.mean():.3f} [{c.min():.2f}, {c.max():.2f}]':>22}" for c in rows.T)
-        lines.append(f"{setting.name:<30}{cells}")
+        rows = np.array([r[1:4] for r in results if r[0] == setting.name])
+        lines.append(f"{setting.name:<30}{_cells(rows)}")
+    return "\n".join(lines)
+
+
+def workloads(steps: int, seeds: int, jobs: int, names=tuple(WORKLOADS), fixed=AT_LAG_5) -> str:
+    """Auto beside the fixed settings at max_lag 5 on each workload: goodput (samples per
+    second, mean over seeds), waste, and auto's goodput over the best fixed setting's."""
+    settings = (*fixed, AUTO)
+    work = [
+        (Workload(seed=seed, steps=steps, **WORKLOADS[name]), setting)
+        for name in names
+        for setting in settings
+        for seed in range(seeds)
+    ]
+    results = iter(_run(work, jobs))
+    lines = [
+        f"max_lag 5, {steps} steps, seeds 0..{seeds - 1}: goodput (samples/s) and wasted share, "
+        f"means over seeds; auto (waste budget {AUTO.waste_budget}) over the best fixed",
+        f"{'workload':<12}" + "".join(f"{s.name:>28}" for s in settings) + f"{'auto/best':>11}",
+    ]
+    for name in names:
+        figures = []
+        for _ in settings:
+            rows = np.array([next(results)[1:] for _ in range(seeds)])
+            figures.append((rows[:, 3].mean(), rows[:, 1].mean()))
+        best = max(goodput for goodput, _ in figures[:-1])
+        cells = "".join(f"{f'{g:.2f} ({w:.0%})':>28}" for g, w in figures)
+        lines.append(f"{name:<12}{cells}{figures[-1][0] / best:>11.3f}")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if "--reference" in args:
+    if "--reference" in args or "--workloads" in args:
         parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
         parser.add_argument("--reference", action="store_true")
+        parser.add_argument("--workloads", action="store_true")
         parser.add_argument("--steps", type=int, default=300)
-        parser.add_argument("--seeds", type=int, default=10)
+        parser.add_argument("--seeds", type=int, default=None)
         parser.add_argument("--jobs", type=int, default=2)
         options = parser.parse_args(args)
-        print(reference(options.steps, options.seeds, options.jobs))
+        if options.reference:
+            print(reference(options.steps, options.seeds or 10, options.jobs))
+        if options.workloads:
+            print(workloads(options.steps, options.seeds or 3, options.jobs))
         sys.exit(0)
     code = main(["simulate", *args])
     if "--smoke" in args:
         print(reference(steps=4, seeds=1, jobs=1, settings=SETTINGS[::3]))
+        print(workloads(steps=4, seeds=1, jobs=1, names=("sigma=1.5",), fixed=AT_LAG_5[1:2]))
     sys.exit(code)

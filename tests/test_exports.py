@@ -53,6 +53,7 @@ def test_rollout_scheduler_signature_is_the_pages():
         ("filter_uniform", keyword, False),
         ("reference", keyword, None),
         ("carry_over", keyword, False),
+        ("waste_budget", keyword, 0.2),
     ]
     assert [p[0] for p in parameters(scheduler.RolloutScheduler.tasks)] == ["dataset"]
     assert parameters(scheduler.RolloutScheduler.close) == []

@@ -369,7 +369,7 @@ VALID = {
     "rows": st.sampled_from([2, 8]),
     "groups": st.integers(1, 4),
     "oversample": st.integers(0, 2),
-    "admit": st.none() | st.integers(1, 3),
+    "admit": st.none() | st.integers(1, 3) | st.just("auto"),
     "max_lag": st.integers(0, 3),
     "ahead": st.integers(0, 2),
     "sync_every": st.integers(1, 2),
@@ -385,6 +385,7 @@ VALID = {
     "reference": st.none(),
     # Needs admit: without it, refused naming carry_over.
     "carry_over": st.booleans(),
+    "waste_budget": st.sampled_from([0.0, 0.2, 0.5]),
 }
 # Collaborators: what each is when valid, and what it may be instead.
 COLLABORATORS = {

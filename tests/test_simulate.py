@@ -32,6 +32,7 @@ def test_settings_compare_sync_ahead_oversample_and_admit():
         "ahead=1 oversample=2",
         "ahead=1 admit=12",
         "ahead=1 admit=12 carry",
+        "ahead=1 admit=auto carry",
     ]
     sync, *_ = simulate.settings(simulate.Workload())
     assert (sync.ahead, sync.max_lag) == (0, 0)
@@ -53,7 +54,11 @@ def test_every_step_trains_its_full_batch_and_no_faster_than_the_trainer(smoke):
     workload, outcomes = smoke
     for outcome in outcomes:
         groups = outcome.setting.admit or workload.tasks
-        if outcome.setting.carry_over:
+        if outcome.setting.admit == "auto":
+            # Each step trains the cut it chose, carried groups added: at most a batch.
+            groups = workload.tasks
+            assert outcome.admitted <= workload.steps * groups * workload.groups
+        elif outcome.setting.carry_over:
             # A step trains its own admit groups and up to the rest of a batch carried over.
             assert outcome.admitted > workload.steps * groups * workload.groups
             groups = workload.tasks
@@ -117,7 +122,7 @@ def printed_goodput(out: str) -> dict[str, float]:
     """The goodput column of the printed table, by setting name."""
     rows = {}
     for line in out.splitlines():
-        match = re.match(r"(\S+(?: \S+=\d+)?(?: carry)?)\s+(\d+\.\d+)\s+\d+\.\d+%", line)
+        match = re.match(r"(\S+(?: \S+=(?:\d+|auto))?(?: carry)?)\s+(\d+\.\d+)\s+\d+\.\d+%", line)
         if match:
             rows[match.group(1)] = float(match.group(2))
     return rows

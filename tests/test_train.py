@@ -502,6 +502,26 @@ def test_carry_over_trains_the_groups_admit_cut_at_later_steps(tmp_path):
     assert json.loads((run / "config.json").read_text())["carry_over"] is True
 
 
+def test_admit_auto_chooses_each_steps_cut_and_its_record_says_why(tmp_path):
+    # The scheduler chooses each step's admit from the run's own durations: the first step,
+    # before any group has completed, takes the whole batch; each line of metrics.jsonl holds
+    # the choice and the estimate behind it.
+    run = tmp_path / "run"
+    argv = ["train", "--run", str(run), *TINY, "--batch-size", "4", "--steps", "4"]
+    argv += ["--groups", "2", "--admit", "auto", "--waste-budget", "0.5", "--max-lag", "2"]
+    with jax.numpy_dtype_promotion("standard"):
+        assert main(argv) == 0
+    lines = metrics_lines(run)
+    assert [line["auto/admit"] for line in lines][0] == 4
+    assert all(1 <= line["auto/admit"] <= 4 for line in lines)
+    assert all(line["groups"] >= line["auto/admit"] or line["cut"] for line in lines)
+    estimated = [line for line in lines if "auto/wait" in line]
+    assert estimated, "after a batch's worth of groups, each step's choice has its estimate"
+    assert all(line["auto/observed"] >= 4 and line["auto/step"] > 0 for line in estimated)
+    config = json.loads((run / "config.json").read_text())
+    assert (config["admit"], config["waste_budget"]) == ("auto", 0.5)
+
+
 def test_a_run_folder_is_never_mixed(tmp_path, capsys):
     # A run that trained a step (a folder that trained none is free: see test_hostile_cli.py).
     (tmp_path / "config.json").write_text(json.dumps(attrs.asdict(TrainConfig())))

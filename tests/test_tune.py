@@ -281,6 +281,20 @@ def test_the_grid_crosses_carry_over_with_the_admit_values_only():
     assert [s.carry_over for s in grid.settings(tasks=4)] == [False, False, True]
 
 
+def test_the_grid_takes_auto_among_the_admit_values():
+    grid = tune.Grid(ahead=(1,), admit=("auto", 2), sync_every=(1,), carry_over=(True,))
+    settings = grid.settings(tasks=4)
+    assert [s.name for s in settings] == [
+        "ahead=1 sync=1 lag=1 admit=auto carry",
+        "ahead=1 sync=1 lag=1 admit=2 carry",
+    ]
+    assert settings[0].admit == "auto"
+    with pytest.raises(ValueError, match="admit values must be ints >= 1, got 'most'"):
+        tune.Grid(admit=("most",))
+    parse = tune._int_list(1, 4096, "all", "auto")
+    assert parse("all,auto,3") == (None, "auto", 3)
+
+
 def test_tune_is_deterministic_for_a_seed(rows):
     """A grid's rows are a pure function of the workload and its seed: a second tune of part
     of the grid repeats those rows exactly, and another seed changes them."""

@@ -24,7 +24,7 @@ import numpy as np
 import trio
 import trio.testing
 
-from dew._checks import at_least, int_at_least, positive
+from dew._checks import at_least, in_range, int_at_least, positive
 from dew.data import ArrayDataset, Task
 from dew.envs.simulated import ObservedRollout, SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.objectives.rl.scheduler import LogEvent, RolloutScheduler
@@ -145,6 +145,12 @@ class Workload:
         return cls(seed=seed, steps=6, slots=16, tasks=4, groups=4)
 
 
+def _admit(instance, attribute, value):
+    """admit: None, "auto" or an int >= 1."""
+    if value is not None and value != "auto":
+        int_at_least(1)(instance, attribute, value)
+
+
 @attrs.frozen
 class Setting:
     """One way to run the scheduler: its RolloutScheduler arguments and the name a table shows.
@@ -158,11 +164,10 @@ class Setting:
     ahead: int = attrs.field(validator=int_at_least(0))
     max_lag: int = attrs.field(validator=int_at_least(0))
     oversample: int = attrs.field(default=0, validator=int_at_least(0))
-    admit: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(int_at_least(1))
-    )
+    admit: int | str | None = attrs.field(default=None, validator=_admit)
     sync_every: int = attrs.field(default=1, validator=int_at_least(1))
     carry_over: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    waste_budget: float = attrs.field(default=0.2, validator=in_range(0, 1, high_open=True))
 
     def __attrs_post_init__(self):
         if self.carry_over and self.admit is None:
@@ -180,7 +185,8 @@ def settings(workload: Workload) -> tuple[Setting, ...]:
     Synchronous on-policy training; one and two batches ahead at the least max_lag each allows;
     and, one batch ahead, the two ways to cut the tail: two extra rollouts per group, and
     admitting the first three quarters of a batch's groups to complete; and that cut with
-    carry-over within max_lag 3, which trains the groups it leaves out at later steps.
+    carry-over within max_lag 3, which trains the groups it leaves out at later steps, and
+    beside it the cut the scheduler chooses itself each call (`admit="auto"`).
     """
     admit = max(1, 3 * workload.tasks // 4)
     return (
@@ -190,6 +196,7 @@ def settings(workload: Workload) -> tuple[Setting, ...]:
         Setting("ahead=1 oversample=2", ahead=1, max_lag=1, oversample=2),
         Setting(f"ahead=1 admit={admit}", ahead=1, max_lag=1, admit=admit),
         Setting(f"ahead=1 admit={admit} carry", ahead=1, max_lag=3, admit=admit, carry_over=True),
+        Setting("ahead=1 admit=auto carry", ahead=1, max_lag=3, admit="auto", carry_over=True),
     )
 
 
@@ -295,7 +302,7 @@ def simulate(workload: Workload, setting: Setting) -> Outcome:
     Raises:
         ValueError: if setting.admit is above workload.tasks.
     """
-    if setting.admit is not None and setting.admit > workload.tasks:
+    if isinstance(setting.admit, int) and setting.admit > workload.tasks:
         raise ValueError(
             f"admit must be <= the workload's {workload.tasks} tasks, got {setting.admit}"
         )
@@ -329,6 +336,7 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
         sync_every=setting.sync_every,
         log=records.append,
         carry_over=setting.carry_over,
+        waste_budget=setting.waste_budget,
     )
     scheduler.long_wait = None  # a simulated trainer waits by design: nothing to report
     # The trainer prefetches `ahead` batches, as far as the scheduler may read ahead of it.
@@ -354,7 +362,7 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
     measured = records[workload.warmup :]
     # Carry-over admits a batch's cut groups at later calls: the trainer takes a whole batch's
     # worth a call on average, as without admit.
-    full = setting.admit is None or setting.carry_over
+    full = setting.admit is None or setting.admit == "auto" or setting.carry_over
     admitted_groups = workload.tasks if full else setting.admit
     wasted, spent, durations = _account(events, source.spans, simulated.model_time)
     engine_bound = math.inf if workload.slots is None else workload.slots / workload.population_mean
@@ -448,13 +456,13 @@ def report(workload: Workload, outcomes: Sequence[Outcome]) -> str:
     """
     lines = [
         describe(workload),
-        f"{'setting':<22}{'goodput/s':>10}{'of bound':>10}{'idle':>7}"
+        f"{'setting':<26}{'goodput/s':>10}{'of bound':>10}{'idle':>7}"
         f"{'lag mean':>10}{'lag max':>9}{'wasted':>8}{'admitted/mean':>15}"
         f"{'admitted/started':>18}",
     ]
     for o in outcomes:
         lines.append(
-            f"{o.setting.name:<22}{o.goodput:>10.2f}{o.share:>10.1%}{o.idle:>7.1%}"
+            f"{o.setting.name:<26}{o.goodput:>10.2f}{o.share:>10.1%}{o.idle:>7.1%}"
             f"{np.mean(o.lags):>10.2f}{max(o.lags):>9d}{o.wasted:>8.1%}{o.selection:>15.2f}"
             f"{o.length_ratio:>18.2f}"
         )

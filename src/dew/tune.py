@@ -37,6 +37,8 @@ def _ints(low: int):
         for item in value:
             if item is None and attribute.name in ("admit", "max_lag"):
                 continue
+            if item == "auto" and attribute.name == "admit":
+                continue
             if isinstance(item, bool) or not isinstance(item, int) or item < low:
                 raise ValueError(f"{attribute.name} values must be ints >= {low}, got {item!r}")
 
@@ -50,7 +52,8 @@ class Grid:
     Args:
         ahead: task batches submitted before the trainer needs them.
         oversample: extra rollouts per group.
-        admit: groups admitted per batch; None admits every task's group.
+        admit: groups admitted per batch; None admits every task's group, "auto" lets the
+            scheduler choose each call's (within the default waste budget).
         sync_every: updates between weight pushes.
         max_lag: the staleness bound; None takes the least each (ahead, sync_every) allows.
             A value below that least is left out of the settings for that pair.
@@ -63,7 +66,7 @@ class Grid:
 
     ahead: tuple[int, ...] = attrs.field(default=(0, 1, 2), converter=tuple, validator=_ints(0))
     oversample: tuple[int, ...] = attrs.field(default=(0,), converter=tuple, validator=_ints(0))
-    admit: tuple[int | None, ...] = attrs.field(
+    admit: tuple[int | str | None, ...] = attrs.field(
         default=(None,), converter=tuple, validator=_ints(1)
     )
     sync_every: tuple[int, ...] = attrs.field(default=(1, 2), converter=tuple, validator=_ints(1))
@@ -83,7 +86,7 @@ class Grid:
             ValueError: when an admit exceeds `tasks`, or no setting is within the bound.
         """
         for admit in self.admit:
-            if admit is not None and admit > tasks:
+            if isinstance(admit, int) and admit > tasks:
                 raise ValueError(f"admit must be <= the workload's {tasks} tasks, got {admit}")
         found: dict[tuple, Setting] = {}
         for ahead, sync, lag, over, admit, carry in itertools.product(
@@ -104,7 +107,7 @@ class Grid:
         return list(found.values())
 
 
-def _name(ahead: int, sync: int, lag: int, over: int, admit: int | None, carry: bool) -> str:
+def _name(ahead: int, sync: int, lag: int, over: int, admit: int | str | None, carry: bool) -> str:
     parts = [f"ahead={ahead}", f"sync={sync}", f"lag={lag}"]
     parts += [f"over={over}"] if over else []
     parts += [f"admit={admit}"] if admit is not None else []
@@ -399,9 +402,9 @@ MAX_SLOTS = 2**20
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
 
-def _int_list(low: int, high: int, word: str | None = None):
+def _int_list(low: int, high: int, word: str | None = None, keep: str | None = None):
     """A parser of at most MAX_VALUES comma-separated ints within [low, high]; `word` (when
-    given) stands for None."""
+    given) stands for None, and `keep` (when given) is kept as it is."""
     single = int_option(low, high)
 
     def parse(text: str) -> tuple[int | None, ...]:
@@ -412,7 +415,9 @@ def _int_list(low: int, high: int, word: str | None = None):
             raise argparse.ArgumentTypeError(
                 f"must list at most {MAX_VALUES} values, got {len(items)}"
             )
-        return tuple(None if item == word else single(item) for item in items)
+        return tuple(
+            None if item == word else item if item == keep else single(item) for item in items
+        )
 
     return parse
 
@@ -443,9 +448,10 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
     )
     knobs.add_argument(
         "--admit",
-        type=_int_list(1, 4096, "all"),
+        type=_int_list(1, 4096, "all", "auto"),
         default=default.admit,
-        help="groups admitted per batch, 'all' for every task's (default: all)",
+        help="groups admitted per batch, 'all' for every task's, 'auto' for the scheduler's "
+        "own choice each call (default: all)",
     )
     knobs.add_argument(
         "--carry-over",

@@ -30,6 +30,15 @@ def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse_or_none
 
 
+def _auto_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse`, or "auto" for the text `auto` (admit's own choice)."""
+
+    def parse_or_auto(text: str) -> Any:
+        return "auto" if text.lower() == "auto" else parse(text)
+
+    return parse_or_auto
+
+
 def _flag(text: str) -> bool:
     if text.lower() not in ("true", "false"):
         raise ValueError(text)
@@ -47,7 +56,7 @@ _OPTIONS: dict[str, Callable[[str], Any]] = {
     "rows": int_option(1, MAX_CELLS),
     "groups": int_option(1, MAX_SAMPLES),
     "oversample": int_option(0, MAX_SAMPLES),
-    "admit": _optional(int_option(1, MAX_IN_FLIGHT)),
+    "admit": _optional(_auto_or(int_option(1, MAX_IN_FLIGHT))),
     "max_lag": int_option(0, 10**6),
     "ahead": int_option(0, 64),
     "sync_every": int_option(1, 10**6),
@@ -60,6 +69,7 @@ _OPTIONS: dict[str, Callable[[str], Any]] = {
     "empty_streak": _optional(int_option(1, 10**6)),
     "filter_uniform": _flag,
     "carry_over": _flag,
+    "waste_budget": number_option(0, 1),
 }
 
 

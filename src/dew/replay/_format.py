@@ -45,11 +45,18 @@ CONFIG = (
     "empty_streak",
     "filter_uniform",
     "carry_over",
+    "waste_budget",
 )
 """The RolloutScheduler arguments a trace holds: all but objective, source, weights, tasks, log."""
 # CONFIG names added after traces of this VERSION were first written: a trace without one ran
 # with the default here.
-ADDED = {"vocab": None, "empty_streak": 5, "filter_uniform": False, "carry_over": False}
+ADDED = {
+    "vocab": None,
+    "empty_streak": 5,
+    "filter_uniform": False,
+    "carry_over": False,
+    "waste_budget": 0.2,
+}
 OUTCOMES = ("returned", "cancelled", "raised", "invalid")
 """How a recorded rollout ended: returned a session, was cancelled, raised, or returned what no
 trace can hold."""

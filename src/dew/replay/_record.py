@@ -210,6 +210,7 @@ class Recorder:
             "empty_streak": scheduler.empty_streak,
             "filter_uniform": scheduler.filter_uniform,
             "carry_over": scheduler.config.carry_over,
+            "waste_budget": scheduler.config.waste_budget,
         }
         # Open until `_stop`: the recording spans a `with` of the caller's.
         if self.path.endswith(".gz"):

@@ -139,6 +139,19 @@ def _one_of(choices: tuple[str, ...]) -> Callable:
     return validate
 
 
+def _admit_value(text: str) -> int | str:
+    """--admit's value: "auto" or a number of groups."""
+    return text if text == "auto" else int(text)
+
+
+_admit_value.__name__ = "admit"
+
+
+def _admit(instance, attribute, value) -> None:
+    if value != "auto":
+        int_within(1, 4096)(instance, attribute, value)
+
+
 def _optional_tuple(values: Any) -> tuple | None:
     return None if values is None else tuple(values)
 
@@ -178,7 +191,10 @@ class TrainConfig:
             see `dew tune`'s selection column).
         admit: groups trained per batch, the first to complete; the batch's other groups are
             cancelled. None trains every task's group. In a pool each process admits its
-            share, so it must split evenly over the processes.
+            share, so it must split evenly over the processes. "auto" chooses each step's
+            from the run's own durations, within `waste_budget` (`RolloutScheduler`).
+        waste_budget: under admit "auto", the most waste its cuts may cost, as a share of the
+            run's group-seconds.
         filter_uniform: discard a group whose rollouts all scored alike (it trains nothing)
             and, with `admit`, admit a later group in its place (`RolloutScheduler`).
         carry_over: with `admit`, the groups a batch's cut leaves out keep running and train at
@@ -244,11 +260,17 @@ class TrainConfig:
     oversample: int = _option(
         0, int_within(0, 4096), "extra rollouts per group; the first `groups` to finish train"
     )
-    admit: int | None = _option(
+    admit: int | str | None = _option(
         None,
-        attrs.validators.optional(int_within(1, 4096)),
-        "groups trained per batch, the first to complete; none trains every task's group",
-        kind=int,
+        attrs.validators.optional(_admit),
+        "groups trained per batch, the first to complete; none trains every task's group; "
+        "auto chooses each step's from the run's own durations, within --waste-budget",
+        kind=_admit_value,
+    )
+    waste_budget: float = _option(
+        0.2,
+        in_range(0, 1, high_open=True),
+        "with --admit auto, the most waste its cuts may cost, as a share of group-seconds",
     )
     filter_uniform: bool = _option(
         False,
@@ -412,7 +434,7 @@ class TrainConfig:
             )
         if self.tasks < self.batch_size:
             raise ValueError(f"tasks must be >= batch_size {self.batch_size}, got {self.tasks}")
-        if self.admit is not None and self.admit > self.batch_size:
+        if isinstance(self.admit, int) and self.admit > self.batch_size:
             raise ValueError(f"admit must be <= batch_size {self.batch_size}, got {self.admit}")
         if self.carry_over and self.admit is None:
             raise ValueError("carry_over needs admit: it carries the groups admit leaves out")

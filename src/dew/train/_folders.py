@@ -22,7 +22,7 @@ def _check_split(config: TrainConfig, processes: int) -> None:
         raise ValueError(
             f"batch_size {config.batch_size} must split evenly over the {processes} processes"
         )
-    if config.admit is not None and config.admit % processes:
+    if isinstance(config.admit, int) and config.admit % processes:
         raise ValueError(f"admit {config.admit} must split evenly over the {processes} processes")
     urls = config.engine_url
     if urls is not None and processes > 1 and len(urls) % processes:

@@ -140,7 +140,7 @@ def train(
             placed = sharding.state_shardings(trainer.opt_state, trainer.variables, mesh)
             trainer.opt_state = sharding.shard(trainer.opt_state, placed)
     tasks = config.batch_size // processes  # this process's share of each batch
-    admit = None if config.admit is None else config.admit // processes
+    admit = config.admit if not isinstance(config.admit, int) else config.admit // processes
     slots = tasks * (config.groups + config.oversample) * (config.ahead + 1)
     if config.engine == "vllm":
         # Stopped in the `finally` below; should an error come before it, at the interpreter's
@@ -175,7 +175,8 @@ def train(
         source = replay.RecordingSource(source, recorder)
         publisher = replay.RecordingPublisher(server, recorder)
     # Carry-over trains a batch's cut groups at a later step: a step may take a whole batch.
-    rollouts = (tasks if admit is None or config.carry_over else admit) * config.groups
+    full = not isinstance(admit, int) or config.carry_over  # auto may admit the whole batch
+    rollouts = (tasks if full else admit) * config.groups
     scheduler = RolloutScheduler(
         objective,
         source,
@@ -194,6 +195,7 @@ def train(
         filter_uniform=config.filter_uniform,
         reference=reference,
         carry_over=config.carry_over,
+        waste_budget=config.waste_budget,
     )
     per_epoch = config.tasks // config.batch_size * config.batch_size
     dataset = ProcessRows(

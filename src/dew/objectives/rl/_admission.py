@@ -28,9 +28,17 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from dew.data import Task
+from dew.objectives.rl import _auto
+from dew.objectives.rl._auto import Choice
 from dew.objectives.rl._packing import uniform_group
 from dew.objectives.rl.sessions import Label, Session, Status
 
+# Under carry_over, a group still running when the call before its last admissible one hands
+# over gets a fresh sample beside each of its running ones (a hedge): a straggler whose group
+# would otherwise pass max_lag and be resubmitted whole. One call ahead, not more: earlier
+# hedges rescue more groups but admit more of the short fresh samples (selection bias) and
+# cancel more surplus (benchmarks/long_tail.py; docs/concepts.md, "Carry-over").
+HEDGE = 1
 CAUSES = ("infra_error", "cancelled", "stale", "timeout", "unscored")
 # The most characters of a session's error text a `failed` event keeps: enough for an exception's
 # type and message, bounded so that a source which dumps a whole traceback or page on every
@@ -49,16 +57,21 @@ class Config:
 
     groups: int
     oversample: int = 0
-    admit: int | None = None
+    admit: int | str | None = None  # "auto": each call's, chosen by `_auto.choose`
     max_lag: int = 1
     max_attempts: int = 3
     truncation: str = "mask"
     filter_uniform: bool = False
     carry_over: bool = False
+    waste_budget: float = 0.2  # under admit="auto": the most waste the run's cuts may cost
 
     @property
     def samples(self) -> int:
         return self.groups + self.oversample
+
+    @property
+    def auto(self) -> bool:
+        return self.admit == "auto"
 
 
 class SampleState(enum.Enum):
@@ -123,17 +136,43 @@ class Group:
     # Cut from its batch under carry_over: no longer its batch's member, admitted at a later
     # call's delivery (its batch's number stays, the call it came from).
     carried: bool = False
+    started: float = 0.0  # its first submission's time
 
     def with_samples(self, samples: tuple[Sample, ...]) -> Group:
         return Group(
-            self.id, self.batch, self.task, samples, self.state, self.completed, self.carried
+            self.id,
+            self.batch,
+            self.task,
+            samples,
+            self.state,
+            self.completed,
+            self.carried,
+            self.started,
         )
 
     def with_state(self, state: GroupState, completed: float | None = None) -> Group:
-        return Group(self.id, self.batch, self.task, self.samples, state, completed, self.carried)
+        return Group(
+            self.id,
+            self.batch,
+            self.task,
+            self.samples,
+            state,
+            completed,
+            self.carried,
+            self.started,
+        )
 
     def as_carried(self) -> Group:
-        return Group(self.id, self.batch, self.task, self.samples, self.state, self.completed, True)
+        return Group(
+            self.id,
+            self.batch,
+            self.task,
+            self.samples,
+            self.state,
+            self.completed,
+            True,
+            self.started,
+        )
 
 
 @attrs.frozen
@@ -151,6 +190,14 @@ class State:
     waiting: int | None = None  # the batch the trainer waits on
     closed: bool = False
     carried: tuple[int, ...] = ()  # ids of carried groups still in play, oldest cut first
+    # Under admit="auto": this run's recent groups, (seconds from first submission to completion
+    # or cut, whether they completed); its recent step times (a delivery to the next
+    # hand-over); the latest delivery's time; and the cut chosen for the batch waited on.
+    seen: tuple[tuple[float, bool], ...] = ()
+    steps: tuple[float, ...] = ()
+    delivered_at: float | None = None
+    choice: Choice | None = None
+    spent: tuple[float, float] = (0.0, 0.0)  # the chosen cuts' estimated lost and all seconds
 
 
 # Events: what happened. `time` is the scheduler's clock.
@@ -237,6 +284,7 @@ class Deliver:
     groups: tuple[tuple[Session, ...], ...]
     uniform: int = 0
     carried: tuple[int, ...] = ()  # the age in calls of each carried group, first in `groups`
+    choice: Choice | None = None  # under admit="auto": the call's cut and its estimate
 
 
 @attrs.frozen
@@ -347,6 +395,9 @@ class _Step:
         self.next_group, self.last_submitted = state.next_group, state.last_submitted
         self.waiting, self.closed = state.waiting, state.closed
         self.carried = list(state.carried)
+        self.seen, self.steps = state.seen, state.steps
+        self.delivered_at, self.choice = state.delivered_at, state.choice
+        self.spent = state.spent
         self.groups = dict(state.groups)
         self.batches = dict(state.batches)
         self.unsettled = dict(state.unsettled)
@@ -366,6 +417,11 @@ class _Step:
             waiting=self.waiting,
             closed=self.closed,
             carried=tuple(self.carried),
+            seen=self.seen,
+            steps=self.steps,
+            delivered_at=self.delivered_at,
+            choice=self.choice,
+            spent=self.spent,
         )
 
     # --- bookkeeping -------------------------------------------------------------------------
@@ -449,6 +505,10 @@ class _Step:
         for group in list(self.groups.values()):
             if group.state in (GroupState.RUNNING, GroupState.COMPLETE):
                 self.sweep_stale(group)
+        if self.config.carry_over:
+            for group in list(self.groups.values()):
+                if group.state is GroupState.RUNNING:
+                    self.hedge(group)
         for task in event.carried:
             # A resumed run's carried groups: of the call before this one, so this one admits
             # them once complete.
@@ -458,7 +518,7 @@ class _Step:
                 Sample(Label(group_id, i, 0), event.served, self.time)
                 for i in range(self.config.samples)
             )
-            group = Group(group_id, event.batch - 1, task, samples, carried=True)
+            group = Group(group_id, event.batch - 1, task, samples, carried=True, started=self.time)
             self.groups[group_id] = group
             self.carried.append(group_id)
             for sample in samples:
@@ -476,9 +536,79 @@ class _Step:
                     Sample(Label(group_id, i, 0), event.served, self.time)
                     for i in range(self.config.samples)
                 )
-                group = self.put(Group(group_id, batch, task, samples))
+                group = self.put(Group(group_id, batch, task, samples, started=self.time))
                 for sample in samples:
                     self.submit(group, sample, None)
+        if self.config.auto:
+            self.choose(event.batch)
+
+    def choose(self, batch: int) -> None:
+        """Under admit="auto": choose the cut of the batch the trainer now waits on, from this
+        run's durations and step times, and cut at once if enough of it is complete."""
+        if self.delivered_at is not None:
+            self.steps = (*self.steps, self.time - self.delivered_at)[-_auto.STEP_WINDOW :]
+        if batch not in self.batches:
+            self.choice = None
+            return
+        members = self.members(batch)
+        running = [
+            _auto.Running(self.time - g.started, self.calls_left(g))
+            for g in members
+            if g.state is GroupState.RUNNING
+        ]
+        carried = [self.groups[i] for i in self.carried if self.groups[i].batch < batch]
+        self.choice = _auto.choose(
+            size=len(self.batches[batch]),
+            complete=sum(g.state is GroupState.COMPLETE for g in members),
+            running=running,
+            carried_complete=sum(g.state is GroupState.COMPLETE for g in carried),
+            carried_running=[
+                self.time - g.started for g in carried if g.state is GroupState.RUNNING
+            ],
+            seen=self.seen,
+            steps=self.steps,
+            budget=self.config.waste_budget,
+            carry_over=self.config.carry_over,
+            spent=self.spent,
+        )
+        lost, total = self.spent
+        self.spent = (lost + self.choice.lost, total + self.choice.lost + self.choice.kept)
+        if not self.config.carry_over:
+            self.cut(batch)
+
+    def calls_left(self, group: Group) -> int:
+        """The calls after this one that may admit the group before its oldest submission
+        passes max_lag."""
+        oldest = min(sample.version for sample in group.samples)
+        return max(0, self.config.max_lag - (self.updates - oldest))
+
+    def admit_of(self, batch: int) -> int | None:
+        """The groups of `batch` its call waits for: `admit`, or under "auto" the cut chosen for
+        the batch the trainer waits on (None, no cut, for a batch not yet waited on)."""
+        if not self.config.auto:
+            return self.config.admit
+        if self.choice is None or batch != self.waiting:
+            return None
+        return self.choice.admit
+
+    def see(self, group: Group, complete: bool) -> None:
+        """Under admit="auto": note a group's seconds to its completion or cut."""
+        if self.config.auto:
+            seen = (*self.seen, (self.time - group.started, complete))
+            self.seen = seen[-_auto.WINDOW :]
+
+    def hedge(self, group: Group) -> None:
+        """Under carry_over: a group with at most HEDGE calls left before its oldest
+        submission passes max_lag gets one more sample beside each still running, once; the
+        first `groups` to finish complete it and the others are cancelled as surplus."""
+        if len(group.samples) > self.config.samples or self.calls_left(group) > HEDGE:
+            return
+        for sample in list(group.samples):
+            if sample.state is SampleState.RUNNING:
+                index = len(group.samples)
+                fresh = Sample(Label(group.id, index, 0), self.served, self.time)
+                self.submit(group, fresh, None)
+                group = self.put(group.with_samples(group.samples + (fresh,)))
 
     def sweep_stale(self, group: Group) -> None:
         """Resubmit what is already past the bound: running ones by their submission's version,
@@ -562,22 +692,28 @@ class _Step:
         if self.config.filter_uniform:
             results = [s.result for s in group.samples if s.state is SampleState.FINISHED]
             if uniform_group(results, self.config.truncation):
+                self.see(group, True)
                 for sample in group.samples:
                     group = self.end(group, sample, "uniform")
                 self.put(group.with_state(GroupState.UNIFORM, self.time))
                 return
+        self.see(group, True)
         self.put(group.with_state(GroupState.COMPLETE, self.time))
-        admit = self.config.admit
-        if admit is None or group.carried:
+        if not group.carried and not self.config.carry_over:
+            # Under carry_over the cut waits for the batch's call (see deliver_carrying).
+            self.cut(group.batch)
+
+    def cut(self, batch: int) -> None:
+        """Without carry_over: once `admit` of the batch's groups are complete, cancel the
+        others."""
+        admit = self.admit_of(batch)
+        if admit is None:
             return
-        members = self.members(group.batch)
+        members = self.members(batch)
         if sum(g.state is GroupState.COMPLETE for g in members) >= admit:
             for other in members:
-                if other.state is not GroupState.RUNNING:
-                    continue
-                if self.config.carry_over:
-                    self.carry(other)
-                else:
+                if other.state is GroupState.RUNNING:
+                    self.see(other, False)
                     self.end_group(other, GroupState.SURPLUS, "surplus")
 
     def members(self, batch: int) -> list[Group]:
@@ -586,9 +722,10 @@ class _Step:
         return [g for g in groups if g is not None and not g.carried]
 
     def carry(self, group: Group) -> None:
-        """Take a running group out of its batch, which no longer waits on it: it keeps running
-        and a later call admits it."""
-        self.unsettled[group.batch] -= 1
+        """Take a group its batch's call left out of the batch, which no longer waits on it: it
+        keeps running (or waits, complete) and a later call admits it."""
+        if group.state not in FINAL:
+            self.unsettled[group.batch] -= 1
         self.groups[group.id] = group.as_carried()
         self.carried.append(group.id)
         self.log("carried", group)
@@ -636,36 +773,71 @@ class _Step:
         for group in list(self.groups.values()):
             self.end_group(group, GroupState.BROKEN, reason)
         self.groups, self.batches, self.unsettled, self.waiting = {}, {}, {}, None
-        self.carried = []
+        self.carried, self.choice, self.delivered_at = [], None, None
 
     def deliver_if_ready(self) -> None:
         batch = self.waiting
-        if batch is None or self.unsettled.get(batch, 1) != 0:
+        if batch is None or batch not in self.unsettled:
+            return
+        if self.config.carry_over:
+            self.deliver_carrying(batch)
+            return
+        if self.unsettled[batch] != 0:
             return
         members = self.members(batch)
         own = sorted(
             (g for g in members if g.state is GroupState.COMPLETE),
             key=lambda g: (g.completed, g.id),
         )
-        # Carried groups of earlier calls that are complete, first cut first, ahead of the
-        # batch's own, as many as keep the call within its task batch size.
-        room = len(self.batches[batch]) - len(own)
-        ready = [
+        self.deliver(batch, [], own, sum(g.state is GroupState.UNIFORM for g in members))
+
+    def deliver_carrying(self, batch: int) -> None:
+        """Under carry_over: answer the call once `admit` of its batch's own groups are
+        complete, or once complete groups fill it, carried ones counted; oldest first (carried
+        ones in the order they were cut, then the batch's own by completion), up to the task
+        batch size. The batch's groups left out, running or complete, are carried."""
+        members = self.members(batch)
+        own = sorted(
+            (g for g in members if g.state is GroupState.COMPLETE),
+            key=lambda g: (g.completed, g.id),
+        )
+        carried = [
             g
             for i in self.carried
             if (g := self.groups[i]).state is GroupState.COMPLETE and g.batch < batch
-        ][:room]
-        for group in ready:
+        ]
+        size = len(self.batches[batch])
+        admit = self.admit_of(batch)
+        ready = (
+            self.unsettled[batch] == 0
+            or (admit is not None and len(own) >= admit)
+            or len(carried) + len(own) >= size
+        )
+        if not ready:
+            return
+        taken = (carried + own)[:size]
+        ready_carried = taken[: min(len(carried), size)]
+        own_taken = taken[len(ready_carried) :]
+        for group in ready_carried:
             del self.groups[group.id]
             self.carried.remove(group.id)
+        kept = {g.id for g in own_taken}
+        for group in members:
+            if group.id not in kept and group.state in (GroupState.RUNNING, GroupState.COMPLETE):
+                self.carry(group)
+        uniform = sum(g.state is GroupState.UNIFORM for g in members)
+        self.deliver(batch, ready_carried, own_taken, uniform)
+
+    def deliver(self, batch: int, carried: list[Group], own: list[Group], uniform: int) -> None:
+        """Admit `carried` then `own`, forget the batch, and hand its groups to the trainer."""
         groups = []
-        for group in ready + own:
+        for group in carried + own:
             sessions = tuple(s.result for s in group.samples if s.state is SampleState.FINISHED)
             for sample in group.samples:
                 if sample.state is SampleState.FINISHED:
                     self.log("admitted", group, sample.label, version=sample.version)
             groups.append(sessions)
-        uniform = sum(g.state is GroupState.UNIFORM for g in members)
         self.drop(batch)
-        ages = tuple(batch - g.batch for g in ready)
-        self.commands.append(Deliver(batch, tuple(groups), uniform, ages))
+        ages = tuple(batch - g.batch for g in carried)
+        choice, self.choice, self.delivered_at = self.choice, None, self.time
+        self.commands.append(Deliver(batch, tuple(groups), uniform, ages, choice))

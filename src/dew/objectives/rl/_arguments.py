@@ -34,7 +34,7 @@ def check_arguments(
     rows: int,
     groups: int,
     oversample: int,
-    admit: int | None,
+    admit: int | str | None,
     max_lag: int,
     ahead: int,
     sync_every: int,
@@ -64,7 +64,9 @@ def check_arguments(
         ("max_lag", max_lag, 0),
     ]:
         check_int(name, value, low=bound)
-    if admit is not None:
+    if admit is not None and admit != "auto":
+        if isinstance(admit, str):
+            raise ValueError(f"admit must be an int >= 1, 'auto' or None, got {admit!r}")
         check_int("admit", admit, low=1)
     for name, value in [
         ("support_capacity", support_capacity),
@@ -233,7 +235,7 @@ def check_filtering(objective, *, groups: int, filter_uniform, reference) -> Non
         )
 
 
-def check_carry_over(carry_over, admit: int | None) -> None:
+def check_carry_over(carry_over, admit: int | str | None) -> None:
     """Refuse carry_over that is not a bool, or without the `admit` whose cut it carries.
 
     Raises:
@@ -245,4 +247,20 @@ def check_carry_over(carry_over, admit: int | None) -> None:
         raise ValueError(
             "carry_over needs admit: the groups it carries to a later call are those admit "
             "leaves out of their batch"
+        )
+
+
+def check_waste_budget(waste_budget) -> None:
+    """Refuse a waste budget that is not a share in [0, 1).
+
+    Raises:
+        ValueError: naming the argument.
+    """
+    if (
+        isinstance(waste_budget, bool)
+        or not isinstance(waste_budget, int | float)
+        or not 0 <= waste_budget < 1
+    ):
+        raise ValueError(
+            f"waste_budget must be a share of slot-seconds in [0, 1), got {waste_budget!r}"
         )

@@ -39,6 +39,7 @@ from dew.objectives.rl._arguments import (
     check_arguments,
     check_carry_over,
     check_filtering,
+    check_waste_budget,
     resolve_vocab,
 )
 from dew.objectives.rl._packing import _percentile, uniform_group
@@ -87,6 +88,7 @@ class _Delivery:
     started: tuple[tuple[float, float, float], ...] = ()
     carried: tuple[int, ...] = ()  # under carry_over: the age in calls of each carried group
     in_play: int = 0  # carried groups still in play after the delivery
+    choice: core.Choice | None = None  # under admit="auto": the call's cut and its estimate
 
 
 @attrs.frozen
@@ -155,8 +157,10 @@ class _Scheduler:
         filter_uniform: bool = False,
         reference: Variables | None = None,
         carry_over: bool = False,
+        waste_budget: float = 0.2,
     ):
         check_carry_over(carry_over, admit)
+        check_waste_budget(waste_budget)
         check_arguments(
             objective,
             source,
@@ -210,6 +214,7 @@ class _Scheduler:
             truncation=truncation,
             filter_uniform=filter_uniform,
             carry_over=carry_over,
+            waste_budget=float(waste_budget),
         )
         # While the trainer waits, what it waits on is logged after this many seconds, then
         # after twice as many, and so on; None logs nothing (simulations that wait by design).
@@ -599,7 +604,7 @@ class _Scheduler:
                 f"tasks per batch must keep tasks x (groups + oversample) <= {MAX_IN_FLIGHT} "
                 f"rollouts in flight, got {len(tasks)} x {self.config.samples}"
             )
-        if self.admit is not None and self.admit > len(tasks):
+        if isinstance(self.admit, int) and self.admit > len(tasks):
             raise ValueError(
                 f"admit must be within 1..{len(tasks)} (the task batch size), got {self.admit}"
             )
@@ -675,9 +680,19 @@ class _Scheduler:
             ages = message.carried
             metrics["carry/admitted"] = float(len(ages))
             metrics["carry/in_play"] = float(message.in_play)
+            metrics["carry/hedged"] = float(
+                sum(
+                    e.kind == "submitted"
+                    and e.label.attempt == 0
+                    and e.label.sample >= self.config.samples
+                    for e in message.events
+                )
+            )
             if ages:
                 metrics["carry/age_mean"] = float(np.mean(ages))
                 metrics["carry/age_max"] = float(max(ages))
+        if message.choice is not None:
+            metrics |= message.choice.metrics()
         if isinstance(self.objective, GRPOObjective):
             importance = self.objective.importance_metrics(batch, version=updates)
         else:
@@ -1035,7 +1050,9 @@ class _Scheduler:
             events, self._events = tuple(self._events), []
             started = self._forget_lengths(command.batch)
             carried, in_play = command.carried, len(self._state.carried)
-            message = _Delivery(command.groups, events, command.uniform, started, carried, in_play)
+            message = _Delivery(
+                command.groups, events, command.uniform, started, carried, in_play, command.choice
+            )
             self._deliver(message)
         elif isinstance(command, core.Fail):
             if self._failure is not None:

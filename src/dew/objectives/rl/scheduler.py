@@ -104,6 +104,7 @@ class RolloutScheduler:
         groups: rollouts per task that train together.
         oversample: extra rollouts per group; the first `groups` to finish are admitted.
         admit: admit the first `admit` groups of a batch to complete, cancel the others.
+            "auto" chooses each call's `admit` from this run's own record (see `waste_budget`).
         max_lag: the most updates a rollout's oldest call may be behind at consumption.
         ahead: batches submitted before the trainer hands them over.
         sync_every: push weights when the served version falls this many updates behind.
@@ -144,6 +145,26 @@ class RolloutScheduler:
             would complete a later group of the same task only when the stream reads that task
             again within `max_lag`, which a dataset's epoch rarely does. A checkpoint keeps the
             carried groups' tasks (`checkpoint_state`), and a resumed run submits them again.
+            Under carry_over the cut comes at the batch's call: the call is answered once
+            `admit` of its batch's groups are complete, or once complete groups, carried ones
+            counted, fill it; it admits them oldest first (carried ones in the order they were
+            cut, then the batch's own by completion) up to the task batch size, and carries the
+            batch's others, running or complete. A cut before the call would carry groups that
+            complete in time, and a call that admits fewer than a batch leaves groups in play
+            for good: each makes the rollouts in flight, and so their staleness, grow.
+        waste_budget: under `admit="auto"`, the most waste a call's cut may cost, as a share of
+            its group-seconds. At each hand-over the scheduler estimates, from this run's own
+            record (a Kaplan-Meier estimate of its recent groups' seconds to completion, a group
+            cut before completing counted as censored, and the median of its recent steps'
+            seconds), for each admit in 1..the task batch size how long the trainer would wait,
+            how many groups it would receive (carried ones counted under carry_over) and what
+            the cut would waste (the seconds of the groups it cancels; under carry_over, of
+            those it carries that would pass `max_lag` before completing), and takes the admit
+            of highest estimated goodput (groups per second of step and wait) within the budget,
+            no cut until a batch's worth of groups has completed. The record's metrics carry
+            the choice and its estimate: `auto/admit`, `auto/wait`, `auto/goodput` (groups per
+            second), `auto/waste`, `auto/step` and `auto/observed` (the completed groups the
+            estimate rests on). A run under the mock clock, and its replay, choose alike.
 
     Settings, assigned after construction (any other assignment is refused, naming them):
 
@@ -177,7 +198,7 @@ class RolloutScheduler:
         tasks: Callable[[Batch], Sequence[Task]] = task_ids,
         groups: int = 4,
         oversample: int = 0,
-        admit: int | None = None,
+        admit: int | str | None = None,
         max_lag: int = 1,
         ahead: int = 1,
         sync_every: int = 1,
@@ -192,6 +213,7 @@ class RolloutScheduler:
         filter_uniform: bool = False,
         reference: Variables | None = None,
         carry_over: bool = False,
+        waste_budget: float = 0.2,
     ):
         inner = _Scheduler(
             objective,
@@ -217,6 +239,7 @@ class RolloutScheduler:
             filter_uniform=filter_uniform,
             reference=reference,
             carry_over=carry_over,
+            waste_budget=waste_budget,
         )
         object.__setattr__(self, "_inner", inner)
         finalizer = weakref.finalize(self, inner.dropped)

@@ -1,0 +1,245 @@
+"""The adaptive cut (`admit="auto"`): each call's `admit`, chosen from this run's own durations.
+
+A fixed `admit` is a guess about the tail: too high and the trainer waits on the slowest groups,
+too low and the cut throws work away (or, under carry_over, leaves groups running toward their
+staleness bound). The core asks `choose` at each hand-over, with what it knows at that instant:
+how long each of the batch's running groups has run, how long this run's groups took to
+complete (a Kaplan-Meier estimate over a recent window, where a group cut before completing
+counts as censored at its age rather than being dropped, which would favour short groups), and
+how long the trainer's steps take. `choose` returns the cut that maximises the call's estimated
+goodput (groups delivered per second of the trainer's step and wait) among those whose
+estimated waste stays within the budget; the `Choice` names the estimate, so each record says
+why its call cut where it did.
+
+Everything here is a pure function of numbers the core holds (times on the scheduler's clock),
+so a run under the mock clock, and its replay, choose alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+# Recent groups an estimate rests on: enough for a tail quantile, recent enough to follow a run
+# whose rollouts grow longer as it trains.
+WINDOW = 256
+# Recent trainer steps whose median is the step-time estimate.
+STEP_WINDOW = 16
+
+
+@attrs.frozen
+class Running:
+    """A group still running at the hand-over: its age in seconds and, under carry_over, the
+    calls after this one that may still admit it before its oldest call passes `max_lag`."""
+
+    age: float
+    calls_left: int = 0
+
+
+@attrs.frozen
+class Choice:
+    """One call's cut and the estimate that chose it.
+
+    admit: the batch's own groups the call waits for (the batch size: no cut).
+    wait: estimated seconds the trainer waits; goodput: estimated groups delivered per second
+    of the call (step and wait); waste: estimated share of the call's group-seconds the cut
+    throws away (cancelled, or carried past the bound); step: the trainer's estimated seconds
+    per step; observed: completed groups the duration estimate rests on (0: too few yet, and
+    the estimates are None: no cut, or under carry_over half the batch).
+    """
+
+    admit: int
+    wait: float | None = None
+    goodput: float | None = None
+    waste: float | None = None
+    step: float | None = None
+    observed: int = 0
+    # The call's estimated group-seconds lost and delivered, which the run's budget sums.
+    lost: float = 0.0
+    kept: float = 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """The record's `auto/*` figures, those estimated and finite (a record's figures are
+        finite)."""
+        figures = {
+            "auto/admit": self.admit,
+            "auto/wait": self.wait,
+            "auto/goodput": self.goodput,
+            "auto/waste": self.waste,
+            "auto/step": self.step,
+            "auto/observed": self.observed,
+        }
+        return {k: float(v) for k, v in figures.items() if v is not None and math.isfinite(v)}
+
+
+def survival(durations: Sequence[float], complete: Sequence[bool]):
+    """Kaplan-Meier: the distinct completion times and S(t) just after each.
+
+    A censored duration (a group cut at that age) counts among those at risk up to it and
+    completes nowhere.
+    """
+    d = np.asarray(durations, dtype=float)
+    e = np.asarray(complete, dtype=bool)
+    times = np.unique(d[e])
+    if times.size == 0:
+        return times, times
+    at_risk = (d[None, :] >= times[:, None]).sum(axis=1)
+    events = (d[e][None, :] == times[:, None]).sum(axis=1)
+    return times, np.cumprod(1.0 - events / at_risk)
+
+
+def _survive(times: np.ndarray, s: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """S(t) for each t: the step function, 1 before the first completion."""
+    index = np.searchsorted(times, t, side="right")
+    return np.concatenate(([1.0], s))[index]
+
+
+def _completing(times, s, ages: np.ndarray, waits: np.ndarray) -> np.ndarray:
+    """[waits, groups]: the probability that a group of each age completes within each wait.
+
+    A group older than every completion seen (S = 0 at its age) is beyond this run's
+    experience: it is taken not to complete, so that no cut waits on it.
+    """
+    if ages.size == 0:
+        return np.zeros((waits.size, 0))
+    alive = _survive(times, s, ages)
+    later = _survive(times, s, ages[None, :] + waits[:, None])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        done = np.where(alive > 0, 1.0 - later / alive, 0.0)
+    return done
+
+
+def choose(
+    *,
+    size: int,
+    complete: int,
+    running: Sequence[Running],
+    carried_complete: int,
+    carried_running: Sequence[float],
+    seen: Sequence[tuple[float, bool]],
+    steps: Sequence[float],
+    budget: float,
+    carry_over: bool,
+    spent: tuple[float, float] = (0.0, 0.0),
+) -> Choice:
+    """The call's cut: the admit in 1..size of highest estimated goodput within the waste budget.
+
+    Args:
+        size: the batch's groups.
+        complete: its groups complete at the hand-over.
+        running: its groups still running.
+        carried_complete, carried_running: under carry_over, the complete carried groups a call
+            may admit and the ages of the running ones (a call admits them first).
+        seen: this run's recent groups, (seconds from submission to completion or cut, whether
+            it completed).
+        steps: the trainer's recent step seconds (from a delivery to the next hand-over).
+        budget: the most waste the run's cuts may cost, as a share of its group-seconds: a
+            call may cut more than its share where earlier calls cut less (a rare long
+            straggler is worth cutting even when that one call's cut is costly).
+        carry_over: whether the groups a cut leaves out keep running (their waste is their risk
+            of passing the bound) or are cancelled (their waste is what they ran).
+        spent: the estimated group-seconds the run's earlier cuts lost, and all they spent.
+    """
+    completed = [d for d, done in seen if done]
+    if len(completed) < size or not steps:
+        # Nothing to estimate from yet: under carry_over a cut costs no work, so the first
+        # calls take half the batch rather than wait on its slowest group; else none is cut.
+        return Choice(admit=-(-size // 2) if carry_over else size)
+    times, s = survival([d for d, _ in seen], [done for _, done in seen])
+    step = float(np.median(steps))
+    mean = float(np.mean(completed))
+    ages = np.array([r.age for r in running], dtype=float)
+    calls_left = np.array([r.calls_left for r in running], dtype=float)
+    carried_ages = np.array(carried_running, dtype=float)
+    # Every wait at which a running group's completion chance changes, and none.
+    marks = [times[None, :] - ages[:, None], times[None, :] - carried_ages[:, None]]
+    waits = np.unique(np.concatenate([np.zeros(1), *(m[m > 0] for m in marks)]))
+    p_own = _completing(times, s, ages, waits)
+    p_carried = _completing(times, s, carried_ages, waits)
+    own_pmf = _count_pmf(p_own)
+    carried_sf = np.cumsum(_count_pmf(p_carried)[:, ::-1], axis=1)[:, ::-1]  # P(count >= m)
+    carried_sf = np.concatenate([carried_sf, np.zeros((waits.size, 1))], axis=1)
+    expected = complete + p_own.sum(axis=1) + carried_complete + p_carried.sum(axis=1)
+    best = None
+    for admit in range(1, size + 1):
+        # The call is ready once `admit` of its own are complete, or, under carry_over, once
+        # complete groups fill it: the chance it is by each wait, the groups independent.
+        own_enough = np.arange(own_pmf.shape[1]) + complete >= admit
+        if carry_over:
+            short = size - complete - carried_complete - np.arange(own_pmf.shape[1])
+            fill = carried_sf[:, np.clip(short, 0, carried_sf.shape[1] - 1)]
+            fill[:, short > carried_sf.shape[1] - 2] = 0.0
+            fill[:, short <= 0] = 1.0
+            ready = (own_pmf * np.where(own_enough, 1.0, fill)).sum(axis=1)
+        else:
+            ready = own_pmf[:, own_enough].sum(axis=1)
+        if ready[-1] < 1 - 1e-9:
+            continue  # it may wait on a group beyond this run's experience: without end
+        # The expected wait: the integral of the chance of not being ready yet.
+        wait = float((np.diff(waits) * (1.0 - ready[:-1])).sum())
+        at = int(np.argmax(ready >= 0.5))  # the median wait, where the figures below are read
+        if carry_over:
+            delivered = min(size, expected[at])
+        else:
+            delivered = max(admit, complete)
+        goodput = delivered / (step + wait) if step + wait > 0 else math.inf
+        # A carried group has its calls left, each a step and about this wait long.
+        horizons = calls_left * (step + wait)
+        lost, kept = _waste(
+            times,
+            s,
+            ages,
+            horizons,
+            float(waits[at]),
+            delivered,
+            mean,
+            carry_over,
+            admit == size and not carry_over,
+        )
+        if spent[0] + lost > budget * (spent[1] + lost + kept) + 1e-9:
+            continue
+        # Ties go to the larger admit: the same goodput with less cut.
+        if best is None or goodput >= best.goodput:
+            waste = lost / (lost + kept) if lost + kept > 0 else 0.0
+            best = Choice(admit, wait, goodput, waste, step, len(completed), lost, kept)
+    if best is None:
+        return Choice(size, None, None, 0.0, step, len(completed), 0.0, size * mean)
+    return best
+
+
+def _count_pmf(p: np.ndarray) -> np.ndarray:
+    """[waits, groups + 1]: the chance that exactly j of the groups are complete by each wait,
+    from each one's chance (independent; a Poisson-binomial, by the usual recursion)."""
+    pmf = np.zeros((p.shape[0], p.shape[1] + 1))
+    pmf[:, 0] = 1.0
+    for g in range(p.shape[1]):
+        q = p[:, g : g + 1]
+        pmf[:, 1:] = pmf[:, 1:] * (1 - q) + pmf[:, :-1] * q
+        pmf[:, 0] *= 1 - q[:, 0]
+    return pmf
+
+
+def _waste(times, s, ages, horizons, wait, delivered, mean, carry_over, whole):
+    """The estimated group-seconds a cut after `wait` throws away, and those it delivers.
+
+    Without carry_over, a group still running then is cancelled with what it ran (age + wait).
+    Under carry_over it keeps running and is lost only if it does not complete within the
+    seconds it has left before its bound; it then has run age + wait + horizon.
+    """
+    kept = delivered * mean
+    if whole or ages.size == 0:
+        return 0.0, kept
+    left = 1.0 - _completing(times, s, ages, np.array([wait]))[0]
+    spent = ages + wait
+    if carry_over:
+        alive = _survive(times, s, spent)
+        past = _survive(times, s, spent + horizons)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            stale = np.where(alive > 0, past / alive, 1.0)
+        lost = float((left * stale * (spent + horizons)).sum())
+    else:
+        lost = float((left * spent).sum())
+    return lost, kept

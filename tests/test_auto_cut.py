@@ -1,0 +1,349 @@
+"""The adaptive cut (`admit="auto"`): each call's admit chosen from the run's own record.
+
+The estimate (`_auto`) is checked against hand-worked cases; the core with auto keeps
+exactly-once under any play (hypothesis), with and without carry-over; the shell records each
+call's choice and the estimate behind it; a recorded run with auto replays exactly; and
+`dew simulate` shows the auto row.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dew.cli import main
+from dew.data import ArrayDataset, Task
+from dew.envs.simulated import SimulatedConfig, SimulatedEngine, SimulatedSource
+from dew.objectives.rl import _admission as core
+from dew.objectives.rl import _auto
+from dew.objectives.rl.scheduler import RolloutScheduler
+from dew.objectives.rl.sessions import Call, Label, Session, Status, check_session
+from dew.simulate import WIDTH, BehaviorObjective
+from dew.testing import assert_exactly_once, assert_replays, run_simulated
+
+TERMINAL = ("admitted", "cancelled", "discarded", "failed")
+
+
+def test_survival_counts_a_cut_group_as_censored_not_as_complete():
+    # Completions at 1, 2, 4; a group cut at 3 is at risk up to 3 and completes nowhere.
+    times, s = _auto.survival([1.0, 2.0, 3.0, 4.0], [True, True, False, True])
+    assert times.tolist() == [1.0, 2.0, 4.0]
+    assert s.tolist() == pytest.approx([3 / 4, 3 / 4 * 2 / 3, 0.0])
+
+
+def test_no_estimate_until_a_batch_worth_of_groups_has_completed():
+    choice = _auto.choose(
+        size=4,
+        complete=0,
+        running=[_auto.Running(1.0)] * 4,
+        carried_complete=0,
+        carried_running=[],
+        seen=[(2.0, True)] * 3,
+        steps=[5.0],
+        budget=0.5,
+        carry_over=False,
+    )
+    assert choice == _auto.Choice(admit=4)
+    assert choice.metrics() == {"auto/admit": 4.0, "auto/observed": 0.0}
+    carrying = _auto.choose(
+        size=5,
+        complete=0,
+        running=[_auto.Running(1.0)] * 5,
+        carried_complete=0,
+        carried_running=[],
+        seen=[],
+        steps=[],
+        budget=0.0,
+        carry_over=True,
+    )
+    assert carrying == _auto.Choice(admit=3)  # half the batch: a carried group costs no work
+
+
+def straggler(budget: float, carry_over: bool = False, calls_left: int = 0) -> _auto.Choice:
+    """Seven of eight groups complete; the eighth has run 50 s where every group seen took 1 to
+    20 s, or 60 (one in twenty)."""
+    seen = [(float(d), True) for d in range(1, 20)] + [(60.0, True)]
+    return _auto.choose(
+        size=8,
+        complete=7,
+        running=[_auto.Running(50.0, calls_left)],
+        carried_complete=0,
+        carried_running=[],
+        seen=seen,
+        steps=[10.0, 10.0, 12.0],
+        budget=budget,
+        carry_over=carry_over,
+    )
+
+
+def test_a_straggler_is_cut_when_the_budget_allows_and_waited_on_when_it_does_not():
+    cut = straggler(budget=0.5)
+    assert (cut.admit, cut.wait, cut.step) == (7, 0.0, 10.0)
+    assert cut.goodput == pytest.approx(7 / 10)
+    # 50 s lost beside 7 groups of the 13.5 s mean kept.
+    mean = (sum(range(1, 20)) + 60) / 20
+    assert cut.waste == pytest.approx(50 / (50 + 7 * mean))
+    assert cut.observed == 20
+    waited = straggler(budget=0.0)
+    # Waiting for it: it completes only at 60 s, 10 s on, and wastes nothing.
+    assert (waited.admit, waited.wait, waited.waste) == (8, 10.0, 0.0)
+    assert waited.goodput == pytest.approx(8 / 20)
+
+
+def test_under_carry_over_a_cut_wastes_only_what_would_pass_the_bound():
+    # Carried with two calls (about 20 s) left, it completes at 60 s: nothing is lost.
+    kept = straggler(budget=0.0, carry_over=True, calls_left=2)
+    assert (kept.admit, kept.waste) == (7, 0.0)
+    # With no call left it would pass the bound: the cut would lose it, so a zero budget waits.
+    assert straggler(budget=0.0, carry_over=True, calls_left=0).admit == 8
+
+
+def test_the_run_s_budget_is_spent_over_its_calls():
+    first = straggler(budget=0.2)
+    assert first.admit == 8  # this cut alone would cost more than a fifth
+    # Earlier calls that cut nothing leave room for it.
+    seen = [(float(d), True) for d in range(1, 20)] + [(60.0, True)]
+    later = _auto.choose(
+        size=8,
+        complete=7,
+        running=[_auto.Running(50.0)],
+        carried_complete=0,
+        carried_running=[],
+        seen=seen,
+        steps=[10.0],
+        budget=0.2,
+        carry_over=False,
+        spent=(0.0, 1000.0),
+    )
+    assert later.admit == 7
+
+
+# --- the core with auto: exactly-once under any play -------------------------------------------
+
+
+def finished(version: int, status: Status, reward: float) -> Session:
+    call = Call(
+        np.array([1, 2], np.int32), np.array([3], np.int32), np.full(1, -0.5, np.float32), version
+    )
+    error = "failed" if status is Status.INFRA_ERROR else None
+    return check_session(Session(status, [call], reward=reward, error=error))
+
+
+@st.composite
+def plays(draw):
+    size = draw(st.integers(1, 4))
+    config = core.Config(
+        groups=draw(st.integers(1, 2)),
+        oversample=draw(st.integers(0, 1)),
+        admit="auto",
+        max_lag=draw(st.integers(1, 4)),
+        max_attempts=draw(st.integers(1, 3)),
+        filter_uniform=draw(st.booleans()),
+        carry_over=draw(st.booleans()),
+        waste_budget=draw(st.sampled_from((0.0, 0.2, 0.9))),
+    )
+    return config, size
+
+
+def test_exactly_once_holds_whatever_auto_chooses():
+    seen = collections.Counter()
+
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None)
+    @given(play=plays(), data=st.data())
+    def check(play, data):
+        config, size = play
+        state = core.initial(config)
+        time, updates, served, batch, waiting = 0.0, -1, None, 0, None
+        subs: dict[Label, core.Submit] = {}
+        running: set[Label] = set()
+        log: list[core.LogEvent] = []
+        admitted: set[int] = set()
+
+        def apply(event):
+            nonlocal state, waiting
+            new, out = core.step(state, event)
+            assert core.step(state, event) == (new, out), "step is not a pure function"
+            state = new
+            for command in out:
+                if isinstance(command, core.Submit):
+                    subs[command.label] = command
+                    running.add(command.label)
+                elif isinstance(command, core.LogEvent):
+                    log.append(command)
+                    if command.kind in TERMINAL:
+                        running.discard(command.label)
+                elif isinstance(command, core.Deliver):
+                    assert command.batch == waiting
+                    waiting = None
+                    choice = command.choice
+                    assert choice is not None and 1 <= choice.admit <= size
+                    assert len(command.groups) <= size
+                    seen["cut below the batch"] += choice.admit < size
+                    for group in command.groups:
+                        gid = group[0].label.group
+                        assert gid not in admitted, "a group admitted twice"
+                        admitted.add(gid)
+                        assert len(group) == config.groups
+                        for s in group:
+                            assert updates - s.calls[0].version <= config.max_lag
+                elif isinstance(command, core.Fail):
+                    waiting = None
+
+        for _ in range(data.draw(st.integers(5, 80), label="events")):
+            time += data.draw(st.sampled_from((0.0, 1.0, 5.0)), label="tick")
+            choice = data.draw(st.sampled_from(("hand",) * 3 + ("finish",) * 9 + ("reopen",)))
+            if choice == "hand" and waiting is None:
+                updates += 1
+                pushed = served is None or updates - served >= 1
+                served = updates if pushed else served
+                ahead = data.draw(st.integers(0, 1), label="ahead")
+                tasks = tuple(
+                    (b, tuple(Task(f"{b}.{k}") for k in range(size)))
+                    for b in range(batch, batch + 1 + ahead)
+                )
+                waiting = batch
+                apply(core.HandedOver(time, batch, updates, served, pushed, tasks))
+                batch += 1
+            elif choice == "finish" and running:
+                label = data.draw(
+                    st.sampled_from(sorted(running, key=lambda x: (x.group, x.sample, x.attempt))),
+                    label="label",
+                )
+                sub = subs[label]
+                outcome = data.draw(st.sampled_from(("ok", "ok", "ok", "zero", "infra", "timeout")))
+                if outcome == "timeout":
+                    apply(core.TimedOut(time, label))
+                else:
+                    version = data.draw(st.integers(sub.version, served), label="version")
+                    status = Status.INFRA_ERROR if outcome == "infra" else Status.COMPLETED
+                    reward = 0.0 if outcome == "zero" else 1.0
+                    result = finished(version, status, reward).stamped(
+                        sub.task, label, sub.time, time
+                    )
+                    apply(core.Finished(time, label, result))
+                    running.discard(label)
+            elif choice == "reopen" and waiting is None:
+                apply(core.Reopened(time))
+                assert state.carried == () and not running
+        apply(core.Closed(time))
+        assert assert_exactly_once(log) == frozenset()
+        assert state.carried == () and state.choice is None
+
+    check()
+    # The draws reach what they test: calls that auto cut below their batch.
+    assert seen["cut below the batch"] > 10, seen
+
+
+# --- the shell: each record carries the choice and its estimate --------------------------------
+
+
+def _scheduler(engine, seed: int, **options) -> RolloutScheduler:
+    config = SimulatedConfig(seed=seed, duration_mean=2.0, duration_sigma=1.5)
+    scheduler = RolloutScheduler(
+        BehaviorObjective(),
+        SimulatedSource(engine, config),
+        engine,
+        width=WIDTH,
+        rows=8,
+        groups=2,
+        admit="auto",
+        **options,
+    )
+    scheduler.long_wait = None
+    return scheduler
+
+
+def drive(seed: int, calls: int, **options):
+    async def run():
+        engine = SimulatedEngine(slots=8)
+        scheduler = _scheduler(engine, seed, **options)
+        records, events = [], []
+        dataset = ArrayDataset({"task_id": np.arange((calls + 2) * 4)}, batch_size=4)
+        async with scheduler:
+            stream = scheduler.tasks(dataset).stream(0)
+            pending = collections.deque([next(stream), next(stream)])
+            for updates in range(calls):
+                await scheduler.step(pending.popleft(), None, updates)
+                records.append(scheduler.last_record)
+                events += scheduler.last_events
+                pending.append(next(stream))
+                await trio.sleep(1.0)
+        return records, events + list(scheduler.closing_events)
+
+    return trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+@pytest.mark.parametrize("carry_over", [False, True])
+def test_each_record_carries_the_cut_auto_chose_and_its_estimate(carry_over):
+    records, events = drive(1, 24, max_lag=3, carry_over=carry_over, waste_budget=0.5)
+    assert assert_exactly_once(events) == frozenset()
+    chosen = [r.metrics["auto/admit"] for r in records]
+    assert all(1 <= a <= 4 for a in chosen)
+    # Nothing seen yet: no cut, or under carry-over (where a cut costs no work) half the batch.
+    assert chosen[0] == (2 if carry_over else 4) and "auto/wait" not in records[0].metrics
+    estimated = [r for r in records if "auto/wait" in r.metrics]
+    assert len(estimated) > len(records) // 2
+    for record in estimated:
+        m = record.metrics
+        assert m["auto/step"] == pytest.approx(1.0)  # the trainer's sleep between calls
+        assert m["auto/observed"] >= 4 and 0 <= m["auto/waste"] <= 1
+        assert 0 < m["auto/goodput"] < math.inf
+    assert min(chosen) < 4, "a heavy tail makes auto cut below the batch"
+    # Deterministic under the mock clock: the same run chooses alike.
+    again, _ = drive(1, 24, max_lag=3, carry_over=carry_over, waste_budget=0.5)
+    assert [r.metrics for r in again] == [r.metrics for r in records]
+
+
+def test_a_zero_budget_without_carry_over_never_cuts():
+    records, events = drive(2, 12, max_lag=1, waste_budget=0.0)
+    assert all(r.metrics["auto/admit"] == 4 for r in records)
+    assert not any(e.kind == "cancelled" and e.reason == "surplus" for e in events)
+
+
+def test_a_waste_budget_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="waste_budget must be a share"):
+        _scheduler(SimulatedEngine(), 0, waste_budget=1.0)
+    with pytest.raises(ValueError, match="admit must be an int >= 1, 'auto' or None"):
+        RolloutScheduler(
+            BehaviorObjective(),
+            SimulatedSource(SimulatedEngine(), SimulatedConfig()),
+            SimulatedEngine(),
+            width=64,
+            rows=8,
+            admit="most",
+        )
+
+
+async def test_a_run_with_auto_replays_exactly(autojump_clock, tmp_path):
+    config = SimulatedConfig(seed=4, duration_mean=2.0, duration_sigma=1.5, infra_error=0.05)
+    trace = await run_simulated(
+        tmp_path / "auto.trace",
+        updates=list(range(16)),
+        config=config,
+        slots=8,
+        width=WIDTH,
+        rows=8,
+        groups=2,
+        admit="auto",
+        carry_over=True,
+        max_lag=3,
+        waste_budget=0.3,
+    )
+    assert trace.config["admit"] == "auto" and trace.config["waste_budget"] == 0.3
+    chosen = [call.record.metrics["auto/admit"] for call in trace.calls]
+    assert min(chosen) < max(chosen), chosen
+    result = await assert_replays(trace)
+    assert result.steps == 16
+
+
+def test_dew_simulate_shows_the_auto_row(capsys):
+    assert main(["simulate", "--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "ahead=1 admit=auto carry" in out
