@@ -1,0 +1,26 @@
+"""Smoke runs of the scripts under benchmarks/, shared by the two files that run them."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+BENCHMARKS = sorted((pathlib.Path(__file__).parent.parent / "benchmarks").glob("*.py"))
+
+# Those that start vLLM servers, a pool of processes or a device mesh: minutes between them, so
+# they have a test file of their own, which xdist's file-by-file scheduling runs beside the rest.
+HEAVY = {"checkpoints", "engines", "parallel", "sharded_checkpoints", "vllm_nccl_push"}
+
+
+def run_smoke(script: pathlib.Path) -> None:
+    """Run `script --smoke`: it exits 0 and prints at least one figure."""
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"\d+\.\d+", done.stdout), done.stdout

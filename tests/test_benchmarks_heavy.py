@@ -1,0 +1,13 @@
+"""The smoke runs of the benchmarks that start vLLM servers, a pool of processes or a device
+mesh (tests/_benchmarks.py's HEAVY)."""
+
+from __future__ import annotations
+
+import pytest
+
+from _benchmarks import BENCHMARKS, HEAVY, run_smoke
+
+
+@pytest.mark.parametrize("script", [b for b in BENCHMARKS if b.stem in HEAVY], ids=lambda p: p.stem)
+def test_benchmark_smoke_run_prints_figures(script):
+    run_smoke(script)
