@@ -1051,7 +1051,10 @@ def test_ctrl_c_stops_dew_train_after_its_step_with_a_checkpoint_and_one_line(tm
     assert "replay matched: 3 steps" in out and "replayed as far as it goes, 3 calls" in out
 
 
-def test_a_second_ctrl_c_stops_at_once_and_later_ones_are_ignored():
+def test_a_second_ctrl_c_stops_at_once_and_the_handlers_before_come_back():
+    """The handlers before come back after the run: a process that calls `dew.cli.main` goes
+    on, and an ignored SIGINT would be inherited by its child processes (a pool launched
+    after an interrupted run in the same process could not be interrupted)."""
     previous = signal.getsignal(signal.SIGINT)
     try:
         with pytest.raises(KeyboardInterrupt), _CtrlC() as ctrl_c:
@@ -1059,9 +1062,27 @@ def test_a_second_ctrl_c_stops_at_once_and_later_ones_are_ignored():
             assert ctrl_c.presses == 1
             signal.raise_signal(signal.SIGINT)  # stops at once
             raise AssertionError("the second press did not stop")
+        assert ctrl_c.presses == 2
+        assert signal.getsignal(signal.SIGINT) is previous
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("stops", ["returns", "raises"])
+def test_the_dew_command_ignores_ctrl_c_once_an_interrupt_ended_it(monkeypatch, stops):
+    from dew import _command
+
+    def interrupted():
+        if stops == "raises":
+            raise KeyboardInterrupt
+        return _command.INTERRUPTED
+
+    monkeypatch.setattr(cli, "main", interrupted)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        assert _command.main() == _command.INTERRUPTED
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
         signal.raise_signal(signal.SIGINT)  # ignored while the process exits
-        assert ctrl_c.presses == 2
     finally:
         signal.signal(signal.SIGINT, previous)
 

@@ -20,7 +20,12 @@ def main() -> int:
     try:
         from dew.cli import main as run
 
-        return run()
+        status = run()
     except KeyboardInterrupt:
         print("dew: interrupted", file=sys.stderr, flush=True)
-        return INTERRUPTED
+        status = INTERRUPTED
+    if status == INTERRUPTED:
+        # On its way out after a Ctrl-C, a later one would only interrupt the clean-up (and
+        # print "Exception ignored in atexit callback").
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return status

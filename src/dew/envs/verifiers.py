@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -545,8 +546,10 @@ def _session(session, result: Outcome | None) -> Session:
 # --- the harness --------------------------------------------------------------------------------
 
 
+@functools.cache
 def _chat_harness_classes() -> tuple[type, type]:
-    """`ChatHarness` and its config, built on first use (verifiers is an optional extra)."""
+    """`ChatHarness` and its config, built once, on first use (verifiers is an optional
+    extra)."""
     vf = _import_verifiers()
     from verifiers.v1.dialects.chat import message_to_wire
     from verifiers.v1.harnesses.utils.mcp import call_mcp, connect_mcp
@@ -641,9 +644,9 @@ async def _run_tool(call, dispatch, connections, call_mcp: Callable) -> str:
 
 def __getattr__(name: str) -> Any:
     # ChatHarness subclasses verifiers' Harness: built when first asked for, so importing this
-    # module needs no verifiers.
+    # module needs no verifiers. It stays out of the module's namespace, so what the module
+    # defines (its API page) does not depend on whether something asked for it first.
     if name in ("ChatHarness", "ChatHarnessConfig"):
         harness, config = _chat_harness_classes()
-        globals().update(ChatHarness=harness, ChatHarnessConfig=config)
-        return globals()[name]
+        return harness if name == "ChatHarness" else config
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -54,12 +54,12 @@ class _CtrlC:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        # After a press, the process is on its way out: a later Ctrl-C would only interrupt
-        # its clean-up (and print "Exception ignored in atexit callback"); a later SIGTERM ends
-        # it at once, as the sender asks a second time.
+        # The handlers before it come back: `dew.cli.main` may run in a process that goes on
+        # (a notebook, a test), whose later Ctrl-C must work, and whose child processes would
+        # inherit an ignored SIGINT. The `dew` command ignores a press once it is on its way
+        # out (`dew._command`).
         for signum, previous in self._previous.items():
-            ignored = self.presses and signum == signal.SIGINT
-            signal.signal(signum, signal.SIG_IGN if ignored else previous)
+            signal.signal(signum, previous)
 
     def _press(self, signum, frame) -> None:
         self.presses += 1
