@@ -627,3 +627,9 @@ def test_a_recorded_training_run_replays_without_the_engine(tmp_path):
     # and a change of configuration parts the run where it first makes a difference
     parted = replay.replay(trace, ahead=0, max_lag=0)
     assert not parted.matched and parted.divergence.step == 0
+
+
+def test_a_waste_budget_without_admit_auto_is_refused_by_name():
+    with pytest.raises(ValueError, match="waste_budget bounds the cuts of admit auto"):
+        TrainConfig(waste_budget=0.3)
+    assert TrainConfig(admit="auto", waste_budget=0.3).waste_budget == 0.3

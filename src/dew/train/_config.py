@@ -163,6 +163,10 @@ def _option(default: Any, validator: Callable, help: str, *, kind: type | None =
     return attrs.field(default=default, validator=validator, metadata={"help": help, "type": kind})
 
 
+_WASTE_BUDGET = 0.2
+"""`--waste-budget`'s default, which a run without `--admit auto` keeps."""
+
+
 @attrs.frozen
 class TrainConfig:
     """One `dew train` run: the task, the model, the scheduler and the optimizer.
@@ -268,7 +272,7 @@ class TrainConfig:
         kind=_admit_value,
     )
     waste_budget: float = _option(
-        0.2,
+        _WASTE_BUDGET,
         in_range(0, 1, high_open=True),
         "with --admit auto, the most waste its cuts may cost, as a share of group-seconds",
     )
@@ -403,6 +407,8 @@ class TrainConfig:
             raise ValueError("dtype is the dtype of a --model checkpoint: give model too")
         if self.engine == "vllm" and self.model is None:
             raise ValueError("engine vllm serves a --model checkpoint folder: give model too")
+        if self.admit != "auto" and self.waste_budget != _WASTE_BUDGET:
+            raise ValueError("waste_budget bounds the cuts of admit auto: give admit auto too")
         if self.engine_url is not None and self.engine != "vllm":
             raise ValueError("engine_url names vLLM servers: give engine vllm too")
         if self.d_model % self.heads:
