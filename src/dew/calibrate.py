@@ -27,6 +27,15 @@
   hand-over, which covers packing, rescoring, the update and the trainer's own overhead; the
   simulation replays them in their order.
 
+- how the trainer's and the engine's CPU work slow each other (`Contention`): on one machine
+  a step that runs while rollouts decode takes longer than one that runs alone, and a rollout
+  that decodes while the trainer steps takes longer too. Each step's overlap is the seconds of
+  it during which some rollout was in flight, each rollout's the seconds of it during which the
+  trainer stepped; `contention_factor` fits a side's slowdown to them (see there), pooled over
+  every trace, and `Calibration.workload(contention=True)` hands the simulation each step's and
+  each rollout's solo seconds (its recorded seconds less what the overlap added) with the
+  factors, so that the simulation slows each side again by the overlap each setting has.
+
 The first `warmup` trainer calls are left out of the rollouts and step times (a real run's
 first steps compile), and `observe` measures a recorded run over the same window as a
 simulation with `Workload.warmup` does, with the same definitions, so a prediction and a
@@ -47,11 +56,15 @@ import numpy as np
 from dew.envs.simulated import ObservedRollout
 from dew.objectives.rl.sessions import Status
 from dew.replay import RecordedCall, RecordedSession, Trace, read_trace
-from dew.simulate import WASTED, Workload
+from dew.simulate import WASTED, Contention, Workload
 
 INFRA = Status.INFRA_ERROR
 # Quantiles the goodness-of-fit table compares, observed (Kaplan-Meier) against fitted.
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
+# The largest share of an overlapped second `contention_factor` puts down to the other side's
+# work (a factor of 9): beyond it the fit says one side stops while the other runs, which no
+# sharing of cores does.
+MAX_OVERLAP_SHARE = 0.9
 
 
 class CalibrationError(ValueError):
@@ -81,6 +94,10 @@ class Calibration:
         tasks: tasks per batch (one group each).
         groups: rollouts per group that train together.
         aheads: each trace's `ahead`.
+        step_overlaps: per step time, the seconds of that step during which some rollout was
+            in flight (the engine busy).
+        overlaps: per observed rollout, the seconds of it during which the trainer stepped.
+        contention: the slowdowns fitted to those overlaps (`contention_factor`).
     """
 
     traces: tuple[str, ...]
@@ -100,11 +117,19 @@ class Calibration:
     tasks: int
     groups: int
     aheads: tuple[int, ...]
+    step_overlaps: tuple[float, ...] = ()
+    overlaps: tuple[float, ...] = ()
+    contention: Contention = Contention()
 
     @property
     def step_time(self) -> float:
         """The trainer's mean step time, the one the simulation spends on each step."""
         return float(np.mean(self.step_times))
+
+    @property
+    def durations_observed(self) -> tuple[float, ...]:
+        """Each observed rollout's duration, in `observed`'s order (as `overlaps` is)."""
+        return tuple(rollout.duration for rollout in self.observed)
 
     @property
     def mean_duration(self) -> float:
@@ -152,10 +177,42 @@ class Calibration:
             censored=tuple(d * engine for d in self.censored),
             lognormal=(mu + math.log(engine), sigma),
             step_times=tuple(t * trainer for t in self.step_times),
+            step_overlaps=tuple(o * trainer for o in self.step_overlaps),
+            overlaps=tuple(o * engine for o in self.overlaps),
         )
 
+    def solo(self, contention: Contention) -> tuple[tuple[float, ...], tuple[ObservedRollout, ...]]:
+        """The step times and observed rollouts as their side would have run alone, by the
+        rate model of `contention`: a side works at 1 / (1 + factor) of its solo speed while
+        the other is busy, so `overlap` seconds of it did overlap / (1 + factor) seconds of solo
+        work, and the solo seconds are the recorded ones less overlap * factor / (1 + factor).
+        A rollout's calls keep their shares of its seconds."""
+        trainer = contention.trainer / (1 + contention.trainer)
+        engine = contention.engine / (1 + contention.engine)
+        steps = tuple(
+            max(0.0, t - trainer * o)
+            for t, o in zip(self.step_times, self.step_overlaps, strict=True)
+        )
+        observed = []
+        for rollout, overlap in zip(self.observed, self.overlaps, strict=True):
+            total = rollout.duration
+            keep = (total - engine * overlap) / total if total > 0 else 1.0
+            observed.append(
+                attrs.evolve(
+                    rollout,
+                    seconds=tuple(s * keep for s in rollout.seconds),
+                    failing=None if rollout.failing is None else rollout.failing * keep,
+                )
+            )
+        return steps, tuple(observed)
+
     def workload(
-        self, *, steps: int, seed: int = 0, slots: int | None | str = "observed"
+        self,
+        *,
+        steps: int,
+        seed: int = 0,
+        slots: int | None | str = "observed",
+        contention: bool | Contention = False,
     ) -> Workload:
         """The simulation's workload: the observed rollouts resampled group by group, the
         recorded step times in their order, both from the window's first step on.
@@ -164,10 +221,20 @@ class Calibration:
             steps: trainer steps per simulated run, `warmup` of them not measured.
             seed: seeds the resampling.
             slots: the engine's slots; "observed" for `self.slots`, None for unbounded.
+            contention: False for the recorded seconds as they are, each side's speed the same
+                whatever the other does; True for the fitted `self.contention`, or a Contention
+                of one's own: the step times and rollouts are then their solo seconds
+                (`solo`), and the simulation slows each side while the other is busy.
 
         Raises:
             ValueError: naming the Workload field out of bounds.
         """
+        step_times, observed, shared = self.step_times, self.observed, None
+        if contention is not False:
+            shared = self.contention if contention is True else contention
+            if not isinstance(shared, Contention):
+                raise ValueError(f"contention must be a bool or a Contention, got {contention!r}")
+            step_times, observed = self.solo(shared)
         return Workload(
             seed=seed,
             steps=steps,
@@ -176,10 +243,11 @@ class Calibration:
             groups=self.groups,
             duration_mean=self.mean_duration,
             duration_sigma=self.lognormal[1],
-            step_time=self.step_time,
+            step_time=float(np.mean(step_times)),
             warmup=self.warmup,
-            observed=self.observed,
-            step_times=self.step_times,
+            observed=observed,
+            step_times=step_times,
+            contention=shared,
         )
 
 
@@ -292,6 +360,120 @@ def _fit_lognormal(durations: np.ndarray, censored: np.ndarray) -> tuple[float, 
     return float(math.log(scale)), float(sigma)
 
 
+class Busy:
+    """When one side was busy: the union of its spans, asking how much of a window it covers.
+
+    Args:
+        spans: (start, end) pairs, in any order; they may overlap and may be empty.
+    """
+
+    def __init__(self, spans: Sequence[tuple[float, float]]):
+        starts, ends = [], []
+        for start, end in sorted(spans):
+            if end <= start:
+                continue
+            if ends and start <= ends[-1]:
+                ends[-1] = max(ends[-1], end)
+            else:
+                starts.append(start)
+                ends.append(end)
+        self.starts = np.array(starts, np.float64)
+        self.ends = np.array(ends, np.float64)
+        self._before = np.concatenate([[0.0], np.cumsum(self.ends - self.starts)])
+
+    def _until(self, times: np.ndarray) -> np.ndarray:
+        """The busy seconds before each time."""
+        at = np.searchsorted(self.starts, times, side="right") - 1
+        inside = np.clip(times - self.starts[np.maximum(at, 0)], 0, None)
+        inside = np.minimum(inside, (self.ends - self.starts)[np.maximum(at, 0)])
+        return np.where(at >= 0, self._before[np.maximum(at, 0)] + inside, 0.0)
+
+    def covered(self, starts, ends) -> np.ndarray:
+        """float64[n]: the busy seconds within each window [starts[i], ends[i]]."""
+        starts, ends = np.asarray(starts, np.float64), np.asarray(ends, np.float64)
+        if not len(self.starts):
+            return np.zeros(np.broadcast(starts, ends).shape)
+        return np.maximum(self._until(ends) - self._until(starts), 0.0)
+
+
+def contention_factor(seconds, overlaps, instruments, units=None) -> float:
+    """How much one side slows while the other is busy, fitted to its recorded times.
+
+    The rate model (`dew.simulate.Contention`): a side works at 1 / (1 + factor) of its solo
+    speed while the other side is busy, so a span of `seconds` that overlapped the other side
+    for `overlap` of them did seconds - share * overlap of solo work, share = factor /
+    (1 + factor). Per unit of work (a rollout's calls; a step is one), seconds = solo + share *
+    overlap; the share is the slope of seconds on overlap.
+
+    Plain least squares would find a slope where there is none: a span that runs long for any
+    reason (a long rollout, a slow moment of the machine) overlaps more of whatever the other
+    side did meanwhile. So the slope is an instrumental-variable estimate: each span's
+    instrument is the other side's busy share over a fixed stretch from the span's start, which
+    says how much it was bound to overlap from when it started, not from how long it ran;
+    share = cov(instrument, seconds) / cov(instrument, overlap), clipped to
+    [0, MAX_OVERLAP_SHARE]. Where the instruments do not vary (the other side was always busy,
+    or never) or do not predict the overlap, the spans say nothing about it and the factor is 0.
+
+    Args:
+        seconds: each span's recorded seconds.
+        overlaps: the seconds of each span during which the other side was busy.
+        instruments: each span's instrument, the other side's busy share from its start.
+        units: each span's units of work (None: one each); seconds and overlaps are per unit.
+
+    Returns:
+        The factor, share / (1 - share): 0 for no slowdown, 1 for twice as slow while overlapped.
+
+    Raises:
+        ValueError: for arguments of different lengths or a unit count <= 0.
+    """
+    seconds, overlaps, z = (np.asarray(a, np.float64) for a in (seconds, overlaps, instruments))
+    units = np.ones_like(seconds) if units is None else np.asarray(units, np.float64)
+    if not seconds.shape == overlaps.shape == z.shape == units.shape:
+        raise ValueError(
+            f"seconds, overlaps, instruments and units must have one length, got "
+            f"{len(seconds)}, {len(overlaps)}, {len(z)} and {len(units)}"
+        )
+    if np.any(units <= 0):
+        raise ValueError("units must be > 0")
+    if len(seconds) < 3 or np.ptp(z) < 1e-9:
+        return 0.0
+    y, x = seconds / units, overlaps / units
+    zc = z - z.mean()
+    reach = float(zc @ (x - x.mean()))
+    if reach <= 1e-12 * max(float(np.abs(x).sum()), 1.0):
+        return 0.0
+    share = float(np.clip(zc @ (y - y.mean()) / reach, 0.0, MAX_OVERLAP_SHARE))
+    return share / (1.0 - share)
+
+
+def _shared_cpu(trace: Trace, warmup: int, finished: Sequence[RecordedSession]):
+    """A trace's spans for the contention fit: its window's steps (seconds, engine overlap,
+    instrument) and its finished rollouts (seconds, trainer overlap, instrument, calls)."""
+    timed = _delivered(trace)
+    stepping = Busy([(a.returned, b.handed_over) for a, b in itertools.pairwise(timed)])
+    engine = Busy([(s.submitted, s.ended) for s in trace.sessions.values()])
+    steps = [(a.returned, b.handed_over) for a, b in itertools.pairwise(timed[warmup:])]
+    begin, end = np.array(steps, np.float64).reshape(-1, 2).T
+    stretch = float(np.median(end - begin)) if len(steps) else 0.0
+    step = (
+        end - begin,
+        engine.covered(begin, end),
+        engine.covered(begin, begin + stretch) / stretch if stretch > 0 else np.zeros(len(begin)),
+    )
+    submitted = np.array([s.submitted for s in finished], np.float64)
+    ended = np.array([s.ended for s in finished], np.float64)
+    stretch = float(np.median(ended - submitted)) if len(finished) else 0.0
+    rollout = (
+        ended - submitted,
+        stepping.covered(submitted, ended),
+        stepping.covered(submitted, submitted + stretch) / stretch
+        if stretch > 0
+        else np.zeros(len(finished)),
+        np.array([max(len(s.session.calls), 1) for s in finished], np.float64),
+    )
+    return step, rollout
+
+
 def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -> Calibration:
     """Fit the simulation's workload to one or more recorded runs.
 
@@ -315,6 +497,7 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
     read = [t if isinstance(t, Trace) else read_trace(t) for t in traces]
     first = (read[0].config["groups"], _tasks_per_batch(read[0]))
     finished, cancelled, raised, steps, slots = [], [], 0, [], 0
+    step_spans, rollout_spans = [], []
     pool: dict = {}
     offset = 0
     for trace in read:
@@ -330,7 +513,11 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
             # group n) draws from the recorded group n while n is within the window.
             pool[session.label] = offset + session.label.group % pools
         offset += pools
-        finished += [s for s in sessions if s.outcome == "returned"]
+        returned = [s for s in sessions if s.outcome == "returned"]
+        step, rollout = _shared_cpu(trace, warmup, returned)
+        step_spans.append(step)
+        rollout_spans.append(rollout)
+        finished += returned
         cancelled += [s for s in sessions if s.outcome == "cancelled"]
         raised += sum(s.outcome in ("raised", "invalid") for s in sessions)
         timed = _delivered(trace)
@@ -349,6 +536,11 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
         for s, w in zip(finished, weights, strict=True)
         if w > 0
     )
+    # Pooled over the traces: traces of settings that overlap differently (a synchronous run
+    # beside one ahead) tell the factors apart better than either alone.
+    step_fit = [np.concatenate(parts) for parts in zip(*step_spans, strict=True)]
+    rollout_fit = [np.concatenate(parts) for parts in zip(*rollout_spans, strict=True)]
+    overlaps = rollout_fit[1][weights > 0]
     statuses = collections.Counter(s.session.status.name for s in finished)
     truncated = [s.session for s in finished if s.session.status is Status.TRUNCATED]
     reasons = collections.Counter(session.truncation for session in truncated)
@@ -378,6 +570,11 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
         tasks=tasks,
         groups=groups,
         aheads=tuple(t.config["ahead"] for t in read),
+        step_overlaps=tuple(step_fit[1].tolist()),
+        overlaps=tuple(overlaps.tolist()),
+        contention=Contention(
+            trainer=contention_factor(*step_fit), engine=contention_factor(*rollout_fit)
+        ),
     )
 
 
@@ -410,6 +607,12 @@ def fit_table(calibration: Calibration) -> list[tuple[float, float, float]]:
     return [(p, float(o), float(f)) for p, o, f in zip(QUANTILES, observed, fitted, strict=True)]
 
 
+def _share(part: Sequence[float], whole: Sequence[float]) -> str:
+    """The share of `whole`'s seconds that `part` overlapped, as a percentage."""
+    total = float(np.sum(whole))
+    return f"{float(np.sum(part)) / total:.0%} of their seconds" if total > 0 else "never"
+
+
 def _shares(shares: Mapping[str, float]) -> str:
     return ", ".join(f"{name} {share:.1%}" for name, share in shares.items()) or "none"
 
@@ -439,6 +642,10 @@ def report(calibration: Calibration) -> str:
         + ", ".join(f"{n}: {count / len(c.durations):.1%}" for n, count in c.calls.items()),
         f"  statuses: {_shares(c.statuses)}; truncations: {_shares(c.truncations)}"
         + (f" ({c.unscored:.1%} unscored)" if c.truncations else ""),
+        f"  shared CPU: steps overlapped the engine {_share(c.step_overlaps, c.step_times)}, "
+        f"rollouts the trainer {_share(c.overlaps, c.durations_observed)}; fitted slowdown "
+        f"while overlapped: trainer +{c.contention.trainer:.0%}, engine "
+        f"+{c.contention.engine:.0%} (dew tune --contention fit)",
         f"  {'quantile':>10}{'observed s':>12}{'lognormal s':>13}{'ratio':>8}",
     ]
     for p, observed, fitted in fit_table(c):

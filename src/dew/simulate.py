@@ -39,6 +39,31 @@ WASTED = ("cancelled", "discarded", "failed")
 
 
 @attrs.frozen
+class Contention:
+    """How much the trainer's and the engine's work slow each other on the CPU they share.
+
+    On one machine the trainer's step (packing, rescoring, the update) and the engine's decode
+    steps run on the same cores: each runs at its own speed while the other is idle and slower
+    while both run. The simulation spends each side's seconds as solo work at rate 1 while the
+    other side is idle and at rate 1 / (1 + factor) while it is busy (the engine busy while any
+    call decodes, the trainer while it steps), so how much two runs slow each other follows from
+    how much they overlap, which each setting changes (none at ahead 0, more at ahead 2).
+
+    Args:
+        trainer: while the engine is busy, a second of the trainer's solo work takes
+            1 + trainer seconds.
+        engine: while the trainer is busy, a second of a call's solo decoding takes
+            1 + engine seconds.
+
+    Raises:
+        ValueError: naming the factor that is not a finite number >= 0.
+    """
+
+    trainer: float = attrs.field(default=0.0, validator=at_least(0.0))
+    engine: float = attrs.field(default=0.0, validator=at_least(0.0))
+
+
+@attrs.frozen
 class Workload:
     """The engine, the rollouts and the trainer every setting of a simulation shares.
 
@@ -61,6 +86,9 @@ class Workload:
             count] instead of step_time: a recorded run's own step times, in its order, so a
             trainer that slows or speeds up over training does so in the simulation too
             (step_time, their mean, still sets the capacity bound).
+        contention: how the trainer's and the engine's work slow each other while both run
+            (see Contention); the step times and the rollouts' seconds are then solo work, which
+            the simulation stretches while the other side is busy. None: they never do.
 
     Raises:
         ValueError: naming the field, its bound and the value.
@@ -79,6 +107,9 @@ class Workload:
     warmup: int = attrs.field(default=0, validator=int_at_least(0))
     observed: tuple[ObservedRollout, ...] = attrs.field(default=(), converter=tuple)
     step_times: tuple[float, ...] = attrs.field(default=(), converter=tuple)
+    contention: Contention | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(Contention))
+    )
 
     def __attrs_post_init__(self):
         for i, seconds in enumerate(self.step_times):
@@ -123,6 +154,22 @@ class Workload:
             for r in self.observed
         )
         return attrs.evolve(self, duration_mean=self.duration_mean * factor, observed=observed)
+
+    def trainer_scaled(self, factor: float) -> Workload:
+        """This workload with a trainer `factor` times slower: every step time multiplied by it.
+
+        Raises:
+            ValueError: unless factor is a finite number > 0.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, int | float):
+            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        if not 0 < factor < math.inf:
+            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        return attrs.evolve(
+            self,
+            step_time=self.step_time * factor,
+            step_times=tuple(t * factor for t in self.step_times),
+        )
 
     def step_seconds(self, step: int) -> float:
         """The seconds the trainer spends on step `step`."""
@@ -294,6 +341,62 @@ class _Timed:
             self.spans[label] = (start, trio.current_time())
 
 
+@attrs.define(eq=False)
+class SharedCpu:
+    """The CPU the simulated trainer and engine share: each spends its seconds of solo work at
+    rate 1 while the other side is idle and 1 / (1 + its Contention factor) while it is busy.
+
+    A side is busy while at least one of its `spend` calls runs. Every time a side turns busy or
+    idle, the other side's spenders wake and go on at their new rate, so a step that overlaps
+    the engine for part of its time is stretched for that part alone. On trio's mock clock the
+    result is a pure function of when each side works.
+
+    Args:
+        contention: the two factors.
+    """
+
+    contention: Contention
+    running: dict[str, int] = attrs.field(factory=lambda: {"trainer": 0, "engine": 0})
+    _changed: trio.Event = attrs.field(factory=trio.Event)
+
+    def rate(self, side: str) -> float:
+        """How fast `side` works now: solo seconds per second of the clock."""
+        other = "engine" if side == "trainer" else "trainer"
+        return 1.0 / (1.0 + getattr(self.contention, side)) if self.running[other] else 1.0
+
+    async def spend(self, side: str, seconds: float) -> None:
+        """Spend `seconds` of `side`'s solo work, stretched while the other side is busy."""
+        self._enter(side, 1)
+        try:
+            left = seconds
+            while left > 0:
+                rate, changed, start = self.rate(side), self._changed, trio.current_time()
+                with trio.move_on_after(left / rate) as scope:
+                    await changed.wait()
+                if scope.cancelled_caught:
+                    break
+                left -= (trio.current_time() - start) * rate
+        finally:
+            self._enter(side, -1)
+
+    def _enter(self, side: str, change: int) -> None:
+        before = self.running[side]
+        self.running[side] += change
+        if (before == 0) != (self.running[side] == 0):
+            self._changed.set()
+            self._changed = trio.Event()
+
+
+@attrs.define(eq=False)
+class SharingEngine(SimulatedEngine):
+    """A SimulatedEngine whose calls decode on a SharedCpu, slowed while the trainer steps."""
+
+    cpu: SharedCpu = attrs.field(kw_only=True)
+
+    async def _decode(self, seconds: float) -> None:
+        await self.cpu.spend("engine", seconds)
+
+
 def simulate(workload: Workload, setting: Setting) -> Outcome:
     """Run one setting over workload under trio's mock clock and measure it.
 
@@ -317,7 +420,11 @@ def long_tail(workload: Workload) -> list[Outcome]:
 
 
 async def _simulate(workload: Workload, setting: Setting) -> Outcome:
-    engine = SimulatedEngine(slots=workload.slots)
+    if workload.contention is None:
+        cpu, engine = None, SimulatedEngine(slots=workload.slots)
+    else:
+        cpu = SharedCpu(workload.contention)
+        engine = SharingEngine(slots=workload.slots, cpu=cpu)
     simulated = SimulatedSource(engine, workload.sessions())
     source = _Timed(simulated)
     samples = workload.tasks * workload.groups
@@ -356,7 +463,10 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
             await scheduler.step(prefetched.popleft(), None, updates)
             if updates >= workload.warmup:
                 events.extend(scheduler.last_events)
-            await trio.sleep(workload.step_seconds(updates))
+            if cpu is None:
+                await trio.sleep(workload.step_seconds(updates))
+            else:
+                await cpu.spend("trainer", workload.step_seconds(updates))
         elapsed = trio.current_time() - start
 
     measured = records[workload.warmup :]
@@ -437,9 +547,16 @@ def describe(workload: Workload) -> str:
             f"lognormal rollouts mean {workload.duration_mean:g}s sigma {workload.duration_sigma:g}"
         )
     warmup = f" (the first {workload.warmup} not measured)" if workload.warmup else ""
+    shared = workload.contention
+    cpu = (
+        f", sharing a CPU (trainer +{shared.trainer:.0%}, engine +{shared.engine:.0%} while "
+        "both run)"
+        if shared is not None
+        else ""
+    )
     return (
         f"{engine}, {rollouts}, {workload.tasks} tasks x {workload.groups} rollouts per step, "
-        f"T={workload.step_time:.4g}s, {workload.steps} steps{warmup}, seed {workload.seed}"
+        f"T={workload.step_time:.4g}s{cpu}, {workload.steps} steps{warmup}, seed {workload.seed}"
     )
 
 

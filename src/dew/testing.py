@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import itertools
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,6 +69,7 @@ async def record_run(
     tasks: Callable[[Batch], Sequence[Task]] = task_ids,
     objective: Any = None,
     variables: Any = None,
+    spend: Callable[[float], Awaitable[Any]] = trio.sleep,
     **options: Any,
 ) -> Trace:
     """Run a scheduler over `source` with a fake trainer, record it to `path`, read it back.
@@ -88,6 +89,8 @@ async def record_run(
         tasks: turns a batch of `task_id` rows into tasks.
         objective: rescores the packed rows; NoRescoring (zeros) by default.
         variables: what the trainer hands over and pushes.
+        spend: how the trainer spends its `gap` (trio.sleep; `dew.simulate.SharedCpu`'s
+            trainer side for a trainer that shares a CPU with the engine).
         **options: the other RolloutScheduler arguments (width, rows, groups, ...).
 
     Returns:
@@ -111,7 +114,7 @@ async def record_run(
             batch = prefetched.popleft()
             prefetched.extend(itertools.islice(stream, 1))
             await recorder.step(batch, variables, count)
-            await trio.sleep(gap)
+            await spend(gap)
     return read_trace(path)
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from dew import calibrate
 from dew._checks import int_option, number_option
 from dew._processes import end_with_parent
-from dew.simulate import Outcome, Setting, Workload, describe, simulate
+from dew.simulate import Contention, Outcome, Setting, Workload, describe, simulate
 
 
 def _ints(low: int):
@@ -201,6 +201,33 @@ def sized_to_ahead(recorded: int, exponent: float = 1.0) -> Callable[[Setting], 
     return lambda setting: ((setting.ahead + 1) / (recorded + 1)) ** exponent
 
 
+def sized_to_rows(tasks: int, exponent: float = 1.0) -> Callable[[Setting], float]:
+    """How much slower a setting's trainer steps than the recorded one's, for a trainer whose
+    rows are sized to the groups a step admits as `dew train`'s are (admit x groups rollouts a
+    step; a whole batch without admit, with admit="auto" or with carry-over) and whose step
+    costs rows**exponent (about 1 for a CPU step over a fixed [rows, width] shape), when the
+    recorded run admitted every one of its `tasks` groups.
+
+    Args:
+        tasks: the recorded run's tasks per batch.
+        exponent: how a step's cost grows with its rows.
+
+    Raises:
+        ValueError: for tasks below 1 or an exponent that is not finite and >= 0.
+    """
+    if isinstance(tasks, bool) or not isinstance(tasks, int) or tasks < 1:
+        raise ValueError(f"tasks must be an int >= 1, got {tasks!r}")
+    if not (isinstance(exponent, int | float) and 0 <= exponent < math.inf):
+        raise ValueError(f"exponent must be a finite number >= 0, got {exponent!r}")
+
+    def factor(setting: Setting) -> float:
+        if not isinstance(setting.admit, int) or setting.carry_over:
+            return 1.0
+        return (setting.admit / tasks) ** exponent
+
+    return factor
+
+
 def tune(
     workload: Workload,
     grid: Grid,
@@ -208,6 +235,7 @@ def tune(
     seeds: int = 3,
     jobs: int = 1,
     engine: Callable[[Setting], float] | None = None,
+    trainer: Callable[[Setting], float] | None = None,
 ) -> list[Row]:
     """Simulate every setting of `grid` on `workload` under seeds workload.seed, +1, ...
 
@@ -218,6 +246,8 @@ def tune(
         jobs: processes to simulate in; the figures do not depend on it.
         engine: per setting, how much slower its engine decodes than the workload's (e.g.
             `sized_to_ahead`); None for the same engine under every setting.
+        trainer: per setting, how much slower its trainer steps than the workload's (e.g.
+            `sized_to_rows`); None for the same trainer under every setting.
 
     Returns:
         One row per setting, in the grid's order.
@@ -229,7 +259,11 @@ def tune(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     settings = grid.settings(workload.tasks)
-    sized = {s: workload if engine is None else workload.engine_scaled(engine(s)) for s in settings}
+    sized = {}
+    for setting in settings:
+        sized[setting] = workload if engine is None else workload.engine_scaled(engine(setting))
+        if trainer is not None:
+            sized[setting] = sized[setting].trainer_scaled(trainer(setting))
     runs = [
         (attrs.evolve(sized[setting], seed=workload.seed + k), setting)
         for setting in settings
@@ -433,6 +467,18 @@ def _slots(text: str) -> int | str | None:
         ) from None
 
 
+def _contention(text: str) -> bool | Contention:
+    if text in ("off", "fit"):
+        return text == "fit"
+    parts = text.split(",")
+    factor = number_option(0.0, 1000.0)
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(
+            f"must be 'off', 'fit' or TRAINER,ENGINE (two factors >= 0), got {text!r}"
+        )
+    return Contention(trainer=factor(parts[0].strip()), engine=factor(parts[1].strip()))
+
+
 def configure_cli(parser: argparse.ArgumentParser) -> None:
     """Add `dew tune`'s arguments: the traces, the grid, the simulation and the limits."""
     default = Grid()
@@ -513,6 +559,24 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         "train's CPU engine (default: 0, one engine for every setting)",
     )
     run.add_argument(
+        "--trainer-scaling",
+        type=number_option(0.0, 10.0),
+        default=0.0,
+        metavar="EXPONENT",
+        help="for a trainer whose rows are sized to admit as dew train's are: a setting that "
+        "admits A of the trace's groups a step steps (A / groups) ** EXPONENT times as long; "
+        "about 1 for dew train's CPU trainer (default: 0, one trainer for every setting)",
+    )
+    run.add_argument(
+        "--contention",
+        type=_contention,
+        default=False,
+        metavar="off|fit|TRAINER,ENGINE",
+        help="how the trainer's and the engine's CPU work slow each other while both run: "
+        "'fit' for the factors fitted to the traces, or two factors of your own (each side's "
+        "extra seconds per solo second while the other is busy); default: off",
+    )
+    run.add_argument(
         "--jobs", type=int_option(1, 256), default=1, help="processes to simulate in (default: 1)"
     )
     limits = parser.add_argument_group("the front")
@@ -555,7 +619,9 @@ def run_cli(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as error:
         args.parser.error(f"argument TRACE: {error}")
     print(calibrate.report(fitted))
-    workload = fitted.workload(steps=args.steps, seed=args.seed, slots=args.slots)
+    workload = fitted.workload(
+        steps=args.steps, seed=args.seed, slots=args.slots, contention=args.contention
+    )
     if args.step_time is not None:
         workload = attrs.evolve(workload, step_time=args.step_time, step_times=())
     carry = (False, True) if args.carry_over else (False,)
@@ -577,7 +643,8 @@ def run_cli(args: argparse.Namespace) -> int:
                 f"argument --engine-scaling: the traces ran at different ahead {fitted.aheads}"
             )
         engine = sized_to_ahead(fitted.aheads[0], args.engine_scaling)
-    rows = tune(workload, grid, seeds=args.seeds, jobs=args.jobs, engine=engine)
+    trainer = sized_to_rows(workload.tasks, args.trainer_scaling) if args.trainer_scaling else None
+    rows = tune(workload, grid, seeds=args.seeds, jobs=args.jobs, engine=engine, trainer=trainer)
     print(f"simulated {args.seeds} seed(s) per setting: {describe(workload)}")
     limits = {"max_waste": args.max_waste, "max_bias": args.max_bias}
     print(table(rows, **limits))

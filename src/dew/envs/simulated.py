@@ -443,10 +443,15 @@ class SimulatedEngine:
                 self._wake_first()
             raise
         try:
-            await trio.sleep(seconds)
+            await self._decode(seconds)
         finally:
             self._release()
         return waiter.version
+
+    async def _decode(self, seconds: float) -> None:
+        """Hold a slot for `seconds` of decoding: trio's clock alone here; an engine that shares
+        a CPU with the trainer (`dew.simulate`) stretches them while the trainer works."""
+        await trio.sleep(seconds)
 
     def _dispatch(self) -> None:
         while self._queue and (self.slots is None or self.busy < self.slots):

@@ -1,0 +1,214 @@
+"""`dew tune` against real runs: record one `dew train` run, predict three other settings from
+its trace alone, run them, and set predicted beside measured.
+
+The recorded run is `dew train --task guess --steps 40 --batch-size 4 --groups 8` at its
+defaults, ahead 1 and max_lag 1. From its trace alone (`dew.calibrate`, 3 warm-up calls left
+out) `dew tune`'s machinery (`dew.tune.tune`, 2 seeds, an engine with a slot for every rollout
+in flight as `dew train`'s) predicts three targets: synchronous (ahead 0), ahead 2, and admit
+below the batch (the first 3 of 4 groups, ahead 1). Each target then runs for real, recorded,
+and its trace is measured over the same window with the simulation's definitions
+(`dew.calibrate.observe`). Issue 23's goal: within 10 % on goodput and 5 points on the
+trainer's idle share.
+
+Two predictions per target, side by side:
+
+- `plain`: the trace's rollouts and step times as recorded, each setting's engine sized to its
+  ahead (`dew tune --engine-scaling 1`, as dew train's CPU engine decodes a [slots] shape).
+- `shared`: the same, with the CPU the trainer and the engine share modelled
+  (`Calibration.contention`, `dew tune --contention`): the recorded step times and rollouts
+  stripped of what the other side's work added to them, and each side slowed again in the
+  simulation by as much as the two overlap there.
+
+    python benchmarks/tune_accuracy.py                 # 4 runs of about a minute, then the table
+    python benchmarks/tune_accuracy.py --keep runs/    # the same, keeping the runs
+    python benchmarks/tune_accuracy.py --analyse runs/ # the table again from kept runs
+    python benchmarks/tune_accuracy.py --smoke         # simulated runs instead, in seconds
+
+The load average (1 minute) is printed before and after: on a machine that is not idle, a CPU
+run's speed moves with other people's work, which no model of the scheduler predicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import trio
+import trio.testing
+
+from dew import calibrate, tune
+from dew.envs.simulated import SimulatedConfig, SimulatedSource
+from dew.simulate import Contention, SharedCpu, SharingEngine
+from dew.testing import record_run
+
+BASELINE = ("ahead=1 lag=1", {"ahead": 1, "max_lag": 1})
+TARGETS = (
+    ("ahead=0 lag=0", {"ahead": 0, "max_lag": 0}),
+    ("ahead=2 lag=2", {"ahead": 2, "max_lag": 2}),
+    ("ahead=1 lag=1 admit=3", {"ahead": 1, "max_lag": 1, "admit": 3}),
+)
+FULL = ["--task", "guess", "--steps", "40", "--batch-size", "4", "--groups", "8"]
+# A short synchronous run beside the recorded one: it never overlaps, so set beside the recorded
+# run it shows each side's solo speed, which a run one batch ahead, nearly always overlapped,
+# barely does.
+PROBE = ("probe ahead=0 lag=0", {"ahead": 0, "max_lag": 0})
+PROBE_STEPS = 15
+# --smoke's runs are simulated ones on a CPU shared by this much (see `simulated`).
+SMOKE_CPU = Contention(trainer=0.5, engine=0.5)
+
+
+def train(
+    folder: Path, name: str, knobs: dict, options: list[str], steps: int | None = None
+) -> Path:
+    """Run `dew train` in a process of its own at the knobs, recording; return the trace."""
+    trace = folder / f"{name}.trace"
+    flags = [f"--{knob.replace('_', '-')}={value}" for knob, value in knobs.items()]
+    flags += [] if steps is None else [f"--steps={steps}"]
+    command = "import sys; from dew.cli import main; sys.exit(main())"
+    subprocess.run(
+        [sys.executable, "-c", command, "train", *options, *flags]
+        + ["--run", str(folder / name), "--record", str(trace)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return trace
+
+
+def simulated(folder: Path, name: str, knobs: dict, steps: int | None = None) -> Path:
+    """--smoke's stand-in for `train`: a recorded simulated run under trio's mock clock whose
+    trainer (1 s of solo work a step) and engine share a CPU (SMOKE_CPU), in seconds."""
+    trace = folder / f"{name}.trace"
+    cpu = SharedCpu(SMOKE_CPU)
+    engine = SharingEngine(cpu=cpu)
+    run = functools.partial(
+        record_run,
+        SimulatedSource(engine, SimulatedConfig(seed=1, duration_mean=1.0, duration_sigma=0.3)),
+        engine,
+        trace,
+        updates=range(steps or 24),
+        batch_size=4,
+        gap=1.0,
+        spend=functools.partial(cpu.spend, "trainer"),
+        width=512,
+        rows=16,
+        groups=4,
+        **knobs,
+    )
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+    return trace
+
+
+def predict(
+    fitted: calibrate.Calibration,
+    knobs: dict,
+    steps: int,
+    seeds: int,
+    *,
+    engine: float,
+    trainer: float = 0.0,
+    contention: bool | Contention = False,
+) -> tuple[float, float]:
+    """The target's row from `dew tune`'s machinery: goodput and idle share over seeds."""
+    workload = fitted.workload(steps=steps, slots=None, contention=contention)
+    grid = tune.Grid(
+        ahead=(knobs["ahead"],),
+        sync_every=(1,),
+        max_lag=(knobs["max_lag"],),
+        admit=(knobs.get("admit"),),
+    )
+    (row,) = tune.tune(
+        workload,
+        grid,
+        seeds=seeds,
+        engine=tune.sized_to_ahead(fitted.aheads[0], engine),
+        trainer=tune.sized_to_rows(fitted.tasks, trainer) if trainer else None,
+    )
+    return row.goodput, row.idle
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--smoke", action="store_true", help="simulated runs on a shared CPU instead, for CI"
+    )
+    parser.add_argument("--warmup", type=int, default=3, help="first calls left out")
+    parser.add_argument("--seeds", type=int, default=2, help="simulated runs per prediction")
+    parser.add_argument(
+        "--engine-scaling", type=float, default=1.0, help="dew tune --engine-scaling (default 1)"
+    )
+    parser.add_argument(
+        "--trainer-scaling", type=float, default=1.0, help="dew tune --trainer-scaling (default 1)"
+    )
+    parser.add_argument("--keep", type=Path, default=None, help="keep the runs in this folder")
+    parser.add_argument(
+        "--analyse", type=Path, default=None, help="predict from the runs kept in this folder"
+    )
+    args = parser.parse_args()
+    warmup, probe_steps = (2, 8) if args.smoke else (args.warmup, PROBE_STEPS)
+    if args.smoke:
+        # The simulated engine's calls take as long however many run, and its trainer's step
+        # as long however many rows: nothing to size.
+        args.engine_scaling = args.trainer_scaling = 0.0
+    load = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = args.analyse or args.keep or Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        if args.analyse is None:
+            for name, knobs in (BASELINE, *TARGETS, PROBE):
+                steps = probe_steps if name == PROBE[0] else None
+                if args.smoke:
+                    simulated(folder, _file(name), knobs, steps)
+                else:
+                    train(folder, _file(name), knobs, FULL, steps)
+        load.append(os.getloadavg()[0])
+        baseline = folder / f"{_file(BASELINE[0])}.trace"
+        fitted = calibrate.calibrate([baseline], warmup=warmup)
+        probed = calibrate.calibrate(
+            [baseline, folder / f"{_file(PROBE[0])}.trace"], warmup=warmup
+        ).contention
+        print(calibrate.report(fitted))
+        print(
+            f"  with the synchronous probe: trainer +{probed.trainer:.0%}, "
+            f"engine +{probed.engine:.0%}"
+        )
+        rows = []
+        for name, knobs in TARGETS:
+            measured = calibrate.observe(folder / f"{_file(name)}.trace", warmup=warmup)
+            steps = measured.steps + warmup + 1
+            plain = predict(fitted, knobs, steps, args.seeds, engine=args.engine_scaling)
+            model = dict(engine=args.engine_scaling, trainer=args.trainer_scaling)
+            alone = predict(fitted, knobs, steps, args.seeds, contention=True, **model)
+            probe = predict(fitted, knobs, steps, args.seeds, contention=probed, **model)
+            rows.append((name, measured, plain, alone, probe))
+    print(f"load average (1 min) before the runs {load[0]:.2f}, after {load[1]:.2f}")
+    print(
+        "goodput: samples/s, error = predicted / measured - 1; idle: the trainer's share, error "
+        "= predicted - measured in points.\nplain: dew tune --engine-scaling "
+        f"{args.engine_scaling:g}; model: and --trainer-scaling {args.trainer_scaling:g} "
+        "--contention fit (from the recorded run); +probe: the contention fitted to the "
+        f"recorded run and a {probe_steps}-step synchronous probe run together"
+    )
+    columns = "".join(f"{name:>8}{'err':>8}" for name in ("plain", "model", "+probe"))
+    print(f"{'':<22}{'goodput':-^57} {'idle':-^57}")
+    print(f"{'target':<22}{'measured':>9}{columns}{'measured':>10}{columns}")
+    for name, measured, *predictions in rows:
+        line = f"{name:<22}{measured.goodput:>9.2f}"
+        for goodput, _ in predictions:
+            line += f"{goodput:>8.2f}{goodput / measured.goodput - 1:>+8.1%}"
+        line += f"{measured.idle:>10.1%}"
+        for _, idle in predictions:
+            line += f"{idle:>8.1%}{100 * (idle - measured.idle):>+8.1f}"
+        print(line)
+
+
+def _file(name: str) -> str:
+    return name.replace(" ", "_")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""The CPU the trainer and the engine share: the simulation's rate model on trio's mock clock,
+the fit of its factors to recorded spans (synthetic ones, and traces of simulated runs whose
+CPU is shared by a known amount), and predictions that hold where ignoring it misses."""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from dew import calibrate, cli, simulate, tune
+from dew.envs.simulated import SimulatedConfig, SimulatedSource
+from dew.simulate import Contention, SharedCpu, SharingEngine
+from dew.testing import record_run
+
+
+def on_mock_clock(function):
+    return trio.run(function, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+# --- the rate model ---------------------------------------------------------------------------
+
+
+def test_a_side_alone_runs_at_its_solo_speed_and_slows_only_while_the_other_is_busy():
+    """Trainer factor 1 (half speed while the engine runs), engine factor 0.5. The engine works
+    3 s solo from t=0; the trainer 2 s solo from t=1. Both run from 1 on: the engine at 2/3,
+    the trainer at 1/2. The engine's 2 s left take 3 s (t=4), by which the trainer has done
+    1.5 s of its 2; its last 0.5 s runs alone (t=4.5)."""
+    cpu = SharedCpu(Contention(trainer=1.0, engine=0.5))
+    ends = {}
+
+    async def side(name, start, seconds):
+        await trio.sleep(start)
+        await cpu.spend(name, seconds)
+        ends[name] = trio.current_time()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(side, "engine", 0.0, 3.0)
+            nursery.start_soon(side, "trainer", 1.0, 2.0)
+
+    on_mock_clock(main)
+    assert ends == pytest.approx({"engine": 4.0, "trainer": 4.5})
+    assert cpu.running == {"trainer": 0, "engine": 0}
+
+
+def test_the_engine_is_busy_while_any_call_runs_and_its_calls_slow_alike():
+    """Two engine calls overlapping each other count as one busy engine: a 1 s trainer step
+    beside them (factor 1) takes 2 s, and each call (factor 1) runs at half speed alongside."""
+    cpu = SharedCpu(Contention(trainer=1.0, engine=1.0))
+    ends = {}
+
+    async def side(name, kind, seconds):
+        await cpu.spend(kind, seconds)
+        ends[name] = trio.current_time()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(side, "call a", "engine", 4.0)
+            nursery.start_soon(side, "call b", "engine", 4.0)
+            nursery.start_soon(side, "step", "trainer", 1.0)
+
+    on_mock_clock(main)
+    # The step: 2 s at half speed. The calls: 1 s of work in those 2 s, then 3 s alone.
+    assert ends == pytest.approx({"step": 2.0, "call a": 5.0, "call b": 5.0})
+
+
+WORKLOAD = simulate.Workload(
+    seed=0, steps=12, slots=None, tasks=4, groups=4, duration_mean=3.0, step_time=3.0, warmup=2
+)
+
+
+def test_contention_slows_a_run_that_overlaps_and_leaves_a_synchronous_one_as_it_was():
+    shared = attrs.evolve(WORKLOAD, contention=Contention(trainer=1.0, engine=1.0))
+    sync = simulate.Setting("sync", ahead=0, max_lag=0)
+    ahead = simulate.Setting("ahead=1", ahead=1, max_lag=1)
+    # Synchronous: the engine idles while the trainer steps, so nothing overlaps.
+    assert simulate.simulate(shared, sync) == simulate.simulate(WORKLOAD, sync)
+    alone, both = simulate.simulate(WORKLOAD, ahead), simulate.simulate(shared, ahead)
+    assert both.goodput < 0.85 * alone.goodput
+    # Deterministic: a pure function of the workload.
+    assert simulate.simulate(shared, ahead) == both
+
+
+# --- the fit ----------------------------------------------------------------------------------
+
+
+def test_busy_covers_the_union_of_its_spans():
+    busy = calibrate.Busy([(5.0, 7.0), (0.0, 2.0), (1.0, 3.0), (4.0, 4.0)])
+    assert busy.starts.tolist() == [0.0, 5.0] and busy.ends.tolist() == [3.0, 7.0]
+    covered = busy.covered([0.0, 2.5, -1.0, 3.0, 6.0], [10.0, 5.5, 0.5, 5.0, 6.0])
+    assert covered == pytest.approx([5.0, 1.0, 0.5, 0.0, 0.0])
+    assert calibrate.Busy([]).covered([0.0], [1.0]).tolist() == [0.0]
+
+
+def spans(share: float, seed: int = 0, n: int = 400):
+    """Spans of the rate model with a known share (factor share / (1 - share)), whose solo
+    work is noisy, and whose overlap grows with the noise as a real span's does: a span that
+    runs long overlaps more of what the other side did meanwhile."""
+    rng = np.random.default_rng(seed)
+    instrument = rng.uniform(0.0, 1.0, n)  # the other side's busy share from the span's start
+    solo = rng.lognormal(0.0, 0.3, n)
+    # Overlap: the instrument's share of the span, and half of any excess of solo work.
+    overlap = instrument * solo + 0.5 * np.clip(solo - 1.0, 0.0, None)
+    seconds = solo + share * overlap
+    return seconds, overlap, instrument
+
+
+@pytest.mark.parametrize("factor", [0.0, 0.5, 1.0])
+def test_the_factor_fitted_to_spans_is_the_one_that_made_them(factor):
+    seconds, overlap, instrument = spans(factor / (1 + factor))
+    fitted = calibrate.contention_factor(seconds, overlap, instrument)
+    assert fitted == pytest.approx(factor, abs=0.1)
+    # Plain least squares finds a slowdown where there is none: long spans overlap more.
+    if factor == 0.0:
+        plain = np.polyfit(overlap, seconds, 1)[0]
+        assert plain > 0.3
+
+
+def test_spans_per_unit_of_work_fit_alike():
+    seconds, overlap, instrument = spans(0.5)
+    units = np.arange(len(seconds)) % 3 + 1
+    fitted = calibrate.contention_factor(seconds * units, overlap * units, instrument, units)
+    assert fitted == pytest.approx(1.0, abs=0.1)
+
+
+def test_spans_that_cannot_tell_say_no_slowdown():
+    seconds, overlap, _ = spans(0.5)
+    # The other side always busy (or never): nothing to compare.
+    assert calibrate.contention_factor(seconds, overlap, np.ones(len(seconds))) == 0.0
+    assert calibrate.contention_factor([1.0, 2.0], [0.5, 1.0], [0.2, 0.8]) == 0.0
+    # Faster while overlapped: no negative slowdown.
+    assert calibrate.contention_factor(seconds, -overlap, spans(0.5)[2]) == 0.0
+    # A share near 1 says one side stops while the other runs: clipped.
+    share = calibrate.MAX_OVERLAP_SHARE
+    seconds, overlap, instrument = spans(0.99)
+    assert calibrate.contention_factor(seconds, overlap, instrument) == pytest.approx(
+        share / (1 - share)
+    )
+
+
+def test_the_fit_refuses_spans_of_different_lengths():
+    with pytest.raises(ValueError, match="must have one length, got 3, 2, 3 and 3"):
+        calibrate.contention_factor([1, 2, 3], [1, 2], [0, 1, 0])
+    with pytest.raises(ValueError, match="units must be > 0"):
+        calibrate.contention_factor([1, 2, 3], [1, 2, 3], [0, 1, 0], [1, 0, 1])
+
+
+# --- traces of runs on a shared CPU -----------------------------------------------------------
+
+TRUE = Contention(trainer=0.6, engine=0.8)
+CONFIG = SimulatedConfig(seed=3, duration_mean=2.0, duration_sigma=0.3, calls=(1, 3))
+STEPS = 30
+
+
+def record_shared(path, contention: Contention | None, config=CONFIG, **options):
+    """A recorded run whose trainer steps 2 s of solo work a call beside an engine that
+    decodes on the same SharedCpu (none: each at its own speed)."""
+    options = {"ahead": 1, "max_lag": 1, "width": 512, "rows": 16, "groups": 4, **options}
+
+    async def run():
+        cpu = SharedCpu(contention or Contention())
+        engine = SharingEngine(cpu=cpu)
+        return await record_run(
+            SimulatedSource(engine, config),
+            engine,
+            path,
+            updates=range(STEPS),
+            batch_size=4,
+            gap=2.0,
+            spend=functools.partial(cpu.spend, "trainer"),
+            **options,
+        )
+
+    return on_mock_clock(run)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shared")
+    return {
+        "ahead=1": record_shared(folder / "ahead1.trace", TRUE),
+        "sync": record_shared(folder / "sync.trace", TRUE, ahead=0, max_lag=0),
+        "ahead=2": record_shared(folder / "ahead2.trace", TRUE, ahead=2, max_lag=2),
+    }
+
+
+def test_a_run_on_its_own_cpu_fits_no_contention(tmp_path):
+    fitted = calibrate.calibrate([record_shared(tmp_path / "alone.trace", None)])
+    assert fitted.contention == Contention()
+
+
+def test_the_fit_recovers_the_contention_of_a_recorded_run(shared):
+    fitted = calibrate.calibrate([shared["ahead=1"]])
+    assert fitted.contention.trainer == pytest.approx(TRUE.trainer, abs=0.25)
+    assert fitted.contention.engine == pytest.approx(TRUE.engine, abs=0.3)
+    # The solo step is 2 s; what the record holds is longer by the overlap's share.
+    solo, _ = fitted.solo(TRUE)
+    assert solo == pytest.approx([2.0] * len(solo), abs=1e-6)
+    assert np.mean(fitted.step_times) > 2.2
+    # Pooled with a synchronous run, which never overlaps, the factors come closer.
+    pooled = calibrate.calibrate([shared["ahead=1"], shared["sync"]]).contention
+    assert pooled.trainer == pytest.approx(TRUE.trainer, abs=0.15)
+
+
+def predicted(fitted, setting, contention, measured):
+    workload = fitted.workload(steps=measured.steps + fitted.warmup + 1, slots=None,
+                               contention=contention)  # fmt: skip
+    outcomes = [simulate.simulate(attrs.evolve(workload, seed=seed), setting) for seed in range(2)]
+    return float(np.mean([o.goodput for o in outcomes])), float(np.mean([o.idle for o in outcomes]))
+
+
+@pytest.mark.parametrize(
+    ("target", "setting"),
+    [
+        ("sync", simulate.Setting("sync", ahead=0, max_lag=0)),
+        ("ahead=2", simulate.Setting("ahead=2", ahead=2, max_lag=2)),
+    ],
+)
+def test_modelled_contention_predicts_other_settings_where_ignoring_it_misses(
+    shared, target, setting
+):
+    """Calibrated from the run one batch ahead, the synchronous run (no overlap: each side
+    at its solo speed) and the run two batches ahead are predicted within 10 % of goodput and
+    5 points of idle share with the fitted contention; as recorded, the synchronous one is not."""
+    fitted = calibrate.calibrate([shared["ahead=1"]])
+    measured = calibrate.observe(shared[target], warmup=fitted.warmup)
+    goodput, idle = predicted(fitted, setting, True, measured)
+    assert goodput == pytest.approx(measured.goodput, rel=0.1)
+    assert idle == pytest.approx(measured.idle, abs=0.05)
+    plain, _ = predicted(fitted, setting, False, measured)
+    if target == "sync":
+        assert abs(plain / measured.goodput - 1) > 0.15
+
+
+def test_a_contention_of_ones_own_and_the_report(shared):
+    fitted = calibrate.calibrate([shared["ahead=1"]])
+    mine = Contention(trainer=0.1, engine=0.2)
+    workload = fitted.workload(steps=10, contention=mine)
+    assert workload.contention == mine
+    assert fitted.workload(steps=10).contention is None
+    assert "fitted slowdown while overlapped: trainer +" in calibrate.report(fitted)
+    with pytest.raises(ValueError, match="contention must be a bool or a Contention"):
+        fitted.workload(steps=10, contention="fit")
+    # Scaling a calibration scales the overlaps with their side's seconds.
+    slowed = fitted.scaled(engine=2.0, trainer=3.0)
+    assert slowed.overlaps == pytest.approx([2 * o for o in fitted.overlaps])
+    assert slowed.step_overlaps == pytest.approx([3 * o for o in fitted.step_overlaps])
+
+
+def test_a_trainer_sized_to_admit_steps_in_proportion_to_its_rows():
+    rows = tune.sized_to_rows(4, 1.0)
+    assert rows(simulate.Setting("a", ahead=1, max_lag=1, admit=3)) == pytest.approx(0.75)
+    assert rows(simulate.Setting("a", ahead=1, max_lag=1)) == 1.0
+    carried = simulate.Setting("a", ahead=1, max_lag=3, admit=3, carry_over=True)
+    assert rows(carried) == 1.0
+    assert rows(simulate.Setting("a", ahead=1, max_lag=3, admit="auto")) == 1.0
+    with pytest.raises(ValueError, match="tasks must be an int >= 1, got 0"):
+        tune.sized_to_rows(0)
+    with pytest.raises(ValueError, match="exponent must be a finite number >= 0"):
+        tune.sized_to_rows(4, -1.0)
+    grid = tune.Grid(ahead=(1,), sync_every=(1,), admit=(3,))
+    (row,) = tune.tune(WORKLOAD, grid, seeds=1, trainer=rows)
+    expected = simulate.simulate(
+        WORKLOAD.trainer_scaled(0.75), simulate.Setting("x", ahead=1, max_lag=1, admit=3)
+    )
+    assert row.outcomes[0].goodput == expected.goodput
+
+
+def test_dew_tune_takes_the_contention_fitted_or_given(shared, capsys):
+    argv = ["tune", shared["ahead=1"].path, "--steps", "8", "--seeds", "1", "--ahead", "0,1"]
+    assert cli.main([*argv, "--sync-every", "1", "--contention", "fit"]) == 0
+    out = capsys.readouterr().out
+    assert "sharing a CPU (trainer +" in out
+    assert cli.main([*argv, "--sync-every", "1", "--contention", "0.5,1"]) == 0
+    assert "sharing a CPU (trainer +50%, engine +100% while both run)" in capsys.readouterr().out
+    for bad, message in [
+        ("1", "must be 'off', 'fit' or TRAINER,ENGINE"),
+        ("1,x", "must be a number, got 'x'"),
+        ("-1,1", "must be a finite number within [0, 1000]"),
+    ]:
+        with pytest.raises(SystemExit) as exit:
+            cli.main([*argv, f"--contention={bad}"])
+        assert exit.value.code == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"argument --contention: {message}" in err
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--trainer-scaling", "nan"])
+    assert "argument --trainer-scaling: must be a finite number" in capsys.readouterr().err
