@@ -32,18 +32,20 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import trio
 import trio.testing
 
 from dew import calibrate, tune
 from dew.envs.simulated import SimulatedConfig, SimulatedSource
-from dew.simulate import Contention, SharedCpu, SharingEngine
+from dew.simulate import Contention, Setting, SharedCpu, SharingEngine
 from dew.testing import record_run
 
 BASELINE = ("ahead=1 lag=1", {"ahead": 1, "max_lag": 1})
@@ -184,17 +186,32 @@ def main() -> None:
             model = dict(engine=args.engine_scaling, trainer=args.trainer_scaling)
             alone = predict(fitted, knobs, steps, args.seeds, contention=True, **model)
             probe = predict(fitted, knobs, steps, args.seeds, contention=probed, **model)
-            rows.append((name, measured, plain, alone, probe))
+            # The machine's speed meanwhile: the trainer's jitted update is one computation in
+            # every run of one batch shape, so its time tracks the load (simulated runs have
+            # none to track).
+            # (less the share of that time its rows account for: admit's update has fewer).
+            slower = 1.0
+            if not args.smoke:
+                rows_cost = tune.sized_to_rows(fitted.tasks, args.trainer_scaling)(
+                    Setting(name, **knobs)
+                )
+                slower = speed(folder, name) / speed(folder, BASELINE[0]) / rows_cost
+            slowed = fitted.scaled(engine=slower, trainer=slower)
+            load_free = predict(slowed, knobs, steps, args.seeds, contention=True, **model)
+            rows.append((name, measured, plain, alone, probe, load_free))
     print(f"load average (1 min) before the runs {load[0]:.2f}, after {load[1]:.2f}")
     print(
         "goodput: samples/s, error = predicted / measured - 1; idle: the trainer's share, error "
         "= predicted - measured in points.\nplain: dew tune --engine-scaling "
         f"{args.engine_scaling:g}; model: and --trainer-scaling {args.trainer_scaling:g} "
         "--contention fit (from the recorded run); +probe: the contention fitted to the "
-        f"recorded run and a {probe_steps}-step synchronous probe run together"
+        f"recorded run and a {probe_steps}-step synchronous probe run together; slowed: model, "
+        "with the recorded run's times scaled by the machine's slowdown from it to the target "
+        "(the ratio of their median seconds/update: the load, measured from the target run)"
     )
-    columns = "".join(f"{name:>8}{'err':>8}" for name in ("plain", "model", "+probe"))
-    print(f"{'':<22}{'goodput':-^57} {'idle':-^57}")
+    names = ("plain", "model", "+probe", "slowed")
+    columns = "".join(f"{name:>8}{'err':>8}" for name in names)
+    print(f"{'':<22}{'goodput':-^73} {'idle':-^73}")
     print(f"{'target':<22}{'measured':>9}{columns}{'measured':>10}{columns}")
     for name, measured, *predictions in rows:
         line = f"{name:<22}{measured.goodput:>9.2f}"
@@ -204,6 +221,12 @@ def main() -> None:
         for _, idle in predictions:
             line += f"{idle:>8.1%}{100 * (idle - measured.idle):>+8.1f}"
         print(line)
+
+
+def speed(folder: Path, name: str) -> float:
+    """The median seconds of a kept run's jitted update, warm-up left out (its metrics log)."""
+    lines = (folder / _file(name) / "metrics.jsonl").read_text().splitlines()
+    return float(np.median([json.loads(line)["seconds/update"] for line in lines[3:]]))
 
 
 def _file(name: str) -> str:
