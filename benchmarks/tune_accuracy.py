@@ -10,16 +10,21 @@ and its trace is measured over the same window with the simulation's definitions
 (`dew.calibrate.observe`). Issue 23's goal: within 10 % on goodput and 5 points on the
 trainer's idle share.
 
-Two predictions per target, side by side:
+Four predictions per target, side by side:
 
 - `plain`: the trace's rollouts and step times as recorded, each setting's engine sized to its
   ahead (`dew tune --engine-scaling 1`, as dew train's CPU engine decodes a [slots] shape).
-- `shared`: the same, with the CPU the trainer and the engine share modelled
-  (`Calibration.contention`, `dew tune --contention`): the recorded step times and rollouts
-  stripped of what the other side's work added to them, and each side slowed again in the
-  simulation by as much as the two overlap there.
+- `model`: and the trainer sized to the rows admit trains (`--trainer-scaling 1`) and the CPU
+  the trainer and the engine share modelled (`--contention fit`, `Calibration.contention`):
+  the recorded step times and rollouts stripped of what the other side's work added to them,
+  and each side slowed again in the simulation by as much as the two overlap there.
+- `+probe`: `model` with the contention fitted to the recorded run and a 15-step synchronous
+  run together (a fifth run), whose solo speeds a run one batch ahead barely shows.
+- `slowed`: `model` with the recorded run's times scaled by the machine's slowdown from it to
+  the target (their median seconds/update): information from the target run, about the load
+  rather than the scheduler, to tell the model's error from the load's on a busy machine.
 
-    python benchmarks/tune_accuracy.py                 # 4 runs of about a minute, then the table
+    python benchmarks/tune_accuracy.py                 # 5 runs of about a minute, then the table
     python benchmarks/tune_accuracy.py --keep runs/    # the same, keeping the runs
     python benchmarks/tune_accuracy.py --analyse runs/ # the table again from kept runs
     python benchmarks/tune_accuracy.py --smoke         # simulated runs instead, in seconds
