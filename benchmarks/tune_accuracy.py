@@ -133,7 +133,7 @@ def predict(
         grid,
         seeds=seeds,
         engine=tune.sized_to_ahead(fitted.aheads[0], engine),
-        trainer=tune.sized_to_rows(fitted.tasks, trainer) if trainer else None,
+        trainer=tune.sized_to_rows(fitted.tasks, trainer, fitted.admitted[0]) if trainer else None,
     )
     return row.goodput, row.idle
 

@@ -263,6 +263,10 @@ def test_a_trainer_sized_to_admit_steps_in_proportion_to_its_rows():
         tune.sized_to_rows(0)
     with pytest.raises(ValueError, match="exponent must be a finite number >= 0"):
         tune.sized_to_rows(4, -1.0)
+    with pytest.raises(ValueError, match=r"recorded must be an int within \[1, 4\], got 5"):
+        tune.sized_to_rows(4, 1.0, 5)
+    # From a run that trained 2 groups a step, the whole batch steps twice as long.
+    assert tune.sized_to_rows(4, 1.0, 2)(simulate.Setting("a", ahead=1, max_lag=1)) == 2.0
     grid = tune.Grid(ahead=(1,), sync_every=(1,), admit=(3,))
     (row,) = tune.tune(WORKLOAD, grid, seeds=1, trainer=rows)
     expected = simulate.simulate(
@@ -291,3 +295,14 @@ def test_dew_tune_takes_the_contention_fitted_or_given(shared, capsys):
     with pytest.raises(SystemExit):
         cli.main([*argv, "--trainer-scaling", "nan"])
     assert "argument --trainer-scaling: must be a finite number" in capsys.readouterr().err
+
+
+def test_the_calibration_knows_the_groups_each_recorded_step_trained(shared, tmp_path, capsys):
+    cut = record_shared(tmp_path / "admit.trace", TRUE, admit=3)
+    assert calibrate.calibrate([cut]).admitted == (3,)
+    assert calibrate.calibrate([shared["ahead=1"]]).admitted == (4,)
+    argv = ["tune", cut.path, shared["ahead=1"].path, "--steps", "8", "--trainer-scaling", "1"]
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    message = "argument --trainer-scaling: the traces trained different groups a step (3, 4)"
+    assert message in " ".join(capsys.readouterr().err.split())

@@ -98,6 +98,8 @@ class Calibration:
             in flight (the engine busy).
         overlaps: per observed rollout, the seconds of it during which the trainer stepped.
         contention: the slowdowns fitted to those overlaps (`contention_factor`).
+        admitted: each trace's groups a step trains: its `admit` where that is an int without
+            carry-over, else every task's (the rows a trainer sized as `dew train`'s has).
     """
 
     traces: tuple[str, ...]
@@ -120,6 +122,7 @@ class Calibration:
     step_overlaps: tuple[float, ...] = ()
     overlaps: tuple[float, ...] = ()
     contention: Contention = Contention()
+    admitted: tuple[int, ...] = ()
 
     @property
     def step_time(self) -> float:
@@ -570,12 +573,25 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
         tasks=tasks,
         groups=groups,
         aheads=tuple(t.config["ahead"] for t in read),
+        admitted=tuple(_admitted(t, tasks) for t in read),
         step_overlaps=tuple(step_fit[1].tolist()),
         overlaps=tuple(overlaps.tolist()),
         contention=Contention(
             trainer=contention_factor(*step_fit), engine=contention_factor(*rollout_fit)
         ),
     )
+
+
+def _admitted(trace: Trace, tasks: int) -> int:
+    """The groups a step of the trace's run trains: see Calibration.admitted."""
+    admit = trace.config.get("admit")
+    if (
+        isinstance(admit, int)
+        and not isinstance(admit, bool)
+        and not trace.config.get("carry_over")
+    ):
+        return admit
+    return tasks
 
 
 def _tasks_per_batch(trace: Trace) -> int:

@@ -201,29 +201,37 @@ def sized_to_ahead(recorded: int, exponent: float = 1.0) -> Callable[[Setting], 
     return lambda setting: ((setting.ahead + 1) / (recorded + 1)) ** exponent
 
 
-def sized_to_rows(tasks: int, exponent: float = 1.0) -> Callable[[Setting], float]:
+def sized_to_rows(
+    tasks: int, exponent: float = 1.0, recorded: int | None = None
+) -> Callable[[Setting], float]:
     """How much slower a setting's trainer steps than the recorded one's, for a trainer whose
     rows are sized to the groups a step admits as `dew train`'s are (admit x groups rollouts a
     step; a whole batch without admit, with admit="auto" or with carry-over) and whose step
-    costs rows**exponent (about 1 for a CPU step over a fixed [rows, width] shape), when the
-    recorded run admitted every one of its `tasks` groups.
+    costs rows**exponent (about 1 for a CPU step over a fixed [rows, width] shape).
 
     Args:
-        tasks: the recorded run's tasks per batch.
+        tasks: tasks per batch.
         exponent: how a step's cost grows with its rows.
+        recorded: the groups a step of the recorded run trained (`Calibration.admitted`);
+            None for every task's.
 
     Raises:
-        ValueError: for tasks below 1 or an exponent that is not finite and >= 0.
+        ValueError: for tasks below 1, recorded not within [1, tasks], or an exponent that is
+            not finite and >= 0.
     """
     if isinstance(tasks, bool) or not isinstance(tasks, int) or tasks < 1:
         raise ValueError(f"tasks must be an int >= 1, got {tasks!r}")
+    recorded = tasks if recorded is None else recorded
+    if isinstance(recorded, bool) or not isinstance(recorded, int) or not 1 <= recorded <= tasks:
+        raise ValueError(f"recorded must be an int within [1, {tasks}], got {recorded!r}")
     if not (isinstance(exponent, int | float) and 0 <= exponent < math.inf):
         raise ValueError(f"exponent must be a finite number >= 0, got {exponent!r}")
 
     def factor(setting: Setting) -> float:
-        if not isinstance(setting.admit, int) or setting.carry_over:
-            return 1.0
-        return (setting.admit / tasks) ** exponent
+        admitted = tasks
+        if isinstance(setting.admit, int) and not setting.carry_over:
+            admitted = setting.admit
+        return (admitted / recorded) ** exponent
 
     return factor
 
@@ -564,8 +572,8 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         metavar="EXPONENT",
         help="for a trainer whose rows are sized to admit as dew train's are: a setting that "
-        "admits A of the trace's groups a step steps (A / groups) ** EXPONENT times as long; "
-        "about 1 for dew train's CPU trainer (default: 0, one trainer for every setting)",
+        "trains A groups a step where the trace trained R steps (A / R) ** EXPONENT times as "
+        "long; about 1 for dew train's CPU trainer (default: 0, one trainer for every setting)",
     )
     run.add_argument(
         "--contention",
@@ -643,7 +651,14 @@ def run_cli(args: argparse.Namespace) -> int:
                 f"argument --engine-scaling: the traces ran at different ahead {fitted.aheads}"
             )
         engine = sized_to_ahead(fitted.aheads[0], args.engine_scaling)
-    trainer = sized_to_rows(workload.tasks, args.trainer_scaling) if args.trainer_scaling else None
+    trainer = None
+    if args.trainer_scaling > 0:
+        if len(set(fitted.admitted)) > 1:
+            args.parser.error(
+                f"argument --trainer-scaling: the traces trained different groups a step "
+                f"{fitted.admitted}"
+            )
+        trainer = sized_to_rows(workload.tasks, args.trainer_scaling, fitted.admitted[0])
     rows = tune(workload, grid, seeds=args.seeds, jobs=args.jobs, engine=engine, trainer=trainer)
     print(f"simulated {args.seeds} seed(s) per setting: {describe(workload)}")
     limits = {"max_waste": args.max_waste, "max_bias": args.max_bias}
