@@ -613,6 +613,63 @@ async def test_a_session_takes_at_most_max_session_requests_at_once():
     assert len(held.calls) == 1 and held.infra_error is None and len(other.calls) == 1
 
 
+async def test_a_client_that_stops_reading_its_answer_is_cut_off_and_frees_its_request():
+    # An answer of about 6 MB (100,000 tokens, each with its log-prob): more than both sockets
+    # hold, so the gateway's write waits on the client, which never reads.
+    engine = ScriptedEngine(["x" * 100_000])
+    async with gateway(engine, max_tokens=1 << 17, write_timeout=0.5, max_session_requests=1) as gw:
+        session = gw.open()
+        prefix = session.base_url.removeprefix(gw.url)
+        host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+        body = chat(logprobs=True)
+        head = f"POST {prefix}/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}"
+        with trio.fail_after(30):  # a hang, not a measure: the write timeout is 0.5 s
+            async with await trio.open_tcp_stream(host, int(port)) as silent:
+                await silent.send_all(f"{head}\r\n\r\n".encode() + body)
+                while engine.started < 1 or session.requests:
+                    await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+                # Cut off: the connection is closed before the whole answer was sent.
+                answer = await read_to_close(silent)
+            assert answer.startswith(b"HTTP/1.1 200 ") and len(answer) < 6_000_000
+            # Its request ended, and with it its place among the session's one: served again.
+            again = await http(gw.url, "POST", f"{prefix}/chat/completions", chat())
+    assert again.status == 200 and len(session.calls) == 2
+
+
+async def test_the_gateway_holds_at_most_max_connections_open_and_queues_the_next():
+    engine = ScriptedEngine()
+    async with gateway(engine, max_connections=2, header_timeout=60) as gw:
+        session = gw.open()
+        prefix = session.base_url.removeprefix(gw.url)
+        host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+        answers = []
+
+        async def ask():
+            answers.append(await http(gw.url, "POST", f"{prefix}/chat/completions", chat()))
+
+        with trio.fail_after(30):
+            idle = [await trio.open_tcp_stream(host, int(port)) for _ in range(2)]
+            while gw.connections < 2:
+                await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask)
+                # The third connection waits in the backlog: not taken, its request not read.
+                await trio.testing.wait_all_tasks_blocked(cushion=0.1)
+                assert (gw.connections, answers, engine.started) == (2, [], 0)
+                await idle[0].aclose()  # one closes: the waiting one is taken and answered
+            await idle[1].aclose()
+            while gw.connections:
+                await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+    assert [answer.status for answer in answers] == [200] and len(session.calls) == 1
+
+
+def test_a_bad_write_timeout_or_max_connections_is_refused_naming_it():
+    with pytest.raises(ValueError, match="write_timeout must be a number of seconds"):
+        gateway(ScriptedEngine(), write_timeout=0)
+    with pytest.raises(ValueError, match="max_connections must be an int >= 1"):
+        gateway(ScriptedEngine(), max_connections=0)
+
+
 # --- item 11: large requests ---------------------------------------------------------------------
 
 

@@ -9,7 +9,12 @@ import json
 import jax
 import pytest
 
+from _bpe import train_bpe
 from dew.cli import main
+from dew.data import Task
+from dew.envs.lookup import LookupTask
+from dew.envs.verifiers import Verifiers
+from dew.serve.tokenizer import HuggingFaceTokenizer
 
 TINY = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32"]
 TINY += ["--batch-size", "2", "--groups", "2", "--tasks", "4", "--checkpoint-every", "5"]
@@ -55,3 +60,35 @@ def test_a_bad_environment_is_refused_in_one_line(tmp_path, capsys, argv, culpri
     assert exit_.value.code == 2
     assert culprit in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("task", "kind"),
+    [
+        (["--env", "verifiers:_vf_copy,digits=3"], "verifiers"),
+        (["--harness", "lookup"], "harness"),
+    ],
+)
+def test_the_runs_tokenizer_and_evaluations_reach_a_gateway_run(tmp_path, task, kind):
+    """`--tokenizer` renders what the environment's or harness's agents send through the
+    gateway (a small BPE trained here, not the byte tokenizer), and `--eval-every` evaluates its
+    held-out tasks."""
+    path = train_bpe(tmp_path / "tokenizer.json")
+    tokenizer = HuggingFaceTokenizer.from_file(path)
+    run = tmp_path / "run"
+    argv = ["train", *task, "--run", str(run), *TINY, "--tokenizer", str(path), "--steps", "1"]
+    argv += ["--max-tokens", "4", "--eval-every", "1", "--eval-tasks", "2", "--samples", "2"]
+    with jax.numpy_dtype_promotion("standard"):
+        assert main(argv) == 0
+    if kind == "verifiers":
+        env = Verifiers.parse("_vf_copy,digits=3", size=6)
+        asked = lambda task_id: env.task(task_id).payload.data.digits  # noqa: E731
+    else:
+        asked = lambda task_id: LookupTask().question(Task(str(task_id)))  # noqa: E731
+    samples = lines(run / "samples.jsonl")
+    assert samples
+    for sample in samples:
+        user = [{"role": "user", "content": asked(int(sample["task"]))}]
+        assert sample["prompt"] == tokenizer.decode(tokenizer.encode_chat(user))
+    evaluations = lines(run / "eval.jsonl")
+    assert [e["updates"] for e in evaluations] == [1] and len(evaluations[0]["rewards"]) == 2

@@ -1,8 +1,9 @@
 """Gateway: an OpenAI-compatible HTTP server that records every call of each rollout's session.
 
-Hypercorn's trio worker serves a small ASGI app in the caller's trio run, beside the engines, so
-a request's engine call is an ordinary trio call: a closed session cancels it, a client that
-hangs up cancels it, and nothing runs in asyncio threads.
+Hypercorn's protocol serves a small ASGI app in the caller's trio run, beside the engines, from
+an accept loop of dew's own (`dew.gateway._connections`), so a request's engine call is an
+ordinary trio call: a closed session cancels it, a client that hangs up cancels it, and nothing
+runs in asyncio threads.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from collections.abc import Callable
 from typing import Any
 
 import hypercorn.config
-import hypercorn.trio
 import numpy as np
 import orjson
 import trio
@@ -36,6 +36,7 @@ from dew.gateway._answers import (
     cut,
     sse,
 )
+from dew.gateway._connections import Connections, serve
 from dew.gateway._record import GatewaySession, Template, Turn
 from dew.gateway._responses import Answer, chat_payload, named_sse
 from dew.gateway._schema import (
@@ -215,6 +216,12 @@ class Gateway:
         max_session_requests: the most requests of one session read or answered at once; one
             more is answered 429 (a slow client cannot hold a session's connections open by
             the thousand).
+        write_timeout: seconds one write of an answer may wait on its client; then its
+            connection is closed (a client that stops reading a large answer cannot hold its
+            request, and that request's slot of its session, until it disconnects).
+        max_connections: the most connections open at once across the gateway; one more waits
+            in the listening socket's backlog until another closes (a flood of connections
+            cannot take every file the process may open: keep it below `ulimit -n`).
         announce: print the address to stderr when serving.
         freeze_gc: on entering, collect once and move every object alive then (the imported
             modules, the model, the compiled functions) out of the cyclic garbage collector's
@@ -246,6 +253,8 @@ class Gateway:
         header_timeout: float = 5.0,
         body_timeout: float = 10.0,
         max_session_requests: int = 32,
+        write_timeout: float = 30.0,
+        max_connections: int = 1024,
         announce: bool = True,
         freeze_gc: bool = True,
     ):
@@ -286,6 +295,9 @@ class Gateway:
         self.header_timeout = _check_seconds("header_timeout", header_timeout)
         self.body_timeout = _check_seconds("body_timeout", body_timeout)
         self.max_session_requests = _check_int("max_session_requests", max_session_requests, 1)
+        self.write_timeout = _check_seconds("write_timeout", write_timeout)
+        self.max_connections = _check_int("max_connections", max_connections, 1)
+        self._connections: Connections | None = None
         self.announce = announce
         self.freeze_gc = freeze_gc
         self.url: str | None = None
@@ -322,7 +334,10 @@ class Gateway:
         nursery = await self._stack.enter_async_context(trio.open_nursery())
         self._nursery = nursery
         try:
-            binds = await nursery.start(functools.partial(hypercorn.trio.serve, self._app, config))
+            self._connections = Connections(self.max_connections)
+            binds = await nursery.start(
+                serve, self._app, config, self._connections, self.write_timeout
+            )
         except BaseException:
             nursery.cancel_scope.cancel()
             await self._stack.aclose()
@@ -396,13 +411,15 @@ class Gateway:
         """Sessions open now."""
         return len(self._sessions)
 
+    @property
+    def connections(self) -> int:
+        """Connections open now (at most `max_connections`; none when not serving)."""
+        return 0 if self._connections is None else self._connections.open
+
     # --- HTTP -------------------------------------------------------------------------------------
 
     async def _app(self, scope, receive, send) -> None:
         """The ASGI application."""
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-            return
         if scope["type"] != "http":
             return
         try:
@@ -422,15 +439,6 @@ class Gateway:
                 session.fail(f"gateway: {type(error).__name__}: {error}")
             failure = ApiError(500, f"the gateway failed: {error}", type="server_error")
             await _send_json(send, 500, failure.body(), [(b"x-should-retry", b"false")])
-
-    async def _lifespan(self, receive, send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     def _session(self, token: str) -> GatewaySession:
         session = self._sessions.get(token)
