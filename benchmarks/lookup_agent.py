@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     options = {"task": f"harness:{args.harness}", "steps": args.steps, "seed": args.seed}
+    options.update(learning_rate=1e-3)  # the rate docs/gateway.md's figures were measured at
     options.update(samples=0)  # the reward per step is printed here
     if args.smoke:
         options.update(steps=1, batch_size=2, groups=2, tasks=8)
