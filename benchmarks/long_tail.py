@@ -47,13 +47,16 @@ SETTINGS = (
     # one that reaches the bound.
     Setting("ahead=3 oversample=1", ahead=3, max_lag=3, oversample=1),
     Setting("ahead=3 oversample=4", ahead=3, max_lag=3, oversample=4),
-    # Carry-over: the best of a small search (100 steps, seed 0) at each max_lag, and beside
-    # each the cut the scheduler chooses itself, at the same ahead.
+    # Carry-over: the best of a small search (100 steps, seed 0) at each max_lag, the same
+    # without hedges, and beside them the cut the scheduler chooses itself, at the same ahead.
     Setting("carry lag=3 ahead=1 admit=4", ahead=1, max_lag=3, admit=4, carry_over=True),
+    Setting("carry lag=3 no hedge", ahead=1, max_lag=3, admit=4, carry_over=True, hedge=False),
     Setting("auto lag=3 ahead=1", ahead=1, max_lag=3, admit="auto", carry_over=True, **BUDGET),
     Setting("carry lag=5 ahead=2 admit=4", ahead=2, max_lag=5, admit=4, carry_over=True),
+    Setting("carry lag=5 no hedge", ahead=2, max_lag=5, admit=4, carry_over=True, hedge=False),
     Setting("auto lag=5 ahead=2", ahead=2, max_lag=5, admit="auto", carry_over=True, **BUDGET),
     Setting("carry lag=8 ahead=3 admit=4", ahead=3, max_lag=8, admit=4, carry_over=True),
+    Setting("carry lag=8 no hedge", ahead=3, max_lag=8, admit=4, carry_over=True, hedge=False),
     Setting("auto lag=8 ahead=3", ahead=3, max_lag=8, admit="auto", carry_over=True, **BUDGET),
 )
 
@@ -72,7 +75,19 @@ AT_LAG_5 = (
     Setting("carry ahead=2 admit=4", ahead=2, max_lag=5, admit=4, carry_over=True),
     Setting("carry ahead=2 admit=6", ahead=2, max_lag=5, admit=6, carry_over=True),
 )
-AUTO = Setting("auto ahead=2", ahead=2, max_lag=5, admit="auto", carry_over=True, **BUDGET)
+# Auto at the reference table's budget, and at one every fixed setting above meets on each
+# workload: on sigma 1.5 none wastes under 18 %, so 0.15 cannot be met there.
+AUTOS = (
+    Setting("auto ahead=2", ahead=2, max_lag=5, admit="auto", carry_over=True, **BUDGET),
+    Setting(
+        "auto ahead=2 budget=.25",
+        ahead=2,
+        max_lag=5,
+        admit="auto",
+        carry_over=True,
+        waste_budget=0.25,
+    ),
+)
 
 
 def _one(job: tuple[Workload, Setting]) -> tuple[str, float, float, float, float]:
@@ -117,10 +132,12 @@ def reference(steps: int, seeds: int, jobs: int, settings=SETTINGS) -> str:
     return "\n".join(lines)
 
 
-def workloads(steps: int, seeds: int, jobs: int, names=tuple(WORKLOADS), fixed=AT_LAG_5) -> str:
+def workloads(
+    steps: int, seeds: int, jobs: int, names=tuple(WORKLOADS), fixed=AT_LAG_5, autos=AUTOS
+) -> str:
     """Auto beside the fixed settings at max_lag 5 on each workload: goodput (samples per
-    second, mean over seeds), waste, and auto's goodput over the best fixed setting's."""
-    settings = (*fixed, AUTO)
+    second, mean over seeds), waste, and each auto's goodput over the best fixed setting's."""
+    settings = (*fixed, *autos)
     work = [
         (Workload(seed=seed, steps=steps, **WORKLOADS[name]), setting)
         for name in names
@@ -130,17 +147,20 @@ def workloads(steps: int, seeds: int, jobs: int, names=tuple(WORKLOADS), fixed=A
     results = iter(_run(work, jobs))
     lines = [
         f"max_lag 5, {steps} steps, seeds 0..{seeds - 1}: goodput (samples/s) and wasted share, "
-        f"means over seeds; auto (waste budget {AUTO.waste_budget}) over the best fixed",
-        f"{'workload':<12}" + "".join(f"{s.name:>28}" for s in settings) + f"{'auto/best':>11}",
+        f"means over seeds; each auto's goodput over the best fixed setting's",
+        f"{'workload':<12}"
+        + "".join(f"{s.name:>28}" for s in settings)
+        + "".join(f"{f'/best ({s.waste_budget})':>14}" for s in autos),
     ]
     for name in names:
         figures = []
         for _ in settings:
             rows = np.array([next(results)[1:] for _ in range(seeds)])
             figures.append((rows[:, 3].mean(), rows[:, 1].mean()))
-        best = max(goodput for goodput, _ in figures[:-1])
+        best = max(goodput for goodput, _ in figures[: len(fixed)])
         cells = "".join(f"{f'{g:.2f} ({w:.0%})':>28}" for g, w in figures)
-        lines.append(f"{name:<12}{cells}{figures[-1][0] / best:>11.3f}")
+        ratios = "".join(f"{g / best:>14.3f}" for g, _ in figures[len(fixed) :])
+        lines.append(f"{name:<12}{cells}{ratios}")
     return "\n".join(lines)
 
 
@@ -161,6 +181,10 @@ if __name__ == "__main__":
         sys.exit(0)
     code = main(["simulate", *args])
     if "--smoke" in args:
-        print(reference(steps=4, seeds=1, jobs=1, settings=SETTINGS[::3]))
-        print(workloads(steps=4, seeds=1, jobs=1, names=("sigma=1.5",), fixed=AT_LAG_5[1:2]))
+        print(reference(steps=4, seeds=1, jobs=1, settings=SETTINGS[0:6:2]))
+        print(
+            workloads(
+                steps=4, seeds=1, jobs=1, names=("sigma=1.5",), fixed=AT_LAG_5[1:2], autos=AUTOS[:1]
+            )
+        )
     sys.exit(code)
