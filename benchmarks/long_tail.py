@@ -49,8 +49,8 @@ SETTINGS = (
     Setting("ahead=3 oversample=4", ahead=3, max_lag=3, oversample=4),
     # Carry-over: the best of a small search (100 steps, seed 0) at each max_lag, the same
     # without hedges, and beside them the cut the scheduler chooses itself, at the same ahead.
-    Setting("carry lag=3 ahead=1 admit=4", ahead=1, max_lag=3, admit=4, carry_over=True),
-    Setting("carry lag=3 no hedge", ahead=1, max_lag=3, admit=4, carry_over=True, hedge=False),
+    Setting("carry lag=3 ahead=1 admit=3", ahead=1, max_lag=3, admit=3, carry_over=True),
+    Setting("carry lag=3 no hedge", ahead=1, max_lag=3, admit=3, carry_over=True, hedge=False),
     Setting("auto lag=3 ahead=1", ahead=1, max_lag=3, admit="auto", carry_over=True, **BUDGET),
     Setting("carry lag=5 ahead=2 admit=4", ahead=2, max_lag=5, admit=4, carry_over=True),
     Setting("carry lag=5 no hedge", ahead=2, max_lag=5, admit=4, carry_over=True, hedge=False),

@@ -624,10 +624,16 @@ class _Step:
             self.seen = seen[-_auto.WINDOW :]
 
     def hedge(self, group: Group) -> None:
-        """Under carry_over with hedge: a group with at most HEDGE calls left before its oldest
-        submission passes max_lag gets one more sample beside each still running, once, which
-        backs that one up (see `usable`)."""
-        if len(group.samples) > self.config.samples or self.calls_left(group) > HEDGE:
+        """Under carry_over with hedge: a carried group with at most HEDGE calls left before its
+        oldest submission passes max_lag gets one more sample beside each still running, once,
+        which backs that one up (see `usable`). Carried only: at its batch's own call (at a
+        small max_lag, as few as two calls before its bound) most of a group's samples have
+        only just started, and hedging them would double the work in flight."""
+        if (
+            not group.carried
+            or len(group.samples) > self.config.samples
+            or self.calls_left(group) > HEDGE
+        ):
             return
         for sample in list(group.samples):
             if sample.state is SampleState.RUNNING:
