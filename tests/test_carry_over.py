@@ -317,11 +317,18 @@ def _scheduler(engine, seed: int, **options) -> RolloutScheduler:
 
 
 @settings(max_examples=15, deadline=None, derandomize=True, database=None)
-@given(seed=st.integers(0, 2**16), admit=st.integers(1, 3), max_lag=st.integers(1, 3))
-def test_the_shell_carries_groups_over_and_records_them(seed, admit, max_lag):
+@given(
+    seed=st.integers(0, 2**16),
+    admit=st.integers(1, 3),
+    max_lag=st.integers(1, 3),
+    hedge=st.booleans(),
+)
+def test_the_shell_carries_groups_over_and_records_them(seed, admit, max_lag, hedge):
     async def drive():
         engine = SimulatedEngine(slots=6)
-        scheduler = _scheduler(engine, seed, admit=admit, max_lag=max_lag, carry_over=True)
+        scheduler = _scheduler(
+            engine, seed, admit=admit, max_lag=max_lag, carry_over=True, hedge=hedge
+        )
         records, events = [], []
         async with scheduler:
             stream = scheduler.tasks(_dataset(12, 4)).stream(0)
@@ -342,6 +349,7 @@ def test_the_shell_carries_groups_over_and_records_them(seed, admit, max_lag):
     assert sum(r.metrics["carry/admitted"] for r in records) == len(carried & set(admitted))
     for record in records:
         assert record.groups <= 4 and record.lag <= max_lag
+        assert hedge or record.metrics["carry/hedged"] == 0
         if record.metrics["carry/admitted"]:
             assert 1 <= record.metrics["carry/age_mean"] <= record.metrics["carry/age_max"]
 
