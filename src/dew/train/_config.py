@@ -197,8 +197,8 @@ class TrainConfig:
             cancelled. None trains every task's group. In a pool each process admits its
             share, so it must split evenly over the processes. "auto" chooses each step's
             from the run's own durations, within `waste_budget` (`RolloutScheduler`).
-        waste_budget: under admit "auto", the most waste its cuts may cost, as a share of the
-            run's group-seconds.
+        waste_budget: under admit "auto", the most of the run's rollout-seconds it may throw
+            away (measured from the run's own events: cancelled, stale, failed, unneeded hedges).
         filter_uniform: discard a group whose rollouts all scored alike (it trains nothing)
             and, with `admit`, admit a later group in its place (`RolloutScheduler`).
         carry_over: with `admit`, the groups a batch's cut leaves out keep running and train at
@@ -277,7 +277,7 @@ class TrainConfig:
     waste_budget: float = _option(
         _WASTE_BUDGET,
         in_range(0, 1, high_open=True),
-        "with --admit auto, the most waste its cuts may cost, as a share of group-seconds",
+        "with --admit auto, the most of the run's rollout-seconds it may throw away",
     )
     filter_uniform: bool = _option(
         False,
@@ -294,8 +294,8 @@ class TrainConfig:
     hedge: bool = _option(
         True,
         attrs.validators.instance_of(bool),
-        "with --carry-over, start a fresh sample beside each straggler of a group two calls "
-        "before --max-lag would make it stale; it stands in only if the straggler misses",
+        "with --carry-over, start a fresh sample beside each straggler of a carried group two "
+        "calls before --max-lag would make it stale; it stands in only if the straggler misses",
     )
     kl_coef: float = _option(
         0.0, in_range(0, 100), "weight of a KL penalty to the initial weights (0 = none)"

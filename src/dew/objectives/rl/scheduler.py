@@ -161,11 +161,16 @@ class RolloutScheduler:
             the cut would waste (the seconds of the groups it cancels; under carry_over, of
             those it carries that would pass `max_lag` before completing), and takes the admit
             of highest estimated goodput (groups per second of step and wait) within the budget,
-            no cut until a batch's worth of groups has completed. The record's metrics carry
-            the choice and its estimate: `auto/admit`, `auto/wait`, `auto/goodput` (groups per
-            second), `auto/waste`, `auto/step` and `auto/observed` (the completed groups the
-            estimate rests on). A run under the mock clock, and its replay, choose alike.
-        hedge: under carry_over, a group still running when the call two before its last
+            no cut until a batch's worth of groups has completed. The budget is of what the run
+            has really thrown away so far, measured from its own events (every ended
+            submission's seconds from submission to end, those not admitted thrown away:
+            cancelled, stale, failed, unneeded hedges, slot queueing included), plus the call's
+            estimate; where no admit keeps within it, the call cuts nothing. The record's
+            metrics carry the choice and its estimate: `auto/admit`, `auto/wait`,
+            `auto/goodput` (groups per second), `auto/waste`, `auto/step` and `auto/observed`
+            (the completed groups the estimate rests on). A run under the mock clock, and its
+            replay, choose alike.
+        hedge: under carry_over, a carried group still running when the call two before its last
             admissible one hands over gets a fresh sample (a hedge) beside each of its running
             ones, once; a hedge replaces its original only where the original has not finished
             by the group's last admissible call, so a straggler no longer makes its whole group
