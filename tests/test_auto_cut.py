@@ -308,6 +308,8 @@ def test_each_record_carries_the_cut_auto_chose_and_its_estimate(carry_over):
         assert m["auto/step"] == pytest.approx(1.0)  # the trainer's sleep between calls
         assert m["auto/observed"] >= 4 and 0 <= m["auto/waste"] <= 1
         assert 0 < m["auto/goodput"] < math.inf
+        # The run's measured waste so far, which the budget weighed the estimate against.
+        assert 0 <= m["auto/wasted"] <= 1
     assert min(chosen) < 4, "a heavy tail makes auto cut below the batch"
     # Deterministic under the mock clock: the same run chooses alike.
     again, _ = drive(1, 24, max_lag=3, carry_over=carry_over, waste_budget=0.5)
