@@ -17,12 +17,26 @@ simulated source and engine), so the figures are deterministic.
     python benchmarks/long_tail.py --workloads [--steps 300] [--seeds 3] [--jobs 2]
         # auto against the best fixed setting at max_lag 5 on the reference workload and on
         # sigma 0.5, sigma 1.5 and T = 3 x mean, auto told nothing of which: each workload's
-        # fixed settings, the best of them, and auto's goodput over the best's
+        # fixed settings, auto at budgets 0.15 and 0.25, and each auto's goodput over the
+        # best fixed one's
     python benchmarks/long_tail.py --smoke    # each, tiny and fast
 
 Targets (issue 23): carry-over at max_lag 5 >= 0.90 of the bound at <= 15 % waste and a duration
 ratio >= 0.90; at max_lag 8 >= 0.95, <= 7 %, >= 0.95; at max_lag 3 above 0.75 at <= 23 % waste;
 auto within 5 % of the best setting's goodput on each workload.
+
+Figures (300 steps, seeds 0..9; share of bound / wasted / admitted over population mean
+duration, means; [min, max] in docs/concepts.md, "The reference workload"):
+    ahead=3 oversample=1          0.732 / 20.7 % / 0.721
+    carry lag=3 ahead=1 admit=3   0.794 / 21.2 % / 0.807     no hedge 0.735 / 29.1 % / 0.837
+    carry lag=5 ahead=2 admit=4   0.914 / 10.3 % / 0.883     no hedge 0.868 / 16.6 % / 0.890
+    carry lag=8 ahead=3 admit=4   0.962 /  4.3 % / 0.940     no hedge 0.941 /  7.1 % / 0.940
+    auto (budget 0.15) lag 3, 5, 8: 0.781 / 19.4 %, 0.930 / 13.9 %, 0.961 / 4.8 %
+Share and waste targets are met at every lag; the duration ratio misses at 5 and 8, where the
+staleness window alone bounds it at about 0.90 and 0.95 at those shares (docs/concepts.md,
+"The bound the staleness window puts on the duration ratio"). Workloads (seeds 0..1), auto's
+goodput over the best fixed one's: reference 1.000, sigma 0.5 0.994, sigma 1.5 0.930 (0.992 at
+budget 0.25; no setting there wastes under 18 %), T = 3 x mean 1.000.
 """
 
 from __future__ import annotations
@@ -47,13 +61,16 @@ SETTINGS = (
     # one that reaches the bound.
     Setting("ahead=3 oversample=1", ahead=3, max_lag=3, oversample=1),
     Setting("ahead=3 oversample=4", ahead=3, max_lag=3, oversample=4),
-    # Carry-over: the best of a small search (100 steps, seed 0) at each max_lag, and beside
-    # each the cut the scheduler chooses itself, at the same ahead.
-    Setting("carry lag=3 ahead=1 admit=4", ahead=1, max_lag=3, admit=4, carry_over=True),
+    # Carry-over: the best of a small search (100 steps, seed 0) at each max_lag, the same
+    # without hedges, and beside them the cut the scheduler chooses itself, at the same ahead.
+    Setting("carry lag=3 ahead=1 admit=3", ahead=1, max_lag=3, admit=3, carry_over=True),
+    Setting("carry lag=3 no hedge", ahead=1, max_lag=3, admit=3, carry_over=True, hedge=False),
     Setting("auto lag=3 ahead=1", ahead=1, max_lag=3, admit="auto", carry_over=True, **BUDGET),
     Setting("carry lag=5 ahead=2 admit=4", ahead=2, max_lag=5, admit=4, carry_over=True),
+    Setting("carry lag=5 no hedge", ahead=2, max_lag=5, admit=4, carry_over=True, hedge=False),
     Setting("auto lag=5 ahead=2", ahead=2, max_lag=5, admit="auto", carry_over=True, **BUDGET),
     Setting("carry lag=8 ahead=3 admit=4", ahead=3, max_lag=8, admit=4, carry_over=True),
+    Setting("carry lag=8 no hedge", ahead=3, max_lag=8, admit=4, carry_over=True, hedge=False),
     Setting("auto lag=8 ahead=3", ahead=3, max_lag=8, admit="auto", carry_over=True, **BUDGET),
 )
 
@@ -72,7 +89,19 @@ AT_LAG_5 = (
     Setting("carry ahead=2 admit=4", ahead=2, max_lag=5, admit=4, carry_over=True),
     Setting("carry ahead=2 admit=6", ahead=2, max_lag=5, admit=6, carry_over=True),
 )
-AUTO = Setting("auto ahead=2", ahead=2, max_lag=5, admit="auto", carry_over=True, **BUDGET)
+# Auto at the reference table's budget, and at one every fixed setting above meets on each
+# workload: on sigma 1.5 none wastes under 18 %, so 0.15 cannot be met there.
+AUTOS = (
+    Setting("auto ahead=2", ahead=2, max_lag=5, admit="auto", carry_over=True, **BUDGET),
+    Setting(
+        "auto ahead=2 budget=.25",
+        ahead=2,
+        max_lag=5,
+        admit="auto",
+        carry_over=True,
+        waste_budget=0.25,
+    ),
+)
 
 
 def _one(job: tuple[Workload, Setting]) -> tuple[str, float, float, float, float]:
@@ -117,10 +146,12 @@ def reference(steps: int, seeds: int, jobs: int, settings=SETTINGS) -> str:
     return "\n".join(lines)
 
 
-def workloads(steps: int, seeds: int, jobs: int, names=tuple(WORKLOADS), fixed=AT_LAG_5) -> str:
+def workloads(
+    steps: int, seeds: int, jobs: int, names=tuple(WORKLOADS), fixed=AT_LAG_5, autos=AUTOS
+) -> str:
     """Auto beside the fixed settings at max_lag 5 on each workload: goodput (samples per
-    second, mean over seeds), waste, and auto's goodput over the best fixed setting's."""
-    settings = (*fixed, AUTO)
+    second, mean over seeds), waste, and each auto's goodput over the best fixed setting's."""
+    settings = (*fixed, *autos)
     work = [
         (Workload(seed=seed, steps=steps, **WORKLOADS[name]), setting)
         for name in names
@@ -130,17 +161,20 @@ def workloads(steps: int, seeds: int, jobs: int, names=tuple(WORKLOADS), fixed=A
     results = iter(_run(work, jobs))
     lines = [
         f"max_lag 5, {steps} steps, seeds 0..{seeds - 1}: goodput (samples/s) and wasted share, "
-        f"means over seeds; auto (waste budget {AUTO.waste_budget}) over the best fixed",
-        f"{'workload':<12}" + "".join(f"{s.name:>28}" for s in settings) + f"{'auto/best':>11}",
+        f"means over seeds; each auto's goodput over the best fixed setting's",
+        f"{'workload':<12}"
+        + "".join(f"{s.name:>28}" for s in settings)
+        + "".join(f"{f'/best ({s.waste_budget})':>14}" for s in autos),
     ]
     for name in names:
         figures = []
         for _ in settings:
             rows = np.array([next(results)[1:] for _ in range(seeds)])
             figures.append((rows[:, 3].mean(), rows[:, 1].mean()))
-        best = max(goodput for goodput, _ in figures[:-1])
+        best = max(goodput for goodput, _ in figures[: len(fixed)])
         cells = "".join(f"{f'{g:.2f} ({w:.0%})':>28}" for g, w in figures)
-        lines.append(f"{name:<12}{cells}{figures[-1][0] / best:>11.3f}")
+        ratios = "".join(f"{g / best:>14.3f}" for g, _ in figures[len(fixed) :])
+        lines.append(f"{name:<12}{cells}{ratios}")
     return "\n".join(lines)
 
 
@@ -161,6 +195,10 @@ if __name__ == "__main__":
         sys.exit(0)
     code = main(["simulate", *args])
     if "--smoke" in args:
-        print(reference(steps=4, seeds=1, jobs=1, settings=SETTINGS[::3]))
-        print(workloads(steps=4, seeds=1, jobs=1, names=("sigma=1.5",), fixed=AT_LAG_5[1:2]))
+        print(reference(steps=4, seeds=1, jobs=1, settings=SETTINGS[0:6:2]))
+        print(
+            workloads(
+                steps=4, seeds=1, jobs=1, names=("sigma=1.5",), fixed=AT_LAG_5[1:2], autos=AUTOS[:1]
+            )
+        )
     sys.exit(code)

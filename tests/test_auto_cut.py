@@ -148,6 +148,7 @@ def plays(draw):
         filter_uniform=draw(st.booleans()),
         carry_over=draw(st.booleans()),
         waste_budget=draw(st.sampled_from((0.0, 0.2, 0.9))),
+        hedge=draw(st.booleans()),
     )
     return config, size
 
@@ -165,6 +166,7 @@ def test_exactly_once_holds_whatever_auto_chooses():
         running: set[Label] = set()
         log: list[core.LogEvent] = []
         admitted: set[int] = set()
+        finished_at: dict[Label, float] = {}
 
         def apply(event):
             nonlocal state, waiting
@@ -227,6 +229,7 @@ def test_exactly_once_holds_whatever_auto_chooses():
                     result = finished(version, status, reward).stamped(
                         sub.task, label, sub.time, time
                     )
+                    finished_at[label] = time
                     apply(core.Finished(time, label, result))
                     running.discard(label)
             elif choice == "reopen" and waiting is None:
@@ -235,10 +238,20 @@ def test_exactly_once_holds_whatever_auto_chooses():
         apply(core.Closed(time))
         assert assert_exactly_once(log) == frozenset()
         assert state.carried == () and state.choice is None
+        # The budget's measure is the log's: every submission's seconds from its submission to
+        # its finish (or its cancellation), thrown away unless admitted.
+        wasted = spent = 0.0
+        for e in log:
+            if e.kind in TERMINAL:
+                seconds = finished_at.get(e.label, e.time) - subs[e.label].time
+                spent += seconds
+                wasted += seconds * (e.kind != "admitted")
+        assert state.spent == pytest.approx((wasted, spent))
+        seen["wasted"] += wasted > 0
 
     check()
     # The draws reach what they test: calls that auto cut below their batch.
-    assert seen["cut below the batch"] > 10, seen
+    assert seen["cut below the batch"] > 10 and seen["wasted"] > 10, seen
 
 
 # --- the shell: each record carries the choice and its estimate --------------------------------
@@ -295,6 +308,8 @@ def test_each_record_carries_the_cut_auto_chose_and_its_estimate(carry_over):
         assert m["auto/step"] == pytest.approx(1.0)  # the trainer's sleep between calls
         assert m["auto/observed"] >= 4 and 0 <= m["auto/waste"] <= 1
         assert 0 < m["auto/goodput"] < math.inf
+        # The run's measured waste so far, which the budget weighed the estimate against.
+        assert 0 <= m["auto/wasted"] <= 1
     assert min(chosen) < 4, "a heavy tail makes auto cut below the batch"
     # Deterministic under the mock clock: the same run chooses alike.
     again, _ = drive(1, 24, max_lag=3, carry_over=carry_over, waste_budget=0.5)

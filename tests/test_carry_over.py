@@ -119,6 +119,61 @@ def test_a_resumed_runs_carried_tasks_are_submitted_and_admitted_ahead():
     assert state.carried == (0, 3)  # batch 7's cut group joins the resumed one not yet done
 
 
+@pytest.mark.parametrize("original_in_time", [False, True])
+def test_a_hedge_stands_in_only_for_an_original_that_misses_the_last_admissible_call(
+    original_in_time,
+):
+    # Group 1 is carried with a straggler; at the next hand-over (two calls before its bound at
+    # max_lag 2) a hedge starts beside it. The hedge finishes first, and still waits: it
+    # replaces the straggler only if that has not finished by the group's last admissible call.
+    config = core.Config(groups=2, admit=1, max_lag=2, carry_over=True)
+    state = core.initial(config)
+    state, out = core.step(state, hand_over(0, 2, 0, 0, True))
+    g0a, g0b, g1a, g1b = [c.label for c in commands_of(out, core.Submit)]
+    for at, label in enumerate((g0a, g0b, g1a)):
+        state, _ = core.step(state, core.Finished(1.0 + at, label, finished((0,))))
+    assert state.carried == (1,)
+    state, out = core.step(state, hand_over(1, 2, 1, 1, True))
+    hedge = commands_of(out, core.Submit)[0].label
+    assert (hedge.group, hedge.sample) == (1, 2)
+    own = [c.label for c in commands_of(out, core.Submit)[1:3]]
+    state, out = core.step(state, core.Finished(5.0, hedge, finished((1,))))
+    assert not commands_of(out, core.Cancel) and state.groups[1].state is core.GroupState.RUNNING
+    if original_in_time:
+        state, out = core.step(state, core.Finished(6.0, g1b, finished((0,))))
+        ends = [(e.kind, e.label, e.reason) for e in out if isinstance(e, core.LogEvent)]
+        assert ("discarded", hedge, "surplus") in ends
+    delivers = []
+    for at, label in enumerate(own):
+        state, out = core.step(state, core.Finished(7.0 + at, label, finished((1,))))
+        delivers += commands_of(out, core.Deliver)
+    state, out = core.step(state, hand_over(2, 2, 2, 2, True))
+    if not original_in_time:
+        # The group's last admissible call: the hedge stands in, the straggler is cancelled.
+        assert core.Cancel(g1b, "surplus") in out
+    nxt = [c.label for c in commands_of(out, core.Submit) if c.batch == 2][:2]
+    for at, label in enumerate(nxt):
+        state, out = core.step(state, core.Finished(10.0 + at, label, finished((2,))))
+        delivers += commands_of(out, core.Deliver)
+    # Group 1 is admitted at call 1 when its original finished in time, else at call 2 (its
+    # last admissible); the original's results are of version 0, the hedge's of version 1.
+    (deliver,) = [d for d in delivers if d.carried]
+    assert deliver.batch == (1 if original_in_time else 2)
+    kept = sorted(s.calls[0].version for s in deliver.groups[0])
+    assert kept == ([0, 0] if original_in_time else [0, 1])
+
+
+def test_without_hedge_a_carried_straggler_gets_no_backup():
+    config = core.Config(groups=2, admit=1, max_lag=2, carry_over=True, hedge=False)
+    state = core.initial(config)
+    state, out = core.step(state, hand_over(0, 2, 0, 0, True))
+    labels = [c.label for c in commands_of(out, core.Submit)]
+    for at, label in enumerate(labels[:3]):
+        state, _ = core.step(state, core.Finished(1.0 + at, label, finished((0,))))
+    state, out = core.step(state, hand_over(1, 2, 1, 1, True))
+    assert all(c.label.sample < config.samples for c in commands_of(out, core.Submit))
+
+
 @st.composite
 def plays(draw):
     size = draw(st.integers(1, 4))
@@ -130,6 +185,7 @@ def plays(draw):
         max_attempts=draw(st.integers(1, 3)),
         filter_uniform=draw(st.booleans()),
         carry_over=True,
+        hedge=draw(st.booleans()),
     )
     return config, size
 
@@ -261,11 +317,18 @@ def _scheduler(engine, seed: int, **options) -> RolloutScheduler:
 
 
 @settings(max_examples=15, deadline=None, derandomize=True, database=None)
-@given(seed=st.integers(0, 2**16), admit=st.integers(1, 3), max_lag=st.integers(1, 3))
-def test_the_shell_carries_groups_over_and_records_them(seed, admit, max_lag):
+@given(
+    seed=st.integers(0, 2**16),
+    admit=st.integers(1, 3),
+    max_lag=st.integers(1, 3),
+    hedge=st.booleans(),
+)
+def test_the_shell_carries_groups_over_and_records_them(seed, admit, max_lag, hedge):
     async def drive():
         engine = SimulatedEngine(slots=6)
-        scheduler = _scheduler(engine, seed, admit=admit, max_lag=max_lag, carry_over=True)
+        scheduler = _scheduler(
+            engine, seed, admit=admit, max_lag=max_lag, carry_over=True, hedge=hedge
+        )
         records, events = [], []
         async with scheduler:
             stream = scheduler.tasks(_dataset(12, 4)).stream(0)
@@ -286,6 +349,7 @@ def test_the_shell_carries_groups_over_and_records_them(seed, admit, max_lag):
     assert sum(r.metrics["carry/admitted"] for r in records) == len(carried & set(admitted))
     for record in records:
         assert record.groups <= 4 and record.lag <= max_lag
+        assert hedge or record.metrics["carry/hedged"] == 0
         if record.metrics["carry/admitted"]:
             assert 1 <= record.metrics["carry/age_mean"] <= record.metrics["carry/age_max"]
 

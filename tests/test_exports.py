@@ -54,6 +54,7 @@ def test_rollout_scheduler_signature_is_the_pages():
         ("reference", keyword, None),
         ("carry_over", keyword, False),
         ("waste_budget", keyword, 0.2),
+        ("hedge", keyword, True),
     ]
     assert [p[0] for p in parameters(scheduler.RolloutScheduler.tasks)] == ["dataset"]
     assert parameters(scheduler.RolloutScheduler.close) == []

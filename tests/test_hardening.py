@@ -386,6 +386,7 @@ VALID = {
     # Needs admit: without it, refused naming carry_over.
     "carry_over": st.booleans(),
     "waste_budget": st.sampled_from([0.0, 0.2, 0.5]),
+    "hedge": st.booleans(),
 }
 # Collaborators: what each is when valid, and what it may be instead.
 COLLABORATORS = {

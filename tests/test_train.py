@@ -449,6 +449,7 @@ def test_help_lists_every_option_with_its_default(capsys):
         (["--admit", "0"], "argument --admit: admit must be an int within [1, 4096], got 0"),
         (["--admit", "9"], "admit must be <= batch_size 8, got 9"),
         (["--carry-over"], "carry_over needs admit"),
+        (["--no-hedge"], "hedge backs up carried groups' stragglers: give carry_over too"),
         (["--resume"], "--resume needs --run"),
     ],
 )
@@ -484,13 +485,15 @@ def test_oversample_and_admit_train_the_first_groups_to_complete(tmp_path, capsy
     assert "admit" in capsys.readouterr().err
 
 
-def test_carry_over_trains_the_groups_admit_cut_at_later_steps(tmp_path):
+@pytest.mark.parametrize("hedge", [True, False])
+def test_carry_over_trains_the_groups_admit_cut_at_later_steps(tmp_path, hedge):
     # 4 tasks a batch, the first 2 groups to complete train and the other 2 keep running, to
     # train at a later step within max_lag: a step trains up to the whole batch, and what it
-    # took from earlier steps its record counts.
+    # took from earlier steps its record counts; with --no-hedge no straggler is backed up.
     run = tmp_path / "run"
     argv = ["train", "--run", str(run), *TINY, "--batch-size", "4", "--steps", "4"]
     argv += ["--groups", "2", "--admit", "2", "--carry-over", "--max-lag", "3"]
+    argv += [] if hedge else ["--no-hedge"]
     with jax.numpy_dtype_promotion("standard"):
         assert main(argv) == 0
     lines = metrics_lines(run)
@@ -499,7 +502,10 @@ def test_carry_over_trains_the_groups_admit_cut_at_later_steps(tmp_path):
     carried = sum(line["carry/admitted"] for line in lines)
     assert sum(line["groups"] for line in lines) == 2 * len(lines) + carried
     assert all(line["cut"] == 0 and line["lag"] <= 3 for line in lines)
-    assert json.loads((run / "config.json").read_text())["carry_over"] is True
+    if not hedge:
+        assert all(line["carry/hedged"] == 0 for line in lines)
+    config = json.loads((run / "config.json").read_text())
+    assert (config["carry_over"], config["hedge"]) == (True, hedge)
 
 
 def test_admit_auto_chooses_each_steps_cut_and_its_record_says_why(tmp_path):
@@ -628,6 +634,12 @@ def test_a_recorded_training_run_replays_without_the_engine(tmp_path):
     # and a change of configuration parts the run where it first makes a difference
     parted = replay.replay(trace, ahead=0, max_lag=0)
     assert not parted.matched and parted.divergence.step == 0
+
+
+def test_no_hedge_without_carry_over_is_refused_by_name():
+    with pytest.raises(ValueError, match="hedge backs up carried groups' stragglers"):
+        TrainConfig(hedge=False)
+    assert TrainConfig(admit=2, carry_over=True, hedge=False).hedge is False
 
 
 def test_a_waste_budget_without_admit_auto_is_refused_by_name():

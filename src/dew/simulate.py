@@ -215,6 +215,7 @@ class Setting:
     sync_every: int = attrs.field(default=1, validator=int_at_least(1))
     carry_over: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     waste_budget: float = attrs.field(default=0.2, validator=in_range(0, 1, high_open=True))
+    hedge: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self):
         if self.carry_over and self.admit is None:
@@ -444,6 +445,7 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
         log=records.append,
         carry_over=setting.carry_over,
         waste_budget=setting.waste_budget,
+        hedge=setting.hedge,
     )
     scheduler.long_wait = None  # a simulated trainer waits by design: nothing to report
     # The trainer prefetches `ahead` batches, as far as the scheduler may read ahead of it.

@@ -70,6 +70,7 @@ _OPTIONS: dict[str, Callable[[str], Any]] = {
     "filter_uniform": _flag,
     "carry_over": _flag,
     "waste_budget": number_option(0, 1),
+    "hedge": _flag,
 }
 
 

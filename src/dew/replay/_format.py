@@ -46,6 +46,7 @@ CONFIG = (
     "filter_uniform",
     "carry_over",
     "waste_budget",
+    "hedge",
 )
 """The RolloutScheduler arguments a trace holds: all but objective, source, weights, tasks, log."""
 # CONFIG names added after traces of this VERSION were first written: a trace without one ran
@@ -56,6 +57,7 @@ ADDED = {
     "filter_uniform": False,
     "carry_over": False,
     "waste_budget": 0.2,
+    "hedge": True,
 }
 OUTCOMES = ("returned", "cancelled", "raised", "invalid")
 """How a recorded rollout ended: returned a session, was cancelled, raised, or returned what no

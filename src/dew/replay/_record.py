@@ -211,6 +211,7 @@ class Recorder:
             "filter_uniform": scheduler.filter_uniform,
             "carry_over": scheduler.config.carry_over,
             "waste_budget": scheduler.config.waste_budget,
+            "hedge": scheduler.config.hedge,
         }
         # Open until `_stop`: the recording spans a `with` of the caller's.
         if self.path.endswith(".gz"):

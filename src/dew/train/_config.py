@@ -197,13 +197,16 @@ class TrainConfig:
             cancelled. None trains every task's group. In a pool each process admits its
             share, so it must split evenly over the processes. "auto" chooses each step's
             from the run's own durations, within `waste_budget` (`RolloutScheduler`).
-        waste_budget: under admit "auto", the most waste its cuts may cost, as a share of the
-            run's group-seconds.
+        waste_budget: under admit "auto", the most of the run's rollout-seconds it may throw
+            away (measured from the run's own events: cancelled, stale, failed, unneeded hedges).
         filter_uniform: discard a group whose rollouts all scored alike (it trains nothing)
             and, with `admit`, admit a later group in its place (`RolloutScheduler`).
         carry_over: with `admit`, the groups a batch's cut leaves out keep running and train at
             a later step, within `max_lag` (`RolloutScheduler`'s carry_over); a step's rows
             are sized for the whole batch, and a checkpoint keeps the carried groups' tasks.
+        hedge: under carry_over, back up a carried group's stragglers with fresh samples two
+            calls before its bound (`RolloutScheduler`'s hedge); False (`--no-hedge`)
+            resubmits a group whose straggler goes stale whole.
         kl_coef: the weight of a k3 KL penalty to the initial weights, kept as the reference
             policy; 0 for none. A resumed run derives the reference again from the config (the
             seed's initial weights), so checkpoints need not hold it.
@@ -277,7 +280,7 @@ class TrainConfig:
     waste_budget: float = _option(
         _WASTE_BUDGET,
         in_range(0, 1, high_open=True),
-        "with --admit auto, the most waste its cuts may cost, as a share of group-seconds",
+        "with --admit auto, the most of the run's rollout-seconds it may throw away",
     )
     filter_uniform: bool = _option(
         False,
@@ -290,6 +293,12 @@ class TrainConfig:
         attrs.validators.instance_of(bool),
         "with --admit, keep the groups a batch's cut leaves out running and train them at a "
         "later step (within --max-lag) instead of cancelling them",
+    )
+    hedge: bool = _option(
+        True,
+        attrs.validators.instance_of(bool),
+        "with --carry-over, start a fresh sample beside each straggler of a carried group two "
+        "calls before --max-lag would make it stale; it stands in only if the straggler misses",
     )
     kl_coef: float = _option(
         0.0, in_range(0, 100), "weight of a KL penalty to the initial weights (0 = none)"
@@ -447,6 +456,8 @@ class TrainConfig:
             raise ValueError(f"admit must be <= batch_size {self.batch_size}, got {self.admit}")
         if self.carry_over and self.admit is None:
             raise ValueError("carry_over needs admit: it carries the groups admit leaves out")
+        if not self.hedge and not self.carry_over:
+            raise ValueError("hedge backs up carried groups' stragglers: give carry_over too")
         if self.max_lag < self.ahead + self.sync_every - 1:
             raise ValueError(
                 f"max_lag must be >= ahead + sync_every - 1 = {self.ahead + self.sync_every - 1}, "

@@ -196,6 +196,7 @@ def train(
         reference=reference,
         carry_over=config.carry_over,
         waste_budget=config.waste_budget,
+        hedge=config.hedge,
     )
     per_epoch = config.tasks // config.batch_size * config.batch_size
     dataset = ProcessRows(

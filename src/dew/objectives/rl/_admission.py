@@ -33,12 +33,15 @@ from dew.objectives.rl._auto import Choice
 from dew.objectives.rl._packing import uniform_group
 from dew.objectives.rl.sessions import Label, Session, Status
 
-# Under carry_over, a group still running when the call before its last admissible one hands
-# over gets a fresh sample beside each of its running ones (a hedge): a straggler whose group
-# would otherwise pass max_lag and be resubmitted whole. One call ahead, not more: earlier
-# hedges rescue more groups but admit more of the short fresh samples (selection bias) and
-# cancel more surplus (benchmarks/long_tail.py; docs/concepts.md, "Carry-over").
-HEDGE = 1
+# Under carry_over (with hedge), a group still running when the call two before its last
+# admissible one hands over gets a fresh sample beside each of its running ones (a hedge): a
+# straggler whose group would otherwise pass max_lag and be resubmitted whole. A hedge is a
+# fallback, not a race: it replaces its original only where the original has not finished by the
+# group's last admissible call, since keeping whichever finishes first would keep the shorter of
+# two (selection bias). Two calls ahead: one gives a hedge too few seconds to finish, three run
+# hedges beside more originals that finish in time, which is waste (benchmarks/long_tail.py;
+# docs/concepts.md, "Carry-over").
+HEDGE = 2
 CAUSES = ("infra_error", "cancelled", "stale", "timeout", "unscored")
 # The most characters of a session's error text a `failed` event keeps: enough for an exception's
 # type and message, bounded so that a source which dumps a whole traceback or page on every
@@ -64,6 +67,7 @@ class Config:
     filter_uniform: bool = False
     carry_over: bool = False
     waste_budget: float = 0.2  # under admit="auto": the most waste the run's cuts may cost
+    hedge: bool = True  # under carry_over: back up a group's stragglers before its bound
 
     @property
     def samples(self) -> int:
@@ -108,6 +112,7 @@ class Sample:
     failures: int = 0
     state: SampleState = SampleState.RUNNING
     result: Session | None = None
+    backs: int | None = None  # a hedge's: the index of the original sample it backs up
 
     @property
     def index(self) -> int:
@@ -120,7 +125,9 @@ class Sample:
     # The core replaces samples and groups on every event: these are attrs.evolve without its
     # reflection, which dominated the core's cost.
     def with_state(self, state: SampleState, result: Session | None = None) -> Sample:
-        return Sample(self.label, self.version, self.submitted, self.failures, state, result)
+        return Sample(
+            self.label, self.version, self.submitted, self.failures, state, result, self.backs
+        )
 
 
 @attrs.frozen
@@ -197,7 +204,10 @@ class State:
     steps: tuple[float, ...] = ()
     delivered_at: float | None = None
     choice: Choice | None = None
-    spent: tuple[float, float] = (0.0, 0.0)  # the chosen cuts' estimated lost and all seconds
+    # Under admit="auto": the rollout-seconds (submission to end) of the submissions that
+    # ended, thrown away and all: what the run's cuts, hedges, staleness and queueing really
+    # cost, which the budget bounds.
+    spent: tuple[float, float] = (0.0, 0.0)
 
 
 # Events: what happened. `time` is the scheduler's clock.
@@ -476,17 +486,32 @@ class _Step:
     def resubmit(self, group: Group, sample: Sample, cause: str) -> Group:
         failures = sample.failures + (cause in FAILURES)
         label = Label(group.id, sample.index, sample.attempt + 1)
-        fresh = Sample(label, self.served, self.time, failures)
+        fresh = Sample(label, self.served, self.time, failures, backs=sample.backs)
         self.submit(group, fresh, cause)
         return self.put_sample(group, fresh)
+
+    def account(self, sample: Sample, wasted: bool, ran: bool = True) -> None:
+        """Under admit="auto": add a submission's seconds, from its submission to now (or, for
+        a result discarded later, to its finish), to the run's spent and, thrown away, wasted
+        seconds; `ran` False for a finished one, whose seconds were counted at its finish."""
+        if not self.config.auto:
+            return
+        end = self.time
+        if sample.result is not None and sample.result.finished is not None:
+            end = sample.result.finished
+        seconds = max(0.0, end - sample.submitted)
+        lost, total = self.spent
+        self.spent = (lost + seconds * wasted, total + seconds * ran)
 
     def end(self, group: Group, sample: Sample, reason: str) -> Group:
         """Stop a sample that is still in play: cancel it in flight or discard its result."""
         label = sample.label
         if sample.state is SampleState.RUNNING:
+            self.account(sample, True)
             self.commands.append(Cancel(label, reason))
             self.log("cancelled", group, label, version=sample.version, reason=reason)
         elif sample.state is SampleState.FINISHED:
+            self.account(sample, True, ran=False)
             self.log("discarded", group, label, version=sample.version, reason=reason)
         return self.put_sample(group, sample.with_state(SampleState.ENDED))
 
@@ -505,10 +530,12 @@ class _Step:
         for group in list(self.groups.values()):
             if group.state in (GroupState.RUNNING, GroupState.COMPLETE):
                 self.sweep_stale(group)
-        if self.config.carry_over:
+        if self.config.carry_over and self.config.hedge:
             for group in list(self.groups.values()):
                 if group.state is GroupState.RUNNING:
                     self.hedge(group)
+                    # At its last admissible call a group's finished hedges stand in.
+                    self.resolve(self.groups[group.id])
         for task in event.carried:
             # A resumed run's carried groups: of the call before this one, so this one admits
             # them once complete.
@@ -569,10 +596,9 @@ class _Step:
             steps=self.steps,
             budget=self.config.waste_budget,
             carry_over=self.config.carry_over,
-            spent=self.spent,
+            # In group-seconds, as the estimate's: a group holds `samples` slots.
+            spent=(self.spent[0] / self.config.samples, self.spent[1] / self.config.samples),
         )
-        lost, total = self.spent
-        self.spent = (lost + self.choice.lost, total + self.choice.lost + self.choice.kept)
         if not self.config.carry_over:
             self.cut(batch)
 
@@ -598,17 +624,51 @@ class _Step:
             self.seen = seen[-_auto.WINDOW :]
 
     def hedge(self, group: Group) -> None:
-        """Under carry_over: a group with at most HEDGE calls left before its oldest
-        submission passes max_lag gets one more sample beside each still running, once; the
-        first `groups` to finish complete it and the others are cancelled as surplus."""
-        if len(group.samples) > self.config.samples or self.calls_left(group) > HEDGE:
+        """Under carry_over with hedge: a carried group with at most HEDGE calls left before its
+        oldest submission passes max_lag gets one more sample beside each still running, once,
+        which backs that one up (see `usable`). Carried only: at its batch's own call (at a
+        small max_lag, as few as two calls before its bound) most of a group's samples have
+        only just started, and hedging them would double the work in flight."""
+        if (
+            not group.carried
+            or len(group.samples) > self.config.samples
+            or self.calls_left(group) > HEDGE
+        ):
             return
         for sample in list(group.samples):
             if sample.state is SampleState.RUNNING:
                 index = len(group.samples)
-                fresh = Sample(Label(group.id, index, 0), self.served, self.time)
+                fresh = Sample(
+                    Label(group.id, index, 0), self.served, self.time, backs=sample.index
+                )
                 self.submit(group, fresh, None)
                 group = self.put(group.with_samples(group.samples + (fresh,)))
+
+    def usable(self, group: Group) -> list[Sample]:
+        """The finished samples a group would train on: each original's own result, or, once
+        the group is at its last admissible call and the original is still running (or ended),
+        its hedge's. Before that a finished hedge waits: keeping whichever of the two finished
+        first would keep the shorter (selection bias), so a hedge stands in only for an
+        original that would otherwise make the whole group stale."""
+        originals = group.samples[: self.config.samples]
+        found = [s for s in originals if s.state is SampleState.FINISHED]
+        backups = {
+            s.backs: s
+            for s in group.samples[self.config.samples :]
+            if s.state is SampleState.FINISHED
+        }
+        if backups and len(found) < self.config.groups:
+            last = self.calls_left(group) == 0
+            for sample in originals:
+                if sample.index in backups and (last or sample.state is SampleState.ENDED):
+                    if sample.state is not SampleState.FINISHED:
+                        found.append(backups[sample.index])
+        return found
+
+    def resolve(self, group: Group) -> None:
+        """Complete a hedged group whose finished samples and hedges now make it whole."""
+        if len(self.usable(group)) >= self.config.groups:
+            self.complete(group)
 
     def sweep_stale(self, group: Group) -> None:
         """Resubmit what is already past the bound: running ones by their submission's version,
@@ -643,6 +703,7 @@ class _Step:
         group, sample = found
         cause = admissible_failure(session, self.config.truncation)
         if cause is not None:
+            self.account(sample, True)
             self.fail(group, sample, cause, "failed", bounded(session.error))
             return
         updates = self.updates
@@ -650,18 +711,25 @@ class _Step:
             updates is not None
             and updates - session_version(session, sample.version) > self.config.max_lag
         ):
+            self.account(sample, True)
             self.log("discarded", group, label, version=sample.version, reason="stale")
             self.resubmit(group, sample, "stale")
             return
+        self.account(sample, False)
         finished = sample.with_state(SampleState.FINISHED, session)
         group = self.put_sample(group, finished)
-        if [s.state for s in group.samples].count(SampleState.FINISHED) >= self.config.groups:
-            self.complete(group)
+        if sample.backs is None:
+            # An original that finished needs no backup: its hedges end as surplus.
+            for other in group.samples:
+                if other.backs == sample.index:
+                    group = self.end(group, other, "surplus")
+        self.resolve(group)
 
     def time_out(self, label: Label) -> None:
         found = self.running(label)
         if found is not None:
             group, sample = found
+            self.account(sample, True)
             self.commands.append(Cancel(label, "timeout"))
             self.fail(group, sample, "timeout", "cancelled")
 
@@ -686,8 +754,9 @@ class _Step:
         Under `filter_uniform`, a group whose training rewards are all equal is discarded
         instead: its advantages would all be 0, so it would take rows and train nothing. It
         does not count toward `admit`, so the batch's later groups take its place."""
+        kept = {s.index for s in self.usable(group)[: self.config.groups]}
         for sample in group.samples:
-            if sample.state is SampleState.RUNNING:
+            if sample.index not in kept and sample.state is not SampleState.ENDED:
                 group = self.end(group, sample, "surplus")
         if self.config.filter_uniform:
             results = [s.result for s in group.samples if s.state is SampleState.FINISHED]

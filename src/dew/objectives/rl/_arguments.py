@@ -250,6 +250,16 @@ def check_carry_over(carry_over, admit: int | str | None) -> None:
         )
 
 
+def check_hedge(hedge) -> None:
+    """Refuse a hedge that is not a bool.
+
+    Raises:
+        ValueError: naming the argument.
+    """
+    if not isinstance(hedge, bool):
+        raise ValueError(f"hedge must be a bool, got {hedge!r}")
+
+
 def check_waste_budget(waste_budget) -> None:
     """Refuse a waste budget that is not a share in [0, 1).
 

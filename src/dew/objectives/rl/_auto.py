@@ -57,9 +57,12 @@ class Choice:
     waste: float | None = None
     step: float | None = None
     observed: int = 0
-    # The call's estimated group-seconds lost and delivered, which the run's budget sums.
+    # The call's estimated group-seconds lost and delivered, weighed with the run's measured.
     lost: float = 0.0
     kept: float = 0.0
+    # The share of the run's rollout-seconds so far thrown away, measured: what the budget
+    # weighed the call's estimate against (None before any submission has ended).
+    wasted: float | None = None
 
     def metrics(self) -> dict[str, float]:
         """The record's `auto/*` figures, those estimated and finite (a record's figures are
@@ -71,6 +74,7 @@ class Choice:
             "auto/waste": self.waste,
             "auto/step": self.step,
             "auto/observed": self.observed,
+            "auto/wasted": self.wasted,
         }
         return {k: float(v) for k, v in figures.items() if v is not None and math.isfinite(v)}
 
@@ -141,13 +145,15 @@ def choose(
             straggler is worth cutting even when that one call's cut is costly).
         carry_over: whether the groups a cut leaves out keep running (their waste is their risk
             of passing the bound) or are cancelled (their waste is what they ran).
-        spent: the estimated group-seconds the run's earlier cuts lost, and all they spent.
+        spent: the group-seconds the run's ended submissions threw away, and all they ran,
+            measured (the core's own record: each one's seconds from submission to its end).
     """
+    wasted = spent[0] / spent[1] if spent[1] > 0 else None
     completed = [d for d, done in seen if done]
     if len(completed) < size or not steps:
         # Nothing to estimate from yet: under carry_over a cut costs no work, so the first
         # calls take half the batch rather than wait on its slowest group; else none is cut.
-        return Choice(admit=-(-size // 2) if carry_over else size)
+        return Choice(admit=-(-size // 2) if carry_over else size, wasted=wasted)
     times, s = survival([d for d, _ in seen], [done for _, done in seen])
     step = float(np.median(steps))
     mean = float(np.mean(completed))
@@ -204,9 +210,9 @@ def choose(
         # Ties go to the larger admit: the same goodput with less cut.
         if best is None or goodput >= best.goodput:
             waste = lost / (lost + kept) if lost + kept > 0 else 0.0
-            best = Choice(admit, wait, goodput, waste, step, len(completed), lost, kept)
+            best = Choice(admit, wait, goodput, waste, step, len(completed), lost, kept, wasted)
     if best is None:
-        return Choice(size, None, None, 0.0, step, len(completed), 0.0, size * mean)
+        return Choice(size, None, None, 0.0, step, len(completed), 0.0, size * mean, wasted)
     return best
 
 

@@ -39,6 +39,7 @@ from dew.objectives.rl._arguments import (
     check_arguments,
     check_carry_over,
     check_filtering,
+    check_hedge,
     check_waste_budget,
     resolve_vocab,
 )
@@ -158,9 +159,11 @@ class _Scheduler:
         reference: Variables | None = None,
         carry_over: bool = False,
         waste_budget: float = 0.2,
+        hedge: bool = True,
     ):
         check_carry_over(carry_over, admit)
         check_waste_budget(waste_budget)
+        check_hedge(hedge)
         check_arguments(
             objective,
             source,
@@ -215,6 +218,7 @@ class _Scheduler:
             filter_uniform=filter_uniform,
             carry_over=carry_over,
             waste_budget=float(waste_budget),
+            hedge=hedge,
         )
         # While the trainer waits, what it waits on is logged after this many seconds, then
         # after twice as many, and so on; None logs nothing (simulations that wait by design).

@@ -161,10 +161,26 @@ class RolloutScheduler:
             the cut would waste (the seconds of the groups it cancels; under carry_over, of
             those it carries that would pass `max_lag` before completing), and takes the admit
             of highest estimated goodput (groups per second of step and wait) within the budget,
-            no cut until a batch's worth of groups has completed. The record's metrics carry
-            the choice and its estimate: `auto/admit`, `auto/wait`, `auto/goodput` (groups per
-            second), `auto/waste`, `auto/step` and `auto/observed` (the completed groups the
-            estimate rests on). A run under the mock clock, and its replay, choose alike.
+            no cut until a batch's worth of groups has completed. The budget is of what the run
+            has really thrown away so far, measured from its own events (every ended
+            submission's seconds from submission to end, those not admitted thrown away:
+            cancelled, stale, failed, unneeded hedges, slot queueing included), plus the call's
+            estimate; where no admit keeps within it, the call cuts nothing. The record's
+            metrics carry the choice and its estimate: `auto/admit`, `auto/wait`,
+            `auto/goodput` (groups per second), `auto/waste`, `auto/step` and `auto/observed`
+            (the completed groups the estimate rests on). A run under the mock clock, and its
+            replay, choose alike.
+        hedge: under carry_over, a carried group still running when the call two before its last
+            admissible one hands over gets a fresh sample (a hedge) beside each of its running
+            ones, once; a hedge replaces its original only where the original has not finished
+            by the group's last admissible call, so a straggler no longer makes its whole group
+            stale (resubmitted, its finished samples thrown away). A hedge that is not needed
+            ends `surplus`; `carry/hedged` counts those submitted. On by default: on the
+            reference long-tail workload it raises goodput and cuts waste, and because a hedge
+            stands in only for an original that would go stale (never for one merely slower
+            than it), the selection it adds is small (docs/concepts.md, "Carry-over"). False
+            resubmits a group whose straggler passes `max_lag` whole. No effect without
+            carry_over.
 
     Settings, assigned after construction (any other assignment is refused, naming them):
 
@@ -214,6 +230,7 @@ class RolloutScheduler:
         reference: Variables | None = None,
         carry_over: bool = False,
         waste_budget: float = 0.2,
+        hedge: bool = True,
     ):
         inner = _Scheduler(
             objective,
@@ -240,6 +257,7 @@ class RolloutScheduler:
             reference=reference,
             carry_over=carry_over,
             waste_budget=waste_budget,
+            hedge=hedge,
         )
         object.__setattr__(self, "_inner", inner)
         finalizer = weakref.finalize(self, inner.dropped)
