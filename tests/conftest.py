@@ -13,9 +13,11 @@ third less time. The folder is new each session, so no run depends on an earlier
 
 import os
 import shutil
+import signal
 import tempfile
 
 import jax
+import pytest
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -29,6 +31,17 @@ os.environ.update(_CACHE)
 jax.config.update("jax_compilation_cache_dir", _CACHE["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(autouse=True)
+def _sigint_as_it_was():
+    """Each test leaves SIGINT's handler as it found it. The `dew` command ignores SIGINT once a
+    Ctrl-C has ended it; a test that calls it in-process and left that behind made every process
+    a later test of the same worker started ignore Ctrl-C too (the pool's Ctrl-C test then ran
+    to its last step)."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
 
 
 def pytest_unconfigure(config):

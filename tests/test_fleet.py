@@ -89,6 +89,8 @@ def test_the_public_surface():
         "header_timeout",
         "body_timeout",
         "max_session_requests",
+        "write_timeout",
+        "max_connections",
         "announce",
         "freeze_gc",
     ]
