@@ -39,8 +39,6 @@ import argparse
 import functools
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -52,6 +50,7 @@ from dew import calibrate, tune
 from dew.envs.simulated import SimulatedConfig, SimulatedSource
 from dew.simulate import Contention, Setting, SharedCpu, SharingEngine
 from dew.testing import record_run
+from what_if import train  # noqa: E402  (the sibling benchmark's recorded dew train run)
 
 BASELINE = ("ahead=1 lag=1", {"ahead": 1, "max_lag": 1})
 TARGETS = (
@@ -67,23 +66,6 @@ PROBE = ("probe ahead=0 lag=0", {"ahead": 0, "max_lag": 0})
 PROBE_STEPS = 15
 # --smoke's runs are simulated ones on a CPU shared by this much (see `simulated`).
 SMOKE_CPU = Contention(trainer=0.5, engine=0.5)
-
-
-def train(
-    folder: Path, name: str, knobs: dict, options: list[str], steps: int | None = None
-) -> Path:
-    """Run `dew train` in a process of its own at the knobs, recording; return the trace."""
-    trace = folder / f"{name}.trace"
-    flags = [f"--{knob.replace('_', '-')}={value}" for knob, value in knobs.items()]
-    flags += [] if steps is None else [f"--steps={steps}"]
-    command = "import sys; from dew.cli import main; sys.exit(main())"
-    subprocess.run(
-        [sys.executable, "-c", command, "train", *options, *flags]
-        + ["--run", str(folder / name), "--record", str(trace)],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    return trace
 
 
 def simulated(folder: Path, name: str, knobs: dict, steps: int | None = None) -> Path:
@@ -171,7 +153,8 @@ def main() -> None:
                 if args.smoke:
                     simulated(folder, _file(name), knobs, steps)
                 else:
-                    train(folder, _file(name), knobs, FULL, steps)
+                    steps_flag = [] if steps is None else [f"--steps={steps}"]
+                    train(folder, _file(name), knobs, FULL + steps_flag)
         load.append(os.getloadavg()[0])
         baseline = folder / f"{_file(BASELINE[0])}.trace"
         fitted = calibrate.calibrate([baseline], warmup=warmup)
