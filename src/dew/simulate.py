@@ -24,7 +24,7 @@ import numpy as np
 import trio
 import trio.testing
 
-from dew._checks import at_least, in_range, int_at_least, positive
+from dew._checks import at_least, check_number, in_range, int_at_least, positive
 from dew.data import ArrayDataset, Task
 from dew.envs.simulated import ObservedRollout, SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.objectives.rl.scheduler import LogEvent, RolloutScheduler
@@ -141,10 +141,7 @@ class Workload:
         Raises:
             ValueError: unless factor is a finite number > 0.
         """
-        if isinstance(factor, bool) or not isinstance(factor, int | float):
-            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
-        if not 0 < factor < math.inf:
-            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        check_number("factor", factor, low=0, low_open=True)
         observed = tuple(
             attrs.evolve(
                 r,
@@ -161,10 +158,7 @@ class Workload:
         Raises:
             ValueError: unless factor is a finite number > 0.
         """
-        if isinstance(factor, bool) or not isinstance(factor, int | float):
-            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
-        if not 0 < factor < math.inf:
-            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        check_number("factor", factor, low=0, low_open=True)
         return attrs.evolve(
             self,
             step_time=self.step_time * factor,
