@@ -281,6 +281,22 @@ def test_the_grid_crosses_carry_over_with_the_admit_values_only():
     assert [s.carry_over for s in grid.settings(tasks=4)] == [False, False, True]
 
 
+def test_the_grid_crosses_the_hedge_with_the_carry_over_settings_only():
+    grid = tune.Grid(
+        ahead=(1,), admit=(None, 3), sync_every=(1,), carry_over=(False, True), hedge=(True, False)
+    )
+    settings = grid.settings(tasks=4)
+    assert [s.name for s in settings] == [
+        "ahead=1 sync=1 lag=1",
+        "ahead=1 sync=1 lag=1 admit=3",
+        "ahead=1 sync=1 lag=1 admit=3 carry",
+        "ahead=1 sync=1 lag=1 admit=3 carry no-hedge",
+    ]
+    assert [s.hedge for s in settings] == [True, True, True, False]
+    with pytest.raises(TypeError, match="'hedge'"):
+        tune.Grid(hedge=("off",))
+
+
 def test_the_grid_takes_auto_among_the_admit_values():
     grid = tune.Grid(ahead=(1,), admit=("auto", 2), sync_every=(1,), carry_over=(True,))
     settings = grid.settings(tasks=4)
@@ -386,6 +402,14 @@ def test_dew_tune_prints_the_fit_the_table_and_draws_the_front(plain, tmp_path, 
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_dew_tune_simulates_carry_over_with_and_without_the_hedge(plain, capsys):
+    argv = ["tune", plain.path, "--steps", "8", "--seeds", "1", "--ahead", "1", "--sync-every"]
+    assert cli.main([*argv, "1", "--admit", "3", "--carry-over", "--hedge", "on,off"]) == 0
+    names = re.findall(r"^[* -] (ahead=1 \S.*?)\s{2}", capsys.readouterr().out, re.MULTILINE)
+    assert names == ["ahead=1 sync=1 lag=1 admit=3", "ahead=1 sync=1 lag=1 admit=3 carry",
+                     "ahead=1 sync=1 lag=1 admit=3 carry no-hedge"]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -404,6 +428,9 @@ def test_dew_tune_prints_the_fit_the_table_and_draws_the_front(plain, tmp_path, 
             "argument --max-bias: must be a finite number within [0, 1e+06], got 'inf'",
         ),
         (["--step-time", "-1"], "argument --step-time: must be a finite number within [0, 86400]"),
+        (["--hedge", "maybe"], "argument --hedge: must be on, off or on,off, got 'maybe'"),
+        (["--hedge", "on,on"], "argument --hedge: must be on, off or on,off, got 'on,on'"),
+        (["--hedge", "off"], "argument --hedge: 'off' backs up no carried group's stragglers"),
         (
             ["--engine-scaling", "nan"],
             "argument --engine-scaling: must be a finite number within [0, 10]",

@@ -59,6 +59,9 @@ class Grid:
             A value below that least is left out of the settings for that pair.
         carry_over: whether the scheduler carries the groups `admit` leaves out to a later
             call; True is crossed with the admit values only (it carries what admit cuts).
+        hedge: whether a carry-over setting backs up its carried groups' stragglers with fresh
+            samples (`RolloutScheduler`'s hedge; False is `dew train --no-hedge`); crossed with
+            the carry-over settings only, since only they carry.
 
     Raises:
         ValueError: naming the knob with an empty list or a value out of bounds.
@@ -78,6 +81,11 @@ class Grid:
         converter=tuple,
         validator=attrs.validators.deep_iterable(attrs.validators.instance_of(bool)),
     )
+    hedge: tuple[bool, ...] = attrs.field(
+        default=(True,),
+        converter=tuple,
+        validator=attrs.validators.deep_iterable(attrs.validators.instance_of(bool)),
+    )
 
     def settings(self, tasks: int) -> list[Setting]:
         """Every setting of the grid within max_lag's bound, in the grid's order.
@@ -89,15 +97,24 @@ class Grid:
             if isinstance(admit, int) and admit > tasks:
                 raise ValueError(f"admit must be <= the workload's {tasks} tasks, got {admit}")
         found: dict[tuple, Setting] = {}
-        for ahead, sync, lag, over, admit, carry in itertools.product(
-            self.ahead, self.sync_every, self.max_lag, self.oversample, self.admit, self.carry_over
+        for ahead, sync, lag, over, admit, carry, hedge in itertools.product(
+            self.ahead,
+            self.sync_every,
+            self.max_lag,
+            self.oversample,
+            self.admit,
+            self.carry_over,
+            self.hedge,
         ):
             least = ahead + sync - 1
             lag = least if lag is None else lag
             if lag < least or (carry and admit is None):
                 continue
-            key = (ahead, sync, lag, over, admit, carry)
-            setting = Setting(_name(*key), ahead, lag, over, admit, sync, carry_over=carry)
+            hedge = hedge or not carry  # without carry-over there is nothing to hedge
+            key = (ahead, sync, lag, over, admit, carry, hedge)
+            setting = Setting(
+                _name(*key), ahead, lag, over, admit, sync, carry_over=carry, hedge=hedge
+            )
             found.setdefault(key, setting)
         if not found:
             raise ValueError(
@@ -107,11 +124,20 @@ class Grid:
         return list(found.values())
 
 
-def _name(ahead: int, sync: int, lag: int, over: int, admit: int | str | None, carry: bool) -> str:
+def _name(
+    ahead: int,
+    sync: int,
+    lag: int,
+    over: int,
+    admit: int | str | None,
+    carry: bool,
+    hedge: bool = True,
+) -> str:
     parts = [f"ahead={ahead}", f"sync={sync}", f"lag={lag}"]
     parts += [f"over={over}"] if over else []
     parts += [f"admit={admit}"] if admit is not None else []
     parts += ["carry"] if carry else []
+    parts += [] if hedge else ["no-hedge"]
     return " ".join(parts)
 
 
@@ -464,6 +490,14 @@ def _int_list(low: int, high: int, word: str | None = None, keep: str | None = N
     return parse
 
 
+def _hedges(text: str) -> tuple[bool, ...]:
+    words = {"on": True, "off": False}
+    values = text.split(",")
+    if not values or any(value not in words for value in values) or len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"must be on, off or on,off, got {text!r}")
+    return tuple(words[value] for value in values)
+
+
 def _slots(text: str) -> int | str | None:
     if text in ("observed", "unbounded"):
         return None if text == "unbounded" else text
@@ -511,6 +545,14 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         "--carry-over",
         action="store_true",
         help="also each admit setting with carry-over (the groups admit cuts train later)",
+    )
+    knobs.add_argument(
+        "--hedge",
+        type=_hedges,
+        default=default.hedge,
+        metavar="on|off|on,off",
+        help="whether the carry-over settings back up their carried groups' stragglers with "
+        "fresh samples ('off' is dew train --no-hedge; needs --carry-over; default: on)",
     )
     knobs.add_argument(
         "--sync-every", type=_int_list(1, 1000), default=default.sync_every, help="default: 1,2"
@@ -633,7 +675,13 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.step_time is not None:
         workload = attrs.evolve(workload, step_time=args.step_time, step_times=())
     carry = (False, True) if args.carry_over else (False,)
-    grid = Grid(args.ahead, args.oversample, args.admit, args.sync_every, args.max_lag, carry)
+    if False in args.hedge and not args.carry_over:
+        args.parser.error(
+            "argument --hedge: 'off' backs up no carried group's stragglers: give --carry-over too"
+        )
+    grid = Grid(
+        args.ahead, args.oversample, args.admit, args.sync_every, args.max_lag, carry, args.hedge
+    )
     try:
         settings = grid.settings(workload.tasks)
     except ValueError as error:
