@@ -23,6 +23,13 @@ Four predictions per target, side by side:
 - `slowed`: `model` with the recorded run's times scaled by the machine's slowdown from it to
   the target (their median seconds/update): information from the target run, about the load
   rather than the scheduler, to tell the model's error from the load's on a busy machine.
+- `+rollouts`: `model` with the target run's own rollouts in place of the recorded run's
+  (`Calibration.rollouts_from`), the recorded trainer kept: information from the target run,
+  about what its policy learned to do rather than the scheduler. A setting changes what the
+  policy trains on and so the rollouts it goes on to produce (admit 3 on `--task guess` learned
+  to give up after fewer guesses), which no prediction from the recorded run's rollouts
+  foresees; this column tells the model's error apart from that change's. Each target's
+  rollouts beside the recorded run's (calls per rollout, mean seconds) are printed below.
 
     python benchmarks/tune_accuracy.py                 # 5 runs of about a minute, then the table
     python benchmarks/tune_accuracy.py --keep runs/    # the same, keeping the runs
@@ -166,7 +173,7 @@ def main() -> None:
             f"  with the synchronous probe: trainer +{probed.trainer:.0%}, "
             f"engine +{probed.engine:.0%}"
         )
-        rows = []
+        rows, shifts = [], []
         for name, knobs in TARGETS:
             measured = calibrate.observe(folder / f"{_file(name)}.trace", warmup=warmup)
             steps = measured.steps + warmup + 1
@@ -186,7 +193,12 @@ def main() -> None:
                 slower = speed(folder, name) / speed(folder, BASELINE[0]) / rows_cost
             slowed = fitted.scaled(engine=slower, trainer=slower)
             load_free = predict(slowed, knobs, steps, args.seeds, contention=True, **model)
-            rows.append((name, measured, plain, alone, probe, load_free))
+            own = calibrate.calibrate([folder / f"{_file(name)}.trace"], warmup=warmup)
+            workload = predict(
+                fitted.rollouts_from(own), knobs, steps, args.seeds, contention=True, **model
+            )
+            shifts.append((name, own))
+            rows.append((name, measured, plain, alone, probe, load_free, workload))
     print(f"load average (1 min) before the runs {load[0]:.2f}, after {load[1]:.2f}")
     print(
         "goodput: samples/s, error = predicted / measured - 1; idle: the trainer's share, error "
@@ -195,20 +207,33 @@ def main() -> None:
         "--contention fit (from the recorded run); +probe: the contention fitted to the "
         f"recorded run and a {probe_steps}-step synchronous probe run together; slowed: model, "
         "with the recorded run's times scaled by the machine's slowdown from it to the target "
-        "(the ratio of their median seconds/update: the load, measured from the target run)"
+        "(the ratio of their median seconds/update: the load, measured from the target run); "
+        "+rollouts: model, with the target run's own rollouts (what its policy learned to do, "
+        "measured from the target run) beside the recorded trainer"
     )
-    names = ("plain", "model", "+probe", "slowed")
-    columns = "".join(f"{name:>8}{'err':>8}" for name in names)
-    print(f"{'':<22}{'goodput':-^73} {'idle':-^73}")
+    names = ("plain", "model", "+probe", "slowed", "+rollouts")
+    columns = "".join(f"{name:>10}{'err':>8}" for name in names)
+    print(f"{'':<22}{'goodput':-^99} {'idle':-^99}")
     print(f"{'target':<22}{'measured':>9}{columns}{'measured':>10}{columns}")
     for name, measured, *predictions in rows:
         line = f"{name:<22}{measured.goodput:>9.2f}"
         for goodput, _ in predictions:
-            line += f"{goodput:>8.2f}{goodput / measured.goodput - 1:>+8.1%}"
+            line += f"{goodput:>10.2f}{goodput / measured.goodput - 1:>+8.1%}"
         line += f"{measured.idle:>10.1%}"
         for _, idle in predictions:
-            line += f"{idle:>8.1%}{100 * (idle - measured.idle):>+8.1f}"
+            line += f"{idle:>10.1%}{100 * (idle - measured.idle):>+8.1f}"
         print(line)
+    print(
+        "the rollouts each run's policy produced (finished ones, over the window): calls per "
+        "rollout and mean seconds, the recorded run's first"
+    )
+    for name, own in (("recorded " + BASELINE[0], fitted), *shifts):
+        print(f"  {name:<30}{_calls(own):>6.2f} calls{own.mean_duration:>9.4f} s")
+
+
+def _calls(fitted: calibrate.Calibration) -> float:
+    """The mean calls per finished rollout of a calibration."""
+    return sum(n * count for n, count in fitted.calls.items()) / sum(fitted.calls.values())
 
 
 def speed(folder: Path, name: str) -> float:

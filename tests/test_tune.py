@@ -177,6 +177,45 @@ def test_a_slowed_calibration_is_the_same_run_on_a_slower_clock(plain):
     assert halved.step_times == fitted.step_times
 
 
+def test_a_trainer_beside_another_runs_rollouts_predicts_the_run_that_had_both(plain, tmp_path):
+    """Rollouts of half the mean (a policy that learned to take fewer turns) recorded beside a
+    trainer three times as slow: the plain run's trainer with those rollouts predicts the run
+    that had both, where either calibration alone misses it."""
+    shorter = attrs.evolve(PLAIN, duration_mean=MEAN / 2)
+    slow = functools.partial(
+        run_simulated,
+        tmp_path / "slow.trace",
+        updates=range(STEPS),
+        config=shorter,
+        batch_size=4,
+        gap=3 * STEP_TIME,
+        ahead=1,
+        max_lag=1,
+        width=512,
+        rows=16,
+        groups=4,
+    )
+    slow = trio.run(slow, clock=trio.testing.MockClock(autojump_threshold=0))
+    both = calibrate.observe(record(tmp_path / "both.trace", shorter))
+    setting = simulate.Setting("ahead=1", ahead=1, max_lag=1)
+
+    def predict(fitted):
+        return simulate.simulate(fitted.workload(steps=STEPS - 1, slots=None), setting)
+
+    trainer, rollouts = calibrate.calibrate([plain]), calibrate.calibrate([slow])
+    mixed = trainer.rollouts_from(rollouts)
+    assert mixed.step_times == trainer.step_times and mixed.observed == rollouts.observed
+    assert mixed.traces == (plain.path, slow.path)
+    predicted = predict(mixed)
+    assert predicted.goodput == pytest.approx(both.goodput, rel=0.05)
+    assert predicted.idle == pytest.approx(both.idle, abs=0.02)
+    for alone in (trainer, rollouts):
+        assert abs(predict(alone).goodput / both.goodput - 1) > 0.3
+    narrow = record(tmp_path / "narrow.trace", PLAIN, groups=2, rows=8)
+    with pytest.raises(calibrate.CalibrationError, match=r"\(tasks, groups\) \(4, 2\) differ"):
+        trainer.rollouts_from(calibrate.calibrate([narrow]))
+
+
 def test_calibration_refuses_too_short_a_trace(plain):
     with pytest.raises(calibrate.CalibrationError, match="needs at least warmup \\+ 2 = 40"):
         calibrate.calibrate([plain], warmup=38)

@@ -184,6 +184,42 @@ class Calibration:
             overlaps=tuple(o * engine for o in self.overlaps),
         )
 
+    def rollouts_from(self, other: Calibration) -> Calibration:
+        """This calibration's trainer with `other`'s rollouts: the run this trainer would have
+        had, had its policy produced the rollouts `other`'s run did.
+
+        A setting changes what the policy trains on, and so what it learns and the rollouts it
+        goes on to produce (on `dew train --task guess`, a run that admitted 3 of 4 groups
+        learned to give up after fewer guesses than the recorded run, and its rollouts were
+        shorter; see docs/tuning.md). The simulation resamples the recorded rollouts, so no
+        setting's prediction foresees that. Set beside a target run's own rollouts, the
+        recorded trainer tells the error of the model of the scheduler, the engine and the
+        shared CPU apart from the error of the workload's change
+        (`benchmarks/tune_accuracy.py`'s `+rollouts`).
+
+        Keeps this calibration's step times, their overlaps, the contention fitted to them and
+        the groups a step trained (`admitted`); takes the rollouts, their overlaps with
+        `other`'s trainer, the slots and `aheads` (the engine the rollouts ran on, which
+        `tune.sized_to_ahead` sizes from) from `other`.
+
+        Raises:
+            CalibrationError: when the two differ in tasks per batch or rollouts per group.
+        """
+        if (other.tasks, other.groups) != (self.tasks, self.groups):
+            raise CalibrationError(
+                f"{', '.join(other.traces)}: (tasks, groups) {(other.tasks, other.groups)} "
+                f"differ from {(self.tasks, self.groups)} of {', '.join(self.traces)}"
+            )
+        return attrs.evolve(
+            other,
+            traces=self.traces + other.traces,
+            warmup=self.warmup,
+            step_times=self.step_times,
+            step_overlaps=self.step_overlaps,
+            contention=self.contention,
+            admitted=self.admitted,
+        )
+
     def solo(self, contention: Contention) -> tuple[tuple[float, ...], tuple[ObservedRollout, ...]]:
         """The step times and observed rollouts as their side would have run alone, by the
         rate model of `contention`: a side works at 1 / (1 + factor) of its solo speed while
