@@ -547,20 +547,12 @@ def dew_train(run, *options) -> list[str]:
     return [*DEW, "train", "--run", str(run), *TINY, *options]
 
 
-def compile_once(cache) -> dict[str, str]:
-    """The environment of a `dew train` process that shares its compilations through `cache`, so
-    a resumed process need not compile again."""
-    cache = {
-        "JAX_COMPILATION_CACHE_DIR": str(cache),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
-    return {**os.environ, **cache}
-
-
 def test_a_killed_run_resumes_from_its_checkpoint_and_trains_nothing_twice(tmp_path):
     run, steps = tmp_path / "run", 40
     options = ["--steps", str(steps), "--checkpoint-every", "4"]
-    env = compile_once(tmp_path / "jax-cache")
+    # Both processes share the session's compilation cache (tests/conftest.py), so the resumed
+    # one need not compile again.
+    env = dict(os.environ)
     process = subprocess.Popen(
         dew_train(run, *options), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
     )
