@@ -35,6 +35,12 @@ Four predictions per target, side by side:
     python benchmarks/tune_accuracy.py --keep runs/    # the same, keeping the runs
     python benchmarks/tune_accuracy.py --analyse runs/ # the table again from kept runs
     python benchmarks/tune_accuracy.py --smoke         # simulated runs instead, in seconds
+    python benchmarks/tune_accuracy.py --learning-rate 1e-9   # every run's policy held still
+
+`--learning-rate 1e-9` keeps every step's work (the same update, rescoring and pushes) while
+Adam moves the weights by about 1e-9 a step: each run samples the rollouts its first policy
+would, so the targets' workload is the recorded run's and what is left of an error is the
+model's of the scheduler, the engine and the shared CPU.
 
 The load average (1 minute) is printed before and after: on a machine that is not idle, a CPU
 run's speed moves with other people's work, which no model of the scheduler predicts.
@@ -140,6 +146,13 @@ def main() -> None:
     parser.add_argument(
         "--trainer-scaling", type=float, default=1.0, help="dew tune --trainer-scaling (default 1)"
     )
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="every run's dew train --learning-rate (default: dew train's); 1e-9 holds the "
+        "policy still, so that no setting changes the rollouts its policy produces",
+    )
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs in this folder")
     parser.add_argument(
         "--analyse", type=Path, default=None, help="predict from the runs kept in this folder"
@@ -150,6 +163,8 @@ def main() -> None:
         # The simulated engine's calls take as long however many run, and its trainer's step
         # as long however many rows: nothing to size.
         args.engine_scaling = args.trainer_scaling = 0.0
+    if args.learning_rate is not None and (args.smoke or args.analyse):
+        parser.error("--learning-rate is for the runs: not with --smoke or --analyse")
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.analyse or args.keep or Path(scratch)
@@ -160,8 +175,10 @@ def main() -> None:
                 if args.smoke:
                     simulated(folder, _file(name), knobs, steps)
                 else:
-                    steps_flag = [] if steps is None else [f"--steps={steps}"]
-                    train(folder, _file(name), knobs, FULL + steps_flag)
+                    flags = [] if steps is None else [f"--steps={steps}"]
+                    if args.learning_rate is not None:
+                        flags.append(f"--learning-rate={args.learning_rate}")
+                    train(folder, _file(name), knobs, FULL + flags)
         load.append(os.getloadavg()[0])
         baseline = folder / f"{_file(BASELINE[0])}.trace"
         fitted = calibrate.calibrate([baseline], warmup=warmup)
