@@ -26,10 +26,17 @@ import tempfile
 import time
 from pathlib import Path
 
-# The tests' tiny model and batch (as what_if.py's and train_step.py's smokes and most of
-# tests/): in a test session one run compiles its programs and the others read JAX's cache.
-SMOKE = {"steps": 3, "batch-size": 2, "groups": 2, "d-model": 16, "heads": 2, "layers": 1}
-SMOKE |= {"d-ff": 32}
+# The tests' tiny model and batch, as what_if.py's and train_step.py's smokes: in a test session
+# one of them compiles its programs and the others read them from JAX's cache.
+SMOKE = {
+    "steps": 3,
+    "batch-size": 2,
+    "groups": 2,
+    "d-model": 16,
+    "heads": 2,
+    "layers": 1,
+    "d-ff": 32,
+}
 
 
 def timed(command: list[str]) -> tuple[float, str]:
