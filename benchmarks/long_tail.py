@@ -117,6 +117,8 @@ def _one(job: tuple[Workload, Setting]) -> tuple[str, float, float, float, float
 
 
 def _run(work: list[tuple[Workload, Setting]], jobs: int) -> list[tuple]:
+    if jobs == 1:  # a pool of one would only add a process start (importing JAX) to the loop
+        return [_one(job) for job in work]
     # Spawned, not forked: the parent has imported JAX, whose threads a fork would copy.
     spawn = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=spawn) as pool:
@@ -197,8 +199,8 @@ if __name__ == "__main__":
     if "--smoke" in args:
         print(reference(steps=4, seeds=1, jobs=1, settings=SETTINGS[0:6:2]))
         print(
-            workloads(
-                steps=4, seeds=1, jobs=1, names=("sigma=1.5",), fixed=AT_LAG_5[1:2], autos=AUTOS[:1]
+            workloads(  # two jobs, so that the pool of processes runs too
+                steps=4, seeds=1, jobs=2, names=("sigma=1.5",), fixed=AT_LAG_5[1:2], autos=AUTOS[:1]
             )
         )
     sys.exit(code)

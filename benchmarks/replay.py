@@ -26,7 +26,17 @@ import tempfile
 import time
 from pathlib import Path
 
-SMOKE = {"steps": 3, "batch-size": 2, "groups": 2, "d-model": 16, "heads": 2, "layers": 1}
+# The tests' tiny model and batch, as what_if.py's and train_step.py's smokes: in a test session
+# one of them compiles its programs and the others read them from JAX's cache.
+SMOKE = {
+    "steps": 3,
+    "batch-size": 2,
+    "groups": 2,
+    "d-model": 16,
+    "heads": 2,
+    "layers": 1,
+    "d-ff": 32,
+}
 
 
 def timed(command: list[str]) -> tuple[float, str]:

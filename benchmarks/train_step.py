@@ -45,10 +45,12 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny model and a few steps, for CI")
     args = parser.parse_args()
     if args.smoke:
+        # The tests' tiny model and batch, as replay.py's and what_if.py's smokes: in a test
+        # session one of them compiles its programs and the others read them from JAX's cache.
         base = TrainConfig(
-            steps=8, batch_size=2, groups=2, tasks=16, d_model=16, heads=2, layers=1, d_ff=32
+            steps=4, batch_size=2, groups=2, tasks=16, d_model=16, heads=2, layers=1, d_ff=32
         )
-        warmup = 3
+        warmup = 2
     else:
         base = TrainConfig(steps=60)
         warmup = 10

@@ -77,8 +77,10 @@ FULL = ["--task", "guess", "--steps", "40", "--batch-size", "4", "--groups", "8"
 # barely does.
 PROBE = ("probe ahead=0 lag=0", {"ahead": 0, "max_lag": 0})
 PROBE_STEPS = 15
-# --smoke's runs are simulated ones on a CPU shared by this much (see `simulated`).
+# --smoke's runs are simulated ones on a CPU shared by this much (see `simulated`), of this many
+# steps (its probe's half), each prediction from one seed: enough to run every column's code.
 SMOKE_CPU = Contention(trainer=0.5, engine=0.5)
+SMOKE_STEPS = 12
 
 
 def simulated(folder: Path, name: str, knobs: dict, steps: int | None = None) -> Path:
@@ -92,7 +94,7 @@ def simulated(folder: Path, name: str, knobs: dict, steps: int | None = None) ->
         SimulatedSource(engine, SimulatedConfig(seed=1, duration_mean=1.0, duration_sigma=0.3)),
         engine,
         trace,
-        updates=range(steps or 24),
+        updates=range(steps or SMOKE_STEPS),
         batch_size=4,
         gap=1.0,
         spend=functools.partial(cpu.spend, "trainer"),
@@ -158,8 +160,9 @@ def main() -> None:
         "--analyse", type=Path, default=None, help="predict from the runs kept in this folder"
     )
     args = parser.parse_args()
-    warmup, probe_steps = (2, 8) if args.smoke else (args.warmup, PROBE_STEPS)
+    warmup, probe_steps = (2, SMOKE_STEPS // 2) if args.smoke else (args.warmup, PROBE_STEPS)
     if args.smoke:
+        args.seeds = 1
         # The simulated engine's calls take as long however many run, and its trainer's step
         # as long however many rows: nothing to size.
         args.engine_scaling = args.trainer_scaling = 0.0

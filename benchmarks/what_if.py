@@ -47,7 +47,7 @@ TARGETS = (
     ("ahead=1 lag=1 admit=3", {"ahead": 1, "sync_every": 1, "max_lag": 1, "admit": 3}),
 )
 FULL = ["--task", "guess", "--steps", "40", "--batch-size", "4", "--groups", "8"]
-SMOKE = ["--task", "copy", "--steps", "6", "--batch-size", "2", "--groups", "2"]
+SMOKE = ["--task", "copy", "--steps", "4", "--batch-size", "2", "--groups", "2"]
 SMOKE += ["--d-model", "16", "--layers", "1", "--heads", "2", "--d-ff", "32"]
 
 
