@@ -10,7 +10,8 @@ steps.
     python benchmarks/lookup_agent.py --harness lookup-tools
     python benchmarks/lookup_agent.py --smoke         # 1 step of a tiny model, for CI
 
-The smoke's model and batch are the tests' tiny ones (those of tests/test_train_harness.py's run).
+The smoke's model and batch have the shapes of tests/test_train_harness.py's run, so in a test
+session one of them compiles the programs and the other reads them from JAX's cache.
 """
 
 from __future__ import annotations

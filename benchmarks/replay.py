@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# The tests' tiny model and batch, as what_if.py's and train_step.py's smokes: in a test session
-# one of them compiles its programs and the others read them from JAX's cache.
+# The tests' tiny model and batch (as what_if.py's and train_step.py's smokes and most of
+# tests/): in a test session one run compiles its programs and the others read JAX's cache.
 SMOKE = {
     "steps": 3,
     "batch-size": 2,

@@ -45,8 +45,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny model and a few steps, for CI")
     args = parser.parse_args()
     if args.smoke:
-        # The tests' tiny model and batch, as replay.py's and what_if.py's smokes: in a test
-        # session one of them compiles its programs and the others read them from JAX's cache.
+        # The tests' tiny model and batch (as replay.py's and what_if.py's smokes and most of
+        # tests/): in a test session one run compiles its programs and the others read JAX's
+        # cache.
         base = TrainConfig(
             steps=4, batch_size=2, groups=2, tasks=16, d_model=16, heads=2, layers=1, d_ff=32
         )

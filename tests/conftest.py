@@ -9,6 +9,14 @@ the processes the tests start (`dew train`, benchmark smoke runs, pools) inherit
 environment: the same small models are compiled by many tests, and a cache hit loads the
 executable XLA built the first time, so results are unchanged while the suite takes about a
 third less time. The folder is new each session, so no run depends on an earlier one.
+
+Every program is compiled without XLA's and LLVM's most expensive optimisation passes
+(`jax_disable_most_optimizations`, set here before anything compiles and passed on to every
+process a test starts through JAX_DISABLE_MOST_OPTIMIZATIONS). The tests' models are tiny and
+run for a handful of steps, so compiling is most of what they do, and those passes are most of
+compiling; the programs compute the same values (the suite passes either way, comparisons to
+NumPy, transformers and vLLM included), only their machine code is slower, which models this
+size never feel. Benchmarks and users' runs keep XLA's defaults.
 """
 
 import os
@@ -23,11 +31,13 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 _CACHE = {
+    "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
     "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="dew-tests-jax-cache-"),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
 }
 os.environ.update(_CACHE)
+jax.config.update("jax_disable_most_optimizations", True)
 jax.config.update("jax_compilation_cache_dir", _CACHE["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -4,8 +4,8 @@ notebooks run from here).
 
 Each notebook's last cells assert what its reading says, so a notebook whose conclusions no
 longer hold fails here. The kernel draws with matplotlib-inline, whose figures are rendered by
-the Agg backend: no display is needed. The kernel compiles JAX programs without LLVM's
-optimisation passes (tests/_fast_compile.py): together they take about a minute on two cores.
+the Agg backend: no display is needed. The kernel inherits the session's compilation settings
+(tests/conftest.py): together they take about a minute on two cores.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import pathlib
 import nbformat
 import pytest
 from nbclient import NotebookClient
-
-from _fast_compile import fast_compile_env
 
 ROOT = pathlib.Path(__file__).parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -52,7 +50,7 @@ def test_the_docs_list_every_notebook():
 def test_notebook_runs_and_draws(path):
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(notebook, timeout=300, kernel_name="python3")
-    client.execute(cwd=str(path.parent), env=fast_compile_env())
+    client.execute(cwd=str(path.parent))
     outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert any(o.get("output_type") == "stream" for o in outputs)
