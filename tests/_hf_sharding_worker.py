@@ -18,6 +18,7 @@ import optax  # noqa: E402
 import trio  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from _hf_params import drawn  # noqa: E402
 from dew.models import hf  # noqa: E402
 from dew.models.hf import sharding  # noqa: E402
 from dew.objectives.rl.grpo import GRPOObjective  # noqa: E402
@@ -64,20 +65,6 @@ def rows(seed: int, count: int = 4, width: int = 24) -> dict[str, np.ndarray]:
         "behavior_logprobs": logprobs,
         "proximal_logprobs": logprobs,
     }
-
-
-def drawn(model) -> dict:
-    """Params of `model` drawn with NumPy, every one nonzero (weights and biases about 0.02, norm
-    gains 1.02): `model.init` runs op by op, compiling a program per shape, seconds of this
-    process's time."""
-    rng = np.random.default_rng(0)
-
-    def draw(path, leaf):
-        if jax.tree_util.keystr(path).endswith("norm']"):
-            return jnp.full(leaf.shape, 1.02, leaf.dtype)
-        return jnp.asarray(rng.normal(0.02, 0.02, leaf.shape).astype(leaf.dtype))
-
-    return jax.tree_util.tree_map_with_path(draw, jax.eval_shape(model.init, jax.random.key(0)))
 
 
 def check_sharded_params(model, params, mesh) -> None:
