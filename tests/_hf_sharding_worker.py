@@ -18,6 +18,7 @@ import optax  # noqa: E402
 import trio  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from _hf_params import drawn  # noqa: E402
 from dew.models import hf  # noqa: E402
 from dew.models.hf import sharding  # noqa: E402
 from dew.objectives.rl.grpo import GRPOObjective  # noqa: E402
@@ -162,8 +163,7 @@ def check_load_onto_mesh(model, params, mesh, folder: str) -> None:
 def main(scratch: str) -> None:
     assert len(jax.devices()) == 4, jax.devices()
     model = hf.HFModel(CONFIG)
-    params = model.init(jax.random.key(0))
-    params = jax.tree.map(lambda leaf: leaf + 0.02 * jnp.ones_like(leaf), params)
+    params = drawn(model)
     mesh = sharding.make_mesh(fsdp=2, tensor=2)
     check_sharded_params(model, sharding.shard(params, sharding.param_shardings(model, mesh)), mesh)
     check_load_onto_mesh(model, params, mesh, os.path.join(scratch, "folder"))

@@ -20,10 +20,10 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from _hf_params import drawn  # noqa: E402
 from dew.models import hf  # noqa: E402
 from dew.models.hf import sharding  # noqa: E402
 from dew.objectives.rl.grpo import GRPOObjective  # noqa: E402
@@ -87,9 +87,7 @@ class Dataset:
 
 
 def run(directory: Path, mesh, *, resume=False, crash_at=None) -> Trainer:
-    params = MODEL.init(jax.random.key(0))
-    params = jax.tree.map(lambda leaf: leaf + 0.02 * jnp.ones_like(leaf), params)
-    params = sharding.shard(params, sharding.param_shardings(MODEL, mesh))
+    params = sharding.shard(drawn(MODEL), sharding.param_shardings(MODEL, mesh))
     trainer = Trainer(OBJECTIVE, OPTIMIZER, params, directory=directory, checkpoint_every=EVERY)
     trainer.opt_state = sharding.shard(
         trainer.opt_state, sharding.state_shardings(trainer.opt_state, params, mesh)

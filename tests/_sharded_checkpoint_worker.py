@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
 
+from _hf_params import drawn  # noqa: E402
 from dew.models import hf  # noqa: E402
 from dew.models.hf import sharding  # noqa: E402
 from dew.objectives.rl.grpo import GRPOObjective  # noqa: E402
@@ -91,8 +92,7 @@ class Dataset:
 
 
 def initial_params():
-    params = MODEL.init(jax.random.key(0))
-    return jax.tree.map(lambda leaf: leaf + 0.02 * jnp.ones_like(leaf), params)
+    return drawn(MODEL)
 
 
 def run(directory: Path, mesh, *, resume=False, crash_at=None) -> Trainer:

@@ -114,10 +114,18 @@ def _reference(folder: Path, tokens: np.ndarray) -> np.ndarray:
     return logits[0].numpy()
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(model, params, tokens, positions, segment_ids):
+    """`model`'s logits of packed rows as one compiled program: run op by op, each operation of
+    each new shape compiles a program of its own, hundreds a test."""
+    return model(params, tokens, positions, segment_ids)
+
+
 def _logits(model, params, tokens: np.ndarray) -> np.ndarray:
     length = len(tokens)
     return np.asarray(
-        model(
+        _forward(
+            model,
             params,
             jnp.asarray(tokens[None], jnp.int32),
             jnp.arange(length, dtype=jnp.int32)[None],
@@ -146,7 +154,9 @@ def test_packed_rows_give_transformers_logits(folders, family):
             segments[row, start : start + length] = segment
             pieces.append((row, start, sequence))
             start += length
-    logits = model(params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments))
+    logits = _forward(
+        model, params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments)
+    )
     assert logits.dtype == jnp.float32 and logits.shape == (2, width, VOCAB)
     for row, start, sequence in pieces:
         want = _reference(folders[family], sequence)
@@ -247,7 +257,8 @@ def test_rows_past_the_tokenizers_ids_get_no_probability(folders):
     probabilities = np.asarray(jax.nn.softmax(jnp.asarray(cut), axis=-1))
     assert np.all(probabilities[:, 200:] == 0) and np.all(np.isfinite(cut))
     cache = limited.init_cache(slots=1, max_len=32)
-    _, prefilled = limited.prefill(params, cache, jnp.asarray(sequence, jnp.int32), jnp.int32(0))
+    prefill = jax.jit(limited.prefill)
+    _, prefilled = prefill(params, cache, jnp.asarray(sequence, jnp.int32), jnp.int32(0))
     np.testing.assert_allclose(np.asarray(prefilled), cut, atol=1e-5)
 
 

@@ -15,6 +15,7 @@ import attrs
 import pytest
 
 from _hf_folders import chat_checkpoint
+from _quick_compile import QUICK_COMPILE
 from dew.cli import main
 from dew.train import TrainConfig
 
@@ -35,7 +36,11 @@ def test_sharded_params_train_serve_and_restore_onto_another_mesh(tmp_path):
     its params back sharded alike; the engine serves sharded params as it serves whole ones;
     `load` places each tensor on its shard as it reads it; orbax restores sharded state onto a
     mesh of another shape."""
-    environment = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    environment = {
+        **os.environ,
+        **QUICK_COMPILE,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    }
     finished = subprocess.run(
         [sys.executable, str(WORKER), str(tmp_path)],
         env=environment,
@@ -65,6 +70,7 @@ def test_dew_train_splits_a_checkpoint_over_a_pools_mesh_and_resumes_on_another(
     for devices, options in runs:
         environment = {
             **os.environ,
+            **QUICK_COMPILE,
             "JAX_PLATFORMS": "cpu",
             "PYTHONPATH": os.pathsep.join(sys.path),
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",

@@ -9,6 +9,7 @@ several local devices; the four-process pool has two shares of two for first_rea
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import os
@@ -32,6 +33,7 @@ from _parallel_worker import (
     tiny,
     train_alone,
 )
+from _quick_compile import QUICK_COMPILE
 from dew.data import ArrayDataset
 from dew.parallel import (
     DataParallelUpdate,
@@ -62,7 +64,7 @@ def launch(out: pathlib.Path, *, processes: int, local_devices: int, cases: str)
     and a pool past TIMEOUT is killed; either fails the test with every worker's log.
     """
     port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, **QUICK_COMPILE, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={local_devices}"
     )
@@ -277,10 +279,17 @@ def test_a_broken_source_stops_every_process_at_the_same_step(pool2):
 # --- data-parallel training ----------------------------------------------------------------------
 
 
+@functools.cache
+def trained_alone():
+    """The single-process trainer's steps over the pool's global batches, computed once for the
+    tests that compare with it (each computation compiles its update)."""
+    return train_alone(DATA_PARALLEL_STEPS, processes=2)
+
+
 def test_two_processes_train_to_the_parameters_of_one_over_the_same_global_batches(pool2):
     """Each process steps on its own rows (padded from three to four over its two devices); JAX
     reduces the gradients across the pool; both end with the single process's parameters."""
-    alone, alone_metrics = train_alone(DATA_PARALLEL_STEPS, processes=2)
+    alone, alone_metrics = trained_alone()
     expected = {
         jax.tree_util.keystr(path): np.asarray(leaf)
         for path, leaf in jax.tree_util.tree_flatten_with_path(alone)[0]
@@ -379,13 +388,15 @@ def test_the_distributed_pool_of_one_process_is_the_local_pool():
 
 @jax.numpy_dtype_promotion("standard")  # optax's Adam
 def test_the_data_parallel_update_of_one_process_is_the_plain_update():
-    alone, alone_metrics = train_alone(2, processes=1)
+    """One process steps on the whole of each global batch (the pool's two shares of rows) and
+    ends with the plain update's parameters."""
+    alone, alone_metrics = trained_alone()
     objective, _, variables = tiny()
     optimizer = optax.adam(1e-2)
     step = DataParallelUpdate(objective.update_fn(optimizer))
     opt_state = optimizer.init(variables)
-    for index in range(2):
-        variables, opt_state, metrics = step(variables, opt_state, global_batch(index, 1))
+    for index in range(DATA_PARALLEL_STEPS):
+        variables, opt_state, metrics = step(variables, opt_state, global_batch(index, 2))
         assert metrics["loss"] == pytest.approx(float(alone_metrics[index]["loss"]), rel=1e-6)
     jax.tree.map(
         lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7),

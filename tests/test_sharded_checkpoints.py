@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _quick_compile import QUICK_COMPILE
 from dew._torch_media import hide_broken_media_packages
 
 WORKER = Path(__file__).parent / "_sharded_checkpoint_worker.py"
@@ -28,7 +29,11 @@ WORKER = Path(__file__).parent / "_sharded_checkpoint_worker.py"
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     scratch = tmp_path_factory.mktemp("sharded")
-    environment = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    environment = {
+        **os.environ,
+        **QUICK_COMPILE,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    }
     finished = subprocess.run(
         [sys.executable, str(WORKER), str(scratch)],
         env=environment,
@@ -83,7 +88,7 @@ def test_a_pool_whose_mesh_spans_its_processes_writes_each_process_its_shards(tm
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    environment = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    environment = {**os.environ, **QUICK_COMPILE, "JAX_PLATFORMS": "cpu"}
     logs = [tmp_path / f"process-{index}.log" for index in range(2)]
     with contextlib.ExitStack() as stack:
         workers = [
@@ -127,7 +132,8 @@ def test_a_pool_whose_mesh_spans_its_processes_writes_each_process_its_shards(tm
         straight = [stored[f"arr_{index}"] for index in range(len(stored.files))]
     for leaf, want in zip(jax.tree.leaves(exported), straight, strict=True):
         np.testing.assert_array_equal(np.asarray(leaf), want)
-    params = model.init(jax.random.key(0))
+    # A template of zeros, laid out as the exported params (the model's init runs op by op).
+    params = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), exported)
     optimizer = optax.sgd(0.05, momentum=0.9)
     with jax.numpy_dtype_promotion("standard"):
         loaded = load_checkpoint(checkpoints, params, optimizer.init(params))
