@@ -15,7 +15,6 @@ import attrs
 import pytest
 
 from _hf_folders import chat_checkpoint
-from _quick_compile import QUICK_COMPILE
 from dew.cli import main
 from dew.train import TrainConfig
 
@@ -38,7 +37,6 @@ def test_sharded_params_train_serve_and_restore_onto_another_mesh(tmp_path):
     mesh of another shape."""
     environment = {
         **os.environ,
-        **QUICK_COMPILE,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
     }
     finished = subprocess.run(
@@ -70,7 +68,6 @@ def test_dew_train_splits_a_checkpoint_over_a_pools_mesh_and_resumes_on_another(
     for devices, options in runs:
         environment = {
             **os.environ,
-            **QUICK_COMPILE,
             "JAX_PLATFORMS": "cpu",
             "PYTHONPATH": os.pathsep.join(sys.path),
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",

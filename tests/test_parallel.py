@@ -33,7 +33,6 @@ from _parallel_worker import (
     tiny,
     train_alone,
 )
-from _quick_compile import QUICK_COMPILE
 from dew.data import ArrayDataset
 from dew.parallel import (
     DataParallelUpdate,
@@ -64,7 +63,7 @@ def launch(out: pathlib.Path, *, processes: int, local_devices: int, cases: str)
     and a pool past TIMEOUT is killed; either fails the test with every worker's log.
     """
     port = free_port()
-    env = dict(os.environ, **QUICK_COMPILE, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={local_devices}"
     )

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _quick_compile import QUICK_COMPILE
 from dew._torch_media import hide_broken_media_packages
 
 WORKER = Path(__file__).parent / "_sharded_checkpoint_worker.py"
@@ -31,7 +30,6 @@ def worker(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     scratch = tmp_path_factory.mktemp("sharded")
     environment = {
         **os.environ,
-        **QUICK_COMPILE,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
     }
     finished = subprocess.run(
@@ -88,7 +86,7 @@ def test_a_pool_whose_mesh_spans_its_processes_writes_each_process_its_shards(tm
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    environment = {**os.environ, **QUICK_COMPILE, "JAX_PLATFORMS": "cpu"}
+    environment = {**os.environ, "JAX_PLATFORMS": "cpu"}
     logs = [tmp_path / f"process-{index}.log" for index in range(2)]
     with contextlib.ExitStack() as stack:
         workers = [
