@@ -332,8 +332,12 @@ def test_the_grid_crosses_the_hedge_with_the_carry_over_settings_only():
         "ahead=1 sync=1 lag=1 admit=3 carry no-hedge",
     ]
     assert [s.hedge for s in settings] == [True, True, True, False]
-    with pytest.raises(TypeError, match="'hedge'"):
+    with pytest.raises(ValueError, match="hedge values must be bools, got 'off'"):
         tune.Grid(hedge=("off",))
+    with pytest.raises(ValueError, match="hedge must hold at least one value"):
+        tune.Grid(hedge=())
+    with pytest.raises(ValueError, match="carry_over must hold at least one value"):
+        tune.Grid(carry_over=())
 
 
 def test_the_grid_takes_auto_among_the_admit_values():

@@ -45,6 +45,14 @@ def _ints(low: int):
     return check
 
 
+def _bools(instance, attribute, value):
+    if not value:
+        raise ValueError(f"{attribute.name} must hold at least one value")
+    for item in value:
+        if not isinstance(item, bool):
+            raise ValueError(f"{attribute.name} values must be bools, got {item!r}")
+
+
 @attrs.frozen
 class Grid:
     """The knob values `tune` crosses.
@@ -79,12 +87,12 @@ class Grid:
     carry_over: tuple[bool, ...] = attrs.field(
         default=(False,),
         converter=tuple,
-        validator=attrs.validators.deep_iterable(attrs.validators.instance_of(bool)),
+        validator=_bools,
     )
     hedge: tuple[bool, ...] = attrs.field(
         default=(True,),
         converter=tuple,
-        validator=attrs.validators.deep_iterable(attrs.validators.instance_of(bool)),
+        validator=_bools,
     )
 
     def settings(self, tasks: int) -> list[Setting]:
@@ -493,7 +501,7 @@ def _int_list(low: int, high: int, word: str | None = None, keep: str | None = N
 def _hedges(text: str) -> tuple[bool, ...]:
     words = {"on": True, "off": False}
     values = text.split(",")
-    if not values or any(value not in words for value in values) or len(set(values)) < len(values):
+    if any(value not in words for value in values) or len(set(values)) < len(values):
         raise argparse.ArgumentTypeError(f"must be on, off or on,off, got {text!r}")
     return tuple(words[value] for value in values)
 
