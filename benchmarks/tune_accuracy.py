@@ -39,8 +39,9 @@ Four predictions per target, side by side:
 
 `--learning-rate 1e-9` keeps every step's work (the same update, rescoring and pushes) while
 Adam moves the weights by about 1e-9 a step: each run samples the rollouts its first policy
-would, so the targets' workload is the recorded run's and what is left of an error is the
-model's of the scheduler, the engine and the shared CPU.
+would, so the targets' workload is the recorded run's. On `--task guess` that is the untrained
+policy's, one call a rollout and every run but the synchronous one bound by the trainer, which
+is no fairer a test of the model (docs/tuning.md gives the figures).
 
 The load average (1 minute) is printed before and after: on a machine that is not idle, a CPU
 run's speed moves with other people's work, which no model of the scheduler predicts.
@@ -168,6 +169,8 @@ def main() -> None:
         args.engine_scaling = args.trainer_scaling = 0.0
     if args.learning_rate is not None and (args.smoke or args.analyse):
         parser.error("--learning-rate is for the runs: not with --smoke or --analyse")
+    if args.learning_rate is not None and not 0 < args.learning_rate <= 1:
+        parser.error(f"--learning-rate must be within (0, 1], got {args.learning_rate}")
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.analyse or args.keep or Path(scratch)
