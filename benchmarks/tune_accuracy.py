@@ -1,14 +1,14 @@
 """`dew tune` against real runs: record one `dew train` run, predict three other settings from
 its trace alone, run them, and set predicted beside measured.
 
-The recorded run is `dew train --task guess --steps 40 --batch-size 4 --groups 8` at its
-defaults, ahead 1 and max_lag 1. From its trace alone (`dew.calibrate`, 3 warm-up calls left
-out) `dew tune`'s machinery (`dew.tune.tune`, 2 seeds, an engine with a slot for every rollout
-in flight as `dew train`'s) predicts three targets: synchronous (ahead 0), ahead 2, and admit
-below the batch (the first 3 of 4 groups, ahead 1). Each target then runs for real, recorded,
-and its trace is measured over the same window with the simulation's definitions
-(`dew.calibrate.observe`). Issue 23's goal: within 10 % on goodput and 5 points on the
-trainer's idle share.
+The recorded run is `dew train --task echo --steps 40 --batch-size 4 --groups 8` at its
+defaults, ahead 1 and max_lag 1 (`--task guess` for the earlier task). From its trace alone
+(`dew.calibrate`, 3 warm-up calls left out) `dew tune`'s machinery (`dew.tune.tune`, 2 seeds, an
+engine with a slot for every rollout in flight as `dew train`'s) predicts three targets:
+synchronous (ahead 0), ahead 2, and admit below the batch (the first 3 of 4 groups, ahead 1).
+Each target then runs for real, recorded, and its trace is measured over the same window with
+the simulation's definitions (`dew.calibrate.observe`). Issue 23's goal: within 10 % on goodput
+and 5 points on the trainer's idle share.
 
 Four predictions per target, side by side:
 
@@ -36,6 +36,13 @@ Four predictions per target, side by side:
     python benchmarks/tune_accuracy.py --analyse runs/ # the table again from kept runs
     python benchmarks/tune_accuracy.py --smoke         # simulated runs instead, in seconds
     python benchmarks/tune_accuracy.py --learning-rate 1e-9   # every run's policy held still
+    python benchmarks/tune_accuracy.py --task guess    # on GuessDigit, whose policy's turns move
+
+`--task echo` (the default) is EchoDigits: an episode's turns are its task's whatever the policy
+replies, so every run, whatever its setting teaches the policy, meets the recorded run's
+workload, and the table measures the model of the scheduler, the engine and the CPU alone. On
+`--task guess` a setting changes what the policy learns to do, and with it the workload
+(`+rollouts` tells the two errors apart).
 
 `--learning-rate 1e-9` keeps every step's work (the same update, rescoring and pushes) while
 Adam moves the weights by about 1e-9 a step: each run samples the rollouts its first policy
@@ -72,7 +79,8 @@ TARGETS = (
     ("ahead=2 lag=2", {"ahead": 2, "max_lag": 2}),
     ("ahead=1 lag=1 admit=3", {"ahead": 1, "max_lag": 1, "admit": 3}),
 )
-FULL = ["--task", "guess", "--steps", "40", "--batch-size", "4", "--groups", "8"]
+FULL = ["--steps", "40", "--batch-size", "4", "--groups", "8"]
+TASKS = ("echo", "guess")
 # A short synchronous run beside the recorded one: it never overlaps, so set beside the recorded
 # run it shows each side's solo speed, which a run one batch ahead, nearly always overlapped,
 # barely does.
@@ -156,6 +164,12 @@ def main() -> None:
         help="every run's dew train --learning-rate (default: dew train's); 1e-9 holds the "
         "policy still, so that no setting changes the rollouts its policy produces",
     )
+    parser.add_argument(
+        "--task",
+        choices=TASKS,
+        default=None,
+        help="every run's dew train --task: echo (the default: turns no policy changes) or guess",
+    )
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs in this folder")
     parser.add_argument(
         "--analyse", type=Path, default=None, help="predict from the runs kept in this folder"
@@ -169,6 +183,8 @@ def main() -> None:
         args.engine_scaling = args.trainer_scaling = 0.0
     if args.learning_rate is not None and (args.smoke or args.analyse):
         parser.error("--learning-rate is for the runs: not with --smoke or --analyse")
+    if args.task is not None and (args.smoke or args.analyse):
+        parser.error("--task is for the runs: not with --smoke or --analyse")
     if args.learning_rate is not None and not 0 < args.learning_rate <= 1:
         parser.error(f"--learning-rate must be within (0, 1], got {args.learning_rate}")
     load = [os.getloadavg()[0]]
@@ -181,7 +197,8 @@ def main() -> None:
                 if args.smoke:
                     simulated(folder, _file(name), knobs, steps)
                 else:
-                    flags = [] if steps is None else [f"--steps={steps}"]
+                    flags = [f"--task={args.task or TASKS[0]}"]
+                    flags += [] if steps is None else [f"--steps={steps}"]
                     if args.learning_rate is not None:
                         flags.append(f"--learning-rate={args.learning_rate}")
                     train(folder, _file(name), knobs, FULL + flags)

@@ -13,7 +13,14 @@ import trio
 from dew import models
 from dew.data import Task
 from dew.envs.environment import Environment, Episode, MalformedAction, Sampling
-from dew.envs.tasks import CopyDigits, GuessDigit, GuessDigitEnv, task_dataset, task_id
+from dew.envs.tasks import (
+    CopyDigits,
+    EchoDigits,
+    GuessDigit,
+    GuessDigitEnv,
+    task_dataset,
+    task_id,
+)
 from dew.objectives.rl.scheduler import task_ids
 from dew.objectives.rl.sessions import Call, Label, Status, chains, check_session
 from dew.serve import RolloutServer, tokenizer
@@ -205,6 +212,60 @@ async def test_guess_digit_reaches_every_ending():
     assert (context[0].status, context[0].truncation) == (Status.TRUNCATED, "context")
 
 
+def test_echo_digits_says_a_digit_a_turn_for_the_tasks_turns_whatever_the_reply():
+    game = EchoDigits(max_turns=6, repeat=3, seed=1)
+    tasks = [Task(str(i)) for i in range(200)]
+    turns = [game.turns(task) for task in tasks]
+    assert set(turns) == set(range(1, 7))
+    assert turns == [EchoDigits(6, 3, 1).turns(task) for task in tasks]
+    assert turns != [EchoDigits(6, 3, 2).turns(task) for task in tasks]
+    task = next(task for task, n in zip(tasks, turns, strict=True) if n == 3)
+    env = game.env()
+    assert isinstance(env, Environment)
+    first = env.reset(task)
+    assert len(first) == 3 and len(set(first)) == 1 and first[0] in "0123456789"
+    said = [first[0]]
+    for reply in ("", "<|im_end|>"):
+        observation, done = env.step(reply)
+        assert not done
+        said.append(observation[0])
+    assert env.step("no digit at all") == (None, True)
+    assert "".join(said) == "".join(str(digit) for digit in env.digits)
+
+
+@pytest.mark.parametrize(
+    ("replies", "match"), [("sss", 1.0), ("sxs", 2 / 3), ("xxx", 0.0), ("s", 1 / 3)]
+)
+def test_echo_digits_verifier(replies, match):
+    game = EchoDigits()
+    task = next(Task(str(i)) for i in range(100) if game.turns(Task(str(i))) == 3)
+    env = game.env()
+    env.reset(task)
+    env.replies = [
+        f"{digit}{digit}" if r == "s" else f"{(digit + 1) % 10}"
+        for digit, r in zip(env.digits, replies, strict=False)
+    ]
+    score = game.verify(env, episode(task))
+    assert score.components == pytest.approx({"match": match})
+    assert score.reward == pytest.approx(match)
+
+
+async def test_echo_digits_episodes_take_their_tasks_calls_whatever_the_policy_replies():
+    game = EchoDigits()
+    tasks = [Task(str(i)) for i in range(16)]
+    for policy in (Replies(["7"] * 16 * 2 * 6), UniformPolicy()):
+        sessions = await run_all(game.source(policy, sampling=Sampling(seed=0)), tasks, 2)
+        assert {s.status for s in sessions} == {Status.COMPLETED}
+        assert [len(s.calls) for s in sessions] == [game.turns(t) for t in tasks for _ in "ab"]
+        assert all(len(c.completion) == 1 for s in sessions for c in s.calls)
+        assert all(len(chains(s)) == 1 for s in sessions)
+    longest = max(len(s.calls[-1].prompt) + 1 for s in sessions)
+    assert longest <= game.max_context()
+    six = next(task for task in tasks if game.turns(task) == game.max_turns)
+    (replied,) = await run_all(game.source(Replies(["77"] * 6)), [six], 1)
+    assert len(replied.calls[-1].prompt) + 1 == game.max_context()
+
+
 async def test_copy_digits_reaches_every_ending():
     game = CopyDigits(length=3)
     task = Task("9")
@@ -232,7 +293,9 @@ class PromptStop:
         )
 
 
-@pytest.mark.parametrize("game", [CopyDigits(), GuessDigit()], ids=["copy", "guess"])
+@pytest.mark.parametrize(
+    "game", [CopyDigits(), GuessDigit(), EchoDigits()], ids=["copy", "guess", "echo"]
+)
 async def test_uniform_random_policy_earns_some_reward(game):
     source = game.source(UniformPolicy(), sampling=Sampling(seed=0))
     sessions = await run_all(source, [Task(str(i)) for i in range(64)], 16)
@@ -243,13 +306,20 @@ async def test_uniform_random_policy_earns_some_reward(game):
 
 async def test_tasks_run_on_the_real_engine():
     copy, guess = CopyDigits(), GuessDigit(max_context=CONFIG.max_len)
+    echo = EchoDigits(max_turns=2)
+    assert echo.max_context() <= CONFIG.max_len
     tasks = [Task(str(i)) for i in range(8)]
     async with RolloutServer(CONFIG, params(), slots=SLOTS) as server:
         copied = await run_all(copy.source(server, sampling=Sampling(seed=0)), tasks, 4)
         guessed = await run_all(guess.source(server, sampling=Sampling(seed=0)), tasks, 4)
+        echoed = await run_all(echo.source(server, sampling=Sampling(seed=0)), tasks, 4)
     assert {s.status for s in copied} <= {Status.COMPLETED, Status.TRUNCATED}
     assert all(len(s.calls) == 1 and len(s.calls[0].completion) <= 2 for s in copied)
     assert {s.status for s in guessed} <= {Status.COMPLETED, Status.AGENT_ERROR, Status.TRUNCATED}
-    assert all(len(chains(s)) == 1 for s in guessed)
-    rewards = [s.reward for s in copied + guessed]
+    assert all(len(chains(s)) == 1 for s in guessed + echoed)
+    assert {s.status for s in echoed} == {Status.COMPLETED}
+    turns = [echo.turns(task) for task in tasks for _ in range(4)]
+    assert [len(s.calls) for s in echoed] == turns
+    assert set(turns) == {1, 2}
+    rewards = [s.reward for s in copied + guessed + echoed]
     assert all(0 <= reward <= 1 for reward in rewards)

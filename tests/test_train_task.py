@@ -13,6 +13,8 @@ from tensorboardX.proto import event_pb2
 
 from _bpe import train_bpe
 from dew.cli import main
+from dew.data import Task
+from dew.envs import EchoDigits
 from dew.envs.reasoning_gym import ReasoningGym
 from dew.serve.tokenizer import HuggingFaceTokenizer
 from dew.train import TensorBoard, TrainConfig, train
@@ -99,6 +101,27 @@ def test_a_reasoning_gym_task_trains_end_to_end_with_its_scorer(tmp_path):
     assert set(board["eval/reward/mean"]) == {1, 2}
     # The run folder's config reads back as the config that ran, the tokenizer's path in it.
     assert TrainConfig.from_file(run / "config.json") == config
+
+
+def test_the_echo_task_trains_episodes_of_the_turns_its_tasks_set(tmp_path):
+    config = TrainConfig(task="echo", steps=2, batch_size=2, groups=2, tasks=8, samples=2, **TINY)
+    run = tmp_path / "run"
+    with jax.numpy_dtype_promotion("standard"):
+        train(config, run)
+    echo = EchoDigits(seed=config.seed)
+    samples = lines(run / "samples.jsonl")
+    assert len(samples) == 4
+    for sample in samples:
+        assert sample["status"] == "completed"
+        turns = sample["completion"].count("<|im_start|>user") + 1
+        assert turns == echo.turns(Task(sample["task"]))
+    # Every rollout of a step took its task's turns: the step's two groups are both sampled.
+    for line in lines(run / "metrics.jsonl"):
+        assert line["status/completed"] == 1.0
+        tasks = [Task(s["task"]) for s in samples if s["step"] == line["step"]]
+        assert len(tasks) == 2
+        mean = sum(echo.turns(task) for task in tasks) / 2
+        assert line["bias/turns/started_mean"] == line["bias/turns/admitted_mean"] == mean
 
 
 def test_tensorboard_writes_the_numbers_of_each_line(tmp_path):

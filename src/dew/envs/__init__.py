@@ -14,12 +14,21 @@ from dew.envs.harness import HarnessResult, HarnessSource
 from dew.envs.prompts import PromptSource
 from dew.envs.reasoning_gym import ReasoningGym
 from dew.envs.simulated import SimulatedConfig, SimulatedEngine, SimulatedSource
-from dew.envs.tasks import CopyDigits, GuessDigit, GuessDigitEnv, task_dataset
+from dew.envs.tasks import (
+    CopyDigits,
+    EchoDigits,
+    EchoDigitsEnv,
+    GuessDigit,
+    GuessDigitEnv,
+    task_dataset,
+)
 from dew.envs.textarena import TextArena
 from dew.envs.verifiers import Verifiers, VerifiersSource
 
 __all__ = [
     "CopyDigits",
+    "EchoDigits",
+    "EchoDigitsEnv",
     "Environment",
     "EnvironmentSource",
     "Episode",

@@ -8,6 +8,8 @@ the start:
 - `CopyDigits` (single turn): answer the digit the prompt spells; per-character credit.
 - `GuessDigit` (multi-turn): find a secret digit from "higher"/"lower" hints; credit for the
   closest guess and for solving it in few turns.
+- `EchoDigits` (multi-turn): repeat each digit the environment says, for as many turns as the
+  task sets whatever the agent replies; a workload whose shape no policy changes.
 
 Both use only digits for the agent's side, so a model learns them without a word of English.
 """
@@ -228,6 +230,129 @@ class GuessDigit:
             max_turns=self.max_turns,
             max_tokens=1,
             max_context=self.max_context,
+            wall_clock=wall_clock,
+            require_stop=False,
+            sampling=Sampling() if sampling is None else sampling,
+            tokenizer=tokenizer,
+        )
+
+
+@attrs.define(eq=False)
+class EchoDigitsEnv:
+    """The world of one `EchoDigits` episode: the digits the task says, one a turn, and the
+    replies so far.
+
+    Args:
+        max_turns: an episode lasts 1 .. max_turns turns.
+        repeat: how many times a turn writes its digit.
+        seed: the turns and digits are a function of it and the task id.
+    """
+
+    max_turns: int
+    repeat: int
+    seed: int
+    digits: list[int] = attrs.Factory(list)
+    replies: list[str] = attrs.Factory(list)
+
+    def reset(self, task: Task) -> str:
+        """Draw `task`'s turns and digits and say the first digit."""
+        rng = np.random.default_rng([self.seed, task_id(task)])
+        turns = int(rng.integers(1, self.max_turns + 1))
+        self.digits = [int(digit) for digit in rng.integers(0, 10, turns)]
+        self.replies = []
+        return self._say(0)
+
+    def step(self, action: str) -> tuple[str | None, bool]:
+        """Take any reply (the score reads it); done once every digit was said."""
+        self.replies.append(action)
+        if len(self.replies) == len(self.digits):
+            return None, True
+        return self._say(len(self.replies)), False
+
+    def _say(self, turn: int) -> str:
+        return DIGITS[self.digits[turn]] * self.repeat
+
+
+@attrs.frozen
+class EchoDigits:
+    """Multi-turn: repeat the digit the environment says, turn after turn.
+
+    A task sets how many turns its episode lasts, 1 .. `max_turns` (uniformly, from the seed and
+    the task id), and every reply is taken, so an episode's calls, and its tokens but one a turn
+    (a reply that is the stop token spares the template's), are the task's whatever the policy
+    does. That is what it is for: a multi-turn workload that stays the same while the policy
+    learns, so a run's timing can be set against another setting's (`dew tune`'s predictions,
+    `benchmarks/tune_accuracy.py --task echo`). A turn says its digit `repeat` times, which lets
+    a tiny transformer learn to repeat it, as in `CopyDigits`.
+
+    Reward (`match`): the share of turns whose reply starts with the digit said. A uniformly
+    random policy earns about 1/260.
+
+    Args:
+        max_turns: most turns of an episode.
+        repeat: how many times a turn writes its digit.
+        seed: the turns and digits are a function of it and the task id.
+    """
+
+    max_turns: int = attrs.field(default=6, validator=int_at_least(1))
+    repeat: int = attrs.field(default=4, validator=int_at_least(1))
+    seed: int = attrs.field(default=0, validator=int_at_least(0))
+
+    def dataset(
+        self, rows: int, batch_size: int, *, shuffle_seed: int | None = 0, epochs: int = 1
+    ) -> ArrayDataset:
+        """`rows` task ids in batches of `batch_size` (see `task_dataset`)."""
+        return task_dataset(rows, batch_size, shuffle_seed=shuffle_seed, epochs=epochs)
+
+    def env(self) -> EchoDigitsEnv:
+        """A fresh environment (`make_env`)."""
+        return EchoDigitsEnv(self.max_turns, self.repeat, self.seed)
+
+    def turns(self, task: Task) -> int:
+        """How many turns (engine calls) `task`'s episode lasts."""
+        env = self.env()
+        env.reset(task)
+        return len(env.digits)
+
+    def verify(self, env: EchoDigitsEnv, episode: Episode) -> Score:
+        """The share of turns answered with their digit (see the class)."""
+        said = sum(
+            reply[:1] == DIGITS[digit]
+            for digit, reply in zip(env.digits, env.replies, strict=False)
+        )
+        match = said / len(env.digits)
+        return Score(match, {"match": match})
+
+    def max_context(self, tokenizer: Tokenizer = BYTES) -> int:
+        """The most tokens an episode of `max_turns` turns takes with `tokenizer`: its last
+        prompt and a one-token reply."""
+        longest = 0
+        for digit in DIGITS:
+            said = {"role": "user", "content": digit * self.repeat}
+            conversation = [said]
+            for _ in range(self.max_turns - 1):
+                conversation += [{"role": "assistant", "content": digit}, said]
+            prompt = tokenizer.encode_chat(conversation, add_generation_prompt=True)
+            longest = max(longest, len(prompt) + 1)
+        return longest
+
+    def source(
+        self,
+        engine,
+        *,
+        sampling: Sampling | None = None,
+        wall_clock: float | None = None,
+        tokenizer: Tokenizer = BYTES,
+    ) -> EnvironmentSource:
+        """An `EnvironmentSource` of this task on `engine`, one token a reply, rendering the
+        conversation with `tokenizer`."""
+        return EnvironmentSource(
+            engine,
+            self.env,
+            self.verify,
+            max_turns=self.max_turns,
+            max_tokens=1,
+            max_context=self.max_context(tokenizer),
             wall_clock=wall_clock,
             require_stop=False,
             sampling=Sampling() if sampling is None else sampling,

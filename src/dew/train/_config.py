@@ -23,8 +23,8 @@ from dew.envs.reasoning_gym import PREFIX, ReasoningGym
 from dew.objectives.rl.grpo import AGGREGATIONS, CORRECTIONS, IMPORTANCE_LEVELS
 from dew.serve.tokenizer import BYTES, HuggingFaceTokenizer, Tokenizer
 
-TASKS = ("copy", "guess")
-"""The built-in tasks `dew train --task` runs: CopyDigits and GuessDigit."""
+TASKS = ("copy", "guess", "echo")
+"""The built-in tasks `dew train --task` runs: CopyDigits, GuessDigit and EchoDigits."""
 HARNESS = "harness:"
 """The prefix of a task that is a built-in agent harness (`--harness NAME` is this plus NAME)."""
 ENVIRONMENTS = {
@@ -172,13 +172,14 @@ class TrainConfig:
     """One `dew train` run: the task, the model, the scheduler and the optimizer.
 
     Args:
-        task: the built-in task, `copy` (CopyDigits, single turn) or `guess` (GuessDigit,
-            multi-turn), a reasoning-gym dataset, `reasoning-gym:NAME[,key=value...]`
-            (`dew.envs.reasoning_gym`), or a built-in agent harness behind the recording
-            gateway, `harness:NAME` (`dew.envs.lookup.HARNESSES`; `dew train --harness NAME`),
-            a verifiers environment, `verifiers:NAME[,key=value...]` (`dew.envs.verifiers`), or
-            a TextArena game, `textarena:GAME[,key=value...]` (`dew.envs.textarena`); the last
-            two as `dew train --env SPEC`.
+        task: the built-in task, `copy` (CopyDigits, single turn), `guess` (GuessDigit, multi-turn)
+            or `echo` (EchoDigits, multi-turn turns that no policy changes: a workload for timing
+            studies), a reasoning-gym dataset, `reasoning-gym:NAME[,key=value...]`
+            (`dew.envs.reasoning_gym`), or a built-in agent harness behind the recording gateway,
+            `harness:NAME` (`dew.envs.lookup.HARNESSES`; `dew train --harness NAME`), a verifiers
+            environment, `verifiers:NAME[,key=value...]` (`dew.envs.verifiers`), or a TextArena
+            game, `textarena:GAME[,key=value...]` (`dew.envs.textarena`); the last two as `dew train
+            --env SPEC`.
         steps: optimizer updates to train for.
         batch_size: tasks per batch, one group each.
         groups: rollouts per task that train together.
@@ -242,6 +243,7 @@ class TrainConfig:
         "copy",
         _task_name,
         "copy (repeat digits, one turn), guess (find a digit, turns), "
+        "echo (repeat a digit a turn, turns the task sets), "
         "reasoning-gym:NAME[,key=value...] (a reasoning-gym dataset and its config) or "
         "harness:NAME (a built-in agent harness, as --harness NAME)",
     )

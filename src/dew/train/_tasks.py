@@ -16,7 +16,7 @@ from dew.data import Batch, Dataset, Task
 from dew.envs.environment import Sampling
 from dew.envs.lookup import HARNESSES
 from dew.envs.reasoning_gym import ReasoningGym
-from dew.envs.tasks import CopyDigits, GuessDigit
+from dew.envs.tasks import CopyDigits, EchoDigits, GuessDigit
 from dew.envs.textarena import PREFIX as TEXTARENA
 from dew.envs.verifiers import PREFIX as VERIFIERS
 from dew.objectives.rl.grpo import GRPOObjective
@@ -77,6 +77,15 @@ def _task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
         return _RunTask(
             lambda engine, sampling: guess.source(engine, sampling=sampling, tokenizer=tokenizer),
             guess.dataset,
+            task_ids,
+            _Shape(max_len=context, width=context, chains_per_row=1),
+        )
+    if config.task == "echo":
+        echo = EchoDigits(seed=config.seed)
+        context = echo.max_context(tokenizer)
+        return _RunTask(
+            lambda engine, sampling: echo.source(engine, sampling=sampling, tokenizer=tokenizer),
+            echo.dataset,
             task_ids,
             _Shape(max_len=context, width=context, chains_per_row=1),
         )
