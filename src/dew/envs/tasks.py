@@ -93,11 +93,8 @@ class CopyDigits:
         """The digits and a stop token."""
         return self.length + 1
 
-    def dataset(
-        self, rows: int, batch_size: int, *, shuffle_seed: int | None = 0, epochs: int = 1
-    ) -> ArrayDataset:
-        """`rows` task ids in batches of `batch_size` (see `task_dataset`)."""
-        return task_dataset(rows, batch_size, shuffle_seed=shuffle_seed, epochs=epochs)
+    # `rows` task ids in batches of `batch_size`.
+    dataset = staticmethod(task_dataset)
 
     def answer(self, task: Task) -> str:
         """The digit string `task` asks for."""
@@ -191,11 +188,8 @@ class GuessDigit:
     seed: int = attrs.field(default=0, validator=int_at_least(0))
     max_context: int = attrs.field(default=128, validator=int_at_least(2))
 
-    def dataset(
-        self, rows: int, batch_size: int, *, shuffle_seed: int | None = 0, epochs: int = 1
-    ) -> ArrayDataset:
-        """`rows` task ids in batches of `batch_size` (see `task_dataset`)."""
-        return task_dataset(rows, batch_size, shuffle_seed=shuffle_seed, epochs=epochs)
+    # `rows` task ids in batches of `batch_size`.
+    dataset = staticmethod(task_dataset)
 
     def env(self) -> GuessDigitEnv:
         """A fresh environment (`make_env`)."""
@@ -223,18 +217,31 @@ class GuessDigit:
     ) -> EnvironmentSource:
         """An `EnvironmentSource` of this task on `engine`, rendering the conversation with
         `tokenizer`."""
-        return EnvironmentSource(
-            engine,
-            self.env,
-            self.verify,
-            max_turns=self.max_turns,
-            max_tokens=1,
-            max_context=self.max_context,
-            wall_clock=wall_clock,
-            require_stop=False,
-            sampling=Sampling() if sampling is None else sampling,
-            tokenizer=tokenizer,
-        )
+        return _one_token_turns(self, engine, self.max_context, sampling, wall_clock, tokenizer)
+
+
+def _one_token_turns(
+    task: GuessDigit | EchoDigits,
+    engine,
+    context: int,
+    sampling: Sampling | None,
+    wall_clock: float | None,
+    tokenizer: Tokenizer,
+) -> EnvironmentSource:
+    """The `EnvironmentSource` of a task whose agent replies one token a turn (the template
+    closes the message) for at most the task's `max_turns`."""
+    return EnvironmentSource(
+        engine,
+        task.env,
+        task.verify,
+        max_turns=task.max_turns,
+        max_tokens=1,
+        max_context=context,
+        wall_clock=wall_clock,
+        require_stop=False,
+        sampling=Sampling() if sampling is None else sampling,
+        tokenizer=tokenizer,
+    )
 
 
 @attrs.define(eq=False)
@@ -298,11 +305,8 @@ class EchoDigits:
     repeat: int = attrs.field(default=4, validator=int_at_least(1))
     seed: int = attrs.field(default=0, validator=int_at_least(0))
 
-    def dataset(
-        self, rows: int, batch_size: int, *, shuffle_seed: int | None = 0, epochs: int = 1
-    ) -> ArrayDataset:
-        """`rows` task ids in batches of `batch_size` (see `task_dataset`)."""
-        return task_dataset(rows, batch_size, shuffle_seed=shuffle_seed, epochs=epochs)
+    # `rows` task ids in batches of `batch_size`.
+    dataset = staticmethod(task_dataset)
 
     def env(self) -> EchoDigitsEnv:
         """A fresh environment (`make_env`)."""
@@ -346,15 +350,5 @@ class EchoDigits:
     ) -> EnvironmentSource:
         """An `EnvironmentSource` of this task on `engine`, one token a reply, rendering the
         conversation with `tokenizer`."""
-        return EnvironmentSource(
-            engine,
-            self.env,
-            self.verify,
-            max_turns=self.max_turns,
-            max_tokens=1,
-            max_context=self.max_context(tokenizer),
-            wall_clock=wall_clock,
-            require_stop=False,
-            sampling=Sampling() if sampling is None else sampling,
-            tokenizer=tokenizer,
-        )
+        context = self.max_context(tokenizer)
+        return _one_token_turns(self, engine, context, sampling, wall_clock, tokenizer)
