@@ -6,7 +6,9 @@ large param (and the optimizer state that mirrors it) along its residual-width a
 once, beside the checkpoint's names, in `_params.TABLE` and `_params.LAYER` (each row's `spec`);
 this module only turns those into `NamedSharding`s for a given mesh, replicating an axis whose
 size the mesh axis does not divide (two key/value heads over four tensor devices stay whole).
-The forward pass is written for one device: `jax.jit` partitions it from its inputs' shardings.
+The forward pass is written for one device: `jax.jit` partitions it from its inputs' shardings. The
+engine's key/value cache is laid out to match (`cache_shardings`: each device keeps the heads it
+projects).
 
 Sharded state is saved with orbax-checkpoint, each process writing the shards it holds, and
 restored onto the same mesh or another (`dew.train`'s checkpoints of a sharded run are such).
@@ -22,14 +24,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.models.hf import _params
-from dew.models.hf._modeling import HFModel
+
+if TYPE_CHECKING:  # HFModel lays its cache out with `cache_shardings`, so it imports this module
+    from dew.models.hf._modeling import HFModel
 
 DATA = "data"
 """The mesh axis that splits only the batch's rows."""
@@ -93,6 +97,24 @@ def param_shardings(model: HFModel, mesh: Mesh) -> dict[str, Any]:
         param_specs(model, mesh),
         is_leaf=lambda node: isinstance(node, PartitionSpec),
     )
+
+
+def cache_shardings(model: HFModel, mesh: Mesh, cache: Any) -> Any:
+    """Each leaf's `NamedSharding` on `mesh` for `model`'s key/value cache (per layer and block
+    of positions, [slots, kv_heads, block, head_dim]), whose params are sharded over it as
+    `param_shardings` places them: the key/value heads split as the key projection's heads
+    are, slots, positions and head width whole.
+
+    Each device then keeps the keys and values of the heads it projects, and a prefill or
+    decode step hands the cache back in this layout: a cache that starts in any other would
+    make the engine's steps compile a second time, for the layout their first call returned.
+    """
+    heads = param_specs(model, mesh)["layers"][0]["k"][1]
+    # Written as the step writes it, without a mesh axis of size 1 or trailing whole axes:
+    # compilations are told apart by the spec as written, not by where the data lies.
+    split = heads is not None and mesh.shape[heads] > 1
+    spec = PartitionSpec(None, heads) if split else PartitionSpec()
+    return jax.tree.map(lambda leaf: NamedSharding(mesh, spec), cache)
 
 
 def shard(tree: Any, shardings: Any) -> Any:
