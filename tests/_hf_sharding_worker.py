@@ -70,17 +70,20 @@ def rows(seed: int, count: int = 4, width: int = 24) -> dict[str, np.ndarray]:
 
 def check_sharded_params(model, params, mesh) -> None:
     q = params["layers"][0]["q"]
-    assert q.sharding.spec == P("fsdp", "tensor", None), q.sharding
+    assert q.sharding.spec == P("fsdp", "tensor"), q.sharding
     assert {shard.data.shape for shard in q.addressable_shards} == {(16, 2, 16)}
     down = params["layers"][1]["down"]
     assert down.sharding.spec == P("tensor", "fsdp"), down.sharding
     assert params["embed"].sharding.spec == P("tensor", "fsdp")
     # Two key/value heads divide by the tensor axis's 2; norms are replicated.
-    assert params["layers"][0]["k"].sharding.spec == P("fsdp", "tensor", None)
+    assert params["layers"][0]["k"].sharding.spec == P("fsdp", "tensor")
     assert params["norm"].sharding.is_fully_replicated
     wide = sharding.param_specs(model, sharding.make_mesh(fsdp=1, tensor=4))
-    assert wide["layers"][0]["k"] == P("fsdp", None, None)  # 2 kv heads do not split 4 ways
-    assert wide["layers"][0]["q"] == P("fsdp", "tensor", None)
+    assert wide["layers"][0]["k"] == P()  # 2 kv heads do not split 4 ways
+    assert wide["layers"][0]["q"] == P(None, "tensor")
+    # Written as jit writes them: a mesh axis of one device splits nothing.
+    whole = sharding.param_specs(model, sharding.make_mesh(fsdp=4))
+    assert (whole["layers"][0]["q"], whole["layers"][0]["o"]) == (P("fsdp"), P(None, None, "fsdp"))
 
 
 @jax.numpy_dtype_promotion("standard")  # optax's Adam
@@ -116,6 +119,24 @@ def check_step(model, params, mesh) -> None:
     # The step hands its params back sharded as declared.
     for leaf, declared in zip(jax.tree.leaves(split), jax.tree.leaves(shardings), strict=True):
         assert leaf.sharding.is_equivalent_to(declared, leaf.ndim), (leaf.sharding, declared)
+
+
+@jax.numpy_dtype_promotion("standard")  # optax
+def check_step_keeps_shardings(model, params) -> None:
+    """On a mesh whose tensor axis has one device, a step hands its params back with the
+    shardings it was given, as written (`P("fsdp")`, not `P("fsdp", "tensor", None)`), so it
+    compiles once and an engine they are pushed to keeps its compilations."""
+    mesh = sharding.make_mesh(fsdp=4)
+    shardings = sharding.param_shardings(model, mesh)
+    split = sharding.shard(params, shardings)
+    optimizer = optax.sgd(0.5)
+    update = GRPOObjective(model).update_fn(optimizer)
+    state = optimizer.init(split)
+    for step in range(2):
+        split, state, _ = update(split, state, sharding.shard_batch(rows(step), mesh))
+    assert update._cache_size() == 1
+    for leaf, declared in zip(jax.tree.leaves(split), jax.tree.leaves(shardings), strict=True):
+        assert leaf.sharding == declared, (leaf.sharding, declared)
 
 
 def compilations() -> list[int]:
@@ -193,6 +214,7 @@ def main(scratch: str) -> None:
     check_sharded_params(model, sharding.shard(params, sharding.param_shardings(model, mesh)), mesh)
     check_load_onto_mesh(model, params, mesh, os.path.join(scratch, "folder"))
     check_step(model, params, mesh)
+    check_step_keeps_shardings(model, params)
     check_engine(model, params, mesh)
     check_orbax(model, params, mesh, os.path.join(scratch, "orbax"))
     print("sharding checks passed")

@@ -78,15 +78,30 @@ def make_mesh(
 
 def param_specs(model: HFModel, mesh: Mesh) -> dict[str, Any]:
     """Each param's `PartitionSpec` on `mesh`: its table row's spec, with each mesh axis that
-    does not divide the leaf's axis dropped (that axis replicated)."""
+    does not divide the leaf's axis dropped (that axis replicated), written as `jax.jit` writes
+    the params a step hands back (`_written_as_jit`)."""
     tree = _params.empty_tree(model.config)
     for leaf in _params.leaves(model.config):
         spec = [
             axis if axis is not None and size % mesh.shape[axis] == 0 else None
             for axis, size in zip(leaf.entry.spec, leaf.shape, strict=True)
         ]
-        _params.set_leaf(tree, leaf.path, PartitionSpec(*spec))
+        _params.set_leaf(tree, leaf.path, _written_as_jit(spec, mesh))
     return tree
+
+
+def _written_as_jit(axes: Sequence[str | None], mesh: Mesh) -> PartitionSpec:
+    """A `PartitionSpec` of `axes` written as `jax.jit` writes the shardings it hands back: a
+    mesh axis of size 1 left out (it splits nothing), and no whole axes at the end.
+
+    Jitted steps are compiled once per input sharding as written, not per layout: params or a
+    cache declared as `P("fsdp", "tensor", None)` on a mesh whose tensor axis has one device
+    come back from a step as `P("fsdp")`, and every step would compile a second time for them.
+    """
+    parts = [axis if axis is not None and mesh.shape[axis] > 1 else None for axis in axes]
+    while parts and parts[-1] is None:
+        parts.pop()
+    return PartitionSpec(*parts)
 
 
 def param_shardings(model: HFModel, mesh: Mesh) -> dict[str, Any]:
@@ -109,11 +124,8 @@ def cache_shardings(model: HFModel, mesh: Mesh, cache: Any) -> Any:
     decode step hands the cache back in this layout: a cache that starts in any other would
     make the engine's steps compile a second time, for the layout their first call returned.
     """
-    heads = param_specs(model, mesh)["layers"][0]["k"][1]
-    # Written as the step writes it, without a mesh axis of size 1 or trailing whole axes:
-    # compilations are told apart by the spec as written, not by where the data lies.
-    split = heads is not None and mesh.shape[heads] > 1
-    spec = PartitionSpec(None, heads) if split else PartitionSpec()
+    key = param_specs(model, mesh)["layers"][0]["k"]
+    spec = _written_as_jit([None, key[1] if len(key) > 1 else None], mesh)
     return jax.tree.map(lambda leaf: NamedSharding(mesh, spec), cache)
 
 
