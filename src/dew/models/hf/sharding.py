@@ -6,9 +6,9 @@ large param (and the optimizer state that mirrors it) along its residual-width a
 once, beside the checkpoint's names, in `_params.TABLE` and `_params.LAYER` (each row's `spec`);
 this module only turns those into `NamedSharding`s for a given mesh, replicating an axis whose
 size the mesh axis does not divide (two key/value heads over four tensor devices stay whole).
-The forward pass is written for one device: `jax.jit` partitions it from its inputs' shardings. The
-engine's key/value cache is laid out to match (`cache_shardings`: each device keeps the heads it
-projects).
+The forward pass is written for one device: `jax.jit` partitions it from its inputs' shardings.
+The engine's key/value cache is laid out to match (`cache_shardings`: each device keeps the
+heads it projects).
 
 Sharded state is saved with orbax-checkpoint, each process writing the shards it holds, and
 restored onto the same mesh or another (`dew.train`'s checkpoints of a sharded run are such).
