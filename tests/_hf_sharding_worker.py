@@ -1,8 +1,9 @@
 """Run by tests/test_hf_sharding.py in a process of its own with four CPU devices (XLA_FLAGS
 must be set before jax is imported): a checkpoint's params and Adam state sharded over a
 fsdp x tensor mesh, a sharded training step against the one-device step, the engine serving
-sharded params, and sharded state saved with orbax and restored onto another mesh. Each check
-is an assertion; the process exits non-zero on the first that fails."""
+sharded params with each step compiled once, and sharded state saved with orbax and restored
+onto another mesh. Each check is an assertion; the process exits non-zero on the first that
+fails."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from _hf_params import drawn  # noqa: E402
 from dew.models import hf  # noqa: E402
 from dew.models.hf import sharding  # noqa: E402
 from dew.objectives.rl.grpo import GRPOObjective  # noqa: E402
-from dew.serve import RolloutServer  # noqa: E402
+from dew.serve import RolloutServer, _engine  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -69,17 +70,20 @@ def rows(seed: int, count: int = 4, width: int = 24) -> dict[str, np.ndarray]:
 
 def check_sharded_params(model, params, mesh) -> None:
     q = params["layers"][0]["q"]
-    assert q.sharding.spec == P("fsdp", "tensor", None), q.sharding
+    assert q.sharding.spec == P("fsdp", "tensor"), q.sharding
     assert {shard.data.shape for shard in q.addressable_shards} == {(16, 2, 16)}
     down = params["layers"][1]["down"]
     assert down.sharding.spec == P("tensor", "fsdp"), down.sharding
     assert params["embed"].sharding.spec == P("tensor", "fsdp")
     # Two key/value heads divide by the tensor axis's 2; norms are replicated.
-    assert params["layers"][0]["k"].sharding.spec == P("fsdp", "tensor", None)
+    assert params["layers"][0]["k"].sharding.spec == P("fsdp", "tensor")
     assert params["norm"].sharding.is_fully_replicated
     wide = sharding.param_specs(model, sharding.make_mesh(fsdp=1, tensor=4))
-    assert wide["layers"][0]["k"] == P("fsdp", None, None)  # 2 kv heads do not split 4 ways
-    assert wide["layers"][0]["q"] == P("fsdp", "tensor", None)
+    assert wide["layers"][0]["k"] == P()  # 2 kv heads do not split 4 ways
+    assert wide["layers"][0]["q"] == P(None, "tensor")
+    # Written as jit writes them: a mesh axis of one device splits nothing.
+    whole = sharding.param_specs(model, sharding.make_mesh(fsdp=4))
+    assert (whole["layers"][0]["q"], whole["layers"][0]["o"]) == (P("fsdp"), P(None, None, "fsdp"))
 
 
 @jax.numpy_dtype_promotion("standard")  # optax's Adam
@@ -117,19 +121,61 @@ def check_step(model, params, mesh) -> None:
         assert leaf.sharding.is_equivalent_to(declared, leaf.ndim), (leaf.sharding, declared)
 
 
+@jax.numpy_dtype_promotion("standard")  # optax
+def check_step_keeps_shardings(model, params) -> None:
+    """On a mesh whose tensor axis has one device, a step hands its params back with the
+    shardings it was given, as written (`P("fsdp")`, not `P("fsdp", "tensor", None)`), so it
+    compiles once and an engine they are pushed to keeps its compilations."""
+    mesh = sharding.make_mesh(fsdp=4)
+    shardings = sharding.param_shardings(model, mesh)
+    split = sharding.shard(params, shardings)
+    optimizer = optax.sgd(0.5)
+    update = GRPOObjective(model).update_fn(optimizer)
+    state = optimizer.init(split)
+    for step in range(2):
+        split, state, _ = update(split, state, sharding.shard_batch(rows(step), mesh))
+    assert update._cache_size() == 1
+    for leaf, declared in zip(jax.tree.leaves(split), jax.tree.leaves(shardings), strict=True):
+        assert leaf.sharding == declared, (leaf.sharding, declared)
+
+
+def compilations() -> list[int]:
+    """The programs the engine's decode and prefill steps have compiled: one per input
+    signature (shapes, dtypes and shardings)."""
+    return [_engine._decode_step._cache_size(), _engine._prefill_step._cache_size()]
+
+
 def check_engine(model, params, mesh) -> None:
-    split = sharding.shard(params, sharding.param_shardings(model, mesh))
     prompt = np.array([5, 17, 42, 9], np.int32)
 
-    async def greedy(served):
-        server = RolloutServer(model, served, slots=2, max_len=64)
+    async def greedy(server, pushed=None):
+        if pushed is not None:
+            server.load(pushed, 1)
         async with server:
-            return await server.generate(prompt, max_tokens=8, temperature=0.0)
+            # A prefill into the new cache, decodes, then a prefill after decodes.
+            return [await server.generate(prompt, max_tokens=8, temperature=0.0) for _ in "ab"]
 
-    served = trio.run(greedy, split)
-    alone = trio.run(greedy, jax.device_put(params, jax.devices()[0]))
-    np.testing.assert_array_equal(served.completion, alone.completion)
-    np.testing.assert_allclose(served.logprobs, alone.logprobs, atol=1e-5)
+    def engine(served):
+        return RolloutServer(model, served, slots=2, max_len=64)
+
+    # Each step compiled once: on one device, with the cache's heads split over the tensor
+    # axis, and whole where that axis has one device.
+    before = compilations()
+    alone = trio.run(greedy, engine(jax.device_put(params, jax.devices()[0])))
+    assert np.subtract(compilations(), before).tolist() == [1, 1], before
+    for placed in (mesh, sharding.make_mesh(fsdp=4)):
+        split = sharding.shard(params, sharding.param_shardings(model, placed))
+        before = compilations()
+        served = trio.run(greedy, engine(split))
+        assert np.subtract(compilations(), before).tolist() == [1, 1], (placed, before)
+        for one, sharded in zip(alone, served, strict=True):
+            np.testing.assert_array_equal(sharded.completion, one.completion)
+            np.testing.assert_allclose(sharded.logprobs, one.logprobs, atol=1e-5)
+    # An engine built on one device's params (as dew train's evaluation engine is) lays its
+    # cache out anew for the sharded params it is pushed: its steps are the ones compiled above.
+    before = compilations()
+    trio.run(greedy, engine(jax.device_put(params, jax.devices()[0])), split)
+    assert compilations() == before, before
 
 
 def check_orbax(model, params, mesh, folder: str) -> None:
@@ -168,6 +214,7 @@ def main(scratch: str) -> None:
     check_sharded_params(model, sharding.shard(params, sharding.param_shardings(model, mesh)), mesh)
     check_load_onto_mesh(model, params, mesh, os.path.join(scratch, "folder"))
     check_step(model, params, mesh)
+    check_step_keeps_shardings(model, params)
     check_engine(model, params, mesh)
     check_orbax(model, params, mesh, os.path.join(scratch, "orbax"))
     print("sharding checks passed")

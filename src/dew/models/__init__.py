@@ -39,6 +39,11 @@ class Model(Protocol):
     static argument: a model must be hashable and equal to any model that computes the same
     functions (a frozen attrs class over its configuration is).
 
+    A model whose params may be sharded over a device mesh may also define
+    `cache_shardings(mesh, cache)`, a tree of `jax.sharding.Sharding`s laid out as `cache`: the
+    engine places its cache on them while it serves params sharded over `mesh`, so that its
+    steps find the cache in the layout they hand it back in and compile once (`HFModel` does).
+
     Attributes:
         vocab: the number of token ids; logits' last axis.
         max_len: the longest sequence (prompt + completion) it can take.

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import trio
+from jax.sharding import Mesh, NamedSharding
 
 from dew import models
 from dew._checks import check_int, check_number
@@ -235,6 +236,17 @@ def _shape_and_dtype(leaf) -> tuple[tuple[int, ...], np.dtype]:
     return np.shape(leaf), jax.dtypes.canonicalize_dtype(dtype)
 
 
+def _placement(params) -> Mesh | jax.Device | None:
+    """Where `params` are held: the device mesh they are sharded over, the one device they are
+    committed to, or None where they are not committed (jit runs them with its other inputs)."""
+    for leaf in jax.tree.leaves(params):
+        if isinstance(leaf, jax.Array):
+            if isinstance(leaf.sharding, NamedSharding):
+                return leaf.sharding.mesh
+            return next(iter(leaf.devices())) if leaf.committed else None
+    return None
+
+
 @jax.jit
 def _copy(variables):
     """A copy the caller cannot change or donate away after handing it over: one dispatch for
@@ -344,6 +356,8 @@ class RolloutServer:
         self._pending: tuple[object, int] | None = None
         self._lock = threading.Lock()
         self._cache = cache
+        self._cache_placement = None
+        self._lay_out_cache(self._params)
         self._active: list[_Request | None] = [None] * self._slots
         self._queue: collections.deque[_Request] = collections.deque()
         self._arrivals = 0
@@ -564,6 +578,7 @@ class RolloutServer:
                     pending, self._pending = self._pending, None
                 if pending is not None:
                     self._params, self._served = pending
+                    self._lay_out_cache(self._params)
                 decoding = [
                     slot
                     for slot, request in enumerate(self._active)
@@ -602,6 +617,30 @@ class RolloutServer:
             self._queue.clear()
             for slot in range(self._slots):
                 self._free(slot)
+
+    def _lay_out_cache(self, params) -> None:
+        """Place the cache where the steps hand it back when they run on `params`, if that
+        changed: on the mesh the params are sharded over, as the model lays it out there
+        (`cache_shardings(mesh, cache)`); on the one device they are committed to.
+
+        A step's cache comes back where its params are, laid out on a mesh as the partitioner
+        chose (a model's key/value heads where its projections split them): a cache that
+        started anywhere else would be a second input signature, and each step would compile
+        again at its second call. Params that are not committed, and a model on a mesh that
+        declares no layout, leave the cache as `init_cache` made it. Runs between steps only,
+        never beside `_compute`.
+        """
+        placement = _placement(params)
+        if placement is None or placement == self._cache_placement:
+            return
+        if isinstance(placement, Mesh):
+            lay_out = getattr(self._model, "cache_shardings", None)
+            if lay_out is None:
+                return
+            self._cache = jax.device_put(self._cache, lay_out(placement, self._cache))
+        else:
+            self._cache = jax.device_put(self._cache, placement)
+        self._cache_placement = placement
 
     def _admit(self) -> list[int]:
         """Move queued calls, in arrival order, into the free slots; return those slots."""

@@ -23,7 +23,7 @@ import numpy as np
 
 from dew._checks import int_at_least
 from dew.models import _lead, _starts, _write_prompt, _write_step, cache_blocks
-from dew.models.hf import _params
+from dew.models.hf import _params, sharding
 from dew.models.hf._config import HFConfig, check_dtype
 
 # A numpy scalar, not a jax one: making a jax array at import would start JAX's backend, which
@@ -282,6 +282,11 @@ class HFModel:
     def init_cache(self, *, slots: int, max_len: int) -> list[dict]:
         """An empty key/value cache (see `init_cache`)."""
         return init_cache(self.config, self.dtype, slots=slots, max_len=max_len)
+
+    def cache_shardings(self, mesh, cache) -> list[dict]:
+        """Where each leaf of `cache` goes on `mesh` when the params are sharded over it (see
+        `dew.models.hf.sharding.cache_shardings`)."""
+        return sharding.cache_shardings(self, mesh, cache)
 
     def prefill(self, params, cache, tokens, slot):
         """Run a prompt into one slot of the cache (see `prefill`)."""

@@ -7,6 +7,8 @@ once, beside the checkpoint's names, in `_params.TABLE` and `_params.LAYER` (eac
 this module only turns those into `NamedSharding`s for a given mesh, replicating an axis whose
 size the mesh axis does not divide (two key/value heads over four tensor devices stay whole).
 The forward pass is written for one device: `jax.jit` partitions it from its inputs' shardings.
+The engine's key/value cache is laid out to match (`cache_shardings`: each device keeps the
+heads it projects).
 
 Sharded state is saved with orbax-checkpoint, each process writing the shards it holds, and
 restored onto the same mesh or another (`dew.train`'s checkpoints of a sharded run are such).
@@ -22,14 +24,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.models.hf import _params
-from dew.models.hf._modeling import HFModel
+
+if TYPE_CHECKING:  # HFModel lays its cache out with `cache_shardings`, so it imports this module
+    from dew.models.hf._modeling import HFModel
 
 DATA = "data"
 """The mesh axis that splits only the batch's rows."""
@@ -74,15 +78,30 @@ def make_mesh(
 
 def param_specs(model: HFModel, mesh: Mesh) -> dict[str, Any]:
     """Each param's `PartitionSpec` on `mesh`: its table row's spec, with each mesh axis that
-    does not divide the leaf's axis dropped (that axis replicated)."""
+    does not divide the leaf's axis dropped (that axis replicated), written as `jax.jit` writes
+    the params a step hands back (`_written_as_jit`)."""
     tree = _params.empty_tree(model.config)
     for leaf in _params.leaves(model.config):
         spec = [
             axis if axis is not None and size % mesh.shape[axis] == 0 else None
             for axis, size in zip(leaf.entry.spec, leaf.shape, strict=True)
         ]
-        _params.set_leaf(tree, leaf.path, PartitionSpec(*spec))
+        _params.set_leaf(tree, leaf.path, _written_as_jit(spec, mesh))
     return tree
+
+
+def _written_as_jit(axes: Sequence[str | None], mesh: Mesh) -> PartitionSpec:
+    """A `PartitionSpec` of `axes` written as `jax.jit` writes the shardings it hands back: a
+    mesh axis of size 1 left out (it splits nothing), and no whole axes at the end.
+
+    Jitted steps are compiled once per input sharding as written, not per layout: params or a
+    cache declared as `P("fsdp", "tensor", None)` on a mesh whose tensor axis has one device
+    come back from a step as `P("fsdp")`, and every step would compile a second time for them.
+    """
+    parts = [axis if axis is not None and mesh.shape[axis] > 1 else None for axis in axes]
+    while parts and parts[-1] is None:
+        parts.pop()
+    return PartitionSpec(*parts)
 
 
 def param_shardings(model: HFModel, mesh: Mesh) -> dict[str, Any]:
@@ -93,6 +112,21 @@ def param_shardings(model: HFModel, mesh: Mesh) -> dict[str, Any]:
         param_specs(model, mesh),
         is_leaf=lambda node: isinstance(node, PartitionSpec),
     )
+
+
+def cache_shardings(model: HFModel, mesh: Mesh, cache: Any) -> Any:
+    """Each leaf's `NamedSharding` on `mesh` for `model`'s key/value cache (per layer and block
+    of positions, [slots, kv_heads, block, head_dim]), whose params are sharded over it as
+    `param_shardings` places them: the key/value heads split as the key projection's heads
+    are, slots, positions and head width whole.
+
+    Each device then keeps the keys and values of the heads it projects, and a prefill or
+    decode step hands the cache back in this layout: a cache that starts in any other would
+    make the engine's steps compile a second time, for the layout their first call returned.
+    """
+    key = param_specs(model, mesh)["layers"][0]["k"]
+    spec = _written_as_jit([None, key[1] if len(key) > 1 else None], mesh)
+    return jax.tree.map(lambda leaf: NamedSharding(mesh, spec), cache)
 
 
 def shard(tree: Any, shardings: Any) -> Any:
