@@ -239,6 +239,9 @@ def main() -> None:
             )
             shifts.append((name, own))
             rows.append((name, measured, plain, alone, probe, load_free, workload))
+        # The synchronous target and the probe are one setting run minutes apart: how far their
+        # goodputs differ is what the machine alone moves a run by, a floor under any error.
+        same = calibrate.observe(folder / f"{_file(PROBE[0])}.trace", warmup=warmup).goodput
     print(f"load average (1 min) before the runs {load[0]:.2f}, after {load[1]:.2f}")
     print(
         "goodput: samples/s, error = predicted / measured - 1; idle: the trainer's share, error "
@@ -269,6 +272,12 @@ def main() -> None:
     )
     for name, own in (("recorded " + BASELINE[0], fitted), *shifts):
         print(f"  {name:<30}{_calls(own):>6.2f} calls{own.mean_duration:>9.4f} s")
+    target = next(measured.goodput for name, measured, *_ in rows if name == TARGETS[0][0])
+    print(
+        f"one setting twice (the {TARGETS[0][0]} target, then the probe over its "
+        f"{probe_steps} steps): goodput {target:.2f} and {same:.2f}, {same / target - 1:+.1%}: "
+        "the machine's own noise between runs"
+    )
 
 
 def _calls(fitted: calibrate.Calibration) -> float:
