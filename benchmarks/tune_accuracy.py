@@ -37,6 +37,7 @@ Four predictions per target, side by side:
     python benchmarks/tune_accuracy.py --smoke         # simulated runs instead, in seconds
     python benchmarks/tune_accuracy.py --learning-rate 1e-9   # every run's policy held still
     python benchmarks/tune_accuracy.py --task guess    # on GuessDigit, whose policy's turns move
+    python benchmarks/tune_accuracy.py --steps 200     # longer runs: less of the machine's noise
 
 `--task echo` (the default) is EchoDigits: an episode's turns are its task's whatever the policy
 replies, so every run, whatever its setting teaches the policy, meets the recorded run's
@@ -79,7 +80,8 @@ TARGETS = (
     ("ahead=2 lag=2", {"ahead": 2, "max_lag": 2}),
     ("ahead=1 lag=1 admit=3", {"ahead": 1, "max_lag": 1, "admit": 3}),
 )
-FULL = ["--steps", "40", "--batch-size", "4", "--groups", "8"]
+FULL = ["--batch-size", "4", "--groups", "8"]
+STEPS = 40
 TASKS = ("echo", "guess")
 # A short synchronous run beside the recorded one: it never overlaps, so set beside the recorded
 # run it shows each side's solo speed, which a run one batch ahead, nearly always overlapped,
@@ -92,7 +94,7 @@ SMOKE_CPU = Contention(trainer=0.5, engine=0.5)
 SMOKE_STEPS = 12
 
 
-def simulated(folder: Path, name: str, knobs: dict, steps: int | None = None) -> Path:
+def simulated(folder: Path, name: str, knobs: dict, steps: int) -> Path:
     """--smoke's stand-in for `train`: a recorded simulated run under trio's mock clock whose
     trainer (1 s of solo work a step) and engine share a CPU (SMOKE_CPU), in seconds."""
     trace = folder / f"{name}.trace"
@@ -103,7 +105,7 @@ def simulated(folder: Path, name: str, knobs: dict, steps: int | None = None) ->
         SimulatedSource(engine, SimulatedConfig(seed=1, duration_mean=1.0, duration_sigma=0.3)),
         engine,
         trace,
-        updates=range(steps or SMOKE_STEPS),
+        updates=range(steps),
         batch_size=4,
         gap=1.0,
         spend=functools.partial(cpu.spend, "trainer"),
@@ -170,6 +172,13 @@ def main() -> None:
         default=None,
         help="every run's dew train --task: echo (the default: turns no policy changes) or guess",
     )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"steps of the recorded run and of each target (default {STEPS}; the probe "
+        f"keeps {PROBE_STEPS}): a longer window averages more of the machine's noise away",
+    )
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs in this folder")
     parser.add_argument(
         "--analyse", type=Path, default=None, help="predict from the runs kept in this folder"
@@ -183,8 +192,11 @@ def main() -> None:
         args.engine_scaling = args.trainer_scaling = 0.0
     if args.learning_rate is not None and (args.smoke or args.analyse):
         parser.error("--learning-rate is for the runs: not with --smoke or --analyse")
-    if args.task is not None and (args.smoke or args.analyse):
-        parser.error("--task is for the runs: not with --smoke or --analyse")
+    for option in ("task", "steps"):
+        if getattr(args, option) is not None and (args.smoke or args.analyse):
+            parser.error(f"--{option} is for the runs: not with --smoke or --analyse")
+    if args.steps is not None and not args.warmup + 5 <= args.steps <= 2000:
+        parser.error(f"--steps must be within [--warmup + 5, 2000], got {args.steps}")
     if args.learning_rate is not None and not 0 < args.learning_rate <= 1:
         parser.error(f"--learning-rate must be within (0, 1], got {args.learning_rate}")
     load = [os.getloadavg()[0]]
@@ -192,13 +204,13 @@ def main() -> None:
         folder = args.analyse or args.keep or Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)
         if args.analyse is None:
+            runs = SMOKE_STEPS if args.smoke else args.steps or STEPS
             for name, knobs in (BASELINE, *TARGETS, PROBE):
-                steps = probe_steps if name == PROBE[0] else None
+                steps = probe_steps if name == PROBE[0] else runs
                 if args.smoke:
                     simulated(folder, _file(name), knobs, steps)
                 else:
-                    flags = [f"--task={args.task or TASKS[0]}"]
-                    flags += [] if steps is None else [f"--steps={steps}"]
+                    flags = [f"--task={args.task or TASKS[0]}", f"--steps={steps}"]
                     if args.learning_rate is not None:
                         flags.append(f"--learning-rate={args.learning_rate}")
                     train(folder, _file(name), knobs, FULL + flags)
