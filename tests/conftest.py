@@ -19,6 +19,14 @@ NumPy, transformers and vLLM included), only their machine code is slower, which
 size never feel. Benchmarks and users' runs keep XLA's defaults. The few tests that train the
 default model for tens of steps, where the optimised program's speed pays for its longer compile,
 turn the passes back on for themselves (the `xla_optimizations` fixture).
+
+The vLLM servers tests start skip torch inductor's check of each vector instruction set
+(TORCHINDUCTOR_VEC_ISA_OK, inherited through the environment like the settings above). vLLM's
+sampler compiles its log-prob gathering with torch.compile even under `--enforce-eager`, and
+inductor's first compile in each server process builds and loads a probe library per
+instruction set the CPU reports, in subprocesses: a lone server's first call took about 12
+seconds with those checks and about 6 without. Trusting the CPU's report compiles the same
+kernels.
 """
 
 import os
@@ -39,6 +47,7 @@ _CACHE = {
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
 }
 os.environ.update(_CACHE)
+os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "1"
 jax.config.update("jax_disable_most_optimizations", True)
 jax.config.update("jax_compilation_cache_dir", _CACHE["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
