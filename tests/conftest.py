@@ -64,9 +64,10 @@ def xla_optimizations(monkeypatch):
     added = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
     for name, value in added.items():
         monkeypatch.setenv(name, value)
+    disabled = jax.config.values["jax_disable_most_optimizations"]
     jax.config.update("jax_disable_most_optimizations", False)
     yield added
-    jax.config.update("jax_disable_most_optimizations", True)
+    jax.config.update("jax_disable_most_optimizations", disabled)
 
 
 @pytest.fixture(autouse=True)
