@@ -597,7 +597,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_trains_nothing_twice(tmp_p
     assert (run / "curves.png").exists()
 
 
-def test_the_default_task_learns(tmp_path):
+def test_the_default_task_learns(tmp_path, xla_optimizations):
     # The default run, cut short and synchronous. With `ahead` 1 the version each rollout is
     # sampled at depends on the threads' timing, and at 60 steps the reward's rise varies from
     # run to run (0.09 to 0.20 over the last ten steps, two runs side by side); with `ahead` 0

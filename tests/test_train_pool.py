@@ -82,7 +82,9 @@ def test_a_pool_of_processes_trains_an_agent_harness_through_the_gateway(tmp_pat
     assert all(f"trained {steps} steps" in text for text in logs(run).values())
 
 
-def test_a_pool_of_processes_trains_the_default_task_with_a_rising_reward(tmp_path, env):
+def test_a_pool_of_processes_trains_the_default_task_with_a_rising_reward(
+    tmp_path, env, xla_optimizations
+):
     run, steps, processes = tmp_path / "run", 40, 2
     # The default run, cut short and synchronous, on two processes (four groups each). Each
     # process draws its own sampling keys, so a pool's run is not one process's: this one rises
@@ -98,7 +100,7 @@ def test_a_pool_of_processes_trains_the_default_task_with_a_rising_reward(tmp_pa
         capture_output=True,
         text=True,
         timeout=BOUND,
-        env=env,
+        env={**env, **xla_optimizations},
     )
     assert done.returncode == 0, done.stdout + done.stderr + str(logs(run))
     lines = metrics_lines(run)  # one stream for the pool, written by process 0
