@@ -33,6 +33,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 
 import jax
 import pytest
@@ -52,6 +53,15 @@ jax.config.update("jax_disable_most_optimizations", True)
 jax.config.update("jax_compilation_cache_dir", _CACHE["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+# A suite started in the background by a shell without job control (`nohup pytest &` in a
+# script) inherits an ignored SIGINT, and so would every process a test starts: the Ctrl-C
+# tests' processes would then train to their last step. The tests run as from a terminal.
+if (
+    threading.current_thread() is threading.main_thread()
+    and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+):
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
