@@ -11,7 +11,7 @@ the start:
 - `EchoDigits` (multi-turn): repeat each digit the environment says, for as many turns as the
   task sets whatever the agent replies; a workload whose shape no policy changes.
 
-Both use only digits for the agent's side, so a model learns them without a word of English.
+All three use only digits for the agent's side, so a model learns them without a word of English.
 """
 
 from __future__ import annotations
