@@ -121,22 +121,29 @@ def check_step(model, params, mesh) -> None:
         assert leaf.sharding.is_equivalent_to(declared, leaf.ndim), (leaf.sharding, declared)
 
 
-@jax.numpy_dtype_promotion("standard")  # optax
+@jax.numpy_dtype_promotion("standard")  # optax's Adam
 def check_step_keeps_shardings(model, params) -> None:
-    """On a mesh whose tensor axis has one device, a step hands its params back with the
-    shardings it was given, as written (`P("fsdp")`, not `P("fsdp", "tensor", None)`), so it
-    compiles once and an engine they are pushed to keeps its compilations."""
+    """On a mesh whose tensor axis has one device, Adam's step hands its params and its state
+    back with the shardings they were given, as written (the norms `P()`, not the `P("fsdp")`
+    GSPMD picks for them when the batch is whole), so it compiles once and an engine they are
+    pushed to keeps its compilations."""
     mesh = sharding.make_mesh(fsdp=4)
     shardings = sharding.param_shardings(model, mesh)
     split = sharding.shard(params, shardings)
-    optimizer = optax.sgd(0.5)
+    optimizer = optax.adam(1e-2)
     update = GRPOObjective(model).update_fn(optimizer)
-    state = optimizer.init(split)
+    placed = sharding.state_shardings(optimizer.init(split), split, mesh)
+    state = sharding.shard(optimizer.init(split), placed)
     for step in range(2):
-        split, state, _ = update(split, state, sharding.shard_batch(rows(step), mesh))
+        # Two rows, which the mesh's four fsdp devices do not split: the batch is whole, as
+        # dew train's small batches are, and GSPMD free to shard the norms' updates.
+        split, state, _ = update(split, state, sharding.shard_batch(rows(step, count=2), mesh))
+    for given, back in ((shardings, split), (placed, state)):
+        for (path, leaf), declared in zip(
+            jax.tree_util.tree_leaves_with_path(back), jax.tree.leaves(given), strict=True
+        ):
+            assert leaf.sharding == declared, (jax.tree_util.keystr(path), leaf.sharding, declared)
     assert update._cache_size() == 1
-    for leaf, declared in zip(jax.tree.leaves(split), jax.tree.leaves(shardings), strict=True):
-        assert leaf.sharding == declared, (leaf.sharding, declared)
 
 
 def compilations() -> list[int]:

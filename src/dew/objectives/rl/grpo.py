@@ -27,6 +27,7 @@ decoupled PPO as AReaL trains it: token-level weights truncated at 5, the token 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -132,6 +133,51 @@ def mismatch_metrics(batch: Mapping[str, Any], *, version: int) -> dict[str, flo
         if where.any():
             metrics[name] = float(k3[where].mean())
     return metrics
+
+
+def _layout(tree: Any) -> tuple[jax.sharding.Sharding | None, ...]:
+    """The sharding of each of `tree`'s leaves that is placed on devices (a committed array),
+    for the step to hand it back with; None for the leaves jit places as it likes (numpy,
+    uncommitted arrays) and for the tracers of an enclosing jit (`dew.parallel`'s step over a
+    pool), whose own shardings place them.
+
+    Left to propagation, GSPMD may lay an output out otherwise than its input: on a mesh with a
+    one-device axis and a batch it leaves whole, the replicated norms and their Adam moments come
+    back split over fsdp, and the step and every jitted function the weights go to (the
+    rescoring, the engine's steps) compile again for them. A tuple of shardings is hashable:
+    the step takes it as a static argument, which compiles nothing more, since the inputs'
+    shardings it is read from key jit's cache already."""
+    return tuple(
+        leaf.sharding
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.committed
+        else None
+        for leaf in jax.tree.leaves(tree)
+    )
+
+
+def _laid_out(tree: Any, layout: tuple[jax.sharding.Sharding | None, ...]) -> Any:
+    """`tree` with each leaf constrained to its sharding in `layout` (`_layout` of the inputs
+    it mirrors), inside a jitted function; a leaf whose sharding is None left to propagation."""
+    leaves, structure = jax.tree.flatten(tree)
+    return structure.unflatten(
+        leaf if placed is None else jax.lax.with_sharding_constraint(leaf, placed)
+        for leaf, placed in zip(leaves, layout, strict=True)
+    )
+
+
+@attrs.frozen(eq=False)
+class _LaidOutStep:
+    """`GRPOObjective.update_fn`'s step: the jitted `update(variables, opt_state, batch,
+    layout)`, handed the variables' and state's shardings (`_layout`) to lay its own out as."""
+
+    update: Callable
+
+    def __call__(self, variables, opt_state, batch):
+        return self.update(variables, opt_state, batch, layout=_layout((variables, opt_state)))
+
+    def _cache_size(self) -> int:
+        """The programs compiled, one per input signature, as a jitted function counts them."""
+        return self.update._cache_size()
 
 
 @attrs.frozen(eq=False)
@@ -386,12 +432,15 @@ class GRPOObjective:
             A step whose loss or gradient norm is not finite returns variables and opt_state
             as they were, so NaN never reaches the weights; its metrics show the non-finite
             value, for the caller to stop on. So does a step with no trained token: nothing to
-            learn from, and Adam's momentum alone would move the weights.
+            learn from, and Adam's momentum alone would move the weights. Variables and state
+            placed on devices come back with the shardings they came in with (see `_layout`),
+            so the step compiles once per batch shape, and so do the jitted functions the
+            weights are pushed to. Its `_cache_size()` counts its compilations, as jit's does.
         """
         value_and_grad = jax.value_and_grad(self.loss, has_aux=True)
 
-        @jax.jit
-        def update(variables, opt_state, batch):
+        @functools.partial(jax.jit, static_argnames="layout")
+        def update(variables, opt_state, batch, layout):
             (_, metrics), grads = value_and_grad(variables, batch)
             grad_norm = optax.tree.norm(grads)
             updates, new_state = optimizer.update(grads, opt_state, variables)
@@ -406,9 +455,10 @@ class GRPOObjective:
 
             new_variables = jax.tree.map(unless_finite, new_variables, variables)
             new_state = jax.tree.map(unless_finite, new_state, opt_state)
+            new_variables, new_state = _laid_out((new_variables, new_state), layout)
             return new_variables, new_state, {**metrics, "grad_norm": grad_norm}
 
-        return update
+        return _LaidOutStep(update)
 
     def _require_weighted(self, batch: Mapping[str, Any]) -> None:
         level = () if self.importance_level == "token" else ("segment_ids",)
