@@ -325,6 +325,19 @@ def test_a_resumed_trainer_cuts_its_other_logs_back_to_the_checkpoint(tmp_path):
     }
 
 
+def test_a_step_count_starts_where_the_variables_are_and_the_step_compiles_once():
+    """optax makes a step count (here the schedule's) on the default device, placed nowhere in
+    particular, while the variables are placed on a device: the trainer puts the count beside
+    them, as the step hands it back, so its second step is the first one's program."""
+    variables = jax.device_put(params(), jax.devices()[0])
+    scheduled = optax.sgd(optax.constant_schedule(1e-2))
+    trainer = Trainer(GRPOObjective(models.model(CONFIG)), scheduled, variables)
+    count = jax.tree.leaves(trainer.opt_state)[0]
+    assert count.committed and count.sharding == variables["embed"].sharding, count.sharding
+    trainer.run(FakeRollout(trainer.objective, []), CountingDataset([]), steps=2)
+    assert trainer._update._cache_size() == 1
+
+
 def test_trainer_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError, match="checkpoint_every must be an int >= 1, got 0"):
         Trainer(OBJECTIVE, MOMENTUM, params(), directory=tmp_path, checkpoint_every=0)

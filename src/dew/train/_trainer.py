@@ -196,6 +196,34 @@ def _update_fn(
     return steps[optimizer, pooled]
 
 
+def _state_beside(state: Any, variables: Variables) -> Any:
+    """An optimizer's initial state with its leaves that no device holds yet (a step count, which
+    optax makes on the default device) replicated where the variables are placed, as the step
+    hands them back: left unplaced, the first step would be compiled for them and the second
+    again for the placed ones. Leaves placed already (moments made like their variables) and the
+    state of variables placed nowhere stay as they are."""
+    placed = [
+        leaf.sharding
+        for leaf in jax.tree.leaves(variables)
+        if isinstance(leaf, jax.Array) and leaf.committed
+    ]
+    if not placed:
+        return state
+    if isinstance(placed[0], jax.sharding.NamedSharding):
+        replicated = jax.sharding.NamedSharding(placed[0].mesh, jax.sharding.PartitionSpec())
+    elif placed[0].is_fully_replicated:  # one device's
+        replicated = placed[0]
+    else:
+        return state
+
+    def beside(leaf):
+        if isinstance(leaf, jax.Array) and not leaf.committed:
+            return jax.device_put(leaf, replicated)
+        return leaf
+
+    return jax.tree.map(beside, state)
+
+
 def _pooled(parallel: DataParallelUpdate) -> Callable:
     def update(variables, opt_state, rows):
         variables, opt_state, metrics = parallel(variables, opt_state, rows)
@@ -286,7 +314,7 @@ class Trainer:
         self.checkpoint_every = checkpoint_every
         self.on_step = on_step
         self.variables = variables
-        self.opt_state = optimizer.init(variables)
+        self.opt_state = _state_beside(optimizer.init(variables), variables)
         self.updates = 0
         self.position = 0
         self.elapsed = 0.0
