@@ -33,10 +33,10 @@ SHAPE = {
 def test_sharded_params_train_serve_and_restore_onto_another_mesh(tmp_path):
     """Params and Adam's moments are split over fsdp x tensor as the params table declares; a
     sharded step with the batch over the data axes equals the one-device step to 1e-5 and hands
-    its params back sharded alike; the engine serves sharded params as it serves whole ones,
-    its cache laid out as its steps hand it back, so each step compiles once on a mesh;
-    `load` places each tensor on its shard as it reads it; orbax restores sharded state onto a
-    mesh of another shape."""
+    its params back sharded alike, and Adam's step its params and state as they came in; the
+    engine serves sharded params as it serves whole ones, its cache laid out as its steps hand
+    it back, so each step compiles once on a mesh; `load` places each tensor on its shard as it
+    reads it; orbax restores sharded state onto a mesh of another shape."""
     environment = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
