@@ -14,7 +14,9 @@ Four predictions per target, side by side:
 
 - `plain`: the trace's rollouts and step times as recorded, each setting's engine sized to its
   ahead (`dew tune --engine-scaling 1`, as dew train's CPU engine decodes a [slots] shape).
-- `model`: and the trainer sized to the rows admit trains (`--trainer-scaling 1`) and the CPU
+- `model`: and the trainer's step timed alone at the rows each setting trains (`dew tune
+  --time-trainer`: the recorded run's model, update and rescoring, timed on this machine; a
+  step's seconds do not follow its rows in proportion) and the CPU
   the trainer and the engine share modelled (`--contention fit`, `Calibration.contention`):
   the recorded step times and rollouts stripped of what the other side's work added to them,
   and each side slowed again in the simulation by as much as the two overlap there.
@@ -62,6 +64,7 @@ import functools
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +75,7 @@ from dew import calibrate, tune
 from dew.envs.simulated import SimulatedConfig, SimulatedSource
 from dew.simulate import Contention, Setting, SharedCpu, SharingEngine
 from dew.testing import record_run
+from dew.train import step_seconds
 from what_if import train  # noqa: E402  (the sibling benchmark's recorded dew train run)
 
 BASELINE = ("ahead=1 lag=1", {"ahead": 1, "max_lag": 1})
@@ -125,7 +129,7 @@ def predict(
     seeds: int,
     *,
     engine: float,
-    trainer: float = 0.0,
+    trainer: Callable[[Setting], float] | None = None,
     contention: bool | Contention = False,
 ) -> tuple[float, float]:
     """The target's row from `dew tune`'s machinery: goodput and idle share over seeds."""
@@ -141,7 +145,7 @@ def predict(
         grid,
         seeds=seeds,
         engine=tune.sized_to_ahead(fitted.aheads[0], engine),
-        trainer=tune.sized_to_rows(fitted.tasks, trainer, fitted.admitted[0]) if trainer else None,
+        trainer=trainer,
     )
     return row.goodput, row.idle
 
@@ -157,7 +161,11 @@ def main() -> None:
         "--engine-scaling", type=float, default=1.0, help="dew tune --engine-scaling (default 1)"
     )
     parser.add_argument(
-        "--trainer-scaling", type=float, default=1.0, help="dew tune --trainer-scaling (default 1)"
+        "--trainer-scaling",
+        type=float,
+        default=None,
+        help="dew tune --trainer-scaling EXPONENT instead of the trainer's step timed at each "
+        "setting's rows (dew tune --time-trainer, the default)",
     )
     parser.add_argument(
         "--learning-rate",
@@ -189,7 +197,7 @@ def main() -> None:
         args.seeds = 1
         # The simulated engine's calls take as long however many run, and its trainer's step
         # as long however many rows: nothing to size.
-        args.engine_scaling = args.trainer_scaling = 0.0
+        args.engine_scaling, args.trainer_scaling = 0.0, 0.0
     if args.learning_rate is not None and (args.smoke or args.analyse):
         parser.error("--learning-rate is for the runs: not with --smoke or --analyse")
     for option in ("task", "steps"):
@@ -225,12 +233,13 @@ def main() -> None:
             f"  with the synchronous probe: trainer +{probed.trainer:.0%}, "
             f"engine +{probed.engine:.0%}"
         )
+        trainer, timed = sized_trainer(folder, fitted, args.trainer_scaling)
         rows, shifts = [], []
         for name, knobs in TARGETS:
             measured = calibrate.observe(folder / f"{_file(name)}.trace", warmup=warmup)
             steps = measured.steps + warmup + 1
             plain = predict(fitted, knobs, steps, args.seeds, engine=args.engine_scaling)
-            model = dict(engine=args.engine_scaling, trainer=args.trainer_scaling)
+            model = dict(engine=args.engine_scaling, trainer=trainer)
             alone = predict(fitted, knobs, steps, args.seeds, contention=True, **model)
             probe = predict(fitted, knobs, steps, args.seeds, contention=probed, **model)
             # The machine's speed meanwhile: the trainer's jitted update is one computation in
@@ -239,9 +248,7 @@ def main() -> None:
             # (less the share of that time its rows account for: admit's update has fewer).
             slower = 1.0
             if not args.smoke:
-                rows_cost = tune.sized_to_rows(fitted.tasks, args.trainer_scaling)(
-                    Setting(name, **knobs)
-                )
+                rows_cost = trainer(Setting(name, **knobs)) if trainer else 1.0
                 slower = speed(folder, name) / speed(folder, BASELINE[0]) / rows_cost
             slowed = fitted.scaled(engine=slower, trainer=slower)
             load_free = predict(slowed, knobs, steps, args.seeds, contention=True, **model)
@@ -258,7 +265,7 @@ def main() -> None:
     print(
         "goodput: samples/s, error = predicted / measured - 1; idle: the trainer's share, error "
         "= predicted - measured in points.\nplain: dew tune --engine-scaling "
-        f"{args.engine_scaling:g}; model: and --trainer-scaling {args.trainer_scaling:g} "
+        f"{args.engine_scaling:g}; model: and {timed} "
         "--contention fit (from the recorded run); +probe: the contention fitted to the "
         f"recorded run and a {probe_steps}-step synchronous probe run together; slowed: model, "
         "with the recorded run's times scaled by the machine's slowdown from it to the target "
@@ -290,6 +297,23 @@ def main() -> None:
         f"{probe_steps} steps): goodput {target:.2f} and {same:.2f}, {same / target - 1:+.1%}: "
         "the machine's own noise between runs"
     )
+
+
+def sized_trainer(
+    folder: Path, fitted: calibrate.Calibration, exponent: float | None
+) -> tuple[Callable[[Setting], float] | None, str]:
+    """The trainer's factor for each target and how it was had: `--trainer-scaling`'s power of
+    the rows, or (by default) the recorded run's step timed alone at each target's rows."""
+    recorded = fitted.admitted[0]
+    if exponent is not None:
+        sized = tune.sized_to_rows(fitted.tasks, exponent, recorded) if exponent else None
+        return sized, f"--trainer-scaling {exponent:g}"
+    settings = [Setting(name, **knobs) for name, knobs in TARGETS]
+    counts = sorted({recorded, *(tune.admitted(s, fitted.tasks) for s in settings)})
+    seconds = step_seconds(folder / _file(BASELINE[0]), counts)
+    figures = ", ".join(f"{count} groups {seconds[count]:.4f} s" for count in counts)
+    print(f"the recorded run's trainer step timed alone: {figures}")
+    return tune.timed_rows(seconds, fitted.tasks, recorded), "--time-trainer"
 
 
 def _calls(fitted: calibrate.Calibration) -> float:

@@ -5,8 +5,12 @@ CPU is shared by a known amount), and predictions that hold where ignoring it mi
 from __future__ import annotations
 
 import functools
+import json
+import math
+import re
 
 import attrs
+import jax
 import numpy as np
 import pytest
 import trio
@@ -14,8 +18,10 @@ import trio.testing
 
 from dew import calibrate, cli, simulate, tune
 from dew.envs.simulated import SimulatedConfig, SimulatedSource
+from dew.serve.tokenizer import BYTES
 from dew.simulate import Contention, SharedCpu, SharingEngine
 from dew.testing import record_run
+from dew.train import TrainConfig, _tasks, _timing, step_seconds
 
 
 def on_mock_clock(function):
@@ -273,6 +279,100 @@ def test_a_trainer_sized_to_admit_steps_in_proportion_to_its_rows():
         WORKLOAD.trainer_scaled(0.75), simulate.Setting("x", ahead=1, max_lag=1, admit=3)
     )
     assert row.outcomes[0].goodput == expected.goodput
+
+
+def test_a_trainer_timed_at_each_count_steps_as_its_seconds_say():
+    """A setting's step is the recorded one's times the ratio of their timed seconds: no power
+    of the rows, which a CPU's step does not follow (docs/tuning.md)."""
+    rows = tune.timed_rows({3: 0.06, 4: 0.1}, 4)
+    assert rows(simulate.Setting("a", ahead=1, max_lag=1, admit=3)) == pytest.approx(0.6)
+    assert rows(simulate.Setting("a", ahead=1, max_lag=1)) == 1.0
+    carried = simulate.Setting("a", ahead=1, max_lag=3, admit=3, carry_over=True)
+    assert rows(carried) == 1.0  # carry-over may admit a whole batch: dew train's rows hold one
+    assert tune.timed_rows({3: 0.06, 4: 0.1}, 4, recorded=3)(
+        simulate.Setting("a", ahead=1, max_lag=1)
+    ) == pytest.approx(0.1 / 0.06)
+    with pytest.raises(ValueError, match="seconds has no step timed at the recorded 4 groups"):
+        tune.timed_rows({3: 0.06}, 4)
+    with pytest.raises(ValueError, match=r"seconds\[3\] must be a finite number > 0, got 0"):
+        tune.timed_rows({3: 0, 4: 0.1}, 4)
+    with pytest.raises(ValueError, match="seconds has no step timed at b's 2 groups"):
+        rows(simulate.Setting("b", ahead=1, max_lag=1, admit=2))
+    grid = tune.Grid(ahead=(1,), sync_every=(1,), admit=(3,))
+    (row,) = tune.tune(WORKLOAD, grid, seeds=1, trainer=rows)
+    expected = simulate.simulate(
+        WORKLOAD.trainer_scaled(0.6), simulate.Setting("x", ahead=1, max_lag=1, admit=3)
+    )
+    assert row.outcomes[0].goodput == expected.goodput
+
+
+def write_run(folder, **fields):
+    """A dew train run folder holding only its config: a small model on the copy task."""
+    small = {"task": "copy", "batch_size": 4, "groups": 4, "d_model": 16, "layers": 1}
+    config = TrainConfig(**small | {"heads": 2, "d_ff": 32} | fields)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(attrs.asdict(config)))
+    return folder
+
+
+def test_step_seconds_times_the_runs_own_step_at_the_rows_each_count_trains(tmp_path, monkeypatch):
+    run = write_run(tmp_path / "run")
+    built, steps = [], []
+    rows, rescored = _timing._rows, _timing._rescored
+    monkeypatch.setattr(_timing, "_rows", lambda *a, **k: built.append(a) or rows(*a, **k))
+    monkeypatch.setattr(
+        _timing,
+        "_rescored",
+        lambda o, v, batch: steps.append(batch["tokens"].shape) or rescored(o, v, batch),
+    )
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        seconds = step_seconds(run, [3, 1, 3], repeats=2)
+    assert list(seconds) == [3, 1]
+    assert all(0 < s < math.inf for s in seconds.values())
+    # The copy task packs two chains a row: 3 groups of 4 rollouts fill 6 rows of its width.
+    config = TrainConfig.from_file(run / "config.json")
+    width = _tasks._task(config, BYTES).shape.width
+    assert built == [(6, width, 2, BYTES.vocab_size), (2, width, 2, BYTES.vocab_size)]
+    # One step to compile each, then the counts in turn.
+    assert steps == [(6, width), (2, width)] + [(6, width), (2, width)] * 2
+
+
+def test_step_seconds_names_what_it_cannot_time(tmp_path):
+    with pytest.raises(ValueError, match="cannot read the config file"):
+        step_seconds(tmp_path / "missing", [1])
+    with pytest.raises(ValueError, match=r"admitted must be an int within \[1, 4\], got 5"):
+        step_seconds(write_run(tmp_path / "run"), [4, 5])
+    meshed = write_run(tmp_path / "meshed")
+    fields = json.loads((meshed / "config.json").read_text())
+    fields |= {"mesh": "1x1x1", "model": str(tmp_path / "checkpoint")}  # read, never loaded
+    (meshed / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match="its run trained on --mesh 1x1x1; step_seconds times"):
+        step_seconds(meshed, [1])
+
+
+def test_dew_tune_times_the_recorded_runs_trainer(shared, tmp_path, capsys):
+    run = write_run(tmp_path / "run")
+    argv = ["tune", shared["ahead=1"].path, "--steps", "8", "--seeds", "1", "--ahead", "1"]
+    argv += ["--sync-every", "1", "--admit", "3,all", "--time-trainer", str(run)]
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        assert cli.main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"the trainer's step timed alone on this machine: 3 groups \d+\.\d+ s, "
+                     r"4 groups \d+\.\d+ s", out)  # fmt: skip
+    assert "ahead=1 sync=1 lag=1 admit=3" in out
+    for extra, message in [
+        (["--trainer-scaling", "1"], "argument --time-trainer: not with --trainer-scaling"),
+    ]:
+        with pytest.raises(SystemExit):
+            cli.main([*argv, *extra])
+        assert message in " ".join(capsys.readouterr().err.split())
+    other = write_run(tmp_path / "other", groups=2)
+    with pytest.raises(SystemExit):
+        cli.main([*argv[:-1], str(other)])
+    message = (
+        f"argument --time-trainer: {other} trained 4 tasks x 2 rollouts a batch, the traces 4 x 4"
+    )
+    assert message in " ".join(capsys.readouterr().err.split())
 
 
 def test_dew_tune_takes_the_contention_fitted_or_given(shared, capsys):

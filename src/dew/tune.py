@@ -18,7 +18,7 @@ import math
 import multiprocessing
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -261,13 +261,49 @@ def sized_to_rows(
     if not (isinstance(exponent, int | float) and 0 <= exponent < math.inf):
         raise ValueError(f"exponent must be a finite number >= 0, got {exponent!r}")
 
+    return lambda setting: (admitted(setting, tasks) / recorded) ** exponent
+
+
+def timed_rows(
+    seconds: Mapping[int, float], tasks: int, recorded: int | None = None
+) -> Callable[[Setting], float]:
+    """How much slower a setting's trainer steps than the recorded one's, from its step timed
+    at each count of groups a step admits (`dew.train.step_seconds`: rows sized to admit as
+    `dew train`'s are), for a trainer whose cost does not follow its rows in proportion.
+
+    Args:
+        seconds: a step's seconds for each count of groups admitted, the recorded count's and
+            every setting's among them.
+        tasks: tasks per batch.
+        recorded: the groups a step of the recorded run trained; None for every task's.
+
+    Raises:
+        ValueError: for a count missing from `seconds` (the recorded one's now, a setting's
+            when the factor is asked for it), or seconds that are not finite and > 0.
+    """
+    recorded = tasks if recorded is None else recorded
+    for count, value in seconds.items():
+        if not (isinstance(value, int | float) and 0 < value < math.inf):
+            raise ValueError(f"seconds[{count}] must be a finite number > 0, got {value!r}")
+    if recorded not in seconds:
+        raise ValueError(f"seconds has no step timed at the recorded {recorded} groups")
+
     def factor(setting: Setting) -> float:
-        admitted = tasks
-        if isinstance(setting.admit, int) and not setting.carry_over:
-            admitted = setting.admit
-        return (admitted / recorded) ** exponent
+        count = admitted(setting, tasks)
+        if count not in seconds:
+            raise ValueError(f"seconds has no step timed at {setting.name}'s {count} groups")
+        return seconds[count] / seconds[recorded]
 
     return factor
+
+
+def admitted(setting: Setting, tasks: int) -> int:
+    """The groups a step of `setting` trains, as `dew train` sizes its rows: `admit` of them
+    with a fixed admit, else (no admit, admit="auto", carry-over, which may admit a whole
+    batch) every task's."""
+    if isinstance(setting.admit, int) and not setting.carry_over:
+        return setting.admit
+    return tasks
 
 
 def tune(
@@ -626,6 +662,14 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         "long; about 1 for dew train's CPU trainer (default: 0, one trainer for every setting)",
     )
     run.add_argument(
+        "--time-trainer",
+        metavar="RUN",
+        default=None,
+        help="the recorded run's folder (dew train --run): time its trainer's step on this "
+        "machine at the rows each setting trains, and scale the traces' step times by those "
+        "seconds rather than by --trainer-scaling's power of the rows",
+    )
+    run.add_argument(
         "--contention",
         type=_contention,
         default=False,
@@ -708,13 +752,26 @@ def run_cli(args: argparse.Namespace) -> int:
             )
         engine = sized_to_ahead(fitted.aheads[0], args.engine_scaling)
     trainer = None
-    if args.trainer_scaling > 0:
+    if args.trainer_scaling > 0 or args.time_trainer is not None:
+        option = "--trainer-scaling" if args.time_trainer is None else "--time-trainer"
+        if args.trainer_scaling > 0 and args.time_trainer is not None:
+            args.parser.error("argument --time-trainer: not with --trainer-scaling")
         if len(set(fitted.admitted)) > 1:
             args.parser.error(
-                f"argument --trainer-scaling: the traces trained different groups a step "
-                f"{fitted.admitted}"
+                f"argument {option}: the traces trained different groups a step {fitted.admitted}"
             )
-        trainer = sized_to_rows(workload.tasks, args.trainer_scaling, fitted.admitted[0])
+        recorded = fitted.admitted[0]
+        if args.time_trainer is None:
+            trainer = sized_to_rows(workload.tasks, args.trainer_scaling, recorded)
+        else:
+            counts = sorted({recorded, *(admitted(s, workload.tasks) for s in settings)})
+            try:
+                seconds = _time_trainer(args.time_trainer, workload, counts)
+            except ValueError as error:
+                args.parser.error(f"argument --time-trainer: {error}")
+            timed = ", ".join(f"{count} groups {seconds[count]:.4f} s" for count in counts)
+            print(f"the trainer's step timed alone on this machine: {timed}")
+            trainer = timed_rows(seconds, workload.tasks, recorded)
     rows = tune(workload, grid, seeds=args.seeds, jobs=args.jobs, engine=engine, trainer=trainer)
     print(f"simulated {args.seeds} seed(s) per setting: {describe(workload)}")
     limits = {"max_waste": args.max_waste, "max_bias": args.max_bias}
@@ -727,6 +784,25 @@ def run_cli(args: argparse.Namespace) -> int:
             return 1
         print(f"front drawn in {plot_path}")
     return 0
+
+
+def _time_trainer(run: str, workload: Workload, counts: Sequence[int]) -> dict[int, float]:
+    """`dew.train.step_seconds` of the run in folder `run`, which must be of the traces' batch
+    shape; imported only when asked for, since it builds the run's model.
+
+    Raises:
+        ValueError: naming the folder whose config is unreadable or of another batch shape, or
+            whose run cannot be timed (`step_seconds`).
+    """
+    from dew.train import TrainConfig, step_seconds
+
+    config = TrainConfig.from_file(Path(run) / "config.json")
+    if (config.batch_size, config.groups) != (workload.tasks, workload.groups):
+        raise ValueError(
+            f"{run} trained {config.batch_size} tasks x {config.groups} rollouts a batch, the "
+            f"traces {workload.tasks} x {workload.groups}: give the folder of the recorded run"
+        )
+    return step_seconds(run, counts)
 
 
 def _plot_path(text: str) -> Path:

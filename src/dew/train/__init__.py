@@ -24,7 +24,8 @@ lag, wait and row fill per step); `dew train --run DIR --resume` continues it.
 The package's modules: `_trainer` (the Rollout protocol, `Trainer`, `record_fields`),
 `_checkpoint` (writing and reading checkpoints), `_fit` (`fit`: your own task in a few lines),
 `_progress` (what `dew train` prints), `_curves` (`curves.png`, drawn with matplotlib),
-`_samples` and `_tensorboard` (what a run logs beside its metrics), and `dew train` itself:
+`_samples` and `_tensorboard` (what a run logs beside its metrics), `_timing` (`step_seconds`:
+a run's step timed at other row counts, for `dew tune`), and `dew train` itself:
 `_config` (`TrainConfig`), `_tasks` (what each task trains on), `_folders` (path checks),
 `_run` (`train`, one run end to end), `_interrupt` (Ctrl-C) and `_cli` (the command line).
 `ServedSource` lives in `dew.serve` and is re-exported here.
@@ -50,6 +51,7 @@ from dew.train._progress import Progress
 from dew.train._run import train
 from dew.train._samples import SampleLog, sample_record
 from dew.train._tensorboard import TensorBoard
+from dew.train._timing import step_seconds
 from dew.train._trainer import METRICS, NothingTrained, Rollout, Trainer, record_fields
 
 __all__ = [
@@ -82,6 +84,7 @@ __all__ = [
     "run_export_cli",
     "sample_record",
     "save_checkpoint",
+    "step_seconds",
     "task_list",
     "train",
     "write_curves",
