@@ -249,6 +249,24 @@ def test_observed_rollouts_are_resampled_by_weight_and_seed():
     assert resampled(SimulatedConfig(seed=5, observed=observed), 50) != times[:50]
 
 
+def test_traces_pooled_keep_each_traces_groups_apart(plain):
+    """A label names a rollout within its own trace: pooled, each trace's recorded groups are
+    pools of their own, numbered on from the last trace's, so a trace pooled with itself is the
+    workload it is alone, and predicts the same run."""
+    alone = calibrate.calibrate([plain])
+    twice = calibrate.calibrate([plain, plain])
+    pools = max(r.pool for r in alone.observed) + 1
+    assert pools > 1
+    assert [r.pool for r in twice.observed] == [r.pool for r in alone.observed] + [
+        r.pool + pools for r in alone.observed
+    ]
+    assert [r.seconds for r in twice.observed] == [r.seconds for r in alone.observed] * 2
+    setting = simulate.Setting("a", ahead=2, max_lag=2)
+    runs = [simulate.simulate(f.workload(steps=STEPS, slots=None), setting) for f in (alone, twice)]
+    assert runs[0].goodput == runs[1].goodput
+    assert runs[0].idle == runs[1].idle
+
+
 def test_a_task_draws_from_its_own_pool():
     """Task n draws from pool n mod the pools' count; a pool without rollouts from them all."""
     observed = (

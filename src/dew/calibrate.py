@@ -537,7 +537,8 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
     first = (read[0].config["groups"], _tasks_per_batch(read[0]))
     finished, cancelled, raised, steps, slots = [], [], 0, [], 0
     step_spans, rollout_spans = [], []
-    pool: dict = {}
+    # Each finished rollout's pool, beside it: a label names a rollout within its trace only.
+    pools_of: list[int] = []
     offset = 0
     for trace in read:
         shape = (trace.config["groups"], _tasks_per_batch(trace))
@@ -547,12 +548,12 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
                 f"trace's {first}"
             )
         sessions, pools = _window(trace, warmup, first[1])
-        for session in sessions:
-            # Each recorded group is a pool, numbered so that the simulation's task n (its
-            # group n) draws from the recorded group n while n is within the window.
-            pool[session.label] = offset + session.label.group % pools
-        offset += pools
         returned = [s for s in sessions if s.outcome == "returned"]
+        # Each recorded group is a pool, numbered so that the simulation's task n (its group n)
+        # draws from the recorded group n while n is within the window, and the next trace's
+        # groups follow the last one's.
+        pools_of += [offset + s.label.group % pools for s in returned]
+        offset += pools
         step, rollout = _shared_cpu(trace, warmup, returned)
         step_spans.append(step)
         rollout_spans.append(rollout)
@@ -571,8 +572,8 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
     censored = np.array([s.ended - s.submitted for s in cancelled])
     weights, beyond = _kaplan_meier_weights(durations, censored)
     observed = tuple(
-        attrs.evolve(_split(s), weight=float(w), pool=pool[s.label])
-        for s, w in zip(finished, weights, strict=True)
+        attrs.evolve(_split(s), weight=float(w), pool=p)
+        for s, w, p in zip(finished, weights, pools_of, strict=True)
         if w > 0
     )
     # Pooled over the traces: traces of settings that overlap differently (a synchronous run
