@@ -366,6 +366,11 @@ def test_dew_tune_times_the_recorded_runs_trainer(shared, tmp_path, capsys):
         with pytest.raises(SystemExit):
             cli.main([*argv, *extra])
         assert message in " ".join(capsys.readouterr().err.split())
+    missing = write_run(tmp_path / "missing", task="verifiers:no_such_environment")
+    with pytest.raises(SystemExit):
+        cli.main([*argv[:-1], str(missing)])
+    message = "argument --time-trainer: verifiers environment 'no_such_environment' is not"
+    assert message in " ".join(capsys.readouterr().err.split())
     other = write_run(tmp_path / "other", groups=2)
     with pytest.raises(SystemExit):
         cli.main([*argv[:-1], str(other)])

@@ -767,7 +767,9 @@ def run_cli(args: argparse.Namespace) -> int:
             counts = sorted({recorded, *(admitted(s, workload.tasks) for s in settings)})
             try:
                 seconds = _time_trainer(args.time_trainer, workload, counts)
-            except ValueError as error:
+            except (ValueError, ImportError, OSError) as error:
+                # A bad folder or config, or a task or checkpoint the run needs and this
+                # machine lacks (a verifiers environment not installed).
                 args.parser.error(f"argument --time-trainer: {error}")
             timed = ", ".join(f"{count} groups {seconds[count]:.4f} s" for count in counts)
             print(f"the trainer's step timed alone on this machine: {timed}")
@@ -793,6 +795,7 @@ def _time_trainer(run: str, workload: Workload, counts: Sequence[int]) -> dict[i
     Raises:
         ValueError: naming the folder whose config is unreadable or of another batch shape, or
             whose run cannot be timed (`step_seconds`).
+        ImportError, OSError: for a task or checkpoint of the run's that cannot be loaded here.
     """
     from dew.train import TrainConfig, step_seconds
 
