@@ -11,6 +11,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -34,7 +35,8 @@ from dew.objectives.rl._session import track_progress
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Label, Status
-from dew.serve import CallFailed, tokenizer
+from dew.serve import CallFailed, _vllm, tokenizer
+from dew.serve._vllm_process import free_port
 from dew.serve.vllm import VLLMEngine, VLLMError
 
 hide_broken_media_packages()
@@ -371,15 +373,30 @@ def test_a_port_in_use_is_refused_before_starting(engine, folders):
         VLLMEngine.start(folders[0], max_model_len=MAX_LEN, port=port)
 
 
-def test_a_checkpoint_vllm_refuses_fails_with_its_error(tmp_path):
+def test_a_checkpoint_vllm_refuses_fails_with_its_error(tmp_path, monkeypatch):
+    """The server's own error reaches the caller. Its first start finds its port taken (dew
+    picks a free port, and vLLM binds it after its imports, while any other process may take
+    it): it starts again on another, where vLLM refuses the checkpoint."""
     folder = tiny_qwen2(tmp_path / "broken")
     config = (folder / "config.json").read_text()
     (folder / "config.json").write_text(
         config.replace("Qwen2ForCausalLM", "NoSuchModelForCausalLM")
     )
-    with pytest.raises(VLLMError, match="exited with code") as caught:
-        VLLMEngine.start(folder, max_model_len=MAX_LEN, ready_timeout=600)
+    picked = []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1]])
+
+        def pick(host):
+            picked.append(next(ports, None) or free_port(host))
+            return picked[-1]
+
+        monkeypatch.setattr(_vllm, "free_port", pick)
+        with pytest.raises(VLLMError, match="exited with code") as caught:
+            VLLMEngine.start(folder, max_model_len=MAX_LEN, ready_timeout=600, work_dir=tmp_path)
     assert "NoSuchModelForCausalLM" in str(caught.value)
+    assert len(picked) == 2 and f":{picked[1]} exited" in str(caught.value)
 
 
 def test_a_server_never_ready_times_out_naming_it_and_its_log(folders, tmp_path):

@@ -44,13 +44,21 @@ import trio
 from dew._checks import check_int, check_number
 from dew.objectives.rl.sessions import Call, note_progress
 from dew.serve._failure import CallFailed
-from dew.serve._vllm_process import ServerProcess, VLLMError, check_port_free, free_port
+from dew.serve._vllm_process import (
+    PortTaken,
+    ServerProcess,
+    VLLMError,
+    check_port_free,
+    free_port,
+)
 
 _GENERATE = "/inference/v1/generate"
 
 # Flags every server dew starts runs with: log-probs of the distribution each token was drawn
 # from; the token-in/token-out endpoint; no torch.compile warm-up (minutes on a CPU).
 _REQUIRED_FLAGS = ("--logprobs-mode", "processed_logprobs", "--enable-scale-out")
+# Starts of one server whose picked port another process took first, before start gives up.
+PORT_ATTEMPTS = 3
 
 
 class _Server:
@@ -168,7 +176,9 @@ class VLLMEngine:
             servers: how many servers, >= 1.
             max_model_len: the longest prompt + completion.
             dtype: the weights' dtype on the servers ("float32" to match dew's float32 model).
-            port: the first server's port (the others count up from it); 0 picks free ports.
+            port: the first server's port (the others count up from it); 0 picks free ports,
+                and picks again (up to PORT_ATTEMPTS starts) for a server whose port another
+                process bound in the seconds before vLLM did.
             host: the address to listen on.
             name: the model name the servers serve; the checkpoint folder's name unless given.
             model: the `dew.models.hf.HFModel` pushed params are of; read from the checkpoint
@@ -219,19 +229,34 @@ class VLLMEngine:
             *_REQUIRED_FLAGS,
             *arguments,
         ]
+
+        def serve(index: int, server_port: int) -> ServerProcess:
+            return ServerProcess(
+                checkpoint,
+                host=host,
+                port=server_port,
+                arguments=flags,
+                log=work_dir / f"vllm-{index}.log",
+                environment=environment or {},
+            )
+
         started: list[ServerProcess] = []
         try:
-            for index, server_port in enumerate(ports):
-                started.append(
-                    ServerProcess(
-                        checkpoint,
-                        host=host,
-                        port=server_port,
-                        arguments=flags,
-                        log=work_dir / f"vllm-{index}.log",
-                        environment=environment or {},
-                    )
-                )
+            started += [serve(index, server_port) for index, server_port in enumerate(ports)]
+            deadline = time.monotonic() + ready_timeout
+            with httpx.Client() as client:
+                for index in range(len(started)):
+                    for attempt in range(1, PORT_ATTEMPTS + 1):
+                        try:
+                            started[index].wait_ready(deadline, client)
+                            break
+                        except PortTaken:
+                            # A port dew picked, taken before vLLM bound it: pick another. A
+                            # port the caller gave is theirs to change.
+                            if port or attempt == PORT_ATTEMPTS:
+                                raise
+                            started[index].stop()
+                            started[index] = serve(index, free_port(host))
             engine = cls(
                 [_Server(process.url, process) for process in started],
                 name=name,
@@ -244,9 +269,6 @@ class VLLMEngine:
                 version=version,
                 owned_dir=owned,
             )
-            deadline = time.monotonic() + ready_timeout
-            for process in started:
-                process.wait_ready(deadline, engine._pushes)
             # Together: a first call takes tens of seconds on each server.
             with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
                 list(pool.map(functools.partial(engine._warm_up, version), engine._servers))

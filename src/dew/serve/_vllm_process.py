@@ -44,6 +44,17 @@ class VLLMError(RuntimeError):
     out of contract, or none is left alive. The message names the server's URL."""
 
 
+class PortTaken(VLLMError):
+    """A server that exited because another process bound its port first: the port was free
+    when it was picked, and vLLM binds it only after its imports, seconds later, while any
+    process's outgoing connections may take it meanwhile (such ports lie in the system's
+    ephemeral range)."""
+
+
+# What a server's log says when its port was taken before it bound it.
+_PORT_TAKEN = "Address already in use"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on now (the system's pick)."""
     with socket.socket() as probe:
@@ -137,14 +148,17 @@ class ServerProcess:
 
         Raises:
             VLLMError: naming the URL and quoting the log's last lines, when the process exits
-                first (vLLM refused the checkpoint or its flags) or `deadline` passes.
+                first (vLLM refused the checkpoint or its flags; PortTaken when another process
+                bound its port first) or `deadline` passes.
         """
         while True:
             code = self.exit_code()
             if code is not None:
-                raise VLLMError(
+                tail = self.tail()
+                failure = PortTaken if _PORT_TAKEN in tail else VLLMError
+                raise failure(
                     f"the vLLM server {self.url} exited with code {code} before it was ready; "
-                    f"its last log lines ({self.log}):\n{self.tail()}"
+                    f"its last log lines ({self.log}):\n{tail}"
                 )
             with contextlib.suppress(httpx.HTTPError):
                 if client.get(f"{self.url}/health", timeout=5).status_code == 200:
