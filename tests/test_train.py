@@ -338,6 +338,22 @@ def test_a_step_count_starts_where_the_variables_are_and_the_step_compiles_once(
     assert trainer._update._cache_size() == 1
 
 
+def test_a_resumed_trainer_keeps_its_variables_where_they_were_placed(tmp_path):
+    """A checkpoint read back into a trainer whose variables are placed on a device lands there
+    too, step count and all: the resumed run's steps are one program, not a second one compiled
+    for state that the default device holds uncommitted."""
+    variables = jax.device_put(params(), jax.devices()[0])
+    sgd = optax.sgd(optax.constant_schedule(1e-2))
+    first = Trainer(OBJECTIVE, sgd, variables, directory=tmp_path, checkpoint_every=1)
+    first.run(FakeRollout(first.objective, []), CountingDataset([]), steps=1)
+    resumed = Trainer(OBJECTIVE, sgd, variables, directory=tmp_path)
+    assert resumed.resume() is not None
+    for leaf in jax.tree.leaves((resumed.variables, resumed.opt_state)):
+        assert leaf.committed and leaf.sharding == variables["embed"].sharding, leaf.sharding
+    resumed.run(FakeRollout(resumed.objective, []), CountingDataset([]), steps=3)
+    assert resumed._update._cache_size() == 1
+
+
 def test_trainer_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError, match="checkpoint_every must be an int >= 1, got 0"):
         Trainer(OBJECTIVE, MOMENTUM, params(), directory=tmp_path, checkpoint_every=0)

@@ -368,7 +368,8 @@ def _read_trees(directory: str | os.PathLike, trees: dict[str, Any]) -> tuple[di
             for index, _, leaf in numbered:
                 want = jnp.result_type(leaf)
                 array = stored[f"leaf{index}"]
-                restored[index] = jnp.asarray(array.view(want) if array.dtype != want else array)
+                value = array.view(want) if array.dtype != want else array
+                restored[index] = _placed_like(value, leaf)
     values = iter(restored[index] for index, _, _ in numbered)
     rebuilt = {
         name: jax.tree.unflatten(
@@ -377,6 +378,15 @@ def _read_trees(directory: str | os.PathLike, trees: dict[str, Any]) -> tuple[di
         for name, tree in trees.items()
     }
     return record, rebuilt
+
+
+def _placed_like(value: np.ndarray, template: Any) -> jax.Array:
+    """An npz's array placed as its template leaf is: on the template's device or sharded like
+    it (each process building its own shards from the whole value it read), or, for a template
+    placed nowhere in particular, on the default device."""
+    if isinstance(template, jax.Array) and template.committed:
+        return jax.make_array_from_callback(value.shape, template.sharding, lambda i: value[i])
+    return jnp.asarray(value)
 
 
 def load_checkpoint(
@@ -390,9 +400,9 @@ def load_checkpoint(
             and dtypes (their values are not used).
 
     Returns:
-        The checkpoint, its leaves as jax arrays; None when the directory holds none. The
-        arrays of an orbax checkpoint are placed as the templates' leaves are: a template of
-        arrays sharded over another mesh, or on one device, restores the saved shards onto it.
+        The checkpoint, its leaves as jax arrays placed as the templates' leaves are; None when
+        the directory holds none. A template of arrays sharded over another mesh, or on one
+        device, restores the saved arrays (an orbax checkpoint's shards) onto it.
 
     Raises:
         ValueError: naming the file, or the leaf whose path, shape or dtype differs from the
