@@ -51,7 +51,12 @@ def test_no_estimate_until_a_batch_worth_of_groups_has_completed():
         carry_over=False,
     )
     assert choice == _auto.Choice(admit=4)
-    assert choice.metrics() == {"auto/admit": 4.0, "auto/observed": 0.0}
+    assert choice.metrics() == {
+        "auto/admit": 4.0,
+        "auto/observed": 0.0,
+        "auto/over_budget": 0.0,
+        "auto/drained": 0.0,
+    }
     carrying = _auto.choose(
         size=5,
         complete=0,
@@ -101,8 +106,29 @@ def test_under_carry_over_a_cut_wastes_only_what_would_pass_the_bound():
     # Carried with two calls (about 20 s) left, it completes at 60 s: nothing is lost.
     kept = straggler(budget=0.0, carry_over=True, calls_left=2)
     assert (kept.admit, kept.waste) == (7, 0.0)
-    # With no call left it would pass the bound: the cut would lose it, so a zero budget waits.
+    # With no call left it would pass the bound: the cut would lose it, so a zero budget waits,
+    # and says that no cut fitted the budget (the core then drains carried groups).
     assert straggler(budget=0.0, carry_over=True, calls_left=0).admit == 8
+
+
+def test_a_run_past_its_budget_says_that_no_cut_fits():
+    seen = [(float(d), True) for d in range(1, 20)] + [(60.0, True)]
+    over = _auto.choose(
+        size=8,
+        complete=7,
+        running=[_auto.Running(50.0, 0)],
+        carried_complete=0,
+        carried_running=[],
+        seen=seen,
+        steps=[10.0],
+        budget=0.2,
+        carry_over=True,
+        spent=(300.0, 1000.0),  # 30 % thrown away already
+    )
+    assert (over.admit, over.over_budget, over.drained, over.wasted) == (8, True, 0, 0.3)
+    assert over.metrics()["auto/over_budget"] == 1.0
+    within = straggler(budget=0.2, carry_over=True, calls_left=2)
+    assert not within.over_budget
 
 
 def test_the_run_s_budget_is_spent_over_its_calls():
@@ -188,6 +214,8 @@ def test_exactly_once_holds_whatever_auto_chooses():
                     assert choice is not None and 1 <= choice.admit <= size
                     assert len(command.groups) <= size
                     seen["cut below the batch"] += choice.admit < size
+                    # Only a call where no cut fits the budget drains carried groups.
+                    assert choice.drained == 0 or (config.carry_over and choice.over_budget)
                     for group in command.groups:
                         gid = group[0].label.group
                         assert gid not in admitted, "a group admitted twice"
@@ -212,6 +240,11 @@ def test_exactly_once_holds_whatever_auto_chooses():
                 )
                 waiting = batch
                 apply(core.HandedOver(time, batch, updates, served, pushed, tasks))
+                if state.choice is not None and state.choice.over_budget and config.carry_over:
+                    # Drained to a batch's worth of carried groups, but for complete ones.
+                    carried = [state.groups[i] for i in state.carried]
+                    running_carried = [g for g in carried if g.state is core.GroupState.RUNNING]
+                    assert len(carried) <= size or not running_carried
                 batch += 1
             elif choice == "finish" and running:
                 label = data.draw(
@@ -314,6 +347,31 @@ def test_each_record_carries_the_cut_auto_chose_and_its_estimate(carry_over):
     # Deterministic under the mock clock: the same run chooses alike.
     again, _ = drive(1, 24, max_lag=3, carry_over=carry_over, waste_budget=0.5)
     assert [r.metrics for r in again] == [r.metrics for r in records]
+
+
+def test_a_run_past_its_budget_drains_carried_groups_beyond_a_batch():
+    """Under carry_over the carried groups that earlier cuts left in play stay in play (a call
+    admits at most a batch): a call where no cut fits the budget cancels running carried ones,
+    those that ran least first, down to a batch's worth, and its record says how many."""
+    records, events = drive(1, 30, max_lag=3, carry_over=True, waste_budget=0.3)
+    assert assert_exactly_once(events) == frozenset()
+    drained = [r.metrics["auto/drained"] for r in records]
+    assert sum(drained) > 0
+    for record in records:
+        if record.metrics["auto/drained"]:
+            assert record.metrics["auto/over_budget"] == 1.0
+    # Each drained group was carried, never admitted, and ended as surplus.
+    last: dict[int, str] = {}
+    carried, admitted = set(), set()
+    for e in events:
+        if e.kind == "carried":
+            carried.add(e.group)
+        elif e.kind == "admitted":
+            admitted.add(e.group)
+        elif e.kind in ("cancelled", "discarded"):
+            last[e.group] = e.reason
+    ended = {g for g in carried - admitted if last.get(g) == "surplus"}
+    assert len(ended) == sum(drained)
 
 
 def test_a_zero_budget_without_carry_over_never_cuts():

@@ -601,6 +601,36 @@ class _Step:
         )
         if not self.config.carry_over:
             self.cut(batch)
+        elif self.choice.over_budget:
+            self.drain(batch)
+
+    def drain(self, batch: int) -> None:
+        """Under carry_over, at a call where no cut keeps the run within its waste budget:
+        cancel running carried groups, those whose samples have run least first, until a batch's
+        worth of carried groups is left in play.
+
+        Cutting nothing alone cannot bring the run back within its budget: a call admits at
+        most a batch while each call submits one, so the carried groups left in play by earlier
+        cuts stay in play for good, and all of them queue for the engine's slots and so use up
+        their staleness window waiting (waste). Cancelling the excess is the one way to shrink
+        that backlog; the groups that have run least throw the least away."""
+        size = len(self.batches[batch])
+        excess = len(self.carried) - size
+        if excess <= 0:
+            return
+        running = [g for i in self.carried if (g := self.groups[i]).state is GroupState.RUNNING]
+
+        def ran(group: Group) -> float:
+            return sum(
+                self.time - s.submitted for s in group.samples if s.state is SampleState.RUNNING
+            )
+
+        drained = sorted(running, key=lambda g: (ran(g), g.id))[:excess]
+        for group in drained:
+            self.see(group, False)
+            self.end_group(group, GroupState.SURPLUS, "surplus")
+        if drained:
+            self.choice = attrs.evolve(self.choice, drained=len(drained))
 
     def calls_left(self, group: Group) -> int:
         """The calls after this one that may admit the group before its oldest submission

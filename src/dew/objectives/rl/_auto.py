@@ -63,6 +63,10 @@ class Choice:
     # The share of the run's rollout-seconds so far thrown away, measured: what the budget
     # weighed the call's estimate against (None before any submission has ended).
     wasted: float | None = None
+    # No admit kept the run within its budget, so the call cuts nothing; under carry_over the
+    # core then cancels carried groups beyond a batch's worth, `drained` of them.
+    over_budget: bool = False
+    drained: int = 0
 
     def metrics(self) -> dict[str, float]:
         """The record's `auto/*` figures, those estimated and finite (a record's figures are
@@ -75,6 +79,8 @@ class Choice:
             "auto/step": self.step,
             "auto/observed": self.observed,
             "auto/wasted": self.wasted,
+            "auto/over_budget": self.over_budget,
+            "auto/drained": self.drained,
         }
         return {k: float(v) for k, v in figures.items() if v is not None and math.isfinite(v)}
 
@@ -212,7 +218,8 @@ def choose(
             waste = lost / (lost + kept) if lost + kept > 0 else 0.0
             best = Choice(admit, wait, goodput, waste, step, len(completed), lost, kept, wasted)
     if best is None:
-        return Choice(size, None, None, 0.0, step, len(completed), 0.0, size * mean, wasted)
+        no_cut = Choice(size, None, None, 0.0, step, len(completed), 0.0, size * mean, wasted)
+        return attrs.evolve(no_cut, over_budget=True)
     return best
 
 

@@ -165,10 +165,16 @@ class RolloutScheduler:
             has really thrown away so far, measured from its own events (every ended
             submission's seconds from submission to end, those not admitted thrown away:
             cancelled, stale, failed, unneeded hedges, slot queueing included), plus the call's
-            estimate; where no admit keeps within it, the call cuts nothing. The record's
-            metrics carry the choice and its estimate: `auto/admit`, `auto/wait`,
-            `auto/goodput` (groups per second), `auto/waste`, `auto/step` and `auto/observed`
-            (the completed groups the estimate rests on). A run under the mock clock, and its
+            estimate; where no admit keeps within it, the call cuts nothing, and under
+            carry_over it cancels (as `surplus`) running carried groups, those that have run
+            least first, until a batch's worth of carried groups is left in play: a call admits
+            at most a batch, so the carried groups earlier cuts left in play would otherwise
+            stay, queueing for the engine and going stale. The record's metrics carry the
+            choice and its estimate: `auto/admit`, `auto/wait`, `auto/goodput` (groups per
+            second), `auto/waste`, `auto/step`, `auto/observed` (the completed groups the
+            estimate rests on), `auto/wasted` (the run's measured share thrown away so far),
+            `auto/over_budget` (1 where no admit kept within the budget) and `auto/drained`
+            (the carried groups that call cancelled). A run under the mock clock, and its
             replay, choose alike.
         hedge: under carry_over, a carried group still running when the call two before its last
             admissible one hands over gets a fresh sample (a hedge) beside each of its running
