@@ -31,12 +31,14 @@ duration, means; [min, max] in docs/concepts.md, "The reference workload"):
     carry lag=3 ahead=1 admit=3   0.794 / 21.2 % / 0.807     no hedge 0.735 / 29.1 % / 0.837
     carry lag=5 ahead=2 admit=4   0.914 / 10.3 % / 0.883     no hedge 0.868 / 16.6 % / 0.890
     carry lag=8 ahead=3 admit=4   0.962 /  4.3 % / 0.940     no hedge 0.941 /  7.1 % / 0.940
-    auto (budget 0.15) lag 3, 5, 8: 0.781 / 19.4 %, 0.930 / 13.9 %, 0.961 / 4.8 %
+    auto (budget 0.15) lag 3, 5, 8: 0.679 / 15.0 %, 0.929 / 13.6 %, 0.961 / 4.8 %
+    carry lag=3 ahead=1 admit=5   0.677 / 13.3 %  (the best fixed setting within 15 % there)
 Share and waste targets are met at every lag; the duration ratio misses at 5 and 8, where the
 staleness window alone bounds it at about 0.90 and 0.95 at those shares (docs/concepts.md,
 "The bound the staleness window puts on the duration ratio"). Workloads (seeds 0..3), auto's
-goodput over the best fixed one's: reference 1.000, sigma 0.5 0.993, sigma 1.5 0.909 (0.990 at
-budget 0.25; no setting there wastes under 18 %), T = 3 x mean 1.000.
+goodput over the best fixed one's: reference 1.000, sigma 0.5 0.993, T = 3 x mean 1.000; sigma
+1.5 0.729 at budget 0.15, spending 18 % (1.22 of admit 7's, the one fixed setting within 15 %
+there), and 0.990 at budget 0.25.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ SETTINGS = (
     Setting("carry lag=3 ahead=1 admit=3", ahead=1, max_lag=3, admit=3, carry_over=True),
     Setting("carry lag=3 no hedge", ahead=1, max_lag=3, admit=3, carry_over=True, hedge=False),
     Setting("auto lag=3 ahead=1", ahead=1, max_lag=3, admit="auto", carry_over=True, **BUDGET),
+    # The best fixed carry-over setting at max_lag 3 within auto's budget there.
+    Setting("carry lag=3 ahead=1 admit=5", ahead=1, max_lag=3, admit=5, carry_over=True),
     Setting("carry lag=5 ahead=2 admit=4", ahead=2, max_lag=5, admit=4, carry_over=True),
     Setting("carry lag=5 no hedge", ahead=2, max_lag=5, admit=4, carry_over=True, hedge=False),
     Setting("auto lag=5 ahead=2", ahead=2, max_lag=5, admit="auto", carry_over=True, **BUDGET),
@@ -88,9 +92,11 @@ AT_LAG_5 = (
     Setting("carry ahead=2 admit=2", ahead=2, max_lag=5, admit=2, carry_over=True),
     Setting("carry ahead=2 admit=4", ahead=2, max_lag=5, admit=4, carry_over=True),
     Setting("carry ahead=2 admit=6", ahead=2, max_lag=5, admit=6, carry_over=True),
+    # The one of them that wastes under 15 % on sigma 1.5.
+    Setting("carry ahead=2 admit=7", ahead=2, max_lag=5, admit=7, carry_over=True),
 )
-# Auto at the reference table's budget, and at one every fixed setting above meets on each
-# workload: on sigma 1.5 none wastes under 18 %, so 0.15 cannot be met there.
+# Auto at the reference table's budget, and at one every fixed setting above but admit 7
+# meets on each workload (on sigma 1.5 the others waste 18 % or more).
 AUTOS = (
     Setting("auto ahead=2", ahead=2, max_lag=5, admit="auto", carry_over=True, **BUDGET),
     Setting(
@@ -152,7 +158,8 @@ def workloads(
     steps: int, seeds: int, jobs: int, names=tuple(WORKLOADS), fixed=AT_LAG_5, autos=AUTOS
 ) -> str:
     """Auto beside the fixed settings at max_lag 5 on each workload: goodput (samples per
-    second, mean over seeds), waste, and each auto's goodput over the best fixed setting's."""
+    second, mean over seeds), waste, and each auto's goodput over the best fixed setting's,
+    and over the best of those whose waste is within that auto's budget."""
     settings = (*fixed, *autos)
     work = [
         (Workload(seed=seed, steps=steps, **WORKLOADS[name]), setting)
@@ -163,10 +170,12 @@ def workloads(
     results = iter(_run(work, jobs))
     lines = [
         f"max_lag 5, {steps} steps, seeds 0..{seeds - 1}: goodput (samples/s) and wasted share, "
-        f"means over seeds; each auto's goodput over the best fixed setting's",
+        f"means over seeds; each auto's goodput over the best fixed setting's, and over the "
+        f"best of those wasting no more than its budget",
         f"{'workload':<12}"
         + "".join(f"{s.name:>28}" for s in settings)
-        + "".join(f"{f'/best ({s.waste_budget})':>14}" for s in autos),
+        + "".join(f"{f'/best ({s.waste_budget})':>14}" for s in autos)
+        + "".join(f"{f'/within ({s.waste_budget})':>16}" for s in autos),
     ]
     for name in names:
         figures = []
@@ -176,7 +185,11 @@ def workloads(
         best = max(goodput for goodput, _ in figures[: len(fixed)])
         cells = "".join(f"{f'{g:.2f} ({w:.0%})':>28}" for g, w in figures)
         ratios = "".join(f"{g / best:>14.3f}" for g, _ in figures[len(fixed) :])
-        lines.append(f"{name:<12}{cells}{ratios}")
+        within = ""
+        for auto, (goodput, _) in zip(autos, figures[len(fixed) :], strict=True):
+            kept = [g for g, w in figures[: len(fixed)] if w <= auto.waste_budget]
+            within += f"{goodput / max(kept):>16.3f}" if kept else f"{'none':>16}"
+        lines.append(f"{name:<12}{cells}{ratios}{within}")
     return "\n".join(lines)
 
 
