@@ -37,6 +37,8 @@ Four predictions per target, side by side:
     python benchmarks/tune_accuracy.py --keep runs/    # the same, keeping the runs
     python benchmarks/tune_accuracy.py --analyse runs/ # the table again from kept runs
     python benchmarks/tune_accuracy.py --smoke         # simulated runs instead, in seconds
+    python benchmarks/tune_accuracy.py --pooled r1/ r2/ ...  # each kept round's targets from
+        # its own recorded run and from every round's recorded runs calibrated together
     python benchmarks/tune_accuracy.py --learning-rate 1e-9   # every run's policy held still
     python benchmarks/tune_accuracy.py --task guess    # on GuessDigit, whose policy's turns move
     python benchmarks/tune_accuracy.py --steps 200     # longer runs: less of the machine's noise
@@ -191,7 +193,19 @@ def main() -> None:
     parser.add_argument(
         "--analyse", type=Path, default=None, help="predict from the runs kept in this folder"
     )
+    parser.add_argument(
+        "--pooled",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="FOLDER",
+        help="kept rounds (--keep folders): each one's targets predicted from its own recorded "
+        "run and from all the rounds' recorded runs calibrated together",
+    )
     args = parser.parse_args()
+    if args.pooled:
+        print(pooled(args.pooled, args.warmup, args.seeds))
+        return
     warmup, probe_steps = (2, SMOKE_STEPS // 2) if args.smoke else (args.warmup, PROBE_STEPS)
     if args.smoke:
         args.seeds = 1
@@ -314,6 +328,41 @@ def sized_trainer(
     figures = ", ".join(f"{count} groups {seconds[count]:.4f} s" for count in counts)
     print(f"the recorded run's trainer step timed alone: {figures}")
     return tune.timed_rows(seconds, fitted.tasks, recorded), "--time-trainer"
+
+
+def pooled(rounds: list[Path], warmup: int, seeds: int) -> str:
+    """Each kept round's targets predicted (`model`: contention fitted, the round's trainer
+    timed) from its own recorded run and from every round's recorded runs calibrated together,
+    which draws each simulated group, and each step, from one of them: errors side by side,
+    then how many land within 10 % on goodput and 5 points on the idle share."""
+    traces = [folder / f"{_file(BASELINE[0])}.trace" for folder in rounds]
+    together = calibrate.calibrate(traces, warmup=warmup)
+    lines = [f"{'round':<12}{'target':<24}{'own':>18}{'pooled':>18}   (goodput % / idle points)"]
+    errors: dict[str, list[tuple[float, float]]] = {"own": [], "pooled": []}
+    for folder, trace in zip(rounds, traces, strict=True):
+        own = calibrate.calibrate([trace], warmup=warmup)
+        trainer, _ = sized_trainer(folder, own, None)
+        for name, knobs in TARGETS:
+            measured = calibrate.observe(folder / f"{_file(name)}.trace", warmup=warmup)
+            cells = ""
+            for label, fitted in (("own", own), ("pooled", together)):
+                goodput, idle = predict(
+                    fitted, knobs, measured.steps + warmup + 1, seeds, engine=1.0,
+                    trainer=trainer, contention=True,
+                )  # fmt: skip
+                error = (goodput / measured.goodput - 1, 100 * (idle - measured.idle))
+                errors[label].append(error)
+                cells += f"{f'{error[0]:+.1%} / {error[1]:+.1f}':>18}"
+            lines.append(f"{folder.name:<12}{name:<24}{cells}")
+    for label, found in errors.items():
+        goodput = sum(abs(g) <= 0.10 for g, _ in found)
+        idle = sum(abs(i) <= 5 for _, i in found)
+        mean = np.mean([abs(g) for g, _ in found])
+        lines.append(
+            f"{label}: goodput within 10 % at {goodput} of {len(found)}, idle within 5 points at "
+            f"{idle}; mean |goodput error| {mean:.1%}"
+        )
+    return "\n".join(lines)
 
 
 def _calls(fitted: calibrate.Calibration) -> float:

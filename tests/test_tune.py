@@ -3,6 +3,7 @@ match recorded runs, deterministic tables, the brute-force best, and `dew tune`'
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import re
@@ -36,8 +37,9 @@ PLAIN = SimulatedConfig(seed=1, duration_mean=MEAN, duration_sigma=SIGMA)
 STEPS = 30
 
 
-def record(path, config: SimulatedConfig, **options) -> Trace:
-    """Record STEPS trainer calls of a simulated run under a mock clock; the trace read back."""
+def record(path, config: SimulatedConfig, gap: float = STEP_TIME, **options) -> Trace:
+    """Record STEPS trainer calls of a simulated run under a mock clock, the trainer taking
+    `gap` seconds a step; the trace read back."""
     options = {"ahead": 1, "max_lag": 1, "width": 512, "rows": 16, "groups": 4, **options}
     run = functools.partial(
         run_simulated,
@@ -45,7 +47,7 @@ def record(path, config: SimulatedConfig, **options) -> Trace:
         updates=range(STEPS),
         config=config,
         batch_size=4,
-        gap=STEP_TIME,
+        gap=gap,
         **options,
     )
     return trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
@@ -250,15 +252,15 @@ def test_observed_rollouts_are_resampled_by_weight_and_seed():
 
 
 def test_traces_pooled_keep_each_traces_groups_apart(plain):
-    """A label names a rollout within its own trace: pooled, each trace's recorded groups are
-    pools of their own, numbered on from the last trace's, so a trace pooled with itself is the
-    workload it is alone, and predicts the same run."""
+    """A label names a rollout within its own trace: pooled, the n-th recorded group of each
+    trace shares pool n, each trace's rollouts marked as its run's, so a trace pooled with
+    itself is the workload it is alone, and predicts the same run."""
     alone = calibrate.calibrate([plain])
     twice = calibrate.calibrate([plain, plain])
-    pools = max(r.pool for r in alone.observed) + 1
-    assert pools > 1
-    assert [r.pool for r in twice.observed] == [r.pool for r in alone.observed] + [
-        r.pool + pools for r in alone.observed
+    assert max(r.pool for r in alone.observed) > 0
+    assert {r.run for r in alone.observed} == {0}
+    assert [(r.pool, r.run) for r in twice.observed] == [
+        (r.pool, run) for run in (0, 1) for r in alone.observed
     ]
     assert [r.seconds for r in twice.observed] == [r.seconds for r in alone.observed] * 2
     setting = simulate.Setting("a", ahead=2, max_lag=2)
@@ -284,9 +286,51 @@ def test_a_task_draws_from_its_own_pool():
     }  # fmt: skip
 
 
+def test_a_task_draws_its_group_whole_from_one_of_the_runs_its_pool_holds():
+    """Where a pool holds several recorded runs' groups, each task draws every rollout from one
+    run's, the run picked per task by the seed: the group's kinship holds, and over the tasks
+    each run is met about equally, so pooling runs of one setting averages them."""
+    observed = tuple(
+        ObservedRollout((seconds,), Status.COMPLETED, pool=pool, run=run)
+        for pool in range(4)
+        for run, seconds in enumerate((1.0, 2.0, 3.0))
+    )
+    source = SimulatedSource(SimulatedEngine(), SimulatedConfig(seed=5, observed=observed))
+    drawn = [
+        {source.model_time(Task(str(n)), Label(n, s, 0)) for s in range(8)} for n in range(300)
+    ]
+    assert all(len(group) == 1 for group in drawn)
+    counts = collections.Counter(group.pop() for group in drawn)
+    assert set(counts) == {1.0, 2.0, 3.0} and min(counts.values()) > 75, counts
+    # Another seed picks other runs for the same tasks.
+    other = SimulatedSource(SimulatedEngine(), SimulatedConfig(seed=6, observed=observed))
+    picks = [other.model_time(Task(str(n)), Label(n, 0, 0)) for n in range(300)]
+    assert picks != [source.model_time(Task(str(n)), Label(n, 0, 0)) for n in range(300)]
+
+
+def test_runs_of_one_setting_pooled_predict_between_them(tmp_path):
+    """A slow recorded run and a fast one of the same setting, calibrated together, predict a
+    run between the two each predicts alone: each simulated group is one of theirs, and the
+    simulated trainer's steps are theirs in turn."""
+    slow_config = SimulatedConfig(seed=1, duration_mean=2 * MEAN)
+    slow = record(tmp_path / "slow.trace", slow_config, gap=2 * STEP_TIME)
+    fast = record(tmp_path / "fast.trace", SimulatedConfig(seed=2, duration_mean=MEAN / 2))
+    both = calibrate.calibrate([slow, fast])
+    assert both.step_times == pytest.approx(([2 * STEP_TIME, STEP_TIME] * STEPS)[: STEPS - 3])
+    setting = simulate.Setting("a", ahead=1, max_lag=1)
+    goodput = {
+        name: simulate.simulate(
+            calibrate.calibrate(traces).workload(steps=STEPS, slots=None), setting
+        ).goodput
+        for name, traces in (("slow", [slow]), ("fast", [fast]), ("both", [slow, fast]))
+    }
+    assert goodput["slow"] < goodput["both"] < goodput["fast"], goodput
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
+        ({"seconds": (1.0,), "status": Status.COMPLETED, "run": -1}, "run must be an int >= 0"),
         ({"seconds": (1.0,), "status": Status.CANCELLED}, "status must be how a rollout ends"),
         ({"seconds": (-1.0,), "status": Status.COMPLETED}, "seconds must be finite numbers >= 0"),
         ({"seconds": (1.0,), "status": Status.TRUNCATED}, "truncation must be given exactly"),

@@ -17,7 +17,10 @@
   with a policy that learns to take more turns, and one task's rollouts resemble each other;
   pooled, every simulated batch would meet the run's average mix and the trainer's waits on a
   batch's slowest rollout would come out wrong. Groups are numbered `tasks` a batch in a row
-  while the trainer keeps one stream, which is how a pool finds its batch.
+  while the trainer keeps one stream, which is how a pool finds its batch. Given several
+  traces, pool n holds each one's n-th group and a simulated task draws its group whole from
+  one of them (picked per task), so that the simulation meets every trace, each in step with
+  its training, and several runs of one setting average out how fast each run's engine ran.
 - a trace holds each rollout's duration, not each call's: a rollout's seconds are split over
   its calls in proportion to their completion tokens, the decode time's main term.
 - the engine's slot count: the most rollouts in flight at once. It is the slot count of an
@@ -90,7 +93,8 @@ class Calibration:
         unscored: share of TRUNCATED rollouts without a reward.
         raised: rollouts whose source raised or returned what no trace holds.
         slots: the most rollouts in flight at once over every trace.
-        step_times: the trainer's seconds between a batch's delivery and its next hand-over.
+        step_times: the trainer's seconds between a batch's delivery and its next hand-over;
+            of several traces, step i is one trace's step i, the traces in turn.
         tasks: tasks per batch (one group each).
         groups: rollouts per group that train together.
         aheads: each trace's `ahead`.
@@ -537,10 +541,10 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
     first = (read[0].config["groups"], _tasks_per_batch(read[0]))
     finished, cancelled, raised, steps, slots = [], [], 0, [], 0
     step_spans, rollout_spans = [], []
-    # Each finished rollout's pool, beside it: a label names a rollout within its trace only.
-    pools_of: list[int] = []
-    offset = 0
-    for trace in read:
+    # Each finished rollout's pool and run, beside it: a label names a rollout within its
+    # trace only.
+    pools_of: list[tuple[int, int]] = []
+    for run, trace in enumerate(read):
         shape = (trace.config["groups"], _tasks_per_batch(trace))
         if shape != first:
             raise CalibrationError(
@@ -550,10 +554,9 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
         sessions, pools = _window(trace, warmup, first[1])
         returned = [s for s in sessions if s.outcome == "returned"]
         # Each recorded group is a pool, numbered so that the simulation's task n (its group n)
-        # draws from the recorded group n while n is within the window, and the next trace's
-        # groups follow the last one's.
-        pools_of += [offset + s.label.group % pools for s in returned]
-        offset += pools
+        # draws from the recorded group n while n is within the window: of one trace, picked
+        # per task, where several traces hold a group n.
+        pools_of += [(s.label.group % pools, run) for s in returned]
         step, rollout = _shared_cpu(trace, warmup, returned)
         step_spans.append(step)
         rollout_spans.append(rollout)
@@ -561,7 +564,7 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
         cancelled += [s for s in sessions if s.outcome == "cancelled"]
         raised += sum(s.outcome in ("raised", "invalid") for s in sessions)
         timed = _delivered(trace)
-        steps += [b.handed_over - a.returned for a, b in itertools.pairwise(timed[warmup:])]
+        steps.append([b.handed_over - a.returned for a, b in itertools.pairwise(timed[warmup:])])
         slots = max(slots, _most_in_flight(list(trace.sessions.values())))
     if not finished:
         raise CalibrationError(
@@ -572,10 +575,13 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
     censored = np.array([s.ended - s.submitted for s in cancelled])
     weights, beyond = _kaplan_meier_weights(durations, censored)
     observed = tuple(
-        attrs.evolve(_split(s), weight=float(w), pool=p)
-        for s, w, p in zip(finished, weights, pools_of, strict=True)
+        attrs.evolve(_split(s), weight=float(w), pool=pool, run=run)
+        for s, w, (pool, run) in zip(finished, weights, pools_of, strict=True)
         if w > 0
     )
+    # The simulation's step i is step i of one trace, the traces taking turns, as its groups
+    # are: several runs average, each step in step with its training.
+    order = _alternating([len(times) for times in steps])
     # Pooled over the traces: traces of settings that overlap differently (a synchronous run
     # beside one ahead) tell the factors apart better than either alone.
     step_fit = [np.concatenate(parts) for parts in zip(*step_spans, strict=True)]
@@ -606,17 +612,27 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
         ),
         raised=raised,
         slots=slots,
-        step_times=tuple(steps),
+        step_times=tuple(steps[j][i] for j, i in order),
         tasks=tasks,
         groups=groups,
         aheads=tuple(t.config["ahead"] for t in read),
         admitted=tuple(_admitted(t, tasks) for t in read),
-        step_overlaps=tuple(step_fit[1].tolist()),
+        step_overlaps=tuple(float(step_spans[j][1][i]) for j, i in order),
         overlaps=tuple(overlaps.tolist()),
         contention=Contention(
             trainer=contention_factor(*step_fit), engine=contention_factor(*rollout_fit)
         ),
     )
+
+
+def _alternating(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """(sequence, index) pairs, one per index up to the longest: index i taken from the
+    sequences long enough to hold it, in turn."""
+    order = []
+    for i in range(max(lengths, default=0)):
+        holding = [j for j, length in enumerate(lengths) if length > i]
+        order.append((holding[i % len(holding)], i))
+    return order
 
 
 def _admitted(trace: Trace, tasks: int) -> int:

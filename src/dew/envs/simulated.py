@@ -92,6 +92,8 @@ class ObservedRollout:
         weight: its share of the resampling, relative to the others' of its pool (a censored
             sample's weight is spread over the longer ones: see `dew.calibrate`).
         pool: which pool it is resampled from (see SimulatedConfig.observed).
+        run: which recorded run it comes from: a pool holding several runs' rollouts gives each
+            task the rollouts of one run, so that a task's rollouts stay one recorded group's.
 
     Raises:
         ValueError: naming the field and the value that breaks it.
@@ -103,6 +105,7 @@ class ObservedRollout:
     failing: float | None = None
     weight: float = attrs.field(default=1.0, validator=_observed_weight)
     pool: int = attrs.field(default=0, validator=_pool)
+    run: int = attrs.field(default=0, validator=_pool)
 
     def __attrs_post_init__(self):
         if self.status is Status.CANCELLED:
@@ -165,10 +168,12 @@ class SimulatedConfig:
             are drawn as ever. A task draws from one pool: with pools numbered below P (the
             largest number + 1), the task named by integer id n draws from pool n mod P, any
             other from the one its name's stable hash picks; a pool with no rollout draws from
-            them all. Consecutive tasks thus draw from consecutive pools, and `dew.calibrate`
-            makes each recorded group a pool, numbered as the run's batches held them: a
-            simulated run then meets the recorded run's drift over training and the kinship
-            of one task's rollouts.
+            them all. A pool holding the rollouts of several runs (`ObservedRollout.run`) gives
+            each task one run's, that run picked by the seed and the task. Consecutive tasks
+            thus draw from consecutive pools, and `dew.calibrate` makes each recorded group a
+            pool, numbered as the run's batches held them (the n-th group of each of several
+            runs in pool n): a simulated run then meets the recorded runs' drift over training,
+            the kinship of one task's rollouts, and each run in turn.
 
     Raises:
         ValueError: naming the field, its bound and the value that broke it.
@@ -213,13 +218,17 @@ class SimulatedConfig:
                     f"observed[{i}] must be an ObservedRollout, got {type(rollout).__name__}"
                 )
         count = max((rollout.pool for rollout in self.observed), default=-1) + 1
-        members: list[list[int]] = [[] for _ in range(count)]
+        members: list[dict[int, list[int]]] = [{} for _ in range(count)]
         for i, rollout in enumerate(self.observed):
-            members[rollout.pool].append(i)
-        every = list(range(len(self.observed)))
+            members[rollout.pool].setdefault(rollout.run, []).append(i)
+        every = {0: list(range(len(self.observed)))}
+        # Per pool, per run found in it (in the runs' order): indices and cumulative weights.
         pools = tuple(
-            (indices, np.cumsum([self.observed[i].weight for i in indices]))
-            for indices in (m or every for m in members)
+            tuple(
+                (indices, np.cumsum([self.observed[i].weight for i in indices]))
+                for _, indices in sorted((m or every).items())
+            )
+            for m in members
         )
         object.__setattr__(self, "_pools", pools)
 
@@ -339,7 +348,9 @@ def _resample(
     """The observed rollout of the task's pool that uniform draw `u` picks by weight: its
     status, truncation, call seconds and failing seconds."""
     key = int(task.name) if task.name.isdigit() else stable_hash(task.name)
-    indices, weights = config._pools[key % len(config._pools)]
+    runs = config._pools[key % len(config._pools)]
+    pick = 0 if len(runs) == 1 else np.random.default_rng([config.seed, key]).integers(len(runs))
+    indices, weights = runs[pick]
     index = int(np.searchsorted(weights, u * weights[-1], side="right"))
     picked = config.observed[indices[min(index, len(indices) - 1)]]
     return picked.status, picked.truncation, picked.seconds, picked.failing
