@@ -71,9 +71,14 @@ def test_no_estimate_until_a_batch_worth_of_groups_has_completed():
     assert carrying == _auto.Choice(admit=3)  # half the batch: a carried group costs no work
 
 
-def straggler(budget: float, carry_over: bool = False, calls_left: int = 0) -> _auto.Choice:
+def straggler(
+    budget: float,
+    carry_over: bool = False,
+    calls_left: int = 0,
+    spent: tuple[float, float] = (0.0, 0.0),
+) -> _auto.Choice:
     """Seven of eight groups complete; the eighth has run 50 s where every group seen took 1 to
-    20 s, or 60 (one in twenty)."""
+    20 s, or 60 (one in twenty); the run has thrown away `spent`[0] of its `spent`[1] s."""
     seen = [(float(d), True) for d in range(1, 20)] + [(60.0, True)]
     return _auto.choose(
         size=8,
@@ -85,6 +90,7 @@ def straggler(budget: float, carry_over: bool = False, calls_left: int = 0) -> _
         steps=[10.0, 10.0, 12.0],
         budget=budget,
         carry_over=carry_over,
+        spent=spent,
     )
 
 
@@ -106,25 +112,12 @@ def test_under_carry_over_a_cut_wastes_only_what_would_pass_the_bound():
     # Carried with two calls (about 20 s) left, it completes at 60 s: nothing is lost.
     kept = straggler(budget=0.0, carry_over=True, calls_left=2)
     assert (kept.admit, kept.waste) == (7, 0.0)
-    # With no call left it would pass the bound: the cut would lose it, so a zero budget waits,
-    # and says that no cut fitted the budget (the core then drains carried groups).
+    # With no call left it would pass the bound: the cut would lose it, so a zero budget waits.
     assert straggler(budget=0.0, carry_over=True, calls_left=0).admit == 8
 
 
 def test_a_run_past_its_budget_says_that_no_cut_fits():
-    seen = [(float(d), True) for d in range(1, 20)] + [(60.0, True)]
-    over = _auto.choose(
-        size=8,
-        complete=7,
-        running=[_auto.Running(50.0, 0)],
-        carried_complete=0,
-        carried_running=[],
-        seen=seen,
-        steps=[10.0],
-        budget=0.2,
-        carry_over=True,
-        spent=(300.0, 1000.0),  # 30 % thrown away already
-    )
+    over = straggler(budget=0.2, carry_over=True, spent=(300.0, 1000.0))  # 30 % thrown away
     assert (over.admit, over.over_budget, over.drained, over.wasted) == (8, True, 0, 0.3)
     assert over.metrics()["auto/over_budget"] == 1.0
     within = straggler(budget=0.2, carry_over=True, calls_left=2)
@@ -135,19 +128,7 @@ def test_the_run_s_budget_is_spent_over_its_calls():
     first = straggler(budget=0.2)
     assert first.admit == 8  # this cut alone would cost more than a fifth
     # Earlier calls that cut nothing leave room for it.
-    seen = [(float(d), True) for d in range(1, 20)] + [(60.0, True)]
-    later = _auto.choose(
-        size=8,
-        complete=7,
-        running=[_auto.Running(50.0)],
-        carried_complete=0,
-        carried_running=[],
-        seen=seen,
-        steps=[10.0],
-        budget=0.2,
-        carry_over=False,
-        spent=(0.0, 1000.0),
-    )
+    later = straggler(budget=0.2, spent=(0.0, 1000.0))
     assert later.admit == 7
 
 
