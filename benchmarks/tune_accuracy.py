@@ -204,7 +204,18 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.pooled:
-        print(pooled(args.pooled, args.warmup, args.seeds))
+        for option in ("smoke", "analyse", "keep", "task", "steps", "learning_rate"):
+            if getattr(args, option) not in (None, False):
+                parser.error(f"--pooled reads kept rounds: not with --{option.replace('_', '-')}")
+        for folder in args.pooled:
+            for name, _ in (BASELINE, *TARGETS):
+                if not (folder / f"{_file(name)}.trace").is_file():
+                    parser.error(f"--pooled: {folder} holds no {_file(name)}.trace (keep a round "
+                                 f"with --keep)")  # fmt: skip
+        try:
+            print(pooled(args.pooled, args.warmup, args.seeds))
+        except ValueError as error:  # a trace that is not one, or rounds of other shapes
+            parser.error(f"--pooled: {error}")
         return
     warmup, probe_steps = (2, SMOKE_STEPS // 2) if args.smoke else (args.warmup, PROBE_STEPS)
     if args.smoke:
