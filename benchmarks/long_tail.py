@@ -54,7 +54,13 @@ from dew.cli import main
 from dew.simulate import Setting, Workload, simulate
 
 REFERENCE = dict(
-    slots=64, tasks=8, groups=8, duration_mean=10.0, duration_sigma=1.0, step_time=10.0
+    slots=64,
+    tasks=8,
+    groups=8,
+    duration_mean=10.0,
+    duration_sigma=1.0,
+    calls=(1, 1),
+    step_time=10.0,
 )
 BUDGET = dict(waste_budget=0.15)
 
@@ -144,8 +150,8 @@ def reference(steps: int, seeds: int, jobs: int, settings=SETTINGS) -> str:
     ]
     results = _run(work, jobs)
     lines = [
-        f"reference workload: C=64, 8 tasks x 8 rollouts, lognormal mean 10 s sigma 1, T=10 s, "
-        f"{steps} steps, seeds 0..{seeds - 1}; mean [min, max]",
+        "reference workload: C=64, 8 tasks x 8 rollouts, lognormal mean 10 s sigma 1, one call "
+        f"each, T=10 s, {steps} steps, seeds 0..{seeds - 1}; mean [min, max]",
         f"{'setting':<30}{'of bound':>22}{'wasted':>22}{'admitted/mean':>22}",
     ]
     for setting in settings:

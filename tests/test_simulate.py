@@ -98,6 +98,8 @@ def test_a_setting_is_a_pure_function_of_the_workload(smoke):
         ({"steps": 2.5}, "steps must be an int >= 1, got 2.5"),
         ({"duration_mean": float("inf")}, "duration_mean must be a finite number > 0, got inf"),
         ({"step_time": -1.0}, "step_time must be a finite number >= 0.0, got -1.0"),
+        ({"calls": 2}, "calls must be two ints (low, high), got 2"),
+        ({"calls": (0, 2)}, "calls low must be >= 1, got (0, 2)"),
     ],
 )
 def test_a_bad_workload_names_its_field(fields, message):
@@ -159,10 +161,24 @@ def test_dew_simulate_help_lists_each_option_with_its_default(capsys):
         ("--groups", "4"),
         ("--duration-mean", "10.0"),
         ("--duration-sigma", "1.0"),
+        ("--calls", "1-4"),
         ("--step-time", "10.0"),
     ]:
-        assert re.search(rf"{option} \S+ [^-]*\(default: {re.escape(default)}[,)]", out), option
+        assert re.search(rf"{option} \S+ (?:(?! --).)*\(default: {re.escape(default)}[,)]", out), (
+            option
+        )
     assert "--smoke" in out
+
+
+def test_dew_simulate_calls_sets_the_calls_each_rollout_makes(capsys):
+    assert cli.main(["simulate", "--smoke", "--steps", "1", "--calls", "2"]) == 0
+    assert ", 2 calls each," in capsys.readouterr().out.splitlines()[0]
+
+
+async def test_a_workloads_rollouts_make_the_calls_it_names(autojump_clock):
+    source = SimulatedSource(SimulatedEngine(), simulate.Workload(calls=(2, 3)).sessions())
+    counts = [len((await source.run(Task(f"t{i}"), Label(i, 0, 0))).calls) for i in range(40)]
+    assert set(counts) == {2, 3}
 
 
 def test_dew_simulate_rejects_a_bad_value_by_name(capsys):

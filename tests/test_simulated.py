@@ -72,6 +72,7 @@ def labels(n: int, *, tasks: int = 8) -> list[tuple[Task, Label]]:
         ({"duration_sigma": -0.5}, "duration_sigma must be a finite number >= 0"),
         ({"calls": (0, 3)}, "calls low must be >= 1"),
         ({"calls": (3, 2)}, "calls low must be <= high"),
+        ({"calls": 4}, "calls must be two ints"),
         ({"prompt_tokens": (1, 2, 3)}, "prompt_tokens must be two ints"),
         ({"completion_tokens": (1.5, 3)}, "completion_tokens must be two ints"),
         ({"env_tokens": (-1, 2)}, "env_tokens low must be >= 0"),

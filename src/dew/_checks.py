@@ -142,6 +142,13 @@ probability = in_range(0, 1)
 """An attrs validator: the field is a number in [0, 1]."""
 
 
+def as_tuple(value: Any) -> Any:
+    """An attrs converter: a list or tuple as a tuple, anything else as given, for the field's
+    validator to name (a bare `tuple` converter fails on an int with a TypeError that names no
+    field)."""
+    return tuple(value) if isinstance(value, list | tuple) else value
+
+
 def is_callable(instance: Any, attribute: Any, value: Any) -> None:
     """An attrs validator: the field is callable.
 
@@ -192,4 +199,31 @@ def number_option(low: float, high: float) -> Callable[[str], float]:
         return value
 
     parse.__name__ = "number"
+    return parse
+
+
+def span_option(low: int, high: int) -> Callable[[str], tuple[int, int]]:
+    """An argparse `type`: `N` or `LOW-HIGH` as a (low, high) pair of ints within [low, high],
+    low first.
+
+    Raises:
+        argparse.ArgumentTypeError: `must be N or LOW-HIGH, ints within [low, high] with LOW <=
+            HIGH, got 'text'`.
+    """
+    single = int_option(low, high)
+
+    def parse(text: str) -> tuple[int, int]:
+        parts = text.split("-")
+        try:
+            if len(parts) not in (1, 2):
+                raise argparse.ArgumentTypeError
+            first, last = single(parts[0]), single(parts[-1])
+            if first > last:
+                raise argparse.ArgumentTypeError
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"must be N or LOW-HIGH, ints within [{low}, {high}] with LOW <= HIGH, got {text!r}"
+            ) from None
+        return first, last
+
     return parse

@@ -21,7 +21,7 @@ from typing import NoReturn
 import attrs
 
 from dew import replay, simulate, train, tune
-from dew._checks import int_option, number_option
+from dew._checks import int_option, number_option, span_option
 
 
 @attrs.frozen
@@ -49,6 +49,7 @@ _WORKLOAD_OPTIONS = (
     ("--groups", "groups", int_option(1, 4096), "rollouts per task that train together"),
     ("--duration-mean", "duration_mean", number_option(0, 1e6), "a rollout's mean model seconds"),
     ("--duration-sigma", "duration_sigma", number_option(0, 10), "the lognormal duration's sigma"),
+    ("--calls", "calls", span_option(1, 64), "engine calls per rollout, N or LOW-HIGH"),
     ("--step-time", "step_time", number_option(0, 1e6), "trainer seconds per step (T)"),
 )
 
@@ -60,7 +61,7 @@ MAX_SIMULATED = 10**5
 def _configure_simulate(parser: argparse.ArgumentParser) -> None:
     default, smoke = simulate.Workload(), simulate.Workload.smoke()
     for option, field, kind, text in _WORKLOAD_OPTIONS:
-        value, small = getattr(default, field), getattr(smoke, field)
+        value, small = (_shown(getattr(workload, field)) for workload in (default, smoke))
         shown = f"default: {value}" + ("" if small == value else f", {small} with --smoke")
         # None marks an option not given, so --smoke's workload keeps its own value for it.
         parser.add_argument(
@@ -74,6 +75,11 @@ def _configure_simulate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--smoke", action="store_true", help="a tiny workload that runs in seconds, for CI"
     )
+
+
+def _shown(value) -> str:
+    """A workload field's value as its option takes it: a (low, high) span as LOW-HIGH."""
+    return "-".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def _run_simulate(args: argparse.Namespace) -> int:

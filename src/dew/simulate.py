@@ -24,7 +24,7 @@ import numpy as np
 import trio
 import trio.testing
 
-from dew._checks import at_least, check_number, in_range, int_at_least, positive
+from dew._checks import as_tuple, at_least, check_number, in_range, int_at_least, positive
 from dew.data import ArrayDataset, Task
 from dew.envs.simulated import ObservedRollout, SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.objectives.rl.scheduler import LogEvent, RolloutScheduler
@@ -76,12 +76,15 @@ class Workload:
         groups: rollouts per task that train together.
         duration_mean: mean seconds of a rollout's model time.
         duration_sigma: sigma of the lognormal duration's log: the tail's weight.
+        calls: (low, high): each rollout makes from low to high engine calls, drawn uniformly,
+            that share its duration; each waits for a slot of its own, and the rollout's version
+            is its first call's. (1, 1): one call per rollout, the issue-23 reference workload.
         step_time: seconds the trainer spends on each step (T), during which it waits on nothing.
         warmup: steps run before the figures start counting: a recorded run's first steps
             compile and are not what the run is like, so a comparison with one leaves them out.
         observed: rollouts to resample instead of drawing lognormal durations (see
-            SimulatedConfig.observed); duration_mean and duration_sigma are then not used, and
-            the population's mean duration is the observed rollouts' weighted mean.
+            SimulatedConfig.observed); duration_mean, duration_sigma and calls are then not
+            used, and the population's mean duration is the observed rollouts' weighted mean.
         step_times: when given, step k (from warmup) spends step_times[(k - warmup) mod their
             count] instead of step_time: a recorded run's own step times, in its order, so a
             trainer that slows or speeds up over training does so in the simulation too
@@ -103,6 +106,7 @@ class Workload:
     groups: int = attrs.field(default=4, validator=int_at_least(1))
     duration_mean: float = attrs.field(default=10.0, validator=positive)
     duration_sigma: float = attrs.field(default=1.0, validator=at_least(0.0))
+    calls: tuple[int, int] = attrs.field(default=(1, 4), converter=as_tuple)
     step_time: float = attrs.field(default=10.0, validator=at_least(0.0))
     warmup: int = attrs.field(default=0, validator=int_at_least(0))
     observed: tuple[ObservedRollout, ...] = attrs.field(default=(), converter=tuple)
@@ -177,6 +181,7 @@ class Workload:
             seed=self.seed,
             duration_mean=self.duration_mean,
             duration_sigma=self.duration_sigma,
+            calls=self.calls,
             observed=self.observed,
         )
 
@@ -539,8 +544,11 @@ def describe(workload: Workload) -> str:
             f"{workload.population_mean:.3g}s"
         )
     else:
+        low, high = workload.calls
+        calls = f"{low}" if low == high else f"{low}-{high}"
         rollouts = (
-            f"lognormal rollouts mean {workload.duration_mean:g}s sigma {workload.duration_sigma:g}"
+            f"lognormal rollouts mean {workload.duration_mean:g}s sigma "
+            f"{workload.duration_sigma:g}, {calls} call{'s' if high > 1 else ''} each"
         )
     warmup = f" (the first {workload.warmup} not measured)" if workload.warmup else ""
     shared = workload.contention

@@ -20,13 +20,14 @@ import hashlib
 import heapq
 import itertools
 import math
+import numbers
 
 import attrs
 import numpy as np
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from dew._checks import at_least, check_int, int_at_least, positive, probability
+from dew._checks import as_tuple, at_least, check_int, int_at_least, positive, probability
 from dew.data import Task
 from dew.objectives.rl.sessions import (
     TRUNCATION_REASONS,
@@ -54,7 +55,11 @@ def stable_hash(text: str) -> int:
 
 def _span(low: int):
     def span(instance, attribute, value):
-        if len(value) != 2 or not all(isinstance(v, int) for v in value):
+        if (
+            not isinstance(value, tuple)
+            or len(value) != 2
+            or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value)
+        ):
             raise ValueError(f"{attribute.name} must be two ints (low, high), got {value!r}")
         if value[0] < low:
             raise ValueError(f"{attribute.name} low must be >= {low}, got {value!r}")
@@ -182,14 +187,16 @@ class SimulatedConfig:
     seed: int = attrs.field(default=0, validator=int_at_least(0))
     duration_mean: float = attrs.field(default=10.0, validator=positive)
     duration_sigma: float = attrs.field(default=1.0, validator=at_least(0.0))
-    calls: tuple[int, int] = attrs.field(default=(1, 4), converter=tuple, validator=_span(1))
+    calls: tuple[int, int] = attrs.field(default=(1, 4), converter=as_tuple, validator=_span(1))
     prompt_tokens: tuple[int, int] = attrs.field(
-        default=(8, 32), converter=tuple, validator=_span(1)
+        default=(8, 32), converter=as_tuple, validator=_span(1)
     )
     completion_tokens: tuple[int, int] = attrs.field(
-        default=(4, 64), converter=tuple, validator=_span(1)
+        default=(4, 64), converter=as_tuple, validator=_span(1)
     )
-    env_tokens: tuple[int, int] = attrs.field(default=(0, 8), converter=tuple, validator=_span(0))
+    env_tokens: tuple[int, int] = attrs.field(
+        default=(0, 8), converter=as_tuple, validator=_span(0)
+    )
     merge_share: float = attrs.field(default=0.8, validator=probability)
     vocab: int = attrs.field(default=64, validator=int_at_least(1))
     infra_error: float = attrs.field(default=0.0, validator=probability)
