@@ -45,7 +45,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import math
 import multiprocessing
+import statistics
 import sys
 
 import numpy as np
@@ -116,7 +118,7 @@ AUTOS = (
 )
 
 
-def _one(job: tuple[Workload, Setting]) -> tuple[str, float, float, float, float]:
+def _one(job: tuple[Workload, Setting]) -> tuple[str, float, float, float, float, float, float]:
     workload, setting = job
     outcome = simulate(workload, setting)
     # The issue's bound for every setting: the engine's and a whole batch a step's.
@@ -125,7 +127,32 @@ def _one(job: tuple[Workload, Setting]) -> tuple[str, float, float, float, float
         workload.tasks * workload.groups / workload.step_time,
     )
     share = outcome.goodput / bound
-    return setting.name, share, outcome.wasted, outcome.selection, outcome.goodput
+    period = outcome.elapsed / (workload.steps - workload.warmup)
+    return (
+        setting.name,
+        share,
+        outcome.wasted,
+        outcome.selection,
+        outcome.goodput,
+        _ratio_allowed(workload, setting.max_lag * period),
+        outcome.slot_wait,
+    )
+
+
+def _ratio_allowed(workload: Workload, window: float) -> float:
+    """The admitted over population mean duration if every lognormal rollout shorter than
+    `window` seconds were admitted and no longer one: E[X | X < L] / E[X].
+
+    A rollout's version is pushed at a hand-over and the hand-over max_lag calls later is the
+    last that may admit it: max_lag of the run's mean periods is the window of one that starts
+    the moment its version is pushed, and one that waits for a slot has less. What runs longer
+    is never admitted, whatever the policy, so this bounds a run's duration ratio."""
+    sigma = workload.duration_sigma
+    if sigma == 0 or window <= 0:
+        return math.nan
+    z = (math.log(window) - math.log(workload.duration_mean) + sigma**2 / 2) / sigma
+    normal = statistics.NormalDist()
+    return normal.cdf(z - sigma) / normal.cdf(z)
 
 
 def _run(work: list[tuple[Workload, Setting]], jobs: int) -> list[tuple]:
@@ -152,10 +179,11 @@ def reference(steps: int, seeds: int, jobs: int, settings=SETTINGS) -> str:
     lines = [
         "reference workload: C=64, 8 tasks x 8 rollouts, lognormal mean 10 s sigma 1, one call "
         f"each, T=10 s, {steps} steps, seeds 0..{seeds - 1}; mean [min, max]",
-        f"{'setting':<30}{'of bound':>22}{'wasted':>22}{'admitted/mean':>22}",
+        f"{'setting':<30}{'of bound':>22}{'wasted':>22}{'admitted/mean':>22}"
+        f"{'window allows':>22}{'slot wait s':>22}",
     ]
     for setting in settings:
-        rows = np.array([r[1:4] for r in results if r[0] == setting.name])
+        rows = np.array([r[1:4] + r[5:7] for r in results if r[0] == setting.name])
         lines.append(f"{setting.name:<30}{_cells(rows)}")
     return "\n".join(lines)
 

@@ -247,6 +247,16 @@ def test_selection_is_of_model_time_so_settings_that_select_nothing_read_alike(s
             assert row.selection < rows["sync"].selection, name
 
 
+def test_slot_wait_is_what_calls_queue_for_the_engines_slots(smoke):
+    """Sync keeps a batch in flight, which the smoke workload's slots cover; reading a batch
+    ahead keeps two, and their calls queue."""
+    workload, outcomes = smoke
+    rows = by_name(outcomes)
+    assert workload.slots == workload.tasks * workload.groups
+    assert rows["sync"].slot_wait == 0.0
+    assert rows["ahead=1"].slot_wait > 0.0
+
+
 def test_the_records_measure_the_bias_of_the_cuts_and_none_without_them(smoke):
     """The admitted/started column: what a trainer's records see of the selection bias, with
     cancelled rollouts counted until their cancel. Without a cut every started rollout is

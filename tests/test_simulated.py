@@ -202,12 +202,13 @@ async def test_slots_cap_how_many_calls_decode_at_once(autojump_clock):
     engine = SimulatedEngine(slots=3)
     rng = np.random.default_rng(0)
     jobs = [(float(rng.integers(0, 5)), float(rng.uniform(0.5, 4.0)), i) for i in range(30)]
-    spans = []
+    spans, waits = [], []
 
     async def one(arrival, seconds, key):
         await trio.sleep_until(arrival)
         await engine.call(seconds, key)
         spans.append((trio.current_time() - seconds, trio.current_time()))
+        waits.append(spans[-1][0] - arrival)
 
     async with trio.open_nursery() as nursery:
         for job in jobs:
@@ -224,6 +225,9 @@ async def test_slots_cap_how_many_calls_decode_at_once(autojump_clock):
         min(start for start, _ in spans) + sum(s for _, s, _ in jobs) / 3, rel=0.2
     )
     assert engine.busy == 0 and engine.waiting == 0
+    # Its books: every call granted, and the seconds they queued.
+    assert engine.granted == 30
+    assert engine.queued == pytest.approx(sum(waits)) and engine.queued > 30
 
 
 async def test_waiting_calls_get_slots_in_key_order(autojump_clock):

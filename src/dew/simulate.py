@@ -277,6 +277,8 @@ class Outcome:
             record shows it, below 1 where the cut favours short rollouts (the simulated
             sessions' tokens do not follow their durations, so seconds, not tokens, show it
             here). NaN when no step admitted any.
+        slot_wait: the mean seconds an engine call waited for a slot, over the whole run
+            (warmup included); NaN if no call got one.
     """
 
     setting: Setting
@@ -290,6 +292,7 @@ class Outcome:
     selection: float
     cut: int
     length_ratio: float = math.nan
+    slot_wait: float = math.nan
 
     @property
     def goodput(self) -> float:
@@ -494,6 +497,7 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
         selection=float(np.mean(durations)) / workload.population_mean,
         cut=sum(record.cut for record in measured),
         length_ratio=_length_ratio(measured),
+        slot_wait=engine.queued / engine.granted if engine.granted else math.nan,
     )
 
 

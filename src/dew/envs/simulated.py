@@ -395,12 +395,16 @@ class SimulatedEngine:
         version: the weights version served now.
         pushes: every `load` as (trio time, version); the time is None outside a trio run.
         busy: calls holding a slot now.
+        granted: calls that have got a slot so far.
+        queued: the seconds those calls waited for their slots, summed.
     """
 
     slots: int | None = attrs.field(default=None, kw_only=True, validator=_slots)
     version: int = attrs.field(default=0, init=False)
     pushes: list[tuple[float | None, int]] = attrs.field(factory=list, init=False)
     busy: int = attrs.field(default=0, init=False)
+    granted: int = attrs.field(default=0, init=False)
+    queued: float = attrs.field(default=0.0, init=False)
     # A heap of (arrival time, key, arrival count, waiter); the count only keeps equal keys from
     # comparing waiters, so keys must be unique among calls waiting at once to stay deterministic.
     _queue: list = attrs.field(factory=list, init=False)
@@ -473,10 +477,12 @@ class SimulatedEngine:
 
     def _dispatch(self) -> None:
         while self._queue and (self.slots is None or self.busy < self.slots):
-            waiter = heapq.heappop(self._queue)[-1]
+            arrival, *_, waiter = heapq.heappop(self._queue)
             if waiter.gone:
                 continue
             self.busy += 1
+            self.granted += 1
+            self.queued += trio.current_time() - arrival
             waiter.granted = True
             waiter.version = self.version
             waiter.wake.set()
