@@ -576,20 +576,20 @@ def report(workload: Workload, outcomes: Sequence[Outcome]) -> str:
     call's), the wasted share of rollout-seconds, the admitted rollouts' mean duration over
     the population mean (selection bias; see Outcome), and their mean seconds over those of
     everything their batches started (the same bias as a trainer's record measures it: see
-    Outcome.length_ratio). A last line
+    Outcome.length_ratio), and the mean seconds an engine call waited for a slot. A last line
     gives the goodput of `ahead=1` over `sync` where both were run.
     """
     lines = [
         describe(workload),
         f"{'setting':<26}{'goodput/s':>10}{'of bound':>10}{'idle':>7}"
         f"{'lag mean':>10}{'lag max':>9}{'wasted':>8}{'admitted/mean':>15}"
-        f"{'admitted/started':>18}",
+        f"{'admitted/started':>18}{'slot wait':>11}",
     ]
     for o in outcomes:
         lines.append(
             f"{o.setting.name:<26}{o.goodput:>10.2f}{o.share:>10.1%}{o.idle:>7.1%}"
             f"{np.mean(o.lags):>10.2f}{max(o.lags):>9d}{o.wasted:>8.1%}{o.selection:>15.2f}"
-            f"{o.length_ratio:>18.2f}"
+            f"{o.length_ratio:>18.2f}{o.slot_wait:>10.2f}s"
         )
     by_name = {o.setting.name: o for o in outcomes}
     if "sync" in by_name and "ahead=1" in by_name:
