@@ -181,13 +181,25 @@ async def test_a_workloads_rollouts_make_the_calls_it_names(autojump_clock):
     assert set(counts) == {2, 3}
 
 
-def test_dew_simulate_rejects_a_bad_value_by_name(capsys):
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--slots", "0"], "argument --slots: must be an int within [1, 1048576], got '0'"),
+        *(
+            (
+                ["--calls", text],
+                f"argument --calls: must be N or LOW-HIGH, ints within [1, 64] "
+                f"with LOW <= HIGH, got '{text}'",
+            )
+            for text in ("3-1", "0", "1-2-3", "two", "1-65")
+        ),
+    ],
+)
+def test_dew_simulate_rejects_a_bad_value_by_name(capsys, argv, message):
     with pytest.raises(SystemExit) as exit:
-        cli.main(["simulate", "--slots", "0"])
+        cli.main(["simulate", *argv])
     assert exit.value.code == 2
-    assert (
-        "argument --slots: must be an int within [1, 1048576], got '0'" in capsys.readouterr().err
-    )
+    assert message in capsys.readouterr().err
 
 
 def test_dew_needs_a_subcommand(capsys):
