@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 
+import attrs
 import numpy as np
 import optax
 import pytest
@@ -205,6 +206,7 @@ def test_exactly_once_holds_for_carried_groups_whatever_happens():
         log: list[core.LogEvent] = []
         admitted_groups: set[int] = set()
         carried_groups: set[int] = set()
+        held_groups: set[int] = set()
         sizes: dict[int, int] = {}
         submitted_batches: set[int] = set()
 
@@ -212,6 +214,10 @@ def test_exactly_once_holds_for_carried_groups_whatever_happens():
             nonlocal state, waiting
             new, out = core.step(state, event)
             assert core.step(state, event) == (new, out), "step is not a pure function"
+            assert set(new.held) <= set(new.carried), "a held group that is not carried"
+            if any(isinstance(command, core.Deliver) for command in out):
+                # A call is answered only once every group it holds for has completed.
+                assert all(new.groups[i].state is not core.GroupState.RUNNING for i in new.held)
             state = new
             for command in out:
                 if isinstance(command, core.Submit):
@@ -224,6 +230,9 @@ def test_exactly_once_holds_for_carried_groups_whatever_happens():
                     if command.kind == "carried":
                         assert command.group not in carried_groups, "carried twice"
                         carried_groups.add(command.group)
+                    if command.kind == "held":
+                        assert command.group in carried_groups, "held but never carried"
+                        held_groups.add(command.group)
                 elif isinstance(command, core.Deliver):
                     assert command.batch == waiting
                     waiting = None
@@ -297,10 +306,14 @@ def test_exactly_once_holds_for_carried_groups_whatever_happens():
             assert ends and all(e.reason is not None or e.kind == "failed" for e in ends)
         seen["carried"] += len(carried_groups)
         seen["carried and admitted"] += len(carried_groups & admitted_groups)
+        seen["held"] += len(held_groups)
+        seen["held and admitted"] += len(held_groups & admitted_groups)
 
     check()
     # The draws reach what they test: groups carried, and carried groups admitted.
     assert seen["carried"] > 30 and seen["carried and admitted"] > 3, seen
+    # Draws seldom keep a carried sample running through three bounds (HOLD_AFTER): the hold
+    # is checked where they do, and driven on purpose by test_a_group_stale_*_is_held_*.
 
 
 def _dataset(batches: int, size: int) -> ArrayDataset:
@@ -352,6 +365,69 @@ def test_the_shell_carries_groups_over_and_records_them(seed, admit, max_lag, he
         assert hedge or record.metrics["carry/hedged"] == 0
         if record.metrics["carry/admitted"]:
             assert 1 <= record.metrics["carry/age_mean"] <= record.metrics["carry/age_max"]
+
+
+@attrs.frozen
+class _SlowTask:
+    """A source on which one task takes `seconds` of engine time before its session runs: a
+    hard problem, long every time it is tried."""
+
+    source: SimulatedSource
+    slow: str
+    seconds: float
+
+    async def run(self, task, label):
+        if task.name == self.slow:
+            key = ("slow", label.group, label.sample, label.attempt)
+            await self.source.engine.call(self.seconds, key)
+        return await self.source.run(task, label)
+
+
+def test_a_group_stale_again_and_again_is_held_and_the_next_call_waits_to_train_it():
+    """A task whose rollouts take 60 s, against a window of about 2 calls of 3 s: carried, it
+    goes stale again and again, and would be resubmitted for good, never trained. Held after its
+    third stale cycle (HOLD_AFTER), the next call waits for it, and it trains within max_lag."""
+
+    async def drive():
+        engine = SimulatedEngine(slots=16)
+        config = SimulatedConfig(seed=4, duration_mean=2.0, duration_sigma=0.3, calls=(1, 1))
+        source = SimulatedSource(engine, config)
+        scheduler = RolloutScheduler(
+            BehaviorObjective(),
+            _SlowTask(source, slow="1", seconds=60.0),
+            engine,
+            width=256,
+            rows=8,
+            groups=2,
+            admit=2,
+            max_lag=2,
+            carry_over=True,
+        )
+        scheduler.long_wait = None
+        records, events = [], []
+        async with scheduler:
+            stream = scheduler.tasks(_dataset(20, 4)).stream(0)
+            pending = collections.deque([next(stream), next(stream)])
+            for updates in range(16):
+                await scheduler.step(pending.popleft(), None, updates)
+                records.append(scheduler.last_record)
+                events += scheduler.last_events
+                pending.append(next(stream))
+                await trio.sleep(1.0)
+        return records, events + list(scheduler.closing_events)
+
+    records, events = trio.run(drive, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert assert_exactly_once(events) == frozenset()
+    slow = [e for e in events if e.task == "1"]
+    held = [e for e in slow if e.kind == "held"]
+    assert len(held) == 1, collections.Counter((e.kind, e.reason) for e in slow)
+    # Its stale cycles, then the hold: the group trains, its two samples once each.
+    assert sum(e.kind == "submitted" and e.reason == "stale" for e in slow) >= core.HOLD_AFTER * 2
+    assert sum(e.kind == "admitted" for e in slow) == 2
+    assert [e for e in slow if e.kind == "admitted"][0].time > held[0].time
+    assert sum(r.metrics["carry/held"] for r in records) == 1
+    waited = [r for r in records if r.waited > 30.0]
+    assert len(waited) == 1 and all(r.lag <= 2 for r in records)
 
 
 def test_carry_over_needs_admit():

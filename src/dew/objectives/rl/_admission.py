@@ -42,6 +42,16 @@ from dew.objectives.rl.sessions import Label, Session, Status
 # hedges beside more originals that finish in time, which is waste (benchmarks/long_tail.py;
 # docs/concepts.md, "Carry-over").
 HEDGE = 2
+# Under carry_over, a carried group one of whose samples has gone stale this many times is held:
+# the next call waits for it. Without the hold, a task whose rollouts always outlive the window
+# (a hard problem, long every time) would be resubmitted stale for good, never trained, while
+# its slots burn. A group of the population's durations goes stale with some chance p a window
+# (under 0.1 with hedges on the reference long-tail workload), so three windows in a row (p^3)
+# is the task, not the tail's bad luck; at two, ordinary groups were held often enough to cost
+# the reference workload 0.03 to 0.07 of the bound at max_lag 3 and 5 (seed 0, 100 steps),
+# while at three the hedged settings lost at most 0.01. The trainer waiting stops the group's
+# lag from growing, so it completes within max_lag however long it runs.
+HOLD_AFTER = 3
 CAUSES = ("infra_error", "cancelled", "stale", "timeout", "unscored")
 # The most characters of a session's error text a `failed` event keeps: enough for an exception's
 # type and message, bounded so that a source which dumps a whole traceback or page on every
@@ -197,6 +207,7 @@ class State:
     waiting: int | None = None  # the batch the trainer waits on
     closed: bool = False
     carried: tuple[int, ...] = ()  # ids of carried groups still in play, oldest cut first
+    held: tuple[int, ...] = ()  # ids of carried groups the next call waits for (HOLD_AFTER)
     # Under admit="auto": this run's recent groups, (seconds from first submission to completion
     # or cut, whether they completed); its recent step times (a delivery to the next
     # hand-over); the latest delivery's time; and the cut chosen for the batch waited on.
@@ -312,11 +323,11 @@ class LogEvent:
     """One line of the scheduler's event log.
 
     kind is one of submitted, admitted, cancelled, discarded, failed (per submission), abandoned,
-    carried, cut (per group), handed_over (version = the trainer's updates), pushed or reopened;
-    reason is the cause or reason where the kind has one. error is the failed session's own
-    error text (an exception's type and message, as a source reports it), at most ERROR_TEXT
-    characters; it is carried from the session, which a trace already holds, so events compare
-    without it.
+    carried, held, cut (per group), handed_over (version = the trainer's updates), pushed or
+    reopened; reason is the cause or reason where the kind has one. error is the failed
+    session's own error text (an exception's type and message, as a source reports it), at most
+    ERROR_TEXT characters; it is carried from the session, which a trace already holds, so
+    events compare without it.
     """
 
     kind: str
@@ -405,6 +416,7 @@ class _Step:
         self.next_group, self.last_submitted = state.next_group, state.last_submitted
         self.waiting, self.closed = state.waiting, state.closed
         self.carried = list(state.carried)
+        self.held = list(state.held)
         self.seen, self.steps = state.seen, state.steps
         self.delivered_at, self.choice = state.delivered_at, state.choice
         self.spent = state.spent
@@ -427,6 +439,7 @@ class _Step:
             waiting=self.waiting,
             closed=self.closed,
             carried=tuple(self.carried),
+            held=tuple(self.held),
             seen=self.seen,
             steps=self.steps,
             delivered_at=self.delivered_at,
@@ -460,6 +473,8 @@ class _Step:
             if group.state in FINAL and group.state is not GroupState.COMPLETE:
                 del self.groups[group.id]
                 self.carried.remove(group.id)
+                if group.id in self.held:
+                    self.held.remove(group.id)
             else:
                 self.groups[group.id] = group
             return group
@@ -488,6 +503,10 @@ class _Step:
         label = Label(group.id, sample.index, sample.attempt + 1)
         fresh = Sample(label, self.served, self.time, failures, backs=sample.backs)
         self.submit(group, fresh, cause)
+        # Every resubmission that is not a failure is a stale one.
+        if group.carried and label.attempt - failures >= HOLD_AFTER and group.id not in self.held:
+            self.held.append(group.id)
+            self.log("held", group)
         return self.put_sample(group, fresh)
 
     def account(self, sample: Sample, wasted: bool, ran: bool = True) -> None:
@@ -613,12 +632,17 @@ class _Step:
         most a batch while each call submits one, so the carried groups left in play by earlier
         cuts stay in play for good, and all of them queue for the engine's slots and so use up
         their staleness window waiting (waste). Cancelling the excess is the one way to shrink
-        that backlog; the groups that have run least throw the least away."""
+        that backlog; the groups that have run least throw the least away. A held group (see
+        HOLD_AFTER) is never drained: the call waits for it."""
         size = len(self.batches[batch])
         excess = len(self.carried) - size
         if excess <= 0:
             return
-        running = [g for i in self.carried if (g := self.groups[i]).state is GroupState.RUNNING]
+        running = [
+            g
+            for i in self.carried
+            if (g := self.groups[i]).state is GroupState.RUNNING and i not in self.held
+        ]
 
         def ran(group: Group) -> float:
             return sum(
@@ -872,7 +896,7 @@ class _Step:
         for group in list(self.groups.values()):
             self.end_group(group, GroupState.BROKEN, reason)
         self.groups, self.batches, self.unsettled, self.waiting = {}, {}, {}, None
-        self.carried, self.choice, self.delivered_at = [], None, None
+        self.carried, self.held, self.choice, self.delivered_at = [], [], None, None
 
     def deliver_if_ready(self) -> None:
         batch = self.waiting
@@ -900,9 +924,11 @@ class _Step:
             (g for g in members if g.state is GroupState.COMPLETE),
             key=lambda g: (g.completed, g.id),
         )
+        # Held groups first (see HOLD_AFTER), then the others in the order they were cut.
+        order = [*self.held, *(i for i in self.carried if i not in self.held)]
         carried = [
             g
-            for i in self.carried
+            for i in order
             if (g := self.groups[i]).state is GroupState.COMPLETE and g.batch < batch
         ]
         size = len(self.batches[batch])
@@ -912,7 +938,7 @@ class _Step:
             or (admit is not None and len(own) >= admit)
             or len(carried) + len(own) >= size
         )
-        if not ready:
+        if not ready or any(self.groups[i].state is GroupState.RUNNING for i in self.held):
             return
         taken = (carried + own)[:size]
         ready_carried = taken[: min(len(carried), size)]
@@ -920,6 +946,8 @@ class _Step:
         for group in ready_carried:
             del self.groups[group.id]
             self.carried.remove(group.id)
+            if group.id in self.held:
+                self.held.remove(group.id)
         kept = {g.id for g in own_taken}
         for group in members:
             if group.id not in kept and group.state in (GroupState.RUNNING, GroupState.COMPLETE):

@@ -684,6 +684,7 @@ class _Scheduler:
             ages = message.carried
             metrics["carry/admitted"] = float(len(ages))
             metrics["carry/in_play"] = float(message.in_play)
+            metrics["carry/held"] = float(sum(e.kind == "held" for e in message.events))
             metrics["carry/hedged"] = float(
                 sum(
                     e.kind == "submitted"

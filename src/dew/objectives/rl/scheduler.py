@@ -140,7 +140,11 @@ class RolloutScheduler:
             carried group is admitted once or ends with a reason (`reopened` when the stream
             is opened again). The record's metrics say how many a call admitted
             (`carry/admitted`), how many calls old they were (`carry/age_mean`,
-            `carry/age_max`) and how many remain in play (`carry/in_play`). `oversample`'s
+            `carry/age_max`) and how many remain in play (`carry/in_play`). A carried group
+            one of whose samples has gone stale three times is held (a `held` event, counted in
+            `carry/held`): the next call waits for it, which stops its lag from growing, so a
+            task whose rollouts always outlive `max_lag` (a hard problem, long every time) is
+            trained rather than resubmitted stale for good while its slots burn. `oversample`'s
             surplus is still cancelled: a surplus sample is its group's, of its version, and
             would complete a later group of the same task only when the stream reads that task
             again within `max_lag`, which a dataset's epoch rarely does. A checkpoint keeps the
