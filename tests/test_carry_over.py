@@ -312,7 +312,7 @@ def test_exactly_once_holds_for_carried_groups_whatever_happens():
     check()
     # The draws reach what they test: groups carried, and carried groups admitted.
     assert seen["carried"] > 30 and seen["carried and admitted"] > 3, seen
-    # Draws seldom keep a carried sample running through three bounds (HOLD_AFTER): the hold
+    # Draws seldom keep a carried sample going stale five times (HOLD_AFTER): the hold
     # is checked where they do, and driven on purpose by test_a_group_stale_*_is_held_*.
 
 
@@ -386,7 +386,7 @@ class _SlowTask:
 def test_a_group_stale_again_and_again_is_held_and_the_next_call_waits_to_train_it():
     """A task whose rollouts take 60 s, against a window of about 2 calls of 3 s: carried, it
     goes stale again and again, and would be resubmitted for good, never trained. Held after its
-    third stale cycle (HOLD_AFTER), the next call waits for it, and it trains within max_lag."""
+    fifth stale cycle (HOLD_AFTER), the next call waits for it, and it trains within max_lag."""
 
     async def drive():
         engine = SimulatedEngine(slots=16)

@@ -45,13 +45,13 @@ HEDGE = 2
 # Under carry_over, a carried group one of whose samples has gone stale this many times is held:
 # the next call waits for it. Without the hold, a task whose rollouts always outlive the window
 # (a hard problem, long every time) would be resubmitted stale for good, never trained, while
-# its slots burn. A group of the population's durations goes stale with some chance p a window
-# (under 0.1 with hedges on the reference long-tail workload), so three windows in a row (p^3)
-# is the task, not the tail's bad luck; at two, ordinary groups were held often enough to cost
-# the reference workload 0.03 to 0.07 of the bound at max_lag 3 and 5 (seed 0, 100 steps),
-# while at three the hedged settings lost at most 0.01. The trainer waiting stops the group's
-# lag from growing, so it completes within max_lag however long it runs.
-HOLD_AFTER = 3
+# its slots burn. A group of the population's durations goes stale with some chance p a window,
+# so k windows in a row (p^k) is the task, not the tail's bad luck, once k is large enough: on
+# the reference long-tail workload (benchmarks/long_tail.py, seeds 0..4, 300 steps), holding
+# at 3 cost carry-over at max_lag 3 a share of 0.054 of the bound and auto at max_lag 5 0.020,
+# where ordinary groups go stale often; at 5 it cost 0.004 and 0.002. The trainer waiting stops
+# the group's lag from growing, so it completes within max_lag however long it runs.
+HOLD_AFTER = 5
 CAUSES = ("infra_error", "cancelled", "stale", "timeout", "unscored")
 # The most characters of a session's error text a `failed` event keeps: enough for an exception's
 # type and message, bounded so that a source which dumps a whole traceback or page on every

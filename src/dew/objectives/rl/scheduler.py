@@ -141,7 +141,7 @@ class RolloutScheduler:
             is opened again). The record's metrics say how many a call admitted
             (`carry/admitted`), how many calls old they were (`carry/age_mean`,
             `carry/age_max`) and how many remain in play (`carry/in_play`). A carried group
-            one of whose samples has gone stale three times is held (a `held` event, counted in
+            one of whose samples has gone stale five times is held (a `held` event, counted in
             `carry/held`): the next call waits for it, which stops its lag from growing, so a
             task whose rollouts always outlive `max_lag` (a hard problem, long every time) is
             trained rather than resubmitted stale for good while its slots burn. `oversample`'s
