@@ -26,7 +26,7 @@ from dew.objectives.rl import _admission as core
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Call, Label, Session, Status, check_session
 from dew.simulate import BehaviorObjective
-from dew.testing import assert_exactly_once
+from dew.testing import assert_exactly_once, assert_replays, record_run
 from dew.train import Trainer
 
 TERMINAL = ("admitted", "cancelled", "discarded", "failed")
@@ -383,40 +383,30 @@ class _SlowTask:
         return await self.source.run(task, label)
 
 
-def test_a_group_stale_again_and_again_is_held_and_the_next_call_waits_to_train_it():
+async def test_a_group_stale_again_and_again_is_held_and_the_next_call_waits_to_train_it(
+    tmp_path, autojump_clock
+):
     """A task whose rollouts take 60 s, against a window of about 2 calls of 3 s: carried, it
     goes stale again and again, and would be resubmitted for good, never trained. Held after its
-    fifth stale cycle (HOLD_AFTER), the next call waits for it, and it trains within max_lag."""
-
-    async def drive():
-        engine = SimulatedEngine(slots=16)
-        config = SimulatedConfig(seed=4, duration_mean=2.0, duration_sigma=0.3, calls=(1, 1))
-        source = SimulatedSource(engine, config)
-        scheduler = RolloutScheduler(
-            BehaviorObjective(),
-            _SlowTask(source, slow="1", seconds=60.0),
-            engine,
-            width=256,
-            rows=8,
-            groups=2,
-            admit=2,
-            max_lag=2,
-            carry_over=True,
-        )
-        scheduler.long_wait = None
-        records, events = [], []
-        async with scheduler:
-            stream = scheduler.tasks(_dataset(20, 4)).stream(0)
-            pending = collections.deque([next(stream), next(stream)])
-            for updates in range(16):
-                await scheduler.step(pending.popleft(), None, updates)
-                records.append(scheduler.last_record)
-                events += scheduler.last_events
-                pending.append(next(stream))
-                await trio.sleep(1.0)
-        return records, events + list(scheduler.closing_events)
-
-    records, events = trio.run(drive, clock=trio.testing.MockClock(autojump_threshold=0))
+    fifth stale cycle (HOLD_AFTER), the next call waits for it, and it trains within max_lag.
+    The run replays, hold and all."""
+    engine = SimulatedEngine(slots=16)
+    config = SimulatedConfig(seed=4, duration_mean=2.0, duration_sigma=0.3, calls=(1, 1))
+    trace = await record_run(
+        _SlowTask(SimulatedSource(engine, config), slow="1", seconds=60.0),
+        engine,
+        tmp_path / "held.trace",
+        updates=range(16),
+        width=256,
+        rows=8,
+        groups=2,
+        admit=2,
+        max_lag=2,
+        carry_over=True,
+    )
+    await assert_replays(trace)
+    records = [call.record for call in trace.calls]
+    events = [e for call in trace.calls for e in call.events] + list(trace.closing_events)
     assert assert_exactly_once(events) == frozenset()
     slow = [e for e in events if e.task == "1"]
     held = [e for e in slow if e.kind == "held"]
