@@ -503,7 +503,7 @@ class _Step:
         label = Label(group.id, sample.index, sample.attempt + 1)
         fresh = Sample(label, self.served, self.time, failures, backs=sample.backs)
         self.submit(group, fresh, cause)
-        # Every resubmission that is not a failure is a stale one.
+        # A sample's resubmissions beyond its failures (FAILURES) are its stale ones.
         if group.carried and label.attempt - failures >= HOLD_AFTER and group.id not in self.held:
             self.held.append(group.id)
             self.log("held", group)
