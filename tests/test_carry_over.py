@@ -420,6 +420,95 @@ async def test_a_group_stale_again_and_again_is_held_and_the_next_call_waits_to_
     assert len(waited) == 1 and all(r.lag <= 2 for r in records)
 
 
+def _slow_scheduler(**options) -> RolloutScheduler:
+    """The held test's workload: task "1" takes 60 s, against a window of about 2 calls."""
+    engine = SimulatedEngine(slots=16)
+    config = SimulatedConfig(seed=4, duration_mean=2.0, duration_sigma=0.3, calls=(1, 1))
+    source = _SlowTask(SimulatedSource(engine, config), slow="1", seconds=60.0)
+    scheduler = RolloutScheduler(
+        BehaviorObjective(),
+        source,
+        engine,
+        width=256,
+        rows=8,
+        groups=2,
+        admit=2,
+        max_lag=2,
+        carry_over=True,
+        **options,
+    )
+    scheduler.long_wait = None
+    return scheduler
+
+
+async def _calls(scheduler, data, start: int, updates, until=None) -> tuple[list, dict]:
+    """Make a trainer's calls from stream position `start`, a step of 1 s apart; stop after the
+    call whose checkpoint state `until` accepts. Returns every call's events and the closing
+    ones, and the checkpoint state at the last call."""
+    events = []
+    async with scheduler:
+        stream = scheduler.tasks(data).stream(start)
+        pending = collections.deque([next(stream), next(stream)])
+        for count in updates:
+            await scheduler.step(pending.popleft(), None, count)
+            events += scheduler.last_events
+            if until is not None and until(scheduler.checkpoint_state()):
+                break
+            pending.append(next(stream))
+            await trio.sleep(1.0)
+        state = scheduler.checkpoint_state()
+    return events + list(scheduler.closing_events), state
+
+
+def test_a_resumed_run_counts_a_carried_tasks_stale_cycles_on_from_its_checkpoint():
+    """A run stopped when the slow task has gone stale four times: its checkpoint keeps the
+    count, and the resumed run holds the task at its next stale cycle and trains it, where a
+    count started again from 0 (a checkpoint without it) does not hold it in as many calls. A
+    count already at HOLD_AFTER holds the task at the resumed run's first call."""
+    data = _dataset(60, 4)
+    slow = [0, 1]  # task "1": task 1 of the batch at position 0
+
+    def four(state):
+        return slow in state["carried"] and state["stale"][state["carried"].index(slow)] == 4
+
+    first = _slow_scheduler()
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    before, state = trio.run(_calls, first, data, 0, range(30), four, clock=clock)
+    assert four(state), state
+    assert not [e for e in before if e.kind == "held"]
+    calls = sum(e.kind == "handed_over" for e in before)
+
+    def resume(state, count):
+        scheduler = _slow_scheduler()
+        scheduler.restore_state(state)
+        clock = trio.testing.MockClock(autojump_threshold=0)
+        updates = range(calls, calls + count)
+        events, _ = trio.run(_calls, scheduler, data, calls, updates, clock=clock)
+        return [e for e in events if e.task == "1"], events
+
+    counted, events = resume(state, 8)
+    assert assert_exactly_once(events) == frozenset()
+    kinds = [(e.kind, e.reason) for e in counted]
+    held = [i for i, k in enumerate(kinds) if k[0] == "held"]
+    assert len(held) == 1 and kinds[held[0]] == ("held", None), kinds
+    assert sum(k == ("submitted", "stale") for k in kinds[: held[0]]) <= 2, kinds
+    assert sum(k[0] == "admitted" for k in kinds) == 2, kinds
+
+    zero = {"carried": state["carried"]}
+    uncounted, _ = resume(zero, 8)
+    assert not [e for e in uncounted if e.kind == "held"]
+
+    at_once = {"carried": [slow], "stale": [core.HOLD_AFTER]}
+    first_call, _ = resume(at_once, 1)
+    kinds = [(e.kind, e.reason) for e in first_call]
+    assert kinds[:3] == [("submitted", None), ("submitted", None), ("held", "resumed")], kinds
+    assert sum(k[0] == "admitted" for k in kinds) == 2, kinds
+
+    for bad in ({"carried": [slow], "stale": []}, {"carried": [slow], "stale": [-1]}):
+        with pytest.raises(ValueError, match="checkpoint state must be"):
+            _slow_scheduler().restore_state(bad)
+
+
 def test_carry_over_needs_admit():
     engine = SimulatedEngine()
     with pytest.raises(ValueError, match="carry_over needs admit"):

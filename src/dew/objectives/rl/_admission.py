@@ -154,6 +154,14 @@ class Group:
     # call's delivery (its batch's number stays, the call it came from).
     carried: bool = False
     started: float = 0.0  # its first submission's time
+    # A resumed run's carried group: the stale cycles its task had run before the checkpoint
+    # (see HOLD_AFTER), which its own samples' count on from.
+    stale_before: int = 0
+
+    @property
+    def stale(self) -> int:
+        """The most stale cycles any of its samples has run (see HOLD_AFTER)."""
+        return self.stale_before + max(s.attempt - s.failures for s in self.samples)
 
     def with_samples(self, samples: tuple[Sample, ...]) -> Group:
         return Group(
@@ -165,6 +173,7 @@ class Group:
             self.completed,
             self.carried,
             self.started,
+            self.stale_before,
         )
 
     def with_state(self, state: GroupState, completed: float | None = None) -> Group:
@@ -177,6 +186,7 @@ class Group:
             completed,
             self.carried,
             self.started,
+            self.stale_before,
         )
 
     def as_carried(self) -> Group:
@@ -189,6 +199,7 @@ class Group:
             self.completed,
             True,
             self.started,
+            self.stale_before,
         )
 
 
@@ -236,8 +247,10 @@ class HandedOver:
     pushed: bool
     tasks: tuple[tuple[int, tuple[Task, ...]], ...]
     # Tasks of groups a checkpoint recorded as carried: a resumed run submits them again, as
-    # carried groups of the call before this one.
+    # carried groups of the call before this one; `stale` holds each one's stale cycles before
+    # the checkpoint (none given: 0), from which its count towards HOLD_AFTER goes on.
     carried: tuple[Task, ...] = ()
+    stale: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -504,7 +517,8 @@ class _Step:
         fresh = Sample(label, self.served, self.time, failures, backs=sample.backs)
         self.submit(group, fresh, cause)
         # A sample's resubmissions beyond its failures (FAILURES) are its stale ones.
-        if group.carried and label.attempt - failures >= HOLD_AFTER and group.id not in self.held:
+        stale = group.stale_before + label.attempt - failures
+        if group.carried and stale >= HOLD_AFTER and group.id not in self.held:
             self.held.append(group.id)
             self.log("held", group)
         return self.put_sample(group, fresh)
@@ -555,7 +569,7 @@ class _Step:
                     self.hedge(group)
                     # At its last admissible call a group's finished hedges stand in.
                     self.resolve(self.groups[group.id])
-        for task in event.carried:
+        for index, task in enumerate(event.carried):
             # A resumed run's carried groups: of the call before this one, so this one admits
             # them once complete.
             group_id = self.next_group
@@ -564,11 +578,23 @@ class _Step:
                 Sample(Label(group_id, i, 0), event.served, self.time)
                 for i in range(self.config.samples)
             )
-            group = Group(group_id, event.batch - 1, task, samples, carried=True, started=self.time)
+            stale = event.stale[index] if index < len(event.stale) else 0
+            group = Group(
+                group_id,
+                event.batch - 1,
+                task,
+                samples,
+                carried=True,
+                started=self.time,
+                stale_before=stale,
+            )
             self.groups[group_id] = group
             self.carried.append(group_id)
             for sample in samples:
                 self.submit(group, sample, None)
+            if stale >= HOLD_AFTER:
+                self.held.append(group_id)
+                self.log("held", group, reason="resumed")
         for batch, tasks in event.tasks:
             if batch <= self.last_submitted:
                 continue

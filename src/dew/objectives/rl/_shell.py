@@ -249,8 +249,8 @@ class _Scheduler:
         self._handed = -1
         self._origins: dict[int, tuple[int, int] | None] = {}
         self._resuming: collections.deque[tuple[int, int]] = collections.deque()
-        self._restored: tuple[tuple[int, int], ...] = ()
-        self._resume: tuple[tuple[tuple[int, int], Task], ...] = ()
+        self._restored: tuple[tuple[int, int, int], ...] = ()
+        self._resume: tuple[tuple[tuple[int, int], Task, int], ...] = ()
         self._next_batch = 0
         self._generation = 0
         self._updates: int | None = None
@@ -326,40 +326,54 @@ class _Scheduler:
     def checkpoint_state(self) -> dict:
         """What a checkpoint keeps for this scheduler: the carried groups of the batches handed
         over so far, as [stream position, index in its batch] of each one's task (the batches
-        not yet handed over are read again by the resumed stream)."""
+        not yet handed over are read again by the resumed stream), and the stale cycles each
+        has run (see HOLD_AFTER in the admission core), which a resumed run counts on from: a
+        task that always outlives the window is held as soon as it would have been."""
         state = self._state
-        carried = []
+        carried, stale = [], []
         for group_id in state.carried:
             group = state.groups.get(group_id)
             origin = self._origins.get(group_id)
             if group is not None and origin is not None and group.batch <= self._handed:
                 carried.append(list(origin))
-        return {"carried": carried}
+                stale.append(group.stale)
+        return {"carried": carried, "stale": stale}
 
     def restore_state(self, state: dict) -> None:
         """Take a checkpoint's `checkpoint_state`: the next stream opened resubmits its carried
-        groups' tasks, read again from the dataset at their positions.
+        groups' tasks, read again from the dataset at their positions, each counting on from
+        its stale cycles. A state without "stale" (a checkpoint written before they were kept)
+        counts from 0.
 
         Raises:
             ValueError: when state is not what checkpoint_state writes.
         """
         carried = state.get("carried") if isinstance(state, dict) else None
-        if not isinstance(carried, list) or not all(
-            isinstance(c, list | tuple) and len(c) == 2 and all(type(x) is int for x in c)
-            for c in carried
+        stale = state.get("stale", [0] * len(carried)) if isinstance(carried, list) else None
+        if (
+            not isinstance(carried, list)
+            or not all(
+                isinstance(c, list | tuple) and len(c) == 2 and all(type(x) is int for x in c)
+                for c in carried
+            )
+            or not isinstance(stale, list)
+            or len(stale) != len(carried)
+            or not all(type(n) is int and n >= 0 for n in stale)
         ):
             raise ValueError(
-                f"a scheduler's checkpoint state must be {{'carried': [[position, index], ...]}}, "
-                f"got {state!r}"
+                "a scheduler's checkpoint state must be {'carried': [[position, index], ...], "
+                f"'stale': [count >= 0 for each carried group]}}, got {state!r}"
             )
-        self._restored = tuple((int(p), int(i)) for p, i in carried)
+        self._restored = tuple(
+            (int(p), int(i), int(n)) for (p, i), n in zip(carried, stale, strict=True)
+        )
 
     def _resolve_restored(self, dataset: Dataset) -> None:
         """Read the restored carried groups' tasks again: each one's batch from the dataset at
         its position, its task by index."""
         restored, self._restored = self._restored, ()
         resume = []
-        for position, index in restored:
+        for position, index, stale in restored:
             batch = next(iter(dataset.stream(position)), None)
             tasks = () if batch is None else self._tasks_of(batch)
             if not 0 <= index < len(tasks):
@@ -367,7 +381,7 @@ class _Scheduler:
                     f"the checkpoint carries task {index} of the batch at position {position}, "
                     f"which the dataset does not have (a different dataset?)"
                 )
-            resume.append(((position, index), tasks[index]))
+            resume.append(((position, index), tasks[index], stale))
         with self._lock:
             self._resume = tuple(resume)
 
@@ -594,8 +608,9 @@ class _Scheduler:
         with self._lock:
             self._handed = max(self._handed, index)
             if self._resume:
-                fields["carried"] = tuple(task for _, task in self._resume)
-                self._resuming.extend(origin for origin, _ in self._resume)
+                fields["carried"] = tuple(task for _, task, _ in self._resume)
+                fields["stale"] = tuple(stale for _, _, stale in self._resume)
+                self._resuming.extend(origin for origin, _, _ in self._resume)
                 self._resume = ()
         return _HandOver(fields, variables if pushed else None)
 

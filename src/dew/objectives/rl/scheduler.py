@@ -313,13 +313,19 @@ class RolloutScheduler:
 
     def checkpoint_state(self) -> dict:
         """What a trainer's checkpoint keeps for this scheduler: under carry_over, the carried
-        groups' tasks as [stream position, index in its batch] (JSON values)."""
+        groups' tasks as [stream position, index in its batch], and the stale cycles each has
+        run (`{"carried": [...], "stale": [...]}`, JSON values)."""
         return self._inner.checkpoint_state()
 
     def restore_state(self, state: dict) -> None:
         """Take a checkpoint's `checkpoint_state` before the stream is opened again: the
         reopened stream's first call submits the carried groups' tasks again, read from the
-        dataset at their positions, as carried groups."""
+        dataset at their positions, as carried groups whose stale cycles count on from the
+        checkpoint's.
+
+        Raises:
+            ValueError: when state is not what checkpoint_state writes.
+        """
         self._inner.restore_state(state)
 
     def close(self) -> None:
