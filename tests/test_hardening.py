@@ -154,10 +154,11 @@ async def test_calls_that_train_on_nothing_warn_with_the_counts_once_per_streak(
 ):
     engine = Engine()
 
-    # Tasks 0..11 (batches 0..5) always fail, 12..13 (batch 6) complete, 14.. fail again.
+    # Tasks 0..11 (batches 0..5) always fail, 12..13 (batch 6) complete, scored unalike (a
+    # group that scored alike trains nothing either), 14.. fail again.
     def make(task, label):
         if 12 <= int(task.name) < 14:
-            return session()
+            return session(reward=float(label.sample))
         return session(status=Status.INFRA_ERROR, reward=None, error="OSError: no sandbox")
 
     warned = []

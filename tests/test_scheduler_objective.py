@@ -86,6 +86,24 @@ async def test_steps_that_filtering_left_empty_warn_saying_so(autojump_clock, ca
     assert "filter_uniform discarded 4 groups whose rewards were all equal" in warning
 
 
+async def test_steps_whose_groups_all_scored_alike_warn_that_they_trained_nothing(
+    autojump_clock, caplog
+):
+    """Without filter_uniform such groups are trained, each advantage 0: a verifier that scores
+    every rollout alike trains for good on nothing, and the scheduler says so."""
+    engine = Engine()
+    source = Scripted(engine, lambda task, label: Plan(reward=0.0))
+    async with scheduler(source, engine, empty_streak=2) as sched:
+        batches = await steps(sched, dataset(batches=2, size=2), 2)
+        record = sched.last_record
+    assert all(batch["loss_mask"].any() for batch in batches)
+    assert record.groups == 2 and record.metrics["groups/uniform_trained"] == 2.0
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "2 calls in a row trained on nothing (updates 0..1)" in warning
+    assert "every group they trained (4) had rewards all equal" in warning
+    assert "mean reward per call: 0, 0" in warning
+
+
 async def test_the_reference_is_rescored_beside_the_proximal_policy(autojump_clock):
     engine = Engine()
     reference = models.init(jax.random.key(1), CONFIG)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 from collections.abc import Sequence
 
 from dew.objectives.rl._admission import LogEvent
@@ -38,8 +39,14 @@ class ErrorCounts:
 
 
 class EmptyStreak:
-    """Warns once per streak of `length` calls in a row that trained on no group, with what
-    happened to their groups and the errors most often behind it; `length` None never warns."""
+    """Warns once per streak of `length` calls in a row that trained on nothing, with what
+    happened to their groups and the errors most often behind it; `length` None never warns.
+
+    A call trains on nothing when no group reaches the gradient (every group cut, abandoned or
+    failed, or discarded as uniform), or when every group it trained scored alike: each
+    advantage is then 0, and the rewards teach the policy nothing (a verifier that gives every
+    rollout the same score, or a zero-sum game's summed reward, trains for good this way).
+    """
 
     def __init__(self, length: int | None):
         self.length = length
@@ -49,7 +56,7 @@ class EmptyStreak:
         """Take one call's record and event log; warn when they complete a streak."""
         if self.length is None:
             return
-        if record.groups:
+        if record.groups and not _all_uniform(record):
             self._streak.clear()
             return
         if len(self._streak) == self.length:
@@ -60,6 +67,17 @@ class EmptyStreak:
 
     def _describe(self) -> str:
         records = [r for r, _ in self._streak]
+        alike = [r for r in records if r.groups]
+        if len(alike) == len(records):
+            means = ", ".join(f"{r.metrics.get('reward/mean', math.nan):.3g}" for r in alike)
+            return (
+                f"{len(records)} calls in a row trained on nothing (updates "
+                f"{records[0].updates}..{records[-1].updates}): every group they trained "
+                f"({sum(r.groups for r in alike)}) had rewards all equal, so every advantage "
+                f"was 0 (mean reward per call: {means}). A verifier that gives every rollout "
+                "the same score, tasks all too easy or too hard for the policy, or a zero-sum "
+                "game's summed reward does this"
+            )
         resubmitted = collections.Counter()
         for r in records:
             resubmitted.update(r.resubmitted)
@@ -85,11 +103,21 @@ class EmptyStreak:
                 "(every rollout of a task scored alike: the tasks are too easy or too hard "
                 "for the policy)"
             )
+        if alike:
+            text += (
+                f"; {len(alike)} of the calls trained only groups whose rewards were all equal "
+                "(advantage 0)"
+            )
         if errors:
             text += "; most frequent errors: " + ", ".join(
                 f"{error!r} x{n}" for error, n in errors.most_common(3)
             )
         return text
+
+
+def _all_uniform(record: SchedulerRecord) -> bool:
+    """Whether every group a call trained had rewards all equal (advantage 0)."""
+    return record.metrics.get("groups/uniform_trained", 0.0) >= record.groups
 
 
 class TooLongChain:

@@ -118,10 +118,11 @@ class RolloutScheduler:
             rescored into non-finite log-probs. None takes the objective's model's `vocab`
             where it declares one (a `dew.models.Model` does), else checks only that ids are
             not negative; a vocab above the model's is refused.
-        empty_streak: after this many consecutive calls that train on no group (every group
-            cut, abandoned or failed), log a warning that gives the streak's counts and most
-            frequent errors, once per streak; None never warns. A healthy run rarely
-            has even one such call, and 5 wastes few steps before saying so.
+        empty_streak: after this many consecutive calls that train on nothing (every group
+            cut, abandoned or failed, or every group trained scored alike, so that each
+            advantage is 0), log a warning that gives the streak's counts and most frequent
+            errors, once per streak; None never warns. A healthy run rarely has even one
+            such call, and 5 wastes few steps before saying so.
         filter_uniform: discard a complete group whose training rewards are all equal (its
             advantages would all be 0: it takes rows and trains nothing; DAPO's dynamic
             sampling). Its finished rollouts end `discarded` (reason `uniform`), and it does
