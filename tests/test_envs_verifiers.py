@@ -30,7 +30,7 @@ from _vf_lookup import TABLE
 from dew import models
 from dew.data import ArrayDataset
 from dew.envs.textarena import TextArena
-from dew.envs.verifiers import Verifiers, load_env
+from dew.envs.verifiers import HARNESS_ID, Verifiers, load_env
 from dew.gateway import Gateway, ServedGateway
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
@@ -181,6 +181,24 @@ def test_a_tool_environment_trains_end_to_end(tmp_path, tool_servers):
         reply = tokenizer.BYTES.decode(session.calls[-1].completion).removesuffix("<|im_end|>")
         answered = float(reply.strip() == TABLE[task.payload.data.key])
         assert session.components["answered"] == answered == session.reward
+
+
+async def test_an_episode_of_several_attempts_keeps_each_ones_components():
+    """verifiers' best-of-n runs one agent twice: both attempts' rewards reach the record,
+    numbered, and the reward is their sum."""
+    agent = {"runtime": {"type": "subprocess"}, "harness": {"id": HARNESS_ID}}
+    config = vf.resolve_env_config(
+        {"id": "best-of-n", "n": 2, "taskset": {"id": "_vf_copy", "digits": 3}, "agent": agent}
+    )
+    env = Verifiers(vf.load_environment(config), size=2)
+    async with Gateway(ScriptedEngine(["123"]), max_context=128, max_tokens=8, announce=False) as g:
+        session = await env.source(g).run(env.task(0), Label(0, 0, 0))
+    assert session.status is Status.COMPLETED and len(session.calls) == 2
+    parts = session.components
+    assert {k.split("/", 1)[0] for k in parts} == {"agent.0", "agent.1"}
+    assert session.reward == pytest.approx(
+        sum(parts[f"agent.{k}/copied"] + 0.1 * parts[f"agent.{k}/length"] for k in (0, 1))
+    )
 
 
 # --- verifiers: errors and refusals -------------------------------------------------------------

@@ -46,12 +46,14 @@ warning of this module's logger at their 1st, 10th, 100th ... time, the way the 
 reports its sessions' errors: a broken environment shows in the log, not only as rewards of 0.
 
 Each trace's rewards (their unweighted scores, by name) and metrics (`metric/NAME`) are the
-session's reward components, prefixed with the agent's name when the episode has several.
+session's reward components, prefixed with the agent's name when the episode has several
+traces, numbered where agents share a name (best-of-n's attempts: `agent.0/`, `agent.1/`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import json
@@ -424,12 +426,23 @@ def _error_text(error: Any) -> str:
     return f"{error.type}: {error.message}"
 
 
+def _prefixes(traces: list[Any]) -> list[str]:
+    """Each trace's components' prefix: none for a lone trace, else its agent's name, numbered
+    where several traces share it (best-of-n's attempts: `agent.0/`, `agent.1/`)."""
+    names = [t.agent.name if t.agent and t.agent.name else "trace" for t in traces]
+    if len(traces) == 1:
+        return [""]
+    counts, seen, prefixes = collections.Counter(names), collections.Counter(), []
+    for name in names:
+        prefixes.append(f"{name}/" if counts[name] == 1 else f"{name}.{seen[name]}/")
+        seen[name] += 1
+    return prefixes
+
+
 def outcome(episode: Any) -> Outcome:
     """A verifiers `Episode`'s status, reward and components (see the module)."""
-    named = len({trace.agent.name for trace in episode.traces if trace.agent}) > 1
     components: dict[str, float] = {}
-    for trace in episode.traces:
-        prefix = f"{trace.agent.name}/" if named and trace.agent and trace.agent.name else ""
+    for trace, prefix in zip(episode.traces, _prefixes(episode.traces), strict=True):
         for name, reward in trace.rewards.items():
             if reward is not None and math.isfinite(reward.score):
                 components[f"{prefix}{name}"] = reward.score
