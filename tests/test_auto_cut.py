@@ -9,6 +9,7 @@ call's choice and the estimate behind it; a recorded run with auto replays exact
 from __future__ import annotations
 
 import collections
+import logging
 import math
 
 import numpy as np
@@ -353,6 +354,24 @@ def test_a_run_past_its_budget_drains_carried_groups_beyond_a_batch():
             last[e.group] = e.reason
     ended = {g for g in carried - admitted if last.get(g) == "surplus"}
     assert len(ended) == sum(drained)
+
+
+def test_a_run_that_cannot_hold_its_budget_says_so_once_a_streak(caplog):
+    """Under carry_over a heavy tail's stragglers outlive max_lag whatever the cut: ten calls in
+    a row over the budget warn once, naming the share thrown away and what to raise."""
+    caplog.set_level(logging.WARNING, "dew.objectives.rl")
+    records, _ = drive(1, 30, max_lag=1, carry_over=True, waste_budget=0.02)
+    over = [bool(r.metrics["auto/over_budget"]) for r in records]
+    streaks = [i for i in range(9, len(over)) if all(over[i - 9 : i + 1])]
+    warned = [r.getMessage() for r in caplog.records if "found no cut" in r.getMessage()]
+    assert streaks, over
+    # One warning for each streak of ten, at its tenth call.
+    starts = [i for i in streaks if i == 9 or not all(over[i - 10 : i + 1])]
+    assert len(warned) == len(starts) >= 1
+    wasted = records[starts[0]].metrics["auto/wasted"]
+    assert f"10 calls in a row (updates {starts[0]})" in warned[0]
+    assert "waste_budget 0.02" in warned[0] and f"{100 * wasted:.1f}% of its" in warned[0]
+    assert "raise max_lag or waste_budget" in warned[0]
 
 
 def test_a_zero_budget_without_carry_over_never_cuts():

@@ -120,6 +120,39 @@ def _all_uniform(record: SchedulerRecord) -> bool:
     return record.metrics.get("groups/uniform_trained", 0.0) >= record.groups
 
 
+class OverBudget:
+    """Under admit="auto": warns once per streak of `length` calls in a row at which no cut kept
+    the run within its waste budget, with the share the run has thrown away. Such calls cut
+    nothing, so what is still wasted is not the cut's: rollouts still running when `max_lag`
+    passes (the staleness window's cost on a heavy tail), hedges, failures. The budget then
+    cannot hold at this `max_lag`, and the user should hear it rather than read it off
+    `auto/over_budget`."""
+
+    def __init__(self, budget: float, max_lag: int, length: int = 10):
+        self.budget, self.max_lag, self.length = budget, max_lag, length
+        self._streak = 0
+
+    def observe(self, record: SchedulerRecord) -> None:
+        """Take one call's record; warn when it completes a streak."""
+        if not record.metrics.get("auto/over_budget"):
+            self._streak = 0
+            return
+        self._streak += 1
+        if self._streak == self.length:
+            logger.warning(
+                "admit='auto': %d calls in a row (updates %d) found no cut within waste_budget "
+                "%.3g, and cut nothing; the run has thrown away %.1f%% of its rollout-seconds "
+                "so far. What is still wasted is not the cut's but the staleness window's "
+                "(rollouts still running when max_lag %d passes), hedges' and failures': raise "
+                "max_lag or waste_budget, or expect the run to stay over its budget",
+                self.length,
+                record.updates,
+                self.budget,
+                100 * record.metrics.get("auto/wasted", math.nan),
+                self.max_lag,
+            )
+
+
 class TooLongChain:
     """Warns, once, of the first chain longer than a row of `width`: its group can never be
     packed, nor can any like it, so `width` is likely too small for the task."""

@@ -52,7 +52,7 @@ from dew.objectives.rl._records import (
     SchedulerStatus,
     Variables,
 )
-from dew.objectives.rl._reports import EmptyStreak, ErrorCounts, TooLongChain
+from dew.objectives.rl._reports import EmptyStreak, ErrorCounts, OverBudget, TooLongChain
 from dew.objectives.rl._session import Progress, track_progress
 from dew.objectives.rl.grpo import GRPOObjective, mismatch_metrics
 from dew.objectives.rl.sessions import (
@@ -291,6 +291,7 @@ class _Scheduler:
         self._errors = ErrorCounts(ERRORS_KEPT)
         self._empty = EmptyStreak(empty_streak)
         self._too_long = TooLongChain(width)
+        self._over_budget = OverBudget(float(waste_budget), max_lag)
         self._send, self._receive = trio.open_memory_channel[_Delivery | _Failure](math.inf)
 
     # --- the data stream ----------------------------------------------------------------------
@@ -675,6 +676,7 @@ class _Scheduler:
             self.log(record)
         self._too_long.observe(message.groups, packed.cut)
         self._empty.observe(record, events)
+        self._over_budget.observe(record)
         return batch
 
     def _step_metrics(

@@ -179,8 +179,9 @@ class RolloutScheduler:
             second), `auto/waste`, `auto/step`, `auto/observed` (the completed groups the
             estimate rests on), `auto/wasted` (the run's measured share thrown away so far),
             `auto/over_budget` (1 where no admit kept within the budget) and `auto/drained`
-            (the carried groups that call cancelled). A run under the mock clock, and its
-            replay, choose alike.
+            (the carried groups that call cancelled); ten calls in a row over the budget log a
+            warning, once a streak, since what they still waste is the staleness window's
+            rather than the cut's. A run under the mock clock, and its replay, choose alike.
         hedge: under carry_over, a carried group still running when the call two before its last
             admissible one hands over gets a fresh sample (a hedge) beside each of its running
             ones, once; a hedge replaces its original only where the original has not finished
