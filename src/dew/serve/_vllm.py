@@ -42,6 +42,7 @@ import numpy as np
 import trio
 
 from dew._checks import check_int, check_number
+from dew.models.hf._hub import resolve
 from dew.objectives.rl.sessions import Call, note_progress
 from dew.serve._failure import CallFailed
 from dew.serve._vllm_process import (
@@ -172,7 +173,8 @@ class VLLMEngine:
         tens of seconds on a CPU). A Ctrl-C or an error while waiting stops every server.
 
         Args:
-            checkpoint: a Hugging Face checkpoint folder vLLM can load.
+            checkpoint: a Hugging Face checkpoint folder vLLM can load, or a Hub repository id
+                (`dew.models.hf.resolve`).
             servers: how many servers, >= 1.
             max_model_len: the longest prompt + completion.
             dtype: the weights' dtype on the servers ("float32" to match dew's float32 model).
@@ -200,7 +202,7 @@ class VLLMEngine:
                 or is not ready within `ready_timeout`.
             ValueError: naming an argument out of bounds or a checkpoint that is not a folder.
         """
-        checkpoint = Path(checkpoint)
+        checkpoint = resolve(checkpoint)  # a Hub repository id: its snapshot in the Hub's cache
         if not (checkpoint / "config.json").is_file():
             raise ValueError(f"checkpoint {checkpoint}: not a checkpoint folder (no config.json)")
         servers = check_int("servers", servers, low=1)
@@ -785,11 +787,19 @@ def _folder_tokenizer(checkpoint: str | Path):
 
 def _served_name(served: dict[str, dict], checkpoint: Path) -> str | None:
     """The served model whose folder (vLLM's `root`) is `checkpoint`, else the one named as its
-    folder; None when none is."""
+    folder, or, for a snapshot in the Hugging Face Hub's cache (`.../models--OWNER--NAME/
+    snapshots/COMMIT`), the one named or rooted as its repository id (a server started with
+    `vllm serve OWNER/NAME`); None when none is."""
     for name, entry in served.items():
         root = entry.get("root")
         if root and Path(root).resolve() == checkpoint.resolve():
             return name
+    repository = checkpoint.parent.parent.name
+    if checkpoint.parent.name == "snapshots" and repository.startswith("models--"):
+        repo_id = repository.removeprefix("models--").replace("--", "/", 1)
+        for name, entry in served.items():
+            if repo_id in (name, entry.get("root")):
+                return name
     return checkpoint.name if checkpoint.name in served else None
 
 

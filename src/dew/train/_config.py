@@ -231,8 +231,9 @@ class TrainConfig:
             size. None for the byte tokenizer.
         model: a Hugging Face checkpoint folder (`dew.models.hf`) to train instead of dew's
             transformer, with the folder's tokenizer and chat template
-            (`HuggingFaceTokenizer.from_folder`); the run's checkpoints hold it as such a
-            folder, `checkpoints/model`.
+            (`HuggingFaceTokenizer.from_folder`), or a Hub repository id ("OWNER/NAME") whose
+            snapshot is fetched into the Hub's cache (`dew.models.hf.resolve`); the run's
+            checkpoints hold it as such a folder, `checkpoints/model`.
         dtype: the checkpoint's params dtype ("float32" or "bfloat16"); None keeps its own.
         mesh: the device mesh the checkpoint's params, optimizer state and batch are split
             over, "DATAxFSDPxTENSOR" (`dew.models.hf.sharding`); its sizes' product must be this
@@ -372,8 +373,9 @@ class TrainConfig:
         None,
         _path_or_none,
         "a Hugging Face checkpoint folder to train (Llama, Mistral, Qwen2, Qwen3), with its own "
-        "tokenizer and chat template; its checkpoints are such folders (none: dew's transformer "
-        "of --d-model, --layers, --heads, --d-ff)",
+        "tokenizer and chat template, or a Hub repository id (OWNER/NAME) fetched into the Hub's "
+        "cache; its checkpoints are such folders (none: dew's transformer of --d-model, "
+        "--layers, --heads, --d-ff)",
         kind=str,
     )
     dtype: str | None = _option(
@@ -533,10 +535,10 @@ def _load_tokenizer(config: TrainConfig) -> Tokenizer:
         raise ValueError(f"--tokenizer {config.tokenizer}: {error}") from error
 
 
-def _model_tokenizer(folder: str) -> Tokenizer:
-    """The tokenizer and chat template of the checkpoint folder `folder`, once its config.json
-    and its tensors' headers are checked (before any tensor is read) and it is found to have an
-    embedding row for every id.
+def _model_tokenizer(model: str) -> Tokenizer:
+    """The tokenizer and chat template of the checkpoint `model` names (a folder, or a Hub
+    repository id: `dew.models.hf.resolve`), once its config.json and its tensors' headers are
+    checked (before any tensor is read) and it is found to have an embedding row for every id.
 
     Raises:
         ValueError: naming --model and the file, field or tensors at fault.
@@ -544,8 +546,10 @@ def _model_tokenizer(folder: str) -> Tokenizer:
     from dew.models import hf  # safetensors and the family on demand
     from dew.models.hf._config import read_config
 
+    folder = model
     try:
-        checkpoint, _ = read_config(Path(folder))
+        folder = hf.resolve(model)
+        checkpoint, _ = read_config(folder)
         tokenizer = HuggingFaceTokenizer.from_folder(folder)
         if tokenizer.vocab_size > checkpoint.vocab:
             raise ValueError(
@@ -554,7 +558,7 @@ def _model_tokenizer(folder: str) -> Tokenizer:
             )
         hf.model_of(folder)  # every tensor's name, shape and file, from the headers
     except (ValueError, FileNotFoundError) as error:
-        raise ValueError(f"--model {folder}: {error}") from None
+        raise ValueError(f"--model {model}: {error}") from None
     return tokenizer
 
 

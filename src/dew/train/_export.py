@@ -50,7 +50,10 @@ def export(run: str | os.PathLike, to: str | os.PathLike | None = None) -> tuple
             f"--run {run} trained dew's own transformer, not a --model checkpoint folder: there "
             "is no Hugging Face folder to write"
         )
-    folder = Path(config.model)
+    try:
+        folder = hf.resolve(config.model)  # a Hub repository id: its snapshot in the cache
+    except ValueError as error:
+        raise ValueError(f"--run {run} trained --model {config.model}: {error}") from None
     if not folder.is_dir():
         raise ValueError(
             f"--run {run} trained --model {folder}, which is gone: its config.json and "

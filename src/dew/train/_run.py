@@ -126,7 +126,7 @@ def train(
         checkpoint_every=config.checkpoint_every,
         deadline=deadline,
         logs=(SAMPLES, EVALUATIONS),
-        folder=config.model,
+        folder=None if config.model is None else str(hf.resolve(config.model)),
     )
     if mesh is not None:  # Adam's moments as their params, its count replicated over the mesh
         placed = sharding.state_shardings(trainer.opt_state, trainer.variables, mesh)
@@ -291,7 +291,7 @@ def _vllm_engine(config: TrainConfig, run: Path, model, tokenizer, max_len: int,
     if config.engine_url is not None:
         engine = VLLMEngine.attach(
             config.engine_url[index::processes],
-            checkpoint=config.model,
+            checkpoint=hf.resolve(config.model),
             model=model,
             tokenizer=tokenizer,
             push_dir=work,
@@ -305,7 +305,7 @@ def _vllm_engine(config: TrainConfig, run: Path, model, tokenizer, max_len: int,
             )
         return engine
     return VLLMEngine.start(
-        config.model,
+        hf.resolve(config.model),
         servers=config.engine_servers,
         max_model_len=max_len,
         dtype=model.dtype,

@@ -1,11 +1,12 @@
 """Hugging Face checkpoint folders of the Llama family, loaded into and saved from dew's JAX model.
 
 `load(folder)` reads a checkpoint folder (`config.json`, and `model.safetensors` or a sharded
-`model.safetensors.index.json`) of a `LlamaForCausalLM`, `MistralForCausalLM`,
-`Qwen2ForCausalLM` or `Qwen3ForCausalLM` into an `HFModel` (a `dew.models.Model`, so the
-objective, the engine and the scheduler take it unchanged) and its params. `save` writes a
-model's params back as a folder `transformers` and vLLM load as it is: the same tensor names,
-shapes and dtypes, `config.json`, and the tokenizer files of the folder it came from.
+`model.safetensors.index.json`), or the one a Hub repository id names (`resolve`), of a
+`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` or `Qwen3ForCausalLM` into an
+`HFModel` (a `dew.models.Model`, so the objective, the engine and the scheduler take it
+unchanged) and its params. `save` writes a model's params back as a folder `transformers` and
+vLLM load as it is: the same tensor names, shapes and dtypes, `config.json`, and the tokenizer
+files of the folder it came from.
 
 Loading reads tensor by tensor, each converted and placed before the next is read, so the host
 never holds the params twice; saving writes tensor by tensor likewise. Every problem a folder
@@ -40,6 +41,7 @@ from dew.models.hf._config import (
     check_dtype,
     read_config,
 )
+from dew.models.hf._hub import resolve
 from dew.models.hf._modeling import HFModel
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "Llama3Scaling",
     "load",
     "model_of",
+    "resolve",
     "save",
     "TOKENIZER_FILES",
 ]
@@ -94,7 +97,8 @@ def load(
 
     Args:
         folder: a Hugging Face checkpoint folder: `config.json`, and `model.safetensors` or
-            `model.safetensors.index.json` with the files it names.
+            `model.safetensors.index.json` with the files it names; or a Hub repository id
+            ("OWNER/NAME"), fetched into the Hub's cache (`resolve`).
         dtype: the params' dtype, "float32" or "bfloat16"; None keeps the checkpoint's (its
             `config.json`'s `dtype`, else its tensors').
         shardings: a pytree of `jax.sharding.Sharding`s laid out as the params (see
@@ -111,7 +115,7 @@ def load(
             of another shape or of a dtype that is not a float; a file the index names that
             is missing, or one that is truncated or not safetensors.
     """
-    folder = Path(folder)
+    folder = resolve(folder)
     config, named = read_config(folder)
     files = _tensor_files(folder)
     expected = list(_params.leaves(config))
@@ -137,11 +141,12 @@ def load(
 def model_of(folder: str | os.PathLike, *, dtype: str | None = None) -> HFModel:
     """The model of the checkpoint folder `folder`, from its `config.json` and the tensors'
     headers, no tensor read: to build the shardings `load` places each tensor on as it reads.
+    `folder` may be a Hub repository id, as `load`'s.
 
     Raises:
         ValueError, CheckpointError: as `load`, for the config and the headers.
     """
-    folder = Path(folder)
+    folder = resolve(folder)
     config, named = read_config(folder)
     expected = list(_params.leaves(config))
     headers = _check_tensors(folder, config, _tensor_files(folder), expected)
