@@ -244,6 +244,8 @@ if __name__ == "__main__":
         if options.workloads:
             print(workloads(options.steps, options.seeds or 3, options.jobs))
         sys.exit(0)
+    if "-h" in args or "--help" in args:  # this script's own modes, then dew simulate's options
+        print(__doc__[: __doc__.index("Targets")])
     code = main(["simulate", *args])
     if "--smoke" in args:
         print(reference(steps=4, seeds=1, jobs=1, settings=SETTINGS[0:6:2]))
