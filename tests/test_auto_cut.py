@@ -369,7 +369,7 @@ def test_a_run_that_cannot_hold_its_budget_says_so_once_a_streak(caplog):
     starts = [i for i in streaks if i == 9 or not all(over[i - 10 : i + 1])]
     assert len(warned) == len(starts) >= 1
     wasted = records[starts[0]].metrics["auto/wasted"]
-    assert f"10 calls in a row (updates {starts[0]})" in warned[0]
+    assert f"10 calls in a row, through updates {starts[0]}," in warned[0]
     assert "waste_budget 0.02" in warned[0] and f"{100 * wasted:.1f}% of its" in warned[0]
     assert "raise max_lag or waste_budget" in warned[0]
 

@@ -140,8 +140,9 @@ class OverBudget:
         self._streak += 1
         if self._streak == self.length:
             logger.warning(
-                "admit='auto': %d calls in a row (updates %d) found no cut within waste_budget "
-                "%.3g, and cut nothing; the run has thrown away %.1f%% of its rollout-seconds "
+                "admit='auto': %d calls in a row, through updates %d, found no cut within "
+                "waste_budget %.3g, and cut nothing; the run has thrown away %.1f%% of its "
+                "rollout-seconds "
                 "so far. What is still wasted is not the cut's but the staleness window's "
                 "(rollouts still running when max_lag %d passes), hedges' and failures': raise "
                 "max_lag or waste_budget, or expect the run to stay over its budget",
