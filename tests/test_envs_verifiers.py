@@ -183,16 +183,23 @@ def test_a_tool_environment_trains_end_to_end(tmp_path, tool_servers):
         assert session.components["answered"] == answered == session.reward
 
 
-async def test_an_episode_of_several_attempts_keeps_each_ones_components():
+async def test_an_episode_of_several_attempts_keeps_each_ones_components(caplog):
     """verifiers' best-of-n runs one agent twice: both attempts' rewards reach the record,
-    numbered, and the reward is their sum."""
+    numbered, and the reward is their sum, which trains both attempts' calls: the source says
+    so, once."""
+    caplog.set_level(logging.WARNING, "dew.envs.verifiers")
     agent = {"runtime": {"type": "subprocess"}, "harness": {"id": HARNESS_ID}}
     config = vf.resolve_env_config(
         {"id": "best-of-n", "n": 2, "taskset": {"id": "_vf_copy", "digits": 3}, "agent": agent}
     )
     env = Verifiers(vf.load_environment(config), size=2)
     async with Gateway(ScriptedEngine(["123"]), max_context=128, max_tokens=8, announce=False) as g:
-        session = await env.source(g).run(env.task(0), Label(0, 0, 0))
+        source = env.source(g)
+        session = await source.run(env.task(0), Label(0, 0, 0))
+        await source.run(env.task(1), Label(1, 0, 0))
+    [warned] = [r.getMessage() for r in caplog.records]
+    assert "an episode holds 2 traces (agents agent, agent)" in warned
+    assert "no reward per agent" in warned
     assert session.status is Status.COMPLETED and len(session.calls) == 2
     parts = session.components
     assert {k.split("/", 1)[0] for k in parts} == {"agent.0", "agent.1"}

@@ -413,6 +413,7 @@ class Outcome:
         components: each trace's rewards and metrics by name.
         truncation: why a TRUNCATED episode stopped.
         error: the first error's type and message, for AGENT_ERROR.
+        agents: the agent's name of each trace (`trace` where it has none).
     """
 
     status: Status
@@ -420,17 +421,22 @@ class Outcome:
     components: Mapping[str, float]
     truncation: str | None = None
     error: str | None = None
+    agents: tuple[str, ...] = ()
 
 
 def _error_text(error: Any) -> str:
     return f"{error.type}: {error.message}"
 
 
-def _prefixes(traces: list[Any]) -> list[str]:
-    """Each trace's components' prefix: none for a lone trace, else its agent's name, numbered
-    where several traces share it (best-of-n's attempts: `agent.0/`, `agent.1/`)."""
-    names = [t.agent.name if t.agent and t.agent.name else "trace" for t in traces]
-    if len(traces) == 1:
+def _agent(trace: Any) -> str:
+    return trace.agent.name if trace.agent and trace.agent.name else "trace"
+
+
+def _prefixes(names: tuple[str, ...]) -> list[str]:
+    """Each trace's components' prefix, from the traces' agents' names: none for a lone trace,
+    else its agent's name, numbered where several traces share it (best-of-n's attempts:
+    `agent.0/`, `agent.1/`)."""
+    if len(names) == 1:
         return [""]
     counts, seen, prefixes = collections.Counter(names), collections.Counter(), []
     for name in names:
@@ -442,7 +448,8 @@ def _prefixes(traces: list[Any]) -> list[str]:
 def outcome(episode: Any) -> Outcome:
     """A verifiers `Episode`'s status, reward and components (see the module)."""
     components: dict[str, float] = {}
-    for trace, prefix in zip(episode.traces, _prefixes(episode.traces), strict=True):
+    agents = tuple(_agent(trace) for trace in episode.traces)
+    for trace, prefix in zip(episode.traces, _prefixes(agents), strict=True):
         for name, reward in trace.rewards.items():
             if reward is not None and math.isfinite(reward.score):
                 components[f"{prefix}{name}"] = reward.score
@@ -453,17 +460,21 @@ def outcome(episode: Any) -> Outcome:
     reward = reward if math.isfinite(reward) else 0.0
     errors = [*episode.errors, *(e for trace in episode.traces for e in trace.errors)]
     if errors:
-        return Outcome(Status.AGENT_ERROR, reward, components, error=_error_text(errors[0]))
+        return Outcome(
+            Status.AGENT_ERROR, reward, components, error=_error_text(errors[0]), agents=agents
+        )
     for trace in episode.traces:
         if trace.stop_condition in _LIMITS:
-            return Outcome(Status.TRUNCATED, reward, components, _LIMITS[trace.stop_condition])
+            return Outcome(
+                Status.TRUNCATED, reward, components, _LIMITS[trace.stop_condition], agents=agents
+            )
         if trace.is_timeout:
-            return Outcome(Status.TRUNCATED, reward, components, "wall_clock")
+            return Outcome(Status.TRUNCATED, reward, components, "wall_clock", agents=agents)
         if trace.is_truncated:  # the last reply ran out of its token budget
-            return Outcome(Status.TRUNCATED, reward, components, "length")
+            return Outcome(Status.TRUNCATED, reward, components, "length", agents=agents)
     if episode.is_timeout:
-        return Outcome(Status.TRUNCATED, reward, components, "wall_clock")
-    return Outcome(Status.COMPLETED, reward, components)
+        return Outcome(Status.TRUNCATED, reward, components, "wall_clock", agents=agents)
+    return Outcome(Status.COMPLETED, reward, components, agents=agents)
 
 
 @attrs.frozen
@@ -488,6 +499,8 @@ class VerifiersSource:
     max_calls: int | None = attrs.field(default=None, kw_only=True, validator=_optional_count)
     wall_clock: float | None = attrs.field(default=None, kw_only=True, validator=_optional_seconds)
     errors: ErrorCounts = attrs.field(factory=lambda: ErrorCounts(64), init=False, eq=False)
+    # Whether an episode of several traces has been reported (see `_report_agents`).
+    _reported: list[bool] = attrs.field(factory=list, init=False, eq=False)
 
     def __attrs_post_init__(self):
         check_offline(self.env)
@@ -504,7 +517,22 @@ class VerifiersSource:
         ended = _session(session, result)
         if ended.status is Status.AGENT_ERROR:
             self._count(ended.error)
+        if result is not None and len(result.agents) > 1 and not self._reported:
+            self._report_agents(result.agents)
         return ended
+
+    def _report_agents(self, agents: tuple[str, ...]) -> None:
+        """Say once, at the first episode of several traces, that dew trains them all on one
+        reward: it has no reward per agent yet."""
+        self._reported.append(True)
+        logger.warning(
+            "verifiers environment %r: an episode holds %d traces (agents %s), and dew trains "
+            "every trace's calls on the episode's one reward, the sum of the traces' rewards "
+            "(each trace's are reward components): it has no reward per agent",
+            self.env.config.env_id,
+            len(agents),
+            ", ".join(agents),
+        )
 
     def _count(self, error: str) -> None:
         self.errors.add(error)
