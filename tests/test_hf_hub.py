@@ -2,13 +2,15 @@
 
 Nothing is downloaded: the tests write a Hub cache of their own, laid out as `huggingface_hub`
 lays out what it downloads (`models--OWNER--NAME/refs/main` naming a commit,
-`snapshots/COMMIT/` holding the files), and the real `huggingface_hub` reads it, offline, as
-it reads a repository cached before.
+`snapshots/COMMIT/` holding links to the files in `blobs/`), and the real `huggingface_hub`
+reads it, offline, as it reads a repository cached before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -39,8 +41,17 @@ def hub(checkpoint, tmp_path, monkeypatch):
     repository = cache / f"models--{REPO.replace('/', '--')}"
     (repository / "refs").mkdir(parents=True)
     (repository / "refs" / "main").write_text(COMMIT)
+    # As the Hub library stores a download: each file a blob, named by its hash, and the
+    # snapshot's entries links to the blobs.
     snapshot = repository / "snapshots" / COMMIT
-    shutil.copytree(folder, snapshot)
+    (repository / "blobs").mkdir()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            blob = repository / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
+            shutil.copyfile(path, blob)
+            entry = snapshot / path.relative_to(folder)
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            entry.symlink_to(os.path.relpath(blob, entry.parent))
     for name, value in (("HF_HUB_CACHE", str(cache)), ("HF_HUB_OFFLINE", "1")):
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
