@@ -72,6 +72,21 @@ def test_a_repository_id_loads_the_snapshot_the_hub_cached(hub):
     assert hf.model_of(REPO) == same
 
 
+def test_a_revision_after_the_id_picks_its_snapshot(hub):
+    """OWNER/NAME@REVISION: a commit is its snapshot; a branch or tag, the commit its ref
+    names; one the cache does not hold, offline, is refused naming it."""
+    snapshot, _ = hub
+    refs = snapshot.parent.parent / "refs"
+    other = "fedcba9876543210fedcba9876543210fedcba98"
+    (refs / "v1").write_text(other)
+    shutil.copytree(snapshot, snapshot.parent / other, symlinks=True)
+    assert hf.resolve(f"{REPO}@{COMMIT}") == snapshot
+    assert hf.resolve(f"{REPO}@v1") == snapshot.parent / other
+    hf.model_of(f"{REPO}@v1")
+    with pytest.raises(ValueError, match=f"{REPO}@v2 is neither a folder nor a checkpoint"):
+        hf.resolve(f"{REPO}@v2")
+
+
 def test_a_folder_is_a_folder_and_what_is_no_repository_id_is_left_to_the_folder_checks(
     hub, tmp_path, monkeypatch
 ):

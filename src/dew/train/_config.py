@@ -231,8 +231,9 @@ class TrainConfig:
             size. None for the byte tokenizer.
         model: a Hugging Face checkpoint folder (`dew.models.hf`) to train instead of dew's
             transformer, with the folder's tokenizer and chat template
-            (`HuggingFaceTokenizer.from_folder`), or a Hub repository id ("OWNER/NAME") whose
-            snapshot is fetched into the Hub's cache (`dew.models.hf.resolve`); the run's
+            (`HuggingFaceTokenizer.from_folder`), or a Hub repository id ("OWNER/NAME", or
+            "OWNER/NAME@REVISION") whose snapshot is fetched into the Hub's cache
+            (`dew.models.hf.resolve`); the run's
             checkpoints hold it as such a folder, `checkpoints/model`.
         dtype: the checkpoint's params dtype ("float32" or "bfloat16"); None keeps its own.
         mesh: the device mesh the checkpoint's params, optimizer state and batch are split
@@ -373,9 +374,9 @@ class TrainConfig:
         None,
         _path_or_none,
         "a Hugging Face checkpoint folder to train (Llama, Mistral, Qwen2, Qwen3), with its own "
-        "tokenizer and chat template, or a Hub repository id (OWNER/NAME) fetched into the Hub's "
-        "cache; its checkpoints are such folders (none: dew's transformer of --d-model, "
-        "--layers, --heads, --d-ff)",
+        "tokenizer and chat template, or a Hub repository id (OWNER/NAME[@REVISION]) fetched "
+        "into the Hub's cache; its checkpoints are such folders (none: dew's transformer of "
+        "--d-model, --layers, --heads, --d-ff)",
         kind=str,
     )
     dtype: str | None = _option(
