@@ -183,29 +183,60 @@ def test_a_tool_environment_trains_end_to_end(tmp_path, tool_servers):
         assert session.components["answered"] == answered == session.reward
 
 
-async def test_an_episode_of_several_attempts_keeps_each_ones_components(caplog):
-    """verifiers' best-of-n runs one agent twice: both attempts' rewards reach the record,
-    numbered, and the reward is their sum, which trains both attempts' calls: the source says
-    so, once."""
-    caplog.set_level(logging.WARNING, "dew.envs.verifiers")
+def _best_of_two():
+    """verifiers' best-of-n env over `_vf_copy`: one agent, two attempts an episode."""
     agent = {"runtime": {"type": "subprocess"}, "harness": {"id": HARNESS_ID}}
     config = vf.resolve_env_config(
         {"id": "best-of-n", "n": 2, "taskset": {"id": "_vf_copy", "digits": 3}, "agent": agent}
     )
-    env = Verifiers(vf.load_environment(config), size=2)
-    async with Gateway(ScriptedEngine(["123"]), max_context=128, max_tokens=8, announce=False) as g:
-        source = env.source(g)
-        session = await source.run(env.task(0), Label(0, 0, 0))
-        await source.run(env.task(1), Label(1, 0, 0))
-    [warned] = [r.getMessage() for r in caplog.records]
-    assert "an episode holds 2 traces (agents agent, agent)" in warned
-    assert "no reward per agent" in warned
+    return Verifiers(vf.load_environment(config), size=4)
+
+
+async def test_an_episode_of_several_traces_gives_each_its_own_reward_and_calls():
+    """Best-of-n runs one agent twice: each attempt is a seat (`agent.0`, `agent.1`) with its
+    own reward, its calls tagged by the trace id verifiers sends with them, and its rewards
+    components of their own; the session's reward is their sum."""
+    env = _best_of_two()
+    digits = env.task(0).payload.data.digits
+    replies = [digits, "9" * 3]  # one attempt copies the digits, the other does not
+    async with Gateway(ScriptedEngine(replies), max_context=128, max_tokens=8, announce=False) as g:
+        session = await env.source(g).run(env.task(0), Label(0, 0, 0))
     assert session.status is Status.COMPLETED and len(session.calls) == 2
+    assert sorted(call.seat for call in session.calls) == ["agent.0", "agent.1"]
     parts = session.components
     assert {k.split("/", 1)[0] for k in parts} == {"agent.0", "agent.1"}
-    assert session.reward == pytest.approx(
-        sum(parts[f"agent.{k}/copied"] + 0.1 * parts[f"agent.{k}/length"] for k in (0, 1))
+    for seat in ("agent.0", "agent.1"):
+        own = parts[f"{seat}/copied"] + 0.1 * parts[f"{seat}/length"]
+        assert session.seats[seat] == pytest.approx(own)
+    # Each call trains on the reward of the attempt that made it.
+    copied = {
+        call.seat: tokenizer.BYTES.decode(call.completion).startswith(digits)
+        for call in session.calls
+    }
+    for seat, did in copied.items():
+        assert (session.seats[seat] > 1.0) == did
+    assert session.reward == pytest.approx(sum(session.seats.values()))
+
+
+def test_an_environment_of_several_traces_trains_each_on_its_own_reward(tmp_path):
+    env = _best_of_two()
+    server = tiny_server()
+    recording = []
+
+    def make(gateway):
+        recording.append(Recording(env.source(gateway)))
+        return recording[-1]
+
+    served = ServedGateway(
+        server, make, {"max_context": CONFIG.max_len, "max_tokens": 4, "announce": False}
     )
+    lines = train(served, server, CONFIG, tmp_path, tasks=env.tasks)
+    assert [line["updates"] for line in lines] == [1, 2]
+    sessions = [session for _, session in recording[0].sessions]
+    assert len(sessions) == 8
+    for session in sessions:
+        assert set(session.seats) == {"agent.0", "agent.1"}
+        assert {call.seat for call in session.calls} == {"agent.0", "agent.1"}
 
 
 # --- verifiers: errors and refusals -------------------------------------------------------------

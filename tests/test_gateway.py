@@ -334,6 +334,24 @@ async def test_completions_and_models_endpoints(client):
     assert [chain.calls for chain in cut] == [2, 1]
 
 
+async def test_each_call_records_the_thread_its_client_names(client):
+    """A request's X-Session-ID header (verifiers sends each agent trace's id so) is recorded
+    with its call, on both endpoints; a call without one records None."""
+    engine = ScriptedEngine(["a", "b", "c"])
+    async with gateway(engine) as gw:
+        session = gw.open()
+        api = client(session)
+        user = [{"role": "user", "content": "hi"}]
+        await api.chat.completions.create(
+            model="m", messages=user, extra_headers={"X-Session-ID": "trace-1"}
+        )
+        await api.completions.create(
+            model="m", prompt="hello", extra_headers={"X-Session-ID": "trace-2"}
+        )
+        await api.chat.completions.create(model="m", messages=user)
+    assert session.threads == ("trace-1", "trace-2", None)
+
+
 async def test_every_standard_field_real_clients_send_is_accepted(client):
     engine = ScriptedEngine(['{"city": "Paris"}'])
     schema = {

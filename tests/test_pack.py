@@ -12,7 +12,7 @@ from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 
 from dew.data import Task
-from dew.objectives.rl._packing import _percentile
+from dew.objectives.rl._packing import _percentile, uniform_group
 from dew.objectives.rl.sessions import (
     ESTIMATORS,
     TRUNCATION,
@@ -972,3 +972,79 @@ def test_session_metrics_of_nothing_leave_every_undefined_figure_out():
     no session had): only the counts remain."""
     metrics = session_metrics([], pack([], width=4, rows=2), version=0)
     assert metrics == {"tokens/trained": 0.0, "fill": 0.0}
+
+
+def seated_group(rewards: list[dict[str, float]], seats: list[str | None]) -> list[Session]:
+    """A group of sessions, each making one call per entry of `seats` (a chain each: no prompt
+    extends another's), seat by seat, and giving the seats in its entry of `rewards` rewards of
+    their own; every session's own reward is its sample number."""
+    group = []
+    for sample, seat_rewards in enumerate(rewards):
+        calls = tuple(
+            Call(
+                prompt=np.array([10 + 4 * sample + k], np.int32),
+                completion=np.array([1, 2], np.int32),
+                logprobs=np.full(2, -0.25, np.float32),
+                version=0,
+                seat=seat,
+            )
+            for k, seat in enumerate(seats)
+        )
+        session = Session(
+            Status.COMPLETED, calls, float(sample), seats=seat_rewards, task=Task("t"),
+            label=Label(0, sample, 0),
+        )  # fmt: skip
+        group.append(check_session(session))
+    return group
+
+
+def advantages_by_prompt(packed) -> dict[int, float]:
+    """Each laid chain's advantage by its one prompt token."""
+    batch = packed.batch
+    starts = (batch["positions"] == 0) & (batch["segment_ids"] > 0)
+    return {
+        int(batch["tokens"][r, p]): float(batch["advantages"][r, p + 1])
+        for r, p in zip(*np.nonzero(starts), strict=True)
+    }
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_a_seat_trains_on_its_own_reward_against_its_seat_in_the_group(estimator):
+    """Seat "solver" trains on its rewards over the group's solvers, seat "judge" (no reward
+    of its own) trains on nothing, and a call of no seat on its session's reward."""
+    rewards = [{"solver": 1.0}, {"solver": 0.0}, {"solver": 0.5}]
+    group = seated_group(rewards, ["solver", "judge", None])
+    packed = pack([group], width=64, rows=4, estimator=estimator)
+    found = advantages_by_prompt(packed)
+    solver = reference_advantages([1.0, 0.0, 0.5], estimator)
+    own = reference_advantages([0.0, 1.0, 2.0], estimator)  # the sessions' rewards
+    expected = {}
+    for sample in range(3):
+        expected[10 + 4 * sample] = solver[sample]
+        expected[10 + 4 * sample + 2] = own[sample]
+    assert found.keys() == expected.keys()  # no judge chain laid
+    for prompt, advantage in expected.items():
+        np.testing.assert_allclose(found[prompt], advantage, rtol=1e-5, atol=1e-6)
+
+
+def test_a_group_is_uniform_only_when_each_seat_scored_alike_too():
+    alike = seated_group([{"solver": 1.0}, {"solver": 1.0}], ["solver"])
+    apart = seated_group([{"solver": 1.0}, {"solver": 0.0}], ["solver"])
+    # Their sessions' own rewards (0 and 1) differ, so make them alike to isolate the seats.
+    same = [attrs.evolve(s, reward=1.0) for s in alike]
+    assert uniform_group(same, "mask")
+    assert not uniform_group([attrs.evolve(s, reward=1.0) for s in apart], "mask")
+
+
+def test_seats_go_into_a_trace_and_come_back():
+    from dew.replay._format import _encode_session
+    from dew.replay._trace import _decode_session, _Line
+
+    session = seated_group([{"solver": 1.0, "critic": -0.5}], ["solver", None])[0]
+    encoded = _encode_session(session)
+    back = _decode_session(_Line("t.trace", 1, encoded), encoded)
+    assert back.seats == {"solver": 1.0, "critic": -0.5}
+    assert [call.seat for call in back.calls] == ["solver", None]
+    bad = {**encoded, "seats": {"solver": "one"}}
+    with pytest.raises(ValueError, match="seat 'solver'"):
+        _decode_session(_Line("t.trace", 1, bad), bad)

@@ -48,6 +48,13 @@ reports its sessions' errors: a broken environment shows in the log, not only as
 Each trace's rewards (their unweighted scores, by name) and metrics (`metric/NAME`) are the
 session's reward components, prefixed with the agent's name when the episode has several
 traces, numbered where agents share a name (best-of-n's attempts: `agent.0/`, `agent.1/`).
+
+An episode of several traces gives each agent its own reward. Each trace is a seat named by
+that prefix; verifiers sends each model call with its trace's id (`X-Session-ID`), which the
+gateway records, so each call is tagged with its trace's seat (`Call.seat`), and the session's
+`seats` hold the reward of each trace that recorded rewards: `pack` trains a seat's calls on
+its reward against the same seat of the group's other rollouts, and a seat with no reward (a
+judge, a simulated user) on nothing.
 """
 
 from __future__ import annotations
@@ -413,7 +420,11 @@ class Outcome:
         components: each trace's rewards and metrics by name.
         truncation: why a TRUNCATED episode stopped.
         error: the first error's type and message, for AGENT_ERROR.
-        agents: the agent's name of each trace (`trace` where it has none).
+        seat_of: in an episode of several traces, each trace's seat (its components' prefix:
+            its agent's name, numbered where agents share one) by the trace's id, which
+            verifiers sends with each of the trace's model calls (`X-Session-ID`).
+        seats: in an episode of several traces, the reward of each seat whose trace recorded
+            rewards (the session's `seats`); None for a lone trace.
     """
 
     status: Status
@@ -421,7 +432,8 @@ class Outcome:
     components: Mapping[str, float]
     truncation: str | None = None
     error: str | None = None
-    agents: tuple[str, ...] = ()
+    seat_of: Mapping[str, str] = attrs.field(factory=dict)
+    seats: Mapping[str, float] | None = None
 
 
 def _error_text(error: Any) -> str:
@@ -446,35 +458,52 @@ def _prefixes(names: tuple[str, ...]) -> list[str]:
 
 
 def outcome(episode: Any) -> Outcome:
-    """A verifiers `Episode`'s status, reward and components (see the module)."""
+    """A verifiers `Episode`'s status, reward, components and, for several traces, seats (see
+    the module)."""
     components: dict[str, float] = {}
-    agents = tuple(_agent(trace) for trace in episode.traces)
-    for trace, prefix in zip(episode.traces, _prefixes(agents), strict=True):
+    seats = _seats(episode.traces)
+    for trace, seat in zip(
+        episode.traces, _prefixes(tuple(map(_agent, episode.traces))), strict=True
+    ):
         for name, reward in trace.rewards.items():
             if reward is not None and math.isfinite(reward.score):
-                components[f"{prefix}{name}"] = reward.score
+                components[f"{seat}{name}"] = reward.score
         for name, value in trace.metrics.items():
             if value is not None and math.isfinite(value):
-                components[f"{prefix}metric/{name}"] = float(value)
+                components[f"{seat}metric/{name}"] = float(value)
     reward = math.fsum(trace.reward for trace in episode.traces)
     reward = reward if math.isfinite(reward) else 0.0
     errors = [*episode.errors, *(e for trace in episode.traces for e in trace.errors)]
     if errors:
         return Outcome(
-            Status.AGENT_ERROR, reward, components, error=_error_text(errors[0]), agents=agents
+            Status.AGENT_ERROR, reward, components, error=_error_text(errors[0]), **seats
         )
     for trace in episode.traces:
         if trace.stop_condition in _LIMITS:
-            return Outcome(
-                Status.TRUNCATED, reward, components, _LIMITS[trace.stop_condition], agents=agents
-            )
+            limit = _LIMITS[trace.stop_condition]
+            return Outcome(Status.TRUNCATED, reward, components, limit, **seats)
         if trace.is_timeout:
-            return Outcome(Status.TRUNCATED, reward, components, "wall_clock", agents=agents)
+            return Outcome(Status.TRUNCATED, reward, components, "wall_clock", **seats)
         if trace.is_truncated:  # the last reply ran out of its token budget
-            return Outcome(Status.TRUNCATED, reward, components, "length", agents=agents)
+            return Outcome(Status.TRUNCATED, reward, components, "length", **seats)
     if episode.is_timeout:
-        return Outcome(Status.TRUNCATED, reward, components, "wall_clock", agents=agents)
-    return Outcome(Status.COMPLETED, reward, components, agents=agents)
+        return Outcome(Status.TRUNCATED, reward, components, "wall_clock", **seats)
+    return Outcome(Status.COMPLETED, reward, components, **seats)
+
+
+def _seats(traces: list[Any]) -> dict[str, Any]:
+    """For an episode of several traces, `Outcome`'s `seat_of` (each trace's seat by its id)
+    and `seats` (the reward of each seat whose trace recorded rewards); nothing for one."""
+    if len(traces) < 2:
+        return {}
+    names = [prefix.removesuffix("/") for prefix in _prefixes(tuple(map(_agent, traces)))]
+    seat_of = {trace.id: seat for trace, seat in zip(traces, names, strict=True)}
+    seats = {
+        seat: float(trace.reward)
+        for trace, seat in zip(traces, names, strict=True)
+        if trace.rewards and math.isfinite(trace.reward)
+    }
+    return {"seat_of": seat_of, "seats": seats}
 
 
 @attrs.frozen
@@ -499,8 +528,6 @@ class VerifiersSource:
     max_calls: int | None = attrs.field(default=None, kw_only=True, validator=_optional_count)
     wall_clock: float | None = attrs.field(default=None, kw_only=True, validator=_optional_seconds)
     errors: ErrorCounts = attrs.field(factory=lambda: ErrorCounts(64), init=False, eq=False)
-    # Whether an episode of several traces has been reported (see `_report_agents`).
-    _reported: list[bool] = attrs.field(factory=list, init=False, eq=False)
 
     def __attrs_post_init__(self):
         check_offline(self.env)
@@ -517,22 +544,7 @@ class VerifiersSource:
         ended = _session(session, result)
         if ended.status is Status.AGENT_ERROR:
             self._count(ended.error)
-        if result is not None and len(result.agents) > 1 and not self._reported:
-            self._report_agents(result.agents)
         return ended
-
-    def _report_agents(self, agents: tuple[str, ...]) -> None:
-        """Say once, at the first episode of several traces, that dew trains them all on one
-        reward: it has no reward per agent yet."""
-        self._reported.append(True)
-        logger.warning(
-            "verifiers environment %r: an episode holds %d traces (agents %s), and dew trains "
-            "every trace's calls on the episode's one reward, the sum of the traces' rewards "
-            "(each trace's are reward components): it has no reward per agent",
-            self.env.config.env_id,
-            len(agents),
-            ", ".join(agents),
-        )
 
     def _count(self, error: str) -> None:
         self.errors.add(error)
@@ -564,6 +576,14 @@ class VerifiersSource:
 
 def _session(session, result: Outcome | None) -> Session:
     calls: tuple[Call, ...] = session.calls
+    if result is not None and result.seats is not None:
+        # Each call to its trace's seat, by the trace id verifiers sent with it.
+        calls = tuple(
+            call
+            if thread not in result.seat_of
+            else attrs.evolve(call, seat=result.seat_of[thread])
+            for call, thread in zip(calls, session.threads, strict=True)
+        )
     if session.infra_error is not None:
         return Session(Status.INFRA_ERROR, calls, error=session.infra_error)
     if session.truncation is not None:
@@ -571,7 +591,15 @@ def _session(session, result: Outcome | None) -> Session:
         # overflowing episode would only repeat.
         reward = 0.0 if result is None else result.reward
         components = {} if result is None else dict(result.components)
-        return Session(Status.TRUNCATED, calls, reward, components, truncation=session.truncation)
+        seats = None if result is None else result.seats
+        return Session(
+            Status.TRUNCATED,
+            calls,
+            reward,
+            components,
+            truncation=session.truncation,
+            seats=seats,
+        )
     if result is None:
         return Session(Status.INFRA_ERROR, calls, error="the episode ended without an outcome")
     return Session(
@@ -581,6 +609,7 @@ def _session(session, result: Outcome | None) -> Session:
         dict(result.components),
         truncation=result.truncation,
         error=result.error,
+        seats=result.seats,
     )
 
 

@@ -46,6 +46,8 @@ class Turn:
             (a completion cut at its stop token or a stop string answers less text than it
             sampled: its client's text goes on without those tokens).
         templated: under a checkpoint's chat template, the request as the template rendered it.
+        thread: the request's `X-Session-ID` header, where it had one: the client's own name
+            for the conversation the call belongs to (verifiers sends each agent trace's id).
     """
 
     call: Call
@@ -57,6 +59,7 @@ class Turn:
     text_ids: np.ndarray | None = None
     rendered: np.ndarray | None = None  # the turn's ids in a later prompt, made once
     templated: Rendered | None = None
+    thread: str | None = None
 
 
 @attrs.frozen(eq=False)
@@ -161,6 +164,11 @@ class GatewaySession:
     def calls(self) -> tuple[Call, ...]:
         """The recorded calls, in the order they were answered."""
         return tuple(turn.call for turn in self._turns)
+
+    @property
+    def threads(self) -> tuple[str | None, ...]:
+        """Each recorded call's `X-Session-ID` header (None without one), as `calls`."""
+        return tuple(turn.thread for turn in self._turns)
 
     @property
     def in_flight(self) -> int:

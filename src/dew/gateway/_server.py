@@ -111,6 +111,15 @@ def _retry_count(scope) -> int:
     return 0
 
 
+def _thread(scope) -> str | None:
+    """The request's `X-Session-ID` header: the client's name for the conversation it continues
+    (verifiers names each agent trace so), or None."""
+    for name, value in scope["headers"]:
+        if name == b"x-session-id":
+            return value.decode("latin-1")
+    return None
+
+
 def _content_length(scope) -> int | None:
     for name, value in scope["headers"]:
         if name == b"content-length":
@@ -648,6 +657,7 @@ class Gateway:
             len(request.messages),
             fingerprint,
             templated=rendered if rendered.text is not None else None,
+            thread=_thread(scope),
         )
         session.record(turn)
         session.transcript = [*payload["messages"], assistant_message(reply)]
@@ -690,7 +700,16 @@ class Gateway:
         text_ids = None
         if sample.finish == "length":
             text_ids = np.concatenate([sample.call.prompt, sample.call.completion])
-        turn = Turn(sample.call, None, (), 0, fingerprint, prompt_text + sample.text, text_ids)
+        turn = Turn(
+            sample.call,
+            None,
+            (),
+            0,
+            fingerprint,
+            prompt_text + sample.text,
+            text_ids,
+            thread=_thread(scope),
+        )
         session.record(turn)
         completion_id = "cmpl-" + secrets.token_urlsafe(18)
         parts = (completion_id, request.model, sample, self.tokenizer, request, prompt_text)

@@ -136,18 +136,17 @@ def _encode_session(session: Session) -> dict:
     for call in session.calls:
         if not isinstance(call, Call):
             raise TypeError(f"a call is a {type(call).__name__}, not a Call")
-        calls.append(
-            {
-                "prompt": _encode_array(call.prompt),
-                "completion": _encode_array(call.completion),
-                "logprobs": _encode_array(call.logprobs),
-                "version": _plain(call.version),
-                "support": (
-                    None if call.support is None else [_encode_array(s) for s in call.support]
-                ),
-            }
-        )
-    return {
+        encoded = {
+            "prompt": _encode_array(call.prompt),
+            "completion": _encode_array(call.completion),
+            "logprobs": _encode_array(call.logprobs),
+            "version": _plain(call.version),
+            "support": (None if call.support is None else [_encode_array(s) for s in call.support]),
+        }
+        if call.seat is not None:  # a multi-agent episode's (see Session.seats)
+            encoded["seat"] = call.seat
+        calls.append(encoded)
+    encoded = {
         "status": session.status.value,
         "calls": calls,
         "reward": _plain(session.reward),
@@ -155,6 +154,9 @@ def _encode_session(session: Session) -> dict:
         "truncation": session.truncation,
         "error": session.error,
     }
+    if session.seats is not None:
+        encoded["seats"] = _plain(session.seats)
+    return encoded
 
 
 def _encode_event(event: LogEvent) -> dict:

@@ -252,12 +252,17 @@ def _decode_session(line: _Line, data: dict) -> Session:
                         for j, kept in enumerate(support)
                     )
                 ),
+                seat=line.get("seat", _OPTIONAL_STR, call) if "seat" in call else None,
             )
         )
     components = line.mapping("components", data)
     for name, value in components.items():
         if not isinstance(value, _NUMBER) or isinstance(value, bool):
             line.fail(f"component {name!r} must be a number, got {value!r}")
+    seats = line.mapping("seats", data) if "seats" in data else None
+    for name, value in (seats or {}).items():
+        if not isinstance(value, _NUMBER) or isinstance(value, bool):
+            line.fail(f"seat {name!r}'s reward must be a number, got {value!r}")
     return Session(
         status,
         calls,
@@ -265,6 +270,7 @@ def _decode_session(line: _Line, data: dict) -> Session:
         components=components,
         truncation=line.get("truncation", _OPTIONAL_STR, data),
         error=line.get("error", _OPTIONAL_STR, data),
+        seats=seats,
     )
 
 

@@ -127,8 +127,40 @@ def uniform_group(group: Sequence[Session], truncation: str) -> bool:
         truncation: the truncation policy.
     """
     trains = _training_statuses(truncation)
-    rewards = {_training_reward(s, truncation) for s in group if s.status in trains}
-    return len(rewards) <= 1
+    training = [s for s in group if s.status in trains]
+    rewards = {_training_reward(s, truncation) for s in training}
+    pools = _seat_pools(training, truncation)
+    return len(rewards) <= 1 and all(len(set(pool.values())) <= 1 for pool in pools.values())
+
+
+def _seat_reward(session: Session, seat: str, truncation: str) -> float:
+    """A seat's reward as a training session trains on it under a truncation policy."""
+    if session.status is Status.TRUNCATED and truncation == "zero":
+        return 0.0
+    return float(session.seats[seat])
+
+
+def _seat_pools(training: Sequence[Session], truncation: str) -> dict[str, dict[int, float]]:
+    """Each seat's rewards over a group's training sessions that give it one, by the session's
+    index among them: the pool the seat's baseline is taken over."""
+    pools: dict[str, dict[int, float]] = {}
+    for i, session in enumerate(training):
+        for seat in session.seats or ():
+            pools.setdefault(seat, {})[i] = _seat_reward(session, seat, truncation)
+    return pools
+
+
+def _seat_advantages(
+    training: Sequence[Session], truncation: str, estimator: str
+) -> list[dict[str, float] | None]:
+    """Per training session, each of its seats' advantage within the seat's pool over the
+    group (`Session.seats`), or None for a session without seats."""
+    seated: list[dict[str, float] | None] = [None if s.seats is None else {} for s in training]
+    for seat, pool in _seat_pools(training, truncation).items():
+        advantages = _advantages(list(pool.values()), [len(pool)], estimator)
+        for i, advantage in zip(pool, advantages.tolist(), strict=True):
+            seated[i][seat] = advantage
+    return seated
 
 
 def _advantages(rewards: list[float], sizes: list[int], estimator: str) -> np.ndarray:
@@ -194,16 +226,29 @@ def _extent(run: _Run, support: bool) -> tuple[int, int, int]:
 
 
 def _pieces(
-    training: Sequence[Session], advantages: Sequence[float], support: bool
+    training: Sequence[Session],
+    advantages: Sequence[float],
+    seated: Sequence[dict[str, float] | None],
+    support: bool,
 ) -> list[_Piece]:
-    """The chains a group trains on, in session and chain order, each with its advantage."""
+    """The chains a group trains on, in session and chain order, each with its advantage: its
+    session's, or where the session gives its agents rewards of their own (`Session.seats`),
+    that of the seat of the chain's first call (a chain of a seat with no reward trains
+    nothing, and is left out)."""
     pieces = []
-    for session, advantage in zip(training, advantages, strict=True):
+    for session, advantage, seats in zip(training, advantages, seated, strict=True):
         for run in _runs(session):
+            seat = run[0][1].seat
+            if seats is not None and seat is not None:
+                if seat not in seats:
+                    continue
+                chain_advantage = seats[seat]
+            else:
+                chain_advantage = advantage
             length, trained, kept = _extent(run, support)
             # A segment that trains nothing would only take cells from one that does.
             if trained:
-                pieces.append((length, kept, run, advantage))
+                pieces.append((length, kept, run, chain_advantage))
     return pieces
 
 
@@ -316,6 +361,12 @@ def pack(
     cut, and later groups may still go in. TRUNCATED rollouts under
     `mask` take no rows. The result depends only on the input.
 
+    A chain trains on its rollout's advantage, except in a session that gives its agents
+    rewards of their own (`Session.seats`, a multi-agent episode): there a chain whose first
+    call has a seat takes that seat's advantage, the estimator run over the seat's rewards in
+    the group's training rollouts that give it one, and a chain of a seat with no reward is
+    left out (it trains nothing).
+
     Args:
         groups: admitted groups in admission order, each a sequence of checked Sessions of
             status COMPLETED, AGENT_ERROR or TRUNCATED.
@@ -363,7 +414,8 @@ def pack(
     cut: list[Cut] = []
     at = 0
     for g, training in enumerate(trainings):
-        pieces = _pieces(training, advantages[at : at + len(training)], with_support)
+        seated = _seat_advantages(training, truncation, estimator)
+        pieces = _pieces(training, advantages[at : at + len(training)], seated, with_support)
         at += len(training)
         if any(length > width for length, _, _, _ in pieces):
             cut.append(Cut(g, "too_long"))

@@ -67,6 +67,8 @@ class Call:
             most likely token ids and their log-probs under the distribution the token was
             drawn from, most likely first: C pairs of int32[n] and float32[n]. Reported to the
             caller (the gateway's `top_logprobs`); neither checked, trained on nor traced.
+        seat: in an episode of several agents whose session gives each its own reward
+            (`Session.seats`), the agent that made the call; None otherwise.
     """
 
     prompt: np.ndarray
@@ -75,6 +77,7 @@ class Call:
     version: int
     support: tuple[np.ndarray, ...] | None = None
     top_logprobs: tuple[tuple[np.ndarray, np.ndarray], ...] | None = None
+    seat: str | None = None
 
 
 @attrs.frozen(eq=False)
@@ -90,6 +93,11 @@ class Session:
         error: what went wrong, for the error statuses.
         task, label: stamped by the scheduler.
         submitted, finished: the scheduler's clock at submission and at finish, stamped by it.
+        seats: in an episode of several agents, each agent's own reward by its seat (the
+            calls' `seat`): a call of a seat named here trains on that reward, with a baseline
+            over the same seat of its group's other sessions; a call of a seat not named here
+            (an agent with no reward of its own, such as a judge) trains on nothing; a call
+            of no seat trains on `reward`, as every call does where seats is None.
     """
 
     status: Status
@@ -102,6 +110,7 @@ class Session:
     label: Label | None = None
     submitted: float | None = None
     finished: float | None = None
+    seats: Mapping[str, float] | None = None
 
     def stamped(self, task: Task, label: Label, submitted: float, finished: float) -> Session:
         """This session labelled by the scheduler (attrs.evolve without its reflection: the
@@ -117,6 +126,7 @@ class Session:
             label,
             submitted,
             finished,
+            self.seats,
         )
 
     @property
@@ -308,6 +318,17 @@ def check_session(session: Session, *, vocab: int | None = None) -> Session:
     for name, value in session.components.items():
         if not isinstance(value, _NUMBER) or not math.isfinite(value):
             raise _fail(session, f"components[{name!r}]", f"must be a finite number, got {value!r}")
+    if session.seats is not None:
+        if not isinstance(session.seats, Mapping):
+            raise _fail(session, "seats", f"must be a mapping or None, got {session.seats!r}")
+        for name, value in session.seats.items():
+            if not isinstance(name, str) or not isinstance(value, _NUMBER):
+                raise _fail(session, "seats", f"must map str to a number, got {name!r}: {value!r}")
+            if not math.isfinite(value):
+                raise _fail(session, f"seats[{name!r}]", f"must be a finite number, got {value!r}")
+    for i, call in enumerate(session.calls):
+        if call.seat is not None and not isinstance(call.seat, str):
+            raise _fail(session, f"calls[{i}].seat", f"must be a str or None, got {call.seat!r}")
     if session.error is not None and not isinstance(session.error, str):
         raise _fail(session, "error", f"must be a str or None, got {type(session.error).__name__}")
     if session.status is Status.TRUNCATED and session.truncation not in TRUNCATION_REASONS:
