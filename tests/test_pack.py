@@ -1027,6 +1027,18 @@ def test_a_seat_trains_on_its_own_reward_against_its_seat_in_the_group(estimator
         np.testing.assert_allclose(found[prompt], advantage, rtol=1e-5, atol=1e-6)
 
 
+def test_numbered_seats_of_one_agent_share_one_baseline_over_the_group():
+    """Best-of-n's attempts `agent.0` and `agent.1` of two rollouts: one pool of four."""
+    rewards = [{"agent.0": 1.0, "agent.1": 0.0}, {"agent.0": 0.5, "agent.1": 0.0}]
+    group = seated_group(rewards, ["agent.0", "agent.1"])
+    found = advantages_by_prompt(pack([group], width=64, rows=4))
+    pooled = reference_advantages([1.0, 0.0, 0.5, 0.0], "group")
+    expected = {10: pooled[0], 11: pooled[1], 14: pooled[2], 15: pooled[3]}
+    assert found.keys() == expected.keys()
+    for prompt, advantage in expected.items():
+        np.testing.assert_allclose(found[prompt], advantage, rtol=1e-5, atol=1e-6)
+
+
 def test_a_group_is_uniform_only_when_each_seat_scored_alike_too():
     alike = seated_group([{"solver": 1.0}, {"solver": 1.0}], ["solver"])
     apart = seated_group([{"solver": 1.0}, {"solver": 0.0}], ["solver"])

@@ -14,6 +14,7 @@ Public through `dew.objectives.rl.sessions`, which re-exports `Cut`, `Packed`, `
 from __future__ import annotations
 
 import math
+import re
 from bisect import bisect_left, insort
 from collections import Counter
 from collections.abc import Sequence
@@ -36,6 +37,8 @@ CUT_REASONS = ("no_room", "too_long", "support")
 """Why `pack` leaves a complete group out (see `Cut`)."""
 PACKABLE = (Status.COMPLETED, Status.AGENT_ERROR, Status.TRUNCATED)
 """The statuses `pack` takes: the scored ones and truncations."""
+# A seat named NAME.K: one of several traces of agent NAME in one episode (see `_pool_of`).
+_NUMBERED = re.compile(r"(.+)\.\d+")
 _EPSILON = 1e-6  # keeps GRPO's division finite for a group with a tiny reward spread
 
 
@@ -140,13 +143,23 @@ def _seat_reward(session: Session, seat: str, truncation: str) -> float:
     return float(session.seats[seat])
 
 
-def _seat_pools(training: Sequence[Session], truncation: str) -> dict[str, dict[int, float]]:
-    """Each seat's rewards over a group's training sessions that give it one, by the session's
-    index among them: the pool the seat's baseline is taken over."""
-    pools: dict[str, dict[int, float]] = {}
+def _pool_of(seat: str) -> str:
+    """The pool a seat's baseline is taken over: the seat's own, or for a seat numbered
+    `NAME.K` (one of several traces one agent made in an episode, such as best-of-n's
+    attempts), NAME's, shared by all of them."""
+    numbered = _NUMBERED.fullmatch(seat)
+    return seat if numbered is None else numbered[1]
+
+
+def _seat_pools(
+    training: Sequence[Session], truncation: str
+) -> dict[str, dict[tuple[int, str], float]]:
+    """Each pool's rewards over a group's training sessions, by (the session's index among
+    them, the seat): what a seat's baseline is taken over (see `_pool_of`)."""
+    pools: dict[str, dict[tuple[int, str], float]] = {}
     for i, session in enumerate(training):
         for seat in session.seats or ():
-            pools.setdefault(seat, {})[i] = _seat_reward(session, seat, truncation)
+            pools.setdefault(_pool_of(seat), {})[i, seat] = _seat_reward(session, seat, truncation)
     return pools
 
 
@@ -156,9 +169,9 @@ def _seat_advantages(
     """Per training session, each of its seats' advantage within the seat's pool over the
     group (`Session.seats`), or None for a session without seats."""
     seated: list[dict[str, float] | None] = [None if s.seats is None else {} for s in training]
-    for seat, pool in _seat_pools(training, truncation).items():
+    for pool in _seat_pools(training, truncation).values():
         advantages = _advantages(list(pool.values()), [len(pool)], estimator)
-        for i, advantage in zip(pool, advantages.tolist(), strict=True):
+        for (i, seat), advantage in zip(pool, advantages.tolist(), strict=True):
             seated[i][seat] = advantage
     return seated
 
@@ -364,8 +377,9 @@ def pack(
     A chain trains on its rollout's advantage, except in a session that gives its agents
     rewards of their own (`Session.seats`, a multi-agent episode): there a chain whose first
     call has a seat takes that seat's advantage, the estimator run over the seat's rewards in
-    the group's training rollouts that give it one, and a chain of a seat with no reward is
-    left out (it trains nothing).
+    the group's training rollouts that give it one (seats `NAME.0`, `NAME.1`, ..., several
+    traces of one agent, pool together), and a chain of a seat with no reward is left out (it
+    trains nothing).
 
     Args:
         groups: admitted groups in admission order, each a sequence of checked Sessions of

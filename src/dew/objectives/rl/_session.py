@@ -97,7 +97,9 @@ class Session:
             calls' `seat`): a call of a seat named here trains on that reward, with a baseline
             over the same seat of its group's other sessions; a call of a seat not named here
             (an agent with no reward of its own, such as a judge) trains on nothing; a call
-            of no seat trains on `reward`, as every call does where seats is None.
+            of no seat trains on `reward`, as every call does where seats is None. Seats
+            named `NAME.0`, `NAME.1`, ... (several traces of one agent, such as best-of-n's
+            attempts) share one baseline, over all of them in the group.
     """
 
     status: Status
