@@ -461,16 +461,15 @@ def outcome(episode: Any) -> Outcome:
     """A verifiers `Episode`'s status, reward, components and, for several traces, seats (see
     the module)."""
     components: dict[str, float] = {}
-    seats = _seats(episode.traces)
-    for trace, seat in zip(
-        episode.traces, _prefixes(tuple(map(_agent, episode.traces))), strict=True
-    ):
+    prefixes = _prefixes(tuple(map(_agent, episode.traces)))
+    seats = _seats(episode.traces, prefixes)
+    for trace, prefix in zip(episode.traces, prefixes, strict=True):
         for name, reward in trace.rewards.items():
             if reward is not None and math.isfinite(reward.score):
-                components[f"{seat}{name}"] = reward.score
+                components[f"{prefix}{name}"] = reward.score
         for name, value in trace.metrics.items():
             if value is not None and math.isfinite(value):
-                components[f"{seat}metric/{name}"] = float(value)
+                components[f"{prefix}metric/{name}"] = float(value)
     reward = math.fsum(trace.reward for trace in episode.traces)
     reward = reward if math.isfinite(reward) else 0.0
     errors = [*episode.errors, *(e for trace in episode.traces for e in trace.errors)]
@@ -491,12 +490,13 @@ def outcome(episode: Any) -> Outcome:
     return Outcome(Status.COMPLETED, reward, components, **seats)
 
 
-def _seats(traces: list[Any]) -> dict[str, Any]:
-    """For an episode of several traces, `Outcome`'s `seat_of` (each trace's seat by its id)
-    and `seats` (the reward of each seat whose trace recorded rewards); nothing for one."""
+def _seats(traces: list[Any], prefixes: list[str]) -> dict[str, Any]:
+    """For an episode of several traces, `Outcome`'s `seat_of` (each trace's seat, its
+    components' prefix, by its id) and `seats` (the reward of each seat whose trace recorded
+    rewards); nothing for one."""
     if len(traces) < 2:
         return {}
-    names = [prefix.removesuffix("/") for prefix in _prefixes(tuple(map(_agent, traces)))]
+    names = [prefix.removesuffix("/") for prefix in prefixes]
     seat_of = {trace.id: seat for trace, seat in zip(traces, names, strict=True)}
     seats = {
         seat: float(trace.reward)
