@@ -36,7 +36,7 @@ from dew.data import Task
 from dew.envs import Score, SimulatedConfig
 from dew.envs.tasks import CopyDigits
 from dew.objectives.rl.scheduler import RolloutScheduler
-from dew.objectives.rl.sessions import SessionError
+from dew.objectives.rl.sessions import SessionError, Status
 from dew.replay import PROXIMAL, VERSION, Trace, TraceError, read_trace
 from dew.testing import assert_replays, run_simulated
 from dew.train import NothingTrained, fit
@@ -520,6 +520,26 @@ def test_the_trainer_raises_only_when_no_step_of_the_run_trained(tmp_path):
     empty.observe(4, {"tokens": 0.0}, None)
     with pytest.raises(NothingTrained, match=r"none of its 1 steps \(updates 4..4\)"):
         empty.check()
+
+
+async def test_a_run_of_only_truncated_rollouts_says_so_when_it_trained_nothing(autojump_clock):
+    """Every rollout TRUNCATED before its first call (an episode outgrowing the context):
+    the run's NothingTrained names the truncated share and its likely causes."""
+    engine = Engine()
+    plan = Plan(status=Status.TRUNCATED, truncation="context", reward=0.0, calls=0)
+    tally = _RunTally()
+    sched = RolloutScheduler(
+        OBJECTIVE, Scripted(engine, lambda task, label: plan), engine, width=WIDTH, rows=ROWS,
+        groups=2, truncation="score",
+    )  # fmt: skip
+    async with sched:
+        stream = sched.tasks(dataset(batches=2, size=2)).stream(0)
+        for updates in range(2):
+            await sched.step(next(stream), PARAMS, updates)
+            tally.observe(updates, {"tokens": 0.0}, sched)
+            await trio.sleep(1.0)
+    with pytest.raises(NothingTrained, match="100% of the rollouts delivered ended TRUNCATED"):
+        tally.check()
 
 
 def test_dew_train_ends_with_one_line_and_status_1_when_it_trained_on_nothing(

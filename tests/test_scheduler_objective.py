@@ -104,6 +104,25 @@ async def test_steps_whose_groups_all_scored_alike_warn_that_they_trained_nothin
     assert "mean reward per call: 0, 0" in warning
 
 
+async def test_steps_of_only_truncated_rollouts_warn_that_truncation_trained_nothing(
+    autojump_clock, caplog
+):
+    """Every rollout TRUNCATED (`context`) before its first call, as an episode whose prompt
+    outgrows the context is: nothing to train, and the warning says why, not that the rewards
+    were alike. The Trainer's NothingTrained names the truncated share too
+    (test_hostile_core)."""
+    engine = Engine()
+    plan = Plan(status=Status.TRUNCATED, truncation="context", reward=0.0, calls=0)
+    source = Scripted(engine, lambda task, label: plan)
+    async with scheduler(source, engine, empty_streak=2, truncation="score") as sched:
+        batches = await steps(sched, dataset(batches=2, size=2), 2)
+    assert not any(batch["loss_mask"].any() for batch in batches)
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "2 calls in a row trained on nothing (updates 0..1): no token of theirs" in warning
+    assert "100% of the rollouts they delivered ended TRUNCATED" in warning
+    assert "truncation='mask'" not in warning  # this run's policy is `score`
+
+
 async def test_the_reference_is_rescored_beside_the_proximal_policy(autojump_clock):
     engine = Engine()
     reference = models.init(jax.random.key(1), CONFIG)

@@ -117,6 +117,7 @@ class _RunTally:
         self.abandoned = 0
         self.cut = 0
         self.uniform = 0  # groups discarded as uniform (filter_uniform)
+        self.truncated: list[float] = []  # each step's share of rollouts that ended TRUNCATED
         self.errors: collections.Counter[str] = collections.Counter()
 
     def observe(self, updates: int, metrics: Mapping[str, Any], rollout: Any) -> None:
@@ -129,6 +130,8 @@ class _RunTally:
         if isinstance(record, SchedulerRecord):
             self.abandoned += record.abandoned
             self.cut += record.cut
+            if "status/truncated" in record.metrics:
+                self.truncated.append(record.metrics["status/truncated"])
         events = getattr(rollout, "last_events", ())
         self.errors.update(e.error for e in events if e.kind == "failed" and e.error)
         self.uniform += sum(e.kind == "discarded" and e.reason == "uniform" for e in events)
@@ -150,6 +153,14 @@ class _RunTally:
             text += (
                 f"; {self.uniform} groups were discarded as uniform (filter_uniform): every "
                 "rollout of each scored alike"
+            )
+        if self.truncated and max(self.truncated) > 0:
+            share = sum(self.truncated) / len(self.truncated)
+            text += (
+                f"; {share:.0%} of the rollouts delivered ended TRUNCATED, and one cut before "
+                "its first call has no token to train (nor, under truncation='mask', does any): "
+                "a context or max_tokens too small for the task, or episodes past their turn "
+                "limit"
             )
         if self.errors:
             shown = ", ".join(f"{error!r} x{n}" for error, n in self.errors.most_common(3))

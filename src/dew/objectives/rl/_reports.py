@@ -48,8 +48,8 @@ class EmptyStreak:
     rollout the same score, or a zero-sum game's summed reward, trains for good this way).
     """
 
-    def __init__(self, length: int | None):
-        self.length = length
+    def __init__(self, length: int | None, truncation: str = "mask"):
+        self.length, self.truncation = length, truncation
         self._streak: list[tuple[SchedulerRecord, tuple[LogEvent, ...]]] = []
 
     def observe(self, record: SchedulerRecord, events: tuple[LogEvent, ...]) -> None:
@@ -68,6 +68,23 @@ class EmptyStreak:
     def _describe(self) -> str:
         records = [r for r, _ in self._streak]
         alike = [r for r in records if r.groups]
+        truncated = [r.metrics.get("status/truncated", 0.0) for r in alike]
+        if (
+            alike == records
+            and min(truncated) > 0
+            and not any(r.metrics.get("tokens/trained") for r in alike)
+        ):
+            masked = (
+                "truncation='mask' trains none of them, and " if self.truncation == "mask" else ""
+            )
+            return (
+                f"{len(records)} calls in a row trained on nothing (updates "
+                f"{records[0].updates}..{records[-1].updates}): no token of theirs trained, and "
+                f"{sum(truncated) / len(truncated):.0%} of the rollouts they delivered ended "
+                f"TRUNCATED: {masked}one cut before its first call has no token to train. A "
+                "context or max_tokens too small for the task, or episodes past their turn "
+                "limit, do this (status/truncated and masked/<reason> in the record)"
+            )
         if len(alike) == len(records):
             means = ", ".join(f"{r.metrics.get('reward/mean', math.nan):.3g}" for r in alike)
             return (

@@ -289,7 +289,7 @@ class _Scheduler:
         # Failed sessions' error texts, for status(); the trainer's side reports a streak of
         # calls that trained on nothing, and the first chain too long for any row.
         self._errors = ErrorCounts(ERRORS_KEPT)
-        self._empty = EmptyStreak(empty_streak)
+        self._empty = EmptyStreak(empty_streak, truncation)
         self._too_long = TooLongChain(width)
         self._over_budget = OverBudget(float(waste_budget), max_lag)
         self._send, self._receive = trio.open_memory_channel[_Delivery | _Failure](math.inf)
