@@ -383,6 +383,15 @@ class _SlowTask:
         return await self.source.run(task, label)
 
 
+# The held tests' workload: task "1" takes 60 s, against a window of about two calls of 3 s.
+SLOW = {"width": 256, "rows": 8, "groups": 2, "admit": 2, "max_lag": 2, "carry_over": True}
+
+
+def _slow_source(engine: SimulatedEngine) -> _SlowTask:
+    config = SimulatedConfig(seed=4, duration_mean=2.0, duration_sigma=0.3, calls=(1, 1))
+    return _SlowTask(SimulatedSource(engine, config), slow="1", seconds=60.0)
+
+
 async def test_a_group_stale_again_and_again_is_held_and_the_next_call_waits_to_train_it(
     tmp_path, autojump_clock
 ):
@@ -391,18 +400,8 @@ async def test_a_group_stale_again_and_again_is_held_and_the_next_call_waits_to_
     fifth stale cycle (HOLD_AFTER), the next call waits for it, and it trains within max_lag.
     The run replays, hold and all."""
     engine = SimulatedEngine(slots=16)
-    config = SimulatedConfig(seed=4, duration_mean=2.0, duration_sigma=0.3, calls=(1, 1))
     trace = await record_run(
-        _SlowTask(SimulatedSource(engine, config), slow="1", seconds=60.0),
-        engine,
-        tmp_path / "held.trace",
-        updates=range(16),
-        width=256,
-        rows=8,
-        groups=2,
-        admit=2,
-        max_lag=2,
-        carry_over=True,
+        _slow_source(engine), engine, tmp_path / "held.trace", updates=range(16), **SLOW
     )
     await assert_replays(trace)
     records = [call.record for call in trace.calls]
@@ -420,23 +419,10 @@ async def test_a_group_stale_again_and_again_is_held_and_the_next_call_waits_to_
     assert len(waited) == 1 and all(r.lag <= 2 for r in records)
 
 
-def _slow_scheduler(**options) -> RolloutScheduler:
-    """The held test's workload: task "1" takes 60 s, against a window of about 2 calls."""
+def _slow_scheduler() -> RolloutScheduler:
+    """A scheduler of the held test's workload, on an engine of its own."""
     engine = SimulatedEngine(slots=16)
-    config = SimulatedConfig(seed=4, duration_mean=2.0, duration_sigma=0.3, calls=(1, 1))
-    source = _SlowTask(SimulatedSource(engine, config), slow="1", seconds=60.0)
-    scheduler = RolloutScheduler(
-        BehaviorObjective(),
-        source,
-        engine,
-        width=256,
-        rows=8,
-        groups=2,
-        admit=2,
-        max_lag=2,
-        carry_over=True,
-        **options,
-    )
+    scheduler = RolloutScheduler(BehaviorObjective(), _slow_source(engine), engine, **SLOW)
     scheduler.long_wait = None
     return scheduler
 
