@@ -293,6 +293,7 @@ def test_the_mismatch_splits_by_the_version_a_token_was_sampled_at():
         ({"kl_coef": -0.1}, "kl_coef must be a finite number >= 0"),
         ({"importance_floor": 1.5, "correction": "mask"}, "importance_floor must be within"),
         ({"importance_floor": 0.5}, "importance_floor bounds masking only"),
+        ({"proximal": "loglinear"}, "proximal must be one of"),
     ],
 )
 def test_bad_settings_are_refused_naming_them(settings, message):
@@ -323,3 +324,59 @@ def test_an_empty_batch_leaves_the_weights_and_the_momentum_as_they_were():
     np.testing.assert_array_equal(np.asarray(after["table"]), np.asarray(variables["table"]))
     for new, old in zip(jax.tree.leaves(after_state), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+
+
+@pytest.mark.parametrize(
+    ("level", "correction"),
+    [("token", "truncate"), ("sequence", "mask"), ("geometric", "mask")],
+)
+def test_the_current_proximal_trains_as_the_rescored_one_without_the_batch_carrying_it(
+    level, correction
+):
+    """Rescored under the weights the update takes, the proximal log-probs are the update's own:
+    `proximal="current"` gives the same loss, gradient and weights from a batch without them."""
+    rng = np.random.default_rng(11)
+    variables, batch = table(rng), random_batch(rng, spread=0.4)
+    levers = {"importance_level": level, "correction": correction, "kl_coef": 0.1}
+    if correction == "mask":
+        levers["importance_floor"] = 0.5
+    rescore = GRPOObjective(bigram, **levers)
+    current = GRPOObjective(bigram, proximal="current", **levers)
+    batch["proximal_logprobs"] = np.asarray(rescore.packed_log_probs(variables, batch))
+    bare = {key: value for key, value in batch.items() if key != "proximal_logprobs"}
+    with pytest.raises(KeyError, match="proximal_logprobs"):
+        rescore.loss(variables, bare)
+
+    (loss, metrics), grads = jax.value_and_grad(rescore.loss, has_aux=True)(variables, batch)
+    (loss_c, metrics_c), grads_c = jax.value_and_grad(current.loss, has_aux=True)(variables, bare)
+    np.testing.assert_allclose(float(loss_c), float(loss), **TOLERANCE)
+    np.testing.assert_allclose(grads_c["table"], grads["table"], **TOLERANCE)
+    for name, value in metrics.items():
+        np.testing.assert_allclose(float(metrics_c[name]), float(value), **TOLERANCE)
+    # The masked share the scheduler would have reported from its rescoring.
+    masked = rescore.importance_metrics(batch)["importance/masked"]
+    assert float(metrics_c["importance/masked"]) == pytest.approx(masked, abs=1e-6)
+    assert (masked > 0) == (correction == "mask")
+
+    optimizer = optax.sgd(0.1, momentum=0.9)
+    state = optimizer.init(variables)
+    after, _, _ = rescore.update_fn(optimizer)(variables, state, batch)
+    after_c, _, _ = current.update_fn(optimizer)(variables, state, bare)
+    np.testing.assert_allclose(after_c["table"], after["table"], **TOLERANCE)
+
+
+def test_the_current_proximal_is_the_update_start_not_a_later_weight():
+    """Trained for a second update on the same batch, the rescored proximal stays at the first
+    update's weights and the ratio moves off 1; the current one moves with the weights: the
+    documented reason a loop of several updates per batch must rescore."""
+    rng = np.random.default_rng(12)
+    variables, batch = table(rng), random_batch(rng, spread=0.2)
+    rescore = GRPOObjective(bigram)
+    current = GRPOObjective(bigram, proximal="current")
+    batch["proximal_logprobs"] = np.asarray(rescore.packed_log_probs(variables, batch))
+    optimizer = optax.sgd(0.5)
+    moved, _, _ = rescore.update_fn(optimizer)(variables, optimizer.init(variables), batch)
+    ratio = float(rescore.loss(moved, batch)[1]["ratio/mean"])
+    ratio_c = float(current.loss(moved, batch)[1]["ratio/mean"])
+    assert ratio != pytest.approx(1.0, abs=1e-4)
+    assert ratio_c == pytest.approx(1.0, abs=1e-6)

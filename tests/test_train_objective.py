@@ -6,6 +6,7 @@ its server and its scheduler, each run a few steps.
 - a synchronous step's tokens were all sampled at the trainer's version: `mismatch/engine` is
   float noise and there is no stale token; a run one batch ahead shows `staleness/kl`;
 - a KL run keeps the initial weights as its reference, and resumes with the same one;
+- `--proximal current` trains step for step as the rescored run, without its rescoring;
 - bad objective options are refused naming them.
 """
 
@@ -94,6 +95,34 @@ def test_a_kl_run_keeps_the_initial_weights_as_its_reference_across_a_resume(tmp
     assert config.kl_coef == 0.05
 
 
+def test_a_run_taking_the_updates_own_proximal_trains_as_the_rescored_one(tmp_path):
+    """Each batch trains one update at the weights it would be rescored under, so the loss's
+    own log-probs are the proximal ones: the same steps, one forward pass less each."""
+    # The default model, whose rollouts differ in reward, so the weights move; synchronous,
+    # so both runs sample the same rollouts under the same weights.
+    options = ["--batch-size", "4", "--groups", "8", "--tasks", "16", "--samples", "0"]
+    options += ["--steps", "4", "--ahead", "0", "--max-lag", "0", "--kl-coef", "0.05"]
+    with jax.numpy_dtype_promotion("standard"):
+        for proximal in ("rescore", "current"):
+            run = tmp_path / proximal
+            argv = ["train", "--run", str(run), *options, "--proximal", proximal]
+            assert main([*argv, "--record", str(tmp_path / f"{proximal}.trace")]) == 0
+    rescored, current = metrics_lines(tmp_path / "rescore"), metrics_lines(tmp_path / "current")
+    assert len(rescored) == len(current) == 4
+    assert rescored[-1]["kl/reference"] > 1e-6  # the weights moved
+    for line, line_c in zip(rescored, current, strict=True):
+        for name in ("reward/mean", "loss", "grad_norm", "kl/behavior_proximal", "kl/reference"):
+            assert line_c[name] == pytest.approx(line[name], rel=1e-3, abs=1e-6), name
+        # Made from the rescoring, which the current run skips; the loss counts what it masks.
+        assert {"mismatch/engine", "importance/p50"} <= line.keys()
+        assert not {"mismatch/engine", "importance/p50"} & line_c.keys()
+        assert line_c["importance/masked"] == 0.0
+    config = TrainConfig.from_json(json.loads((tmp_path / "current" / "config.json").read_text()))
+    assert config.proximal == "current"
+    # Replay never rescores: a run without its rescoring replays as well.
+    assert replay.replay(tmp_path / "current.trace").matched
+
+
 @pytest.mark.parametrize(
     "options, culprit",
     [
@@ -101,6 +130,7 @@ def test_a_kl_run_keeps_the_initial_weights_as_its_reference_across_a_resume(tmp
         (["--correction", "clip"], "correction must be one of"),
         (["--importance-floor", "0.5"], "importance_floor bounds masking only"),
         (["--kl-coef", "-1"], "kl_coef must be within [0, 100]"),
+        (["--proximal", "approximate"], "proximal must be one of"),
     ],
 )
 def test_bad_objective_options_are_refused_naming_them(tmp_path, capsys, options, culprit):

@@ -20,7 +20,7 @@ from dew import models
 from dew._checks import in_range, int_within
 from dew.envs.lookup import HARNESSES
 from dew.envs.reasoning_gym import PREFIX, ReasoningGym
-from dew.objectives.rl.grpo import AGGREGATIONS, CORRECTIONS, IMPORTANCE_LEVELS
+from dew.objectives.rl.grpo import AGGREGATIONS, CORRECTIONS, IMPORTANCE_LEVELS, PROXIMALS
 from dew.serve.tokenizer import BYTES, HuggingFaceTokenizer, Tokenizer
 
 TASKS = ("copy", "guess", "echo")
@@ -214,6 +214,9 @@ class TrainConfig:
             seed's initial weights), so checkpoints need not hold it.
         aggregation, importance_level, correction, importance_cap, importance_floor: the
             objective's loss aggregation and behaviour-importance correction (`GRPOObjective`).
+        proximal: `rescore` the proximal log-probs before each update, or take the update's
+            own (`current`): the same values, since each batch trains one update, for a
+            forward pass less per step (`GRPOObjective`'s proximal).
         checkpoint_every: updates between checkpoints.
         seed: seeds the initial weights, the task order and the sampling.
         d_model, layers, heads, d_ff: the transformer's shape (`dew.models.TransformerConfig`).
@@ -328,6 +331,12 @@ class TrainConfig:
     importance_cap: float = _option(5.0, in_range(1, 10**4), "the importance weight's upper bound")
     importance_floor: float = _option(
         0.0, in_range(0, 1), "the importance weight's lower bound under --correction mask"
+    )
+    proximal: str = _option(
+        "rescore",
+        _one_of(PROXIMALS),
+        "rescore the proximal log-probs before each update, or take them from the update's "
+        "own forward pass (current: the same values, one forward pass less per step)",
     )
     checkpoint_every: int = _option(25, int_within(1, 10**6), "updates between checkpoints")
     seed: int = _option(

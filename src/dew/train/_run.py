@@ -365,6 +365,7 @@ def _levers(config: TrainConfig) -> dict[str, Any]:
         "correction",
         "importance_cap",
         "importance_floor",
+        "proximal",
     )
     return {name: getattr(config, name) for name in names}
 

@@ -75,7 +75,8 @@ def step_seconds(
         batch = _rows(rows, shape.width, shape.chains_per_row, model.vocab, seed=count)
 
         def step(batch=batch) -> None:
-            batch = dict(batch, proximal_logprobs=_rescored(objective, variables, batch))
+            if objective.proximal == "rescore":
+                batch = dict(batch, proximal_logprobs=_rescored(objective, variables, batch))
             if reference is not None:
                 batch["reference_logprobs"] = _rescored(objective, reference, batch)
             jax.block_until_ready(update(variables, state, batch))

@@ -568,7 +568,10 @@ class _Scheduler:
             support_capacity=self.support_capacity,
         )
         batch = first_reader_batch(packed.batch, share_size=self.pool.share_size)
-        batch["proximal_logprobs"] = self.pool.rescore(self.objective, variables, batch)
+        # An objective whose loss takes the proximal log-probs from its own forward pass
+        # (GRPOObjective(proximal="current")) needs no rescoring.
+        if getattr(self.objective, "proximal", "rescore") == "rescore":
+            batch["proximal_logprobs"] = self.pool.rescore(self.objective, variables, batch)
         if self.reference is not None:
             batch["reference_logprobs"] = self.pool.rescore(self.objective, self.reference, batch)
         return packed, batch
@@ -685,7 +688,8 @@ class _Scheduler:
         """The record's figures beyond `session_metrics`: the batch's complete groups whose
         rewards were all equal (`groups/uniform`: discarded under filter_uniform, else trained
         or cut) and those of them trained on (`groups/uniform_trained`); the behaviour
-        importance (`GRPOObjective.importance_metrics`) and the mismatch split by version."""
+        importance (`GRPOObjective.importance_metrics`) and the mismatch split by version,
+        where the batch was rescored."""
         trained = [message.groups[i] for i in packed.packed]
         uniform_trained = sum(uniform_group(g, self.truncation) for g in trained)
         cut = [message.groups[c.group] for c in packed.cut]
@@ -715,7 +719,9 @@ class _Scheduler:
                 metrics["carry/age_max"] = float(max(ages))
         if message.choice is not None:
             metrics |= message.choice.metrics()
-        if isinstance(self.objective, GRPOObjective):
+        if "proximal_logprobs" not in batch:
+            importance = {}  # the update reports what it can (GRPOObjective.loss)
+        elif isinstance(self.objective, GRPOObjective):
             importance = self.objective.importance_metrics(batch, version=updates)
         else:
             importance = mismatch_metrics(batch, version=updates)

@@ -17,6 +17,11 @@ segment's tokens before `p`; it is 0 at a segment's first position and at paddin
 `kl_coef`, the batch also carries `reference_logprobs`, the frozen reference policy's log-probs
 rescored over the same rows (`RolloutScheduler(reference=...)`).
 
+Each packed batch is trained by one update at the weights it was rescored under (as `Trainer`
+does), so the proximal log-probs are the update's own current log-probs, held constant:
+`proximal="current"` takes them from the loss's forward pass instead of a rescoring pass, the
+same values for one forward pass less per step.
+
 The levers a practitioner tunes, each documented with its formula in docs/concepts.md: the
 behaviour importance weight's level (`importance_level`: per token, per sequence, or the
 sequence's geometric mean) and how it is applied (`correction`: truncated at the cap, or tokens
@@ -53,6 +58,9 @@ CORRECTIONS = ("truncate", "mask")
 """How the weight is applied: capped at `importance_cap`, or masked outside its bounds."""
 AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
 """How per-token losses become the loss (see `GRPOObjective`)."""
+PROXIMALS = ("rescore", "current")
+"""Where the proximal log-probs come from: the batch's rescoring, or the update's own forward
+pass (see `GRPOObjective`)."""
 QUANTILES = (10, 50, 90)
 """The percentiles of the importance weight that `importance_metrics` reports."""
 # The reference KL's log-ratio is clamped here: beyond it exp overflows float32's gradient,
@@ -209,14 +217,24 @@ class GRPOObjective:
             log-probs under; at another temperature, behaviour and proximal would differ by
             the temperature alone and the importance weights would correct for it, not for
             staleness.
+        proximal: where the loss takes the proximal log-probs from. `rescore`: the batch's
+            `proximal_logprobs`, rescored under the trainer's weights before the update (the
+            scheduler's `packed_log_probs` pass). `current`: the loss's own current log-probs,
+            held constant (no gradient flows through them), and the scheduler skips its
+            rescoring pass. The two are the same values wherever each packed batch is trained
+            by one update at the weights it would have been rescored under, as `Trainer` and
+            `dew train` train: then the ratio current / proximal is 1 at every token either
+            way, and only the behaviour importance weight moves the gradient. A loop that
+            trains one batch for several updates (epochs, minibatches) must `rescore`: under
+            `current` its ratio would stay 1 and the clip would never act.
 
     Raises:
         ValueError: naming the argument, for a model that is not callable, a clip outside (0, 1),
             an importance_cap below 1 or an importance_floor outside [0, 1] (an on-policy token
             weighs 1 and must train), a floor other than 0 with `truncate` (it bounds only
-            masking), an unknown level, correction or aggregation, a negative kl_coef, or a
-            temperature that is not a finite number > 0 (greedy decoding has no log-probs to
-            train on).
+            masking), an unknown level, correction, aggregation or proximal, a negative
+            kl_coef, or a temperature that is not a finite number > 0 (greedy decoding has no
+            log-probs to train on).
     """
 
     model: Model = attrs.field(validator=is_callable)
@@ -234,6 +252,7 @@ class GRPOObjective:
     )
     kl_coef: float = attrs.field(default=0.0, kw_only=True, validator=at_least(0))
     temperature: float = attrs.field(default=1.0, kw_only=True, validator=positive)
+    proximal: str = attrs.field(default="rescore", kw_only=True, validator=_one_of(PROXIMALS))
     # Built once per objective, so each batch shape compiles once for the objective's lifetime.
     _jitted_log_probs: Callable = attrs.field(
         init=False,
@@ -344,8 +363,8 @@ class GRPOObjective:
         Args:
             variables: the model's variables being trained.
             batch: the packed keys `packed_log_probs` reads, plus `loss_mask`, `advantages`,
-                `behavior_logprobs` and `proximal_logprobs`, float32[rows, width]; with a
-                `kl_coef`, `reference_logprobs` too.
+                `behavior_logprobs` and (with `proximal="rescore"`) `proximal_logprobs`,
+                float32[rows, width]; with a `kl_coef`, `reference_logprobs` too.
 
         Returns:
             The loss: per kept token t, l_t = -w_t x min(r_t x A_t, clip(r_t) x A_t) (+ kl_coef
@@ -357,18 +376,24 @@ class GRPOObjective:
             `clip_fraction`, the share of tokens whose gradient the clip removes;
             `importance/mean`, `importance/max`; `ratio/mean`; `tokens`, the loss mask's total
             weight; with a `kl_coef`, `kl/reference`, the mean k3 estimate of KL(current ||
-            reference) over the kept tokens.
+            reference) over the kept tokens; with `proximal="current"`, `importance/masked`,
+            the share of trained tokens the correction leaves out (which `importance_metrics`
+            reports from the rescoring otherwise).
 
         Raises:
             KeyError: naming a missing key.
         """
-        _require(batch, SCORED + TRAINED + ((REFERENCE,) if self.kl_coef > 0 else ()))
+        trained_keys = TRAINED if self.proximal == "rescore" else TRAINED[:-1]
+        _require(batch, SCORED + trained_keys + ((REFERENCE,) if self.kl_coef > 0 else ()))
         keys = SCORED + (SUPPORT if _support(batch) else ())
         current = self._log_probs(variables, {key: batch[key] for key in keys})
         mask = jnp.asarray(batch["loss_mask"], jnp.float32)
         advantages = jnp.asarray(batch["advantages"], jnp.float32)
-        proximal = jnp.asarray(batch["proximal_logprobs"], jnp.float32)
-        trained, level_log, importance, kept = self._weights(batch)
+        if self.proximal == "rescore":
+            proximal = jnp.asarray(batch["proximal_logprobs"], jnp.float32)
+        else:
+            proximal = jax.lax.stop_gradient(current)
+        trained, level_log, importance, kept = self._weights(batch, proximal)
 
         # Masked before exp, so an untrained token's ratio can't overflow into a NaN gradient.
         log_ratio = jnp.where(trained, current - proximal, jnp.float32(0))
@@ -418,6 +443,9 @@ class GRPOObjective:
             "tokens": tokens,
             **metrics,
         }
+        if self.proximal == "current":
+            # The scheduler reports it from its rescoring, which this mode skips.
+            metrics["importance/masked"] = mean((~kept).astype(jnp.float32))
         return loss, metrics
 
     def update_fn(self, optimizer: optax.GradientTransformation) -> Callable:
@@ -480,15 +508,17 @@ class GRPOObjective:
         return means.sum() / jnp.maximum(present.sum().astype(jnp.float32), jnp.float32(1))
 
     def _weights(
-        self, batch: Mapping[str, Any]
+        self, batch: Mapping[str, Any], proximal: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """The behaviour importance over a batch, each bool or float32[rows, width]: trained
         tokens; the log of the level's weight there (0 elsewhere, so nothing downstream
         overflows on untrained tokens); `behavior_importance`; and the tokens the correction
-        keeps (the trained ones, less those masking leaves out)."""
+        keeps (the trained ones, less those masking leaves out). `proximal` is the batch's
+        `proximal_logprobs` unless given."""
         trained = jnp.asarray(batch["loss_mask"], jnp.float32) > 0
         behavior = jnp.asarray(batch["behavior_logprobs"], jnp.float32)
-        proximal = jnp.asarray(batch["proximal_logprobs"], jnp.float32)
+        if proximal is None:
+            proximal = jnp.asarray(batch["proximal_logprobs"], jnp.float32)
         log_weight = jnp.where(trained, proximal - behavior, jnp.float32(0))
         if self.importance_level != "token":
             index, segments = _sequence_index(batch)
