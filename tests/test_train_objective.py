@@ -121,6 +121,11 @@ def test_a_run_taking_the_updates_own_proximal_trains_as_the_rescored_one(tmp_pa
     assert config.proximal == "current"
     # Replay never rescores: a run without its rescoring replays as well.
     assert replay.replay(tmp_path / "current.trace").matched
+    # Where the proximal log-probs come from is not what the run trains: a resume may switch.
+    resumed = ["train", "--run", str(tmp_path / "rescore"), *options, "--resume"]
+    with jax.numpy_dtype_promotion("standard"):
+        assert main([*resumed, "--steps", "5", "--proximal", "current"]) == 0
+    assert [line["step"] for line in metrics_lines(tmp_path / "rescore")] == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize(

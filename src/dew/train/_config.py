@@ -44,6 +44,8 @@ MAX_WEIGHTS = 2**31
 _LOGGING = ("steps", "eval_every", "samples", "tensorboard")
 # Where the vLLM servers run, not what they serve: a resumed run may use other servers.
 _LOGGING += ("engine_url", "engine_servers")
+# Where the proximal log-probs come from, not their values (up to float rounding).
+_LOGGING += ("proximal",)
 
 
 def _task_name(instance, attribute, value):
@@ -216,7 +218,8 @@ class TrainConfig:
             objective's loss aggregation and behaviour-importance correction (`GRPOObjective`).
         proximal: `rescore` the proximal log-probs before each update, or take the update's
             own (`current`): the same values, since each batch trains one update, for a
-            forward pass less per step (`GRPOObjective`'s proximal).
+            forward pass less per step (`GRPOObjective`'s proximal). A resumed run may
+            switch it.
         checkpoint_every: updates between checkpoints.
         seed: seeds the initial weights, the task order and the sampling.
         d_model, layers, heads, d_ff: the transformer's shape (`dew.models.TransformerConfig`).
