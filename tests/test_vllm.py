@@ -212,29 +212,40 @@ async def test_a_cancelled_call_says_how_many_tokens_it_drew(engine, params):
     """As dew's engine does: a call counts toward its rollout's progress (what the scheduler
     reads of a rollout it cancels) as its tokens stream in."""
     engine.load(params[0], 12)
-    progress = None
+    budget = MAX_LEN - len(PROMPT)
 
-    async def rollout():
-        nonlocal progress
-        progress = track_progress()  # as the scheduler gives each rollout's task
-        await engine.generate(PROMPT, max_tokens=MAX_LEN - len(PROMPT), key=5)
+    async def cancelled_call() -> int:
+        """Start a call, pause the servers once its first token is in, cancel it; the tokens
+        its rollout's progress counts."""
+        progress = None
 
-    async with engine, trio.open_nursery() as nursery:
-        nursery.start_soon(rollout)
-        with trio.fail_after(120):
-            # Checked at each turn of the loop, not every 10 ms: the tiny model draws its whole
-            # budget in a few hundred ms, and on a loaded machine a slower poll found the call
-            # finished before it could pause it.
-            while progress is None or progress.length()[0] < 1:
-                await trio.sleep(0)
-        engine.pause()  # the call freezes where it is
-        try:
-            nursery.cancel_scope.cancel()
-        finally:
-            engine.resume(12)
-    tokens, calls = progress.length()
-    assert calls == 1 and 1 <= tokens < MAX_LEN - len(PROMPT)
-    assert progress.sampling is None  # no call samples for it any more
+        async def rollout():
+            nonlocal progress
+            progress = track_progress()  # as the scheduler gives each rollout's task
+            await engine.generate(PROMPT, max_tokens=budget, key=5)
+
+        async with engine, trio.open_nursery() as nursery:
+            nursery.start_soon(rollout)
+            with trio.fail_after(120):
+                while progress is None or progress.length()[0] < 1:
+                    await trio.sleep(0)
+            engine.pause()  # the call freezes where it is
+            try:
+                nursery.cancel_scope.cancel()
+            finally:
+                engine.resume(12)
+        tokens, calls = progress.length()
+        assert calls == 1 and tokens >= 1
+        assert progress.sampling is None  # no call samples for it any more
+        return tokens
+
+    # The tiny model draws its whole budget in a few hundred ms: on a loaded machine the pause
+    # can land after the call has ended (two clean-clone CI runs saw it draw all 122 tokens
+    # first), so a call that finished is tried again, and one of a few must stop part-way.
+    drawn = []
+    while len(drawn) < 5 and (not drawn or drawn[-1] == budget):
+        drawn.append(await cancelled_call())
+    assert 1 <= drawn[-1] < budget, f"each call drew its whole budget before the pause: {drawn}"
 
 
 def engine_mismatch(batch) -> float:
