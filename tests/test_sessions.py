@@ -164,7 +164,7 @@ def test_calls_that_extend_the_chain_merge_and_others_start_one():
         call([1, 2, 3, 4, 5], [6], version=2),  # extends: adds context 5, completion 6
         call([9], [8], version=2),  # does not extend: a new chain
         call([9, 8], [7], version=3),  # its prompt is exactly the chain so far: merges
-        call([1, 2], [3], version=3),  # extends an older chain, not the last one: new
+        call([1, 2], [3], version=3),  # the first chain's first prompt, not its tokens: new
         call([1], [2], version=3),  # shorter than the chain before it: new
     )
     built = chains(Session(status=Status.COMPLETED, calls=calls, reward=0.0))
@@ -180,6 +180,25 @@ def test_calls_that_extend_the_chain_merge_and_others_start_one():
     assert merge_ratio([Session(status=Status.COMPLETED, calls=calls, reward=0.0)]) == (
         pytest.approx(1 - 4 / 6)
     )
+
+
+def test_interleaved_conversations_each_merge_into_their_own_chain():
+    """The seats of a self-play game take turns: each call extends its own seat's chain, not the
+    chain of the call before it."""
+    calls = (
+        call([1, 2], [3]),  # seat a
+        call([7], [8]),  # seat b
+        call([1, 2, 3, 4], [5]),  # a again: extends a's chain, the older one
+        call([7, 8, 9], [6]),  # b again
+        call([1, 2, 3, 4, 5], [0]),  # extends a's chain so far, and so would extend no other
+    )
+    built = chains(Session(status=Status.COMPLETED, calls=calls, reward=0.0))
+    assert [c.tokens.tolist() for c in built] == [[1, 2, 3, 4, 5, 0], [7, 8, 9, 6]]
+    assert [c.calls for c in built] == [3, 2]
+    # Where two chains would take a call, the latest does.
+    twins = (call([1], [2]), call([1], [2]), call([1, 2], [3]))
+    latest = chains(Session(status=Status.COMPLETED, calls=twins, reward=0.0))
+    assert [c.calls for c in latest] == [1, 2]
 
 
 def test_support_follows_its_completion_positions():
@@ -215,36 +234,40 @@ def test_merge_ratio_counts_merged_calls_over_all_sessions():
 @settings(max_examples=100, deadline=None, derandomize=True, database=None)
 @given(
     turns=st.lists(
-        st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, 3), st.integers(0, 2**16)),
-        max_size=5,
+        st.tuples(st.integers(-1, 4), st.integers(0, 3), st.integers(0, 3), st.integers(0, 2**16)),
+        max_size=6,
     )
 )
 def test_chains_keep_every_completion_token_in_order(turns):
-    calls, seen = [], None
-    for extend, context, completion, seed in turns:
+    """Each call extends an earlier call's tokens (interleaving conversations) or starts anew;
+    the chains hold every call once, each chain its calls' completions in order, as the rule
+    says: a call joins the latest chain whose tokens so far its prompt starts with."""
+    calls = []
+    for parent, context, completion, seed in turns:
         rng = np.random.default_rng(seed)
         new = rng.integers(0, 5, size=context, dtype=np.int32)
-        prompt = np.concatenate([seen, new]) if extend and seen is not None else new
-        calls.append(call(prompt, rng.integers(0, 5, size=completion)))
-        seen = np.concatenate([prompt, calls[-1].completion])
+        if 0 <= parent < len(calls):
+            before = calls[parent]
+            new = np.concatenate([before.prompt, before.completion, new])
+        calls.append(call(new, rng.integers(0, 5, size=completion)))
     session = Session(status=Status.COMPLETED, calls=calls, reward=0.0)
     built = chains(session)
 
-    assert sum(c.calls for c in built) == len(calls)
-    trained = [c.tokens[c.trained] for c in built]
-    np.testing.assert_array_equal(
-        np.concatenate([np.zeros(0, np.int32), *trained]),
-        np.concatenate([np.zeros(0, np.int32), *(c.completion for c in calls)]),
-    )
-    for c in built:
-        assert np.all(c.versions[~c.trained] == -1) and np.all(c.logprobs[~c.trained] == 0)
-    # The chain before a call always ends in that call's predecessor's prompt and completion.
-    opened = sum(
-        1
-        for before, after in zip([None, *calls], calls, strict=False)
-        if before is None or not _starts_with(after.prompt, before)
-    )
-    assert len(built) == opened
+    expected: list[list[int]] = []
+    for index, each in enumerate(calls):
+        joined = next(
+            (c for c in reversed(expected) if _starts_with(each.prompt, calls[c[-1]])), None
+        )
+        if joined is None:
+            expected.append([index])
+        else:
+            joined.append(index)
+    assert [c.calls for c in built] == [len(members) for members in expected]
+    for chain, members in zip(built, expected, strict=True):
+        completions = [calls[i].completion for i in members]
+        np.testing.assert_array_equal(chain.tokens[chain.trained], np.concatenate(completions))
+        assert np.all(chain.versions[~chain.trained] == -1)
+        assert np.all(chain.logprobs[~chain.trained] == 0)
     assert merge_ratio([session]) == (1 - len(built) / len(calls) if calls else 0.0)
 
 

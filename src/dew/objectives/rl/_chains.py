@@ -46,8 +46,10 @@ _CHAINS: weakref.WeakKeyDictionary[Session, tuple[Chain, ...]] = weakref.WeakKey
 
 
 def chains(session: Session) -> tuple[Chain, ...]:
-    """Cut a session's calls into chains: a call whose prompt extends the previous chain's tokens
-    (its prompt plus completion) merges into it; any other call starts a new chain.
+    """Cut a session's calls into chains: a call whose prompt extends a chain's tokens so far (its
+    last call's prompt plus completion) merges into it, the latest such chain; any other call
+    starts a new chain. A session whose calls interleave several conversations (the seats of a
+    self-play game, an agent's threads) so keeps a chain per conversation.
 
     Sessions are frozen, so each one's chains are cut once and shared: treat them as read-only.
     """
@@ -75,15 +77,17 @@ def _runs(session: Session) -> tuple[_Run, ...]:
 
 
 def _cut(calls: Sequence[Call]) -> tuple[_Run, ...]:
-    """The chains of calls in order, each as its parts (see `chains` for when calls merge)."""
+    """The chains of calls, in the order of their first calls, each as its parts (see `chains`
+    for when calls merge)."""
     runs: list[list[tuple[np.ndarray, Call]]] = []
-    before = None
     for call in calls:
-        if before is not None and _extends(call.prompt, before):
-            runs[-1].append((call.prompt[len(before.prompt) + len(before.completion) :], call))
+        for run in reversed(runs):
+            before = run[-1][1]
+            if _extends(call.prompt, before):
+                run.append((call.prompt[len(before.prompt) + len(before.completion) :], call))
+                break
         else:
             runs.append([(call.prompt, call)])
-        before = call
     return tuple(map(tuple, runs))
 
 

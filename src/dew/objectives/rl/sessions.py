@@ -1,10 +1,9 @@
 """Sessions: what a source returns for one rollout, checked, and cut into chains to train on.
 
 A `Session` is one rollout of one task: its status, the model calls it made, and the verifier's
-reward. The scheduler stamps it with its task and `Label` (group, sample, attempt). Consecutive
-calls whose prompt extends the previous chain's tokens merge into one *chain*, a single token
-sequence to train on; only completion tokens are trained, prompt and environment tokens are
-context.
+reward. The scheduler stamps it with its task and `Label` (group, sample, attempt). A call whose
+prompt extends a chain's tokens so far merges into that *chain*, a single token sequence to
+train on; only completion tokens are trained, prompt and environment tokens are context.
 
 Truncation policies (`TRUNCATION`), for a TRUNCATED session:
 - `mask`: zero loss weight, and it leaves its group's baseline (agentic context, turn and
