@@ -21,6 +21,7 @@ from dew.envs.environment import (
     MalformedAction,
     Sampling,
     Score,
+    Seated,
     messages_of,
 )
 from dew.envs.prompts import PromptSource
@@ -155,6 +156,81 @@ async def test_episode_handed_to_verifier():
     assert episode.actions == ("a", "!x")
     assert episode.status is Status.AGENT_ERROR
     assert episode.messages[-1] == {"role": "assistant", "content": "!x"}
+
+
+@attrs.define(eq=False)
+class Alternate:
+    """Two seats taking turns, `a` first, each told the other's last action; done after
+    `turns` actions. From action `plain_after` on, its observations are plain strings."""
+
+    turns: int
+    plain_after: int | None = None
+    seen: list[str] = attrs.Factory(list)
+
+    def reset(self, task: Task) -> Seated:
+        return Seated("a", f"you are a, count {task.name}")
+
+    def step(self, action: str):
+        self.seen.append(action)
+        if len(self.seen) >= self.turns:
+            return None, True
+        told = f"the other said {action}"
+        if self.plain_after is not None and len(self.seen) >= self.plain_after:
+            return told, False
+        return Seated("b" if len(self.seen) % 2 else "a", told), False
+
+
+def seated_verify(env: Alternate, episode: Episode) -> Score:
+    return Score(0.0, {"turns": float(len(env.seen))}, seats={"a": 1.0, "b": -1.0})
+
+
+async def test_a_seated_episode_keeps_a_chain_per_seat_each_call_tagged_with_its_seat():
+    engine = ScriptedEngine([reply("w"), reply("x"), reply("y"), reply("z")])
+    turns = source(engine, verifier=seated_verify, make_env=lambda: Alternate(4))
+    session = await run(turns)
+    assert session.status is Status.COMPLETED
+    assert [call.seat for call in session.calls] == ["a", "b", "a", "b"]
+    assert session.seats == {"a": 1.0, "b": -1.0}
+    conversations = {
+        "a": ["you are a, count 7", "w", "the other said x", "y"],
+        "b": ["the other said w", "x", "the other said y", "z"],
+    }
+    expected = {
+        seat: [
+            {"role": ("user", "assistant")[i % 2], "content": text} for i, text in enumerate(texts)
+        ]
+        for seat, texts in conversations.items()
+    }
+    # Each seat's calls merge into a chain of its own: its conversation, and no other's.
+    parsed = [tokenizer.parse_chat(chain.tokens) for chain in chains(session)]
+    assert sorted(parsed, key=str) == sorted(expected.values(), key=str)
+    # A seat's next prompt continues its own last call: the template's render of its turns.
+    np.testing.assert_array_equal(
+        engine.requests[2]["prompt"],
+        tokenizer.encode_chat(expected["a"][:3], add_generation_prompt=True),
+    )
+
+
+async def test_an_episode_mixing_seated_and_plain_observations_is_an_infra_error():
+    engine = ScriptedEngine([reply("w"), reply("x"), reply("y")])
+    mixed = source(engine, verifier=seated_verify, make_env=lambda: Alternate(4, plain_after=2))
+    session = await run(mixed)
+    assert session.status is Status.INFRA_ERROR
+    assert "must all be Seated or none: a plain observation came after Seated" in session.error
+
+
+@pytest.mark.parametrize(
+    "make, culprit",
+    [
+        (lambda: Seated("", "hi"), "seat must be a non-empty str"),
+        (lambda: Score(0.0, seats={}), "seats must be a non-empty mapping"),
+        (lambda: Score(0.0, seats={"a": float("nan")}), r"seats\['a'\] must be a finite"),
+        (lambda: Score(0.0, seats={3: 1.0}), "seats must be keyed by seat names"),
+    ],
+)
+def test_bad_seats_are_refused_naming_them(make, culprit):
+    with pytest.raises(ValueError, match=culprit):
+        make()
 
 
 async def test_malformed_action_is_agent_error_and_scored():

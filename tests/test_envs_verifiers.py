@@ -29,7 +29,8 @@ from _gateway import CONFIG, ScriptedEngine, params, tiny_server, tool_call
 from _vf_lookup import TABLE
 from dew import models
 from dew.data import ArrayDataset
-from dew.envs.textarena import TextArena
+from dew.envs.environment import Episode, Seated
+from dew.envs.textarena import TextArena, verify
 from dew.envs.verifiers import HARNESS_ID, Verifiers, load_env
 from dew.gateway import Gateway, ServedGateway
 from dew.objectives.rl.grpo import GRPOObjective
@@ -327,6 +328,49 @@ def test_tictactoe_plays_a_fixed_seeded_opponent():
     moves = [first.step(f"[{cell}]") for cell in (4, 0, 8, 2, 6)]
     assert moves == [again.step(f"[{cell}]") for cell in (4, 0, 8, 2, 6)][: len(moves)]
     assert "Player 1: [" in moves[0][0]  # the opponent answered at once
+
+
+def test_tictactoe_self_play_seats_both_players_each_seeing_the_others_moves():
+    game = TextArena.parse("textarena:TicTacToe-v0,self_play=true", seed=3)
+    env = game.environment()
+    task = game.tasks({"task_id": [5]})[0]
+    seen = [env.reset(task)]
+    for cell in (0, 3, 1, 4, 2):  # player 0 takes the top row
+        observation, done = env.step(f"[{cell}]")
+        seen.append(observation)
+    assert done and seen[-1] is None
+    assert [s.seat for s in seen[:-1]] == ["player0", "player1"] * 2 + ["player0"]
+    assert all(isinstance(s, Seated) for s in seen[:-1])
+    # Each sees the other's move named, and not its own.
+    assert "Player 0: [0]" in seen[1].observation and "Player 1: [3]" in seen[2].observation
+    assert "Player 0: [0]" not in seen[2].observation
+    actions = ("[0]", "[3]", "[1]", "[4]", "[2]")
+    score = verify(env, Episode(task, (), actions, Status.COMPLETED))
+    assert score.seats == {"player0": 1.0, "player1": -1.0} and score.reward == 0.0
+    assert (score.components["player0/win"], score.components["player1/win"]) == (1.0, 0.0)
+
+
+def test_tictactoe_self_play_trains_each_player_on_its_own_reward(tmp_path):
+    game = TextArena.parse("textarena:TicTacToe-v0,self_play=true")
+    config, server = engine(1024)
+    source = Recording(game.source(server, max_tokens=4, max_turns=4, max_context=1024))
+    lines = train(ServedSource(source, server), server, config, tmp_path, tasks=game.tasks)
+    assert [line["updates"] for line in lines] == [1, 2]
+    for _, session in source.sessions:
+        assert session.calls and set(session.seats) == {"player0", "player1"}
+        # Player 0 moves first (and again after a move the game refused).
+        played = [call.seat for call in session.calls]
+        assert played[0] == "player0" and set(played) <= {"player0", "player1"}
+        assert session.reward == sum(session.seats.values())
+        # Each player's conversation is one chain, however their calls interleave.
+        assert len(chains(session)) == len(set(played))
+
+
+def test_self_play_is_refused_for_a_game_of_one_player(nltk_data):
+    with pytest.raises(ValueError, match="Wordle-v0 has one player: self_play needs two"):
+        TextArena.parse("textarena:Wordle-v0,self_play=true")
+    with pytest.raises(ValueError, match="self_play must be true or false"):
+        TextArena.parse("textarena:TicTacToe-v0,self_play=yes")
 
 
 def test_wordle_without_its_nltk_data_is_refused_naming_it(monkeypatch, tmp_path):

@@ -8,6 +8,7 @@ from dew.envs.environment import (
     MalformedAction,
     Sampling,
     Score,
+    Seated,
     Verifier,
 )
 from dew.envs.harness import HarnessResult, HarnessSource
@@ -41,6 +42,7 @@ __all__ = [
     "ReasoningGym",
     "Sampling",
     "Score",
+    "Seated",
     "SimulatedConfig",
     "SimulatedEngine",
     "SimulatedSource",

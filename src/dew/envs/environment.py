@@ -10,6 +10,11 @@ and steps the environment with the decoded reply.
 Each turn's prompt is the previous call's prompt and completion followed by the template's
 tokens for the environment's reply, so the calls of an episode merge into one chain.
 
+An episode of several agents (self-play, a game of two players) says which one acts next by
+returning a `Seated` observation: each seat keeps a conversation, and so a chain, of its own,
+each call is tagged with its seat (`Call.seat`), and a verifier that scores each seat
+(`Score.seats`) has each train on its own reward against the same seat of its group.
+
 Environments are plain blocking code: reset and step (and the verifier) run in trio worker
 threads that a cancel abandons. An abandoned thread cannot be stopped: it keeps running, and
 keeps its slot in trio's default thread limiter, until the environment returns. Environments
@@ -40,6 +45,28 @@ Observation = str | Sequence[Message]
 """What the agent sees: a plain string is one user message."""
 
 
+def _seat_name(instance, attribute, value):
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{attribute.name} must be a non-empty str, got {value!r}")
+
+
+@attrs.frozen
+class Seated:
+    """What one agent of an episode of several sees, and that it acts next.
+
+    `Environment.reset` and `step` return one to name the seat whose reply the next `step`
+    takes. A seat's first observation opens its conversation; each later one continues it
+    after that seat's own last reply. An episode's observations are all seated or none.
+
+    Args:
+        seat: the agent's name (e.g. "player0"), as `Score.seats` names its reward.
+        observation: what is new to it since its last turn.
+    """
+
+    seat: str = attrs.field(validator=_seat_name)
+    observation: Observation
+
+
 class MalformedAction(ValueError):
     """Raised by `Environment.step` when the agent's action cannot be taken: the session ends as
     AGENT_ERROR (the agent's fault, still scored), not INFRA_ERROR."""
@@ -53,12 +80,13 @@ class Environment(Protocol):
     call must return in bounded time on its own.
     """
 
-    def reset(self, task: Task) -> Observation:
-        """Start an episode of `task` and return what the agent sees first."""
+    def reset(self, task: Task) -> Observation | Seated:
+        """Start an episode of `task` and return what the agent (or the seat that acts
+        first, `Seated`) sees first."""
         ...
 
-    def step(self, action: str) -> tuple[Observation | None, bool]:
-        """Take the agent's action and return `(observation, done)`.
+    def step(self, action: str) -> tuple[Observation | Seated | None, bool]:
+        """Take the acting agent's action and return `(observation, done)`.
 
         The observation is ignored when `done`. Raise `MalformedAction` for an action the
         environment cannot take; any other exception is an infrastructure failure.
@@ -66,12 +94,33 @@ class Environment(Protocol):
         ...
 
 
+def _seat_rewards(instance, attribute, value):
+    if value is None:
+        return
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError(f"{attribute.name} must be a non-empty mapping or None, got {value!r}")
+    for seat, reward in value.items():
+        if not isinstance(seat, str) or not seat:
+            raise ValueError(f"{attribute.name} must be keyed by seat names, got {seat!r}")
+        if not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise ValueError(f"{attribute.name}[{seat!r}] must be a finite number, got {reward!r}")
+
+
 @attrs.frozen
 class Score:
-    """A verifier's verdict: the reward and its named parts (reported, not trained on)."""
+    """A verifier's verdict: the reward and its named parts (reported, not trained on).
+
+    Args:
+        reward: what the episode's unseated calls train on (every call, without `seats`).
+        components: the reward's named parts, reported.
+        seats: in an episode of several agents (`Seated`), each seat's own reward: a seat's
+            calls train on it, with a baseline over the same seat of the group's other
+            episodes; a seat left out of it is not trained. None trains every call on `reward`.
+    """
 
     reward: float = attrs.field(converter=float, validator=finite)
     components: Mapping[str, float] = attrs.field(factory=dict)
+    seats: Mapping[str, float] | None = attrs.field(default=None, validator=_seat_rewards)
 
 
 @attrs.frozen(eq=False)
@@ -80,8 +129,9 @@ class Episode:
 
     Args:
         task: the task played.
-        messages: the conversation as the template rendered it, the agent's replies included.
-        actions: the agent's decoded actions, in order.
+        messages: the conversation as the template rendered it, the agent's replies included
+            (in an episode of several seats, every seat's messages in the order they came).
+        actions: the agent's decoded actions, in order (every seat's).
         status: how the episode ended (COMPLETED, AGENT_ERROR or TRUNCATED).
         truncation: why a TRUNCATED episode stopped.
     """
@@ -220,6 +270,10 @@ class _Play:
     messages: list[Message] = attrs.Factory(list)
     actions: list[str] = attrs.Factory(list)
     calls: list[Call] = attrs.Factory(list)
+    # Whether the episode's observations are `Seated` (None before the first), and each seat's
+    # last call, as (prompt, completion): what its next observation continues.
+    seated: bool | None = None
+    last: dict[str | None, tuple[np.ndarray, np.ndarray]] = attrs.Factory(dict)
     # True while a worker thread may be inside the environment: a deadline that abandons that
     # thread leaves the environment mid-step, where nothing else may touch it.
     busy: bool = False
@@ -235,6 +289,23 @@ class _Play:
             raise
         self.busy = False
         return result
+
+    def seat_of(self, observation: Observation | Seated) -> tuple[str | None, Observation]:
+        """The seat that acts next (None in an episode of one agent) and what it sees.
+
+        Raises:
+            TypeError: when the episode mixes seated observations with plain ones.
+        """
+        seated = isinstance(observation, Seated)
+        if self.seated is None:
+            self.seated = seated
+        elif seated != self.seated:
+            kinds = ("plain", "Seated") if seated else ("Seated", "plain")
+            raise TypeError(
+                f"an episode's observations must all be Seated or none: a {kinds[1]} "
+                f"observation came after {kinds[0]} ones ({observation!r})"
+            )
+        return (observation.seat, observation.observation) if seated else (None, observation)
 
 
 @attrs.frozen
@@ -318,10 +389,8 @@ class EnvironmentSource:
     async def _play(self, play: _Play, label: Label) -> _End:
         try:
             play.env = await play.enter(self.make_env)
-            play.messages = messages_of(await play.enter(play.env.reset, play.task))
-            prompt = np.asarray(
-                self.tokenizer.encode_chat(play.messages, add_generation_prompt=True), np.int32
-            )
+            seat, observation = play.seat_of(await play.enter(play.env.reset, play.task))
+            prompt = self._prompt(play, seat, observation)
         except Exception as error:
             return _End(Status.INFRA_ERROR, error=describe(error))
         for turn in range(self.max_turns):
@@ -334,6 +403,8 @@ class EnvironmentSource:
                 )
             except CallFailed as error:
                 return _End(Status.INFRA_ERROR, error=f"engine: {describe(error)}")
+            if seat is not None:
+                call = attrs.evolve(call, seat=seat)
             play.calls.append(call)
             completion = np.asarray(call.completion)
             if not (len(completion) and int(completion[-1]) in self.stop):
@@ -345,21 +416,31 @@ class EnvironmentSource:
                     return _End(Status.TRUNCATED, "length")
             text = reply_text(self.tokenizer, completion, self.stop)
             play.actions.append(text)
+            play.messages.append({"role": "assistant", "content": text})
+            play.last[seat] = (np.asarray(call.prompt, np.int32), completion)
             try:
                 observation, done = await play.enter(play.env.step, text)
                 if done:
-                    play.messages.append({"role": "assistant", "content": text})
                     return _End(Status.COMPLETED)
-                new = messages_of(observation)
-                following = _continuation(self.tokenizer, completion, new)
+                seat, observation = play.seat_of(observation)
+                prompt = self._prompt(play, seat, observation)
             except MalformedAction as error:
-                play.messages.append({"role": "assistant", "content": text})
                 return _End(Status.AGENT_ERROR, error=str(error))
             except Exception as error:
                 return _End(Status.INFRA_ERROR, error=describe(error))
-            play.messages += [{"role": "assistant", "content": text}, *new]
-            prompt = np.concatenate([call.prompt, completion, following]).astype(np.int32)
         return _End(Status.TRUNCATED, "turns")
+
+    def _prompt(self, play: _Play, seat: str | None, observation: Observation) -> np.ndarray:
+        """The prompt of `seat`'s next call: its last call's prompt and completion continued by
+        `observation`, or a conversation that `observation` opens where it has not called yet."""
+        new = messages_of(observation)
+        play.messages += new
+        if seat not in play.last:
+            encoded = self.tokenizer.encode_chat(new, add_generation_prompt=True)
+            return np.asarray(encoded, np.int32)
+        prompt, completion = play.last[seat]
+        following = _continuation(self.tokenizer, completion, new)
+        return np.concatenate([prompt, completion, following]).astype(np.int32)
 
     async def _score(self, play: _Play, end: _End) -> Session:
         calls = tuple(play.calls)
@@ -403,4 +484,5 @@ def scored_session(
         components=dict(score.components),
         truncation=truncation,
         error=error,
+        seats=None if score.seats is None else dict(score.seats),
     )

@@ -7,7 +7,11 @@ word (or the opponent's moves), so a task replays alike. The agent is player 0: 
 the engine tells player 0 (the rules first, then each turn's feedback and board), and its
 decoded reply is its move, exactly as written (the game reads its bracketed token). In a
 two-player game the opponent is fixed: a seeded random legal move (TicTacToe-v0's "Available
-Moves"), played at once after each of the agent's moves.
+Moves"), played at once after each of the agent's moves. With `self_play=true`
+(`textarena:TicTacToe-v0,self_play=true`) the policy plays both players instead: each player is
+a seat (`player0`, `player1`) with a conversation of its own, seeing what the engine tells that
+player, and trains on its own reward against the same player of its group (`Score.seats`); the
+session's reward is their sum (0 for a decided game of TicTacToe).
 
 The reward is the game's own for player 0 (TextArena's: 1 for a win, -1 for a loss, 0 for a
 draw; a game ended by invalid moves gives what the game gives, Wordle the share of letters
@@ -39,7 +43,7 @@ import numpy as np
 from dew._checks import int_at_least
 from dew.data import ArrayDataset, Batch, Task
 from dew.envs._offline import no_downloads
-from dew.envs.environment import EnvironmentSource, Episode, Observation, Sampling, Score
+from dew.envs.environment import EnvironmentSource, Episode, Observation, Sampling, Score, Seated
 from dew.envs.tasks import task_id
 from dew.envs.verifiers import parse_spec
 from dew.serve.tokenizer import BYTES, Tokenizer
@@ -117,22 +121,23 @@ def _check_data(name: str, game: Game) -> None:
         )
 
 
-def _message_text(messages) -> str:
-    """Player 0's new messages as one user turn. Moves echoed back are left out when they are
-    the agent's own (sent by player 0, or by the game, -1, in a one-player game such as Wordle)
-    and named when they are the opponent's."""
+def _message_text(messages, player: int = 0) -> str:
+    """A player's new messages as one user turn. Moves echoed back are left out when they are
+    the player's own (or sent by the game, -1, in a one-player game such as Wordle) and named
+    when they are the other player's."""
     import textarena as ta
 
     texts = [
         f"Player {sender}: {text}" if kind == ta.ObservationType.PLAYER_ACTION else str(text)
         for sender, text, kind in messages
-        if not (kind == ta.ObservationType.PLAYER_ACTION and sender < 1)
+        if not (kind == ta.ObservationType.PLAYER_ACTION and sender in (player, -1))
     ]
     return "\n\n".join(texts)
 
 
 class TextArenaGame:
-    """One episode of a TextArena game as a dew `Environment` (reset/step), the agent player 0.
+    """One episode of a TextArena game as a dew `Environment` (reset/step): the agent player 0
+    against the game's fixed opponent, or, in self-play, every player as a seat of its own.
 
     Args:
         template: the game as built once (building Wordle tags its word list and reads two
@@ -141,18 +146,21 @@ class TextArenaGame:
             took 1.6 s an episode).
         game: what dew knows of it.
         seed: the run's seed; a task's game is a function of it and the task's id.
+        self_play: the policy plays every player, each a seat (`Seated`, "player0", ...).
     """
 
-    def __init__(self, template: Any, game: Game, seed: int):
+    def __init__(self, template: Any, game: Game, seed: int, *, self_play: bool = False):
         self.template = template
         self.game = game
         self.seed = seed
+        self.self_play = self_play
         self.env: Any = None
         self.rng: np.random.Generator | None = None
 
-    def reset(self, task: Task) -> Observation:
+    def reset(self, task: Task) -> Observation | Seated:
         """Start `task`'s game (seeded by the run's seed and its id); return the rules and
-        board player 0 sees first, after the opponent's moves when it starts."""
+        board player 0 sees first, after the opponent's moves when it starts (in self-play,
+        what the player to move sees, seated)."""
         index = task_id(task)
         seed = int(np.random.SeedSequence([self.seed, index]).generate_state(1)[0])
         self.env = copy.copy(self.template)
@@ -160,18 +168,29 @@ class TextArenaGame:
         with _RANDOM:
             random.seed(seed)
             self.env.reset(num_players=self.game.players, seed=seed)
+        if self.self_play:
+            return self._seated()
         self._opponent_moves()
         return _message_text(self.env.get_observation()[1])
 
-    def step(self, action: str) -> tuple[Observation | None, bool]:
-        """Play the agent's move, then the opponent's; return what player 0 sees next and
+    def step(self, action: str) -> tuple[Observation | Seated | None, bool]:
+        """Play the agent's move, then the opponent's; return what player 0 sees next (in
+        self-play, the move of the player to move, and what the next one sees, seated) and
         whether the game is over."""
         done, _ = self.env.step(action)
-        done = done or self._opponent_moves()
+        if not self.self_play:
+            done = done or self._opponent_moves()
         if done:
             return None, True
+        if self.self_play:
+            return self._seated(), False
         player, messages = self.env.get_observation()
         return _message_text(messages), False
+
+    def _seated(self) -> Seated:
+        """What the player to move sees, as its seat's observation."""
+        player, messages = self.env.get_observation()
+        return Seated(f"player{player}", _message_text(messages, player))
 
     def _opponent_moves(self) -> bool:
         """Play the opponent until it is the agent's turn; return whether the game is over."""
@@ -189,19 +208,33 @@ class TextArenaGame:
         rewards = self.env.state.rewards if self.env is not None else None
         return None if not rewards else float(rewards[0])
 
+    def player_rewards(self) -> dict[str, float]:
+        """Each player's reward by its seat ("player0", ...): a game dew cut (too many moves,
+        too long a conversation) is each player's loss (`Game.cut`)."""
+        rewards = self.env.state.rewards if self.env is not None else None
+        return {
+            f"player{player}": self.game.cut if not rewards else float(rewards[player])
+            for player in range(self.game.players)
+        }
+
 
 def verify(env: TextArenaGame, episode: Episode) -> Score:
     """The game's reward for player 0 (a game dew cut: its loss, `Game.cut`), and whether it
-    won, moved invalidly, and its moves."""
+    won, moved invalidly, and its moves. In self-play, each player's reward as its seat's,
+    their sum as the episode's, and whether each won."""
+    infos = env.env.state.game_info
+    common = {
+        "invalid_move": float(any(info.get("invalid_move") for info in infos.values())),
+        "moves": float(len(episode.actions)),
+    }
+    if env.self_play:
+        seats = env.player_rewards()
+        wins = {f"{seat}/win": float(reward > 0) for seat, reward in seats.items()}
+        return Score(sum(seats.values()), {**wins, **common}, seats=seats)
     reward = env.reward
-    info = env.env.state.game_info[0]
     return Score(
         env.game.cut if reward is None else reward,
-        {
-            "win": float(reward is not None and reward > 0),
-            "invalid_move": float(bool(info.get("invalid_move"))),
-            "moves": float(len(episode.actions)),
-        },
+        {"win": float(reward is not None and reward > 0), **common},
     )
 
 
@@ -218,16 +251,21 @@ class TextArena:
         name: the game's TextArena id, one of `GAMES`.
         options: the game's keyword arguments (e.g. `word_length` for Wordle).
         seed: draws each task's game with its id.
+        self_play: in a game of two players, the policy plays both, each player a seat that
+            trains on its own reward; False plays player 0 against the fixed opponent.
 
     Raises:
         ImportError: naming the extra to install when textarena is missing.
-        ValueError: naming the game when dew does not play it, the option it refuses, or the
-            nltk data it needs and does not find.
+        ValueError: naming the game when dew does not play it, the option it refuses, the
+            nltk data it needs and does not find, or self-play in a game of one player.
     """
 
     name: str = attrs.field(validator=attrs.validators.instance_of(str))
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict, validator=_options)
     seed: int = attrs.field(default=0, kw_only=True, validator=int_at_least(0))
+    self_play: bool = attrs.field(
+        default=False, kw_only=True, validator=attrs.validators.instance_of(bool)
+    )
     _template: Any = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self):
@@ -240,6 +278,8 @@ class TextArena:
         if self.name not in GAMES:
             raise ValueError(f"dew plays TextArena games {', '.join(GAMES)}; not {self.name!r}")
         game = GAMES[self.name]
+        if self.self_play and game.players < 2:
+            raise ValueError(f"textarena {self.name} has one player: self_play needs two")
         _check_data(self.name, game)
         try:
             with no_downloads():
@@ -253,9 +293,13 @@ class TextArena:
 
     @classmethod
     def parse(cls, spec: str, *, seed: int = 0) -> TextArena:
-        """The game `spec` names: `GAME[,key=value...]`, with or without `textarena:`."""
+        """The game `spec` names: `GAME[,key=value...]`, with or without `textarena:`; the
+        key `self_play` (true or false) is dew's, the others the game's."""
         name, options = parse_spec(spec, PREFIX)
-        return cls(name, options, seed=seed)
+        self_play = options.pop("self_play", False)
+        if not isinstance(self_play, bool):
+            raise ValueError(f"environment {spec!r}: self_play must be true or false")
+        return cls(name, options, seed=seed, self_play=self_play)
 
     @property
     def game(self) -> Game:
@@ -264,7 +308,7 @@ class TextArena:
 
     def environment(self) -> TextArenaGame:
         """A fresh episode's environment."""
-        return TextArenaGame(self._template, self.game, self.seed)
+        return TextArenaGame(self._template, self.game, self.seed, self_play=self.self_play)
 
     def tasks(self, batch: Batch) -> list[Task]:
         """One task per `task_id` row, named by its id."""
@@ -292,12 +336,14 @@ class TextArena:
         tokenizer: Tokenizer = BYTES,
     ) -> EnvironmentSource:
         """An `EnvironmentSource` of this game on `engine`: a reply of up to `max_tokens` is a
-        move even without a stop token (the game reads its bracketed token)."""
+        move even without a stop token (the game reads its bracketed token). `max_turns`
+        counts every seat's moves: by default the game's limit for each player."""
+        moves = self.game.max_turns * (self.game.players if self.self_play else 1)
         return EnvironmentSource(
             engine,
             self.environment,
             verify,
-            max_turns=self.game.max_turns if max_turns is None else max_turns,
+            max_turns=moves if max_turns is None else max_turns,
             max_tokens=max_tokens,
             max_context=self.game.max_context if max_context is None else max_context,
             require_stop=False,
