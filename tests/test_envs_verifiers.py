@@ -366,6 +366,21 @@ def test_tictactoe_self_play_trains_each_player_on_its_own_reward(tmp_path):
         assert len(chains(session)) == len(set(played))
 
 
+def test_connect_four_is_played_against_itself_only():
+    game = TextArena.parse("textarena:ConnectFour-v0,self_play=true")
+    env = game.environment()
+    task = game.tasks({"task_id": [0]})[0]
+    seats = [env.reset(task).seat]
+    for column in (0, 1, 0, 1, 0, 1, 0):  # player 0 stacks four in column 0
+        observation, done = env.step(f"[col {column}]")
+        seats.append(None if done else observation.seat)
+    assert seats == ["player0", "player1"] * 3 + ["player0", None]
+    score = verify(env, Episode(task, (), ("[col 0]",) * 7, Status.COMPLETED))
+    assert score.seats == {"player0": 1.0, "player1": -1.0}
+    with pytest.raises(ValueError, match="ConnectFour-v0 has no fixed opponent.*self_play=true"):
+        TextArena.parse("textarena:ConnectFour-v0")
+
+
 def test_self_play_is_refused_for_a_game_of_one_player(nltk_data):
     with pytest.raises(ValueError, match="Wordle-v0 has one player: self_play needs two"):
         TextArena.parse("textarena:Wordle-v0,self_play=true")

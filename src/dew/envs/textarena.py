@@ -8,7 +8,8 @@ the engine tells player 0 (the rules first, then each turn's feedback and board)
 decoded reply is its move, exactly as written (the game reads its bracketed token). In a
 two-player game the opponent is fixed: a seeded random legal move (TicTacToe-v0's "Available
 Moves"), played at once after each of the agent's moves. With `self_play=true`
-(`textarena:TicTacToe-v0,self_play=true`) the policy plays both players instead: each player is
+(`textarena:TicTacToe-v0,self_play=true`; ConnectFour-v0 is played only so) the policy plays
+both players instead: each player is
 a seat (`player0`, `player1`) with a conversation of its own, seeing what the engine tells that
 player, and trains on its own reward against the same player of its group (`Score.seats`); the
 session's reward is their sum (0 for a decided game of TicTacToe).
@@ -73,7 +74,8 @@ class Game:
             moves, end it sooner).
         max_context: most tokens of a game's conversation (prompt and replies).
         nltk: the nltk data (resource paths) the game reads.
-        opponent: the second player's move from its observation and a seeded generator.
+        opponent: the second player's move from its observation and a seeded generator; None
+            for a game of two players that dew plays only against itself (`self_play`).
         cut: the reward of a game dew cuts (too many moves, too long a conversation): the
             game's reward for a loss, so that running out of turns never beats losing.
     """
@@ -93,6 +95,8 @@ GAMES: Mapping[str, Game] = {
     "Wordle-v0-hardcore": Game(1, 8, 2048, _WORDLE_DATA),
     "Wordle-v0-long": Game(1, 11, 3072, _WORDLE_DATA),
     "TicTacToe-v0": Game(2, 6, 2048, opponent=_available_move, cut=-1.0),
+    # Self-play only: 21 discs each fill the board.
+    "ConnectFour-v0": Game(2, 21, 4096, cut=-1.0),
 }
 """The games dew plays, by TextArena id."""
 
@@ -280,6 +284,11 @@ class TextArena:
         game = GAMES[self.name]
         if self.self_play and game.players < 2:
             raise ValueError(f"textarena {self.name} has one player: self_play needs two")
+        if game.players > 1 and game.opponent is None and not self.self_play:
+            raise ValueError(
+                f"textarena {self.name} has no fixed opponent in dew: play it against itself "
+                "with self_play=true"
+            )
         _check_data(self.name, game)
         try:
             with no_downloads():
