@@ -400,6 +400,11 @@ class VLLMEngine:
         return tuple(server.url for server in self._servers)
 
     @property
+    def calls(self) -> tuple[int, ...]:
+        """How many calls each server holds now (sent and not yet answered), in `urls` order."""
+        return tuple(server.calls for server in self._servers)
+
+    @property
     def processes(self) -> tuple[ServerProcess | None, ...]:
         """The servers' processes, None for an attached server."""
         return tuple(server.process for server in self._servers)
