@@ -602,6 +602,68 @@ def test_a_pool_refuses_urls_that_do_not_split_over_its_processes(folders, tmp_p
     assert not (tmp_path / "run").exists()
 
 
+async def concurrent_calls(engine, count: int) -> list:
+    """`count` calls made at once (so that they go to both servers): each one's Call, or the
+    CallFailed it raised."""
+    results: list = [None] * count
+
+    async def one(key: int) -> None:
+        try:
+            results[key] = await engine.generate(PROMPT, max_tokens=6, key=key)
+        except CallFailed as error:
+            results[key] = error
+
+    async with trio.open_nursery() as nursery:
+        for key in range(count):
+            nursery.start_soon(one, key)
+    return results
+
+
+async def served_calls(url: str) -> float:
+    """How many calls the server at `url` has finished, from its Prometheus metrics."""
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"{url}/metrics")).text
+    lines = [line for line in text.splitlines() if line.startswith("vllm:request_success_total")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+async def test_a_restarted_server_gets_no_calls_until_the_next_push_reloads_it(
+    engine, folders, params, references, caplog
+):
+    engine.load(params[1], 40)
+    # A server restarted under its URL serves its checkpoint again, labelled "default": made
+    # so here by reloading the checkpoint into it and labelling it so.
+    victim = engine.urls[1]
+    reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folders[0])}}
+    httpx.post(f"{victim}/collective_rpc", json=reload, timeout=120).raise_for_status()
+    label = {"new_version": "default"}
+    httpx.post(f"{victim}/update_weight_version", json=label).raise_for_status()
+    async with engine:
+        first = await concurrent_calls(engine, 4)
+        failed = [result for result in first if isinstance(result, CallFailed)]
+        assert failed, "no call went to the restarted server"
+        for error in failed:
+            assert victim in str(error) and "'default'" in str(error)
+        assert any("restarted?" in record.getMessage() for record in caplog.records)
+        # Its weights are not the run's: every call now goes to the other server.
+        for call in await concurrent_calls(engine, 4):
+            assert call.version == 40
+            np.testing.assert_allclose(
+                call.logprobs, reference_logprobs(references[1], call), atol=2e-4
+            )
+        # The next push reloads it, and it takes calls again, under the pushed weights.
+        await engine.load_async(params[1], 41)
+        before = await served_calls(victim)
+        for call in await concurrent_calls(engine, 4):
+            assert call.version == 41
+            np.testing.assert_allclose(
+                call.logprobs, reference_logprobs(references[1], call), atol=2e-4
+            )
+        with trio.fail_after(30):
+            while await served_calls(victim) == before:
+                await trio.sleep(0.05)
+
+
 class KeptSessions:
     """A source that keeps every session its inner source returns."""
 

@@ -28,6 +28,7 @@ import concurrent.futures
 import contextlib
 import functools
 import json
+import logging
 import math
 import shutil
 import tempfile
@@ -57,6 +58,8 @@ _GENERATE = "/inference/v1/generate"
 
 # Flags every server dew starts runs with: log-probs of the distribution each token was drawn
 # from; the token-in/token-out endpoint; no torch.compile warm-up (minutes on a CPU).
+_log = logging.getLogger(__name__)
+
 _REQUIRED_FLAGS = ("--logprobs-mode", "processed_logprobs", "--enable-scale-out")
 # Starts of one server whose picked port another process took first, before start gives up.
 PORT_ATTEMPTS = 3
@@ -64,12 +67,14 @@ PORT_ATTEMPTS = 3
 
 class _Server:
     """One server of the engine: its URL, the process when dew started it, whether it is alive
-    and how many calls it holds."""
+    and how many calls it holds, and whether it lost the weights dew pushed (`restarted`: it
+    is left out until a push reloads them)."""
 
     def __init__(self, url: str, process: ServerProcess | None = None):
         self.url = url.rstrip("/")
         self.process = process
         self.alive = True
+        self.restarted = False
         self.calls = 0
         self.failure = ""
 
@@ -86,7 +91,10 @@ class VLLMEngine:
     engine:` opens the HTTP client of the trio run that makes the calls. A call goes to the live
     server holding the fewest calls. A server that dies fails the calls it held with
     `CallFailed` (sources report those rollouts as INFRA_ERROR, and the scheduler resubmits them
-    to the servers left); with none left, `generate` and `load` raise VLLMError.
+    to the servers left); with none left, `generate` and `load` raise VLLMError. A server that
+    draws a call with weights dew did not label (one restarted under the same URL serves its
+    checkpoint again, labelled "default") fails that call the same way, and gets no calls until
+    the next push (`load`, `load_async`) reloads it with the pushed weights.
 
     Args:
         servers: the servers' URLs and, for those dew started, their processes.
@@ -515,6 +523,9 @@ class VLLMEngine:
         finally:
             server.calls -= 1
             note_progress(len(tokens))
+        label = _first_label(choice.get("weight_versions"))
+        if label is not None and not label.isdigit():
+            raise self._restarted(server, label)
         return _call(server.url, np.asarray(ids, np.int32), {"choices": [choice]}, submitted)
 
     async def _stream(self, server: _Server, body: dict, tokens: list[int]) -> dict:
@@ -596,6 +607,26 @@ class VLLMEngine:
                 server.died(why)
         return CallFailed(f"the vLLM server {server.url} failed the call: {why}")
 
+    def _restarted(self, server: _Server, label: str) -> CallFailed:
+        """The failure of a call drawn by weights dew never labelled: every server dew calls
+        carries the label of the version it pushed, so a server answering under another one
+        (vLLM's "default") was restarted, or reloaded by someone else, and serves weights that
+        are not the run's. It is left out of the calls until the next push reloads it."""
+        if server.alive:
+            _log.warning(
+                "the vLLM server %s answered a call under the weights label %r, not a version "
+                "dew pushed: it restarted? it gets no calls until the next push reloads it",
+                server.url,
+                label,
+            )
+        server.died(f"it serves weights labelled {label!r}, not a version dew pushed")
+        server.restarted = True
+        return CallFailed(
+            f"the vLLM server {server.url} drew the call with weights labelled {label!r}, not a "
+            "version dew pushed (was it restarted?): the call is dropped, the server left out "
+            "until the next push reloads it"
+        )
+
     def _obituary(self) -> str:
         return "; ".join(f"{server.url} ({server.failure})" for server in self._servers)
 
@@ -636,7 +667,8 @@ class VLLMEngine:
         """
         version = check_int("version", version, low=0)
         began = time.perf_counter()
-        self._live_for(version)
+        if not any(server.restarted for server in self._servers):
+            self._live_for(version)
         folder = self._push_dir / f"push-{version}"
         await trio.to_thread.run_sync(self._write, folder, variables)
         # Made in a worker thread too: making a client (its TLS context) takes tens of ms.
@@ -645,20 +677,13 @@ class VLLMEngine:
             functools.partial(httpx.AsyncClient, timeout=timeout)
         )
         async with client:
-            try:
-                await self._on_each(client, "/pause", params={"mode": "keep"})
-                reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
-                await self._on_each(client, "/collective_rpc", json=reload)
-                label = {"new_version": str(version)}
-                await self._on_each(client, "/update_weight_version", json=label)
-                await self._on_each(client, "/resume")
-            except BaseException as error:
-                # Servers left paused would hold every call in flight for good.
-                with trio.move_on_after(30, shield=True):
-                    await self._resume_all_async(client)
-                if isinstance(error, VLLMError):
-                    raise VLLMError(f"pushing version {version}: {error}") from None
-                raise
+            if any(server.alive for server in self._servers):
+                await self._push_to_live(client, folder, version)
+            async with trio.open_nursery() as nursery:
+                for server in self._servers:
+                    if server.restarted:
+                        nursery.start_soon(self._rejoin, client, server, folder, version)
+        self._live_for(version)
         with self._lock:
             self._version = version
         previous, self._pushed = self._pushed, folder
@@ -694,6 +719,44 @@ class VLLMEngine:
                 nursery.start_soon(one, server)
         if failures:
             raise failures[0]
+
+    async def _push_to_live(self, client: httpx.AsyncClient, folder: Path, version: int) -> None:
+        """Pause every live server, have it reload `folder`, label it `version`, resume it;
+        resumes those that still answer when a step fails or the push is cancelled."""
+        try:
+            await self._on_each(client, "/pause", params={"mode": "keep"})
+            reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+            await self._on_each(client, "/collective_rpc", json=reload)
+            label = {"new_version": str(version)}
+            await self._on_each(client, "/update_weight_version", json=label)
+            await self._on_each(client, "/resume")
+        except BaseException as error:
+            # Servers left paused would hold every call in flight for good.
+            with trio.move_on_after(30, shield=True):
+                await self._resume_all_async(client)
+            if isinstance(error, VLLMError):
+                raise VLLMError(f"pushing version {version}: {error}") from None
+            raise
+
+    async def _rejoin(
+        self, client: httpx.AsyncClient, server: _Server, folder: Path, version: int
+    ) -> None:
+        """Reload a restarted server with the weights just pushed and label them, so that it
+        takes calls again; one that fails stays out (until the next push tries again)."""
+        if server.process is not None and server.process.exit_code() is not None:
+            server.restarted = False
+            server.died(f"exit code {server.process.exit_code()}")
+            return
+        reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+        try:
+            await self._post_async(client, server, "/collective_rpc", json=reload)
+            label = {"new_version": str(version)}
+            await self._post_async(client, server, "/update_weight_version", json=label)
+        except VLLMError as error:
+            _log.warning("the restarted vLLM server %s stays out: %s", server.url, error)
+            return
+        server.alive, server.restarted, server.failure = True, False, ""
+        _log.warning("the restarted vLLM server %s serves version %d again", server.url, version)
 
     async def _resume_all_async(self, client: httpx.AsyncClient) -> None:
         """Resume the live servers after a failed or cancelled push, those that still answer."""
@@ -885,6 +948,14 @@ def _call(url: str, prompt: np.ndarray, answer: dict, submitted: int) -> Call:
         logprobs=np.asarray(logprobs, np.float32),
         version=_started_under(choice.get("weight_versions"), submitted),
     )
+
+
+def _first_label(spans) -> str | None:
+    """The label of the weights that drew a call's first token, from vLLM's weight version
+    spans; None where the server gives none."""
+    with contextlib.suppress(IndexError, KeyError, TypeError):
+        return str(spans[0]["version"])
+    return None
 
 
 def _started_under(spans, submitted: int) -> int:
