@@ -602,6 +602,27 @@ def test_a_pool_refuses_urls_that_do_not_split_over_its_processes(folders, tmp_p
     assert not (tmp_path / "run").exists()
 
 
+async def test_a_push_cancelled_after_its_pause_resumes_the_servers(engine, params, references):
+    engine.load(params[0], 50)
+    async with engine, httpx.AsyncClient() as client:
+
+        async def paused(url: str) -> bool:
+            return (await client.get(f"{url}/is_paused")).json()["is_paused"]
+
+        with trio.CancelScope() as push:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(engine.load_async, params[1], 51)
+                with trio.fail_after(120):
+                    while not await paused(engine.urls[0]):
+                        await trio.sleep(0.01)
+                push.cancel()  # the reload is under way: the servers are paused
+        assert not [url for url in engine.urls if await paused(url)]
+        assert engine.version == 50
+        with trio.fail_after(120):
+            call = await engine.generate(PROMPT, max_tokens=6, key=1)
+    assert call.version == 50
+
+
 async def concurrent_calls(engine, count: int) -> list:
     """`count` calls made at once (so that they go to both servers): each one's Call, or the
     CallFailed it raised."""

@@ -657,7 +657,11 @@ class VLLMEngine:
         its weights from the folder, sets the version and resumes them; each step on every
         server at once, over an HTTP client of the push's own. Returns once every server serves
         them. Cancelled (or failing) after the pause, it resumes the servers that still answer
-        before it lets the cancel (or error) through.
+        before it lets the cancel (or error) through; a reload already under way may still land,
+        so until the next push a server may serve the new weights under the old version (the
+        behaviour log-probs are still those of the weights that drew the tokens). Servers left
+        out as restarted (see the class) are reloaded with the pushed weights and labelled, and
+        take calls again; a push with no server alive but those still pushes to them.
 
         Raises:
             VLLMError: naming the server's URL and its error when a step of the push fails (the
