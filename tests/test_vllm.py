@@ -381,6 +381,19 @@ def test_attaching_checks_the_model_and_the_server(engine, folders, tmp_path):
     attached.close()
 
 
+def test_a_server_reporting_raw_logprobs_is_refused_naming_the_flag(folders, tmp_path):
+    # vLLM's default logprobs mode reports log-probs before temperature, top-k and top-p: a run
+    # would train on log-probs of another distribution than the one its tokens were drawn from.
+    with pytest.raises(VLLMError, match="start it with --logprobs-mode processed_logprobs"):
+        VLLMEngine.start(
+            folders[0],
+            servers=1,
+            max_model_len=MAX_LEN,
+            work_dir=tmp_path,
+            arguments=["--logprobs-mode", "raw_logprobs"],
+        )
+
+
 def test_a_port_in_use_is_refused_before_starting(engine, folders):
     port = int(engine.urls[0].rsplit(":", 1)[1])
     with pytest.raises(VLLMError, match=f"port {port} on 127.0.0.1 is in use"):

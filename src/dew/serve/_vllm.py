@@ -251,6 +251,7 @@ class VLLMEngine:
             )
 
         started: list[ServerProcess] = []
+        engine = None
         try:
             started += [serve(index, server_port) for index, server_port in enumerate(ports)]
             deadline = time.monotonic() + ready_timeout
@@ -283,6 +284,8 @@ class VLLMEngine:
             with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
                 list(pool.map(functools.partial(engine._warm_up, version), engine._servers))
         except BaseException:
+            if engine is not None:
+                engine.close()  # its servers, its HTTP client and its folder
             for process in started:
                 process.stop()
             if owned is not None:
@@ -354,7 +357,7 @@ class VLLMEngine:
             lengths = [engine._check_attached(server) for server in servers]
             engine.max_len = min(lengths)
             for server in servers:
-                engine._post(server, "/update_weight_version", json={"new_version": str(version)})
+                engine._warm_up(version, server)
         except BaseException:
             engine.close()
             raise
@@ -384,12 +387,36 @@ class VLLMEngine:
             )
         return int(served[self.name].get("max_model_len") or 0)
 
+    def _check_logprobs(self, server: _Server) -> None:
+        """Refuse a server that reports another distribution's log-probs than the one it draws
+        from (started or attached without dew's flags), or has no token-in/token-out endpoint.
+        A call drawn with top_k 1 tells: the distribution it draws from keeps one token, of
+        log-prob 0, where vLLM's default (`raw_logprobs`) reports that token's log-prob before
+        top-k, below 0 unless the model is certain of it (so four tokens are drawn)."""
+        sampling = {"temperature": 1.0, "top_k": 1}
+        body = _body(self.name, [0], max_tokens=4, sampling=sampling, stop=())
+        try:
+            answer = self._post(server, _GENERATE, json=body)
+        except VLLMError as error:
+            if "404" not in str(error):
+                raise
+            raise VLLMError(
+                f"{error}: start it with --enable-scale-out (the token-in/token-out endpoint)"
+            ) from None
+        call = _call(server.url, np.zeros(1, np.int32), answer.json(), 0)
+        if np.abs(call.logprobs).max() > 1e-6:
+            raise VLLMError(
+                f"the vLLM server {server.url} reports log-probs of another distribution than "
+                f"the one it draws from (drawn with top_k 1, they are {call.logprobs.tolist()}, "
+                "not 0): start it with --logprobs-mode processed_logprobs, or the run would "
+                "train on wrong behaviour log-probs"
+            )
+
     def _warm_up(self, version: int, server: _Server) -> None:
-        """Label a new server's weights `version` and run one one-token call: a server's first
-        call takes tens of seconds on a CPU."""
+        """Label a server's weights `version` and check what it reports (`_check_logprobs`):
+        that call is also its first, which takes tens of seconds on a CPU."""
         self._post(server, "/update_weight_version", json={"new_version": str(version)})
-        body = _body(self.name, [0], max_tokens=1, sampling={"temperature": 1.0}, stop=())
-        self._post(server, _GENERATE, json=body)
+        self._check_logprobs(server)
 
     # --- life ------------------------------------------------------------------------------------
 
