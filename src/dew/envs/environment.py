@@ -24,6 +24,7 @@ must therefore bound their own step time.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -94,6 +95,17 @@ class Environment(Protocol):
         ...
 
 
+def _seat_floats(value: Any) -> Any:
+    """Each seat's reward as a float, as `Score.reward` is (numpy's scalars included); a value
+    that is no number stays for the validator to name."""
+    if not isinstance(value, Mapping):
+        return value
+    return {
+        seat: float(reward) if isinstance(reward, numbers.Real) else reward
+        for seat, reward in value.items()
+    }
+
+
 def _seat_rewards(instance, attribute, value):
     if value is None:
         return
@@ -115,12 +127,15 @@ class Score:
         components: the reward's named parts, reported.
         seats: in an episode of several agents (`Seated`), each seat's own reward: a seat's
             calls train on it, with a baseline over the same seat of the group's other
-            episodes; a seat left out of it is not trained. None trains every call on `reward`.
+            episodes (seats `NAME.0`, `NAME.1`, ..., several attempts of one agent, share
+            one); a seat left out of it is not trained. None trains every call on `reward`.
     """
 
     reward: float = attrs.field(converter=float, validator=finite)
     components: Mapping[str, float] = attrs.field(factory=dict)
-    seats: Mapping[str, float] | None = attrs.field(default=None, validator=_seat_rewards)
+    seats: Mapping[str, float] | None = attrs.field(
+        default=None, converter=_seat_floats, validator=_seat_rewards
+    )
 
 
 @attrs.frozen(eq=False)

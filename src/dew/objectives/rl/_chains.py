@@ -47,9 +47,11 @@ _CHAINS: weakref.WeakKeyDictionary[Session, tuple[Chain, ...]] = weakref.WeakKey
 
 def chains(session: Session) -> tuple[Chain, ...]:
     """Cut a session's calls into chains: a call whose prompt extends a chain's tokens so far (its
-    last call's prompt plus completion) merges into it, the latest such chain; any other call
-    starts a new chain. A session whose calls interleave several conversations (the seats of a
-    self-play game, an agent's threads) so keeps a chain per conversation.
+    last call's prompt plus completion) merges into it, the latest such chain of the call's
+    seat; any other call starts a new chain. A session whose calls interleave several
+    conversations (the seats of a self-play game, an agent's threads) so keeps a chain per
+    conversation; a chain holds one seat's calls (they train on its reward), even where two
+    seats' conversations run token for token alike.
 
     Sessions are frozen, so each one's chains are cut once and shared: treat them as read-only.
     """
@@ -83,7 +85,7 @@ def _cut(calls: Sequence[Call]) -> tuple[_Run, ...]:
     for call in calls:
         for run in reversed(runs):
             before = run[-1][1]
-            if _extends(call.prompt, before):
+            if before.seat == call.seat and _extends(call.prompt, before):
                 run.append((call.prompt[len(before.prompt) + len(before.completion) :], call))
                 break
         else:
