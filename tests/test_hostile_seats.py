@@ -126,3 +126,35 @@ async def test_a_self_play_game_cut_when_one_players_conversation_outgrows_the_c
     assert [len(prompt) for prompt in engine.prompts] == [520, 730, 940]
     assert session.seats == {"player0": -1.0, "player1": -1.0} and session.reward == -2.0
     assert len(chains(session)) == 2
+
+
+async def test_dew_train_gives_each_player_of_a_self_play_game_a_row():
+    """Each player's conversation may run to the game's context, so `dew train` packs a row
+    per player of each rollout: with a row per rollout, a batch of full games, two chains of
+    over half a row each, had half its groups cut as `no_room`."""
+    from dew.envs.textarena import TextArena
+    from dew.train._config import TrainConfig
+    from dew.train._tasks import _task
+
+    spec = "textarena:TicTacToe-v0,self_play=true"
+    game = TextArena.parse(spec, seed=3)
+    context = game.game.max_context
+    groups = []
+    for group in range(2):
+        sessions = []
+        for sample in range(2):
+            # Player 0 wins at its third move: five moves, each player's chain over half a row.
+            engine = Scripted([reply(f"[{cell}]") for cell in (0, 3, 1, 4, 2)])
+            source = game.source(engine, max_tokens=8, max_context=context)
+            task = game.tasks({"task_id": [group]})[0]
+            session = await source.run(task, Label(group, sample, 0))
+            sessions.append(check_session(session.stamped(task, Label(group, sample, 0), 0, 0)))
+        groups.append(sessions)
+    assert all(s.status is Status.COMPLETED and len(chains(s)) == 2 for g in groups for s in g)
+    assert min(len(c.tokens) for g in groups for s in g for c in chains(s)) > context // 2
+
+    shape = _task(TrainConfig(task=spec), tokenizer.ByteTokenizer()).shape
+    assert shape.width == context and shape.rows(4) == 8
+    packed = pack(groups, width=shape.width, rows=shape.rows(4), estimator="mean")
+    assert packed.cut == ()
+    assert len(pack(groups, width=context, rows=4, estimator="mean").cut) == 1

@@ -95,7 +95,8 @@ GAMES: Mapping[str, Game] = {
     "Wordle-v0-hardcore": Game(1, 8, 2048, _WORDLE_DATA),
     "Wordle-v0-long": Game(1, 11, 3072, _WORDLE_DATA),
     "TicTacToe-v0": Game(2, 6, 2048, opponent=_available_move, cut=-1.0),
-    # Self-play only: 21 discs each fill the board.
+    # Self-play only: 21 discs each fill the board. A player's conversation grows about 390
+    # bytes a move, 8.4 kB a full game: over 4096 tokens of the byte tokenizer.
     "ConnectFour-v0": Game(2, 21, 4096, cut=-1.0),
 }
 """The games dew plays, by TextArena id."""

@@ -182,7 +182,7 @@ def train(
         source,
         publisher,
         width=shape.width,
-        rows=-(-rollouts // shape.chains_per_row),
+        rows=shape.rows(rollouts),
         tasks=task.tasks,
         groups=config.groups,
         max_lag=config.max_lag,

@@ -35,6 +35,11 @@ class _Shape:
     max_len: int  # the engine's longest prompt + completion
     width: int  # packed row width
     chains_per_row: int  # chains that surely fit a row
+    chains_per_rollout: int = 1  # a game's players each make one (self-play)
+
+    def rows(self, rollouts: int) -> int:
+        """Rows enough to pack `rollouts` whatever their chains' lengths."""
+        return -(-rollouts * self.chains_per_rollout // self.chains_per_row)
 
 
 @attrs.frozen
@@ -190,7 +195,9 @@ def _textarena_task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
             tokenizer=tokenizer,
         )
 
-    shape = _Shape(max_len=context, width=context, chains_per_row=1)
+    # In self-play each player's conversation is a chain of its own, each up to the context.
+    players = game.game.players if game.self_play else 1
+    shape = _Shape(max_len=context, width=context, chains_per_row=1, chains_per_rollout=players)
     return _RunTask(source, game.dataset, game.tasks, shape)
 
 

@@ -14,7 +14,6 @@ update) over rows of the run's shape, alone on this machine.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -71,7 +70,7 @@ def step_seconds(
     reference = variables if config.kl_coef > 0 else None
     steps = {}
     for count in dict.fromkeys(counts):
-        rows = math.ceil(count * config.groups / shape.chains_per_row)
+        rows = shape.rows(count * config.groups)
         batch = _rows(rows, shape.width, shape.chains_per_row, model.vocab, seed=count)
 
         def step(batch=batch) -> None:
