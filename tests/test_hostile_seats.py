@@ -158,3 +158,54 @@ async def test_dew_train_gives_each_player_of_a_self_play_game_a_row():
     packed = pack(groups, width=shape.width, rows=shape.rows(4), estimator="mean")
     assert packed.cut == ()
     assert len(pack(groups, width=context, rows=4, estimator="mean").cut) == 1
+
+
+async def test_seats_none_of_which_acted_make_the_rollout_an_infra_error_naming_them():
+    """A misspelt seat would leave every call out of training without a word."""
+
+    def misspelt(env: Mirror, episode: Episode) -> Score:
+        return Score(0.0, seats={"A": 1.0, "B": -1.0})
+
+    source = EnvironmentSource(
+        Scripted([reply("x"), reply("y")]),
+        lambda: Mirror(1),
+        misspelt,
+        max_turns=2,
+        max_tokens=8,
+        max_context=512,
+    )
+    session = check_session(await source.run(Task("0"), LABEL))
+    assert session.status is Status.INFRA_ERROR
+    assert session.error == (
+        "verifier scored seats ['A', 'B'], but the seats that acted are ['a', 'b']: "
+        "nothing of the episode would train"
+    )
+    # One named seat that acted is enough: a seat left out is not trained, by design.
+    half = attrs.evolve(
+        source,
+        engine=Scripted([reply("x"), reply("y")]),
+        verifier=lambda env, episode: Score(0.0, seats={"a": 1.0}),
+    )
+    session = check_session(await half.run(Task("0"), LABEL))
+    assert session.status is Status.COMPLETED and session.seats == {"a": 1.0}
+
+
+async def test_seats_for_an_episode_without_seats_make_the_rollout_an_infra_error():
+    class Plain:
+        def reset(self, task):
+            return "go"
+
+        def step(self, action):
+            return None, True
+
+    source = EnvironmentSource(
+        Scripted([reply("x")]),
+        Plain,
+        lambda env, episode: Score(1.0, seats={"player0": 1.0}),
+        max_turns=2,
+        max_tokens=8,
+        max_context=512,
+    )
+    session = check_session(await source.run(Task("0"), LABEL))
+    assert session.status is Status.INFRA_ERROR
+    assert "no call has a seat" in session.error

@@ -128,7 +128,9 @@ class Score:
         seats: in an episode of several agents (`Seated`), each seat's own reward: a seat's
             calls train on it, with a baseline over the same seat of the group's other
             episodes (seats `NAME.0`, `NAME.1`, ..., several attempts of one agent, share
-            one); a seat left out of it is not trained. None trains every call on `reward`.
+            one); a seat left out of it is not trained, but seats none of which acted (a
+            misspelt name, or an episode without seats) make the rollout an INFRA_ERROR saying
+            so. None trains every call on `reward`.
     """
 
     reward: float = attrs.field(converter=float, validator=finite)
@@ -492,6 +494,17 @@ def scored_session(
         return Session(
             Status.INFRA_ERROR, calls, error=f"verifier could not score a {status.name} rollout"
         )
+    if score.seats is not None:
+        acted = sorted({call.seat for call in calls if call.seat is not None})
+        if not set(acted) & score.seats.keys():
+            # A misspelt seat: every call would be left out of training, without a word.
+            where = f"the seats that acted are {acted}" if acted else "no call has a seat"
+            return Session(
+                Status.INFRA_ERROR,
+                calls,
+                error=f"verifier scored seats {sorted(score.seats)}, but {where}: "
+                "nothing of the episode would train",
+            )
     return Session(
         status,
         calls,
