@@ -13,9 +13,11 @@ trainer's thread). Each later line has a `kind`:
 - `session`: one rollout the source ran: its `task`, `label` [group, sample, attempt],
   `submitted` and `ended` on the scheduler's clock (for a returned session, the times the
   scheduler stamped on it), and its `outcome`: `returned` (with the `session`: status, calls
-  with their arrays, reward, components, truncation, error), `cancelled` (its run got
-  trio.Cancelled at `ended`), `raised` (the source raised `error`) or `invalid` (it returned
-  what no trace holds, said in `error`);
+  with their arrays and, for a call of a seat, its `seat`, reward, components, truncation,
+  error, and, for an episode of several agents, `seats`; absent, either is None), `cancelled`
+  (its run got trio.Cancelled at `ended`), `raised` (the source raised `error`) or `invalid`
+  (it returned what the scheduler refuses, or no trace holds: `error` is the refusal, as the
+  failed trainer call says it, which replay raises alike);
 - `push`: a weight push (`version`, `time`);
 - `call`: one trainer call: its `step`, `batch`, `updates`, the `stream` and how many batches it
   had yielded (`read`), `handed_over` and `returned` times, and either the SchedulerRecord

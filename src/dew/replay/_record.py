@@ -18,7 +18,7 @@ import trio.testing
 
 from dew.data import Batch, Dataset, Task
 from dew.objectives.rl.scheduler import Publisher, RolloutScheduler, SchedulerRecord
-from dew.objectives.rl.sessions import Label, Session, SessionSource
+from dew.objectives.rl.sessions import Label, Session, SessionError, SessionSource, check_session
 from dew.replay._format import (
     FORMAT,
     MAX_LINE,
@@ -393,8 +393,9 @@ class RecordingSource:
     A returned session is written when the scheduler stamps it, with the stamped start and
     finish (the run gets the session as a Session subclass that notes its stamping, which is a
     plain Session again); a run that was cancelled (trio.Cancelled reached it), raised, or
-    returned what no trace holds is written when it ends, with its start and end on the
-    scheduler's clock. The run itself is untouched: the same session, the same exception.
+    returned what the scheduler refuses (written `invalid` with the refusal) is written when it
+    ends, with its start and end on the scheduler's clock. The run itself is untouched: the
+    same session, the same exception.
     """
 
     source: SessionSource
@@ -414,16 +415,33 @@ class RecordingSource:
             now = trio.current_time()
             recorder._session(task, label, submitted, now, "raised", error=_describe(error))
             raise
+        # What the scheduler refuses is written as its refusal, which a replay raises alike: a
+        # trace cannot hold every value the check tells apart (numpy's ints, a seat named by
+        # an int, a mapping's int keys would read back as plain ints and str), nor some at all.
+        refusal = _refusal(session, task, label, recorder._recording().vocab)
         try:
-            encoded = _encode_session(session)
+            encoded = _encode_session(session) if refusal is None else None
         except TypeError as problem:
+            refusal = str(problem)
+        if refusal is not None:
             now = trio.current_time()
-            recorder._session(task, label, submitted, now, "invalid", error=str(problem))
+            recorder._session(task, label, submitted, now, "invalid", error=refusal)
             return session
         return _Stamping.of(
             session,
             functools.partial(recorder._session, task, label, outcome="returned", session=encoded),
         )
+
+
+def _refusal(session: Any, task: Task, label: Label, vocab: int | None) -> str | None:
+    """What the scheduler's check of a returned session raises, as a trainer call that fails on
+    it says it (`_describe`); None for a session it takes."""
+    stamped = session.stamped(task, label, 0.0, 0.0) if isinstance(session, Session) else session
+    try:
+        check_session(stamped, vocab=vocab)
+    except SessionError as error:
+        return _describe(error)
+    return None
 
 
 @attrs.frozen(eq=False)

@@ -226,6 +226,7 @@ def _kind_names(kinds: tuple[type, ...]) -> str:
 _OPTIONAL_INT = (int, type(None))
 _OPTIONAL_STR = (str, type(None))
 _NUMBER = (int, float)
+_REWARD = (int, float, bool)
 
 
 def _decode_session(line: _Line, data: dict) -> Session:
@@ -255,18 +256,20 @@ def _decode_session(line: _Line, data: dict) -> Session:
                 seat=line.get("seat", _OPTIONAL_STR, call) if "seat" in call else None,
             )
         )
+    # A reward may be a bool, as the scheduler takes it (a Python bool is an int): a trace
+    # holds the value the source returned.
     components = line.mapping("components", data)
     for name, value in components.items():
-        if not isinstance(value, _NUMBER) or isinstance(value, bool):
+        if not isinstance(value, _REWARD):
             line.fail(f"component {name!r} must be a number, got {value!r}")
     seats = line.mapping("seats", data) if "seats" in data else None
     for name, value in (seats or {}).items():
-        if not isinstance(value, _NUMBER) or isinstance(value, bool):
+        if not isinstance(value, _REWARD):
             line.fail(f"seat {name!r}'s reward must be a number, got {value!r}")
     return Session(
         status,
         calls,
-        reward=line.get("reward", (int, float, type(None)), data),
+        reward=line.get("reward", (*_REWARD, type(None)), data),
         components=components,
         truncation=line.get("truncation", _OPTIONAL_STR, data),
         error=line.get("error", _OPTIONAL_STR, data),
