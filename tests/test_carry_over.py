@@ -627,3 +627,30 @@ def test_a_trainers_checkpoint_keeps_its_schedulers_state_and_a_resume_hands_it_
         sched.close()
     assert restored == [checkpoint.metadata["rollout"]]
     assert again.updates == 3
+
+
+def test_a_recorded_run_checkpoints_its_carried_groups_and_a_recorded_resume_trains_them(
+    tmp_path,
+):
+    """`dew train --record` hands the trainer the recorder, which passes the scheduler's
+    checkpoint state on both ways: before, a recorded run's checkpoints kept no carried groups
+    and its resume dropped them. A replay refuses the resumed trace, which lacks their tasks."""
+    import jax
+
+    from dew.cli import main
+    from dew.replay import read_trace, replay
+
+    run = tmp_path / "run"
+    argv = ["train", "--run", str(run), "--d-model", "16", "--heads", "2", "--layers", "1"]
+    argv += ["--d-ff", "32", "--tasks", "16", "--batch-size", "4", "--groups", "2"]
+    argv += ["--admit", "1", "--carry-over", "--max-lag", "3", "--checkpoint-every", "2"]
+    with jax.numpy_dtype_promotion("standard"):
+        assert main([*argv, "--steps", "2", "--record", str(tmp_path / "first.trace")]) == 0
+        assert replay(tmp_path / "first.trace").matched
+        again = ["--steps", "3", "--resume", "--record", str(tmp_path / "again.trace")]
+        assert main([*argv, *again]) == 0
+    # The checkpoint at step 2 kept the groups then carried, and the resumed scheduler took them.
+    (stream,) = read_trace(tmp_path / "again.trace").streams
+    assert stream.restored >= 1
+    with pytest.raises(ValueError, match=f"resumed {stream.restored} carried groups"):
+        replay(tmp_path / "again.trace")

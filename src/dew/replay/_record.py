@@ -84,6 +84,7 @@ class Recorder:
         self._pending: collections.deque[int] = collections.deque()
         self._stream: int | None = None
         self._streams = 0
+        self._restored = 0  # carried groups restored from a checkpoint, for the next stream
         self._read = 0
         self._step = 0
 
@@ -106,6 +107,17 @@ class Recorder:
                     f"got {type(wrapped).__name__}"
                 )
         return _Recording(self, scheduler)
+
+    def checkpoint_state(self) -> dict:
+        """The scheduler's `checkpoint_state()`, which the Trainer keeps in each checkpoint."""
+        return self._recording().checkpoint_state()
+
+    def restore_state(self, state: dict) -> None:
+        """The scheduler's `restore_state(state)`: the next stream resubmits the checkpoint's
+        carried groups, and its line in the trace says how many (a replay cannot make them
+        again, and refuses the trace)."""
+        self._recording().restore_state(state)
+        self._restored = len(state["carried"])
 
     def tasks(self, dataset: Dataset) -> Dataset:
         """The scheduler's `tasks(dataset)`, its streams and batches recorded."""
@@ -278,7 +290,10 @@ class Recorder:
         else:
             # The scheduler's thread starts at the trainer's first call.
             time, running = None, self._step > 0
-        self._write({"kind": "stream", "stream": stream, "time": time, "running": running})
+        line = {"kind": "stream", "stream": stream, "time": time, "running": running}
+        if self._restored:
+            line["restored"], self._restored = self._restored, 0
+        self._write(line)
         return stream
 
     def _yielded(self, stream: int, batch: Batch) -> None:

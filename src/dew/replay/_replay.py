@@ -369,12 +369,18 @@ def replay(
         the replayed calls and the first divergence, if any.
 
     Raises:
-        ValueError: an unknown override, one the scheduler refuses, or a trace that starts
-            before the clock's 0.
+        ValueError: an unknown override, one the scheduler refuses, a trace that starts
+            before the clock's 0, or one whose run resumed carried groups from a checkpoint.
         TraceError: when the trace cannot be read, or its header holds a configuration the
             scheduler refuses.
     """
     trace = trace if isinstance(trace, Trace) else read_trace(trace, partial=True)
+    restored = sum(stream.restored for stream in trace.streams)
+    if restored:
+        raise ValueError(
+            f"{trace.path}: its run resumed {restored} carried groups from a checkpoint, whose "
+            "tasks the trace does not hold; replay a trace recorded from the run's start"
+        )
     # The trace is read and alive all the replay long: the collector need not walk it.
     with _gc.frozen():
         return trio.run(

@@ -97,11 +97,14 @@ class RecordedStream:
         running: whether the scheduler's trio side ran when it was opened (the open then logged
             a `reopened` event and cancelled what was in flight).
         batches: the batch indices it yielded, in order.
+        restored: the carried groups a checkpoint gave the scheduler (`restore_state`), which
+            it resubmitted when this stream opened; a replay cannot make them again.
     """
 
     time: float | None
     running: bool
     batches: tuple[int, ...]
+    restored: int = 0
 
 
 @attrs.frozen
@@ -380,7 +383,7 @@ def _read_trace(path: str, partial: bool) -> Trace:
         raise TraceError(path, 1, "is cut off (the file is truncated)")
     facade, config, start = _read_header(parse(1, lines[0]))
     batches: dict[int, tuple[Task, ...]] = {}
-    streams: list[tuple[float | None, bool, list[int]]] = []
+    streams: list[tuple[float | None, bool, list[int], int]] = []
     sessions: dict[Label, RecordedSession] = {}
     pushes: list[tuple[float, int]] = []
     calls: list[RecordedCall] = []
@@ -396,7 +399,10 @@ def _read_trace(path: str, partial: bool) -> Trace:
             running = line.get("running", (bool,))
             if not running and streams and streams[-1][1]:
                 line.fail("opens before the scheduler ran, after a stream opened while it ran")
-            streams.append((line.optional_time("time"), running, []))
+            restored = line.get("restored", (int,)) if "restored" in line.data else 0
+            if restored < 0:
+                line.fail(f"restored must be >= 0, got {restored}")
+            streams.append((line.optional_time("time"), running, [], restored))
         elif kind == "batch":
             index = line.get("batch", (int,))
             if index in batches:
@@ -477,9 +483,12 @@ def _read_trace(path: str, partial: bool) -> Trace:
     reopened = iter([e.time for call in calls for e in call.events if e.kind == "reopened"])
     opened = tuple(
         RecordedStream(
-            next(reopened, None) if time is None and running else time, running, tuple(indices)
+            next(reopened, None) if time is None and running else time,
+            running,
+            tuple(indices),
+            restored,
         )
-        for time, running, indices in streams
+        for time, running, indices, restored in streams
     )
     if start is None or end is None:
         times = _times(opened, sessions.values(), pushes, calls)
