@@ -8,8 +8,8 @@ the default model's rescoring and update over [24, 155] rows took 0.62 of their 
 that scaled the recorded steps by rows alone put an admit run's trainer idle share five to six
 points too low. `step_seconds` measures instead: it builds the run's model, objective and
 optimizer from its folder's `config.json`, as `dew train` does, and times the step's jitted
-work (the proximal rescoring, the reference's where the run has a KL term, and the optimizer
-update) over rows of the run's shape, alone on this machine.
+work (the proximal rescoring where the run's `proximal` is `rescore`, the reference's where the
+run has a KL term, and the optimizer update) over rows of the run's shape, alone on this machine.
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ def step_seconds(
     """The solo seconds of a step of the run in folder `run`, for each count of groups a step
     admits.
 
-    Each count `a` trains `ceil(a * groups / chains per row)` rows of the run's width, as
-    `dew train` packs them. A step's figure is the median over `repeats` of the rescoring and
-    the update over such rows, after one step that compiles them; rows are random tokens
-    filling each row, since the cost of a step of fixed shape does not depend on its tokens.
+    Each count `a` trains `ceil(a * groups * chains per rollout / chains per row)` rows of the
+    run's width, as `dew train` packs them. A step's figure is the median over `repeats` of the
+    rescoring (the reference's alone under `proximal="current"`) and the update over such rows,
+    after one step that compiles them; rows are random tokens filling each row, since the cost
+    of a step of fixed shape does not depend on its tokens.
 
     Args:
         run: a `dew train` run folder (its `config.json` is read; nothing is written).

@@ -479,6 +479,11 @@ class Trainer:
         metrics = local_copy(metrics) if self._global else jax.device_get(metrics)
         _check_finite(metrics, self.updates)
         self._tally.observe(self.updates, metrics, rollout)
+        if not float(metrics.get("tokens", 1.0)) > 0:
+            # A share of the trained tokens: the record's figure, which the loss reports in its
+            # place under GRPOObjective(proximal="current") and, jitted, as 0 where there are
+            # none. The record leaves it out of such a step; so does the line.
+            metrics = {k: v for k, v in metrics.items() if k != "importance/masked"}
         finished = time.perf_counter()
         self.elapsed += finished - started
         fields: dict[str, Any] = {

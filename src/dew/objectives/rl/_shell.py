@@ -570,7 +570,7 @@ class _Scheduler:
         batch = first_reader_batch(packed.batch, share_size=self.pool.share_size)
         # An objective whose loss takes the proximal log-probs from its own forward pass
         # (GRPOObjective(proximal="current")) needs no rescoring.
-        if getattr(self.objective, "proximal", "rescore") == "rescore":
+        if getattr(self.objective, "proximal", "rescore") != "current":
             batch["proximal_logprobs"] = self.pool.rescore(self.objective, variables, batch)
         if self.reference is not None:
             batch["reference_logprobs"] = self.pool.rescore(self.objective, self.reference, batch)

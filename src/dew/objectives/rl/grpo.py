@@ -378,7 +378,8 @@ class GRPOObjective:
             weight; with a `kl_coef`, `kl/reference`, the mean k3 estimate of KL(current ||
             reference) over the kept tokens; with `proximal="current"`, `importance/masked`,
             the share of trained tokens the correction leaves out (which `importance_metrics`
-            reports from the rescoring otherwise).
+            reports from the rescoring otherwise; `Trainer` leaves it out of a step with no
+            trained token, as the record does).
 
         Raises:
             KeyError: naming a missing key.

@@ -99,8 +99,8 @@ class RolloutScheduler:
         objective: rescores the packed rows under the trainer's weights (proximal policy),
             unless its `proximal` is "current" (the update's forward pass gives them: the
             batch then carries no `proximal_logprobs`, and the record leaves out the figures
-            made from them: `importance/p10`, `/p50`, `/p90`, `mismatch/engine`,
-            `staleness/kl`).
+            made from them: `importance/masked`, `/p10`, `/p50`, `/p90`, `mismatch/engine`,
+            `staleness/kl`; the loss reports `importance/masked` in its place).
         source: runs one rollout of a task.
         weights: where pushed weights go.
         width, rows: the packed batch's shape, rows for this process's share.
