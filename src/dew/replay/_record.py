@@ -77,6 +77,9 @@ class Recorder:
         self._file = None
         self._lock = threading.Lock()
         self._scheduler: RolloutScheduler | None = None
+        # The scheduler recorded, kept after the recording ends: a run stopped by Ctrl-C saves
+        # its checkpoint (and the scheduler's state) once the `with` has closed it.
+        self._recorded: RolloutScheduler | None = None
         self._facade: str | None = None
         self._used = False
         self._next_batch = 0
@@ -109,8 +112,15 @@ class Recorder:
         return _Recording(self, scheduler)
 
     def checkpoint_state(self) -> dict:
-        """The scheduler's `checkpoint_state()`, which the Trainer keeps in each checkpoint."""
-        return self._recording().checkpoint_state()
+        """The scheduler's `checkpoint_state()`, which the Trainer keeps in each checkpoint;
+        also once the recording has ended (a stopped run's last checkpoint is saved then).
+
+        Raises:
+            RuntimeError: before `record`.
+        """
+        if self._recorded is None:
+            raise RuntimeError("the recorder has no scheduler before `recorder.record(...)`")
+        return self._recorded.checkpoint_state()
 
     def restore_state(self, state: dict) -> None:
         """The scheduler's `restore_state(state)`: the next stream resubmits the checkpoint's
@@ -231,6 +241,7 @@ class Recorder:
         else:
             self._file = open(self.path, "wb")
         self._scheduler, self._facade = scheduler, facade
+        self._recorded = scheduler
         header = {"format": FORMAT, "version": VERSION, "facade": facade}
         self._write({**header, "config": _plain(config), "start": start})
 

@@ -205,7 +205,7 @@ def _fail(session: Session, field: str, problem: str) -> SessionError:
 
 # Checked on every session a source returns: the tuples are built once.
 _INTEGER = (int, np.integer)
-_NUMBER = (float, int, np.floating)
+_NUMBER = (float, int, np.floating, np.integer)
 
 
 # A numpy reduction costs about a microsecond to call, whatever the length; a short array's
