@@ -36,6 +36,8 @@ from dew.objectives.rl.sessions import Label, Session, SessionSource, Status
 WIDTH = 512
 # The terminal events of a submission whose work is thrown away.
 WASTED = ("cancelled", "discarded", "failed")
+# RolloutScheduler's waste_budget default, which a setting without admit="auto" keeps.
+WASTE_BUDGET = 0.2
 
 
 @attrs.frozen
@@ -202,8 +204,10 @@ class Setting:
     """One way to run the scheduler: its RolloutScheduler arguments and the name a table shows.
 
     Raises:
-        ValueError: naming the field, its bound and the value; or max_lag below
-            ahead + sync_every - 1, which the scheduler itself refuses.
+        ValueError: naming the field, its bound and the value; max_lag below
+            ahead + sync_every - 1, which the scheduler itself refuses; or a knob that would
+            change nothing, and so mislabel the row (carry_over without admit, hedge off
+            without carry_over, a waste_budget without admit="auto"), as `dew train` refuses.
     """
 
     name: str
@@ -213,12 +217,21 @@ class Setting:
     admit: int | str | None = attrs.field(default=None, validator=_admit)
     sync_every: int = attrs.field(default=1, validator=int_at_least(1))
     carry_over: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
-    waste_budget: float = attrs.field(default=0.2, validator=in_range(0, 1, high_open=True))
+    waste_budget: float = attrs.field(
+        default=WASTE_BUDGET, validator=in_range(0, 1, high_open=True)
+    )
     hedge: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self):
         if self.carry_over and self.admit is None:
             raise ValueError("carry_over needs admit: it carries the groups admit leaves out")
+        if not self.hedge and not self.carry_over:
+            raise ValueError("hedge backs up carried groups' stragglers: give carry_over too")
+        if self.admit != "auto" and self.waste_budget != WASTE_BUDGET:
+            raise ValueError(
+                f"waste_budget bounds the cut of admit='auto': give admit='auto', got admit "
+                f"{self.admit!r} with waste_budget {self.waste_budget!r}"
+            )
         least = self.ahead + self.sync_every - 1
         if self.max_lag < least:
             raise ValueError(
@@ -268,7 +281,7 @@ class Outcome:
         selection: the admitted rollouts' mean model time (the seconds they decode, slot
             queueing left out) over the population's mean duration: below 1 where
             completion-time selection favours short rollouts, about 1 where nothing is
-            selected.
+            selected. NaN when no rollout was admitted.
         cut: groups cut for lack of room in the packed rows (0 by construction of the rows).
         length_ratio: the admitted rollouts' mean seconds (submission to finish) over those
             of every rollout their batches started (a cancelled one's until its cancellation,
@@ -301,8 +314,9 @@ class Outcome:
 
     @property
     def share(self) -> float:
-        """Goodput's share of the capacity bound."""
-        return self.goodput / self.bound
+        """Goodput's share of the capacity bound; NaN where there is none (unbounded slots and
+        a trainer step of 0 s), rather than a made-up 0."""
+        return self.goodput / self.bound if math.isfinite(self.bound) else math.nan
 
     @property
     def idle(self) -> float:
@@ -494,7 +508,7 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
         lags=tuple(record.lag for record in measured),
         wasted=wasted / spent if spent > 0 else 0.0,
         wasted_seconds=wasted,
-        selection=float(np.mean(durations)) / workload.population_mean,
+        selection=(float(np.mean(durations)) / workload.population_mean if durations else math.nan),
         cut=sum(record.cut for record in measured),
         length_ratio=_length_ratio(measured),
         slot_wait=engine.queued / engine.granted if engine.granted else math.nan,
@@ -568,6 +582,11 @@ def describe(workload: Workload) -> str:
     )
 
 
+def percent(share: float) -> str:
+    """A share as a table shows it: "nan" where it is undefined, never a made-up 0.0%."""
+    return f"{share:.1%}" if math.isfinite(share) else "nan"
+
+
 def report(workload: Workload, outcomes: Sequence[Outcome]) -> str:
     """The table of a simulation's outcomes, one row per setting, under a line on the workload.
 
@@ -587,7 +606,7 @@ def report(workload: Workload, outcomes: Sequence[Outcome]) -> str:
     ]
     for o in outcomes:
         lines.append(
-            f"{o.setting.name:<26}{o.goodput:>10.2f}{o.share:>10.1%}{o.idle:>7.1%}"
+            f"{o.setting.name:<26}{o.goodput:>10.2f}{percent(o.share):>10}{o.idle:>7.1%}"
             f"{np.mean(o.lags):>10.2f}{max(o.lags):>9d}{o.wasted:>8.1%}{o.selection:>15.2f}"
             f"{o.length_ratio:>18.2f}{o.slot_wait:>10.2f}s"
         )

@@ -27,7 +27,7 @@ import numpy as np
 from dew import calibrate
 from dew._checks import int_option, number_option
 from dew._processes import end_with_parent
-from dew.simulate import Contention, Outcome, Setting, Workload, describe, simulate
+from dew.simulate import Contention, Outcome, Setting, Workload, describe, percent, simulate
 
 
 def _ints(low: int):
@@ -72,7 +72,9 @@ class Grid:
             the carry-over settings only, since only they carry.
 
     Raises:
-        ValueError: naming the knob with an empty list or a value out of bounds.
+        ValueError: naming the knob with an empty list or a value out of bounds, carry_over
+            True without an admit value to carry the cut of, or hedge False without carry_over
+            True (a knob that would add no row, or rows named for what they do not do).
     """
 
     ahead: tuple[int, ...] = attrs.field(default=(0, 1, 2), converter=tuple, validator=_ints(0))
@@ -94,6 +96,17 @@ class Grid:
         converter=tuple,
         validator=_bools,
     )
+
+    def __attrs_post_init__(self):
+        if True in self.carry_over and all(admit is None for admit in self.admit):
+            raise ValueError(
+                "carry_over True needs an admit value other than None: it carries what admit "
+                f"cuts, got admit {self.admit}"
+            )
+        if False in self.hedge and True not in self.carry_over:
+            raise ValueError(
+                "hedge False backs up no carried group's stragglers: give carry_over True too"
+            )
 
     def settings(self, tasks: int) -> list[Setting]:
         """Every setting of the grid within max_lag's bound, in the grid's order.
@@ -441,7 +454,7 @@ def table(
         )
         goodput = f"{r.goodput:.2f} ±{r.goodput_spread:.2f}"
         lines.append(
-            f"{mark} {r.setting.name:<{width}}{goodput:>16}{r.share:>10.1%}{r.idle:>7.1%}"
+            f"{mark} {r.setting.name:<{width}}{goodput:>16}{percent(r.share):>10}{r.idle:>7.1%}"
             f"{r.lag_mean:>10.2f}{r.lag_max:>9d}{r.wasted:>8.1%}{r.wasted_seconds:>12.3g}"
             f"{r.selection:>11.3f}"
         )
@@ -727,6 +740,11 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.step_time is not None:
         workload = attrs.evolve(workload, step_time=args.step_time, step_times=())
     carry = (False, True) if args.carry_over else (False,)
+    if args.carry_over and all(admit is None for admit in args.admit):
+        args.parser.error(
+            "argument --carry-over: it carries the groups --admit cuts: give --admit a value "
+            "other than all"
+        )
     if False in args.hedge and not args.carry_over:
         args.parser.error(
             "argument --hedge: 'off' backs up no carried group's stragglers: give --carry-over too"
