@@ -149,6 +149,7 @@ class GatewaySession:
         self._empty = 0  # how many of them answered nothing (no text, no tool call)
         self._started = 0
         self._in_flight: set[trio.CancelScope] = set()
+        self._admitted = 0  # calls admitted and not yet answered or abandoned
         self.requests = 0
         self.closed: str | None = None
         self.truncation: str | None = None
@@ -211,14 +212,18 @@ class GatewaySession:
 
     # --- calls ----------------------------------------------------------------------------------
 
-    def admit(self, fingerprint: bytes, retry: bool) -> int:
-        """Start a call: forget the answer a retry replaces, enforce the call limit.
+    @contextlib.contextmanager
+    def admitted(self, fingerprint: bytes, retry: bool) -> Iterator[int]:
+        """A call, from its admission until it is answered (recorded inside) or abandoned:
+        forget the answer a retry replaces, enforce the call limit.
 
         A retry (the client's retry counter above 0) whose body is the last answered call's
         never received that answer: the call is dropped, so it is neither trained as if seen
-        nor recorded twice.
+        nor recorded twice. The limit counts every admitted call not yet answered, not only
+        those in the engine: a large request is rendered in a worker thread after its
+        admission, while the session admits others.
 
-        Returns:
+        Yields:
             The call's index in the session (keys its sampling).
 
         Raises:
@@ -228,7 +233,7 @@ class GatewaySession:
         self.check_open()
         if retry and self._turns and self._turns[-1].fingerprint == fingerprint:
             self._empty -= _empty(self._turns.pop())
-        if self.max_calls is not None and len(self._turns) + len(self._in_flight) >= self.max_calls:
+        if self.max_calls is not None and len(self._turns) + self._admitted >= self.max_calls:
             self.truncate("turns")
             raise ApiError(
                 400,
@@ -237,7 +242,11 @@ class GatewaySession:
             )
         index = self._started
         self._started += 1
-        return index
+        self._admitted += 1
+        try:
+            yield index
+        finally:
+            self._admitted -= 1
 
     @contextlib.contextmanager
     def running(self) -> Iterator[trio.CancelScope]:

@@ -175,6 +175,10 @@ async def _send_stream(send, events, encode=sse, done: bool = True) -> None:
     await send({"type": "http.response.body", "body": sse("[DONE]") if done else b""})
 
 
+def _model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "dew"}
+
+
 def _takes(function, name: str) -> bool:
     """Whether `function` takes a keyword argument `name`."""
     try:
@@ -484,11 +488,15 @@ class Gateway:
                 code="invalid_api_key",
             )
         endpoint = "/".join(parts[3:])
+        if endpoint.startswith("models/") and endpoint != "models/":
+            # `client.models.retrieve(name)`: any name is served (an id may hold slashes).
+            endpoint = "models/{model}"
         routes = {
             "chat/completions": ("POST", self._chat),
             "completions": ("POST", self._completions),
             "responses": ("POST", self._responses),
             "models": ("GET", self._models),
+            "models/{model}": ("GET", self._model),
         }
         if endpoint not in routes:
             raise ApiError(
@@ -587,14 +595,12 @@ class Gateway:
         return request, hashlib.sha256(body).digest()
 
     async def _models(self, session, scope, receive, send) -> None:
-        await _send_json(
-            send,
-            200,
-            {
-                "object": "list",
-                "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "dew"}],
-            },
-        )
+        await _send_json(send, 200, {"object": "list", "data": [_model_object(self.model)]})
+
+    async def _model(self, session, scope, receive, send) -> None:
+        """`GET /v1/models/{model}`: every name is the one policy served (`model` is ignored)."""
+        name = scope["path"].split("/v1/models/", 1)[1]
+        await _send_json(send, 200, _model_object(name))
 
     async def _chat(self, session: GatewaySession, scope, receive, send) -> None:
         answered = await self._answer(session, scope, receive)
@@ -643,23 +649,23 @@ class Gateway:
             return None
         read = await self._off_loop(len(body), self._read_chat, body, as_chat)
         request_payload, payload, request, fingerprint = read
-        index = session.admit(fingerprint, retry=_retry_count(scope) > 0)
-        rendered = await self._off_loop(len(body), session.chat_prompt, request)
-        self._count(rendered)
-        sample = await self._sample(session, rendered.ids, request.sampled, index, receive)
-        if sample is None:
-            return None
-        reply = parse_reply(sample.text, tools=request.parses_tools, format=self.tool_format)
-        turn = Turn(
-            sample.call,
-            reply.content,
-            tuple(call_id for call_id, _, _ in reply.tool_calls),
-            len(request.messages),
-            fingerprint,
-            templated=rendered if rendered.text is not None else None,
-            thread=_thread(scope),
-        )
-        session.record(turn)
+        with session.admitted(fingerprint, retry=_retry_count(scope) > 0) as index:
+            rendered = await self._off_loop(len(body), session.chat_prompt, request)
+            self._count(rendered)
+            sample = await self._sample(session, rendered.ids, request.sampled, index, receive)
+            if sample is None:
+                return None
+            reply = parse_reply(sample.text, tools=request.parses_tools, format=self.tool_format)
+            turn = Turn(
+                sample.call,
+                reply.content,
+                tuple(call_id for call_id, _, _ in reply.tool_calls),
+                len(request.messages),
+                fingerprint,
+                templated=rendered if rendered.text is not None else None,
+                thread=_thread(scope),
+            )
+            session.record(turn)
         session.transcript = [*payload["messages"], assistant_message(reply)]
         return request_payload, request, sample, reply
 
@@ -685,32 +691,32 @@ class Gateway:
         except _Gone:
             return
         request, fingerprint = await self._off_loop(len(body), self._read_completion, body)
-        index = session.admit(fingerprint, retry=_retry_count(scope) > 0)
-        if isinstance(request.prompt, str):
-            prompt_text = request.prompt
-            prompt = await self._off_loop(len(body), session.text_prompt, request.prompt)
-            if not len(prompt):  # a tokenizer may write no token for some text (the engine's 500)
-                raise invalid("prompt", "'prompt' encodes to no tokens")
-        else:
-            prompt = np.array(request.prompt, np.int32)
-            prompt_text = self.tokenizer.decode(prompt)
-        sample = await self._sample(session, prompt, request.sampled, index, receive)
-        if sample is None:
-            return
-        text_ids = None
-        if sample.finish == "length":
-            text_ids = np.concatenate([sample.call.prompt, sample.call.completion])
-        turn = Turn(
-            sample.call,
-            None,
-            (),
-            0,
-            fingerprint,
-            prompt_text + sample.text,
-            text_ids,
-            thread=_thread(scope),
-        )
-        session.record(turn)
+        with session.admitted(fingerprint, retry=_retry_count(scope) > 0) as index:
+            if isinstance(request.prompt, str):
+                prompt_text = request.prompt
+                prompt = await self._off_loop(len(body), session.text_prompt, request.prompt)
+                if not len(prompt):  # a tokenizer may write no token for some text (engine's 500)
+                    raise invalid("prompt", "'prompt' encodes to no tokens")
+            else:
+                prompt = np.array(request.prompt, np.int32)
+                prompt_text = self.tokenizer.decode(prompt)
+            sample = await self._sample(session, prompt, request.sampled, index, receive)
+            if sample is None:
+                return
+            text_ids = None
+            if sample.finish == "length":
+                text_ids = np.concatenate([sample.call.prompt, sample.call.completion])
+            turn = Turn(
+                sample.call,
+                None,
+                (),
+                0,
+                fingerprint,
+                prompt_text + sample.text,
+                text_ids,
+                thread=_thread(scope),
+            )
+            session.record(turn)
         completion_id = "cmpl-" + secrets.token_urlsafe(18)
         parts = (completion_id, request.model, sample, self.tokenizer, request, prompt_text)
         if request.sampled.stream:
