@@ -88,15 +88,15 @@ async def session_times(tokenizer, sessions: int, calls: int) -> tuple[np.ndarra
                 start = time.perf_counter()
                 body = {"model": "m", "messages": messages, "tools": [TOOL]}
                 request = chat_request(json.loads(json.dumps(body)))
-                session.admit(b"", retry=False)
-                rendered = session.chat_prompt(request)
-                gateway._count(rendered)
-                call = await engine.generate(rendered.ids, max_tokens=64)
-                sample = cut(call, tokenizer, ())
-                reply = parse_reply(sample.text, tools=True, format=gateway.tool_format)
-                ids = tuple(call_id for call_id, _, _ in reply.tool_calls)
-                turn = Turn(call, reply.content, ids, len(messages), b"", templated=rendered)
-                session.record(turn)
+                with session.admitted(b"", retry=False):
+                    rendered = session.chat_prompt(request)
+                    gateway._count(rendered)
+                    call = await engine.generate(rendered.ids, max_tokens=64)
+                    sample = cut(call, tokenizer, ())
+                    reply = parse_reply(sample.text, tools=True, format=gateway.tool_format)
+                    ids = tuple(call_id for call_id, _, _ in reply.tool_calls)
+                    turn = Turn(call, reply.content, ids, len(messages), b"", templated=rendered)
+                    session.record(turn)
                 times[s, c] = time.perf_counter() - start
                 message = {"role": "assistant", "content": reply.content}
                 if reply.tool_calls:

@@ -140,15 +140,15 @@ async def _in_process(connections: int, calls: int) -> dict[str, float]:
                 t = time.perf_counter()
                 body = json.dumps({"model": "m", "messages": messages}).encode()
                 request = chat_request(json.loads(body))
-                index = session.admit(b"", retry=False)
-                prompt = session.chat_prompt(request).ids
-                sample = cut(await engine.generate(prompt, max_tokens=64), gateway.tokenizer, ())
-                reply = parse_reply(sample.text, tools=False)
-                session.record(Turn(sample.call, reply.content, (), len(messages), b""))
+                with session.admitted(b"", retry=False):
+                    prompt = session.chat_prompt(request).ids
+                    call = await engine.generate(prompt, max_tokens=64)
+                    sample = cut(call, gateway.tokenizer, ())
+                    reply = parse_reply(sample.text, tools=False)
+                    session.record(Turn(sample.call, reply.content, (), len(messages), b""))
                 answer = chat_body("x", "m", sample, reply, gateway.tokenizer, request)
                 json.dumps(answer).encode()
                 latencies.append(time.perf_counter() - t)
-                del index
                 messages += [answer["choices"][0]["message"], {"role": "user", "content": "ok"}]
                 if len(messages) > 20:
                     messages = messages[:1]
