@@ -32,6 +32,19 @@ ROWS, WIDTH = 3, 12
 TOLERANCE = {"rtol": 2e-5, "atol": 2e-5}
 
 
+def assert_trains_alike(rescore, current, variables, batch, bare) -> dict:
+    """`current` over `bare` (no proximal log-probs) gives `rescore`'s loss, gradient and
+    every one of its metrics over `batch` (rescored at `variables`); returns `current`'s
+    metrics."""
+    (loss, metrics), grads = jax.value_and_grad(rescore.loss, has_aux=True)(variables, batch)
+    (loss_c, metrics_c), grads_c = jax.value_and_grad(current.loss, has_aux=True)(variables, bare)
+    np.testing.assert_allclose(float(loss_c), float(loss), **TOLERANCE)
+    np.testing.assert_allclose(grads_c["table"], grads["table"], **TOLERANCE)
+    for name, value in metrics.items():
+        np.testing.assert_allclose(float(metrics_c[name]), float(value), **TOLERANCE)
+    return metrics_c
+
+
 def bigram(variables, tokens, positions, segment_ids):
     """float32[rows, width, vocab]: the logits after each token are its row of the table."""
     return variables["table"][tokens]
@@ -347,12 +360,7 @@ def test_the_current_proximal_trains_as_the_rescored_one_without_the_batch_carry
     with pytest.raises(KeyError, match="proximal_logprobs"):
         rescore.loss(variables, bare)
 
-    (loss, metrics), grads = jax.value_and_grad(rescore.loss, has_aux=True)(variables, batch)
-    (loss_c, metrics_c), grads_c = jax.value_and_grad(current.loss, has_aux=True)(variables, bare)
-    np.testing.assert_allclose(float(loss_c), float(loss), **TOLERANCE)
-    np.testing.assert_allclose(grads_c["table"], grads["table"], **TOLERANCE)
-    for name, value in metrics.items():
-        np.testing.assert_allclose(float(metrics_c[name]), float(value), **TOLERANCE)
+    metrics_c = assert_trains_alike(rescore, current, variables, batch, bare)
     # The masked share the scheduler would have reported from its rescoring.
     masked = rescore.importance_metrics(batch)["importance/masked"]
     assert float(metrics_c["importance/masked"]) == pytest.approx(masked, abs=1e-6)

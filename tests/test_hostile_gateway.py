@@ -13,18 +13,12 @@ import pytest
 import trio
 
 from _gateway import ScriptedEngine
-from dew.gateway import Gateway
 from dew.serve.tokenizer import ByteTokenizer
+from test_gateway import gateway
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Async generator '.*' was garbage collected:ResourceWarning"
 )
-
-
-def gateway(engine, **kwargs) -> Gateway:
-    kwargs.setdefault("max_context", 4096)
-    kwargs.setdefault("max_tokens", 256)
-    return Gateway(engine, announce=False, **kwargs)
 
 
 class HeldTokenizer(ByteTokenizer):

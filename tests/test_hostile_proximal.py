@@ -25,7 +25,13 @@ from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.train import Trainer, _timing, step_seconds
 from test_contention import write_run
-from test_grpo_corrections import TOLERANCE, VOCAB, bigram, random_batch, table
+from test_grpo_corrections import (
+    VOCAB,
+    assert_trains_alike,
+    bigram,
+    random_batch,
+    table,
+)
 
 # The figures the scheduler makes from its rescoring (`GRPOObjective.importance_metrics`).
 RESCORED_FIGURES = ("importance/", "mismatch/", "staleness/")
@@ -67,12 +73,7 @@ def test_the_current_proximal_trains_as_the_rescored_one_under_a_support_and_eac
     batch["proximal_logprobs"] = supported
     bare = {k: v for k, v in batch.items() if k != "proximal_logprobs"}
 
-    (loss, metrics), grads = jax.value_and_grad(rescore.loss, has_aux=True)(variables, batch)
-    (loss_c, metrics_c), grads_c = jax.value_and_grad(current.loss, has_aux=True)(variables, bare)
-    np.testing.assert_allclose(float(loss_c), float(loss), **TOLERANCE)
-    np.testing.assert_allclose(grads_c["table"], grads["table"], **TOLERANCE)
-    for name, value in metrics.items():
-        np.testing.assert_allclose(float(metrics_c[name]), float(value), **TOLERANCE)
+    assert_trains_alike(rescore, current, variables, batch, bare)
 
 
 class CountingPool:

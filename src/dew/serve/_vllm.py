@@ -992,10 +992,8 @@ def _first_label(spans) -> str | None:
 def _started_under(spans, submitted: int) -> int:
     """The version that drew a call's first token, from vLLM's weight version spans; the version
     served at submission where the server labels none (or not with dew's integers)."""
-    if spans:
-        with contextlib.suppress(KeyError, TypeError, ValueError):
-            return int(spans[0]["version"])
-    return submitted
+    label = _first_label(spans)
+    return int(label) if label is not None and label.isdigit() else submitted
 
 
 def _said(answer: httpx.Response) -> str:
