@@ -132,8 +132,17 @@ def uniform_group(group: Sequence[Session], truncation: str) -> bool:
     trains = _training_statuses(truncation)
     training = [s for s in group if s.status in trains]
     rewards = {_training_reward(s, truncation) for s in training}
+    on_rewards = any(_trains_on_reward(s) for s in training)
     pools = _seat_pools(training, truncation)
-    return len(rewards) <= 1 and all(len(set(pool.values())) <= 1 for pool in pools.values())
+    return (len(rewards) <= 1 or not on_rewards) and all(
+        len(set(pool.values())) <= 1 for pool in pools.values()
+    )
+
+
+def _trains_on_reward(session: Session) -> bool:
+    """Whether some chain of a training session trains on the session's reward: it has no
+    seats, or a call of no seat (a chain's calls share their seat)."""
+    return session.seats is None or any(call.seat is None for call in session.calls)
 
 
 def _seat_reward(session: Session, seat: str, truncation: str) -> float:
@@ -143,20 +152,20 @@ def _seat_reward(session: Session, seat: str, truncation: str) -> float:
     return float(session.seats[seat])
 
 
-def _pool_of(seat: str) -> str:
+def _pool_of(seat: str) -> tuple[str, bool]:
     """The pool a seat's baseline is taken over: the seat's own, or for a seat numbered
     `NAME.K` (one of several traces one agent made in an episode, such as best-of-n's
-    attempts), NAME's, shared by all of them."""
+    attempts), NAME's, shared by all of them and apart from a seat named NAME itself."""
     numbered = _NUMBERED.fullmatch(seat)
-    return seat if numbered is None else numbered[1]
+    return (seat, False) if numbered is None else (numbered[1], True)
 
 
 def _seat_pools(
     training: Sequence[Session], truncation: str
-) -> dict[str, dict[tuple[int, str], float]]:
+) -> dict[tuple[str, bool], dict[tuple[int, str], float]]:
     """Each pool's rewards over a group's training sessions, by (the session's index among
     them, the seat): what a seat's baseline is taken over (see `_pool_of`)."""
-    pools: dict[str, dict[tuple[int, str], float]] = {}
+    pools: dict[tuple[str, bool], dict[tuple[int, str], float]] = {}
     for i, session in enumerate(training):
         for seat in session.seats or ():
             pools.setdefault(_pool_of(seat), {})[i, seat] = _seat_reward(session, seat, truncation)

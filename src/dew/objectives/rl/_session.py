@@ -97,9 +97,15 @@ class Session:
             calls' `seat`): a call of a seat named here trains on that reward, with a baseline
             over the same seat of its group's other sessions; a call of a seat not named here
             (an agent with no reward of its own, such as a judge) trains on nothing; a call
-            of no seat trains on `reward`, as every call does where seats is None. Seats
-            named `NAME.0`, `NAME.1`, ... (several traces of one agent, such as best-of-n's
-            attempts) share one baseline, over all of them in the group.
+            of no seat trains on `reward`, as every call does where seats is None. A seat
+            named here that made no call (a player whose game ended before its turn) trains
+            nothing, but its reward counts in its seat's baseline. Seats named `NAME.0`,
+            `NAME.1`, ... (several traces of one agent, such as best-of-n's attempts) share
+            one baseline, over all of them in the group (a seat named `NAME` keeps its own). `check_session` refuses, as
+            misspelt, the seats of a session that can train (COMPLETED, AGENT_ERROR,
+            TRUNCATED) that both name a seat that made no call and leave out a seat that made
+            calls (`{"player.0": 1.0, "player1": 0.0}` where `player.0` and `player.1`
+            played), or that name seats where calls were made but none has a seat.
     """
 
     status: Status
@@ -206,6 +212,50 @@ def _fail(session: Session, field: str, problem: str) -> SessionError:
 # Checked on every session a source returns: the tuples are built once.
 _INTEGER = (int, np.integer)
 _NUMBER = (float, int, np.floating, np.integer)
+# The statuses a session can train under (some truncation policy trains TRUNCATED).
+_TRAINABLE = (Status.COMPLETED, Status.AGENT_ERROR, Status.TRUNCATED)
+
+
+def _finite(value) -> bool:
+    """Whether a reward (the session's, a component or a seat's) is a finite number: a float,
+    an int (a bool is one) or numpy's scalar of either, that a float holds."""
+    if not isinstance(value, _NUMBER):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond a float's range
+        return False
+
+
+def _seats_problem(calls: tuple[Call, ...], seats: Mapping[str, float]) -> str | None:
+    """What makes a session's `seats` read as misspelt, or None.
+
+    A seat named in `seats` that made no call is a player whose game ended before its turn,
+    and a seat that made calls without a reward is an agent with none of its own (a judge):
+    either alone is meant. Both at once are a misspelling (`{"player.0": 1, "player1": 0}`
+    for the seats `player.0` and `player.1`): the misspelt seat's calls would train on
+    nothing, and the reward meant for them on no call. So are seats where calls were made but
+    none has a seat: every call would train on the session's reward, no seat on its own.
+
+    Args:
+        calls: the session's calls, each `seat` a str or None.
+        seats: the session's seats, keyed by str.
+
+    Returns:
+        the problem, naming the keys of `seats` no call has for its seat, the seats of calls
+        that have no reward, and every seat a call has; None where there is none.
+    """
+    acted = sorted({call.seat for call in calls if call.seat is not None})
+    stray = sorted(seats.keys() - acted)
+    if stray and calls and not acted:
+        return f"name {stray}, but no call has a seat: every call would train on the reward"
+    unrewarded = [seat for seat in acted if seat not in seats]
+    if stray and unrewarded:
+        return (
+            f"name {stray}, which made no call, while {unrewarded} made calls without a reward "
+            f"(the seats that acted are {acted}): a misspelt seat would train on nothing"
+        )
+    return None
 
 
 # A numpy reduction costs about a microsecond to call, whatever the length; a short array's
@@ -310,27 +360,28 @@ def check_session(session: Session, *, vocab: int | None = None) -> Session:
         if (found := _call_problem(call, vocab)) is not None:
             field, problem = found
             raise _fail(session, f"calls[{i}].{field}", problem)
-    if session.reward is not None and not (
-        isinstance(session.reward, _NUMBER) and math.isfinite(session.reward)
-    ):
+    if session.reward is not None and not _finite(session.reward):
         raise _fail(session, "reward", f"must be a finite number, got {session.reward!r}")
     scored = session.status in (Status.COMPLETED, Status.AGENT_ERROR)
     if scored and session.reward is None:
         raise _fail(session, "reward", f"is missing on a {session.status.name} session")
     for name, value in session.components.items():
-        if not isinstance(value, _NUMBER) or not math.isfinite(value):
+        if not _finite(value):
             raise _fail(session, f"components[{name!r}]", f"must be a finite number, got {value!r}")
+    for i, call in enumerate(session.calls):
+        if call.seat is not None and not isinstance(call.seat, str):
+            raise _fail(session, f"calls[{i}].seat", f"must be a str or None, got {call.seat!r}")
     if session.seats is not None:
         if not isinstance(session.seats, Mapping):
             raise _fail(session, "seats", f"must be a mapping or None, got {session.seats!r}")
         for name, value in session.seats.items():
             if not isinstance(name, str) or not isinstance(value, _NUMBER):
                 raise _fail(session, "seats", f"must map str to a number, got {name!r}: {value!r}")
-            if not math.isfinite(value):
+            if not _finite(value):
                 raise _fail(session, f"seats[{name!r}]", f"must be a finite number, got {value!r}")
-    for i, call in enumerate(session.calls):
-        if call.seat is not None and not isinstance(call.seat, str):
-            raise _fail(session, f"calls[{i}].seat", f"must be a str or None, got {call.seat!r}")
+        if session.status in _TRAINABLE:
+            if (problem := _seats_problem(session.calls, session.seats)) is not None:
+                raise _fail(session, "seats", problem)
     if session.error is not None and not isinstance(session.error, str):
         raise _fail(session, "error", f"must be a str or None, got {type(session.error).__name__}")
     if session.status is Status.TRUNCATED and session.truncation not in TRUNCATION_REASONS:
