@@ -101,11 +101,12 @@ class Session:
             named here that made no call (a player whose game ended before its turn) trains
             nothing, but its reward counts in its seat's baseline. Seats named `NAME.0`,
             `NAME.1`, ... (several traces of one agent, such as best-of-n's attempts) share
-            one baseline, over all of them in the group (a seat named `NAME` keeps its own). `check_session` refuses, as
-            misspelt, the seats of a session that can train (COMPLETED, AGENT_ERROR,
-            TRUNCATED) that both name a seat that made no call and leave out a seat that made
-            calls (`{"player.0": 1.0, "player1": 0.0}` where `player.0` and `player.1`
-            played), or that name seats where calls were made but none has a seat.
+            one baseline, over all of them in the group (a seat named `NAME` keeps its own).
+            `check_session` refuses, as misspelt, the seats of a session that can train
+            (COMPLETED, AGENT_ERROR, TRUNCATED) that both name a seat that made no call and
+            leave out a seat that made calls (`{"player.0": 1.0, "player1": 0.0}` where
+            `player.0` and `player.1` played), or that name seats where calls were made but
+            none has a seat.
     """
 
     status: Status
