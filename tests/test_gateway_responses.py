@@ -12,6 +12,7 @@ import pytest
 
 from _gateway import LOOKUP_TOOL, ScriptedEngine, tiny_server, tool_call
 from dew.gateway import RESPONSE_FIELDS, Gateway
+from dew.gateway._answers import token_text
 from dew.objectives.rl.sessions import Session, Status, chains
 from dew.serve import tokenizer
 
@@ -124,7 +125,7 @@ async def test_log_probs_are_the_real_engines_and_a_cut_reply_is_incomplete():
     np.testing.assert_array_equal([e.logprob for e in part.logprobs], call.logprobs)
     for entry, (ids, values) in zip(part.logprobs, call.top_logprobs, strict=True):
         assert [t.logprob for t in entry.top_logprobs] == values.tolist()
-        assert entry.top_logprobs[0].token == tokenizer.decode(ids[:1])
+        assert entry.top_logprobs[0].token == token_text(tokenizer.BYTES.token_bytes(int(ids[0])))
     # Four tokens and no end: the budget ran out.
     assert len(call.completion) == 4 and answer.status == "incomplete"
     assert answer.incomplete_details.reason == "max_output_tokens"

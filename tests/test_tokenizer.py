@@ -304,3 +304,18 @@ def test_from_file_and_the_constructor_name_bad_inputs(tmp_path):
         HuggingFaceTokenizer("t.json")
     with pytest.raises(TypeError, match="text must be a str, got bytes"):
         BYTES.encode(b"hi")
+
+
+@given(text=st.text(max_size=40))
+def test_each_tokens_own_bytes_join_into_the_texts_utf8(any_tokenizer, text):
+    """A token holding part of a character ("é", an emoji) has that part's bytes, where its
+    decoded text alone is U+FFFD (what the gateway reports as a log-prob's `bytes`)."""
+    ids = any_tokenizer.encode(text)
+    assert b"".join(any_tokenizer.token_bytes(int(t)) for t in ids) == text.encode()
+
+
+def test_a_special_tokens_bytes_are_its_name_and_an_unknown_id_is_named(any_tokenizer):
+    special = min(any_tokenizer.special_ids)
+    assert any_tokenizer.token_bytes(special) == any_tokenizer.decode([special]).encode()
+    with pytest.raises(ValueError, match="token_bytes"):
+        any_tokenizer.token_bytes(any_tokenizer.vocab_size)

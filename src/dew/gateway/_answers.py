@@ -4,7 +4,9 @@ as server-sent event chunks, with log-probs.
 Log-probs are reported for the completion's tokens but a final stop token (OpenAI leaves the stop
 token out). `top_logprobs` lists each position's most likely tokens as the engine reported them
 (`Call.top_logprobs`, under the distribution the token was drawn from); an engine that reports
-none gets the sampled token alone in each list.
+none gets the sampled token alone in each list. Each token is reported with its own bytes
+(`token_bytes`): a token that holds part of a multi-byte character has that part's bytes, so the
+reply's tokens' bytes join into the reply's UTF-8.
 A stream is the same answer cut into chunks: concatenating the chunks' content and log-probs
 gives the JSON body's, token for token.
 """
@@ -12,7 +14,8 @@ gives the JSON body's, token for token.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from itertools import accumulate
 from typing import Any
 
 import attrs
@@ -31,7 +34,10 @@ class Sample:
         call: the call to record: its completion ends with the stop token, or with the token
             that completed a stop string, or where its budget ran out.
         text: the text answered (without stop token or stop string).
-        tokens: the completion ids reported (the completion without a final stop token).
+        tokens: the completion ids reported: the completion without a final stop token; cut at
+            a stop string, the ids up to the first whose text reaches the end of the answered
+            text (OpenAI reports no log-prob of a stop string: the stop string's tokens were
+            sampled and are recorded, but not answered).
         finish: "stop" or "length" (the caller turns a stop with tool calls into "tool_calls").
     """
 
@@ -60,7 +66,11 @@ def cut(call: Call, tokenizer, stops: tuple[str, ...]) -> Sample:
     support = None if call.support is None else call.support[:keep]
     top = None if call.top_logprobs is None else call.top_logprobs[:keep]
     kept = Call(call.prompt, body[:keep], call.logprobs[:keep], call.version, support, top)
-    return Sample(kept, text[:at], body[:keep], "stop")
+    answered = text[:at]
+    reported = next(
+        (k for k in range(keep + 1) if tokenizer.decode(body[:k]).startswith(answered)), keep
+    )
+    return Sample(kept, answered, body[:reported], "stop")
 
 
 def _reported_logprobs(sample: Sample) -> np.ndarray:
@@ -68,37 +78,57 @@ def _reported_logprobs(sample: Sample) -> np.ndarray:
     return sample.call.logprobs[: len(sample.tokens)]
 
 
-def _token_text(tokenizer, token: int) -> str:
-    return tokenizer.decode(np.array([token], np.int32))
+def token_bytes(tokenizer) -> Callable[[int], bytes]:
+    """Each token id's own bytes, as OpenAI's log-probs report them (`bytes`): the tokenizer's
+    `token_bytes` where it has one (dew's tokenizers do: a token holding part of a multi-byte
+    character has that part's bytes), else the token's decoded text."""
+    own = getattr(tokenizer, "token_bytes", None)
+    if own is not None:
+        return own
+    return lambda token: tokenizer.decode(np.array([token], np.int32)).encode()
 
 
-def _alternatives(sample: Sample, top: int, start: int, stop: int | None):
-    """Per reported token in [start, stop), its `top` most likely ids and their log-probs as
-    lists, or None where the engine reported none."""
+def token_text(raw: bytes) -> str:
+    """A token's text as OpenAI writes it: its bytes as UTF-8, or, where they are no text alone
+    (part of a character), `bytes:` and the bytes escaped (`bytes:\\xc3`)."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + raw.decode(errors="backslashreplace")
+
+
+def _alternatives(sample: Sample, top: int, vocab_size: int):
+    """Per reported token, its `top` most likely ids and their log-probs as lists, or None
+    where the engine reported none. Ids past the tokenizer's vocabulary (a model's padded
+    rows) are left out: they are no text to report."""
     reported = sample.call.top_logprobs
     if not top or reported is None:
         return None
-    return [
-        (ids[:top].tolist(), values[:top].tolist())
-        for ids, values in reported[: len(sample.tokens)][start:stop]
-    ]
+    listed = []
+    for ids, values in reported[: len(sample.tokens)]:
+        ids, values = np.asarray(ids), np.asarray(values)
+        known = ids < vocab_size
+        listed.append((ids[known][:top].tolist(), values[known][:top].tolist()))
+    return listed
 
 
-def _chat_entry(tokenizer, token: int, logprob: float) -> dict[str, Any]:
-    text = _token_text(tokenizer, token)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+def _chat_entry(spell, token: int, logprob: float) -> dict[str, Any]:
+    raw = spell(token)
+    return {"token": token_text(raw), "logprob": logprob, "bytes": list(raw)}
 
 
-def chat_logprobs(sample: Sample, tokenizer, top: int, start: int = 0, stop: int | None = None):
-    """The `logprobs.content` entries of tokens [start, stop) of a sample."""
+def chat_logprobs(sample: Sample, tokenizer, top: int) -> list[dict[str, Any]]:
+    """The `logprobs.content` entries of a sample's reported tokens."""
+    spell = token_bytes(tokenizer)
     entries = []
-    tokens = sample.tokens[start:stop].tolist()
-    logprobs = _reported_logprobs(sample)[start:stop].tolist()
-    alternatives = _alternatives(sample, top, start, stop)
+    tokens = sample.tokens.tolist()
+    logprobs = _reported_logprobs(sample).tolist()
+    alternatives = _alternatives(sample, top, tokenizer.vocab_size)
     for k, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
-        entry = _chat_entry(tokenizer, token, logprob)
+        entry = _chat_entry(spell, token, logprob)
         if alternatives is not None:
-            listed = [_chat_entry(tokenizer, *pair) for pair in zip(*alternatives[k], strict=True)]
+            pairs = zip(*alternatives[k], strict=True)
+            listed = [_chat_entry(spell, *pair) for pair in pairs]
         else:
             listed = [entry] if top else []
         entries.append({**entry, "top_logprobs": listed})
@@ -198,11 +228,12 @@ def chat_chunks(
             body["usage"] = None
         return body
 
+    entries = chat_logprobs(sample, tokenizer, sampled.top_logprobs) if sampled.logprobs else None
+
     def logprobs(start, stop=None):
-        if not sampled.logprobs:
+        if entries is None:
             return None
-        entries = chat_logprobs(sample, tokenizer, sampled.top_logprobs, start, stop)
-        return {"content": entries, "refusal": None}
+        return {"content": entries[start:stop], "refusal": None}
 
     yield chunk({"role": "assistant", "content": ""})
     if reply.tool_calls:
@@ -229,26 +260,26 @@ def chat_chunks(
         }
 
 
-def _legacy_logprobs(
-    sample: Sample, tokenizer, top: int, start: int, stop: int | None, offset: int
-) -> dict[str, Any]:
-    tokens = [_token_text(tokenizer, t) for t in sample.tokens[start:stop].tolist()]
-    logprobs = _reported_logprobs(sample)[start:stop].tolist()
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
-    alternatives = _alternatives(sample, top, start, stop)
+def _legacy_logprobs(sample: Sample, tokenizer, top: int, offset: int) -> dict[str, Any]:
+    """A text completion's `logprobs`: each reported token's text, log-prob, top list and
+    offset in the answer's text (`offset` where the completion starts), where the stream's
+    delta of that token starts."""
+    spell = token_bytes(tokenizer)
+    tokens = [token_text(spell(t)) for t in sample.tokens.tolist()]
+    logprobs = _reported_logprobs(sample).tolist()
+    deltas = text_deltas(sample, tokenizer)
+    offsets = list(accumulate((len(delta) for delta in deltas), initial=offset))[:-1]
+    alternatives = _alternatives(sample, top, tokenizer.vocab_size)
     if alternatives is None:
         listed = [{t: lp} for t, lp in zip(tokens, logprobs, strict=True)]
     else:
-        # Keyed by text, which ids that are no text alone share: each key keeps its most
+        # Keyed by text, which ids that spell the same text share: each key keeps its most
         # likely id's log-prob, the first listed.
         listed = []
         for ids, values in alternatives:
             texts: dict[str, float] = {}
             for token, logprob in zip(ids, values, strict=True):
-                texts.setdefault(_token_text(tokenizer, token), logprob)
+                texts.setdefault(token_text(spell(token)), logprob)
             listed.append(texts)
     return {
         "tokens": tokens,
@@ -265,9 +296,7 @@ def completion_body(
     echoed = prompt_text if request.echo else ""
     logprobs = None
     if request.sampled.logprobs:
-        logprobs = _legacy_logprobs(
-            sample, tokenizer, request.sampled.top_logprobs, 0, None, len(echoed)
-        )
+        logprobs = _legacy_logprobs(sample, tokenizer, request.sampled.top_logprobs, len(echoed))
     return {
         "id": completion_id,
         "object": "text_completion",
@@ -302,18 +331,15 @@ def completion_chunks(
             "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}],
         }
 
-    offset = 0
+    offset = len(prompt_text) if request.echo else 0
     if request.echo:
         yield chunk(prompt_text)
-        offset = len(prompt_text)
+    whole = None
+    if request.sampled.logprobs:
+        whole = _legacy_logprobs(sample, tokenizer, request.sampled.top_logprobs, offset)
     for k, delta in enumerate(text_deltas(sample, tokenizer)):
-        logprobs = None
-        if request.sampled.logprobs:
-            logprobs = _legacy_logprobs(
-                sample, tokenizer, request.sampled.top_logprobs, k, k + 1, offset
-            )
+        logprobs = None if whole is None else {key: its[k : k + 1] for key, its in whole.items()}
         yield chunk(delta, logprobs)
-        offset += len(delta)
     yield chunk("", finish=sample.finish)
     if request.sampled.include_usage:
         body = chunk("")

@@ -205,8 +205,8 @@ class GatewaySession:
         if self.closed is not None:
             raise ApiError(
                 410,
-                f"this session is closed ({self.closed}); a rollout's session takes no more calls",
-                type="invalid_request_error",
+                f"this session ({self.label}) is closed ({self.closed}); a rollout's session "
+                "takes no more calls",
                 code="session_closed",
             )
 
@@ -262,21 +262,42 @@ class GatewaySession:
             self._in_flight.discard(scope)
 
     def record(self, turn: Turn) -> None:
-        """Keep an answered call."""
+        """Keep an answered call, unless the session closed while it was answered.
+
+        A closed session's record has been handed over (its source reads `calls` as it closes
+        it): a call kept after that would be lost to it, though its client was answered. So it
+        is refused, and its client told, instead. The check and the append run without a
+        checkpoint between them, so a call is either in the record the close hands over or
+        refused.
+
+        Raises:
+            ApiError: 410 naming the session when it is closed.
+        """
+        if self.closed is not None:
+            raise ApiError(
+                410,
+                f"this session ({self.label}) closed ({self.closed}) while the call was answered; "
+                "the call is not recorded",
+                code="session_closed",
+            )
         self._turns.append(turn)
         self._empty += _empty(turn)
 
     # --- prompts --------------------------------------------------------------------------------
 
-    def chat_prompt(self, request: ChatRequest) -> Rendered:
+    def chat_prompt(self, request: ChatRequest, field: str = "messages") -> Rendered:
         """The token ids the engine sees for a chat request: the gateway's own turns as the ids
         it sampled, everything else through the chat template.
+
+        Args:
+            field: the request's field the conversation came in (`messages`; a Responses
+                request's `input`), which an error names.
 
         Raises:
             ApiError: 400 when a checkpoint's template refuses the conversation.
         """
         if isinstance(self.tokenizer, TemplateTokenizer):
-            rendered = templated_prompt(self.tokenizer, request, self._match)
+            rendered = templated_prompt(self.tokenizer, request, self._match, field)
             self.drift += rendered.drift
             self.rerendered += rendered.rerendered
             return rendered

@@ -52,13 +52,14 @@ RESPONSE_FIELDS: Mapping[str, str] = {
     "tool_choice": "honoured: as chat's (a named function is {type: function, name})",
     "parallel_tool_calls": CHAT_FIELDS["parallel_tool_calls"],
     "text": "honoured in part: text.format as chat's response_format (an instruction)",
-    "include": f"honoured: {LOGPROBS} adds the output text's log-probs; the others are ignored",
-    "top_logprobs": f"honoured with {LOGPROBS}: as chat's top_logprobs",
+    "include": f"honoured: {LOGPROBS} adds the output text's log-probs; other strings are ignored",
+    "top_logprobs": f"honoured with {LOGPROBS}: as chat's top_logprobs (0 to 20, checked "
+    "without it too)",
     "temperature": CHAT_FIELDS["temperature"],
     "top_p": CHAT_FIELDS["top_p"],
     "reasoning": "ignored",
     "truncation": "ignored: a prompt beyond the context is refused (400)",
-    "max_tool_calls": "ignored",
+    "max_tool_calls": "ignored (below 1 is refused)",
     "store": "ignored: nothing is stored",
     "metadata": "ignored",
     "user": "ignored",
@@ -148,9 +149,17 @@ def chat_payload(
     text_format = (body.get("text") or {}).get("format")
     if text_format is not None:
         payload["response_format"] = _chat_format(text_format)
-    if LOGPROBS in (body.get("include") or ()):
+    include = body.get("include") or ()
+    for index, entry in enumerate(include):
+        if not isinstance(entry, str):
+            raise invalid(f"include[{index}]", f"'include[{index}]' must be a string")
+    top = body.get("top_logprobs")
+    if top is not None and not 0 <= top <= 20:
+        raise invalid("top_logprobs", f"'top_logprobs' must be in [0, 20], got {top}")
+    _positive(body, "max_tool_calls")
+    if LOGPROBS in include:
         payload["logprobs"] = True
-        payload["top_logprobs"] = body.get("top_logprobs") or 0
+        payload["top_logprobs"] = top or 0
     for name in ("stream", "parallel_tool_calls", "temperature", "top_p"):
         if body.get(name) is not None:
             payload[name] = body[name]

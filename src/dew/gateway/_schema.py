@@ -80,26 +80,29 @@ CHAT_FIELDS: Mapping[str, str] = {
     "stream_options": "honoured: include_usage adds the usage chunk",
     "max_tokens": "honoured: clipped to the gateway's max_tokens and to the context left",
     "max_completion_tokens": "honoured: as max_tokens, and it wins when both are sent",
-    "n": "honoured: 1 only; above 1 is refused",
+    "n": "honoured: 1 only; above 1 is refused (below 1 too)",
     "stop": "honoured: the reply is cut after the token that completes a stop string",
     "logprobs": "honoured: the behaviour log-prob of each sampled token",
     "top_logprobs": (
-        "honoured: 0 to 20, each position's most likely tokens with their log-probs under the "
-        "behaviour policy's distribution (tokens it cannot draw, filtered by top-k/top-p, are "
-        "left out); an engine without `generate(top_logprobs=...)` lists the sampled token alone"
+        "honoured: 0 to 20 (above 0 with logprobs true), each position's most likely tokens "
+        "with their log-probs under the behaviour policy's distribution (tokens it cannot draw, "
+        "filtered by top-k/top-p, are left out); an engine without "
+        "`generate(top_logprobs=...)` lists the sampled token alone"
     ),
     "tools": "honoured: rendered into a leading system turn, or as a checkpoint's own chat "
     "template renders them",
     "tool_choice": "honoured: rendered as an instruction; 'none' turns off tool-call parsing "
-    "(under a checkpoint's own chat template, which has no place for it, only 'none' acts)",
+    "(under a checkpoint's own chat template, which has no place for it, only 'none' acts); "
+    "'required' with no tools is refused",
     "parallel_tool_calls": "ignored: every parsed tool call is returned",
     "response_format": "honoured in part: the format or schema is rendered as an instruction "
     "(not under a checkpoint's own chat template), never enforced by constrained decoding",
-    "temperature": "ignored: the gateway's sampling settings are the behaviour policy's",
-    "top_p": "ignored: as temperature",
+    "temperature": "ignored: the gateway's sampling settings are the behaviour policy's; "
+    "outside OpenAI's [0, 2] it is refused",
+    "top_p": "ignored: as temperature; outside [0, 1] it is refused",
     "seed": "ignored: each call's key comes from the rollout's label and call index",
-    "frequency_penalty": "ignored: as temperature",
-    "presence_penalty": "ignored: as temperature",
+    "frequency_penalty": "ignored: as temperature; outside [-2, 2] it is refused",
+    "presence_penalty": "ignored: as temperature; outside [-2, 2] it is refused",
     "logit_bias": "ignored: as temperature",
     "user": "ignored",
     "metadata": "ignored",
@@ -411,8 +414,29 @@ def _positive(body, name) -> int | None:
 
 def _single_choice(body, name="n") -> None:
     value = body.get(name)
+    if value is not None and value < 1:
+        raise invalid(name, f"'{name}' must be >= 1, got {value}")
     if value is not None and value != 1:
         raise unsupported(name, f"'{name}' must be 1: the gateway samples one choice, got {value}")
+
+
+# OpenAI's bounds on the sampling fields. The gateway ignores their values (the behaviour
+# policy's sampling is its own), but a value out of bounds is a client's mistake that OpenAI
+# refuses: a harness that sends one is told here, not first in production.
+_BOUNDS = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "presence_penalty": (-2.0, 2.0),
+}
+
+
+def _check_bounds(body) -> None:
+    """Raises: ApiError 400 naming a sampling field out of OpenAI's bounds."""
+    for name, (low, high) in _BOUNDS.items():
+        value = body.get(name)
+        if value is not None and not low <= value <= high:
+            raise invalid(name, f"'{name}' must be in [{low:g}, {high:g}], got {value}")
 
 
 def _include_usage(body) -> bool:
@@ -541,11 +565,18 @@ def _tool_choice(value, names: frozenset[str]) -> str:
             raise invalid(
                 "tool_choice", f"'tool_choice' must be auto, required or none, got {value!r}"
             )
+        if value == "required" and not names:
+            # A reply cannot call a tool there is none of: OpenAI refuses it too.
+            raise invalid("tool_choice", "'tool_choice' is 'required' but 'tools' is empty")
         return value
-    function = value.get("function")
-    if value.get("type") != "function" or not isinstance(function, dict):
+    if value.get("type") != "function":
         raise unsupported(
             "tool_choice", f"tool_choice of type {value.get('type')!r} is not supported"
+        )
+    function = value.get("function")
+    if not isinstance(function, dict):
+        raise invalid(
+            "tool_choice.function", "'tool_choice.function' must be an object naming the tool"
         )
     name = function.get("name")
     if not isinstance(name, str) or name not in names:
@@ -603,6 +634,7 @@ def chat_request(
     check_count("messages", body["messages"], max_messages, "max_messages")
     check_count("tools", body.get("tools") or [], max_tools, "max_tools")
     _single_choice(body)
+    _check_bounds(body)
     _refuse_given(body, "audio", "web_search_options", "functions", "function_call")
     if body.get("modalities") not in (None, ["text"]):
         raise unsupported(
@@ -615,6 +647,9 @@ def chat_request(
     top = body.get("top_logprobs")
     if top is not None and not 0 <= top <= 20:
         raise invalid("top_logprobs", f"'top_logprobs' must be in [0, 20], got {top}")
+    if top and not body.get("logprobs"):
+        # Nothing would be reported: the client asked for lists it would not get.
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs' to be true")
     budget = _positive(body, "max_completion_tokens") or _positive(body, "max_tokens")
     return ChatRequest(
         messages=messages,
@@ -649,6 +684,7 @@ def completion_request(body: dict[str, Any]) -> CompletionRequest:
     _check_fields(body, _COMPLETION_TYPES, ("model", "prompt"))
     _single_choice(body)
     _single_choice(body, "best_of")
+    _check_bounds(body)
     _refuse_given(body, "suffix")
     prompt = body["prompt"]
     if isinstance(prompt, list):

@@ -603,22 +603,19 @@ class Gateway:
         await _send_json(send, 200, _model_object(name))
 
     async def _chat(self, session: GatewaySession, scope, receive, send) -> None:
-        answered = await self._answer(session, scope, receive)
+        answered = await self._answer(session, scope, receive, "messages")
         if answered is None:
             return
         _, request, sample, reply = answered
         completion_id = "chatcmpl-" + secrets.token_urlsafe(18)
-        answer = chat_body(completion_id, request.model, sample, reply, self.tokenizer, request)
+        parts = (completion_id, request.model, sample, reply, self.tokenizer, request)
         if request.sampled.stream:
-            chunks = chat_chunks(
-                completion_id, request.model, sample, reply, self.tokenizer, request
-            )
-            await _send_stream(send, chunks)
+            await _send_stream(send, chat_chunks(*parts))
         else:
-            await _send_json(send, 200, answer)
+            await _send_json(send, 200, chat_body(*parts))
 
     async def _responses(self, session: GatewaySession, scope, receive, send) -> None:
-        answered = await self._answer(session, scope, receive, as_chat=chat_payload)
+        answered = await self._answer(session, scope, receive, "input", as_chat=chat_payload)
         if answered is None:
             return
         payload, request, sample, reply = answered
@@ -634,12 +631,14 @@ class Gateway:
         session: GatewaySession,
         scope,
         receive,
+        field: str,
         as_chat: Callable[..., dict[str, Any]] | None = None,
     ) -> tuple[dict[str, Any], ChatRequest, Sample, Reply] | None:
         """Read a request, then sample and record the reply to it as to a chat request
         (`as_chat` turns a Responses body into the chat request it stands for): the request's
         own payload, the chat request, the sample and the reply; None when the client hung up
-        first.
+        first. `field` is the request's field the conversation came in (`messages`, `input`),
+        which an error about the prompt names.
 
         The whole request is checked before the session admits it: a refused request leaves
         the session as it was."""
@@ -650,9 +649,11 @@ class Gateway:
         read = await self._off_loop(len(body), self._read_chat, body, as_chat)
         request_payload, payload, request, fingerprint = read
         with session.admitted(fingerprint, retry=_retry_count(scope) > 0) as index:
-            rendered = await self._off_loop(len(body), session.chat_prompt, request)
+            rendered = await self._off_loop(len(body), session.chat_prompt, request, field)
             self._count(rendered)
-            sample = await self._sample(session, rendered.ids, request.sampled, index, receive)
+            sample = await self._sample(
+                session, rendered.ids, request.sampled, index, receive, field
+            )
             if sample is None:
                 return None
             reply = parse_reply(sample.text, tools=request.parses_tools, format=self.tool_format)
@@ -700,7 +701,7 @@ class Gateway:
             else:
                 prompt = np.array(request.prompt, np.int32)
                 prompt_text = self.tokenizer.decode(prompt)
-            sample = await self._sample(session, prompt, request.sampled, index, receive)
+            sample = await self._sample(session, prompt, request.sampled, index, receive, "prompt")
             if sample is None:
                 return
             text_ids = None
@@ -727,10 +728,14 @@ class Gateway:
     # --- the engine ------------------------------------------------------------------------------
 
     async def _sample(
-        self, session, prompt: np.ndarray, sampled, index: int, receive
+        self, session, prompt: np.ndarray, sampled, index: int, receive, field: str
     ) -> Sample | None:
         """Run the engine call of a request and cut it at its stops; None when the client hung
         up first (nothing is recorded then).
+
+        Args:
+            field: the request's field the prompt came from (`messages`, `prompt`, `input`),
+                which the context's error names.
 
         Raises:
             ApiError: 400 when the prompt leaves no room (the session is TRUNCATED, `context`);
@@ -743,9 +748,9 @@ class Gateway:
             session.truncate("context")
             raise ApiError(
                 400,
-                f"the prompt holds {len(prompt)} tokens, leaving no room in the context of "
-                f"{self.max_context} tokens",
-                param="messages",
+                f"'{field}' makes a prompt of {len(prompt)} tokens, leaving no room for a reply "
+                f"in the context of {self.max_context} tokens",
+                param=field,
                 code="context_length_exceeded",
             )
         call = await self._generate(session, prompt, budget, sampled.top_logprobs, index, receive)

@@ -89,20 +89,25 @@ def template_message(message: Message) -> dict[str, Any]:
     return out
 
 
-def _render(tokenizer, messages, tools, add_generation_prompt: bool) -> str:
+def _render(tokenizer, messages, tools, field: str) -> str:
     try:
-        return tokenizer.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        return tokenizer.render(messages, tools=tools, add_generation_prompt=True)
     except ChatTemplateError as error:
-        raise ApiError(400, str(error), param="messages", code="chat_template") from None
+        raise ApiError(400, str(error), param=field, code="chat_template") from None
 
 
-def templated_prompt(tokenizer, request: ChatRequest, match: Callable[[Message], Any]) -> Rendered:
+def templated_prompt(
+    tokenizer, request: ChatRequest, match: Callable[[Message], Any], field: str = "messages"
+) -> Rendered:
     """The prompt of a chat request under `tokenizer`'s template (see the module).
 
     Args:
         tokenizer: a `dew.serve.tokenizer.TemplateTokenizer`.
         request: the chat request.
         match: the gateway's turn an assistant message stands for, or None.
+        field: the request's field the conversation came in: `messages`, or a Responses
+            request's `input` (whose items are not the messages one for one: an error names
+            `input` and the message).
 
     Raises:
         ApiError: 400 when the template refuses the conversation, or a message the client
@@ -116,13 +121,16 @@ def templated_prompt(tokenizer, request: ChatRequest, match: Callable[[Message],
     for where, value in [*checked, *((f"tools[{i}]", t) for i, t in enumerate(tools or ()))]:
         token = tokenizer.spelled_special(value)
         if token is not None:
+            param, named = where, f"'{where}'"
+            if field != "messages" and not where.startswith("tools"):
+                param, named = field, f"'{field}' ({where} of the chat it stands for)"
             raise ApiError(
                 400,
-                f"'{where}' spells the special token {token!r}, which the chat template's "
-                "output would carry as structure",
-                param=where,
+                f"{named} spells the special token {token!r}, which the chat template's output "
+                "would carry as structure",
+                param=param,
             )
-    text = _render(tokenizer, messages, tools, True)
+    text = _render(tokenizer, messages, tools, field)
     asked = (tuple(messages), None if tools is None else tuple(tools))
     if own:
         index, turn = own[-1]

@@ -353,6 +353,12 @@ class ByteTokenizer(_ChatML):
         pieces.append(_bytes_text(array[start:]))
         return "".join(pieces)
 
+    def token_bytes(self, token: int) -> bytes:
+        """One token's own bytes: a byte id's byte (part of a character, maybe), a special
+        token's name in UTF-8."""
+        token = int(self._check_ids([token], "token_bytes")[0])
+        return bytes([token]) if token < 256 else SPECIAL_TOKENS[token].encode()
+
 
 def _bytes_text(byte_ids: np.ndarray) -> str:
     return byte_ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
@@ -365,6 +371,30 @@ encode = BYTES.encode
 decode = BYTES.decode
 encode_chat = BYTES.encode_chat
 parse_chat = BYTES.parse_chat
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the byte each character of a byte-level BPE
+    vocabulary stands for (`tokenizers.pre_tokenizers.ByteLevel.alphabet()`)."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [byte for byte in range(256) if byte not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(moved)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_kinds(decoder: Any) -> frozenset[str]:
+    """The types of a `tokenizers` decoder and of the decoders a `Sequence` of them holds."""
+    if decoder is None:
+        return frozenset()
+    kinds, todo = set(), [json.loads(decoder.__getstate__())]
+    while todo:
+        step = todo.pop()
+        kinds.add(step.get("type"))
+        todo += step.get("decoders") or ()
+    return frozenset(kinds)
 
 
 class _TokenizersText:
@@ -393,11 +423,10 @@ class _TokenizersText:
         self._rendered.encode_special_tokens = False
         self._vocabulary = self._tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size = max(self._vocabulary.values()) + 1
-        self.special_ids = frozenset(
-            token_id
-            for token_id, added in self._tokenizer.get_added_tokens_decoder().items()
-            if added.special
-        )
+        added = self._tokenizer.get_added_tokens_decoder()
+        self.special_ids = frozenset(token_id for token_id, token in added.items() if token.special)
+        self._added = frozenset(added)  # their text is their content, not bytes
+        self._decoders = _decoder_kinds(self._tokenizer.decoder)
 
     def encode(self, text: str) -> np.ndarray:
         """The token ids of `text`, read as text even where it spells a special token.
@@ -439,6 +468,23 @@ class _TokenizersText:
         """
         array = _checked_ids(ids, self.vocab_size, "decode")
         return self._tokenizer.decode(array.tolist(), skip_special_tokens=skip_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's own bytes. A byte-level vocabulary (a `ByteLevel` decoder) spells each
+        byte as a character of GPT-2's alphabet, and a byte-fallback one (`ByteFallback`)
+        spells a byte as `<0xNN>` and a space as `▁`: a token holding part of a multi-byte
+        character has that part's bytes, where its decoded text alone would be U+FFFD. An
+        added token, or a vocabulary of neither kind, gives its decoded text's UTF-8.
+        """
+        token = int(_checked_ids([token], self.vocab_size, "token_bytes")[0])
+        piece = self._tokenizer.id_to_token(token)
+        if piece is not None and token not in self._added:
+            if "ByteLevel" in self._decoders and all(char in _BYTE_LEVEL for char in piece):
+                return bytes(_BYTE_LEVEL[char] for char in piece)
+            if "ByteFallback" in self._decoders:
+                byte = _BYTE_FALLBACK.fullmatch(piece)
+                return bytes([int(byte[1], 16)]) if byte else piece.replace("\u2581", " ").encode()
+        return self.decode([token]).encode()
 
 
 class HuggingFaceTokenizer(_TokenizersText, _ChatML):
