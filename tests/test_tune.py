@@ -406,7 +406,7 @@ def test_the_grid_takes_auto_among_the_admit_values():
     grid = tune.Grid(ahead=(1,), admit=("auto", 2), sync_every=(1,), carry_over=(True,))
     settings = grid.settings(tasks=4)
     assert [s.name for s in settings] == [
-        "ahead=1 sync=1 lag=1 admit=auto carry",
+        "ahead=1 sync=1 lag=1 admit=auto budget=0.2 carry",
         "ahead=1 sync=1 lag=1 admit=2 carry",
     ]
     assert settings[0].admit == "auto"
@@ -540,6 +540,21 @@ def test_dew_tune_simulates_carry_over_with_and_without_the_hedge(plain, capsys)
             ["--engine-scaling", "nan"],
             "argument --engine-scaling: must be a finite number within [0, 10]",
         ),
+        (
+            ["--admit", "3", "--waste-budget", "0.1"],
+            "argument --waste-budget: it bounds the cut of --admit auto: give --admit auto "
+            "too, got --admit 3",
+        ),
+        (["--waste-budget", "0.2"], "give --admit auto too, got --admit all"),
+        (["--admit", "auto", "--waste-budget", "1"], "must be a number within [0, 1), got '1'"),
+        (["--admit", "auto", "--waste-budget", "0.1,-0.1"], "within [0, 1), got '-0.1'"),
+        (["--admit", "auto", "--waste-budget", "nan"], "within [0, 1), got 'nan'"),
+        (["--admit", "auto", "--waste-budget", "tight"], "within [0, 1), got 'tight'"),
+        (["--admit", "auto", "--waste-budget", "0.1,"], "must be a comma-separated list"),
+        (
+            ["--admit", "auto", "--waste-budget", "0.1,0.10"],
+            "argument --waste-budget: must list each value once, got '0.10' again in '0.1,0.10'",
+        ),
     ],
 )
 def test_dew_tune_rejects_a_bad_option_by_name(plain, capsys, options, message):
@@ -557,3 +572,91 @@ def test_dew_tune_names_a_trace_it_cannot_read(tmp_path, capsys):
     assert f"argument TRACE: [Errno 2] No such file or directory: '{missing}'" in (
         capsys.readouterr().err
     )
+
+
+# --- dew tune --waste-budget -------------------------------------------------------------------
+
+# A heavy tail (sigma 1.5) that admit="auto" cuts: the budget bounds how much of it is thrown away.
+HEAVY = SimulatedConfig(seed=1, duration_mean=MEAN, duration_sigma=1.5)
+
+
+@pytest.fixture(scope="module")
+def auto_traces(tmp_path_factory):
+    """Two short runs with admit="auto" on the heavy tail, at waste budgets 0.1 and 0.3."""
+    folder = tmp_path_factory.mktemp("auto")
+    return {
+        budget: record(folder / f"auto{budget}.trace", HEAVY, admit="auto", waste_budget=budget)
+        for budget in (0.1, 0.3)
+    }
+
+
+def tune_rows(capsys, argv) -> tuple[dict[str, list[str]], str]:
+    """`dew tune`'s table rows, by setting name (the figures after the name, as printed), and
+    all it printed."""
+    assert cli.main(["tune", *argv, "--steps", "12", "--seeds", "1", "--ahead", "1"]) == 0
+    out = capsys.readouterr().out
+    found = re.findall(r"^[* -] (ahead=\S+(?: \S+)*?)  +(\S.*)$", out, re.MULTILINE)
+    return {name: figures.split() for name, figures in found}, out
+
+
+def wasted(figures: list[str]) -> float:
+    """The wasted share of a row's figures, the third from the end."""
+    return float(figures[-3].rstrip("%")) / 100
+
+
+def test_dew_tune_predicts_each_waste_budget_and_a_tight_one_holds(auto_traces, capsys):
+    """The run wastes as much as its budget lets it: a tight budget's prediction wastes no more
+    than the budget, where a loose one's wastes more, and the rows name their budgets."""
+    trace = auto_traces[0.1].path
+    rows, _ = tune_rows(
+        capsys, [trace, "--sync-every", "1", "--admit", "auto,3", "--waste-budget", "0.02,0.5"]
+    )
+    assert list(rows) == [
+        "ahead=1 sync=1 lag=1 admit=auto budget=0.02",
+        "ahead=1 sync=1 lag=1 admit=auto budget=0.5",
+        "ahead=1 sync=1 lag=1 admit=3",
+    ]
+    auto = "ahead=1 sync=1 lag=1 admit=auto budget="
+    tight, loose = rows[auto + "0.02"], rows[auto + "0.5"]
+    assert wasted(tight) <= 0.02 < 0.1 < wasted(loose), (tight, loose)
+    assert tight != loose
+
+
+def test_dew_tune_predicts_at_the_budget_the_trace_recorded(auto_traces, plain, capsys):
+    """A trace of `dew train --admit auto --waste-budget 0.1` is predicted at 0.1 unless told
+    otherwise; one of a run without auto at the scheduler's default; traces of two budgets at
+    each."""
+    argv = ["--sync-every", "1", "--admit", "auto"]
+    recorded, out = tune_rows(capsys, [auto_traces[0.1].path, *argv])
+    assert list(recorded) == ["ahead=1 sync=1 lag=1 admit=auto budget=0.1"]
+    assert "admit auto at the waste budget the traces recorded: 0.1 (--waste-budget)" in out
+    told, _ = tune_rows(capsys, [auto_traces[0.1].path, *argv, "--waste-budget", "0.1"])
+    assert told == recorded
+    default, out = tune_rows(capsys, [plain.path, *argv])
+    assert list(default) == ["ahead=1 sync=1 lag=1 admit=auto budget=0.2"]
+    assert "the traces recorded" not in out
+    both, _ = tune_rows(capsys, [auto_traces[0.1].path, auto_traces[0.3].path, *argv])
+    assert list(both) == [
+        "ahead=1 sync=1 lag=1 admit=auto budget=0.1",
+        "ahead=1 sync=1 lag=1 admit=auto budget=0.3",
+    ]
+
+
+def test_the_grid_crosses_the_waste_budget_with_the_auto_settings_only():
+    grid = tune.Grid(ahead=(1,), admit=(None, "auto", 3), sync_every=(1,), waste_budget=(0.1, 0.3))
+    settings = grid.settings(tasks=4)
+    assert [(s.name, s.waste_budget) for s in settings] == [
+        ("ahead=1 sync=1 lag=1", simulate.WASTE_BUDGET),
+        ("ahead=1 sync=1 lag=1 admit=auto budget=0.1", 0.1),
+        ("ahead=1 sync=1 lag=1 admit=auto budget=0.3", 0.3),
+        ("ahead=1 sync=1 lag=1 admit=3", simulate.WASTE_BUDGET),
+    ]
+    with pytest.raises(ValueError, match=re.escape("waste_budget bounds the cut of admit 'auto'")):
+        tune.Grid(admit=(None, 3), waste_budget=(0.1,))
+    for bad in (1.0, -0.1, float("nan"), True, "0.1"):
+        with pytest.raises(
+            ValueError, match=r"waste_budget values must be numbers within \[0, 1\)"
+        ):
+            tune.Grid(admit=("auto",), waste_budget=(bad,))
+    with pytest.raises(ValueError, match="waste_budget must hold at least one value"):
+        tune.Grid(admit=("auto",), waste_budget=())

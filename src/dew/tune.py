@@ -1,11 +1,12 @@
 """Choose the scheduler's knobs by their simulated figures on a calibrated workload: `dew tune`.
 
-`tune` simulates every setting of a `Grid` — ahead, oversample, admit, sync_every and max_lag,
-each setting within max_lag's bound (max_lag >= ahead + sync_every - 1) — over several seeds of
-one workload (`dew.calibrate.Calibration.workload` fits one to recorded runs), and `front` keeps
-the settings no other beats on both goodput and mean lag among those within a waste and a
-selection-bias limit: the Pareto front a user picks from. `table` prints every setting's figures,
-`plot` draws goodput against lag with the front marked.
+`tune` simulates every setting of a `Grid` — ahead, oversample, admit, sync_every, max_lag,
+carry-over, the hedge and admit="auto"'s waste budget, each setting within max_lag's bound
+(max_lag >= ahead + sync_every - 1) — over several seeds of one workload
+(`dew.calibrate.Calibration.workload` fits one to recorded runs), and `front` keeps the settings
+no other beats on both goodput and mean lag among those within a waste and a selection-bias
+limit: the Pareto front a user picks from. `table` prints every setting's figures, `plot` draws
+goodput against lag with the front marked.
 """
 
 from __future__ import annotations
@@ -25,9 +26,19 @@ import attrs
 import numpy as np
 
 from dew import calibrate
-from dew._checks import int_option, number_option
+from dew._checks import check_int, check_number, int_option, is_number, number_option
 from dew._processes import end_with_parent
-from dew.simulate import Contention, Outcome, Setting, Workload, describe, percent, simulate
+from dew.replay import Trace, read_trace
+from dew.simulate import (
+    WASTE_BUDGET,
+    Contention,
+    Outcome,
+    Setting,
+    Workload,
+    describe,
+    percent,
+    simulate,
+)
 
 
 def _ints(low: int):
@@ -53,6 +64,14 @@ def _bools(instance, attribute, value):
             raise ValueError(f"{attribute.name} values must be bools, got {item!r}")
 
 
+def _budgets(instance, attribute, value):
+    if not value:
+        raise ValueError(f"{attribute.name} must hold at least one value")
+    for item in value:
+        if not (is_number(item) and 0 <= item < 1):
+            raise ValueError(f"{attribute.name} values must be numbers within [0, 1), got {item!r}")
+
+
 @attrs.frozen
 class Grid:
     """The knob values `tune` crosses.
@@ -61,7 +80,7 @@ class Grid:
         ahead: task batches submitted before the trainer needs them.
         oversample: extra rollouts per group.
         admit: groups admitted per batch; None admits every task's group, "auto" lets the
-            scheduler choose each call's (within the default waste budget).
+            scheduler choose each call's (within each of `waste_budget`).
         sync_every: updates between weight pushes.
         max_lag: the staleness bound; None takes the least each (ahead, sync_every) allows.
             A value below that least is left out of the settings for that pair.
@@ -70,11 +89,15 @@ class Grid:
         hedge: whether a carry-over setting backs up its carried groups' stragglers with fresh
             samples (`RolloutScheduler`'s hedge; False is `dew train --no-hedge`); crossed with
             the carry-over settings only, since only they carry.
+        waste_budget: under admit="auto", the most of the run's rollout-seconds its cuts may
+            throw away (`RolloutScheduler`'s waste_budget, `dew train --waste-budget`); crossed
+            with the "auto" settings only, which alone have a budget. Each is within [0, 1).
 
     Raises:
         ValueError: naming the knob with an empty list or a value out of bounds, carry_over
-            True without an admit value to carry the cut of, or hedge False without carry_over
-            True (a knob that would add no row, or rows named for what they do not do).
+            True without an admit value to carry the cut of, hedge False without carry_over
+            True, or a waste_budget other than the default without admit "auto" (a knob that
+            would add no row, or rows named for what they do not do).
     """
 
     ahead: tuple[int, ...] = attrs.field(default=(0, 1, 2), converter=tuple, validator=_ints(0))
@@ -96,6 +119,9 @@ class Grid:
         converter=tuple,
         validator=_bools,
     )
+    waste_budget: tuple[float, ...] = attrs.field(
+        default=(WASTE_BUDGET,), converter=tuple, validator=_budgets
+    )
 
     def __attrs_post_init__(self):
         if True in self.carry_over and all(admit is None for admit in self.admit):
@@ -106,6 +132,11 @@ class Grid:
         if False in self.hedge and True not in self.carry_over:
             raise ValueError(
                 "hedge False backs up no carried group's stragglers: give carry_over True too"
+            )
+        if "auto" not in self.admit and any(b != WASTE_BUDGET for b in self.waste_budget):
+            raise ValueError(
+                f"waste_budget bounds the cut of admit 'auto': give admit 'auto' too, got admit "
+                f"{self.admit} with waste_budget {self.waste_budget}"
             )
 
     def settings(self, tasks: int) -> list[Setting]:
@@ -118,7 +149,7 @@ class Grid:
             if isinstance(admit, int) and admit > tasks:
                 raise ValueError(f"admit must be <= the workload's {tasks} tasks, got {admit}")
         found: dict[tuple, Setting] = {}
-        for ahead, sync, lag, over, admit, carry, hedge in itertools.product(
+        for ahead, sync, lag, over, admit, carry, hedge, budget in itertools.product(
             self.ahead,
             self.sync_every,
             self.max_lag,
@@ -126,15 +157,26 @@ class Grid:
             self.admit,
             self.carry_over,
             self.hedge,
+            self.waste_budget,
         ):
             least = ahead + sync - 1
             lag = least if lag is None else lag
             if lag < least or (carry and admit is None):
                 continue
             hedge = hedge or not carry  # without carry-over there is nothing to hedge
-            key = (ahead, sync, lag, over, admit, carry, hedge)
+            # Only "auto" cuts by a budget: the others keep the scheduler's default.
+            budget = float(budget) if admit == "auto" else WASTE_BUDGET
+            key = (ahead, sync, lag, over, admit, carry, hedge, budget)
             setting = Setting(
-                _name(*key), ahead, lag, over, admit, sync, carry_over=carry, hedge=hedge
+                _name(*key),
+                ahead,
+                lag,
+                over,
+                admit,
+                sync,
+                carry_over=carry,
+                waste_budget=budget,
+                hedge=hedge,
             )
             found.setdefault(key, setting)
         if not found:
@@ -153,10 +195,13 @@ def _name(
     admit: int | str | None,
     carry: bool,
     hedge: bool = True,
+    budget: float = WASTE_BUDGET,
 ) -> str:
     parts = [f"ahead={ahead}", f"sync={sync}", f"lag={lag}"]
     parts += [f"over={over}"] if over else []
     parts += [f"admit={admit}"] if admit is not None else []
+    # Every "auto" row names its budget: the default and a trace's recorded one look alike else.
+    parts += [f"budget={budget!r}"] if admit == "auto" else []
     parts += ["carry"] if carry else []
     parts += [] if hedge else ["no-hedge"]
     return " ".join(parts)
@@ -344,7 +389,9 @@ def tune(
         One row per setting, in the grid's order.
 
     Raises:
-        ValueError: for seeds or jobs below 1, or a grid out of the workload's bounds.
+        ValueError: for seeds or jobs below 1, a grid out of the workload's bounds, or a run
+            whose measured steps took 0 s (every batch ready before them, and a trainer step
+            of 0 s), whose goodput is unbounded.
     """
     for name, value in (("seeds", seeds), ("jobs", jobs)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -361,6 +408,13 @@ def tune(
         for k in range(seeds)
     ]
     outcomes = list(_simulate_all(runs, jobs))
+    for (run, setting), outcome in zip(runs, outcomes, strict=True):
+        if not outcome.elapsed > 0:
+            raise ValueError(
+                f"{setting.name} (seed {run.seed}) trained its {run.steps - run.warmup} measured "
+                "steps in 0 s: every batch was ready before them and the trainer's steps take "
+                "0 s, so its goodput is unbounded; give the trainer's steps some time"
+            )
     return [
         Row(setting, tuple(outcomes[i * seeds : (i + 1) * seeds]))
         for i, setting in enumerate(settings)
@@ -527,29 +581,67 @@ MAX_SLOTS = 2**20
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
 
-def _int_list(low: int, high: int, word: str | None = None, keep: str | None = None):
-    """A parser of at most MAX_VALUES comma-separated ints within [low, high]; `word` (when
-    given) stands for None, and `keep` (when given) is kept as it is."""
-    single = int_option(low, high)
+def _items(text: str, parse: Callable[[str], object]) -> tuple:
+    """At most MAX_VALUES comma-separated values, each parsed by `parse` and listed once: a
+    value listed twice would add no row, and is more likely a typo than a wish.
 
-    def parse(text: str) -> tuple[int | None, ...]:
-        items = [item.strip() for item in text.split(",")]
-        if not all(items):
-            raise argparse.ArgumentTypeError(f"must be a comma-separated list, got {text!r}")
-        if len(items) > MAX_VALUES:
+    Raises:
+        argparse.ArgumentTypeError: naming the empty item, the count or the repeated value.
+    """
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"must be a comma-separated list, got {text!r}")
+    if len(items) > MAX_VALUES:
+        raise argparse.ArgumentTypeError(f"must list at most {MAX_VALUES} values, got {len(items)}")
+    values = tuple(parse(item) for item in items)
+    for i, value in enumerate(values):
+        if value in values[:i]:
             raise argparse.ArgumentTypeError(
-                f"must list at most {MAX_VALUES} values, got {len(items)}"
+                f"must list each value once, got {items[i]!r} again in {text!r}"
             )
-        return tuple(
-            None if item == word else item if item == keep else single(item) for item in items
-        )
+    return values
 
-    return parse
+
+def _int_list(low: int, high: int, word: str | None = None, keep: str | None = None):
+    """A parser of at most MAX_VALUES comma-separated ints within [low, high], each listed
+    once; `word` (when given) stands for None, and `keep` (when given) is kept as it is."""
+    single = int_option(low, high)
+    words = ", ".join(f"{w!r}" for w in (word, keep) if w is not None)
+
+    def one(item: str) -> int | str | None:
+        if item in (word, keep):
+            return None if item == word else item
+        try:
+            return single(item)
+        except argparse.ArgumentTypeError:
+            if not words:
+                raise
+            raise argparse.ArgumentTypeError(
+                f"must be an int within [{low}, {high}] or one of {words}, got {item!r}"
+            ) from None
+
+    return lambda text: _items(text, one)
+
+
+def _budget_list(text: str) -> tuple[float, ...]:
+    """--waste-budget's comma-separated shares, each a number within [0, 1) (the scheduler's
+    and `dew train --waste-budget`'s bounds), each listed once."""
+
+    def one(item: str) -> float:
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not 0 <= value < 1:
+            raise argparse.ArgumentTypeError(f"must be a number within [0, 1), got {item!r}")
+        return value
+
+    return _items(text, one)
 
 
 def _hedges(text: str) -> tuple[bool, ...]:
     words = {"on": True, "off": False}
-    values = text.split(",")
+    values = [value.strip() for value in text.split(",")]
     if any(value not in words for value in values) or len(set(values)) < len(values):
         raise argparse.ArgumentTypeError(f"must be on, off or on,off, got {text!r}")
     return tuple(words[value] for value in values)
@@ -610,6 +702,15 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         metavar="on|off|on,off",
         help="whether the carry-over settings back up their carried groups' stragglers with "
         "fresh samples ('off' is dew train --no-hedge; needs --carry-over; default: on)",
+    )
+    knobs.add_argument(
+        "--waste-budget",
+        type=_budget_list,
+        default=None,
+        metavar="SHARE[,SHARE...]",
+        help="the admit auto settings' waste budgets, each within [0, 1) (dew train "
+        "--waste-budget; needs --admit auto; default: the budget each trace that ran admit "
+        f"auto recorded, else {WASTE_BUDGET})",
     )
     knobs.add_argument(
         "--sync-every", type=_int_list(1, 1000), default=default.sync_every, help="default: 1,2"
@@ -723,6 +824,12 @@ def run_cli(args: argparse.Namespace) -> int:
     """
     if args.warmup >= args.steps:
         args.parser.error(f"argument --warmup: must be < --steps {args.steps}, got {args.warmup}")
+    if args.waste_budget is not None and "auto" not in args.admit:
+        admit = ",".join("all" if value is None else str(value) for value in args.admit)
+        args.parser.error(
+            "argument --waste-budget: it bounds the cut of --admit auto: give --admit auto too, "
+            f"got --admit {admit}"
+        )
     plot_path = None
     if args.plot is not None:
         try:
@@ -730,13 +837,27 @@ def run_cli(args: argparse.Namespace) -> int:
         except ValueError as error:
             args.parser.error(f"argument --plot: {error}")
     try:
-        fitted = calibrate.calibrate(args.traces, warmup=args.warmup)
+        traces = [read_trace(path) for path in args.traces]
+        fitted = calibrate.calibrate(traces, warmup=args.warmup)
+        for trace in traces:
+            _check_recorded(trace, fitted.tasks, args.warmup)
+        if not fitted.mean_duration > 0:
+            raise ValueError(
+                f"{', '.join(fitted.traces)}: every finished rollout took 0 s on the "
+                "scheduler's clock: there is no rollout time to simulate"
+            )
+        workload = fitted.workload(
+            steps=args.steps, seed=args.seed, slots=args.slots, contention=args.contention
+        )
     except (OSError, ValueError) as error:
         args.parser.error(f"argument TRACE: {error}")
     print(calibrate.report(fitted))
-    workload = fitted.workload(
-        steps=args.steps, seed=args.seed, slots=args.slots, contention=args.contention
-    )
+    budgets = args.waste_budget or (WASTE_BUDGET,)
+    recorded = _recorded_budgets(traces)
+    if args.waste_budget is None and "auto" in args.admit and recorded:
+        budgets = recorded
+        shown = ", ".join(map(repr, recorded))
+        print(f"admit auto at the waste budget the traces recorded: {shown} (--waste-budget)")
     if args.step_time is not None:
         workload = attrs.evolve(workload, step_time=args.step_time, step_times=())
     carry = (False, True) if args.carry_over else (False,)
@@ -750,7 +871,14 @@ def run_cli(args: argparse.Namespace) -> int:
             "argument --hedge: 'off' backs up no carried group's stragglers: give --carry-over too"
         )
     grid = Grid(
-        args.ahead, args.oversample, args.admit, args.sync_every, args.max_lag, carry, args.hedge
+        args.ahead,
+        args.oversample,
+        args.admit,
+        args.sync_every,
+        args.max_lag,
+        carry,
+        args.hedge,
+        budgets,
     )
     try:
         settings = grid.settings(workload.tasks)
@@ -792,7 +920,14 @@ def run_cli(args: argparse.Namespace) -> int:
             timed = ", ".join(f"{count} groups {seconds[count]:.4f} s" for count in counts)
             print(f"the trainer's step timed alone on this machine: {timed}")
             trainer = timed_rows(seconds, workload.tasks, recorded)
-    rows = tune(workload, grid, seeds=args.seeds, jobs=args.jobs, engine=engine, trainer=trainer)
+    try:
+        rows = tune(
+            workload, grid, seeds=args.seeds, jobs=args.jobs, engine=engine, trainer=trainer
+        )
+    except ValueError as error:
+        # Only a run measured over 0 s is left to refuse here: the grid was checked above.
+        option = "--step-time" if args.step_time is not None else "TRACE"
+        args.parser.error(f"argument {option}: {error}")
     print(f"simulated {args.seeds} seed(s) per setting: {describe(workload)}")
     limits = {"max_waste": args.max_waste, "max_bias": args.max_bias}
     print(table(rows, **limits))
@@ -804,6 +939,46 @@ def run_cli(args: argparse.Namespace) -> int:
             return 1
         print(f"front drawn in {plot_path}")
     return 0
+
+
+def _check_recorded(trace: Trace, tasks: int, warmup: int) -> None:
+    """Refuse a trace whose scheduler settings `tune` reads are out of bounds (a hand-edited
+    or foreign trace: `read_trace` checks the config's names, not their values), or whose run
+    admitted no group after its first `warmup` calls (every group failed or was discarded), of
+    which every prediction would read 0 samples a second.
+
+    Raises:
+        ValueError: naming the trace and the field and its value, or the calls.
+    """
+    config = trace.config
+    try:
+        check_int("groups", config["groups"], low=1)
+        check_int("ahead", config["ahead"], low=0)
+        admit = config["admit"]
+        whole = isinstance(admit, int) and not isinstance(admit, bool)
+        if not (admit is None or admit == "auto" or (whole and 1 <= admit <= tasks)):
+            raise ValueError(
+                f"admit must be null, 'auto' or an int within [1, {tasks}], got {admit!r}"
+            )
+        if not isinstance(config["carry_over"], bool):
+            raise ValueError(f"carry_over must be a bool, got {config['carry_over']!r}")
+        check_number("waste_budget", config["waste_budget"], low=0, high=1, high_open=True)
+    except ValueError as error:
+        raise ValueError(f"{trace.path}: its config's {error}") from None
+    delivered = [call for call in trace.calls if call.record is not None][warmup:]
+    if not any(call.record.groups for call in delivered):
+        raise ValueError(
+            f"{trace.path}: its run admitted no group in its {len(delivered)} trainer calls "
+            f"after the first {warmup} (every group failed or was discarded): there is no "
+            "admitted work to predict"
+        )
+
+
+def _recorded_budgets(traces: Sequence[Trace]) -> tuple[float, ...]:
+    """The waste budgets of the traces whose run chose its own cut (admit "auto"), each
+    once, in the traces' order: what `dew tune --admit auto` predicts at unless told."""
+    budgets = (float(t.config["waste_budget"]) for t in traces if t.config["admit"] == "auto")
+    return tuple(dict.fromkeys(budgets))
 
 
 def _time_trainer(run: str, workload: Workload, counts: Sequence[int]) -> dict[int, float]:
