@@ -10,6 +10,8 @@ a checkpoint's carried tasks are submitted again by a resumed stream.
 from __future__ import annotations
 
 import collections
+import json
+import pathlib
 
 import attrs
 import numpy as np
@@ -20,11 +22,20 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dew import cli
 from dew.data import ArrayDataset, Task
 from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.objectives.rl import _admission as core
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Call, Label, Session, Status, check_session
+from dew.replay import (
+    Recorder,
+    RecordingPublisher,
+    RecordingSource,
+    TraceError,
+    read_trace,
+    replay_async,
+)
 from dew.simulate import BehaviorObjective
 from dew.testing import assert_exactly_once, assert_replays, record_run
 from dew.train import Trainer
@@ -634,7 +645,8 @@ def test_a_recorded_run_checkpoints_its_carried_groups_and_a_recorded_resume_tra
 ):
     """`dew train --record` hands the trainer the recorder, which passes the scheduler's
     checkpoint state on both ways: before, a recorded run's checkpoints kept no carried groups
-    and its resume dropped them. A replay refuses the resumed trace, which lacks their tasks."""
+    and its resume dropped them. The resumed trace holds the groups it restored, tasks and
+    stale cycles, and replays (before, replay refused it: the trace had their count alone)."""
     import jax
 
     from dew.cli import main
@@ -650,7 +662,139 @@ def test_a_recorded_run_checkpoints_its_carried_groups_and_a_recorded_resume_tra
         again = ["--steps", "3", "--resume", "--record", str(tmp_path / "again.trace")]
         assert main([*argv, *again]) == 0
     # The checkpoint at step 2 kept the groups then carried, and the resumed scheduler took them.
-    (stream,) = read_trace(tmp_path / "again.trace").streams
-    assert stream.restored >= 1
-    with pytest.raises(ValueError, match=f"resumed {stream.restored} carried groups"):
-        replay(tmp_path / "again.trace")
+    trace = read_trace(tmp_path / "again.trace")
+    (stream,) = trace.streams
+    assert stream.restored == len(stream.resumed) >= 1
+    names = [task.name for _, task, _ in stream.resumed]
+    first = [e.task for e in trace.calls[0].events if e.kind == "submitted"]
+    assert sorted(first[: 2 * len(names)]) == sorted(names * 2)
+    result = replay(trace)
+    assert result.matched, str(result)
+    assert result.steps == len(trace.calls) == 1
+
+
+async def _recorded_calls(recorder, scheduler, data, start: int, updates, state=None) -> dict:
+    """Record a trainer's calls from stream position `start`, first restoring `state` (a
+    checkpoint's) if given; the checkpoint state after the last call."""
+    async with recorder.record(scheduler):
+        if state is not None:
+            recorder.restore_state(state)
+        stream = recorder.tasks(data).stream(start)
+        pending = collections.deque([next(stream), next(stream)])
+        for count in updates:
+            await recorder.step(pending.popleft(), None, count)
+            pending.append(next(stream))
+        return recorder.checkpoint_state()
+
+
+def _recorded_scheduler(recorder: Recorder) -> RolloutScheduler:
+    """The checkpoint test's workload (seed 3: groups are carried after two calls), recorded."""
+    engine = SimulatedEngine(slots=4)
+    source = SimulatedSource(engine, SimulatedConfig(seed=3, duration_mean=2.0))
+    scheduler = RolloutScheduler(
+        BehaviorObjective(),
+        RecordingSource(source, recorder),
+        RecordingPublisher(engine, recorder),
+        width=256,
+        rows=8,
+        groups=2,
+        admit=2,
+        max_lag=4,
+        carry_over=True,
+    )
+    scheduler.long_wait = None
+    return scheduler
+
+
+async def _dew_replay(path) -> int:
+    """`dew replay PATH`'s exit status, run outside the test's trio run."""
+    return await trio.to_thread.run_sync(cli.main, ["replay", str(path)])
+
+
+def _tampered(path, target, change) -> int:
+    """Copy the trace at `path` to `target` with change(stream line) applied to its line that
+    restored carried groups; that line's number."""
+    lines = pathlib.Path(path).read_text(encoding="utf-8").split("\n")
+    i = next(i for i, line in enumerate(lines) if '"restored_state"' in line)
+    data = json.loads(lines[i])
+    change(data)
+    lines[i] = json.dumps(data)
+    pathlib.Path(target).write_text("\n".join(lines), encoding="utf-8")
+    return i + 1
+
+
+async def test_a_resumed_carry_over_run_replays_exactly_and_a_tampered_restore_diverges(
+    tmp_path, autojump_clock
+):
+    """A carry-over run recorded, checkpointed after two calls with groups carried, and resumed
+    under a recorder: the resumed trace's stream line holds the restored state (the checkpoint
+    state and the tasks the scheduler read for it), and the resumed run replays bit for bit,
+    its carried groups resubmitted and admitted. Altered, the restored state is a divergence
+    naming what differs; without it (a trace of an older dew) replay refuses, naming the line."""
+    data = _dataset(10, 4)
+    first = Recorder(tmp_path / "first.trace")
+    state = await _recorded_calls(first, _recorded_scheduler(first), data, 0, range(2))
+    assert state["carried"], "the workload must leave groups carried at the checkpoint"
+    await assert_replays(read_trace(tmp_path / "first.trace"))
+
+    path = tmp_path / "resumed.trace"
+    again = Recorder(path)
+    await _recorded_calls(again, _recorded_scheduler(again), data, 2, range(2, 6), state)
+    trace = read_trace(path)
+    (stream,) = trace.streams
+    assert stream.restored == len(state["carried"])
+    assert [list(origin) for origin, _, _ in stream.resumed] == state["carried"]
+    assert [stale for _, _, stale in stream.resumed] == state["stale"]
+    # Batch p's task k is task_id 4 p + k.
+    names = [str(4 * p + k) for p, k in state["carried"]]
+    assert [task.name for _, task, _ in stream.resumed] == names
+    events = [e for call in trace.calls for e in call.events]
+    submitted = [e.task for e in trace.calls[0].events if e.kind == "submitted"]
+    assert sorted(submitted[: 2 * len(names)]) == sorted(names * 2)
+    assert set(names) & {e.task for e in events if e.kind == "admitted"}
+    result = await assert_replays(trace)
+    assert result.steps == len(trace.calls) == 4
+    assert await _dew_replay(path) == 0
+
+    # Another task restored in the first group's place: the replayed run submits it instead,
+    # and the divergence says so by name.
+    def retask(line):
+        line["restored_state"]["tasks"][0] = {"name": "39"}
+
+    _tampered(path, tmp_path / "retask.trace", retask)
+    result = await replay_async(tmp_path / "retask.trace")
+    divergence = result.divergence
+    assert divergence is not None and divergence.step == 0, str(result)
+    assert divergence.field.startswith("events[") and divergence.field.endswith("].task")
+    assert (divergence.recorded, divergence.replayed) == (names[0], "39")
+    assert f"{divergence.field}: recorded {names[0]!r}, replayed '39'" in str(result)
+    assert await _dew_replay(tmp_path / "retask.trace") == 1
+
+    # Stale cycles raised to the hold: the replayed run holds the group at once.
+    def restale(line):
+        line["restored_state"]["stale"][0] = core.HOLD_AFTER
+
+    assert state["stale"][0] < core.HOLD_AFTER
+    _tampered(path, tmp_path / "restale.trace", restale)
+    divergence = (await replay_async(tmp_path / "restale.trace")).divergence
+    assert divergence is not None and divergence.step == 0
+    assert (divergence.replayed.kind, divergence.replayed.reason) == ("held", "resumed")
+
+    # A trace of a dew that wrote the count alone cannot be replayed: replay says why.
+    def count_alone(line):
+        del line["restored_state"]
+
+    number = _tampered(path, tmp_path / "old.trace", count_alone)
+    with pytest.raises(TraceError, match="holds their count but not their tasks") as refused:
+        await replay_async(tmp_path / "old.trace")
+    assert (refused.value.path, refused.value.line) == (str(tmp_path / "old.trace"), number)
+    assert await _dew_replay(tmp_path / "old.trace") == 2
+
+    # A restored state that disagrees with itself is refused where it is read.
+    def miscount(line):
+        line["restored"] += 1
+
+    number = _tampered(path, tmp_path / "miscount.trace", miscount)
+    with pytest.raises(TraceError, match="where the line's restored says") as refused:
+        read_trace(tmp_path / "miscount.trace")
+    assert refused.value.line == number

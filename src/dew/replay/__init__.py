@@ -7,7 +7,13 @@ argument but the objective, source, weights, tasks and log, and which facade the
 trainer's thread). Each later line has a `kind`:
 
 - `stream`: the trainer opened the `tasks()` stream (`stream` id, `time`, and `running`: whether
-  the scheduler's trio side ran then, so that the open logged a `reopened` event);
+  the scheduler's trio side ran then, so that the open logged a `reopened` event); for a run
+  resumed under carry-over, the carried groups the scheduler took back from a checkpoint
+  (`restore_state`) and submits again at the stream's first call: `restored` (how many) and
+  `restored_state` (`carried` as [stream position, index in its batch] and `stale` cycles, as
+  `checkpoint_state` writes them, and the `tasks` the scheduler read for them), which replay
+  gives its scheduler as the stream opens (added within version 4: a trace with the count alone
+  is refused by `replay`, which cannot make the groups again);
 - `batch`: a task batch the scheduler took (`batch` index, the `stream` that yielded it or null
   for a batch handed over without one, its `tasks` as name and, where JSON holds it, payload);
 - `session`: one rollout the source ran: its `task`, `label` [group, sample, attempt],
@@ -35,8 +41,10 @@ killed run's trace (no end line, maybe a last line cut partway, or a gzip stream
 early) is read with `read_trace(path, partial=True)`, which `replay` uses: `Trace.cut` says where
 it ends, its replay stops after its last call, and a rollout the trace never saw end runs until
 cancelled. A line over MAX_LINE bytes is refused, as is JSON nested too deep to parse, text that
-is not UTF-8, and (by `replay`) a header whose configuration no scheduler takes: each a
-TraceError naming the file and the line.
+is not UTF-8, a header of another format version or a file cut within it, a line of no kind
+in KINDS, lines that contradict the run (a call reading a stream no line opened, or more batches
+than it yielded; a restored state short of a task or count), and (by `replay`) a header whose
+configuration no scheduler takes: each a TraceError naming the file and the line.
 
 A `thread` trace is written from two threads, the trainer's (streams, batches, calls) and the
 scheduler's (sessions, pushes), one whole line at a time. The trainer's thread cannot read the
@@ -86,6 +94,7 @@ from dew.replay._format import (
     FACADES,
     FORMAT,
     GZIP_MAGIC,
+    KINDS,
     MAX_LINE,
     OUTCOMES,
     PROXIMAL,
@@ -112,6 +121,7 @@ __all__ = [
     "FACADES",
     "FORMAT",
     "GZIP_MAGIC",
+    "KINDS",
     "MAX_LINE",
     "OUTCOMES",
     "PROXIMAL",

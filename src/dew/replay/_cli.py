@@ -142,8 +142,11 @@ def run_cli(args: argparse.Namespace) -> int:
     overrides = {name: getattr(args, name) for name in CONFIG if hasattr(args, name)}
     logger = logging.getLogger(RolloutScheduler.__module__)
     level = logger.level
-    # The replayed scheduler's long-wait warnings describe the replay, not the recorded run.
-    logger.setLevel(logging.ERROR)
+    # The replayed scheduler's logs describe the replay, not the recorded run: its long-wait
+    # warnings, and the tracebacks of failures after the first (a run made to part from its
+    # recording by an override can return a recorded session before its version was pushed);
+    # the divergence says where the two first part.
+    logger.setLevel(logging.CRITICAL)
     try:
         result = replay(args.trace, progress=_Progress(args.progress_every), **overrides)
     except (TraceError, OSError) as error:

@@ -44,8 +44,9 @@ class Divergence:
 
     Args:
         step: the trainer call.
-        field: what differs: `events[i].<field>`, `events[i]` (the events are about different
-            things, or one log is longer),
+        field: what differs: `events[i].<field>` (`events[i].task` for the same submission
+            of another task), `events[i]` (the events are about different things, or one log
+            is longer),
             `record.<field>` (with `[key]` for resubmitted and metrics), `packed[key]`,
             `raised`, `call` (one run made fewer calls, or the replay stalled), `push[i]`, or
             `rollout of task ...` (a rollout the recording never ran, or one it cancelled that
@@ -182,7 +183,11 @@ def _event_divergence(
         name = next(
             f.name for f in attrs.fields(LogEvent) if getattr(a, f.name) != getattr(b, f.name)
         )
-        if name in ("kind", "group", "task", "label"):
+        if name == "task" and a.label == b.label:
+            # The same submission of another task (a resumed run's carried group restored
+            # differently, say): the names say it, where the two events would print alike.
+            field, values = f"{log}[{i}].task", (a.task, b.task)
+        elif name in ("kind", "group", "task", "label"):
             field, values = f"{log}[{i}]", (a, b)
         else:
             field, values = f"{log}[{i}].{name}", (getattr(a, name), getattr(b, name))

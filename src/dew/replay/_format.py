@@ -24,7 +24,10 @@ READ_VERSIONS = (3, VERSION)
 """The versions read; a trace of another is refused by name. Version 3's call lines also hold
 a whole-batch `digest`, over the proximal log-probs too, which no replay can check (a trace
 holds no weights to rescore them with): version 4 drops it, and a version 3 trace is read
-without it. Every array's own digest (`arrays`) is in both."""
+without it. Every array's own digest (`arrays`) is in both. A stream line's `restored_state`
+(the checkpoint state a resumed run's scheduler took, with its carried groups' tasks) was added
+within version 4: a dew that does not know it reads the line by its `restored` count alone
+(and refuses to replay it), and this one refuses to replay a trace that has the count alone."""
 FACADES = ("async", "thread")
 """How a recorded trainer called the scheduler: `await scheduler.step` or the thread facade."""
 CONFIG = (
@@ -59,6 +62,8 @@ ADDED = {
     "waste_budget": 0.2,
     "hedge": True,
 }
+KINDS = ("stream", "batch", "session", "push", "call", "end")
+"""The kinds of a trace's lines after its header."""
 OUTCOMES = ("returned", "cancelled", "raised", "invalid")
 """How a recorded rollout ended: returned a session, was cancelled, raised, or returned what no
 trace can hold."""

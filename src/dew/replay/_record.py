@@ -87,7 +87,6 @@ class Recorder:
         self._pending: collections.deque[int] = collections.deque()
         self._stream: int | None = None
         self._streams = 0
-        self._restored = 0  # carried groups restored from a checkpoint, for the next stream
         self._read = 0
         self._step = 0
 
@@ -124,10 +123,14 @@ class Recorder:
 
     def restore_state(self, state: dict) -> None:
         """The scheduler's `restore_state(state)`: the next stream resubmits the checkpoint's
-        carried groups, and its line in the trace says how many (a replay cannot make them
-        again, and refuses the trace)."""
+        carried groups, and its line in the trace holds them (`restored_state`: the state, with
+        the tasks the scheduler read for it), which a replay gives its scheduler again.
+
+        Raises:
+            RuntimeError: outside `record`.
+            ValueError: when state is not what checkpoint_state writes.
+        """
         self._recording().restore_state(state)
-        self._restored = len(state["carried"])
 
     def tasks(self, dataset: Dataset) -> Dataset:
         """The scheduler's `tasks(dataset)`, its streams and batches recorded."""
@@ -291,7 +294,9 @@ class Recorder:
         return index
 
     def _open_stream(self) -> int:
-        self._recording()
+        """Write the line of a stream the scheduler has just opened, with the carried groups
+        it read for a checkpoint's state (`restore_state`), which its first call submits."""
+        scheduler = self._recording()
         stream, self._streams = self._streams, self._streams + 1
         # Reopening forgets what the old stream yielded, as the scheduler's registry does.
         self._stream, self._read = stream, 0
@@ -302,8 +307,14 @@ class Recorder:
             # The scheduler's thread starts at the trainer's first call.
             time, running = None, self._step > 0
         line = {"kind": "stream", "stream": stream, "time": time, "running": running}
-        if self._restored:
-            line["restored"], self._restored = self._restored, 0
+        resumed = scheduler._resumed()
+        if resumed:
+            line["restored"] = len(resumed)
+            line["restored_state"] = {
+                "carried": [list(origin) for origin, _, _ in resumed],
+                "stale": [stale for _, _, stale in resumed],
+                "tasks": [_encode_task(task) for _, task, _ in resumed],
+            }
         self._write(line)
         return stream
 
@@ -379,6 +390,7 @@ class _RecordingDataset:
     dataset: Dataset
 
     def stream(self, start: int = 0) -> Iterator[Batch]:
+        # The scheduler opens its stream first: the line holds the carried groups it read then.
         batches = self.dataset.stream(start)
         return self._recording(batches, self.recorder._open_stream())
 

@@ -19,7 +19,7 @@ import trio.testing
 from dew import _gc
 from dew._trio import exit_unwrapped
 from dew.data import Batch, Task
-from dew.objectives.rl.scheduler import RolloutScheduler
+from dew.objectives.rl.scheduler import MAX_IN_FLIGHT, RolloutScheduler
 from dew.objectives.rl.sessions import Label, Session, Status
 from dew.replay._divergence import Divergence, ReplayedCall, ReplayNote, ReplayResult, _divergences
 from dew.replay._format import (
@@ -29,7 +29,7 @@ from dew.replay._format import (
     _describe,
     array_digests,
 )
-from dew.replay._trace import RecordedCall, Trace, read_trace
+from dew.replay._trace import RecordedCall, RecordedStream, Trace, read_trace
 
 # Real seconds every task must stay blocked before the replay clock moves: any positive cushion
 # lets the scheduler's own zero-cushion waits settle an instant first.
@@ -359,6 +359,10 @@ def replay(
     last call that returned: its `ReplayResult.cut` says where it ends, and what came after that
     call (rollouts still running, the close) is not compared.
 
+    A run resumed from a checkpoint under carry-over replays too: the carried groups its
+    scheduler took back (`restore_state`) are given to the replayed scheduler as its stream
+    opens, with the tasks the trace holds for them, so its first call submits them again.
+
     Args:
         trace: a Trace, or the path of one (plain or gzip).
         progress: called after each replayed call with the calls replayed, the calls the trace
@@ -369,18 +373,13 @@ def replay(
         the replayed calls and the first divergence, if any.
 
     Raises:
-        ValueError: an unknown override, one the scheduler refuses, a trace that starts
-            before the clock's 0, or one whose run resumed carried groups from a checkpoint.
-        TraceError: when the trace cannot be read, or its header holds a configuration the
-            scheduler refuses.
+        ValueError: an unknown override, or one the scheduler refuses.
+        TraceError: when the trace cannot be read, its header holds a configuration the
+            scheduler refuses, it starts before the replay clock's 0, or its run resumed
+            carried groups whose tasks and stale cycles it does not hold (a trace written
+            before dew recorded them: its stream line has the `restored` count alone).
     """
     trace = trace if isinstance(trace, Trace) else read_trace(trace, partial=True)
-    restored = sum(stream.restored for stream in trace.streams)
-    if restored:
-        raise ValueError(
-            f"{trace.path}: its run resumed {restored} carried groups from a checkpoint, whose "
-            "tasks the trace does not hold; replay a trace recorded from the run's start"
-        )
     # The trace is read and alive all the replay long: the collector need not walk it.
     with _gc.frozen():
         return trio.run(
@@ -416,16 +415,39 @@ def _scheduler(trace: Trace, config: Mapping[str, Any], source: ReplaySource, pu
 def _check_recorded(trace: Trace, source: ReplaySource) -> None:
     """Refuse a header whose configuration no scheduler takes (a damaged or forged trace: sizes
     that would hang or exhaust memory, a float where an int goes) as the trace's fault, before
-    any override is applied.
+    any override is applied; and a stream whose restored carried groups cannot be resubmitted.
 
     Raises:
-        TraceError: naming the file, its header line and the scheduler's refusal.
+        TraceError: naming the file, the line and the problem: the scheduler's refusal of the
+            header's config; a stream line that counts restored groups without holding them
+            (a trace written before dew recorded them), or that restores more rollouts than a
+            task batch may start (MAX_IN_FLIGHT).
     """
     try:
-        _scheduler(trace, trace.config, source, ReplayPublisher())
+        scheduler = _scheduler(trace, trace.config, source, ReplayPublisher())
     except (TypeError, ValueError) as error:
         problem = f"the header's config is one no scheduler takes: {error}"
         raise TraceError(trace.path, 1, problem) from None
+    samples = scheduler.config.samples
+    scheduler.close()
+    for index, stream in enumerate(trace.streams):
+        if stream.restored != len(stream.resumed):
+            problem = (
+                f"stream {index} resumed {stream.restored} carried groups from a checkpoint, and "
+                "the trace holds their count but not their tasks and stale cycles (it was "
+                "written before dew recorded them), which replay needs to resubmit them; "
+                "replay a trace recorded from the run's start, or record the resume again"
+            )
+        elif stream.restored * samples > MAX_IN_FLIGHT:
+            problem = (
+                f"stream {index} restores {stream.restored} carried groups of {samples} "
+                f"rollouts, more than the {MAX_IN_FLIGHT} a scheduler starts for a task batch"
+            )
+        else:
+            continue
+        if stream.line is None:
+            raise ValueError(f"{trace.path}: {problem}")
+        raise TraceError(trace.path, stream.line, problem)
 
 
 async def _replay(
@@ -436,9 +458,12 @@ async def _replay(
     trace = trace if isinstance(trace, Trace) else read_trace(trace, partial=True)
     config = _configure(trace, overrides)
     if trio.current_time() > trace.start:
-        raise ValueError(
-            f"replay must start by the trace's start time {trace.start}; "
-            f"the clock reads {trio.current_time()}"
+        # No clock a scheduler records on reads before 0, where a replay's starts.
+        raise TraceError(
+            trace.path,
+            1,
+            f"the recording starts at time {trace.start!r}, before the replay clock's "
+            f"{trio.current_time()!r}, which cannot go back to it (a damaged trace?)",
         )
     source = ReplaySource(trace)
     # An async trace's pushes took the time recorded (a thread trace's are off its clock).
@@ -450,11 +475,7 @@ async def _replay(
     calls: list[ReplayedCall] = []
     stalled: list[Divergence] = []
     # Streams opened before the scheduler ran logged no reopening: open them before it runs.
-    streams = [
-        scheduler.tasks(_Batches(stream.batches)).stream()
-        for stream in trace.streams
-        if not stream.running
-    ]
+    streams = [_open(scheduler, stream) for stream in trace.streams if not stream.running]
     try:
         async with source, scheduler:
             await _drive(trace, scheduler, source, calls, streams, progress)
@@ -469,6 +490,15 @@ async def _replay(
         found, key=lambda d: (d.step, math.inf if d.time is None else d.time), default=None
     )
     return ReplayResult(trace.path, tuple(calls), divergence, start=trace.start, cut=trace.cut)
+
+
+def _open(scheduler: RolloutScheduler, stream: RecordedStream) -> Iterator[Batch]:
+    """Open a recorded stream in the replayed scheduler, with the carried groups the recorded
+    one resubmitted from a checkpoint: the trace holds their tasks, no dataset does."""
+    batches = scheduler.tasks(_Batches(stream.batches)).stream()
+    if stream.resumed:
+        scheduler._resume_groups(stream.resumed)
+    return batches
 
 
 async def _call(scheduler: RolloutScheduler, call: RecordedCall) -> ReplayedCall:
@@ -509,7 +539,7 @@ async def _drive(
             stream = trace.streams[len(streams)]
             if stream.time is not None:
                 await source.sleep_until(stream.time)
-            streams.append(scheduler.tasks(_Batches(stream.batches)).stream())
+            streams.append(_open(scheduler, stream))
             read = 0
 
     for call in trace.calls:

@@ -25,9 +25,11 @@ from dew.replay._format import (
     FACADES,
     FORMAT,
     GZIP_MAGIC,
+    KINDS,
     MAX_LINE,
     OUTCOMES,
     READ_VERSIONS,
+    VERSION,
     TraceError,
 )
 
@@ -97,14 +99,20 @@ class RecordedStream:
         running: whether the scheduler's trio side ran when it was opened (the open then logged
             a `reopened` event and cancelled what was in flight).
         batches: the batch indices it yielded, in order.
-        restored: the carried groups a checkpoint gave the scheduler (`restore_state`), which
-            it resubmitted when this stream opened; a replay cannot make them again.
+        restored: how many carried groups a checkpoint gave the scheduler (`restore_state`),
+            which it submitted again at the first call after this stream opened.
+        resumed: those groups, each as ((stream position, index in its batch), task, stale
+            cycles), which a replay gives its scheduler; empty in a trace written before dew
+            recorded them (`restored` counts them, and such a trace cannot be replayed).
+        line: the stream's line in the trace file.
     """
 
     time: float | None
     running: bool
     batches: tuple[int, ...]
     restored: int = 0
+    resumed: tuple[tuple[tuple[int, int], Task, int], ...] = ()
+    line: int | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen
@@ -227,16 +235,19 @@ def _kind_names(kinds: tuple[type, ...]) -> str:
 
 
 _OPTIONAL_INT = (int, type(None))
+# A scheduler numbers its batches from 0; replay hands each over by its index as an int64.
+_MAX_BATCH = 2**63
 _OPTIONAL_STR = (str, type(None))
 _NUMBER = (int, float)
 _REWARD = (int, float, bool)
 
 
 def _decode_session(line: _Line, data: dict) -> Session:
+    value = line.get("status", (str,), data)
     try:
-        status = Status(line.get("status", (str,), data))
+        status = Status(value)
     except ValueError:
-        line.fail(f"session status {data['status']!r} is not one of {[s.value for s in Status]}")
+        line.fail(f"session status {value!r} is not one of {[s.value for s in Status]}")
     calls = []
     for i, call in enumerate(line.get("calls", (list,), data)):
         if not isinstance(call, dict):
@@ -312,17 +323,81 @@ def _decode_record(line: _Line, data: dict) -> SchedulerRecord:
     return SchedulerRecord(**fields)
 
 
-def _read_header(line: _Line) -> tuple[str, dict, float | None]:
+def _decode_resumed(line: _Line, restored: int) -> tuple[tuple[tuple[int, int], Task, int], ...]:
+    """A stream line's `restored_state`: the checkpoint state the scheduler was restored from
+    (`carried` as [stream position, index in its batch], `stale` cycles) and each carried
+    group's task, one of each for every one of the line's `restored` groups."""
+    state = line.mapping("restored_state")
+    carried = line.get("carried", (list,), state)
+    stale = line.get("stale", (list,), state)
+    tasks = line.get("tasks", (list,), state)
+    if not len(carried) == len(stale) == len(tasks) == restored:
+        line.fail(
+            f"restored_state holds {len(carried)} carried groups, {len(stale)} stale counts "
+            f"and {len(tasks)} tasks, where the line's restored says {restored}"
+        )
+    resumed = []
+    for k, (origin, cycles, task) in enumerate(zip(carried, stale, tasks, strict=True)):
+        if type(origin) is not list or len(origin) != 2 or not all(_count(x) for x in origin):
+            line.fail(f"restored_state carried[{k}] must be [position, index], got {origin!r}")
+        if not _count(cycles):
+            line.fail(f"restored_state stale[{k}] must be a count >= 0, got {cycles!r}")
+        resumed.append(((origin[0], origin[1]), line.task(task), cycles))
+    return tuple(resumed)
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _check_read(
+    line: _Line,
+    streams: Sequence[tuple[float | None, bool, list[int], int, tuple, int]],
+    calls: Sequence[RecordedCall],
+    stream: int | None,
+    read: int,
+) -> None:
+    """Refuse a call line whose stream and read the recorded trainer cannot have had: a
+    stream no line before it opened, an older stream than a call before it read (a trainer
+    reads only its newest), or more batches than that stream's lines before it yielded."""
+    if stream is None:
+        return
+    if not 0 <= stream < len(streams):
+        line.fail(f"call reads stream {stream}, which no stream line before it opened")
+    previous = next((c.stream for c in reversed(calls) if c.stream is not None), 0)
+    if stream < previous:
+        line.fail(f"call reads stream {stream}, older than stream {previous} a call before read")
+    yielded = len(streams[stream][2])
+    if not 0 <= read <= yielded:
+        line.fail(
+            f"call has read {read} batches of stream {stream}, which the lines before it show "
+            f"yielding {yielded}"
+        )
+
+
+# How every header a Recorder writes begins.
+_HEADER_START = ('{"format":' + json.dumps(FORMAT)).encode()
+
+
+def _read_header(line: _Line) -> tuple[int, str, dict, float | None]:
     if line.data.get("format") != FORMAT:
         line.fail(
             f"is not a dew trace: a trace's first line is a {FORMAT} header, and this one's "
             f"'format' is {line.data.get('format')!r}"
         )
     version = line.data.get("version")
-    if version not in READ_VERSIONS:
+    if type(version) is not int or version not in READ_VERSIONS:
+        if type(version) is int and version > VERSION:
+            why = "written by a newer dew: replay it with that one"
+        elif type(version) is int:
+            why = "an older format this dew no longer reads"
+        elif "version" not in line.data:
+            why = "the header lacks its 'version'"
+        else:
+            why = "not a version number"
         line.fail(
             f"{FORMAT} version {version!r} is not one this dew reads (versions "
-            f"{', '.join(map(str, READ_VERSIONS))})"
+            f"{', '.join(map(str, READ_VERSIONS))}): {why}"
         )
     facade = line.get("facade", (str,))
     if facade not in FACADES:
@@ -332,7 +407,7 @@ def _read_header(line: _Line) -> tuple[str, dict, float | None]:
     if missing:
         line.fail(f"config lacks {', '.join(missing)}")
     config = {name: config.get(name, ADDED.get(name)) for name in CONFIG}
-    return facade, config, line.optional_time("start")
+    return version, facade, config, line.optional_time("start")
 
 
 def read_trace(path: str | os.PathLike, *, partial: bool = False) -> Trace:
@@ -366,6 +441,8 @@ def _read_trace(path: str, partial: bool) -> Trace:
         try:
             return _Line(path, number, json.loads(text))
         except json.JSONDecodeError as error:
+            if not text.strip():
+                raise TraceError(path, number, "is blank, where a trace has a line") from None
             problem = f"is not JSON ({error.msg} at column {error.colno})"
         except RecursionError:
             problem = "is not JSON a trace can hold: it nests too deeply to read"
@@ -378,12 +455,14 @@ def _read_trace(path: str, partial: bool) -> Trace:
     if not lines:
         if tail is None:
             raise TraceError(path, 1, "the file is empty, not a trace")
-        if tail:  # one unfinished line: say whether it is a trace's header at all
+        # One unfinished line: a trace's header cut partway (a recorder writes the format
+        # first), or a line that says whether it is a header at all.
+        if tail and not (tail.startswith(_HEADER_START) or _HEADER_START.startswith(tail)):
             _read_header(parse(1, _decode(path, 1, tail)))
-        raise TraceError(path, 1, "is cut off (the file is truncated)")
-    facade, config, start = _read_header(parse(1, lines[0]))
+        raise TraceError(path, 1, "is cut off (the file is truncated) in its header line")
+    version, facade, config, start = _read_header(parse(1, lines[0]))
     batches: dict[int, tuple[Task, ...]] = {}
-    streams: list[tuple[float | None, bool, list[int], int]] = []
+    streams: list[tuple[float | None, bool, list[int], int, tuple, int]] = []
     sessions: dict[Label, RecordedSession] = {}
     pushes: list[tuple[float, int]] = []
     calls: list[RecordedCall] = []
@@ -402,9 +481,12 @@ def _read_trace(path: str, partial: bool) -> Trace:
             restored = line.get("restored", (int,)) if "restored" in line.data else 0
             if restored < 0:
                 line.fail(f"restored must be >= 0, got {restored}")
-            streams.append((line.optional_time("time"), running, [], restored))
+            resumed = _decode_resumed(line, restored) if "restored_state" in line.data else ()
+            streams.append((line.optional_time("time"), running, [], restored, resumed, number))
         elif kind == "batch":
             index = line.get("batch", (int,))
+            if not 0 <= index < _MAX_BATCH:
+                line.fail(f"batch index {index} is not one a scheduler gives (0 <= index < 2**63)")
             if index in batches:
                 line.fail(f"batch {index} is recorded twice")
             stream = line.get("stream", _OPTIONAL_INT)
@@ -442,13 +524,15 @@ def _read_trace(path: str, partial: bool) -> Trace:
             batch = line.get("batch", (int,))
             if batch not in batches:
                 line.fail(f"call hands over batch {batch}, which no batch line before it holds")
+            stream, read = line.get("stream", _OPTIONAL_INT), line.get("read", (int,))
+            _check_read(line, streams, calls, stream, read)
             calls.append(
                 RecordedCall(
                     step=step,
                     batch=batch,
                     updates=line.get("updates", (int,)),
-                    stream=line.get("stream", _OPTIONAL_INT),
-                    read=line.get("read", (int,)),
+                    stream=stream,
+                    read=read,
                     handed_over=line.optional_time("handed_over"),
                     returned=line.optional_time("returned"),
                     record=None if raised else _decode_record(line, line.mapping("record")),
@@ -461,7 +545,10 @@ def _read_trace(path: str, partial: bool) -> Trace:
             ended, end = True, line.optional_time("time")
             closing = tuple(_decode_event(line, e) for e in line.get("events", (list,)))
         else:
-            line.fail(f"has unknown kind {kind!r}")
+            line.fail(
+                f"has unknown kind {kind!r}, not one of {KINDS} that a {FORMAT} version "
+                f"{version} trace holds (a damaged trace, or one of another format?)"
+            )
     cut = None
     if tail is not None and (ended or not partial):
         raise TraceError(path, len(lines) + 1, "is cut off (the file is truncated)")
@@ -487,8 +574,10 @@ def _read_trace(path: str, partial: bool) -> Trace:
             running,
             tuple(indices),
             restored,
+            resumed,
+            number,
         )
-        for time, running, indices, restored in streams
+        for time, running, indices, restored, resumed, number in streams
     )
     if start is None or end is None:
         times = _times(opened, sessions.values(), pushes, calls)

@@ -386,6 +386,21 @@ class _Scheduler:
         with self._lock:
             self._resume = tuple(resume)
 
+    def _resumed(self) -> tuple[tuple[tuple[int, int], Task, int], ...]:
+        """The restored carried groups the next hand-over submits again, each as ((stream
+        position, index in its batch), task, stale cycles): `restore_state`'s, their tasks read
+        when the stream opened. A replay recorder writes them into its trace."""
+        with self._lock:
+            return self._resume
+
+    def _resume_groups(self, groups: Sequence[tuple[tuple[int, int], Task, int]]) -> None:
+        """Submit `groups` (as `_resumed` gives them) again at the next hand-over, their tasks
+        as given rather than read from a dataset: a replay's, whose trace holds the tasks and
+        no dataset. Call it after opening the stream, which replaces them with
+        `restore_state`'s."""
+        with self._lock:
+            self._resume = tuple(groups)
+
     # --- the trainer's side -------------------------------------------------------------------
 
     def __call__(self, batch: Batch, variables: Variables, updates: int) -> dict[str, np.ndarray]:
