@@ -11,7 +11,8 @@ files of the folder it came from.
 Loading reads tensor by tensor, each converted and placed before the next is read, so the host
 never holds the params twice; saving writes tensor by tensor likewise. Every problem a folder
 has (a tensor missing, extra, of another shape; a truncated file) is found from the files'
-headers before any tensor is read, and reported at once in one error.
+headers before any tensor is read, and reported at once in one error; the one exception is a
+tied model's saved `lm_head.weight`, compared with the embedding (a block of rows at a time).
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ _TENSOR_DTYPES = {
     "F16": np.dtype(np.float16),
 }
 _DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16"}
+# A tied model's output projection, which transformers' checkpoints leave out, and what it is.
+_HEAD = "lm_head.weight"
+_EMBED = "model.embed_tokens.weight"
+_COMPARED_BYTES = 1 << 26  # the most of each tensor held at once while comparing the two
 
 
 class CheckpointError(ValueError):
@@ -113,15 +118,18 @@ def load(
             missing or not one dew computes (see `HFConfig`).
         CheckpointError: listing, each with its tensor and file, every tensor missing, extra,
             of another shape or of a dtype that is not a float; a file the index names that
-            is missing, or one that is truncated or not safetensors.
+            is missing, or one that is truncated or not safetensors; an `lm_head.weight` that
+            is not the embedding in a model whose `tie_word_embeddings` is true (transformers
+            would use it, vLLM the embedding). With `dtype` None, a checkpoint whose
+            `config.json` names a dtype dew does not train (float16): pass `dtype`.
     """
     folder = resolve(folder)
     config, named = read_config(folder)
     files = _tensor_files(folder)
     expected = list(_params.leaves(config))
-    headers = _check_tensors(folder, config, files, expected)
+    headers = _check_tensors(folder, config, files, expected, compare_tied=True)
     if dtype is None:
-        dtype = named if named in _DTYPE_NAMES else _tensors_dtype(folder, headers, expected)
+        dtype = _default_dtype(folder, named, headers, expected)
     model = HFModel(config, check_dtype(dtype))
     target = np.dtype(jnp.dtype(dtype))
     tree = _params.empty_tree(config)
@@ -151,7 +159,7 @@ def model_of(folder: str | os.PathLike, *, dtype: str | None = None) -> HFModel:
     expected = list(_params.leaves(config))
     headers = _check_tensors(folder, config, _tensor_files(folder), expected)
     if dtype is None:
-        dtype = named if named in _DTYPE_NAMES else _tensors_dtype(folder, headers, expected)
+        dtype = _default_dtype(folder, named, headers, expected)
     return HFModel(config, check_dtype(dtype))
 
 
@@ -210,9 +218,16 @@ class _opened:
 
 
 def _check_tensors(
-    folder: Path, config: HFConfig, files: Mapping[str, str], expected: list[_params.Leaf]
+    folder: Path,
+    config: HFConfig,
+    files: Mapping[str, str],
+    expected: list[_params.Leaf],
+    *,
+    compare_tied: bool = False,
 ) -> dict[str, tuple[str, list[int]]]:
     """Every tensor's dtype and shape, read from the files' headers; every problem collected.
+    With `compare_tied`, a tied model's `lm_head.weight`, where the files hold one, is read
+    and compared with the embedding too.
 
     Raises:
         CheckpointError: listing every problem at once.
@@ -243,7 +258,13 @@ def _check_tensors(
             if files.get(leaf.name) not in unreadable:  # else its file is reported above
                 listing = INDEX if (folder / INDEX).is_file() else WEIGHTS
                 where = folder / files.get(leaf.name, listing)
-                problems.append(f"tensor {leaf.name} is missing from {where}")
+                hint = ""
+                if leaf.name == _HEAD:
+                    hint = (
+                        f" ({CONFIG}'s tie_word_embeddings is false or absent; a model whose "
+                        "output projection is its embedding says true)"
+                    )
+                problems.append(f"tensor {leaf.name} is missing from {where}{hint}")
             continue
         kind, shape = headers[leaf.name]
         path = folder / held[leaf.name]
@@ -263,6 +284,14 @@ def _check_tensors(
                 f"tensor {name} in {folder / held[name]} is not one a {architecture} of this "
                 "config.json has"
             )
+    if compare_tied and config.tied and _HEAD in held and _EMBED in held and not problems:
+        if not _same_tensor(folder, held, _HEAD, _EMBED):
+            problems.append(
+                f"tensor {_HEAD} in {folder / held[_HEAD]} is not {_EMBED}, but {CONFIG}'s "
+                "tie_word_embeddings is true: transformers would use it as the output "
+                "projection, vLLM the embedding; set tie_word_embeddings to false, or remove "
+                "the tensor"
+            )
     if problems:
         raise CheckpointError(
             f"cannot load the checkpoint in {folder} ({len(problems)} problem"
@@ -271,10 +300,43 @@ def _check_tensors(
     return headers
 
 
-def _tensors_dtype(
-    folder: Path, headers: Mapping[str, tuple[str, list[int]]], expected: list[_params.Leaf]
+def _same_tensor(folder: Path, held: Mapping[str, str], name: str, other: str) -> bool:
+    """Whether tensors `name` and `other` hold equal values (as float32, as transformers'
+    `torch.equal` of the loaded params), compared a block of rows at a time."""
+    with _opened(folder / held[name]) as first, _opened(folder / held[other]) as second:
+        a, b = first.get_slice(name), second.get_slice(other)
+        shape = a.get_shape()
+        if list(shape) != list(b.get_shape()):
+            return False
+        row = max(1, int(np.prod(shape[1:])) * 4)
+        step = max(1, _COMPARED_BYTES // row)
+        for start in range(0, shape[0], step):
+            block = slice(start, min(start + step, shape[0]))
+            if not np.array_equal(a[block].astype(np.float32), b[block].astype(np.float32)):
+                return False
+    return True
+
+
+def _default_dtype(
+    folder: Path,
+    named: str | None,
+    headers: Mapping[str, tuple[str, list[int]]],
+    expected: list[_params.Leaf],
 ) -> str:
-    """The params' dtype when config.json names none: the embedding's, if float32 or bfloat16."""
+    """The params' dtype when the caller names none: the one config.json names, else the
+    embedding's.
+
+    Raises:
+        CheckpointError: naming config.json's dtype where it is not one dew trains (float16),
+            or the tensors' where config.json names none and they are not.
+    """
+    if named in _DTYPE_NAMES:
+        return named
+    if named is not None:
+        raise CheckpointError(
+            f"the checkpoint in {folder} is {named} ({CONFIG}'s dtype), which dew does not "
+            "train: pass dtype='float32' (exact for float16 weights) or 'bfloat16'"
+        )
     kind = headers[expected[0].name][0]
     for name, tensor in _DTYPE_NAMES.items():
         if tensor == kind:

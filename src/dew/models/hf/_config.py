@@ -2,9 +2,12 @@
 
 `config.json` is the Hugging Face `transformers` config of the checkpoint. Both of its spellings
 are read: transformers 5 keeps RoPE's settings in `rope_parameters` and the dtype in `dtype`,
-older releases in `rope_theta`, `rope_scaling` and `torch_dtype`. Whatever dew does not compute
-(sliding windows, experts, other RoPE scalings, other activations) is refused here, naming the
-field, before any tensor is read or anything compiled.
+older releases in `rope_theta`, `rope_scaling` and `torch_dtype`; where they differ, as
+`transformers` reads them (`rope_scaling` over `rope_parameters`, a top-level
+`original_max_position_embeddings` over the scaling's own). Whatever dew does not compute
+(sliding windows, experts, quantized weights, other RoPE scalings, other activations), and what
+`transformers` and vLLM would compute differently, is refused here, naming the field, before any
+tensor is read or anything compiled.
 """
 
 from __future__ import annotations
@@ -31,25 +34,38 @@ class _Family:
     qkv_bias / o_bias: whether the attention's q, k, v / output projections have biases: a
     bool, or the config field that says (Llama's and Qwen3's `attention_bias`).
     qk_norm: whether queries and keys are RMS-normalised per head before RoPE (Qwen3).
+    window_switch: whether `sliding_window` applies only under `use_sliding_window` (Qwen2,
+        Qwen3; false when absent); else a `sliding_window` set is taken to apply to every
+        layer, whatever `use_sliding_window` says (transformers' Mistral applies it so; its
+        Llama ignores the field, which other engines read).
     """
 
     model_type: str
     qkv_bias: bool | str
     o_bias: bool | str
     qk_norm: bool
+    window_switch: bool = False
 
 
 FAMILIES = {
     "LlamaForCausalLM": _Family("llama", "attention_bias", "attention_bias", qk_norm=False),
     "MistralForCausalLM": _Family("mistral", False, False, qk_norm=False),
-    "Qwen2ForCausalLM": _Family("qwen2", True, False, qk_norm=False),
-    "Qwen3ForCausalLM": _Family("qwen3", "attention_bias", "attention_bias", qk_norm=True),
+    "Qwen2ForCausalLM": _Family("qwen2", True, False, qk_norm=False, window_switch=True),
+    "Qwen3ForCausalLM": _Family(
+        "qwen3", "attention_bias", "attention_bias", qk_norm=True, window_switch=True
+    ),
 }
 """The architectures (`config.json`'s `architectures`) dew computes, and what each adds."""
+
+MODEL_TYPES = {family.model_type: architecture for architecture, family in FAMILIES.items()}
+"""The architecture of each `model_type`, for a `config.json` that names no `architectures`
+(`transformers`' Auto classes go by `model_type`)."""
 
 # Fields whose presence (with a true value) means a mixture of experts.
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 _DTYPES = ("float32", "bfloat16")
+# Llama 3's RoPE scaling's fields, in `Llama3Scaling`'s order.
+_LLAMA3_FACTORS = ("factor", "low_freq_factor", "high_freq_factor")
 
 
 def _positive_float(instance, attribute, value):
@@ -172,6 +188,9 @@ class HFConfig:
         if self.source:
             written = dict(self.source)
             written["dtype"] = dtype
+            # vLLM picks its model by `architectures`, where transformers went by `model_type`.
+            if not written.get("architectures"):
+                written["architectures"] = [self.architecture]
             if "torch_dtype" in written:
                 written["torch_dtype"] = dtype
             return written
@@ -219,8 +238,8 @@ def read_config(folder: Path) -> tuple[HFConfig, str | None]:
     Raises:
         ValueError: naming the folder when it has no `config.json`, or `config.json` and the
             field it cannot take: not JSON, an unsupported architecture (listing the supported
-            ones), a sliding window, experts, another RoPE scaling or activation, a size out
-            of bounds.
+            ones), a sliding window, experts, quantized weights, another RoPE scaling or
+            activation, RoPE fields that disagree, a size out of bounds.
     """
     path = folder / CONFIG
     if not folder.is_dir():
@@ -258,14 +277,28 @@ def _field(data: Mapping[str, Any], name: str, kind: type, default: Any = attrs.
     return value
 
 
-def _parse(data: Mapping[str, Any]) -> HFConfig:
+def _architecture_of(data: Mapping[str, Any]) -> Any:
+    """`architectures`' one entry; where the field is absent, null or empty, the architecture
+    of `model_type` (as transformers' Auto classes find the model)."""
     architectures = data.get("architectures")
+    if architectures is None or architectures == []:
+        model_type = data.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"field architectures is missing and field model_type {model_type!r} is not "
+                f"one dew computes ({', '.join(MODEL_TYPES)}); dew computes {', '.join(FAMILIES)}"
+            )
+        return MODEL_TYPES[model_type]
     if not (isinstance(architectures, list) and len(architectures) == 1):
         raise ValueError(
             f"field architectures must list one architecture, got {architectures!r}; dew "
             f"computes {', '.join(FAMILIES)}"
         )
-    architecture = architectures[0]
+    return architectures[0]
+
+
+def _parse(data: Mapping[str, Any]) -> HFConfig:
+    architecture = _architecture_of(data)
     experts = [name for name in _EXPERT_FIELDS if data.get(name)]
     if experts:
         raise ValueError(
@@ -278,8 +311,15 @@ def _parse(data: Mapping[str, Any]) -> HFConfig:
             f"{', '.join(FAMILIES)}"
         )
     family = FAMILIES[architecture]
+    quantization = data.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(
+            f"field quantization_config: quantized weights ({method!r}) are not supported; "
+            "dew loads float32, bfloat16 and float16 weights"
+        )
     max_len = _field(data, "max_position_embeddings", int)
-    _refuse_sliding_window(data, max_len)
+    _refuse_sliding_window(data, family, max_len)
     activation = data.get("hidden_act", "silu")
     if activation != "silu":
         raise ValueError(f"field hidden_act must be 'silu' (SwiGLU), got {activation!r}")
@@ -287,7 +327,7 @@ def _parse(data: Mapping[str, Any]) -> HFConfig:
         raise ValueError("field mlp_bias: MLP biases are not supported")
     hidden = _field(data, "hidden_size", int)
     heads = _field(data, "num_attention_heads", int)
-    theta, scaling = _rope(data)
+    theta, scaling = _rope(data, max_len)
 
     def flag(setting: bool | str) -> bool:
         return setting if isinstance(setting, bool) else _field(data, setting, bool, False)
@@ -313,39 +353,84 @@ def _parse(data: Mapping[str, Any]) -> HFConfig:
     )
 
 
-def _refuse_sliding_window(data: Mapping[str, Any], max_len: int) -> None:
-    """A window that never cuts (none, or one at least the context) is full attention."""
+def _refuse_sliding_window(data: Mapping[str, Any], family: _Family, max_len: int) -> None:
+    """A window that never cuts (none, or one at least the context) is full attention.
+
+    Where the family has no switch (Llama, Mistral), `use_sliding_window: false` does not turn
+    a window off: transformers' Mistral applies the window all the same.
+    """
     layer_types = data.get("layer_types") or []
+    if not isinstance(layer_types, list):
+        raise ValueError(f"field layer_types must be a list, got {layer_types!r}")
     if any(kind != "full_attention" for kind in layer_types):
+        others = sorted({str(kind) for kind in layer_types} - {"full_attention"})
         raise ValueError(
-            f"field layer_types: {sorted(set(layer_types) - {'full_attention'})} layers are not "
-            "supported, only full attention"
+            f"field layer_types: {others} layers are not supported, only full attention"
         )
-    if data.get("use_sliding_window") is True:
+    if family.window_switch and data.get("use_sliding_window") is True:
         raise ValueError("field use_sliding_window: sliding-window attention is not supported")
     window = data.get("sliding_window")
-    uses_window = data.get("use_sliding_window", True)  # Mistral has no switch: a window cuts
-    if uses_window and isinstance(window, int) and window < max_len:
+    uses_window = data.get("use_sliding_window", False) if family.window_switch else True
+    if uses_window and window is not None:
+        if not isinstance(window, int) or isinstance(window, bool):
+            raise ValueError(f"field sliding_window must be int or null, got {window!r}")
+        if window < max_len:
+            raise ValueError(
+                f"field sliding_window: a window of {window} < max_position_embeddings "
+                f"{max_len} (sliding-window attention) is not supported"
+            )
+
+
+def _rope(data: Mapping[str, Any], max_len: int) -> tuple[float, Llama3Scaling | None]:
+    """RoPE's theta and scaling as transformers reads them: from `rope_scaling` (older
+    releases) where it is a non-empty object, else from `rope_parameters` (transformers 5);
+    theta from that object, else `rope_theta`, else 10000.
+
+    A `config.json` with both objects (a transformers 5 config a user added `rope_scaling` to,
+    as model cards say to for long contexts) is refused where they disagree: transformers then
+    reads `rope_scaling` alone, with the default theta unless `rope_theta` is beside it, which
+    is rarely what was meant.
+    """
+    objects = {}
+    for where in ("rope_scaling", "rope_parameters"):
+        rope = data.get(where)
+        if not (rope is None or isinstance(rope, dict)):
+            raise ValueError(f"field {where} must be an object or null, got {rope!r}")
+        objects[where] = rope or {}
+    if objects["rope_scaling"] and objects["rope_parameters"]:
+        read = _rope_of(data, "rope_scaling", objects["rope_scaling"], max_len)
+        written = _rope_of(data, "rope_parameters", objects["rope_parameters"], max_len)
+        if read != written:
+            raise ValueError(
+                f"fields rope_scaling {objects['rope_scaling']} and rope_parameters "
+                f"{objects['rope_parameters']} disagree: transformers reads rope_scaling "
+                f"alone (RoPE theta {read[0]}, scaling {read[1]}), not rope_parameters' "
+                f"(theta {written[0]}, scaling {written[1]}); keep one of the two fields"
+            )
+        return read
+    if objects["rope_scaling"]:
+        return _rope_of(data, "rope_scaling", objects["rope_scaling"], max_len)
+    return _rope_of(data, "rope_parameters", objects["rope_parameters"], max_len)
+
+
+def _rope_of(
+    data: Mapping[str, Any], where: str, rope: Mapping[str, Any], max_len: int
+) -> tuple[float, Llama3Scaling | None]:
+    """RoPE's theta and scaling from the object `data[where]`."""
+    nested = sorted(key for key, value in rope.items() if isinstance(value, dict))
+    if nested:
         raise ValueError(
-            f"field sliding_window: a window of {window} < max_position_embeddings {max_len} "
-            "(sliding-window attention) is not supported"
+            f"field {where}: RoPE parameters per layer type {nested} are not supported"
         )
-
-
-def _rope(data: Mapping[str, Any]) -> tuple[float, Llama3Scaling | None]:
-    """RoPE's theta and scaling, from `rope_parameters` (transformers 5) or `rope_theta` and
-    `rope_scaling` (older releases)."""
-    if isinstance(data.get("rope_parameters"), dict):
-        where, rope = "rope_parameters", data["rope_parameters"]
-        theta = _field(rope, "rope_theta", float, _field(data, "rope_theta", float, 10000.0))
-    else:
-        where, rope = "rope_scaling", data.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ValueError(f"field rope_scaling must be an object or null, got {rope!r}")
-        theta = _field(data, "rope_theta", float, 10000.0)
+    theta = _field(rope, "rope_theta", float, _field(data, "rope_theta", float, 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"field {where}.partial_rotary_factor: partial RoPE is not supported")
+    # transformers moves a top-level partial_rotary_factor into the RoPE parameters.
+    for field, partial in (
+        (f"{where}.partial_rotary_factor", rope.get("partial_rotary_factor")),
+        ("partial_rotary_factor", data.get("partial_rotary_factor")),
+    ):
+        if partial not in (None, 1, 1.0):
+            raise ValueError(f"field {field}: partial RoPE ({partial!r}) is not supported")
     if kind == "default":
         return theta, None
     if kind != "llama3":
@@ -353,15 +438,17 @@ def _rope(data: Mapping[str, Any]) -> tuple[float, Llama3Scaling | None]:
             f"field {where}: RoPE type {kind!r} is not supported, only 'default' and 'llama3'"
         )
     try:
-        scaling = Llama3Scaling(
-            factor=_field(rope, "factor", float),
-            low_freq_factor=_field(rope, "low_freq_factor", float),
-            high_freq_factor=_field(rope, "high_freq_factor", float),
-            original_max_len=_field(rope, "original_max_position_embeddings", int),
-        )
+        factors = [_field(rope, name, float) for name in _LLAMA3_FACTORS]
+        own = _field(rope, "original_max_position_embeddings", int, max_len)
     except ValueError as error:
         raise ValueError(f"{where}'s {error}") from None
-    return theta, scaling
+    # transformers takes a top-level original_max_position_embeddings over the scaling's own,
+    # and max_position_embeddings where neither is given.
+    original = _field(data, "original_max_position_embeddings", int, own)
+    try:
+        return theta, Llama3Scaling(*factors, original_max_len=original)
+    except ValueError as error:
+        raise ValueError(f"{where}'s {error}") from None
 
 
 def check_dtype(dtype: str) -> str:

@@ -138,8 +138,14 @@ LAYER = (
 
 LAYER_PREFIX = "model.layers.{i}."
 
-IGNORED = ("model.layers.{i}.self_attn.rotary_emb.inv_freq",)
-"""Tensors some checkpoints hold that transformers recomputes and ignores (RoPE's buffer)."""
+IGNORED = (
+    "model.layers.{i}.self_attn.rotary_emb.inv_freq",
+    "model.layers.{i}.self_attn.rotary_emb.cos_cached",
+    "model.layers.{i}.self_attn.rotary_emb.sin_cached",
+    "model.rotary_emb.inv_freq",
+)
+"""Tensors some checkpoints hold that transformers and vLLM recompute and ignore: RoPE's
+buffers, per layer as older releases and some training tools saved them, or once a model."""
 
 
 @attrs.frozen
