@@ -12,11 +12,16 @@ reasoning-gym's `<answer>` tags (a model trained from scratch never learns to wr
 Nothing is stripped: `str.strip` also drops separators such as `\x1e`, so a reply wrapped in them
 would score as the bare answer, and a policy learns such loopholes. reasoning-gym's scorer sees
 the very text the model wrote and gives a padded answer its own partial credit.
+
+A scorer that raises on a reply (boxnet's, on a reply that is a JSON number), or scores it with
+no finite number, makes the rollout an INFRA_ERROR (`PromptSource`'s verifier failing) whose
+error names the dataset and the exception.
 """
 
 from __future__ import annotations
 
-import json
+import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,21 +30,14 @@ import numpy as np
 
 from dew._checks import int_at_least
 from dew.data import ArrayDataset, Batch, Task
-from dew.envs.environment import Sampling, Score
+from dew.envs.environment import Sampling, Score, describe
 from dew.envs.prompts import PromptSource
 from dew.envs.tasks import task_id
+from dew.envs.verifiers import parse_spec
 from dew.serve.tokenizer import BYTES, Tokenizer
 
 PREFIX = "reasoning-gym:"
 """How `dew train --task` names a reasoning-gym dataset: `reasoning-gym:NAME[,key=value...]`."""
-
-
-def _value(text: str) -> Any:
-    """A configuration value: JSON where it parses (numbers, booleans, lists), else the text."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
 
 
 def _options(instance, attribute, value):
@@ -94,23 +92,14 @@ class ReasoningGym:
     @classmethod
     def parse(cls, spec: str, *, size: int = 1000, seed: int = 0) -> ReasoningGym:
         """The dataset `spec` names: `NAME[,key=value...]`, with or without the
-        `reasoning-gym:` prefix; values are JSON where they parse (`3`, `true`, `["+"]`), else
-        strings.
+        `reasoning-gym:` prefix; values are JSON where they parse (`3`, `true`, `["+","-"]`),
+        else strings (`dew.envs.verifiers.parse_spec`).
 
         Raises:
             ValueError: naming the part of `spec` that is not `key=value`, or a repeated key.
         """
-        body = spec.removeprefix(PREFIX)
-        name, *parts = body.split(",")
-        options: dict[str, Any] = {}
-        for part in parts:
-            key, equals, value = part.partition("=")
-            if not (equals and key.strip()):
-                raise ValueError(f"reasoning-gym task {spec!r}: {part!r} is not key=value")
-            if key.strip() in options:
-                raise ValueError(f"reasoning-gym task {spec!r}: {key.strip()!r} is given twice")
-            options[key.strip()] = _value(value.strip())
-        return cls(name.strip(), options, size=size, seed=seed)
+        name, options = parse_spec(spec, PREFIX)
+        return cls(name, options, size=size, seed=seed)
 
     def entry(self, index: int) -> dict[str, Any]:
         """The dataset's entry `index`: `question`, `answer` and `metadata`.
@@ -161,15 +150,41 @@ class ReasoningGym:
         return task.payload if task.payload is not None else self.entry(task_id(task))
 
     def prompt(self, task: Task) -> str:
-        """The user message of `task`: its entry's question."""
-        return self._entry_of(task)["question"]
+        """The user message of `task`: its entry's question.
+
+        Raises:
+            ValueError: naming the dataset and the task when its entry has no question (a
+                payload of another shape: `PromptSource` lets it propagate, a broken source).
+        """
+        entry = self._entry_of(task)
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("question"), str):
+            raise ValueError(
+                f"reasoning-gym {self.name} task {task.name!r}: its entry has no question "
+                f"(a str under 'question'): {entry!r:.200}"
+            )
+        return entry["question"]
 
     def verify(self, task: Task, reply: str) -> Score:
         """reasoning-gym's score of `reply`, verbatim, against `task`'s entry; `exact` is 1 when
-        the reply is the entry's answer, character for character."""
+        the reply is the entry's answer, character for character.
+
+        Raises:
+            ValueError: naming the dataset when its `score_answer` raises (its exception's type
+                and text) or gives something other than a finite number: `PromptSource` makes
+                the rollout an INFRA_ERROR with this text.
+        """
         entry = self._entry_of(task)
-        score = float(self._dataset.score_answer(reply, entry))
-        return Score(score, {"exact": float(reply == entry["answer"])})
+        try:
+            score = self._dataset.score_answer(reply, entry)
+        except Exception as error:
+            raise ValueError(
+                f"reasoning-gym {self.name}: score_answer raised {describe(error)}"
+            ) from error
+        if not isinstance(score, numbers.Real) or not math.isfinite(score):
+            raise ValueError(
+                f"reasoning-gym {self.name}: score_answer gave {score!r}, not a finite number"
+            )
+        return Score(float(score), {"exact": float(reply == entry.get("answer"))})
 
     def source(
         self,

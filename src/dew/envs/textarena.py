@@ -23,10 +23,19 @@ which it downloads when missing: dew refuses the game instead, naming the data t
 `dew.envs._offline.no_downloads` (nltk's downloader, which textarena calls even for data in
 place, answers from the data without reaching the network).
 
+An invalid move is the game's to judge, by its rules: textarena lets a player retry one invalid
+move before each valid one, and ends the game, as that player's loss, at a second in a row.
+dew's move limit (`TextArena.max_turns`) is the longest game those rules allow (twice the
+valid moves a player can make: 12 for a Wordle of 6 guesses, `num_guesses` included), so
+only a smaller `max_turns` cuts a game.
+
 Outcomes (through `EnvironmentSource`): COMPLETED when the game is over, scored with the game's
 reward; TRUNCATED with `turns` when `max_turns` moves pass first, or `context` when the
 conversation outgrows `max_context`: the game is not over, and dew scores it as lost (0 in
-Wordle, -1 in TicTacToe), so running out of turns never pays better than losing.
+Wordle, -1 in TicTacToe), so running out of turns never pays better than losing; AGENT_ERROR
+when the game raises on a move (rather than refusing it), the error naming the game and its
+exception, scored as a game dew cut; INFRA_ERROR when the game raises elsewhere (building,
+resetting, the fixed opponent's move).
 """
 
 from __future__ import annotations
@@ -44,7 +53,16 @@ import numpy as np
 from dew._checks import int_at_least
 from dew.data import ArrayDataset, Batch, Task
 from dew.envs._offline import no_downloads
-from dew.envs.environment import EnvironmentSource, Episode, Observation, Sampling, Score, Seated
+from dew.envs.environment import (
+    EnvironmentSource,
+    Episode,
+    MalformedAction,
+    Observation,
+    Sampling,
+    Score,
+    Seated,
+    describe,
+)
 from dew.envs.tasks import task_id
 from dew.envs.verifiers import parse_spec
 from dew.serve.tokenizer import BYTES, Tokenizer
@@ -64,14 +82,24 @@ def _available_move(observation: str, rng: np.random.Generator) -> str:
     return f"[{moves[rng.integers(len(moves))]}]" if moves else "[0]"
 
 
+def _guesses(env: Any) -> int:
+    return env.num_guesses
+
+
+def _discs(env: Any) -> int:
+    return -(-env.num_rows * env.num_cols // 2)
+
+
 @attrs.frozen
 class Game:
     """What dew knows of a supported game.
 
     Args:
         players: 1, or 2 for a game against the fixed opponent.
-        max_turns: the agent's most moves per game (the game's own limit, and its invalid
-            moves, end it sooner).
+        moves: the most valid moves player 0 makes in a game built as the given one (its
+            options, such as Wordle's `num_guesses`, set it): with the invalid move textarena
+            lets a player retry before each (`error_allowance=1`), a game takes its player at
+            most twice as many moves, and dew's move limit lets it end by its own rules.
         max_context: most tokens of a game's conversation (prompt and replies).
         nltk: the nltk data (resource paths) the game reads.
         opponent: the second player's move from its observation and a seeded generator; None
@@ -81,7 +109,7 @@ class Game:
     """
 
     players: int
-    max_turns: int
+    moves: Callable[[Any], int]
     max_context: int
     nltk: tuple[str, ...] = ()
     opponent: Callable[[str, np.random.Generator], str] | None = None
@@ -91,13 +119,14 @@ class Game:
 _WORDLE_DATA = ("corpora/words", "taggers/averaged_perceptron_tagger_eng/")
 GAMES: Mapping[str, Game] = {
     # Wordle gives a lost game 0 (and a game lost to invalid moves the share of letters found).
-    "Wordle-v0": Game(1, 8, 2048, _WORDLE_DATA),
-    "Wordle-v0-hardcore": Game(1, 8, 2048, _WORDLE_DATA),
-    "Wordle-v0-long": Game(1, 11, 3072, _WORDLE_DATA),
-    "TicTacToe-v0": Game(2, 6, 2048, opponent=_available_move, cut=-1.0),
+    "Wordle-v0": Game(1, _guesses, 2048, _WORDLE_DATA),
+    "Wordle-v0-hardcore": Game(1, _guesses, 2048, _WORDLE_DATA),
+    "Wordle-v0-long": Game(1, _guesses, 3072, _WORDLE_DATA),
+    # Player 0 moves first: 5 of the 9 cells.
+    "TicTacToe-v0": Game(2, lambda env: 5, 2048, opponent=_available_move, cut=-1.0),
     # Self-play only: 21 discs each fill the board. A player's conversation grows about 390
     # bytes a move, 8.4 kB a full game: over 4096 tokens of the byte tokenizer.
-    "ConnectFour-v0": Game(2, 21, 4096, cut=-1.0),
+    "ConnectFour-v0": Game(2, _discs, 4096, cut=-1.0),
 }
 """The games dew plays, by TextArena id."""
 
@@ -181,8 +210,22 @@ class TextArenaGame:
     def step(self, action: str) -> tuple[Observation | Seated | None, bool]:
         """Play the agent's move, then the opponent's; return what player 0 sees next (in
         self-play, the move of the player to move, and what the next one sees, seated) and
-        whether the game is over."""
-        done, _ = self.env.step(action)
+        whether the game is over.
+
+        Raises:
+            MalformedAction: naming the game and its exception when the game raises on the
+                move (a cell number too long for `int`): the policy's move, AGENT_ERROR, scored
+                as the game dew cut (`Game.cut`); a move the game refuses is its own invalid
+                move, played by its rules.
+        """
+        try:
+            done, _ = self.env.step(action)
+        except Exception as error:
+            game = type(self.template).__name__
+            raise MalformedAction(
+                f"textarena {game} raised on the move of player "
+                f"{self.env.state.current_player_id}: {describe(error)}"
+            ) from error
         if not self.self_play:
             done = done or self._opponent_moves()
         if done:
@@ -261,8 +304,9 @@ class TextArena:
 
     Raises:
         ImportError: naming the extra to install when textarena is missing.
-        ValueError: naming the game when dew does not play it, the option it refuses, the
-            nltk data it needs and does not find, or self-play in a game of one player.
+        ValueError: naming the game when dew does not play it, the option it refuses or with
+            which it cannot start a game (its first game's reset raises), the nltk data it
+            needs and does not find, or self-play in a game of one player.
     """
 
     name: str = attrs.field(validator=attrs.validators.instance_of(str))
@@ -300,6 +344,15 @@ class TextArena:
                 f"textarena {self.name} refuses options {dict(self.options)}: {error}"
             ) from error
         object.__setattr__(self, "_template", template)
+        try:
+            # Options that leave no game to play (a Wordle of `word_length=30` has no word to
+            # draw) would fail every rollout's reset: refuse them once, here.
+            self.environment().reset(Task("0"))
+        except Exception as error:
+            raise ValueError(
+                f"textarena {self.name} with options {dict(self.options)} cannot start a game: "
+                f"{describe(error)}"
+            ) from error
 
     @classmethod
     def parse(cls, spec: str, *, seed: int = 0) -> TextArena:
@@ -315,6 +368,14 @@ class TextArena:
     def game(self) -> Game:
         """What dew knows of this game (`GAMES`)."""
         return GAMES[self.name]
+
+    @property
+    def max_turns(self) -> int:
+        """The most moves a game takes from the policy (every player's, in self-play): each
+        valid move a player can make (`Game.moves`), each after the one invalid move textarena
+        lets a player retry. `source`'s default limit: dew cuts no game its rules play on."""
+        players = self.game.players if self.self_play else 1
+        return 2 * self.game.moves(self._template) * players
 
     def environment(self) -> TextArenaGame:
         """A fresh episode's environment."""
@@ -347,13 +408,12 @@ class TextArena:
     ) -> EnvironmentSource:
         """An `EnvironmentSource` of this game on `engine`: a reply of up to `max_tokens` is a
         move even without a stop token (the game reads its bracketed token). `max_turns`
-        counts every seat's moves: by default the game's limit for each player."""
-        moves = self.game.max_turns * (self.game.players if self.self_play else 1)
+        counts every seat's moves: by default the longest game (`TextArena.max_turns`)."""
         return EnvironmentSource(
             engine,
             self.environment,
             verify,
-            max_turns=moves if max_turns is None else max_turns,
+            max_turns=self.max_turns if max_turns is None else max_turns,
             max_tokens=max_tokens,
             max_context=self.game.max_context if max_context is None else max_context,
             require_stop=False,

@@ -38,7 +38,10 @@ How an episode's outcome becomes a dew status:
   same overflowing episode would only cut it again).
 - AGENT_ERROR: the environment raised, in its protocol, its hooks, its harness or its tools (an
   `Error` on the episode or a trace): `error` is its type and message (the first failure), the
-  reward what verifiers recorded (0 where scoring did not run).
+  reward what verifiers recorded (0 where scoring did not run). So is an episode that raised
+  past verifiers' own boundaries (asyncio's CancelledError, which cancels the episode from
+  inside, a SystemExit: reward 0), and a trace whose reward is not a finite number (a reward
+  function that returned nan or inf): that trace counts 0, and `error` names the reward.
 - INFRA_ERROR: dew's engine failed a call.
 
 An environment's errors are counted by text (`VerifiersSource.errors`) and reported as a
@@ -61,6 +64,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -118,23 +122,44 @@ def _value(text: str) -> Any:
         return text
 
 
+def _spec_parts(body: str) -> list[str]:
+    """`body` split at its commas, except those inside a JSON value's brackets, braces or
+    strings: `operators=["+","-"]` is one part."""
+    parts, start, depth, quoted, escaped = [], 0, 0, False, False
+    for at, char in enumerate(body):
+        if escaped:
+            escaped = False
+        elif quoted:
+            escaped, quoted = char == "\\", char != '"'
+        elif char == '"':
+            quoted = True
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth = max(depth - 1, 0)
+        elif char == "," and depth == 0:
+            parts.append(body[start:at])
+            start = at + 1
+    return [*parts, body[start:]]
+
+
 def parse_spec(spec: str, prefix: str) -> tuple[str, dict[str, Any]]:
-    """`NAME[,key=value...]` (with or without `prefix`) as the name and its options.
+    """`NAME[,key=value...]` (with or without `prefix`) as the name and its options; a value
+    is JSON where it parses, and may hold commas inside its brackets, braces or strings
+    (`operators=["+","-"]`, `task={"a": 1, "b": 2}`).
 
     Raises:
-        ValueError: naming the part that is not `key=value`, a repeated key, or a missing name.
+        ValueError: naming the part that is not `key=value`, or a repeated key.
     """
-    name, *parts = spec.removeprefix(prefix).split(",")
+    name, *parts = _spec_parts(spec.removeprefix(prefix))
     options: dict[str, Any] = {}
     for part in parts:
         key, equals, value = part.partition("=")
         if not (equals and key.strip()):
-            raise ValueError(f"environment {spec!r}: {part!r} is not key=value")
+            raise ValueError(f"{spec!r}: {part!r} is not key=value")
         if key.strip() in options:
-            raise ValueError(f"environment {spec!r}: {key.strip()!r} is given twice")
+            raise ValueError(f"{spec!r}: {key.strip()!r} is given twice")
         options[key.strip()] = _value(value.strip())
-    if not name.strip():
-        raise ValueError(f"environment {spec!r} names no environment")
     return name.strip(), options
 
 
@@ -287,6 +312,8 @@ class Verifiers:
         """The environment `spec` names: `NAME[,key=value...]`, with or without `verifiers:`;
         values are JSON where they parse, else strings (`load_env`)."""
         name, options = parse_spec(spec, PREFIX)
+        if not name:
+            raise ValueError(f"{spec!r} names no verifiers environment")
         return cls(load_env(name, options), size=size)
 
     def task(self, index: int) -> Task:
@@ -346,12 +373,18 @@ class _Loop:
         self.offline = contextlib.ExitStack()
         self.offline.enter_context(no_downloads())
         self.loop = asyncio.new_event_loop()
+        self.closing = False
         self.thread = threading.Thread(target=self._serve, name="dew-verifiers", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
+        while not self.closing:
+            # asyncio lets a SystemExit or KeyboardInterrupt raised in a task (an environment
+            # calling sys.exit) out of the loop, after handing it to the task's awaiters: run on,
+            # so that the episodes of this run, that one's included, still end.
+            with contextlib.suppress(SystemExit, KeyboardInterrupt):
+                self.loop.run_forever()
         # Stopped with the trio run: what is left (cancelled episodes unwinding) ends here.
         left = asyncio.all_tasks(self.loop)
         for task in left:
@@ -361,8 +394,15 @@ class _Loop:
         self.loop.close()
 
     async def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
-        """Await `coroutine` on the asyncio loop; a trio cancel cancels its asyncio task."""
-        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        """Await `coroutine` on the asyncio loop; a trio cancel cancels its asyncio task.
+
+        Raises:
+            what the coroutine raised, but a SystemExit or KeyboardInterrupt as a RuntimeError
+                (`_contained`); `concurrent.futures.CancelledError`, saying so, where its task
+                was cancelled inside the loop (it raised asyncio's CancelledError), not by a
+                trio cancel.
+        """
+        future = asyncio.run_coroutine_threadsafe(_contained(coroutine), self.loop)
         token = trio.lowlevel.current_trio_token()
         done = trio.Event()
 
@@ -376,14 +416,30 @@ class _Loop:
         except BaseException:
             future.cancel()
             raise
+        if future.cancelled():
+            raise concurrent.futures.CancelledError(
+                "the episode was cancelled inside the environment (it raised asyncio's "
+                "CancelledError), not by dew"
+            )
         return future.result()
 
     def close(self) -> None:
         """Stop the loop; its thread cancels what is left and ends. An episode whose cleanup
         does not end in a minute is left to the daemon thread (the process's exit ends it)."""
+        self.closing = True
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=60)
         self.offline.close()
+
+
+async def _contained(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """`coroutine`, a SystemExit or KeyboardInterrupt it raises (an environment calling
+    `sys.exit`) raised as a RuntimeError instead: asyncio lets those two out of the loop, which
+    would end the loop's thread and leave every later episode waiting on it for good."""
+    try:
+        return await coroutine
+    except (SystemExit, KeyboardInterrupt) as error:
+        raise RuntimeError(f"the environment raised {describe(error)}") from error
 
 
 _LOOP = trio.lowlevel.RunVar("dew.envs.verifiers.loop")
@@ -462,7 +518,9 @@ def outcome(episode: Any) -> Outcome:
     the module)."""
     components: dict[str, float] = {}
     prefixes = _prefixes(tuple(map(_agent, episode.traces)))
-    seats = _seats(episode.traces, prefixes)
+    scored = [_trace_reward(t, p) for t, p in zip(episode.traces, prefixes, strict=True)]
+    rewards = [reward for reward, _ in scored]
+    seats = _seats(episode.traces, prefixes, rewards)
     for trace, prefix in zip(episode.traces, prefixes, strict=True):
         for name, reward in trace.rewards.items():
             if reward is not None and math.isfinite(reward.score):
@@ -470,13 +528,12 @@ def outcome(episode: Any) -> Outcome:
         for name, value in trace.metrics.items():
             if value is not None and math.isfinite(value):
                 components[f"{prefix}metric/{name}"] = float(value)
-    reward = math.fsum(trace.reward for trace in episode.traces)
-    reward = reward if math.isfinite(reward) else 0.0
-    errors = [*episode.errors, *(e for trace in episode.traces for e in trace.errors)]
+    reward = math.fsum(rewards)
+    errors = [_error_text(e) for e in episode.errors]
+    errors += [_error_text(e) for trace in episode.traces for e in trace.errors]
+    errors += [f"ValueError: {why}" for _, why in scored if why is not None]
     if errors:
-        return Outcome(
-            Status.AGENT_ERROR, reward, components, error=_error_text(errors[0]), **seats
-        )
+        return Outcome(Status.AGENT_ERROR, reward, components, error=errors[0], **seats)
     for trace in episode.traces:
         if trace.stop_condition in _LIMITS:
             limit = _LIMITS[trace.stop_condition]
@@ -490,18 +547,35 @@ def outcome(episode: Any) -> Outcome:
     return Outcome(Status.COMPLETED, reward, components, **seats)
 
 
-def _seats(traces: list[Any], prefixes: list[str]) -> dict[str, Any]:
+def _trace_reward(trace: Any, prefix: str) -> tuple[float, str | None]:
+    """A trace's reward, the weighted sum of its rewards, and None; or, where a reward or
+    their sum is not a finite number (a reward function that returned nan or inf), 0 (as
+    verifiers scores a trace whose scoring raised) and what was not finite, which makes the
+    episode an AGENT_ERROR rather than a reward of 0 that nothing reports."""
+    for name, reward in trace.rewards.items():
+        if reward is not None and not math.isfinite(reward.value):
+            return 0.0, (
+                f"reward {prefix + name!r} scored {reward.score!r} at weight "
+                f"{reward.weight!r}, not a finite number: the trace is scored 0"
+            )
+    if not math.isfinite(trace.reward):
+        why = f"{prefix}rewards sum to {trace.reward!r}, not a finite number"
+        return 0.0, f"{why}: the trace is scored 0"
+    return float(trace.reward), None
+
+
+def _seats(traces: list[Any], prefixes: list[str], rewards: list[float]) -> dict[str, Any]:
     """For an episode of several traces, `Outcome`'s `seat_of` (each trace's seat, its
     components' prefix, by its id) and `seats` (the reward of each seat whose trace recorded
-    rewards); nothing for one."""
+    rewards, `rewards` by trace); nothing for one."""
     if len(traces) < 2:
         return {}
     names = [prefix.removesuffix("/") for prefix in prefixes]
     seat_of = {trace.id: seat for trace, seat in zip(traces, names, strict=True)}
     seats = {
-        seat: float(trace.reward)
-        for trace, seat in zip(traces, names, strict=True)
-        if trace.rewards and math.isfinite(trace.reward)
+        seat: reward
+        for trace, seat, reward in zip(traces, names, rewards, strict=True)
+        if trace.rewards
     }
     return {"seat_of": seat_of, "seats": seats}
 
@@ -566,7 +640,13 @@ class VerifiersSource:
         )
 
         async def episode() -> Outcome:
-            return outcome(await _run_loop().run(self.env.run_episode(task.payload, context)))
+            try:
+                played = await _run_loop().run(self.env.run_episode(task.payload, context))
+            except Exception as error:
+                # Past verifiers' own boundaries, which record an environment's errors on the
+                # episode: still the environment's, not a broken source's.
+                return Outcome(Status.AGENT_ERROR, 0.0, {}, error=describe(error))
+            return outcome(played)
 
         played, timed_out = await play_in_session(session, self.wall_clock, episode)
         if timed_out and played is None:
