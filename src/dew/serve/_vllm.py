@@ -30,6 +30,7 @@ import functools
 import json
 import logging
 import math
+import os
 import shutil
 import tempfile
 import threading
@@ -52,6 +53,7 @@ from dew.serve._vllm_process import (
     VLLMError,
     check_port_free,
     free_port,
+    server_urls,
 )
 
 _GENERATE = "/inference/v1/generate"
@@ -61,6 +63,9 @@ _GENERATE = "/inference/v1/generate"
 _log = logging.getLogger(__name__)
 
 _REQUIRED_FLAGS = ("--logprobs-mode", "processed_logprobs", "--enable-scale-out")
+API_KEY_VARIABLE = "VLLM_API_KEY"
+"""The environment variable dew reads the servers' API key from when none is given, as vLLM's
+own server reads it (`--api-key` unset): dew sends it as `Authorization: Bearer KEY`."""
 # Starts of one server whose picked port another process took first, before start gives up.
 PORT_ATTEMPTS = 3
 
@@ -71,7 +76,7 @@ class _Server:
     is left out until a push reloads them)."""
 
     def __init__(self, url: str, process: ServerProcess | None = None):
-        self.url = url.rstrip("/")
+        self.url = url
         self.process = process
         self.alive = True
         self.restarted = False
@@ -110,6 +115,8 @@ class VLLMEngine:
         push_dir: where pushed checkpoints are written; every server must read it.
         version: the version of the weights the servers hold now.
         owned_dir: a temporary folder of dew's to remove at close, or None.
+        api_key: the key the servers want (`--api-key`), sent with every request; None for
+            servers that want none.
     """
 
     def __init__(
@@ -125,6 +132,7 @@ class VLLMEngine:
         push_dir: Path,
         version: int,
         owned_dir: Path | None = None,
+        api_key: str | None = None,
     ):
         if save is None and checkpoint is None and model is None:
             raise ValueError("a VLLMEngine needs the run's checkpoint or model (or save=)")
@@ -144,7 +152,12 @@ class VLLMEngine:
         self._owned_dir = owned_dir
         self._version = version
         self._lock = threading.Lock()
-        self._pushes = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0))
+        # vLLM guards only its /v1 and /inference paths with the key; it goes with every
+        # request, which a proxy guarding every path needs too.
+        self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+        self._pushes = httpx.Client(
+            timeout=httpx.Timeout(600.0, connect=10.0), headers=self._headers
+        )
         self._client: httpx.AsyncClient | None = None
         self._pushed: Path | None = None
         self._closed = False
@@ -171,6 +184,7 @@ class VLLMEngine:
         arguments: Sequence[str] = (),
         environment: dict[str, str] | None = None,
         work_dir: str | Path | None = None,
+        api_key: str | None = None,
     ) -> VLLMEngine:
         """Start `servers` vLLM servers of `checkpoint` on `host` and wait until each answers.
 
@@ -203,12 +217,16 @@ class VLLMEngine:
             environment: more environment variables for the servers.
             work_dir: where logs and pushed checkpoints go; a temporary folder (removed at
                 close) unless given.
+            api_key: a key the servers want on their /v1 and /inference paths (vLLM's
+                `--api-key`, given to them as VLLM_API_KEY, out of their command lines); the
+                environment's VLLM_API_KEY unless given ("" for none).
 
         Raises:
             VLLMError: a port in use, or naming the server's URL and its last log lines when it
                 exits early (vLLM refused the checkpoint or a flag: its error is in those lines)
                 or is not ready within `ready_timeout`.
-            ValueError: naming an argument out of bounds or a checkpoint that is not a folder.
+            ValueError: naming an argument out of bounds or a checkpoint that is not a folder,
+                or an API key given in `arguments` or `environment` instead of `api_key`.
         """
         checkpoint = resolve(checkpoint)  # a Hub repository id: its snapshot in the Hub's cache
         if not (checkpoint / "config.json").is_file():
@@ -218,6 +236,17 @@ class VLLMEngine:
         version = check_int("version", version, low=0)
         check_number("ready_timeout", ready_timeout, low=0, low_open=True)
         port = check_int("port", port, low=0)
+        environment = dict(environment or {})
+        if API_KEY_VARIABLE in environment or any(
+            flag.startswith("--api-key") for flag in arguments
+        ):
+            raise ValueError(
+                "give the servers' API key as api_key= (dew sends it too), not in arguments or "
+                "environment"
+            )
+        api_key = _api_key(api_key)
+        # "" overrides a key in dew's own environment that api_key= replaced.
+        environment[API_KEY_VARIABLE] = api_key or ""
         ports = [free_port(host) for _ in range(servers)] if port == 0 else []
         for index in range(servers if port else 0):
             check_port_free(host, port + index)
@@ -247,7 +276,7 @@ class VLLMEngine:
                 port=server_port,
                 arguments=flags,
                 log=work_dir / f"vllm-{index}.log",
-                environment=environment or {},
+                environment=environment,
             )
 
         started: list[ServerProcess] = []
@@ -279,6 +308,7 @@ class VLLMEngine:
                 push_dir=work_dir,
                 version=version,
                 owned_dir=owned,
+                api_key=api_key,
             )
             # Together: a first call takes tens of seconds on each server.
             with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
@@ -305,15 +335,18 @@ class VLLMEngine:
         tokenizer: Any = None,
         save: Callable[[Path, Any], None] | None = None,
         version: int = 0,
+        api_key: str | None = None,
     ) -> VLLMEngine:
         """Use vLLM servers that are already running.
 
         Each must serve the run's model, run in vLLM's development mode (`VLLM_SERVER_DEV_MODE=1`)
         with `--logprobs-mode processed_logprobs` and `--enable-scale-out`, and read
-        `push_dir`. Their weights version is set to `version`.
+        `push_dir`. A server that lacks any of these is refused naming every one it lacks. Their
+        weights version is set to `version`.
 
         Args:
-            urls: the servers' base URLs (`http://host:port`).
+            urls: the servers' base URLs (`http://host:port`; a trailing `/` or `/v1`, as an
+                OpenAI client's `base_url` has, is dropped).
             push_dir: where pushed checkpoints are written, a folder every server reads.
             checkpoint: the run's checkpoint folder: pushes copy its tokenizer files, and read
                 `model` from it unless given.
@@ -324,14 +357,22 @@ class VLLMEngine:
             save: writes pushed params as a checkpoint folder, `save(folder, variables)`, in
                 place of `dew.models.hf.save`.
             version: the version of the weights they hold.
+            api_key: the key the servers were started with (`--api-key`), sent with every
+                request; the environment's VLLM_API_KEY unless given ("" for none).
 
         Raises:
-            VLLMError: naming the URL of a server that does not answer, serves another model,
-                or lacks the development-mode endpoints.
-            ValueError: when `urls` is empty.
+            VLLMError: naming the URL of a server that does not answer, wants an API key (or
+                another), serves another model, does not report its max_model_len, or lacks
+                any of the flags above (naming each).
+            ValueError: when `urls` is empty, names a URL that cannot be a server's or one
+                server twice, or the API key cannot go in an HTTP header.
         """
+        if isinstance(urls, str):
+            raise ValueError(f"attach takes a list of server URLs, got the string {urls!r}")
+        urls = server_urls(urls)
         if not urls:
             raise ValueError("attach needs at least one server URL")
+        api_key = _api_key(api_key)
         if name is None and checkpoint is None:
             raise ValueError("attach needs the served model's name or the run's checkpoint")
         version = check_int("version", version, low=0)
@@ -352,6 +393,7 @@ class VLLMEngine:
             save=save,
             push_dir=push_dir,
             version=version,
+            api_key=api_key,
         )
         try:
             lengths = [engine._check_attached(server) for server in servers]
@@ -369,9 +411,20 @@ class VLLMEngine:
             answer = self._pushes.get(f"{server.url}/v1/models", timeout=30)
         except httpx.HTTPError as error:
             raise VLLMError(f"the vLLM server {server.url} does not answer: {error}") from None
+        if answer.status_code == 404:
+            raise VLLMError(
+                f"the vLLM server {server.url} answered /v1/models {_said(answer)}: is "
+                f"{server.url} a vLLM server's base URL (http://HOST:PORT)?"
+            )
         if answer.status_code != 200:
-            raise VLLMError(f"the vLLM server {server.url} answered /v1/models {_said(answer)}")
-        served = {entry.get("id"): entry for entry in answer.json().get("data", [])}
+            raise self._refused(server, "/v1/models", answer)
+        try:
+            served = {entry["id"]: entry for entry in answer.json()["data"]}
+        except (KeyError, TypeError, ValueError):
+            raise VLLMError(
+                f"the vLLM server {server.url} answered /v1/models with {answer.text!r:.300}: "
+                "is it a vLLM server?"
+            ) from None
         if self.name is None:
             self.name = _served_name(served, Path(self._checkpoint))
         if self.name not in served:
@@ -379,44 +432,87 @@ class VLLMEngine:
             raise VLLMError(
                 f"the vLLM server {server.url} serves {sorted(served)}, not the run's model {run}"
             )
-        paused = self._pushes.get(f"{server.url}/is_paused", timeout=30)
-        if paused.status_code == 404:
+        length = served[self.name].get("max_model_len")
+        if not isinstance(length, int) or length < 2:
             raise VLLMError(
-                f"the vLLM server {server.url} has no RL endpoints (/pause, /collective_rpc): "
-                "start it with VLLM_SERVER_DEV_MODE=1"
+                f"the vLLM server {server.url} reports no max_model_len for {self.name!r} on "
+                f"/v1/models (it answered {length!r}): is it a vLLM server?"
             )
-        return int(served[self.name].get("max_model_len") or 0)
+        return length
 
-    def _check_logprobs(self, server: _Server) -> None:
-        """Refuse a server that reports another distribution's log-probs than the one it draws
-        from (started or attached without dew's flags), or has no token-in/token-out endpoint.
-        A call drawn with top_k 1 tells: the distribution it draws from keeps one token, of
+    def _check_serving(self, server: _Server) -> None:
+        """Refuse a server that lacks what a run needs, naming all it lacks at once (a server
+        started by hand takes minutes to start again): vLLM's development mode (its RL
+        endpoints), its token-in/token-out endpoint (`--enable-scale-out`), and log-probs of
+        the distribution it draws from (`--logprobs-mode processed_logprobs`). A call drawn
+        with top_k 1 tells the last: the distribution it draws from keeps one token, of
         log-prob 0, where vLLM's default (`raw_logprobs`) reports that token's log-prob before
-        top-k, below 0 unless the model is certain of it (so four tokens are drawn)."""
+        top-k, below 0 unless the model is certain of it (so four tokens are drawn); a server
+        without the token-in/token-out endpoint draws it through /v1/completions."""
+        lacks = []
+        paused = self._send(server, "GET", "/is_paused")
+        if paused.status_code == 404:
+            lacks.append(
+                "it has no RL endpoints (/pause, /collective_rpc): start it with "
+                "VLLM_SERVER_DEV_MODE=1"
+            )
+        elif paused.status_code != 200:
+            raise self._refused(server, "/is_paused", paused)
         sampling = {"temperature": 1.0, "top_k": 1}
         body = _body(self.name, [0], max_tokens=4, sampling=sampling, stop=())
-        try:
-            answer = self._post(server, _GENERATE, json=body)
-        except VLLMError as error:
-            if "404" not in str(error):
-                raise
-            raise VLLMError(
-                f"{error}: start it with --enable-scale-out (the token-in/token-out endpoint)"
-            ) from None
-        call = _call(server.url, np.zeros(1, np.int32), answer.json(), 0)
-        if np.abs(call.logprobs).max() > 1e-6:
-            raise VLLMError(
-                f"the vLLM server {server.url} reports log-probs of another distribution than "
-                f"the one it draws from (drawn with top_k 1, they are {call.logprobs.tolist()}, "
-                "not 0): start it with --logprobs-mode processed_logprobs, or the run would "
-                "train on wrong behaviour log-probs"
+        answer = self._send(server, "POST", _GENERATE, json=body)
+        logprobs = None
+        # vLLM 0.32 answers 403 "Scale-out endpoints are disabled", others 404.
+        if answer.status_code == 404 or (
+            answer.status_code == 403 and "scale-out" in answer.text.lower()
+        ):
+            lacks.append(
+                f"it has no token-in/token-out endpoint ({_GENERATE} answered "
+                f"{answer.status_code}): start it with --enable-scale-out"
             )
+            # What the server lacks besides, to say it now: a check the next attach repeats.
+            with contextlib.suppress(VLLMError):
+                logprobs = self._completion_logprobs(server)
+        elif answer.status_code != 200:
+            raise self._refused(server, _GENERATE, answer)
+        else:
+            logprobs = _call(server.url, np.zeros(1, np.int32), answer.json(), 0).logprobs
+        if logprobs is not None and np.abs(logprobs).max() > 1e-6:
+            lacks.append(
+                "it reports log-probs of another distribution than the one it draws from "
+                f"(drawn with top_k 1, they are {logprobs.tolist()}, not 0): start it with "
+                "--logprobs-mode processed_logprobs, or the run would train on wrong behaviour "
+                "log-probs"
+            )
+        if lacks:
+            lacking = "; ".join(lacks)
+            raise VLLMError(f"the vLLM server {server.url} cannot serve the run: {lacking}")
+
+    def _completion_logprobs(self, server: _Server) -> np.ndarray:
+        """The log-probs of a call drawn with top_k 1 through the OpenAI completions endpoint."""
+        body = {
+            "model": self.name,
+            "prompt": [0],
+            "max_tokens": 4,
+            "temperature": 1.0,
+            "top_k": 1,
+            "logprobs": 1,
+            "ignore_eos": True,
+        }
+        answer = self._post(server, "/v1/completions", json=body)
+        try:
+            values = answer.json()["choices"][0]["logprobs"]["token_logprobs"]
+            return np.asarray(values, np.float64)
+        except (IndexError, KeyError, TypeError, ValueError):
+            raise VLLMError(
+                f"the vLLM server {server.url} answered /v1/completions without log-probs"
+            ) from None
 
     def _warm_up(self, version: int, server: _Server) -> None:
-        """Label a server's weights `version` and check what it reports (`_check_logprobs`):
-        that call is also its first, which takes tens of seconds on a CPU."""
+        """Check what a server serves with (`_check_serving`: its first call, which takes tens
+        of seconds on a CPU) and label its weights `version`."""
+        self._check_serving(server)
         self._post(server, "/update_weight_version", json={"new_version": str(version)})
-        self._check_logprobs(server)
 
     # --- life ------------------------------------------------------------------------------------
 
@@ -468,6 +564,7 @@ class VLLMEngine:
         # No pool limit: every rollout in flight holds one connection while its call runs.
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=10.0),
+            headers=self._headers,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
         )
         return self
@@ -574,6 +671,8 @@ class VLLMEngine:
                 await answer.aread()
                 if answer.status_code >= 500:
                     raise await self._lost(server, _said(answer))
+                if answer.status_code == 401:
+                    raise self._refused(server, _GENERATE, answer)
                 raise VLLMError(f"the vLLM server {server.url} refused the call: {_said(answer)}")
             # Read to the end whatever comes: leaving httpx's line iterator half read would leave
             # its generators for the garbage collector (trio warns of each).
@@ -705,7 +804,7 @@ class VLLMEngine:
         # Made in a worker thread too: making a client (its TLS context) takes tens of ms.
         timeout = httpx.Timeout(600.0, connect=10.0)
         client = await trio.to_thread.run_sync(
-            functools.partial(httpx.AsyncClient, timeout=timeout)
+            functools.partial(httpx.AsyncClient, timeout=timeout, headers=self._headers)
         )
         async with client:
             if any(server.alive for server in self._servers):
@@ -809,7 +908,7 @@ class VLLMEngine:
         except httpx.HTTPError as error:
             raise self._post_failed(server, path, error) from None
         if answer.status_code != 200:
-            raise VLLMError(f"the vLLM server {server.url} failed {path}: {_said(answer)}")
+            raise self._refused(server, path, answer)
         return answer
 
     def pause(self) -> None:
@@ -857,13 +956,35 @@ class VLLMEngine:
 
     def _post(self, server: _Server, path: str, **options) -> httpx.Response:
         """A synchronous POST to a server; VLLMError naming the URL for any answer but 200."""
+        answer = self._send(server, "POST", path, **options)
+        if answer.status_code != 200:
+            raise self._refused(server, path, answer)
+        return answer
+
+    def _send(self, server: _Server, method: str, path: str, **options) -> httpx.Response:
+        """A synchronous request to a server, whatever it answers; VLLMError naming the URL
+        when it does not answer."""
         try:
-            answer = self._pushes.post(f"{server.url}{path}", **options)
+            return self._pushes.request(method, f"{server.url}{path}", **options)
         except httpx.HTTPError as error:
             raise self._post_failed(server, path, error) from None
-        if answer.status_code != 200:
-            raise VLLMError(f"the vLLM server {server.url} failed {path}: {_said(answer)}")
-        return answer
+
+    def _refused(self, server: _Server, path: str, answer: httpx.Response) -> VLLMError:
+        """The error of a server's answer other than 200, naming its URL: a 401 says that it
+        wants an API key, or another than the one sent."""
+        if answer.status_code != 401:
+            return VLLMError(f"the vLLM server {server.url} failed {path}: {_said(answer)}")
+        if self._headers:
+            why = (
+                f"refused the API key dew sent ({API_KEY_VARIABLE}, or api_key=): give the key "
+                "it was started with (--api-key)"
+            )
+        else:
+            why = (
+                f"wants an API key (it was started with --api-key): set {API_KEY_VARIABLE}, or "
+                "give api_key=, to that key"
+            )
+        return VLLMError(f"the vLLM server {server.url} {why}; it answered {path} {_said(answer)}")
 
     def _post_failed(self, server: _Server, path: str, error: httpx.HTTPError) -> VLLMError:
         """The error of a POST the server did not answer; the server counts as dead when its
@@ -873,6 +994,25 @@ class VLLMEngine:
         return VLLMError(
             f"the vLLM server {server.url} failed {path}: {type(error).__name__}: {error}"
         )
+
+
+def _api_key(api_key: str | None) -> str | None:
+    """The API key to send: `api_key`, else the environment's VLLM_API_KEY; None for none.
+
+    Raises:
+        ValueError: when it holds a space or a control character (a line end read from a
+            file, say), which vLLM's key cannot and an HTTP header does not take.
+    """
+    key = os.environ.get(API_KEY_VARIABLE) if api_key is None else api_key
+    if not isinstance(key, str | None):
+        raise ValueError(f"api_key must be a string, got {type(key).__name__}")
+    if key and not all(" " < character < "\x7f" for character in key):
+        where = API_KEY_VARIABLE if api_key is None else "api_key"
+        raise ValueError(
+            f"{where} holds a space or a control character (a line end read from a file?): "
+            "give the key alone"
+        )
+    return key or None
 
 
 def _folder_tokenizer(checkpoint: str | Path):

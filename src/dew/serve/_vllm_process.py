@@ -11,18 +11,22 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+import urllib.parse
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-
-import httpx
+from typing import TYPE_CHECKING
 
 from dew._processes import kill_group, unwatch, watch
 from dew.serve._failure import CallFailed
+
+if TYPE_CHECKING:
+    import httpx
 
 _SITE = Path(__file__).with_name("_vllm_site")
 _TAIL_LINES = 25
@@ -53,6 +57,60 @@ class PortTaken(VLLMError):
 
 # What a server's log says when its port was taken before it bound it.
 _PORT_TAKEN = "Address already in use"
+
+
+# A URL pasted without its scheme: `localhost:8000`, `gpu-0:8000/v1`.
+_HOST_PORT = re.compile(r"^[\w.\-\[\]:]*:\d+(/.*)?$")
+
+
+def server_url(url: str) -> str:
+    """A vLLM server's base URL as users paste it, normalised: `http://host:port`, `.../`
+    and `.../v1` (the OpenAI client's `base_url`) all give `http://host:port`. A path other
+    than `/v1` stays (a server behind a proxy at `https://gateway/vllm-0`).
+
+    Raises:
+        ValueError: naming the URL when it cannot be a server's: no http or https scheme (a
+            bare `host:port`), no host, a bad port, a query or a fragment.
+    """
+    text = url.strip() if isinstance(url, str) else url
+    if not isinstance(text, str):
+        raise ValueError(f"a vLLM server URL must be a string, got {url!r}")
+    parts = urllib.parse.urlsplit(text)
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or "://" not in text:
+        hint = f": give its scheme, http://{text}" if _HOST_PORT.match(text) else ""
+        raise ValueError(
+            f"{url!r} is not a vLLM server URL (http://HOST:PORT or https://HOST:PORT){hint}"
+        )
+    try:
+        parts.port  # noqa: B018 (urllib checks the port only when asked for it)
+    except ValueError as error:
+        raise ValueError(f"{url!r} is not a vLLM server URL: {error}") from None
+    if not parts.hostname:
+        raise ValueError(f"{url!r} is not a vLLM server URL: it names no host")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{url!r} is not a vLLM server URL: a base URL has no query or fragment")
+    path = parts.path.rstrip("/").removesuffix("/v1").rstrip("/")
+    return f"{scheme}://{parts.netloc}{path}"
+
+
+def server_urls(urls: Iterable[str]) -> list[str]:
+    """The servers' base URLs, each normalised by `server_url`.
+
+    Raises:
+        ValueError: naming a URL that cannot be a server's, or two that name one server (a
+            server given twice would reload every push twice, at once).
+    """
+    seen: dict[str, str] = {}
+    for url in urls:
+        normal = server_url(url)
+        if normal in seen:
+            raise ValueError(
+                f"the vLLM server {normal} is given twice ({seen[normal]!r} and {url!r}): "
+                "give each server once"
+            )
+        seen[normal] = url
+    return list(seen)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -151,6 +209,8 @@ class ServerProcess:
                 first (vLLM refused the checkpoint or its flags; PortTaken when another process
                 bound its port first) or `deadline` passes.
         """
+        import httpx  # the vllm extra; `server_urls` checks a config's URLs without it
+
         while True:
             code = self.exit_code()
             if code is not None:

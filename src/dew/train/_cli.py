@@ -21,6 +21,7 @@ from dew import _pool_guard
 from dew._checks import int_option, number_option
 from dew._launch import run_pool
 from dew.envs.lookup import HARNESSES
+from dew.serve._vllm_process import VLLMError
 from dew.train._checkpoint import read_commit
 from dew.train._config import (
     ENVIRONMENTS,
@@ -253,6 +254,9 @@ def _train_until_interrupted(
                 )
                 return 1
             except FloatingPointError as error:  # the step that went non-finite, named
+                _say(f"dew train: {error}")
+                return 1
+            except VLLMError as error:  # servers that cannot serve the run, named by URL
                 _say(f"dew train: {error}")
                 return 1
     except KeyboardInterrupt:

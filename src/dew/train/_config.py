@@ -154,6 +154,19 @@ def _admit(instance, attribute, value) -> None:
         int_within(1, 4096)(instance, attribute, value)
 
 
+def _server_urls(instance, attribute, value) -> None:
+    """Refuse URLs that cannot be vLLM servers' (a bare `localhost:8000`) or that name one server
+    twice (in a pool, two processes would push to it), before anything starts."""
+    if value is None:
+        return
+    from dew.serve._vllm_process import server_urls  # as VLLMEngine.attach reads them
+
+    try:
+        server_urls((value,) if isinstance(value, str) else value)
+    except ValueError as error:
+        raise ValueError(f"{attribute.name}: {error}") from None
+
+
 def _optional_tuple(values: Any) -> tuple | None:
     return None if values is None else tuple(values)
 
@@ -406,12 +419,17 @@ class TrainConfig:
     engine_url: tuple[str, ...] | None = attrs.field(
         default=None,
         converter=lambda urls: (urls,) if isinstance(urls, str) else _optional_tuple(urls),
-        validator=attrs.validators.optional(
-            attrs.validators.deep_iterable(attrs.validators.instance_of(str))
-        ),
+        validator=[
+            attrs.validators.optional(
+                attrs.validators.deep_iterable(attrs.validators.instance_of(str))
+            ),
+            _server_urls,
+        ],
         metadata={
             "help": "with --engine vllm, the URLs of running vLLM servers to use instead of "
-            "starting them (none: start --engine-servers)",
+            "starting them, http://HOST:PORT (a trailing / or /v1 is dropped); a server "
+            "started with --api-key takes its key from $VLLM_API_KEY (none: start "
+            "--engine-servers)",
             "type": str,
             "nargs": "+",
         },

@@ -284,7 +284,8 @@ def _vllm_engine(config: TrainConfig, run: Path, model, tokenizer, max_len: int,
     their logs and pushed checkpoints under the run folder's `vllm/process-I/`. The servers
     hold the folder's weights, the trainer's `version` ones only from the first push on, which
     the scheduler makes before any rollout."""
-    from dew.serve.vllm import VLLMEngine  # the vllm extra, only where it is asked for
+    # The vllm extra, only where it is asked for.
+    from dew.serve.vllm import VLLMEngine, VLLMError
 
     index, processes = jax.process_index(), jax.process_count()
     work = run / "vllm" / f"process-{index}"
@@ -299,7 +300,7 @@ def _vllm_engine(config: TrainConfig, run: Path, model, tokenizer, max_len: int,
         )
         if engine.max_len < max_len:
             engine.close()
-            raise ValueError(
+            raise VLLMError(
                 f"--engine-url: the servers take {engine.max_len} tokens (--max-model-len), "
                 f"the task's sequences reach {max_len}"
             )
