@@ -19,20 +19,17 @@ import trio.testing
 
 from dew import cli
 from dew.data import ArrayDataset
-from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
-from dew.objectives.rl.scheduler import MAX_IN_FLIGHT, RolloutScheduler
+from dew.objectives.rl.scheduler import MAX_IN_FLIGHT
 from dew.objectives.rl.sessions import Call, Session, SessionError, Status, chains
 from dew.replay import (
     Recorder,
-    RecordingPublisher,
-    RecordingSource,
     TraceError,
     read_trace,
     replay,
     replay_async,
 )
-from dew.simulate import BehaviorObjective
 from dew.testing import assert_replays, record_run
+from test_carry_over import _recorded_scheduler
 
 OPTIONS = dict(updates=range(4), width=32, rows=8, groups=2, oversample=1)
 
@@ -213,26 +210,9 @@ def _resumed_trace(directory: pathlib.Path, name: str = "resumed.trace") -> path
     (groups carried), for three calls more; the resumed run's trace."""
     data = ArrayDataset({"task_id": np.arange(40)}, batch_size=4)
 
-    def scheduler(recorder):
-        engine = SimulatedEngine(slots=4)
-        source = SimulatedSource(engine, SimulatedConfig(seed=3, duration_mean=2.0))
-        built = RolloutScheduler(
-            BehaviorObjective(),
-            RecordingSource(source, recorder),
-            RecordingPublisher(engine, recorder),
-            width=256,
-            rows=8,
-            groups=2,
-            admit=2,
-            max_lag=4,
-            carry_over=True,
-        )
-        built.long_wait = None
-        return built
-
     async def run(path, start, updates, state=None):
         recorder = Recorder(path)
-        async with recorder.record(scheduler(recorder)):
+        async with recorder.record(_recorded_scheduler(recorder)):
             if state is not None:
                 recorder.restore_state(state)
             stream = recorder.tasks(data).stream(start)
