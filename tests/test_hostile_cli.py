@@ -14,6 +14,7 @@ import errno
 import functools
 import os
 import pathlib
+import select
 import signal
 import subprocess
 import sys
@@ -366,6 +367,23 @@ def wait_for_descendants(process: subprocess.Popen, word: str, count: int) -> li
         time.sleep(0.1)
 
 
+def read_until(process: subprocess.Popen, text: str, *, seconds: float) -> str:
+    """What `process` writes to its stderr until it has written `text`, ended, or `seconds`
+    passed (a run that never answers fails its test with what it said, rather than hanging
+    it). Reads the pipe's file descriptor, so no line waits in a buffer select cannot see."""
+    deadline = time.monotonic() + seconds
+    said = b""
+    fd = process.stderr.fileno()
+    while text.encode() not in said and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            said += chunk
+    return said.decode(errors="replace")
+
+
 def _command_line(process: psutil.Process) -> str:
     try:
         return " ".join(process.cmdline())
@@ -402,8 +420,8 @@ def test_sigterm_stops_dew_train_in_order_and_ends_every_harness_process(tmp_pat
         # The first SIGTERM asks for a stop after the step; the rollouts never end, so the
         # second stops the run at once. Signals sent together may merge: wait for the first's.
         asked = "dew train: SIGTERM: stopping after the step in progress"
-        lines = iter(process.stderr.readline, "")
-        assert any(asked in line for line in lines), "the first SIGTERM went unanswered"
+        said = read_until(process, asked, seconds=120)
+        assert asked in said, f"the first SIGTERM went unanswered in 120 s: {said}"
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == INTERRUPTED
         assert "stopped at once; the last checkpoint stands" in process.stderr.read()
