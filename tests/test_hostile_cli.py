@@ -328,7 +328,10 @@ def test_every_refusal_is_the_error_and_a_one_line_hint(capsys, trace, tmp_path,
 # `dew train --harness sleeper`: a harness command that starts a process of its own and never
 # ends, so the rollouts are in flight when dew is stopped.
 SLEEPER = """
-import sys
+import os, sys
+from dew._processes import end_with_parent
+# Killed with the test's process (an xdist worker ended by the timeout included), not left on.
+end_with_parent(int(os.environ["DEW_TEST_PARENT"]))
 from dew.envs import lookup
 from dew.envs.harness import HarnessSource
 
@@ -407,7 +410,7 @@ def test_sigterm_stops_dew_train_in_order_and_ends_every_harness_process(tmp_pat
     argv = [sys.executable, str(script), "train", "--harness", "sleeper", *TINY]
     process = subprocess.Popen(
         [*argv, "--run", str(tmp_path / "run")],
-        env=environment(),
+        env={**environment(), "DEW_TEST_PARENT": str(os.getpid())},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

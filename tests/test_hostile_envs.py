@@ -267,6 +267,15 @@ def test_options_that_leave_no_game_to_play_are_refused_at_load(nltk_data):
     assert TextArena.parse("textarena:Wordle-v0,word_length=5").max_turns == 12
 
 
+@pytest.mark.parametrize(
+    "spec", ["ConnectFour-v0,num_rows=0,self_play=true", "Wordle-v0,num_guesses=0"]
+)
+def test_options_that_leave_no_move_are_refused_naming_them(nltk_data, spec):
+    """A board of no cells, or no guesses, starts a game the player has no move in."""
+    with pytest.raises(ValueError, match=r"with options \{'num_.*': 0\} leaves the player no"):
+        TextArena.parse(spec)
+
+
 @pytest.mark.parametrize("self_play", [False, True])
 async def test_a_move_the_game_raises_on_is_the_agents_error_scored_as_a_loss(self_play):
     """TicTacToe reads a cell with `int`, which refuses 5000 digits: the game raises on the

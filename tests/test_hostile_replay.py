@@ -167,13 +167,17 @@ async def test_a_session_the_scheduler_refuses_replays_as_its_refusal(
     await assert_replays(trace)
 
 
-async def test_a_bool_reward_the_scheduler_takes_is_read_back_and_replays(tmp_path, autojump_clock):
+@pytest.mark.parametrize("true", [True, np.True_], ids=["bool", "numpy"])
+async def test_a_bool_reward_the_scheduler_takes_is_read_back_and_replays(
+    tmp_path, autojump_clock, true
+):
     """The scheduler takes a bool as a reward, a seat's or a component (a Python bool is an
-    int); its trace was refused as a mistyped field, a run that trained made unreadable."""
+    int), and numpy's bool as it takes numpy's ints; a bool's trace was refused as a mistyped
+    field, a run that trained made unreadable, and numpy's bool was refused as no number."""
 
     def booleans(session):
-        seats, components = {"a": True, "b": False}, {"x": True}
-        return attrs.evolve(session, reward=True, seats=seats, components=components)
+        seats, components = {"a": true, "b": not true}, {"x": true}
+        return attrs.evolve(session, reward=true, seats=seats, components=components)
 
     engine = Served()
     trace = await record_run(SelfPlay(engine, booleans), engine, tmp_path / "b.trace", **OPTIONS)

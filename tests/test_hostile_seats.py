@@ -473,11 +473,13 @@ async def test_a_seat_reward_beyond_a_float_fails_the_call_as_a_refused_session(
         await train_once(scheduler)
 
 
-def test_a_bool_seat_reward_trains_as_the_number_it_is():
+@pytest.mark.parametrize("true", [True, np.True_], ids=["bool", "numpy"])
+def test_a_bool_seat_reward_trains_as_the_number_it_is(true):
     """A Python bool is an int, as the scheduler takes it for the reward: True trains as 1.0
-    (the replay test pins that traces keep it)."""
+    (the replay test pins that traces keep it); numpy's bool alike."""
     calls = [("a", [1], [2]), ("b", [3], [4])]
-    as_bool = [seated({"a": True, "b": False}, calls), seated({"a": False, "b": True}, calls)]
+    false = not true
+    as_bool = [seated({"a": true, "b": false}, calls), seated({"a": false, "b": true}, calls)]
     as_float = [seated({"a": 1.0, "b": 0.0}, calls), seated({"a": 0.0, "b": 1.0}, calls)]
     for group in (as_bool, as_float):
         for session in group:

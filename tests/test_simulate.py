@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import attrs
 import numpy as np
 import pytest
 
@@ -118,6 +119,20 @@ def test_simulate_refuses_an_admit_above_the_tasks():
     setting = simulate.Setting("x", ahead=1, max_lag=1, admit=5)
     with pytest.raises(ValueError, match="admit must be <= the workload's 4 tasks, got 5"):
         simulate.simulate(simulate.Workload.smoke(), setting)
+
+
+def test_simulate_refuses_a_run_measured_over_no_time():
+    """Rollouts of one duration, eight batches ahead and a free trainer: every measured batch
+    is ready before the first measured step, so the goodput (samples over 0 s) is unbounded.
+    It used to come back as an Outcome whose `goodput` raised ZeroDivisionError."""
+    workload = simulate.Workload.smoke()
+    workload = attrs.evolve(
+        workload, slots=None, calls=(1, 1), duration_sigma=0.0, step_time=0.0, steps=4, warmup=2
+    )
+    setting = simulate.Setting("ahead=8", ahead=8, max_lag=8)
+    with pytest.raises(ValueError, match=r"ahead=8 \(seed 0\) trained its 2 measured steps in 0 s"):
+        simulate.simulate(workload, setting)
+    assert simulate.simulate(attrs.evolve(workload, step_time=1.0), setting).goodput > 0
 
 
 def printed_goodput(out: str) -> dict[str, float]:

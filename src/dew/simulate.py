@@ -420,15 +420,25 @@ def simulate(workload: Workload, setting: Setting) -> Outcome:
     Runs its own `trio.run`, so it is called from outside one (a notebook cell, a script).
 
     Raises:
-        ValueError: if setting.admit is above workload.tasks.
+        ValueError: if setting.admit is above workload.tasks, or if the measured steps took
+            0 s (every batch ready before them, and a trainer step of 0 s): their goodput is
+            unbounded.
     """
     if isinstance(setting.admit, int) and setting.admit > workload.tasks:
         raise ValueError(
             f"admit must be <= the workload's {workload.tasks} tasks, got {setting.admit}"
         )
-    return trio.run(
+    outcome = trio.run(
         _simulate, workload, setting, clock=trio.testing.MockClock(autojump_threshold=0)
     )
+    if not outcome.elapsed > 0:
+        raise ValueError(
+            f"{setting.name} (seed {workload.seed}) trained its "
+            f"{workload.steps - workload.warmup} measured steps in 0 s: every batch was ready "
+            "before them and the trainer's steps take 0 s, so its goodput is unbounded; give "
+            "the trainer's steps some time"
+        )
+    return outcome
 
 
 def long_tail(workload: Workload) -> list[Outcome]:

@@ -353,6 +353,12 @@ class TextArena:
                 f"textarena {self.name} with options {dict(self.options)} cannot start a game: "
                 f"{describe(error)}"
             ) from error
+        if self.max_turns < 1:
+            # A board of no cells, or a Wordle of no guesses, starts but leaves no move.
+            raise ValueError(
+                f"textarena {self.name} with options {dict(self.options)} leaves the player no "
+                "move to make"
+            )
 
     @classmethod
     def parse(cls, spec: str, *, seed: int = 0) -> TextArena:

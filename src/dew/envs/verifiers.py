@@ -276,8 +276,9 @@ def _load_tasks(env: Any, size: int) -> list[Any]:
             tasks = list(env.taskset.take(size))
     except Exception as error:
         raise ValueError(
-            f"verifiers environment {name!r} cannot load its tasks here (offline: downloads "
-            f"are refused): {describe(error)}"
+            f"verifiers environment {name!r} cannot load its tasks here: {describe(error)} "
+            "(dew loads them offline: a dataset it would download must be in the Hugging Face "
+            "cache first)"
         ) from error
     if len(tasks) < size:
         raise ValueError(

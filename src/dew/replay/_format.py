@@ -109,6 +109,8 @@ def _encode_array(array: np.ndarray) -> dict:
 
 def _plain(value: Any) -> Any:
     """value with numpy scalars made Python numbers, so JSON takes it and it compares alike."""
+    if isinstance(value, np.bool_):
+        return bool(value)
     if isinstance(value, np.integer):
         return int(value)
     if isinstance(value, np.floating):

@@ -212,14 +212,14 @@ def _fail(session: Session, field: str, problem: str) -> SessionError:
 
 # Checked on every session a source returns: the tuples are built once.
 _INTEGER = (int, np.integer)
-_NUMBER = (float, int, np.floating, np.integer)
+_NUMBER = (float, int, np.floating, np.integer, np.bool_)
 # The statuses a session can train under (some truncation policy trains TRUNCATED).
 _TRAINABLE = (Status.COMPLETED, Status.AGENT_ERROR, Status.TRUNCATED)
 
 
 def _finite(value) -> bool:
     """Whether a reward (the session's, a component or a seat's) is a finite number: a float,
-    an int (a bool is one) or numpy's scalar of either, that a float holds."""
+    an int (a bool is one) or numpy's scalar of any of these, that a float holds."""
     if not isinstance(value, _NUMBER):
         return False
     try:
