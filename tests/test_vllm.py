@@ -23,7 +23,7 @@ import openai
 import pytest
 import trio
 
-from _checkpoint import tiny_qwen2
+from _checkpoint import ONE_WORKER_PROCESS, tiny_qwen2
 from dew import replay
 from dew._torch_media import hide_broken_media_packages
 from dew.data import ArrayDataset, Task
@@ -390,7 +390,8 @@ def test_a_server_reporting_raw_logprobs_is_refused_naming_the_flag(folders, tmp
             servers=1,
             max_model_len=MAX_LEN,
             work_dir=tmp_path,
-            arguments=["--logprobs-mode", "raw_logprobs"],
+            arguments=["--logprobs-mode", "raw_logprobs", *ONE_WORKER_PROCESS["arguments"]],
+            environment=ONE_WORKER_PROCESS["environment"],
         )
 
 
@@ -421,7 +422,13 @@ def test_a_checkpoint_vllm_refuses_fails_with_its_error(tmp_path, monkeypatch):
 
         monkeypatch.setattr(_vllm, "free_port", pick)
         with pytest.raises(VLLMError, match="exited with code") as caught:
-            VLLMEngine.start(folder, max_model_len=MAX_LEN, ready_timeout=600, work_dir=tmp_path)
+            VLLMEngine.start(
+                folder,
+                max_model_len=MAX_LEN,
+                ready_timeout=600,
+                work_dir=tmp_path,
+                **ONE_WORKER_PROCESS,
+            )
     assert "NoSuchModelForCausalLM" in str(caught.value)
     assert len(picked) == 2 and f":{picked[1]} exited" in str(caught.value)
 
