@@ -22,7 +22,7 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -189,6 +189,8 @@ class _Scheduler:
         check_filtering(
             objective, groups=groups, filter_uniform=filter_uniform, reference=reference
         )
+        if admit is not None and admit != "auto":
+            admit = int(admit)  # a numpy integer, checked, is an int to every later check
         self.objective = objective
         self.source = source
         self.weights = weights
@@ -613,7 +615,7 @@ class _Scheduler:
             upcoming = [(index, batch)] + self._registry[1 : 1 + self.ahead]
             # Each batch's tasks are made once, and before the registry moves on, so that a
             # refusal leaves it as it was.
-            tasks = tuple((i, self._tasks_of(b)) for i, b in upcoming if i > self._tasked)
+            tasks = tuple((i, self._tasks_at(i, b)) for i, b in upcoming if i > self._tasked)
             if registered:
                 self._registry.pop(0)
             else:
@@ -633,10 +635,32 @@ class _Scheduler:
                 self._resume = ()
         return _HandOver(fields, variables if pushed else None)
 
+    def _tasks_at(self, index: int, batch: Batch) -> tuple[Task, ...]:
+        """`_tasks_of` the registered batch `index`; a refusal names its stream position, since
+        a batch submitted ahead is refused at the call of an earlier one."""
+        try:
+            return self._tasks_of(batch)
+        except ValueError as error:
+            position = self._positions.get(index)
+            if position is None:
+                raise
+            raise ValueError(
+                f"the batch at position {position} of the tasks() stream: {error}"
+            ) from error
+
     def _tasks_of(self, batch: Batch) -> tuple[Task, ...]:
-        tasks = tuple(self.task_fn(batch))
-        if not all(isinstance(t, Task) for t in tasks):
-            raise ValueError("tasks must turn a batch into a sequence of dew.data.Task")
+        made = self.task_fn(batch)
+        if not isinstance(made, Iterable) or isinstance(made, str | bytes):
+            raise ValueError(
+                f"tasks must turn a batch into a sequence of dew.data.Task, got {made!r:.80}"
+            )
+        tasks = tuple(made)
+        for task in tasks:
+            if not isinstance(task, Task):
+                raise ValueError(
+                    "tasks must turn a batch into a sequence of dew.data.Task, got an element "
+                    f"{task!r:.80} ({type(task).__name__})"
+                )
         if len(tasks) * self.config.samples > MAX_IN_FLIGHT:
             raise ValueError(
                 f"tasks per batch must keep tasks x (groups + oversample) <= {MAX_IN_FLIGHT} "
