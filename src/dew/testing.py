@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from dew._checks import check_int
 from dew.data import ArrayDataset, Batch, Task
 from dew.envs.simulated import SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.objectives.rl.scheduler import (
@@ -94,9 +95,15 @@ async def record_run(
         **options: the other RolloutScheduler arguments (width, rows, groups, ...).
 
     Returns:
-        the trace, read back from `path`.
+        the trace, read back from `path`, which is written afresh (a file there is replaced).
+
+    Raises:
+        TypeError: when updates is not an iterable (e.g. a count of calls).
+        ValueError: when updates is empty or holds something other than an int >= 0.
+        RuntimeError: when not awaited inside a trio run.
     """
-    updates = [int(u) for u in updates]
+    _check_trio("record_run")
+    updates = _check_updates(updates)
     recorder = Recorder(path)
     scheduler = RolloutScheduler(
         NoRescoring() if objective is None else objective,
@@ -116,6 +123,29 @@ async def record_run(
             await recorder.step(batch, variables, count)
             await spend(gap)
     return read_trace(path)
+
+
+def _check_trio(name: str) -> None:
+    """Refuse to go on outside a trio run (awaited from asyncio, say), saying what to do."""
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        raise RuntimeError(
+            f"{name} runs inside a trio run (pytest-trio's tests, trio.run); from plain code "
+            "call dew.replay.replay(trace), which runs a trio run of its own"
+        ) from None
+
+
+def _check_updates(updates: Iterable[int]) -> list[int]:
+    """record_run's `updates` as a list of ints, one per call, or an error saying what is wrong."""
+    if not isinstance(updates, Iterable):
+        raise TypeError(
+            f"updates must be an iterable of ints, one per call (e.g. range(6)), got {updates!r}"
+        )
+    checked = [check_int(f"updates[{i}]", u, low=0) for i, u in enumerate(updates)]
+    if not checked:
+        raise ValueError("updates is empty: a run of no calls records nothing to replay")
+    return checked
 
 
 async def run_simulated(
@@ -151,9 +181,14 @@ async def assert_replays(trace: Trace | str | os.PathLike, **overrides: Any) -> 
     The replay runs in a worker thread, in a trio run and on a MockClock of its own, so the
     caller's clock may read anything.
 
+    The replay plays the recorded rollouts back and never runs the source again: it checks
+    that the scheduler makes the same run of them, not that the source is deterministic.
+
     Raises:
         AssertionError: saying where the replay parted from the recording.
+        RuntimeError: when not awaited inside a trio run.
     """
+    _check_trio("assert_replays")
     result = await replay_async(trace, **overrides)
     if not result.matched:
         raise AssertionError(str(result))
@@ -183,6 +218,11 @@ def assert_exactly_once(events: Iterable[LogEvent]) -> frozenset[Label]:
     open_: set[Label] = set()
     ended: set[Label] = set()
     for event in events:
+        if not isinstance(event, LogEvent):
+            raise TypeError(
+                "events must be LogEvents (e.g. every call's `call.events` concatenated), "
+                f"got {type(event).__name__}"
+            )
         label = event.label
         if event.kind == "submitted":
             if label in open_ or label in ended:
@@ -213,7 +253,14 @@ def assert_record_adds_up(record: SchedulerRecord, events: Sequence[LogEvent]) -
 
     Raises:
         AssertionError: naming the field that does not add up.
+        TypeError: when record is not a SchedulerRecord (e.g. a RecordedCall: pass its
+            `call.record` and `call.events`).
     """
+    if not isinstance(record, SchedulerRecord):
+        raise TypeError(
+            "record must be a SchedulerRecord (a RecordedCall's `call.record`), "
+            f"got {type(record).__name__}"
+        )
     resubmitted = collections.Counter(
         e.reason for e in events if e.kind == "submitted" and e.reason is not None
     )

@@ -499,6 +499,14 @@ class SimulatedEngine:
             self._queue[0][-1].wake.set()
 
 
+def _simulated_config(instance, attribute, value):
+    if not isinstance(value, SimulatedConfig):
+        raise TypeError(
+            f"config must be a SimulatedConfig (e.g. SimulatedConfig(seed=1)), "
+            f"got {type(value).__name__}"
+        )
+
+
 @attrs.frozen(eq=False)
 class SimulatedSource:
     """A SessionSource of simulated sessions, decoded on a SimulatedEngine.
@@ -511,10 +519,13 @@ class SimulatedSource:
     Args:
         engine: decodes the calls and serves their versions.
         config: how sessions are drawn.
+
+    Raises:
+        TypeError: when config is not a SimulatedConfig.
     """
 
     engine: SimulatedEngine
-    config: SimulatedConfig = SimulatedConfig()
+    config: SimulatedConfig = attrs.field(default=SimulatedConfig(), validator=_simulated_config)
 
     async def run(self, task: Task, label: Label) -> Session:
         """Run one rollout of `task` on trio's clock and return its session.

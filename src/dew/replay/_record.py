@@ -58,12 +58,13 @@ class Recorder:
     The two threads of a thread recording write whole lines under one lock.
 
     Args:
-        path: where the trace goes; written line by line, flushed as it goes, so a killed run's
-            trace replays up to its last call (`dew.replay.replay`). A name ending in `.gz` is
-            written gzip-compressed (an eighth of the size for a small `dew train` run), each
-            line flushed as a whole gzip block so the cut-off file of a killed run reads as far
-            (which costs about 15 % over compressing the file whole); `read_trace` tells the
-            two forms by their first bytes.
+        path: where the trace goes, written afresh when the recording starts (a file there is
+            replaced; its folder must exist); written line by line, flushed as it goes, so a
+            killed run's trace replays up to its last call (`dew.replay.replay`). A name ending
+            in `.gz` is written gzip-compressed (an eighth of the size for a small `dew train`
+            run), each line flushed as a whole gzip block so the cut-off file of a killed run
+            reads as far (which costs about 15 % over compressing the file whole); `read_trace`
+            tells the two forms by their first bytes.
 
     Attributes:
         last_record: the SchedulerRecord of the latest call that returned.
