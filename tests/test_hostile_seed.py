@@ -1,7 +1,7 @@
 """A hostile compliance audit of RolloutScheduler against its documented contract
-(docs/scheduler.md and the module's docstrings), sentence by sentence: each test here either pins a defect the audit found
-(and failed without its fix) or pins a sentence of the page no other test pinned, named in its
-docstring.
+(docs/scheduler.md and the module's docstrings), sentence by sentence: each test here either
+pins a defect the audit found (and failed without its fix) or pins a sentence of the page no
+other test pinned, named in its docstring.
 
 Found and fixed:
 - an `admit` given as a numpy integer above the task batch size was not refused (the check

@@ -115,8 +115,12 @@ def test_a_setting_refuses_a_lag_bound_below_ahead():
         simulate.Setting("x", ahead=2, max_lag=1)
 
 
-def test_simulate_refuses_an_admit_above_the_tasks():
-    setting = simulate.Setting("x", ahead=1, max_lag=1, admit=5)
+@pytest.mark.parametrize("five", [5, np.int64(5)], ids=["int", "numpy"])
+def test_simulate_refuses_an_admit_above_the_tasks(five):
+    """A numpy integer is the int it is: it was kept as numpy's, which the checks for an int
+    passed over (`tune.admitted` sized its rows for a whole batch)."""
+    setting = simulate.Setting("x", ahead=1, max_lag=1, admit=five)
+    assert type(setting.admit) is int
     with pytest.raises(ValueError, match="admit must be <= the workload's 4 tasks, got 5"):
         simulate.simulate(simulate.Workload.smoke(), setting)
 

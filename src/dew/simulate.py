@@ -199,6 +199,11 @@ def _admit(instance, attribute, value):
         int_at_least(1)(instance, attribute, value)
 
 
+def _as_int(value):
+    """A numpy integer as the int it is (every later check of admit tests for an int)."""
+    return int(value) if isinstance(value, np.integer) else value
+
+
 @attrs.frozen
 class Setting:
     """One way to run the scheduler: its RolloutScheduler arguments and the name a table shows.
@@ -214,7 +219,7 @@ class Setting:
     ahead: int = attrs.field(validator=int_at_least(0))
     max_lag: int = attrs.field(validator=int_at_least(0))
     oversample: int = attrs.field(default=0, validator=int_at_least(0))
-    admit: int | str | None = attrs.field(default=None, validator=_admit)
+    admit: int | str | None = attrs.field(default=None, converter=_as_int, validator=_admit)
     sync_every: int = attrs.field(default=1, validator=int_at_least(1))
     carry_over: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     waste_budget: float = attrs.field(
