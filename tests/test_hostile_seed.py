@@ -15,6 +15,8 @@ Found and fixed:
 from __future__ import annotations
 
 import collections
+import copy
+import pickle
 
 import numpy as np
 import pytest
@@ -233,3 +235,13 @@ async def test_close_cancels_what_is_in_flight_and_leaves_the_source_to_its_call
     assert len(source.cancelled) == 4 and not source.closed
     session = await ClosableSource.run(source, Task("9"), source.started[0][2])
     assert session.reward == 1.0
+
+
+@pytest.mark.parametrize("duplicate", [copy.copy, copy.deepcopy, pickle.dumps])
+def test_a_scheduler_refuses_to_be_copied_or_pickled_by_name(duplicate):
+    """A copy made without __init__ asked its missing workings for every attribute, through
+    `__getattr__`, without end (RecursionError); a scheduler owns what it has in flight."""
+    engine = Engine()
+    sched = scheduler(Scripted(engine), engine)
+    with pytest.raises(TypeError, match="a RolloutScheduler cannot be copied or pickled"):
+        duplicate(sched)

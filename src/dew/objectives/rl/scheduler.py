@@ -284,7 +284,16 @@ class RolloutScheduler:
 
     # Everything else (records, events, settings such as long_wait) lives on the workings.
     def __getattr__(self, name: str):
+        if name == "_inner":  # not built (a copy made without __init__): no workings to ask
+            raise AttributeError(name)
         return getattr(self._inner, name)
+
+    def __reduce_ex__(self, protocol):
+        """Refuse copy, deepcopy and pickle, which would otherwise recurse without end."""
+        raise TypeError(
+            "a RolloutScheduler cannot be copied or pickled: it owns the rollouts in flight on "
+            "its source; build another from the same arguments"
+        )
 
     def __setattr__(self, name: str, value) -> None:
         """Set `pool` or `long_wait`, checked; refuse any other name, which nothing reads."""
