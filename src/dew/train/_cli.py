@@ -34,7 +34,13 @@ from dew.train._config import (
     _mesh_sizes,
     _read_json,
 )
-from dew.train._folders import _check_record, _check_run, _check_split, _default_run
+from dew.train._folders import (
+    RunInUse,
+    _check_record,
+    _check_run,
+    _check_split,
+    _default_run,
+)
 from dew.train._interrupt import INTERRUPTED, _CtrlC, _Interrupted, _say, any_process
 from dew.train._progress import Progress
 from dew.train._run import train
@@ -217,7 +223,7 @@ def run_cli(args: argparse.Namespace) -> int:
         return _launch(args, given, run)
     if joining:
         return _join(args, config, run)
-    _announce(config, run, commit)
+    _announce(config, run, commit, resume=args.resume)
     return _train_until_interrupted(config, run, resume=args.resume, record=args.record)
 
 
@@ -244,6 +250,9 @@ def _train_until_interrupted(
                 stopped = f"stopped after step {stop.updates}/{config.steps}, its checkpoint saved"
             except NothingTrained as nothing:
                 _say(f"dew train: {nothing}")
+                return 1
+            except RunInUse as error:  # found once the run holds its folder, not before
+                _say(f"dew train: {error}")
                 return 1
             except OSError as error:  # a full disk, a folder gone: the run cannot go on
                 where = error.filename or run
@@ -316,15 +325,20 @@ def _pool_options(args: argparse.Namespace) -> bool:
     return args.coordinator is not None
 
 
-def _announce(config: TrainConfig, run: Path, commit: Mapping[str, Any] | None) -> None:
+def _announce(
+    config: TrainConfig, run: Path, commit: Mapping[str, Any] | None, *, resume: bool
+) -> None:
     """Say what runs where, and where a resumed run's checkpoint (`commit`, read and checked
-    by `read_commit`) continues."""
+    by `read_commit`) continues, or that there is none to continue from (a mistyped --run
+    would otherwise start afresh without a word)."""
     print(f"dew train: {config.task} for {config.steps} steps in {run}", flush=True)
     if commit is not None:
         print(
             f"resuming at step {commit['updates']}, data position {commit['position']}",
             flush=True,
         )
+    elif resume:
+        print(f"no checkpoint in {run / 'checkpoints'}: training from the first step", flush=True)
 
 
 def _launch(args: argparse.Namespace, given: Mapping[str, Any], run: Path) -> int:
@@ -365,7 +379,8 @@ def _join(args: argparse.Namespace, config: TrainConfig, run: Path) -> int:
         args.parser.error(str(error))
     print(f"process {args.process_id} of {args.num_processes} (pid {os.getpid()})", flush=True)
     try:
-        _announce(config, run, read_commit(run / "checkpoints") if args.resume else None)
+        commit = read_commit(run / "checkpoints") if args.resume else None
+        _announce(config, run, commit, resume=args.resume)
         # The launcher passes a Ctrl-C on to every process: the pool agrees after each step
         # whether any was pressed, and all stop after the same step, with its checkpoint.
         with _CtrlC() as ctrl_c:

@@ -3,6 +3,8 @@ resume with the same config), the trace to record, and how a pool splits the bat
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import tempfile
 import time
@@ -13,7 +15,44 @@ import attrs
 from dew.envs.reasoning_gym import PREFIX
 from dew.train._checkpoint import COMMIT
 from dew.train._config import _LOGGING, HARNESS, TrainConfig, _read_json
-from dew.train._trainer import METRICS
+from dew.train._trainer import METRICS, check_log_lengths
+
+
+class RunInUse(ValueError):
+    """Another run holds the run folder: a `dew train` into it, in this process or another,
+    has not ended."""
+
+
+class _RunLock:
+    """The run folder, made if missing and held (an exclusive `flock` on it) until the context
+    ends; the system lets it go when its holder dies, however it dies.
+
+    Raises:
+        RunInUse: naming the folder, when another holds it.
+    """
+
+    def __init__(self, run: Path):
+        self.run = run
+        self.descriptor: int | None = None
+
+    def __enter__(self) -> _RunLock:
+        self.run.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(self.run, os.O_RDONLY)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            raise RunInUse(
+                f"{self.run} is in use by another dew train that has not ended; wait for it, "
+                "or stop it (Ctrl-C saves its checkpoint) and resume then"
+            ) from None
+        self.descriptor = descriptor
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.descriptor is not None:
+            os.close(self.descriptor)  # lets the lock go
+            self.descriptor = None
 
 
 def _check_split(config: TrainConfig, processes: int) -> None:
@@ -56,9 +95,50 @@ def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
             and getattr(previous, field.name) != getattr(config, field.name)
         ]
         if changed:
-            raise ValueError(f"{run} was trained with other {', '.join(changed)}: {previous}")
+            values = "; ".join(
+                f"--{name.replace('_', '-')} {_shown(getattr(previous, name))}, "
+                f"not {_shown(getattr(config, name))}"
+                for name in changed
+            )
+            free = ", ".join(f"--{name.replace('_', '-')}" for name in _LOGGING + _PLACEMENT)
+            raise ValueError(
+                f"{run} was trained with other {', '.join(changed)}: {values} (a resumed run "
+                f"keeps its config; only {free} may change)"
+            )
     elif not resume and _trained(run):
         raise ValueError(f"{run} already holds a run; resume it or choose another folder")
+    if resume:
+        _check_resumable(config, run)
+
+
+def _shown(value: object) -> str:
+    """An option's value as the command line gives it."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list | tuple):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def _check_resumable(config: TrainConfig, run: Path) -> None:
+    """Refuse to resume a run for fewer steps than its checkpoint has trained (it would do
+    nothing, and say it had), or whose logs were cut short since the checkpoint (resuming would
+    pad them back to its length with NUL bytes). A commit record that does not read is left to
+    `read_commit`, which names what is wrong with it."""
+    try:
+        record = json.loads((run / "checkpoints" / COMMIT).read_text())
+        updates = int(record["updates"])
+        metadata = dict(record["metadata"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return
+    if config.steps < updates:
+        raise ValueError(
+            f"--steps {config.steps}: {run} has trained {updates} steps already; give more "
+            f"to extend it"
+        )
+    check_log_lengths(run, metadata)
 
 
 def _trained(run: Path) -> bool:

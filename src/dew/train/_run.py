@@ -8,6 +8,7 @@ TensorBoard's event files under `tensorboard/`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -33,7 +34,7 @@ from dew.serve import RolloutServer
 from dew.train._checkpoint import _write_atomically, is_sharded
 from dew.train._config import TrainConfig, _check_task, _load_tokenizer, _mesh_sizes
 from dew.train._curves import write_curves
-from dew.train._folders import _check_record, _check_run, _check_split
+from dew.train._folders import _check_record, _check_run, _check_split, _RunLock
 from dew.train._interrupt import _Interrupted
 from dew.train._samples import SampleLog
 from dew.train._tasks import _objective, _RunTask, _sampling, _task
@@ -78,6 +79,7 @@ def train(
         The trainer, after its last step.
 
     Raises:
+        RunInUse: when another run holds `run` (a `dew train` into it that has not ended).
         ValueError: on every process of a pool, when `run` cannot be made or written (a
             file, a path through a file, a folder that takes no new entry), holds a run and
             `resume` is not set, or holds a different config, or the batch does not split
@@ -101,8 +103,24 @@ def train(
         problem = error
     # Every process refuses alike, before process 0 writes anything.
     default_pool().agree(problem)
+    # Process 0, the one that writes the folder, holds it for the run's length: a second run
+    # into it (a --resume typed while the first still trains) would log and train alongside.
+    with _RunLock(run) if index == 0 else contextlib.nullcontext():
+        return _train(config, run, resume=resume, on_step=on_step, record=record, deadline=deadline)
+
+
+def _train(
+    config: TrainConfig,
+    run: Path,
+    *,
+    resume: bool,
+    on_step: Callable[[Mapping[str, Any]], None] | None,
+    record: str | os.PathLike | None,
+    deadline: float | None,
+) -> Trainer:
+    """`train`, once the run is checked and process 0 holds its folder."""
+    index, processes = jax.process_index(), jax.process_count()
     if index == 0:
-        run.mkdir(parents=True, exist_ok=True)
         _write_atomically(
             run / "config.json",
             lambda file: file.write(json.dumps(attrs.asdict(config), indent=1).encode()),

@@ -374,6 +374,7 @@ class Trainer:
         if self.processes > 1:
             _same_checkpoint(checkpoint)
         if checkpoint is not None:
+            check_log_lengths(self.directory, checkpoint.metadata, self._log_bytes)
             self.variables, self.opt_state = checkpoint.variables, checkpoint.opt_state
             self.updates, self.position = checkpoint.updates, checkpoint.position
             self.elapsed = float(checkpoint.metadata.get("elapsed", 0.0))
@@ -548,6 +549,32 @@ class Trainer:
             log.truncate(self._logged_bytes)
             log.seek(self._logged_bytes)
             yield log
+
+
+def check_log_lengths(
+    directory: Path, metadata: Mapping[str, Any], logs: Mapping[str, Any] | None = None
+) -> None:
+    """Refuse to resume from a checkpoint whose logs in `directory` (the metrics log, and those
+    of `logs`, by default every one its `metadata` measured) are now shorter than it measured
+    them: cutting them back to its lengths would pad them with NUL bytes, mid-line.
+
+    Raises:
+        ValueError: naming the log, its length and the checkpoint's.
+    """
+    kept = metadata.get("log_bytes") or {}
+    lengths = {METRICS: metadata.get("metrics_bytes", 0)}
+    lengths |= {name: kept.get(name) for name in (kept if logs is None else logs)}
+    for name, length in lengths.items():
+        path = directory / name
+        size = path.stat().st_size if path.exists() else 0
+        if not isinstance(length, int) or size >= length:
+            continue
+        if name != METRICS and not path.exists():
+            continue  # a log the run no longer keeps (--samples 0 on resume)
+        raise ValueError(
+            f"{path} is {size} bytes, shorter than the {length} its checkpoint goes with: it "
+            "was cut short or replaced since; restore it, or train a new run in another folder"
+        )
 
 
 def _spans_processes(tree: Any) -> bool:
