@@ -91,12 +91,13 @@ CHAT_FIELDS: Mapping[str, str] = {
     ),
     "tools": "honoured: rendered into a leading system turn, or as a checkpoint's own chat "
     "template renders them",
-    "tool_choice": "honoured: rendered as an instruction; 'none' turns off tool-call parsing "
-    "(under a checkpoint's own chat template, which has no place for it, only 'none' acts); "
-    "'required' with no tools is refused",
+    "tool_choice": "honoured: rendered as an instruction (under a checkpoint's own chat "
+    "template, added to the system message); 'none' turns off tool-call parsing; 'required' "
+    "with no tools is refused",
     "parallel_tool_calls": "ignored: every parsed tool call is returned",
     "response_format": "honoured in part: the format or schema is rendered as an instruction "
-    "(not under a checkpoint's own chat template), never enforced by constrained decoding",
+    "(under a checkpoint's own chat template, added to the system message), never enforced by "
+    "constrained decoding",
     "temperature": "ignored: the gateway's sampling settings are the behaviour policy's; "
     "outside OpenAI's [0, 2] it is refused",
     "top_p": "ignored: as temperature; outside [0, 1] it is refused",

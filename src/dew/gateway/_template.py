@@ -63,6 +63,16 @@ def system_text(request: ChatRequest) -> str | None:
             'To call a tool, write <tool_call>{"name": <tool name>, "arguments": <arguments '
             "object>}</tool_call>, one block per call."
         )
+    lines += instruction_lines(request)
+    return "\n".join(lines) if lines else None
+
+
+def instruction_lines(request: ChatRequest) -> list[str]:
+    """What `tool_choice` (with tools) and `response_format` ask of the model, one line each:
+    the system turn's last lines under ChatML, added to the system message under a
+    checkpoint's own chat template (which has no place for them)."""
+    lines = []
+    if request.tools:
         if request.tool_choice == "required":
             lines.append("You must call at least one tool.")
         elif request.tool_choice == "none":
@@ -78,7 +88,7 @@ def system_text(request: ChatRequest) -> str | None:
                 "Answer with one JSON value matching this schema: "
                 + json.dumps(schema, ensure_ascii=False)
             )
-    return "\n".join(lines) if lines else None
+    return lines
 
 
 @attrs.frozen

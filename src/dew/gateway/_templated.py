@@ -36,6 +36,7 @@ import attrs
 import numpy as np
 
 from dew.gateway._schema import ApiError, ChatRequest, Message
+from dew.gateway._template import instruction_lines
 from dew.serve.chat_template import ChatTemplateError
 
 
@@ -89,6 +90,30 @@ def template_message(message: Message) -> dict[str, Any]:
     return out
 
 
+def _instructed(tokenizer, request: ChatRequest, messages: list, field: str) -> tuple[list, int]:
+    """The messages with what `tool_choice` and `response_format` ask of the model (which a
+    chat template has no place for) added to the leading system message, or as one put ahead
+    of the conversation; and how many messages were put ahead (0 or 1)."""
+    lines = instruction_lines(request)
+    if not lines:
+        return messages, 0
+    instruction = "\n".join(lines)
+    token = tokenizer.spelled_special(instruction)
+    if token is not None:
+        param = "response_format" if field == "messages" else "text"
+        raise ApiError(
+            400,
+            f"'{param}' spells the special token {token!r}, which the chat template's output "
+            "would carry as structure",
+            param=param,
+        )
+    first = messages[0] if messages else None
+    if first is not None and first["role"] in ("system", "developer"):
+        if isinstance(first["content"], str) and first["content"]:
+            return [{**first, "content": first["content"] + "\n\n" + instruction}, *messages[1:]], 0
+    return [{"role": "system", "content": instruction}, *messages], 1
+
+
 def _render(tokenizer, messages, tools, field: str) -> str:
     try:
         return tokenizer.render(messages, tools=tools, add_generation_prompt=True)
@@ -115,9 +140,14 @@ def templated_prompt(
     """
     messages = [template_message(message) for message in request.messages]
     tools = list(request.tools) or None
-    own = [(index, turn) for index, m in enumerate(request.messages) if (turn := match(m))]
+    messages, shift = _instructed(tokenizer, request, messages, field)
+    own = [(index + shift, turn) for index, m in enumerate(request.messages) if (turn := match(m))]
     written = {index for index, _ in own}
-    checked = [(f"messages[{i}]", m) for i, m in enumerate(messages) if i not in written]
+    checked = [
+        (f"messages[{i - shift}]", m)
+        for i, m in enumerate(messages)
+        if i >= shift and i not in written
+    ]
     for where, value in [*checked, *((f"tools[{i}]", t) for i, t in enumerate(tools or ()))]:
         token = tokenizer.spelled_special(value)
         if token is not None:
