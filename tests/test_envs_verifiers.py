@@ -57,6 +57,12 @@ def tool_servers(monkeypatch):
 @pytest.fixture
 def nltk_data(tmp_path, monkeypatch):
     """A small nltk data folder with what Wordle reads: the `words` corpus and the tagger."""
+    return use_nltk_data(tmp_path, monkeypatch)
+
+
+def use_nltk_data(tmp_path, monkeypatch):
+    """Write nltk's `words` corpus of WORDS and a tagger that tags each a noun under
+    `tmp_path`, point nltk at it, and return the folder."""
     import nltk
 
     root = tmp_path / "nltk_data"

@@ -34,6 +34,7 @@ from dew.envs.verifiers import HARNESS_ID, Verifiers, parse_spec
 from dew.gateway import Gateway
 from dew.objectives.rl.sessions import Call, Label, Status, chains, check_session
 from dew.serve import tokenizer
+from test_envs_verifiers import WORDS, use_nltk_data
 
 # verifiers' MCP client retries with tenacity's deprecated `initial=` (as in
 # tests/test_envs_verifiers.py).
@@ -43,7 +44,6 @@ pytestmark = pytest.mark.filterwarnings(
 __all__ = ["HostileTaskset"]
 LABEL = Label(0, 0, 0)
 TESTS = str(Path(__file__).parent)
-WORDS = ["crane", "slate", "apple", "house", "plant", "bread", "chair", "stone"]
 
 
 @attrs.define(eq=False)
@@ -167,18 +167,7 @@ def unload_words() -> None:
 def nltk_data(tmp_path, monkeypatch):
     """What Wordle reads, as tests/test_envs_verifiers.py writes it: nltk's `words` corpus of
     WORDS and a tagger that tags each a noun."""
-    import nltk
-
-    root = tmp_path / "nltk_data"
-    (root / "corpora" / "words").mkdir(parents=True)
-    for name in ("en", "en-basic"):
-        (root / "corpora" / "words" / name).write_text("\n".join(WORDS) + "\n")
-    tagger = root / "taggers" / "averaged_perceptron_tagger_eng"
-    tagger.mkdir(parents=True)
-    parts = {"weights": {}, "tagdict": dict.fromkeys(WORDS, "NN"), "classes": ["NN"]}
-    for part, value in parts.items():
-        (tagger / f"averaged_perceptron_tagger_eng.{part}.json").write_text(json.dumps(value))
-    monkeypatch.setattr(nltk.data, "path", [str(root)])
+    use_nltk_data(tmp_path, monkeypatch)
     unload_words()
     yield
     unload_words()
