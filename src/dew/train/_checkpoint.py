@@ -314,10 +314,19 @@ def _restore_orbax(
     return {index: merged[f"leaf{index}"] for index, _, _ in expected}
 
 
-def load_variables(directory: str | os.PathLike, variables: Variables) -> Variables | None:
+def load_variables(
+    directory: str | os.PathLike, variables: Variables, *, record: dict | None = None
+) -> Variables | None:
     """Only the variables of the checkpoint in `directory`, laid out and placed like the template
     `variables` (as `load_checkpoint`): what an export needs, without reading the optimizer's
     state (Adam's is twice the params).
+
+    Args:
+        directory: where `save_checkpoint` wrote.
+        variables: the template.
+        record: the commit record read already (`read_commit`), whose arrays are read: so the
+            variables are that checkpoint's even when a run training alongside has committed
+            another since. None reads the record now.
 
     Returns:
         The variables; None when the directory holds no checkpoint.
@@ -325,16 +334,18 @@ def load_variables(directory: str | os.PathLike, variables: Variables) -> Variab
     Raises:
         ValueError: as `load_checkpoint`.
     """
-    read = _read_trees(directory, {"variables": variables})
+    read = _read_trees(directory, {"variables": variables}, record)
     return None if read is None else read[1]["variables"]
 
 
-def _read_trees(directory: str | os.PathLike, trees: dict[str, Any]) -> tuple[dict, dict] | None:
-    """The commit record of the checkpoint in `directory` and its trees named in `trees` (those
-    of "variables" and "opt_state" asked for), rebuilt like those templates; None when there is
-    no checkpoint."""
+def _read_trees(
+    directory: str | os.PathLike, trees: dict[str, Any], record: dict | None = None
+) -> tuple[dict, dict] | None:
+    """The commit record of the checkpoint in `directory` (`record`, or the one there now) and
+    its trees named in `trees` (those of "variables" and "opt_state" asked for), rebuilt like
+    those templates; None when there is no checkpoint."""
     commit = Path(directory) / COMMIT
-    record = read_commit(directory)
+    record = read_commit(directory) if record is None else record
     if record is None:
         return None
     expected = [leaf for name, tree in trees.items() for leaf in _leaves(name, tree)]
@@ -360,6 +371,8 @@ def _read_trees(directory: str | os.PathLike, trees: dict[str, Any]) -> tuple[di
             )
         numbered.append((index, path, leaf))
     arrays = commit.parent / record["arrays"]
+    if not arrays.exists():  # a newer commit removed them since `record` was read
+        raise ValueError(f"{arrays} is missing (the commit record {commit} named it)")
     if record.get("storage") == ORBAX:
         restored = _restore_orbax(arrays, numbered, list(trees))
     else:

@@ -4,11 +4,19 @@ A `dew train --model` run whose params are sharded over a mesh writes its checkp
 `checkpoints/model`, only when it ends (`_run._FolderTrainer`); its periodic checkpoints are
 orbax shards. `dew export --run RUN` writes the folder from the run's last committed checkpoint,
 whichever way it was stored: that of a run that crashed, or of one still running.
+
+An export destroys nothing it did not write. `--to` names a new folder, an empty one, or one an
+earlier export wrote: each export writes `dew-export.json` into its folder once the folder is
+whole, and a folder holding that record and nothing but the files an export writes is replaced
+(one whose export was cut short before its record is refused like any other: nothing is lost).
+Any other folder is refused, naming it: the run folder, a folder inside it (but the run's own
+`checkpoints/model`) or above it, the current folder, a folder holding other files.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -16,8 +24,17 @@ import jax
 
 from dew.models import hf
 from dew.models.hf import sharding
-from dew.train._checkpoint import load_variables, read_commit
+from dew.train._checkpoint import _write_atomically, load_variables, read_commit
 from dew.train._config import TrainConfig, _read_json
+from dew.train._folders import _nearest_existing, _probe
+
+MARKER = "dew-export.json"
+"""The record an export writes into its folder (the run and step exported): a folder holding
+it, and only the files an export writes, is one a later export may replace."""
+_WRITTEN = frozenset({hf.CONFIG, hf.WEIGHTS, *hf.TOKENIZER_FILES, MARKER})
+# Arrays read then found gone (a newer commit removed them): the newer record is read, at most
+# this many times in all, so that a run committing faster than its params read ends the wait.
+_READS = 3
 
 
 def export(run: str | os.PathLike, to: str | os.PathLike | None = None) -> tuple[Path, int]:
@@ -30,7 +47,8 @@ def export(run: str | os.PathLike, to: str | os.PathLike | None = None) -> tuple
 
     Args:
         run: a `dew train --model` run folder.
-        to: the folder to write (replaced whole if it exists); None for `run/checkpoints/model`.
+        to: the folder to write: a new one, an empty one, or one an export wrote (replaced
+            whole); None for `run/checkpoints/model`.
 
     Returns:
         The folder written and the checkpoint's optimizer updates.
@@ -38,7 +56,8 @@ def export(run: str | os.PathLike, to: str | os.PathLike | None = None) -> tuple
     Raises:
         ValueError: naming the run when it holds no run, no checkpoint, a run of dew's own
             transformer, or a checkpoint folder trained that is gone; a damaged checkpoint
-            (`read_commit`).
+            (`read_commit`); naming `to` when writing it could destroy what an export did not
+            write, or it cannot be written (`_check_destination`).
     """
     run = Path(run)
     saved = run / "config.json"
@@ -60,9 +79,8 @@ def export(run: str | os.PathLike, to: str | os.PathLike | None = None) -> tuple
             "tokenizer files go into the folder written"
         )
     checkpoints = run / "checkpoints"
-    record = read_commit(checkpoints)
-    if record is None:
-        raise ValueError(f"--run {run} holds no checkpoint yet")
+    own = checkpoints / "model"  # the folder the run writes itself, with each checkpoint
+    to = own if to is None else _check_destination(Path(to), run, own)
     model = hf.model_of(folder, dtype=config.dtype)
     template = jax.eval_shape(model.init, jax.random.key(0))
     if jax.local_device_count() > 1:
@@ -72,10 +90,106 @@ def export(run: str | os.PathLike, to: str | os.PathLike | None = None) -> tuple
             template,
             placed,
         )
-    params = load_variables(checkpoints, template)
-    to = checkpoints / "model" if to is None else Path(to)
+    record, params = _committed_params(run, template)
     hf.save(to, model, params, tokenizer_from=folder)
+    if to != own:
+        text = _marker(run, record).encode()
+        _write_atomically(to / MARKER, lambda file: file.write(text))
     return to, int(record["updates"])
+
+
+def _committed_params(run: Path, template) -> tuple[dict, dict]:
+    """The commit record of `run`'s last checkpoint and the params of that same checkpoint.
+
+    The record is read once and its arrays are read by it: a run training alongside commits
+    newer checkpoints meanwhile, and a second read of the record would name another step than
+    the params read (the export said step 61 and wrote 63's weights). When the arrays the
+    record names are gone before they are read (a newer commit removes older arrays), the
+    newer record is read and its arrays, so the step said is always the step written.
+
+    Raises:
+        ValueError: naming the run when it holds no checkpoint, or commits checkpoints faster
+            than they are read; a damaged checkpoint (`read_commit`, `load_variables`).
+    """
+    checkpoints = run / "checkpoints"
+    for _ in range(_READS):
+        record = read_commit(checkpoints)
+        if record is None:
+            raise ValueError(f"--run {run} holds no checkpoint yet")
+        try:
+            return record, load_variables(checkpoints, template, record=record)
+        except ValueError:
+            if (checkpoints / record["arrays"]).exists():
+                raise  # damaged, not replaced
+    raise ValueError(
+        f"--run {run} committed a newer checkpoint each of {_READS} times its params were "
+        "read; export it once it stops"
+    )
+
+
+def _marker(run: Path, record: dict) -> str:
+    """The text of `MARKER`: which run and step the folder holds."""
+    exported = {"run": str(run.resolve()), "updates": int(record["updates"])}
+    return json.dumps(exported, indent=1) + "\n"
+
+
+def _check_destination(to: Path, run: Path, own: Path) -> Path:
+    """`--to`, made absolute, once writing it is sure to destroy nothing an export did not
+    write, and sure to succeed as far as the folder above it goes.
+
+    `own`, the run's `checkpoints/model`, is the run's to replace: `--to` may name it.
+
+    Raises:
+        ValueError: one line naming `--to` as given, when it is the current folder or one
+            above it, the run folder, inside it or above it, a file, a folder holding files
+            an export did not write (naming some), or a place nothing can be written
+            (a path through a file, /proc).
+    """
+    given = f"--to {to}"
+    target, run = to.resolve(), run.resolve()
+    if target == own.resolve():
+        return own
+    here = Path.cwd()
+    if target == here or target in here.parents:
+        raise ValueError(
+            f"{given} is the current folder or one holding it, which an export would replace; "
+            f"name a new folder to write, such as {to / 'exported'}"
+        )
+    if target == run or run in target.parents:
+        raise ValueError(
+            f"{given} is {'the run folder' if target == run else 'inside the run folder'} "
+            f"{run}, whose config, logs and checkpoints an export would replace; export to a "
+            f"folder outside it, or leave out --to for {own}"
+        )
+    if target in run.parents:
+        raise ValueError(f"{given} holds the run folder {run}; name a new folder to write")
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{given} is a file, not a folder to write")
+    if target.is_dir():
+        entries = sorted(entry.name for entry in target.iterdir())
+        marked = _marked(target)
+        # Without an export's record every entry is another's; with it, those it never writes.
+        foreign = [name for name in entries if not marked or name not in _WRITTEN]
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise ValueError(
+                f"{given} holds files dew export did not write ({shown}), which writing it "
+                "would delete; export to a new or empty folder"
+            )
+    folder = _nearest_existing(target.parent)
+    if not folder.is_dir():
+        raise ValueError(f"{given}: {folder} is a file, not a folder")
+    _probe(folder, given, directory=True)
+    return target
+
+
+def _marked(folder: Path) -> bool:
+    """Whether `folder` holds an export's `MARKER` (a JSON object naming a run)."""
+    try:
+        record = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "run" in record
 
 
 def configure_export_cli(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +205,8 @@ def configure_export_cli(parser: argparse.ArgumentParser) -> None:
         "--to",
         metavar="DIR",
         default=None,
-        help="the checkpoint folder to write, replaced whole if it exists "
+        help="the checkpoint folder to write: a new or empty folder, or one dew export wrote "
+        "(replaced whole); never the run folder or a folder holding other files "
         "(default: RUN/checkpoints/model)",
     )
 

@@ -1,0 +1,198 @@
+"""A hostile pass over the run folder's two writers besides training, `dew export` and
+`dew train --resume` (issue 48): neither may destroy what it did not write, each reads the
+run's state once and from one place, and each refuses what it cannot do in one line.
+
+Each test names the issue's item it pins; each destructive case ends with every file that was
+there still there, byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import jax
+import numpy as np
+import pytest
+
+from _hf_folders import chat_checkpoint
+from dew import cli
+from dew.models import hf
+from dew.train import TrainConfig, _export
+from dew.train._checkpoint import Checkpoint, save_checkpoint
+
+SHAPE = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 256,
+}
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder`, by its path relative to it, with its bytes."""
+    return {
+        str(path.relative_to(folder)): path.read_bytes()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
+def refusal(capsys, command: str, argv: list[str]) -> str:
+    """Run `dew COMMAND argv`, which must refuse with status 2 in one line and the hint; the
+    line, without its `dew COMMAND: error: `."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, *argv])
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"dew {command}: error: "), lines
+    return lines[0].removeprefix(f"dew {command}: error: ")
+
+
+def moved(params, shift: float):
+    """`params` with every leaf moved by `shift`: a checkpoint's params told apart by value."""
+    return jax.tree.map(lambda leaf: leaf + np.asarray(shift, leaf.dtype), params)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A tiny Qwen2 checkpoint folder with its own tokenizer: the run's `--model`."""
+    return chat_checkpoint(tmp_path_factory.mktemp("qwen2") / "base", SHAPE)
+
+
+@pytest.fixture
+def model_run(base, tmp_path) -> Path:
+    """A `dew train --model` run folder as the run leaves it after step 2: its config, logs,
+    its checkpoint (written by the real checkpoint writer) and the checkpoint folder beside it."""
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    config = TrainConfig(model=str(base), steps=2)
+    (run / "config.json").write_text(json.dumps(attrs.asdict(config), indent=1))
+    (run / "metrics.jsonl").write_text('{"step": 0, "updates": 1}\n{"step": 1, "updates": 2}\n')
+    model, params = hf.load(base)
+    save_checkpoint(checkpoints, Checkpoint(moved(params, 2.0), (), updates=2, position=2))
+    hf.save(checkpoints / "model", model, moved(params, 2.0), tokenizer_from=base)
+    return run
+
+
+def exported_shift(folder: Path, base: Path) -> float:
+    """By how much the params written to `folder` were moved from `base`'s."""
+    _, written = hf.load(folder)
+    _, params = hf.load(base)
+    shifts = {
+        round(float(np.mean(np.asarray(a, np.float32) - np.asarray(b, np.float32))), 3)
+        for a, b in zip(jax.tree.leaves(written), jax.tree.leaves(params), strict=True)
+    }
+    (shift,) = shifts
+    return shift
+
+
+# Item 1 --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("where", "named"),
+    [
+        ("run", "is the run folder"),
+        ("run/checkpoints", "is inside the run folder"),
+        ("elsewhere", "holds files dew export did not write (notes.txt)"),
+        (".", "holds the run folder"),
+    ],
+)
+def test_export_refuses_a_folder_it_did_not_write_and_every_file_stays(
+    capsys, model_run, tmp_path, where, named
+):
+    """Item 1. Failed before: `--to RUN` left only the model files (the config, metrics and
+    checkpoints gone), `--to RUN/checkpoints` deleted every checkpoint, `--to` a folder with an
+    unrelated file deleted it, and a folder above the run deleted the run."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("mine")
+    before = files(tmp_path)
+    to = tmp_path / where
+    line = refusal(capsys, "export", ["--run", str(model_run), "--to", str(to)])
+    assert line.startswith(f"--to {to} ") and named in line, line
+    assert files(tmp_path) == before
+
+
+def test_export_writes_a_new_folder_and_replaces_only_one_it_wrote(capsys, model_run, tmp_path):
+    """Item 1: how export knows a folder is its own: the record it writes into it. A folder an
+    export wrote is written again; once it holds a file of someone else's, it is refused."""
+    to = tmp_path / "exported"
+    assert cli.main(["export", "--run", str(model_run), "--to", str(to)]) == 0
+    assert json.loads((to / _export.MARKER).read_text())["updates"] == 2
+    assert exported_shift(to, Path(json.loads((model_run / "config.json").read_text())["model"]))
+    assert cli.main(["export", "--run", str(model_run), "--to", str(to)]) == 0
+    (to / "README.md").write_text("my notes on this model")
+    before = files(tmp_path)
+    line = refusal(capsys, "export", ["--run", str(model_run), "--to", str(to)])
+    assert "holds files dew export did not write (README.md)" in line, line
+    assert files(tmp_path) == before
+    # The run's own checkpoint folder is the run's to write again, named or by default.
+    own = model_run / "checkpoints" / "model"
+    assert cli.main(["export", "--run", str(model_run), "--to", str(own)]) == 0
+    assert not (own / _export.MARKER).exists()
+
+
+# Items 11 and 19 -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("to", "named"),
+    [
+        (".", "is the current folder or one holding it"),
+        ("..", "is the current folder or one holding it"),
+        ("/proc/dew-export", "nothing can be written in /proc"),
+        ("a-file/model", "a-file is a file, not a folder"),
+        ("a-file", "is a file, not a folder to write"),
+    ],
+)
+def test_export_to_a_place_it_cannot_write_is_one_line(
+    capsys, model_run, tmp_path, monkeypatch, to, named
+):
+    """Items 11 and 19. Failed before: `--to .` said "PosixPath('.') has an empty name"; `..`,
+    /proc and a path through a file ended in a traceback."""
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "a-file").write_text("not a folder")
+    monkeypatch.chdir(here)
+    before = files(tmp_path)
+    line = refusal(capsys, "export", ["--run", str(model_run), "--to", to])
+    assert line.startswith(f"--to {to}") and named in line, line
+    assert files(tmp_path) == before
+
+
+# Item 3 ----------------------------------------------------------------------------------------
+
+
+def test_export_writes_the_checkpoint_it_names_while_the_run_commits_another(
+    capsys, model_run, base, monkeypatch
+):
+    """Item 3. Failed before: export read the commit record (step 2) to say which step it
+    wrote, then read it again to load the params: a run committing step 4 in between (here, the
+    real checkpoint writer called right after export's read) had export say step 2 and write
+    step 4's weights. Now the step said is the step written."""
+    checkpoints = model_run / "checkpoints"
+    _, params = hf.load(base)
+    real = _export.read_commit
+    committed = []
+
+    def read_then_commit(directory):
+        record = real(directory)
+        if not committed:  # the run commits its next checkpoint once, right after the read
+            committed.append(save_checkpoint(checkpoints, Checkpoint(moved(params, 4.0), (), 4, 4)))
+        return record
+
+    # Where export resolves the name: the probe must fire, or it tests nothing.
+    monkeypatch.setattr(_export, "read_commit", read_then_commit)
+    to = model_run.parent / "exported"
+    assert cli.main(["export", "--run", str(model_run), "--to", str(to)]) == 0
+    assert committed
+    said = capsys.readouterr().out
+    shift = exported_shift(to, base)
+    assert f"the checkpoint at step {int(shift)} of" in said, (said, shift)
+    assert json.loads((to / _export.MARKER).read_text())["updates"] == int(shift)
