@@ -8,6 +8,13 @@ or a SIGTERM to the launcher stops every process too; with `graceful`, the first
 passed on to each process as a Ctrl-C of its own (`dew train`'s stop the pool after the step in
 progress, with its checkpoint), and only a second one stops them at once.
 
+With `graceful`, the processes start with SIGINT and SIGTERM blocked, and each unblocks them once it
+can stop after a step (`dew train`'s `_CtrlC`): an interrupt passed on while a process still starts
+waits for it there. Delivered at once, it would land anywhere in the start-up: where a callback
+ignores exceptions (jax's garbage-collection hook swallows the KeyboardInterrupt, and that process
+then trained to its last step), or in one process and not the next, which would then wait for it in
+`jax.distributed.initialize`.
+
 Each process runs in a session of its own, so a terminal's Ctrl-C reaches the launcher alone and
 the launcher stops the processes in a known order, rather than each racing to unwind on its own.
 Should the launcher itself die (`kill -9`), its watchdog stops them (`dew._processes`).
@@ -21,7 +28,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
@@ -54,6 +61,8 @@ def run_pool(
         grace: seconds a stopped process has between SIGTERM and SIGKILL.
         graceful: on the first interrupt, send each process SIGINT (to it alone, not to what
             it started) and wait for them to end by themselves; a second interrupt stops them.
+            The processes start with SIGINT and SIGTERM blocked: each must unblock them when it
+            is ready to take one (`signal.pthread_sigmask`), as `dew train` does.
 
     Returns:
         0 when every process exits 0; else the first failure's exit status (128 + the signal
@@ -68,28 +77,32 @@ def run_pool(
             f"{len(commands)} commands and {len(logs)} logs"
         )
     ended: queue.Queue[int] = queue.Queue()
-    with contextlib.ExitStack() as stack:
-        started = [
-            _start(index, command, stack.enter_context(open(log, "ab")), echo, env, ended)
-            for index, (command, log) in enumerate(zip(commands, logs, strict=True))
-        ]
-        processes = [process for process, _ in started]
-        for process in processes:  # stopped below; should the launcher die, the watchdog
-            stack.callback(unwatch, process.pid)
-        with terminate_as_interrupt():
-            try:
-                return _watch(processes, ended, report, grace)
-            except KeyboardInterrupt:
-                if graceful:
-                    _pass_on_interrupt(processes, ended, report)
-                else:
-                    _say(report, f"interrupted: stopping {_names(range(len(processes)))}")
-                _stop(processes, grace)
-                return 130
-            finally:
-                _stop(processes, grace)
-                for _, waiter in started:
-                    waiter.join()
+    processes: list[subprocess.Popen] = []
+    waiters: list[threading.Thread] = []
+    with contextlib.ExitStack() as stack, terminate_as_interrupt():
+        try:
+            # An interrupt or SIGTERM while the processes start is taken once all have started
+            # (it was held back meanwhile): each process gets it, none is left unstarted.
+            with _interrupts_held() if graceful else contextlib.nullcontext():
+                for index, (command, log) in enumerate(zip(commands, logs, strict=True)):
+                    file = stack.enter_context(open(log, "ab"))
+                    process, waiter = _start(index, command, file, echo, env, ended)
+                    # Stopped below; should the launcher die, the watchdog stops it.
+                    stack.callback(unwatch, process.pid)
+                    processes.append(process)
+                    waiters.append(waiter)
+            return _watch(processes, ended, report, grace)
+        except KeyboardInterrupt:
+            if graceful:
+                _pass_on_interrupt(processes, ended, report)
+            else:
+                _say(report, f"interrupted: stopping {_names(range(len(processes)))}")
+            _stop(processes, grace)
+            return 130
+        finally:
+            _stop(processes, grace)
+            for waiter in waiters:
+                waiter.join()
 
 
 def exit_status(returncode: int) -> int:
@@ -176,6 +189,18 @@ def _pass_on_interrupt(
     except KeyboardInterrupt:
         running = [i for i, process in enumerate(processes) if process.poll() is None]
         _say(report, f"interrupted again: stopping {_names(running)}")
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Block SIGINT and SIGTERM in this thread for the block: the processes it starts inherit
+    the blocked signals (through exec), and one that arrives meanwhile is delivered when the
+    block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _next(ended: queue.Queue[int]) -> int:

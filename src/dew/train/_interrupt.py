@@ -51,6 +51,9 @@ class _CtrlC:
     def __enter__(self) -> _CtrlC:
         for signum in self._signals:
             self._previous[signum] = signal.signal(signum, self._press)
+        # A pool's launcher starts its processes with both blocked (`dew._launch.run_pool`):
+        # one sent while this process started is delivered here, a press from now on.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import struct
@@ -126,8 +127,7 @@ def load(
     folder = resolve(folder)
     config, named = read_config(folder)
     files = _tensor_files(folder)
-    expected = list(_params.leaves(config))
-    headers = _check_tensors(folder, config, files, expected, compare_tied=True)
+    headers, expected = _check_tensors(folder, config, files, compare_tied=True)
     if dtype is None:
         dtype = _default_dtype(folder, named, headers, expected)
     model = HFModel(config, check_dtype(dtype))
@@ -156,8 +156,7 @@ def model_of(folder: str | os.PathLike, *, dtype: str | None = None) -> HFModel:
     """
     folder = resolve(folder)
     config, named = read_config(folder)
-    expected = list(_params.leaves(config))
-    headers = _check_tensors(folder, config, _tensor_files(folder), expected)
+    headers, expected = _check_tensors(folder, config, _tensor_files(folder))
     if dtype is None:
         dtype = _default_dtype(folder, named, headers, expected)
     return HFModel(config, check_dtype(dtype))
@@ -221,20 +220,22 @@ def _check_tensors(
     folder: Path,
     config: HFConfig,
     files: Mapping[str, str],
-    expected: list[_params.Leaf],
     *,
     compare_tied: bool = False,
-) -> dict[str, tuple[str, list[int]]]:
-    """Every tensor's dtype and shape, read from the files' headers; every problem collected.
-    With `compare_tied`, a tied model's `lm_head.weight`, where the files hold one, is read
-    and compared with the embedding too.
+) -> tuple[dict[str, tuple[str, list[int]]], list[_params.Leaf]]:
+    """Every tensor's dtype and shape, read from the files' headers, and the tensors a model of
+    `config` has; every problem collected. The config's sizes are checked against the headers
+    first (`_size_problems`), before the tensors a model of them has are listed: a config that
+    promises a billion layers must not list a billion layers' tensors. With `compare_tied`, a
+    tied model's `lm_head.weight`, where the files hold one, is read and compared with the
+    embedding too.
 
     Raises:
         CheckpointError: listing every problem at once.
     """
     problems: list[str] = []
     headers: dict[str, tuple[str, list[int]]] = {}
-    held: dict[str, str] = {}
+    holders: dict[str, list[str]] = {}
     unreadable = set()
     for file in sorted(set(files.values())):
         path = folder / file
@@ -247,10 +248,24 @@ def _check_tensors(
                 for name in opened.keys():
                     tensor = opened.get_slice(name)
                     headers[name] = (tensor.get_dtype(), list(tensor.get_shape()))
-                    held[name] = file
+                    holders.setdefault(name, []).append(file)
         except CheckpointError as error:
             problems.append(str(error))
             unreadable.add(file)
+    held = {
+        name: files[name] if files.get(name) in found else found[0]
+        for name, found in holders.items()
+    }
+    for name, file in files.items():
+        if name in holders and file not in holders[name]:
+            problems.append(
+                f"tensor {name}: {folder / INDEX} names {file}, but "
+                f"{' and '.join(holders[name])} hold{'s' if len(holders[name]) == 1 else ''} it"
+            )
+    sizes = _size_problems(folder, config, headers, held)
+    if sizes:
+        _refuse(folder, problems + sizes)
+    expected = list(_params.leaves(config))
     architecture = config.architecture
     wanted = {leaf.name for leaf in expected}
     for leaf in expected:
@@ -293,11 +308,67 @@ def _check_tensors(
                 "the tensor"
             )
     if problems:
-        raise CheckpointError(
-            f"cannot load the checkpoint in {folder} ({len(problems)} problem"
-            f"{'s' if len(problems) > 1 else ''}):\n  " + "\n  ".join(problems)
+        _refuse(folder, problems)
+    return headers, expected
+
+
+def _refuse(folder: Path, problems: list[str]) -> None:
+    """Raise the CheckpointError listing `problems`, one a line."""
+    raise CheckpointError(
+        f"cannot load the checkpoint in {folder} ({len(problems)} problem"
+        f"{'s' if len(problems) > 1 else ''}):\n  " + "\n  ".join(problems)
+    )
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _size_problems(
+    folder: Path,
+    config: HFConfig,
+    headers: Mapping[str, tuple[str, list[int]]],
+    held: Mapping[str, str],
+) -> list[str]:
+    """The sizes of `config.json` (layers, vocabulary, widths, heads) that the tensors' headers
+    contradict, each named by the file's own field, its value and the tensor (and file) that
+    holds another: checked from shapes alone, before anything of the config's size is made.
+    A tensor absent or of another rank is left to the tensor-by-tensor check."""
+    problems = []
+
+    def against(field: str, value: int, name: str, axis: int, *, each: int = 1) -> None:
+        shape = headers.get(name, (None, []))[1]
+        if len(shape) > axis and shape[axis] != value * each:
+            rows = "" if each == 1 else f" ({value} x {head_dim} {each} = {value * each} rows)"
+            problems.append(
+                f"{CONFIG}'s {field} = {value}{rows}, but {held[name]} holds {name} of shape "
+                f"{shape}"
+            )
+
+    # head_dim, where config.json gives none, is hidden_size / num_attention_heads.
+    head_dim = (
+        "head_dim"
+        if config.source.get("head_dim") is not None
+        else "hidden_size / num_attention_heads"
+    )
+    against("vocab_size", config.vocab, _EMBED, 0)
+    against("hidden_size", config.hidden, _EMBED, 1)
+    layers = sorted({int(found.group(1)) for name in headers if (found := _LAYER.match(name))})
+    if not layers or layers[-1] + 1 != config.layers:
+        source = f"the files {INDEX} names" if (folder / INDEX).is_file() else WEIGHTS
+        holds = f"layers {layers[0]}..{layers[-1]}" if layers else "no model.layers tensors"
+        problems.append(
+            f"{CONFIG}'s num_hidden_layers = {config.layers}, but {source} holds {holds}"
         )
-    return headers
+    if not layers:
+        return problems
+    block = _params.LAYER_PREFIX.format(i=layers[0])
+    against("intermediate_size", config.intermediate, block + "mlp.gate_proj.weight", 0)
+    query, key = block + "self_attn.q_proj.weight", block + "self_attn.k_proj.weight"
+    against("num_attention_heads", config.heads, query, 0, each=config.head_dim)
+    against("num_key_value_heads", config.kv_heads, key, 0, each=config.head_dim)
+    if config.qk_norm:
+        against(head_dim, config.head_dim, block + "self_attn.q_norm.weight", 0)
+    return problems
 
 
 def _same_tensor(folder: Path, held: Mapping[str, str], name: str, other: str) -> bool:

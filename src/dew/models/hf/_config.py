@@ -263,8 +263,13 @@ def _named_dtype(data: Mapping[str, Any]) -> str | None:
     return named if isinstance(named, str) else None
 
 
-def _field(data: Mapping[str, Any], name: str, kind: type, default: Any = attrs.NOTHING) -> Any:
-    """`data[name]`, which must be of `kind` (an int counts as a float)."""
+def _field(
+    data: Mapping[str, Any], name: str, kind: type, default: Any = attrs.NOTHING, *, low: int = 1
+) -> Any:
+    """`data[name]`, which must be of `kind` (an int counts as a float): an int at least `low`,
+    a float positive and finite (every size and float `config.json` holds is one), checked
+    here so that a bad value is refused by the file's own field name.
+    """
     if name not in data or data[name] is None:
         if default is attrs.NOTHING:
             raise ValueError(f"field {name} is missing")
@@ -274,6 +279,10 @@ def _field(data: Mapping[str, Any], name: str, kind: type, default: Any = attrs.
         value = float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ValueError(f"field {name} must be {kind.__name__}, got {value!r}")
+    if kind is int and value < low:
+        raise ValueError(f"field {name} must be an int >= {low}, got {value!r}")
+    if kind is float and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"field {name} must be a positive finite number, got {value!r}")
     return value
 
 
@@ -318,7 +327,7 @@ def _parse(data: Mapping[str, Any]) -> HFConfig:
             f"field quantization_config: quantized weights ({method!r}) are not supported; "
             "dew loads float32, bfloat16 and float16 weights"
         )
-    max_len = _field(data, "max_position_embeddings", int)
+    max_len = _field(data, "max_position_embeddings", int, low=2)
     _refuse_sliding_window(data, family, max_len)
     activation = data.get("hidden_act", "silu")
     if activation != "silu":
@@ -327,6 +336,13 @@ def _parse(data: Mapping[str, Any]) -> HFConfig:
         raise ValueError("field mlp_bias: MLP biases are not supported")
     hidden = _field(data, "hidden_size", int)
     heads = _field(data, "num_attention_heads", int)
+    kv_heads = _field(data, "num_key_value_heads", int, heads)
+    if heads % kv_heads:
+        raise ValueError(
+            f"field num_attention_heads {heads} must divide by field num_key_value_heads "
+            f"{kv_heads}"
+        )
+    head_dim = _head_dim(data, hidden, heads)
     theta, scaling = _rope(data, max_len)
 
     def flag(setting: bool | str) -> bool:
@@ -339,8 +355,8 @@ def _parse(data: Mapping[str, Any]) -> HFConfig:
         intermediate=_field(data, "intermediate_size", int),
         layers=_field(data, "num_hidden_layers", int),
         heads=heads,
-        kv_heads=_field(data, "num_key_value_heads", int, heads),
-        head_dim=_field(data, "head_dim", int, hidden // heads if heads else 0),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
         max_len=max_len,
         rope_theta=theta,
         rope_scaling=scaling,
@@ -351,6 +367,21 @@ def _parse(data: Mapping[str, Any]) -> HFConfig:
         tied=_field(data, "tie_word_embeddings", bool, False),
         source=dict(data),
     )
+
+
+def _head_dim(data: Mapping[str, Any], hidden: int, heads: int) -> int:
+    """Each head's width: `head_dim`, else `hidden_size // num_attention_heads` (as
+    `transformers` computes it); even, as RoPE rotates pairs."""
+    if data.get("head_dim") is None:
+        head_dim, named = hidden // heads, f"hidden_size {hidden} // num_attention_heads {heads}"
+    else:
+        head_dim, named = _field(data, "head_dim", int, low=2), "field head_dim"
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(
+            f"{named} = {head_dim}: each head's width must be even and at least 2 (RoPE "
+            "rotates pairs)"
+        )
+    return head_dim
 
 
 def _refuse_sliding_window(data: Mapping[str, Any], family: _Family, max_len: int) -> None:

@@ -1,0 +1,148 @@
+"""Issue 48's hostile inputs: checkpoint configs, config files, chat templates, the gateway and
+`dew train`'s options. Each must be refused in one line naming the user's own field, file or
+option, before anything runs or is allocated; none may hang, run away or end in a traceback.
+
+Each test names its item of issue 48 in its docstring.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from dew.models import hf
+
+# A Qwen3 (the family with per-head query and key norms) small enough to write in a moment.
+SHAPE = dict(
+    vocab=64, hidden=32, intermediate=48, layers=2, heads=4, kv_heads=2, head_dim=8, max_len=64
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A random Qwen3 checkpoint folder written by dew's own `save` (transformers' layout)."""
+    folder = tmp_path_factory.mktemp("qwen3") / "checkpoint"
+    model = hf.HFModel(hf.HFConfig("Qwen3ForCausalLM", **SHAPE, qk_norm=True), "float32")
+    hf.save(folder, model, model.init(jax.random.key(0)))
+    return folder
+
+
+def _edited(checkpoint: Path, tmp_path: Path, **fields) -> Path:
+    """A copy of `checkpoint` whose config.json has `fields` changed."""
+    folder = tmp_path / "edited"
+    folder.mkdir()
+    for file in checkpoint.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (
+            "num_hidden_layers",
+            10**9,
+            "config.json's num_hidden_layers = 1000000000, but model.safetensors holds layers 0..1",
+        ),
+        (
+            "vocab_size",
+            10**12,
+            "config.json's vocab_size = 1000000000000, but model.safetensors holds "
+            r"model.embed_tokens.weight of shape \[64, 32\]",
+        ),
+        ("hidden_size", 4096, "config.json's hidden_size = 4096, but model.safetensors holds"),
+        (
+            "intermediate_size",
+            10**9,
+            "config.json's intermediate_size = 1000000000, but model.safetensors holds "
+            r"model.layers.0.mlp.gate_proj.weight of shape \[48, 32\]",
+        ),
+        (
+            "num_attention_heads",
+            10**6,
+            r"config.json's num_attention_heads = 1000000 \(1000000 x head_dim 8 = 8000000 rows\), "
+            r"but model.safetensors holds model.layers.0.self_attn.q_proj.weight of shape \[32, 32\]",
+        ),
+        ("num_key_value_heads", 4, "config.json's num_key_value_heads = 4 "),
+    ],
+)
+def test_config_sizes_are_checked_against_the_tensors_before_anything_is_made(
+    checkpoint, tmp_path, field, value, message
+):
+    """Item 5: `num_hidden_layers: 10**9` reached 5 GB in 90 s listing a billion layers'
+    tensors. Every size is checked against the tensors' headers first, named by its field."""
+    folder = _edited(checkpoint, tmp_path, **{field: value})
+    for read in (hf.load, hf.model_of):
+        with pytest.raises(hf.CheckpointError, match=message) as refused:
+            read(folder)
+        assert "1 problem" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"num_key_value_heads": 3},
+            "field num_attention_heads 4 must divide by field num_key_value_heads 3",
+        ),
+        ({"head_dim": 7}, "field head_dim = 7: each head's width must be even"),
+        ({"head_dim": None, "hidden_size": 2}, "hidden_size 2 // num_attention_heads 4 = 0"),
+        ({"max_position_embeddings": 1}, "field max_position_embeddings must be an int >= 2"),
+        ({"num_attention_heads": 0}, "field num_attention_heads must be an int >= 1, got 0"),
+        ({"rms_norm_eps": 0}, "field rms_norm_eps must be a positive finite number, got 0"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 0,
+                }
+            },
+            "rope_parameters's field original_max_position_embeddings must be an int >= 1",
+        ),
+    ],
+)
+def test_config_errors_name_the_files_own_fields(checkpoint, tmp_path, fields, message):
+    """Item 18: config.json's errors named dew's fields (heads, head_dim, max_len, rms_eps),
+    which the file does not have; they name the file's."""
+    folder = _edited(checkpoint, tmp_path, **fields)
+    with pytest.raises(ValueError, match=f"{folder / 'config.json'}: {message}") as refused:
+        hf.load(folder)
+    internal = ("kv_heads", "max_len", "rms_eps", "original_max_len", " heads ")
+    assert not any(name in str(refused.value) for name in internal), refused.value
+
+
+def test_an_index_naming_the_wrong_file_for_a_tensor_is_refused_naming_both(checkpoint, tmp_path):
+    """Item 10: a sharded index that names the wrong file for a tensor ended in safetensors'
+    traceback when the tensor was read; it is refused from the headers, in one line naming the
+    tensor, the file the index names and the file that holds it."""
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    (folder / "config.json").write_bytes((checkpoint / "config.json").read_bytes())
+    with safe_open(checkpoint / "model.safetensors", "numpy") as opened:
+        tensors = {name: opened.get_tensor(name) for name in opened.keys()}
+    first = {name: t for name, t in tensors.items() if not name.startswith("model.layers.1.")}
+    second = {name: t for name, t in tensors.items() if name.startswith("model.layers.1.")}
+    save_file(first, folder / "model-00001-of-00002.safetensors")
+    save_file(second, folder / "model-00002-of-00002.safetensors")
+    weight_map = {name: "model-00001-of-00002.safetensors" for name in first}
+    weight_map |= {name: "model-00002-of-00002.safetensors" for name in second}
+    moved = "model.layers.1.mlp.up_proj.weight"
+    weight_map[moved] = "model-00001-of-00002.safetensors"
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(hf.CheckpointError) as refused:
+        hf.load(folder)
+    assert str(refused.value).splitlines()[1:] == [
+        f"  tensor {moved}: {index} names model-00001-of-00002.safetensors, but "
+        "model-00002-of-00002.safetensors holds it"
+    ]

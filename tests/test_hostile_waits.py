@@ -1,0 +1,84 @@
+"""Processes, long runs and waits, as a hostile user meets them (issue 48, items 7, 8, 9, 15,
+16 and 23): a pool interrupted while it starts, a mesh a single process cannot make, simulate's
+runaway inputs and its report, a wait that says what it waits on, and fit's wall-clock bound.
+
+The pool tests start `dew train --processes` as a user would, every wait bounded (a pool still
+running past its bound is killed and fails the test); nothing is timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from dew.train import COMMIT
+
+DEW_TRAIN = [sys.executable, "-m", "dew", "train"]
+SMALL = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32"]
+SMALL += ["--batch-size", "4", "--groups", "2", "--tasks", "32"]
+# Seconds a pool may take before the test kills it and fails.
+BOUND = 300
+
+
+@pytest.fixture(scope="module")
+def env() -> dict[str, str]:
+    """The environment of the module's `dew train` processes, with the session's persistent
+    compilation cache (tests/conftest.py)."""
+    assert "JAX_COMPILATION_CACHE_DIR" in os.environ
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def pool_processes(launcher: subprocess.Popen) -> list[psutil.Process]:
+    """The `dew train` processes the launcher has started so far (not its watchdog)."""
+    children = psutil.Process(launcher.pid).children()
+    found = []
+    for child in children:
+        try:
+            if "--process-id" in child.cmdline():
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_pool_signalled_while_it_starts_stops_at_its_first_step(tmp_path, env, signum):
+    """Item 7 (and build point 6): a pool signalled while its processes still start (importing
+    jax) stops at its first step boundary, every process alike, with that step's checkpoint. A
+    SIGINT delivered during the processes' start-up was swallowed by jax's garbage-collection
+    hook (the pool then trained all its steps), or ended one process while the other waited
+    for it in jax.distributed.initialize."""
+    run = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [*DEW_TRAIN, "--run", str(run), *SMALL, "--processes", "2", "--steps", "300"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        bound = time.monotonic() + BOUND
+        while len(pool_processes(launcher)) < 2 and time.monotonic() < bound:
+            assert launcher.poll() is None, launcher.communicate()
+            time.sleep(0.01)
+        launcher.send_signal(signum)
+        out, err = launcher.communicate(timeout=BOUND)
+    finally:
+        launcher.kill()
+    logs = [(run / "logs" / f"process-{index}.log").read_text() for index in range(2)]
+    assert launcher.returncode == 130, out + err + str(logs)
+    assert err == (
+        "dew: interrupted: the pool stops after its step in progress (Ctrl-C again: at once)\n"
+    )
+    said = "dew train: stopped after step 1/300, its checkpoint saved"
+    assert all(said in log for log in logs), logs
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
+    commit = json.loads((run / "checkpoints" / COMMIT).read_text())
+    assert (commit["updates"], commit["position"]) == (1, 1)
