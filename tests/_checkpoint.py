@@ -35,9 +35,12 @@ def tiny_qwen2(
     max_len: int = 256,
     hidden: int = 128,
     layers: int = 2,
+    tied: bool = False,
 ) -> Path:
     """Write a Qwen2 of `layers` layers and width `hidden` (heads of 64, one key/value head)
-    with a byte-level BPE tokenizer and a ChatML chat template into `folder`, and return it."""
+    with a byte-level BPE tokenizer and a ChatML chat template into `folder`, and return it.
+    `tied` makes the output projection the embedding (`tie_word_embeddings`), as most small
+    checkpoints people train have it: the folder then holds no `lm_head.weight`."""
     from dew._torch_media import hide_broken_media_packages
 
     hide_broken_media_packages()
@@ -64,7 +67,7 @@ def tiny_qwen2(
         num_key_value_heads=1,
         head_dim=64,
         max_position_embeddings=max_len,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         dtype="float32",

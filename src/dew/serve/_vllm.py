@@ -55,6 +55,7 @@ from dew.serve._vllm_process import (
     free_port,
     server_urls,
 )
+from dew.serve._vllm_push import add_tied_head
 
 _GENERATE = "/inference/v1/generate"
 
@@ -822,13 +823,15 @@ class VLLMEngine:
         self.push_seconds.append(time.perf_counter() - began)
 
     def _write(self, folder: Path, variables) -> None:
-        """Write pushed params as the checkpoint folder the servers reload."""
+        """Write pushed params as the checkpoint folder the servers reload, a tied model's
+        head included (`add_tied_head`: else vLLM's reload leaves the head as it was)."""
         if self._save is not None:
             self._save(folder, variables)
         else:
             from dew.models import hf
 
             hf.save(folder, self.model, variables, tokenizer_from=self._checkpoint)
+        add_tied_head(folder)
 
     async def _on_each(self, client: httpx.AsyncClient, path: str, **options) -> None:
         """POST `path` to every live server at once; the first failure, once all answered.
