@@ -11,11 +11,22 @@ import json
 from pathlib import Path
 
 import jax
+import openai
 import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from _gateway import ScriptedEngine
+from _templates import FAMILIES, family_tokenizer
 from dew.models import hf
+from dew.serve.chat_template import ChatTemplate
+from dew.serve.tokenizer import TemplateTokenizer
+from test_gateway import gateway
+
+# The openai client leaves its stream's event iterator unclosed (see test_gateway.py).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Async generator '.*' was garbage collected:ResourceWarning"
+)
 
 # A Qwen3 (the family with per-head query and key norms) small enough to write in a moment.
 SHAPE = dict(
@@ -146,3 +157,41 @@ def test_an_index_naming_the_wrong_file_for_a_tensor_is_refused_naming_both(chec
         f"  tensor {moved}: {index} names model-00001-of-00002.safetensors, but "
         "model-00002-of-00002.safetensors holds it"
     ]
+
+
+# A ChatML template that divides by zero on one message's content, as a checkpoint's template
+# can fail on what a client sends (arithmetic on lengths, a filter on an unexpected value).
+DIVIDING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] == 'divide' %}{{ 1 // (message['content'] | length - 6) }}"
+    "{% endif %}{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+async def test_a_chat_template_failing_on_a_clients_content_is_answered_400():
+    """Item 17: a checkpoint's template that raised ZeroDivisionError on a message's content
+    was answered 500 and the session booked as an infrastructure fault (only five exception
+    types were taken as the template's). Any exception of the template on the client's content
+    is the client's 400, naming the template's error; the session goes on."""
+    family = FAMILIES["qwen2.5"]
+    template = ChatTemplate.of(DIVIDING_TEMPLATE, **family.named)
+    tokenizer = TemplateTokenizer(family_tokenizer(family), template)
+    engine = ScriptedEngine(["fine"], tokenizer=tokenizer)
+    async with gateway(engine, tokenizer=tokenizer) as gw:
+        session = gw.open()
+        async with openai.AsyncOpenAI(
+            base_url=session.base_url, api_key=session.api_key, max_retries=0
+        ) as client:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "divide"}]
+                )
+            answer = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "add"}]
+            )
+    error = refused.value
+    assert error.status_code == 400 and error.param == "messages"
+    assert "ZeroDivisionError: integer division or modulo by zero" in error.body["message"]
+    assert session.infra_error is None
+    assert answer.choices[0].message.content == "fine" and len(session.calls) == 1

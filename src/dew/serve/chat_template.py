@@ -180,7 +180,8 @@ class ChatTemplate:
 
         Raises:
             ChatTemplateError: with the template's own message when it refuses the conversation
-                (`raise_exception`) or fails on it (a missing field, say).
+                (`raise_exception`), or the type and message of any exception it raises on it
+                (a missing field, a division by zero, ...).
         """
         if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
             raise TypeError(f"render: messages must be a sequence, got {type(messages).__name__}")
@@ -200,7 +201,10 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"the chat template refused the conversation: {error}"
             ) from None
-        except (TypeError, AttributeError, KeyError, IndexError, RecursionError) as error:
+        except Exception as error:
+            # Whatever the template's own code raises on the values it is given (a missing
+            # field, arithmetic on a length, a filter on an unexpected type, runaway recursion)
+            # is a failure on this conversation, not of the caller: the gateway answers it 400.
             raise ChatTemplateError(
                 f"the chat template failed on the conversation: {type(error).__name__}: {error}"
             ) from None
