@@ -9,6 +9,7 @@ there still there, byte for byte.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import attrs
@@ -196,3 +197,74 @@ def test_export_writes_the_checkpoint_it_names_while_the_run_commits_another(
     shift = exported_shift(to, base)
     assert f"the checkpoint at step {int(shift)} of" in said, (said, shift)
     assert json.loads((to / _export.MARKER).read_text())["updates"] == int(shift)
+
+
+# Item 2 ----------------------------------------------------------------------------------------
+
+TINY = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32"]
+TINY += ["--batch-size", "2", "--groups", "2", "--tasks", "4", "--steps", "2"]
+
+
+def dew_train(argv: list[str]) -> int:
+    # optax's Adam under strict dtype promotion: as tests/test_train.py runs it.
+    with jax.numpy_dtype_promotion("standard"):
+        return cli.main(["train", *argv])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A run of dew's transformer that trained its 2 steps, with a checkpoint at step 2."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    assert dew_train(["--run", str(run), *TINY, "--checkpoint-every", "2"]) == 0
+    return run
+
+
+@pytest.fixture
+def run(trained, tmp_path) -> Path:
+    """A copy of the trained run, for one test to damage."""
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    return copy
+
+
+def train_refusal(capsys, argv: list[str]) -> str:
+    """`dew train argv`, which must refuse in one line before it trains: the line."""
+    with jax.numpy_dtype_promotion("standard"):
+        line = refusal(capsys, "train", argv)
+    return line
+
+
+@pytest.mark.parametrize("lost", ["checkpoints/checkpoint.json", "checkpoints"])
+def test_resume_without_a_commit_record_refuses_a_folder_with_a_history(capsys, run, lost):
+    """Item 2. Failed before: `--resume` of a run whose checkpoint.json (or checkpoints/) was
+    gone said "training from the first step", overwrote metrics.jsonl and, at its first
+    checkpoint, deleted the arrays still there."""
+    gone = run / lost
+    shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
+    before = files(run)
+    line = train_refusal(capsys, ["--run", str(run), "--resume", "--steps", "4"])
+    assert line.startswith(f"--resume: {run} holds a run's metrics.jsonl (2 lines)"), line
+    assert "no commit record (checkpoints/checkpoint.json)" in line
+    assert "start afresh with another --run" in line
+    if lost != "checkpoints":  # the arrays the record named are named too
+        assert "checkpoints/state-00000002-" in line, line
+    assert files(run) == before
+
+
+@pytest.mark.parametrize("kept", ["metrics.jsonl", "samples.jsonl", "checkpoints/state"])
+def test_a_fresh_run_into_a_folder_with_a_history_is_refused(capsys, run, kept):
+    """Item 2. Failed before for the samples log and for arrays without their record: a fresh
+    `dew train --run DIR` into a folder holding only those trained over them (the samples log
+    cut to the new run's, the arrays removed at its first checkpoint)."""
+    for path in [run / "checkpoints" / "checkpoint.json", *run.glob("*.jsonl")]:
+        if not path.name.startswith(kept):
+            path.unlink()
+    for path in (run / "checkpoints").iterdir():
+        if not f"checkpoints/{path.name}".startswith(kept):
+            path.unlink()
+    before = files(run)
+    assert before  # what the run keeps is there to be overwritten
+    line = train_refusal(capsys, ["--run", str(run), *TINY])
+    assert line.startswith(f"{run} already holds a run ({kept}"), line
+    assert "continue it with --resume, or start afresh with another --run" in line
+    assert files(run) == before

@@ -626,7 +626,8 @@ def _mesh_sizes(
                 f"{processes} processes has {devices} ({jax.local_device_count()} each)"
             )
         return data, fsdp, tensor
-    if data * fsdp * tensor != jax.device_count():
+    # A pool of one (`--processes 1`) joins it too: its devices are counted once it has.
+    if count and data * fsdp * tensor != jax.device_count():
         raise ValueError(
             f"--mesh {config.mesh} needs {data * fsdp * tensor} devices, this process has "
             f"{jax.device_count()}"

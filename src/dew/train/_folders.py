@@ -13,9 +13,9 @@ from pathlib import Path
 import attrs
 
 from dew.envs.reasoning_gym import PREFIX
-from dew.train._checkpoint import COMMIT
+from dew.train._checkpoint import COMMIT, STATE
 from dew.train._config import _LOGGING, HARNESS, TrainConfig, _read_json
-from dew.train._trainer import METRICS, check_log_lengths
+from dew.train._trainer import check_log_lengths
 
 
 class RunInUse(ValueError):
@@ -55,6 +55,16 @@ class _RunLock:
             self.descriptor = None
 
 
+def _in_use(run: Path) -> bool:
+    """Whether another `dew train` holds the run folder `run` now (`_RunLock`): what it has
+    written so far is a run in progress, which taking the lock refuses as such."""
+    try:
+        with _RunLock(run):
+            return False
+    except RunInUse:
+        return True
+
+
 def _check_split(config: TrainConfig, processes: int) -> None:
     """Refuse a batch that the pool's processes cannot share evenly."""
     if config.batch_size % processes:
@@ -81,10 +91,13 @@ def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
 
     Raises:
         ValueError: when `run` cannot be made or written (`_check_run_folder`), holds a run and
-            `resume` is not set, or holds a run of a config that differs from `config` in more
-            than its logging (`steps`, ...) and its mesh.
+            `resume` is not set, holds a run's history but no commit record to resume it from
+            (`_history`), or holds a run of a config that differs from `config` in more than
+            its logging (`steps`, ...) and its mesh.
     """
     _check_run_folder(run)
+    history = _history(run)
+    committed = (run / "checkpoints" / COMMIT).exists()
     saved = run / "config.json"
     if resume and saved.exists():
         previous = TrainConfig.from_json(_read_json(saved))
@@ -105,8 +118,20 @@ def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
                 f"{run} was trained with other {', '.join(changed)}: {values} (a resumed run "
                 f"keeps its config; only {free} may change)"
             )
-    elif not resume and _trained(run):
-        raise ValueError(f"{run} already holds a run; resume it or choose another folder")
+    if resume and history and not committed and not _in_use(run):
+        # Resuming from nothing would train from the first step over the logs and remove the
+        # arrays at its first checkpoint.
+        raise ValueError(
+            f"--resume: {run} holds a run's {', '.join(history)} but no commit record "
+            f"(checkpoints/{COMMIT}) to resume it from, and training from the first step would "
+            "overwrite them; start afresh with another --run (or move them away first)"
+        )
+    if not resume and (history or committed):
+        what = ", ".join(history) or f"checkpoints/{COMMIT}"
+        raise ValueError(
+            f"{run} already holds a run ({what}); continue it with --resume, or start afresh "
+            "with another --run"
+        )
     if resume:
         _check_resumable(config, run)
 
@@ -141,13 +166,32 @@ def _check_resumable(config: TrainConfig, run: Path) -> None:
     check_log_lengths(run, metadata)
 
 
-def _trained(run: Path) -> bool:
-    """Whether the run in `run` trained a step: logged one, or checkpointed one. A run refused
-    or stopped before its first step (a full disk, a bad task) leaves its config behind, which
-    must not block the run that follows: that one cuts the logs and replaces the config."""
-    metrics = run / METRICS
-    logged = metrics.exists() and metrics.stat().st_size > 0
-    return logged or (run / "checkpoints" / COMMIT).exists()
+def _history(run: Path) -> list[str]:
+    """What of a run's history `run` holds, each as a line names it: its logs that are not
+    empty (`metrics.jsonl`, `samples.jsonl`, `eval.jsonl`: a run's logs are JSON lines), with
+    their lines, and its checkpoint's arrays. A run that starts afresh there cuts the logs and,
+    at its first checkpoint, removes the arrays.
+
+    A run refused or stopped before its first step (a full disk, a bad task) leaves only its
+    config behind, which is no history: it must not block the run that follows, which
+    replaces it.
+    """
+    logs = sorted(path for path in run.glob("*.jsonl") if path.is_file())
+    held = [f"{path.name} ({_lines(path)} lines)" for path in logs if path.stat().st_size > 0]
+    checkpoints = run / "checkpoints"
+    if checkpoints.is_dir():
+        held += [
+            f"checkpoints/{path.name}"
+            for path in sorted(checkpoints.iterdir())
+            if path.name.startswith(STATE)
+        ]
+    return held
+
+
+def _lines(path: Path) -> int:
+    """How many lines a log holds (a last one cut short counts)."""
+    text = path.read_bytes()
+    return text.count(b"\n") + (not text.endswith(b"\n"))
 
 
 def _check_run_folder(run: Path) -> None:
