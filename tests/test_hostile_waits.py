@@ -18,6 +18,7 @@ import time
 import psutil
 import pytest
 
+from _hf_folders import chat_checkpoint
 from dew.train import COMMIT
 
 DEW_TRAIN = [sys.executable, "-m", "dew", "train"]
@@ -25,6 +26,15 @@ SMALL = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32"]
 SMALL += ["--batch-size", "4", "--groups", "2", "--tasks", "32"]
 # Seconds a pool may take before the test kills it and fails.
 BOUND = 300
+# A `--model` checkpoint small enough to split over two CPU devices.
+CHECKPOINT = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +92,25 @@ def test_a_pool_signalled_while_it_starts_stops_at_its_first_step(tmp_path, env,
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
     commit = json.loads((run / "checkpoints" / COMMIT).read_text())
     assert (commit["updates"], commit["position"]) == (1, 1)
+
+
+def test_a_pool_of_one_process_trains_on_a_mesh_of_its_devices(tmp_path, env):
+    """Item 15: `--processes 1 --mesh 1x1x2` trains, its process splitting the checkpoint over
+    its two devices. Its one process checked the mesh against its devices before it joined the
+    pool, which started JAX's backend: `jax.distributed.initialize() must be called before any
+    JAX calls`, a traceback."""
+    folder = chat_checkpoint(tmp_path / "checkpoint", CHECKPOINT)
+    run = tmp_path / "run"
+    command = [*DEW_TRAIN, "--model", str(folder), "--run", str(run), "--batch-size", "2"]
+    command += ["--groups", "2", "--tasks", "8", "--steps", "1"]
+    finished = subprocess.run(
+        [*command, "--processes", "1", "--mesh", "1x1x2"],
+        env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+    )
+    log = (run / "logs" / "process-0.log").read_text()
+    assert finished.returncode == 0, finished.stdout + finished.stderr + log
+    assert "Traceback" not in log
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
