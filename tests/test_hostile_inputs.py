@@ -18,10 +18,12 @@ from safetensors.numpy import save_file
 
 from _gateway import ScriptedEngine
 from _templates import FAMILIES, family_tokenizer
+from dew._documents import MAX_BYTES
 from dew.models import hf
 from dew.serve.chat_template import ChatTemplate
 from dew.serve.tokenizer import TemplateTokenizer
 from test_gateway import gateway
+from test_hostile_cli import refusal
 
 # The openai client leaves its stream's event iterator unclosed (see test_gateway.py).
 pytestmark = pytest.mark.filterwarnings(
@@ -78,8 +80,9 @@ def _edited(checkpoint: Path, tmp_path: Path, **fields) -> Path:
         (
             "num_attention_heads",
             10**6,
-            r"config.json's num_attention_heads = 1000000 \(1000000 x head_dim 8 = 8000000 rows\), "
-            r"but model.safetensors holds model.layers.0.self_attn.q_proj.weight of shape \[32, 32\]",
+            r"config.json's num_attention_heads = 1000000 \(1000000 x head_dim 8 = 8000000 "
+            r"rows\), but model.safetensors holds model.layers.0.self_attn.q_proj.weight of "
+            r"shape \[32, 32\]",
         ),
         ("num_key_value_heads", 4, "config.json's num_key_value_heads = 4 "),
     ],
@@ -195,3 +198,34 @@ async def test_a_chat_template_failing_on_a_clients_content_is_answered_400():
     assert "ZeroDivisionError: integer division or modulo by zero" in error.body["message"]
     assert session.infra_error is None
     assert answer.choices[0].message.content == "fine" and len(session.calls) == 1
+
+
+def test_a_config_file_without_end_is_refused_after_a_bounded_read(capsys, tmp_path):
+    """Item 6: `--config /dev/zero` was read without limit (MemoryError at 5.4 GB); so was a
+    checkpoint's config.json. Config files are read to a bound, as traces are, and refused
+    past it naming the file."""
+    line = refusal(capsys, ["train", "--config", "/dev/zero", "--run", str(tmp_path / "run")])
+    assert f"cannot read the config file '/dev/zero': it holds more than {MAX_BYTES} bytes" in line
+    assert not (tmp_path / "run").exists()
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    with open(folder / "config.json", "wb") as sparse:  # a file of zeros that takes no disk
+        sparse.truncate(MAX_BYTES + 1)
+    with pytest.raises(ValueError, match=f"{folder / 'config.json'} cannot be read as JSON: it"):
+        hf.load(folder)
+
+
+def test_a_config_nested_past_the_recursion_limit_is_refused_in_one_line(capsys, tmp_path):
+    """Item 14: a TOML config nested 100,000 deep ended in a RecursionError's traceback; it is
+    refused in one line naming the file (and so is a JSON one, and a checkpoint's config.json)."""
+    deep = "[" * 100_000 + "]" * 100_000
+    for name, text in (("deep.toml", f"admit = {deep}\n"), ("deep.json", f'{{"admit": {deep}}}')):
+        config = tmp_path / name
+        config.write_text(text)
+        line = refusal(capsys, ["train", "--config", str(config), "--run", str(tmp_path / "r")])
+        assert f"cannot read the config file '{config}': it is nested too deep" in line
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / "config.json").write_text(deep)
+    with pytest.raises(ValueError, match="config.json cannot be read as JSON: it is nested too"):
+        hf.load(folder)

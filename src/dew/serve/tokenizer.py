@@ -42,6 +42,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from dew._documents import read_document, read_text
 from dew.serve.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError
 
 BOS = 256
@@ -845,9 +846,8 @@ class TemplateTokenizer(_TokenizersText):
 
 def _read_text(path: str) -> str:
     try:
-        with open(path, encoding="utf-8") as file:
-            return file.read()
-    except (OSError, UnicodeDecodeError) as error:
+        return read_text(path)
+    except (OSError, ValueError) as error:
         raise ValueError(
             f"TemplateTokenizer.from_folder: {path!r} does not read: {error}"
         ) from None
@@ -859,9 +859,8 @@ def _json_file(root: str, name: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         return {}
     try:
-        with open(path, encoding="utf-8") as file:
-            value = json.load(file)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        value = read_document(path)
+    except (OSError, ValueError) as error:
         raise ValueError(
             f"TemplateTokenizer.from_folder: {path!r} is not valid JSON: {error}"
         ) from None

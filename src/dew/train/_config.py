@@ -7,9 +7,7 @@ with the command line's options over it.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ import attrs
 
 from dew import models
 from dew._checks import in_range, int_within
+from dew._documents import read_document
 from dew.envs.lookup import HARNESSES
 from dew.envs.reasoning_gym import PREFIX, ReasoningGym
 from dew.objectives.rl.grpo import AGGREGATIONS, CORRECTIONS, IMPORTANCE_LEVELS, PROXIMALS
@@ -521,10 +520,8 @@ class TrainConfig:
         """
         path = Path(path)
         try:
-            text = path.read_text(encoding="utf-8")
-            toml = path.suffix.lower() == ".toml"
-            data = tomllib.loads(text) if toml else json.loads(text)
-        except (OSError, UnicodeDecodeError, ValueError) as error:
+            data = read_document(path, toml=path.suffix.lower() == ".toml")
+        except (OSError, ValueError) as error:
             raise ValueError(f"cannot read the config file {str(path)!r}: {error}") from error
         if not isinstance(data, Mapping):
             raise ValueError(f"{str(path)!r} must hold a table of TrainConfig fields")
@@ -680,6 +677,6 @@ def _read_json(path: Path) -> Any:
         ValueError: naming the file when it is truncated or not JSON.
     """
     try:
-        return json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        return read_document(path)
+    except ValueError as error:
         raise ValueError(f"{path} is damaged (not JSON: {error})") from None

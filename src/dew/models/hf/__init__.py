@@ -34,6 +34,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from safetensors import SafetensorError, safe_open
 
+from dew._documents import read_document
 from dew.models.hf import _params
 from dew.models.hf._config import (
     CONFIG,
@@ -180,7 +181,7 @@ def _tensor_files(folder: Path) -> dict[str, str]:
     index = folder / INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = read_document(index)["weight_map"]
             if not (
                 isinstance(weight_map, dict)
                 and all(isinstance(file, str) for file in weight_map.values())

@@ -12,7 +12,6 @@ tensor is read or anything compiled.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +21,7 @@ import attrs
 import numpy as np
 
 from dew._checks import int_at_least
+from dew._documents import read_document
 
 CONFIG = "config.json"
 """A checkpoint folder's config file."""
@@ -247,8 +247,8 @@ def read_config(folder: Path) -> tuple[HFConfig, str | None]:
     if not path.is_file():
         raise ValueError(f"{folder} has no {CONFIG}: not a Hugging Face checkpoint folder")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
+        data = read_document(path)
+    except (OSError, ValueError) as error:
         raise ValueError(f"{path} cannot be read as JSON: {error}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
@@ -339,8 +339,7 @@ def _parse(data: Mapping[str, Any]) -> HFConfig:
     kv_heads = _field(data, "num_key_value_heads", int, heads)
     if heads % kv_heads:
         raise ValueError(
-            f"field num_attention_heads {heads} must divide by field num_key_value_heads "
-            f"{kv_heads}"
+            f"field num_attention_heads {heads} must divide by field num_key_value_heads {kv_heads}"
         )
     head_dim = _head_dim(data, hidden, heads)
     theta, scaling = _rope(data, max_len)
