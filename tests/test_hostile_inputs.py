@@ -229,3 +229,21 @@ def test_a_config_nested_past_the_recursion_limit_is_refused_in_one_line(capsys,
     (folder / "config.json").write_text(deep)
     with pytest.raises(ValueError, match="config.json cannot be read as JSON: it is nested too"):
         hf.load(folder)
+
+
+@pytest.mark.parametrize(
+    ("option", "instead"), [("size=5", "--tasks and --eval-tasks"), ("seed=3", "--seed")]
+)
+def test_dews_own_size_and_seed_given_as_dataset_options_name_dews_option(
+    capsys, tmp_path, option, instead
+):
+    """Item 22: `size` and `seed` among a reasoning-gym task's options were blamed on
+    reasoning-gym ("reasoning-gym refuses leg_counting ... got multiple values for keyword
+    argument 'size'"); they are dew's own settings, and the error names dew's option."""
+    pytest.importorskip("reasoning_gym")
+    task = f"reasoning-gym:leg_counting,{option}"
+    line = refusal(capsys, ["train", "--task", task, "--run", str(tmp_path / "run")])
+    key, value = option.split("=")
+    assert f"--task {task}: option {key}={int(value)} is dew's" in line
+    assert line.endswith(f"(dew train: {instead})") and "reasoning-gym refuses" not in line
+    assert not (tmp_path / "run").exists()

@@ -40,9 +40,23 @@ PREFIX = "reasoning-gym:"
 """How `dew train --task` names a reasoning-gym dataset: `reasoning-gym:NAME[,key=value...]`."""
 
 
+# dew's own settings of a dataset, which reasoning-gym takes beside its options, and how to
+# give each instead (reasoning-gym said "got multiple values for keyword argument 'size'").
+_OWN = {
+    "size": "ReasoningGym's size= (dew train: --tasks and --eval-tasks)",
+    "seed": "ReasoningGym's seed= (dew train: --seed)",
+}
+
+
 def _options(instance, attribute, value):
     if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
         raise ValueError(f"{attribute.name} must be a mapping of str keys, got {value!r}")
+    for key, instead in _OWN.items():
+        if key in value:
+            raise ValueError(
+                f"option {key}={value[key]!r} is dew's, not an option of reasoning-gym's "
+                f"{instance.name}: give it as {instead}"
+            )
 
 
 @attrs.frozen
@@ -57,7 +71,8 @@ class ReasoningGym:
 
     Raises:
         ImportError: naming the extra to install when reasoning-gym is missing.
-        ValueError: naming the dataset or the option reasoning-gym refuses.
+        ValueError: naming the dataset or the option reasoning-gym refuses, or dew's own
+            `size` or `seed` given among the options.
     """
 
     name: str = attrs.field(validator=attrs.validators.instance_of(str))
