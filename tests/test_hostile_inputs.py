@@ -22,6 +22,7 @@ from dew._documents import MAX_BYTES
 from dew.models import hf
 from dew.serve.chat_template import ChatTemplate
 from dew.serve.tokenizer import TemplateTokenizer
+from dew.train import TrainConfig
 from test_gateway import gateway
 from test_hostile_cli import refusal
 
@@ -246,4 +247,21 @@ def test_dews_own_size_and_seed_given_as_dataset_options_name_dews_option(
     key, value = option.split("=")
     assert f"--task {task}: option {key}={int(value)} is dew's" in line
     assert line.endswith(f"(dew train: {instead})") and "reasoning-gym refuses" not in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_admit_none_is_taken_as_the_default_as_option_and_in_toml(capsys, tmp_path):
+    """Item 20: `--admit none` was refused though the help calls none the default, and so was
+    `admit = "none"` in a TOML config. Both mean the default, no cut: carry_over, which needs a
+    cut, is refused after them, even over a file's `admit = 2`."""
+    run = ["--run", str(tmp_path / "run")]
+    needs = "carry_over needs admit"
+    assert needs in refusal(capsys, ["train", "--admit", "none", "--carry-over", *run])
+    config = tmp_path / "run.toml"
+    config.write_text('admit = "none"\ncarry_over = true\n')
+    assert needs in refusal(capsys, ["train", "--config", str(config), *run])
+    config.write_text("admit = 2\ncarry_over = true\n")
+    assert needs in refusal(capsys, ["train", "--config", str(config), "--admit", "none", *run])
+    config.write_text('admit = "none"\n')
+    assert TrainConfig.from_file(config) == TrainConfig()
     assert not (tmp_path / "run").exists()

@@ -140,17 +140,27 @@ def _one_of(choices: tuple[str, ...]) -> Callable:
     return validate
 
 
+_WORDS = ("auto", "none")
+"""admit's values other than a number of groups."""
+
+
 def _admit_value(text: str) -> int | str:
-    """--admit's value: "auto" or a number of groups."""
-    return text if text == "auto" else int(text)
+    """--admit's value: "auto", "none" (every task's group trains: the default) or a number of
+    groups."""
+    return text if text in _WORDS else int(text)
 
 
 _admit_value.__name__ = "admit"
 
 
 def _admit(instance, attribute, value) -> None:
-    if value != "auto":
+    if value not in _WORDS:
         int_within(1, 4096)(instance, attribute, value)
+
+
+def _no_cut(value: Any) -> Any:
+    """admit "none", as the option's help and a config file spell the default, is None."""
+    return None if value == "none" else value
 
 
 def _server_urls(instance, attribute, value) -> None:
@@ -170,11 +180,24 @@ def _optional_tuple(values: Any) -> tuple | None:
     return None if values is None else tuple(values)
 
 
-def _option(default: Any, validator: Callable, help: str, *, kind: type | None = None) -> Any:
+def _option(
+    default: Any,
+    validator: Callable,
+    help: str,
+    *,
+    kind: type | None = None,
+    converter: Callable | None = None,
+) -> Any:
     """A TrainConfig field that is also a `dew train` option, with its help text and, where
-    the default (None) does not tell it, the type of its values."""
+    the default (None) does not tell it, the type of its values (and a converter of the value
+    given, where another spelling means the same)."""
     kind = type(default) if kind is None else kind
-    return attrs.field(default=default, validator=validator, metadata={"help": help, "type": kind})
+    return attrs.field(
+        default=default,
+        validator=validator,
+        converter=converter,
+        metadata={"help": help, "type": kind},
+    )
 
 
 _WASTE_BUDGET = 0.2
@@ -209,7 +232,7 @@ class TrainConfig:
             rest are cancelled (the long tail cut, at the price of favouring short rollouts:
             see `dew tune`'s selection column).
         admit: groups trained per batch, the first to complete; the batch's other groups are
-            cancelled. None trains every task's group. In a pool each process admits its
+            cancelled. None (or "none") trains every task's group. In a pool each process admits its
             share, so it must split evenly over the processes. "auto" chooses each step's
             from the run's own durations, within `waste_budget` (`RolloutScheduler`).
         waste_budget: under admit "auto", the most of the run's rollout-seconds it may throw
@@ -299,6 +322,7 @@ class TrainConfig:
         "groups trained per batch, the first to complete; none trains every task's group; "
         "auto chooses each step's from the run's own durations, within --waste-budget",
         kind=_admit_value,
+        converter=_no_cut,
     )
     waste_budget: float = _option(
         _WASTE_BUDGET,
