@@ -268,3 +268,76 @@ def test_a_fresh_run_into_a_folder_with_a_history_is_refused(capsys, run, kept):
     assert line.startswith(f"{run} already holds a run ({kept}"), line
     assert "continue it with --resume, or start afresh with another --run" in line
     assert files(run) == before
+
+
+# Item 4, build point 4, item 21 and item 13 ----------------------------------------------------
+
+
+def test_resume_refuses_an_edited_config_json_as_it_refuses_an_edited_option(capsys, run):
+    """Item 4. Failed before: `groups` edited in config.json from 2 to 4 was taken on
+    `--resume` without a word, while `--groups 4` was refused."""
+    saved = run / "config.json"
+    saved.write_text(json.dumps(json.loads(saved.read_text()) | {"groups": 4}))
+    before = files(run)
+    line = train_refusal(capsys, ["--run", str(run), "--resume", "--steps", "3"])
+    assert line.startswith(f"{saved} was edited since its checkpoint"), line
+    assert "groups 4, not 2 as trained" in line and "restore it" in line
+    assert files(run) == before
+
+
+@pytest.mark.parametrize("arrays_too", [False, True])
+def test_resume_refuses_a_commit_record_whose_updates_was_edited(capsys, run, arrays_too):
+    """Item 4. Failed before: `updates` edited in checkpoint.json from 2 to 1 resumed "at step
+    1, data position 2" and logged step 1 twice. Refused by the arrays the record names, and,
+    with those renamed to match, by the metrics line the record keeps."""
+    commit = run / "checkpoints" / "checkpoint.json"
+    record = json.loads(commit.read_text())
+    if arrays_too:
+        renamed = record["arrays"].replace("state-00000002-", "state-00000001-")
+        (run / "checkpoints" / record["arrays"]).rename(run / "checkpoints" / renamed)
+        record["arrays"] = renamed
+    commit.write_text(json.dumps(record | {"updates": 1}))
+    before = files(run)
+    line = train_refusal(capsys, ["--run", str(run), "--resume", "--steps", "3"])
+    assert line.startswith(f"{commit} says updates 1, but the "), line
+    culprit = "the last line of" if arrays_too else "the arrays it names, state-00000002-"
+    assert culprit in line and "updates 2" in line, line
+    assert files(run) == before
+
+
+def test_resume_names_the_values_the_run_had_with_its_config_json_gone(capsys, run):
+    """Items 21 and 13. Failed before: with config.json gone, `--resume` built the run from
+    the defaults (ending in a traceback as the checkpoint did not fit, having written the
+    defaults into config.json), so an option was then compared with a default the run never
+    had (`--groups 16, not 4`). The run's config is its checkpoint's now."""
+    (run / "config.json").unlink()
+    line = train_refusal(capsys, ["--run", str(run), "--resume", "--groups", "4"])
+    assert "--groups 2, not 4" in line, line
+    assert not (run / "config.json").exists()
+    assert dew_train(["--run", str(run), "--resume", "--steps", "3"]) == 0
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in logged] == [0, 1, 2]
+    assert json.loads((run / "config.json").read_text())["groups"] == 2
+
+
+def test_resume_after_the_model_folder_was_replaced_names_what_changed(capsys, base, tmp_path):
+    """Item 13. Failed before: `--resume` of a `--model` run whose folder now holds another
+    model ended in a traceback (a leaf of another shape)."""
+    folder = tmp_path / "model"
+    shutil.copytree(base, folder)
+    run = tmp_path / "run"
+    argv = ["--model", str(folder), "--run", str(run), "--batch-size", "2", "--groups", "2"]
+    argv += ["--tasks", "4", "--checkpoint-every", "1"]
+    assert dew_train([*argv, "--steps", "1"]) == 0
+    shutil.rmtree(folder)
+    chat_checkpoint(folder, SHAPE | {"intermediate_size": 48})
+    before = files(run)
+    capsys.readouterr()
+    assert dew_train(["--run", str(run), "--resume", "--steps", "2"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"dew train: --resume: the checkpoint in {run / 'checkpoints'} "), line
+    assert "its --model folder's config.json changed (intermediate_size 32 then, 48 now)" in line
+    assert before.keys() <= files(run).keys()
+    assert {name: files(run)[name] for name in before if name != "config.json"} == {
+        name: data for name, data in before.items() if name != "config.json"
+    }

@@ -32,14 +32,15 @@ from dew.train._config import (
     _load_environment,
     _load_tokenizer,
     _mesh_sizes,
-    _read_json,
 )
 from dew.train._folders import (
+    Misfit,
     RunInUse,
     _check_record,
     _check_run,
     _check_split,
     _default_run,
+    _run_config,
 )
 from dew.train._interrupt import INTERRUPTED, _CtrlC, _Interrupted, _say, any_process
 from dew.train._progress import Progress
@@ -196,8 +197,9 @@ def run_cli(args: argparse.Namespace) -> int:
     run = None if args.run_folder is None else Path(args.run_folder)
     joining = _pool_options(args)
     try:
-        if args.resume and (run / "config.json").exists():
-            saved = TrainConfig.from_json(_read_json(run / "config.json"))
+        # A resumed run's config is the one it was trained with (its checkpoint's).
+        saved = _run_config(run) if args.resume else None
+        if saved is not None:
             config = attrs.evolve(saved, **given)
         elif args.config is not None:
             config = TrainConfig.from_file(args.config, **given)
@@ -252,6 +254,9 @@ def _train_until_interrupted(
                 _say(f"dew train: {nothing}")
                 return 1
             except RunInUse as error:  # found once the run holds its folder, not before
+                _say(f"dew train: {error}")
+                return 1
+            except Misfit as error:  # found once the model is built, not before
                 _say(f"dew train: {error}")
                 return 1
             except OSError as error:  # a full disk, a folder gone: the run cannot go on

@@ -15,12 +15,17 @@ import attrs
 from dew.envs.reasoning_gym import PREFIX
 from dew.train._checkpoint import COMMIT, STATE
 from dew.train._config import _LOGGING, HARNESS, TrainConfig, _read_json
-from dew.train._trainer import check_log_lengths
+from dew.train._trainer import METRICS, check_log_lengths
 
 
 class RunInUse(ValueError):
     """Another run holds the run folder: a `dew train` into it, in this process or another,
     has not ended."""
+
+
+class Misfit(ValueError):
+    """A resumed run's checkpoint does not fit the model the run builds now: what it was
+    built from (its `--model` folder, its task's lengths) changed since the run trained."""
 
 
 class _RunLock:
@@ -98,25 +103,18 @@ def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
     _check_run_folder(run)
     history = _history(run)
     committed = (run / "checkpoints" / COMMIT).exists()
-    saved = run / "config.json"
-    if resume and saved.exists():
-        previous = TrainConfig.from_json(_read_json(saved))
-        changed = [
-            field.name
-            for field in attrs.fields(TrainConfig)
-            if field.name not in _LOGGING + _PLACEMENT
-            and getattr(previous, field.name) != getattr(config, field.name)
-        ]
+    previous = _run_config(run) if resume else None
+    if previous is not None:
+        changed = _differences(previous, config)
         if changed:
             values = "; ".join(
                 f"--{name.replace('_', '-')} {_shown(getattr(previous, name))}, "
                 f"not {_shown(getattr(config, name))}"
                 for name in changed
             )
-            free = ", ".join(f"--{name.replace('_', '-')}" for name in _LOGGING + _PLACEMENT)
             raise ValueError(
                 f"{run} was trained with other {', '.join(changed)}: {values} (a resumed run "
-                f"keeps its config; only {free} may change)"
+                f"keeps its config; only {_free()} may change)"
             )
     if resume and history and not committed and not _in_use(run):
         # Resuming from nothing would train from the first step over the logs and remove the
@@ -136,6 +134,55 @@ def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
         _check_resumable(config, run)
 
 
+def _run_config(run: Path) -> TrainConfig | None:
+    """The config the run in `run` was trained with, from one place: its checkpoint, whose
+    commit record keeps it, which `config.json` must agree with but for what a resumed run may
+    change (an edited file is refused as an edited option is); `config.json` alone for a run
+    without a checkpoint (or one written before checkpoints kept it), and the checkpoint's
+    alone when `config.json` is gone. None when there is neither.
+
+    Raises:
+        ValueError: naming `config.json`, each field that differs and both values, when the file
+            was edited since the checkpoint; naming the file that does not read.
+    """
+    saved = run / "config.json"
+    on_file = TrainConfig.from_json(_read_json(saved), where=str(saved)) if saved.exists() else None
+    commit = run / "checkpoints" / COMMIT
+    try:
+        kept = json.loads(commit.read_text())["metadata"]["config"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return on_file  # no checkpoint, or one that does not read (`read_commit` names why)
+    trained = TrainConfig.from_json(kept, where=f"{commit}'s config")
+    if on_file is None:
+        return trained
+    edited = _differences(trained, on_file)
+    if edited:
+        values = "; ".join(
+            f"{name} {_shown(getattr(on_file, name))}, not {_shown(getattr(trained, name))}"
+            for name in edited
+        )
+        raise ValueError(
+            f"{saved} was edited since its checkpoint ({commit}): {values} as trained; restore "
+            f"it (a resumed run keeps its config; only {_free()} may change, given as options)"
+        )
+    return on_file
+
+
+def _differences(previous: TrainConfig, config: TrainConfig) -> list[str]:
+    """The fields a resumed run may not change in which `config` differs from `previous`."""
+    return [
+        field.name
+        for field in attrs.fields(TrainConfig)
+        if field.name not in _LOGGING + _PLACEMENT
+        and getattr(previous, field.name) != getattr(config, field.name)
+    ]
+
+
+def _free() -> str:
+    """The options a resumed run may change, as the command line names them."""
+    return ", ".join(f"--{name.replace('_', '-')}" for name in _LOGGING + _PLACEMENT)
+
+
 def _shown(value: object) -> str:
     """An option's value as the command line gives it."""
     if value is None:
@@ -149,9 +196,10 @@ def _shown(value: object) -> str:
 
 def _check_resumable(config: TrainConfig, run: Path) -> None:
     """Refuse to resume a run for fewer steps than its checkpoint has trained (it would do
-    nothing, and say it had), or whose logs were cut short since the checkpoint (resuming would
-    pad them back to its length with NUL bytes). A commit record that does not read is left to
-    `read_commit`, which names what is wrong with it."""
+    nothing, and say it had), whose logs were cut short since the checkpoint (resuming would
+    pad them back to its length with NUL bytes), or whose commit record's `updates` was edited
+    (`_check_updates`). A commit record that does not read is left to `read_commit`, which
+    names what is wrong with it."""
     try:
         record = json.loads((run / "checkpoints" / COMMIT).read_text())
         updates = int(record["updates"])
@@ -164,6 +212,38 @@ def _check_resumable(config: TrainConfig, run: Path) -> None:
             f"to extend it"
         )
     check_log_lengths(run, metadata)
+    _check_updates(run, record, updates)
+
+
+def _check_updates(run: Path, record: dict, updates: int) -> None:
+    """Refuse a commit record whose `updates` is not the step of what it goes with: the arrays
+    it names (`state-UPDATES-...`) and the last line of the metrics log it keeps. A record
+    edited by hand resumed at its step with another step's weights and data position, and
+    logged the steps between twice."""
+    commit = run / "checkpoints" / COMMIT
+    named = str(record.get("arrays", ""))
+    stamp = named.removeprefix(STATE)[:8]
+    if named.startswith(STATE) and stamp.isdigit() and int(stamp) != updates:
+        raise ValueError(
+            f"{commit} says updates {updates}, but the arrays it names, {named}, are those of "
+            f"updates {int(stamp)}: the record was edited; restore it (a resumed run must not "
+            "train or log a step twice)"
+        )
+    kept = record["metadata"].get("metrics_bytes")
+    if not isinstance(kept, int) or kept <= 0:
+        return
+    with open(run / METRICS, "rb") as log:  # as long as `kept` at least: check_log_lengths
+        last = log.read(kept).rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    try:
+        logged = json.loads(last)["updates"]
+    except (ValueError, TypeError, KeyError):
+        return  # a line of another shape: the record is not what it is checked against
+    if logged != updates:
+        raise ValueError(
+            f"{commit} says updates {updates}, but the last line of {run / METRICS} it goes "
+            f"with is of updates {logged}: the record was edited; restore it (a resumed run "
+            "must not train or log a step twice)"
+        )
 
 
 def _history(run: Path) -> list[str]:

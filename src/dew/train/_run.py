@@ -31,10 +31,10 @@ from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Label, Status
 from dew.parallel import ProcessRows, default_pool
 from dew.serve import RolloutServer
-from dew.train._checkpoint import _write_atomically, is_sharded
+from dew.train._checkpoint import COMMIT, _write_atomically, is_sharded
 from dew.train._config import TrainConfig, _check_task, _load_tokenizer, _mesh_sizes
 from dew.train._curves import write_curves
-from dew.train._folders import _check_record, _check_run, _check_split, _RunLock
+from dew.train._folders import Misfit, _check_record, _check_run, _check_split, _RunLock
 from dew.train._interrupt import _Interrupted
 from dew.train._samples import SampleLog
 from dew.train._tasks import _objective, _RunTask, _sampling, _task
@@ -145,12 +145,18 @@ def _train(
         deadline=deadline,
         logs=(SAMPLES, EVALUATIONS),
         folder=None if config.model is None else str(hf.resolve(config.model)),
+        # Each checkpoint keeps the config it was trained with (--resume takes it from there)
+        # and what the model was built from besides, which a resume that no longer fits names.
+        metadata={"config": attrs.asdict(config), **_built_from(model, shape.max_len)},
     )
     if mesh is not None:  # Adam's moments as their params, its count replicated over the mesh
         placed = sharding.state_shardings(trainer.opt_state, trainer.variables, mesh)
         trainer.opt_state = sharding.shard(trainer.opt_state, placed)
     if resume:
-        trainer.resume()
+        try:
+            trainer.resume()
+        except ValueError as error:
+            raise _misfit(run, model, shape.max_len, error) from None
         if mesh is not None:  # an npz checkpoint's arrays come back whole: split them again
             trainer.variables = sharding.shard(
                 trainer.variables, sharding.param_shardings(model, mesh)
@@ -279,6 +285,43 @@ def _model(config: TrainConfig, max_len: int, tokenizer) -> tuple[models.Model, 
         )
     # Rows past the tokenizer's ids decode to no text: never sampled, never scored.
     return attrs.evolve(model, vocab_limit=tokenizer.vocab_size), params
+
+
+def _built_from(model, max_len: int) -> dict[str, Any]:
+    """What a run's model was built from, besides its config: the task's sequence length
+    (dew's transformer has a position per token) and a `--model` folder's config.json."""
+    built: dict[str, Any] = {"max_len": max_len}
+    if isinstance(model, hf.HFModel):
+        built["model_config"] = model.config.to_json(model.dtype)
+    return built
+
+
+def _misfit(run: Path, model, max_len: int, error: ValueError) -> Misfit:
+    """The one-line refusal of a resume whose checkpoint did not load into the model built
+    now (`error`, naming the leaf): naming what changed since the checkpoint, where it says."""
+    commit = run / "checkpoints" / COMMIT
+    try:
+        then = dict(json.loads(commit.read_text())["metadata"])
+    except (OSError, ValueError, TypeError, KeyError):
+        then = {}
+    now = _built_from(model, max_len)
+    if "model_config" in then and then["model_config"] != now.get("model_config"):
+        was, is_ = then["model_config"], now.get("model_config") or {}
+        keys = sorted(k for k in set(was) | set(is_) if was.get(k) != is_.get(k))
+        shown = "; ".join(f"{k} {was.get(k)} then, {is_.get(k)} now" for k in keys[:3])
+        changed = f"its --model folder's config.json changed ({shown})"
+    elif "max_len" in then and then["max_len"] != max_len:
+        changed = (
+            f"the task's sequences reach {max_len} tokens now, {then['max_len']} when it was "
+            "trained: the task changed"
+        )
+    else:
+        changed = "what it was built from changed (its --model folder, or its task)"
+    return Misfit(
+        f"--resume: the checkpoint in {commit.parent} does not fit the model this run builds "
+        f"now, {changed} since it was trained ({error}); resume it as it was, or start afresh "
+        "with another --run"
+    )
 
 
 def _mesh(config: TrainConfig, model) -> Mesh | None:

@@ -287,6 +287,8 @@ class Trainer:
         logs: file names in `directory` that `on_step` appends to, once a step (a run's
             `samples.jsonl`, `eval.jsonl`), kept in step with the checkpoints as the metrics
             log is.
+        metadata: JSON values kept with each checkpoint beside the trainer's own (`dew train`
+            keeps the run's config there, the one place `--resume` takes it from).
 
     A run whose every step had no token to train on (every group abandoned, cut or failed)
     raises NothingTrained at its end, naming what became of the groups and the errors behind.
@@ -310,6 +312,7 @@ class Trainer:
         on_step: Callable[[Mapping[str, Any]], None] | None = None,
         deadline: float | None = None,
         logs: Sequence[str] = (),
+        metadata: Mapping[str, Any] | None = None,
     ):
         if isinstance(logs, str) or not all(isinstance(name, str) for name in logs):
             raise ValueError(f"logs must be a sequence of file names, got {logs!r}")
@@ -324,6 +327,7 @@ class Trainer:
         self.directory = None if directory is None else Path(directory)
         self.checkpoint_every = checkpoint_every
         self.on_step = on_step
+        self.metadata = dict(metadata or {})
         self.variables = variables
         self.opt_state = _state_beside(optimizer.init(variables), variables)
         self.updates = 0
@@ -397,6 +401,7 @@ class Trainer:
         if self.checkpoints is None:
             raise ValueError("the trainer has no directory to save checkpoints to")
         metadata = {
+            **self.metadata,
             "metrics_bytes": self._logged_bytes,
             "log_bytes": self._log_bytes,
             "elapsed": self.elapsed,
