@@ -225,7 +225,8 @@ def test_a_full_disk_is_one_line_with_status_1_and_the_rerun_is_not_blocked(
     def full(path, write):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    # The write layer every file of the run folder goes through; config.json is its first.
+    # The name config.json, the run folder's first file, is written through (the checkpoints
+    # are written through dew.train._checkpoint's: test_hostile_folders.py injects there).
     monkeypatch.setattr(train_run, "_write_atomically", full)
     run = tmp_path / "run"
     assert cli.main(["train", "--run", str(run), "--steps", "1"]) == 1

@@ -8,7 +8,9 @@ there still there, byte for byte.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from _hf_folders import chat_checkpoint
 from dew import cli
 from dew.models import hf
 from dew.train import TrainConfig, _export
+from dew.train import _checkpoint as checkpoint_module
 from dew.train._checkpoint import Checkpoint, save_checkpoint
 
 SHAPE = {
@@ -341,3 +344,70 @@ def test_resume_after_the_model_folder_was_replaced_names_what_changed(capsys, b
     assert {name: files(run)[name] for name in before if name != "config.json"} == {
         name: data for name, data in before.items() if name != "config.json"
     }
+
+
+# Build point 9 ---------------------------------------------------------------------------------
+
+
+def full_disk_at(monkeypatch, *, step: int) -> list[Path]:
+    """Fill the disk as the checkpoint writer writes the arrays of the checkpoint at `step`,
+    injected where its call really resolves; the paths it refused, as it refuses them."""
+    real = checkpoint_module._write_atomically
+    fired = []
+
+    def full(path, write):
+        if path.name.startswith(f"state-{step:08d}-"):
+            fired.append(path)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path, write)
+
+    monkeypatch.setattr(checkpoint_module, "_write_atomically", full)
+    return fired
+
+
+def test_a_fault_injected_into_the_checkpoint_writer_fires_and_the_run_resumes(
+    capsys, tmp_path, monkeypatch
+):
+    """Build point 9: the crash-injection probe in reach again. The fault is injected where the
+    checkpoint writer's call really resolves, `dew.train._checkpoint._write_atomically` (what
+    `save_checkpoint` calls), and the test checks that it fired: a probe that patched a name
+    re-exported elsewhere (`dew.train._run._write_atomically`, through which only config.json
+    is written) let every checkpoint through and tested nothing. The disk fills while the
+    step-4 checkpoint's arrays are written: one line, status 1, the step-2 checkpoint stands,
+    and the resumed run logs each step once."""
+    fired = full_disk_at(monkeypatch, step=4)
+    run = tmp_path / "run"
+    argv = ["--run", str(run), *TINY, "--checkpoint-every", "2"]
+    assert dew_train([*argv, "--steps", "6"]) == 1
+    assert fired, "the fault never fired: it was injected where the writer does not look"
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"dew train: cannot write {fired[0]}: No space left on device; the last checkpoint "
+        f"stands: continue with `dew train --run {run} --resume` once it can be written"
+    )
+    assert json.loads((run / "checkpoints" / "checkpoint.json").read_text())["updates"] == 2
+    monkeypatch.undo()
+    assert dew_train(["--run", str(run), "--resume", "--steps", "6"]) == 0
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in logged] == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_full_disk_at_the_first_checkpoint_does_not_advise_a_resume_it_would_refuse(
+    capsys, tmp_path, monkeypatch
+):
+    """Build point 9 with item 2: a run whose first checkpoint could not be written has logged
+    steps that no checkpoint holds, which `--resume` refuses to train over. Failed before: the
+    line said "the last checkpoint stands: continue with ... --resume", which was refused."""
+    fired = full_disk_at(monkeypatch, step=2)
+    run = tmp_path / "run"
+    assert dew_train(["--run", str(run), *TINY, "--checkpoint-every", "2", "--steps", "4"]) == 1
+    assert fired
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"dew train: cannot write {fired[0]}: No space left on device; its steps were logged "
+        "but none checkpointed, so there is nothing to resume: start afresh with another --run "
+        "once it can be written"
+    )
+    monkeypatch.undo()
+    line = train_refusal(capsys, ["--run", str(run), "--resume", "--steps", "4"])
+    assert "no commit record" in line

@@ -22,7 +22,7 @@ from dew._checks import int_option, number_option
 from dew._launch import run_pool
 from dew.envs.lookup import HARNESSES
 from dew.serve._vllm_process import VLLMError
-from dew.train._checkpoint import read_commit
+from dew.train._checkpoint import COMMIT, read_commit
 from dew.train._config import (
     ENVIRONMENTS,
     HARNESS,
@@ -40,11 +40,13 @@ from dew.train._folders import (
     _check_run,
     _check_split,
     _default_run,
+    _history,
     _run_config,
 )
 from dew.train._interrupt import INTERRUPTED, _CtrlC, _Interrupted, _say, any_process
 from dew.train._progress import Progress
 from dew.train._run import train
+from dew.train._tasks import _check_checkpoint_task
 from dew.train._trainer import NothingTrained
 
 
@@ -213,10 +215,11 @@ def run_cli(args: argparse.Namespace) -> int:
             _check_split(config, args.processes)
         if args.record is not None:
             _check_record(args.record)
-        _load_tokenizer(config)
+        tokenizer = _load_tokenizer(config)
         _mesh_sizes(config, args.processes or args.num_processes or 1, count=not joining)
         _check_task(config)
         _load_environment(config)
+        _check_checkpoint_task(config, tokenizer)
         # A damaged checkpoint is refused here, before anything starts or is written.
         commit = read_commit(run / "checkpoints") if args.resume else None
     except ValueError as error:
@@ -261,11 +264,7 @@ def _train_until_interrupted(
                 return 1
             except OSError as error:  # a full disk, a folder gone: the run cannot go on
                 where = error.filename or run
-                _say(
-                    f"dew train: cannot write {where}: {error.strerror or error}; the last "
-                    f"checkpoint stands: continue with `dew train --run {run} --resume` once it "
-                    "can be written"
-                )
+                _say(f"dew train: cannot write {where}: {error.strerror or error}; {_then(run)}")
                 return 1
             except FloatingPointError as error:  # the step that went non-finite, named
                 _say(f"dew train: {error}")
@@ -284,6 +283,21 @@ def _train_until_interrupted(
         flush=True,
     )
     return 0
+
+
+def _then(run: Path) -> str:
+    """What to do once a run that could not write its folder can write it: resume from its
+    last checkpoint, or, when its steps were logged but none checkpointed (which `--resume`
+    refuses to train over: `_check_run`), start afresh."""
+    if (run / "checkpoints" / COMMIT).exists() or not _history(run):
+        return (
+            f"the last checkpoint stands: continue with `dew train --run {run} --resume` once "
+            "it can be written"
+        )
+    return (
+        "its steps were logged but none checkpointed, so there is nothing to resume: start "
+        "afresh with another --run once it can be written"
+    )
 
 
 def _harness_option(args: argparse.Namespace, given: dict[str, Any]) -> None:
