@@ -24,7 +24,7 @@ import jax
 
 from dew.models import hf
 from dew.models.hf import sharding
-from dew.train._checkpoint import _write_atomically, load_variables, read_commit
+from dew.train._checkpoint import COMMIT, _write_atomically, load_variables, read_commit
 from dew.train._config import TrainConfig, _read_json
 from dew.train._folders import _nearest_existing, _probe
 
@@ -103,8 +103,8 @@ def _committed_params(run: Path, template) -> tuple[dict, dict]:
 
     The record is read once and its arrays are read by it: a run training alongside commits
     newer checkpoints meanwhile, and a second read of the record would name another step than
-    the params read (the export said step 61 and wrote 63's weights). When the arrays the
-    record names are gone before they are read (a newer commit removes older arrays), the
+    the params read (the export said step 61 and wrote 63's weights). When reading fails
+    because a newer commit replaced the record meanwhile (removing the arrays it named), the
     newer record is read and its arrays, so the step said is always the step written.
 
     Raises:
@@ -113,18 +113,29 @@ def _committed_params(run: Path, template) -> tuple[dict, dict]:
     """
     checkpoints = run / "checkpoints"
     for _ in range(_READS):
-        record = read_commit(checkpoints)
-        if record is None:
-            raise ValueError(f"--run {run} holds no checkpoint yet")
+        before = _identity(checkpoints / COMMIT)
         try:
+            record = read_commit(checkpoints)
+            if record is None:
+                raise ValueError(f"--run {run} holds no checkpoint yet")
             return record, load_variables(checkpoints, template, record=record)
         except ValueError:
-            if (checkpoints / record["arrays"]).exists():
-                raise  # damaged, not replaced
+            if _identity(checkpoints / COMMIT) == before:
+                raise  # damaged or missing, not replaced by a newer commit
     raise ValueError(
         f"--run {run} committed a newer checkpoint each of {_READS} times its params were "
         "read; export it once it stops"
     )
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Which file `path` is now (its inode and change time; None when there is none): a commit
+    renames a new record over the old, so a record replaced since has another."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_ctime_ns
 
 
 def _marker(run: Path, record: dict) -> str:
