@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from _gateway import ScriptedEngine
+from _hf_folders import chat_checkpoint
 from _templates import FAMILIES, family_tokenizer
 from dew._documents import MAX_BYTES
 from dew.models import hf
@@ -265,3 +266,67 @@ def test_admit_none_is_taken_as_the_default_as_option_and_in_toml(capsys, tmp_pa
     config.write_text('admit = "none"\n')
     assert TrainConfig.from_file(config) == TrainConfig()
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory) -> Path:
+    """A small Qwen2 checkpoint with a tokenizer and Qwen2.5's chat template."""
+    shape = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
+    return chat_checkpoint(tmp_path_factory.mktemp("chat") / "checkpoint", shape)
+
+
+CHECKPOINT_MISFITS = {
+    "empty template": (
+        {"chat_template.jinja": ""},
+        "TemplateTokenizer: the chat template {folder}/chat_template.jinja renders a question "
+        "with the generation prompt as no text",
+    ),
+    "template raising": (
+        {"chat_template.jinja": "{{ raise_exception('no conversation is welcome') }}"},
+        "{folder}/chat_template.jinja: the chat template refused the conversation: no "
+        "conversation is welcome",
+    ),
+    "template dividing by zero": (
+        {"chat_template.jinja": "{{ (messages | length) // 0 }}"},
+        "{folder}/chat_template.jinja: the chat template failed on the conversation: "
+        "ZeroDivisionError",
+    ),
+    "max_position_embeddings too short": (
+        {"config.json": {"max_position_embeddings": 8}},
+        "its max_position_embeddings is 8, but the task's sequences (prompt and --max-tokens) "
+        "need 84 positions",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINT_MISFITS))
+def test_a_checkpoint_that_cannot_take_the_task_is_refused_before_the_run(
+    capsys, chat_folder, tmp_path, case
+):
+    """Item 12: a chat template that raises or is empty, and a `max_position_embeddings` below
+    the task's length, ended the run in a traceback once it had started (an empty template in
+    the engine's 'prompt must hold 1 to max_len - 1 tokens, got 0'). Each is one line before
+    anything starts, naming the template's file and its error, or the field, its value and the
+    length the task needs."""
+    edits, message = CHECKPOINT_MISFITS[case]
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    for file in chat_folder.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    for name, edit in edits.items():
+        if isinstance(edit, str):
+            (folder / name).write_text(edit)
+        else:
+            config = json.loads((folder / name).read_text())
+            (folder / name).write_text(json.dumps({**config, **edit}))
+    run = tmp_path / "run"
+    line = refusal(capsys, ["train", "--model", str(folder), "--run", str(run), "--steps", "1"])
+    assert line.startswith(f"dew train: error: --model {folder}: {message.format(folder=folder)}")
+    assert not run.exists()

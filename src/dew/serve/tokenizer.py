@@ -600,14 +600,18 @@ class TemplateTokenizer(_TokenizersText):
         template: the chat template, with the tokenizer's named special tokens.
         template_kwargs: extra template variables for every rendering (`{"enable_thinking":
             False}` for Qwen3); a call's own keywords override them.
+        origin: where the template was read from (its file), named in errors; or None.
 
     Attributes:
         template: the `ChatTemplate`.
         template_kwargs: the extra variables.
+        origin: where the template was read from, or None.
         bos_id, pad_id: the ids of the `bos_token` and `pad_token`, or None.
 
     Raises:
-        ValueError: naming a special token of the template missing from the vocabulary.
+        ValueError: naming a special token of the template missing from the vocabulary, or a
+            template that renders a question as no text (an empty template: every prompt
+            would be empty).
     """
 
     def __init__(
@@ -616,8 +620,10 @@ class TemplateTokenizer(_TokenizersText):
         template: ChatTemplate,
         *,
         template_kwargs: Mapping[str, Any] | None = None,
+        origin: str | None = None,
     ):
         self._read(tokenizer, "TemplateTokenizer")
+        self.origin = origin
         if not isinstance(template, ChatTemplate):
             raise TypeError(
                 f"TemplateTokenizer: template must be a ChatTemplate, got {type(template).__name__}"
@@ -651,7 +657,14 @@ class TemplateTokenizer(_TokenizersText):
             prompted = self.render([_PROBE_QUESTION], add_generation_prompt=True)
             answered = self.render([_PROBE_QUESTION, _PROBE_REPLY])
         except ChatTemplateError:
-            asked = prompted = answered = ""
+            asked = prompted = answered = None
+        if prompted == "":
+            where = "" if self.origin is None else f" {self.origin}"
+            raise ValueError(
+                f"TemplateTokenizer: the chat template{where} renders a question with the "
+                "generation prompt as no text (is it empty?): every prompt would be empty"
+            )
+        asked, prompted, answered = asked or "", prompted or "", answered or ""
         if prompted.startswith(asked) and asked:
             self._generation = prompted[len(asked) :]
         reply = _PROBE_REPLY["content"]
@@ -718,9 +731,10 @@ class TemplateTokenizer(_TokenizersText):
                 f"TemplateTokenizer.from_folder: {path!r} does not load: {error}"
             ) from None
         config = _json_file(root, "tokenizer_config.json")
-        sources = _template_sources(root, config, chat_template)
+        sources, origin = _template_sources(root, config, chat_template)
         special = _special_tokens(root, config, tokenizer)
-        return cls(tokenizer, ChatTemplate(sources, special), template_kwargs=template_kwargs)
+        template = ChatTemplate(sources, special)
+        return cls(tokenizer, template, template_kwargs=template_kwargs, origin=origin)
 
     def __repr__(self) -> str:
         return f"TemplateTokenizer(vocab_size={self.vocab_size}, eos={self._eos_text!r})"
@@ -869,12 +883,15 @@ def _json_file(root: str, name: str) -> dict[str, Any]:
     return value
 
 
-def _template_sources(root: str, config: Mapping[str, Any], given: str | None) -> dict[str, str]:
-    """The folder's chat templates by name (see `TemplateTokenizer.from_folder`)."""
+def _template_sources(
+    root: str, config: Mapping[str, Any], given: str | None
+) -> tuple[dict[str, str], str]:
+    """The folder's chat templates by name (see `TemplateTokenizer.from_folder`), and the file
+    they were read from (or `chat_template=`, given)."""
     if given is not None:
         if not isinstance(given, str):
             raise TypeError(f"chat_template must be the template's text, got {given!r}")
-        return {"default": given}
+        return {"default": given}, "chat_template="
     path = os.path.join(root, "chat_template.jinja")
     if os.path.isfile(path):
         sources = {"default": _read_text(path)}
@@ -884,14 +901,14 @@ def _template_sources(root: str, config: Mapping[str, Any], given: str | None) -
             for name in sorted(os.listdir(extra)):
                 if name.endswith(".jinja"):
                     sources[name.removesuffix(".jinja")] = _read_text(os.path.join(extra, name))
-        return sources
+        return sources, path
     where = os.path.join(root, "tokenizer_config.json")
     value = config.get("chat_template")
     if value is None:
         value = _json_file(root, "chat_template.json").get("chat_template")
         where = os.path.join(root, "chat_template.json")
     if isinstance(value, str):
-        return {"default": value}
+        return {"default": value}, where
     if isinstance(value, list) and value:
         named = {}
         for index, entry in enumerate(value):
@@ -905,7 +922,7 @@ def _template_sources(root: str, config: Mapping[str, Any], given: str | None) -
                     "object with a string 'name' and 'template'"
                 )
             named[entry["name"]] = entry["template"]
-        return named
+        return named, where
     if value is not None:
         raise ValueError(
             f"TemplateTokenizer.from_folder: {where!r} chat_template must be a string or a "

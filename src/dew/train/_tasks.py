@@ -23,6 +23,7 @@ from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import task_ids
 from dew.objectives.rl.sessions import SessionSource
 from dew.serve import RolloutServer, ServedSource
+from dew.serve.chat_template import ChatTemplateError
 from dew.serve.tokenizer import Tokenizer
 from dew.train._config import HARNESS, TrainConfig
 from dew.train._fit import measure
@@ -111,6 +112,32 @@ def _task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
         gym.tasks,
         _Shape(max_len=sizes.context, width=sizes.width, chains_per_row=1),
     )
+
+
+def _check_checkpoint_task(config: TrainConfig, tokenizer: Tokenizer) -> None:
+    """Refuse a `--model` run whose checkpoint cannot take its task, before anything starts or
+    is written (the run found it at its start, with a traceback): its chat template failing on
+    the task's prompts, or the task's sequences longer than its `max_position_embeddings`.
+
+    Raises:
+        ValueError: naming --model, and the template's file and its error, or the field, its
+            value and the length the task needs.
+    """
+    if config.model is None:
+        return
+    from dew.models import hf  # safetensors and the family on demand
+
+    try:
+        needed = _task(config, tokenizer).shape.max_len
+    except ChatTemplateError as error:
+        origin = getattr(tokenizer, "origin", None) or "its chat template"
+        raise ValueError(f"--model {config.model}: {origin}: {error}") from None
+    longest = hf.model_of(config.model).max_len
+    if needed > longest:
+        raise ValueError(
+            f"--model {config.model}: its max_position_embeddings is {longest}, but the task's "
+            f"sequences (prompt and --max-tokens) need {needed} positions"
+        )
 
 
 @functools.lru_cache(maxsize=4)
