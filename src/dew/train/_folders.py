@@ -86,6 +86,9 @@ def _check_split(config: TrainConfig, processes: int) -> None:
         )
 
 
+# The most of a log read at once: a metrics line is a few KiB.
+_TAIL = 2**20
+
 # Where a run's arrays live, not what it computes: a run resumes onto another mesh (or one
 # device), its checkpoint's shards restored onto the new placement.
 _PLACEMENT = ("mesh",)
@@ -101,8 +104,8 @@ def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
             its logging (`steps`, ...) and its mesh.
     """
     _check_run_folder(run)
-    history = _history(run)
     committed = (run / "checkpoints" / COMMIT).exists()
+    history = [] if resume and committed else _history(run)  # read only where it is needed
     previous = _run_config(run) if resume else None
     if previous is not None:
         changed = _differences(previous, config)
@@ -233,7 +236,8 @@ def _check_updates(run: Path, record: dict, updates: int) -> None:
     if not isinstance(kept, int) or kept <= 0:
         return
     with open(run / METRICS, "rb") as log:  # as long as `kept` at least: check_log_lengths
-        last = log.read(kept).rstrip(b"\n").rsplit(b"\n", 1)[-1]
+        log.seek(max(0, kept - _TAIL))
+        last = log.read(min(kept, _TAIL)).rstrip(b"\n").rsplit(b"\n", 1)[-1]
     try:
         logged = json.loads(last)["updates"]
     except (ValueError, TypeError, KeyError):
@@ -269,9 +273,13 @@ def _history(run: Path) -> list[str]:
 
 
 def _lines(path: Path) -> int:
-    """How many lines a log holds (a last one cut short counts)."""
-    text = path.read_bytes()
-    return text.count(b"\n") + (not text.endswith(b"\n"))
+    """How many lines a log holds (a last one cut short counts), read a MiB at a time: a long
+    run's metrics log is hundreds of them."""
+    lines, last = 0, b"\n"
+    with open(path, "rb") as log:
+        while chunk := log.read(_TAIL):
+            lines, last = lines + chunk.count(b"\n"), chunk[-1:]
+    return lines + (last != b"\n")
 
 
 def _check_run_folder(run: Path) -> None:
