@@ -479,6 +479,13 @@ class TrainConfig:
             raise ValueError("dtype is the dtype of a --model checkpoint: give model too")
         if self.engine == "vllm" and self.model is None:
             raise ValueError("engine vllm serves a --model checkpoint folder: give model too")
+        if self.engine == "vllm" and _names_gguf(self.model):
+            raise ValueError(
+                f"engine vllm serves a checkpoint folder, not the GGUF file model "
+                f'{self.model}: write it as one (python -c "from dew.models import hf; '
+                f"hf.save('FOLDER', *hf.load('{self.model}'), "
+                f"tokenizer_from=hf.resolve('{self.model}'))\") and give model FOLDER"
+            )
         if self.admit != "auto" and self.waste_budget != _WASTE_BUDGET:
             raise ValueError("waste_budget bounds the cuts of admit auto: give admit auto too")
         if self.engine_url is not None and self.engine != "vllm":
@@ -587,26 +594,41 @@ def _load_tokenizer(config: TrainConfig) -> Tokenizer:
         raise ValueError(f"--tokenizer {config.tokenizer}: {error}") from error
 
 
+def _names_gguf(model: str) -> bool:
+    """Whether --model names a GGUF file: a file that is one, or a packaged model's name."""
+    from dew.models.hf._gguf import PACKAGED, is_gguf
+
+    return (not Path(model).exists() and model in PACKAGED) or is_gguf(model)
+
+
 def _model_tokenizer(model: str) -> Tokenizer:
-    """The tokenizer and chat template of the checkpoint `model` names (a folder, or a Hub
-    repository id: `dew.models.hf.resolve`), once its config.json and its tensors' headers are
-    checked (before any tensor is read) and it is found to have an embedding row for every id.
+    """The tokenizer and chat template of the checkpoint `model` names (a folder, a Hub
+    repository id or a GGUF file: `dew.models.hf.resolve`), once its config.json and its
+    tensors' headers (a GGUF file's metadata and tensors' shapes and types) are checked (before
+    any tensor is read) and it is found to have an embedding row for every id.
 
     Raises:
         ValueError: naming --model and the file, field or tensors at fault.
     """
     from dew.models import hf  # safetensors and the family on demand
     from dew.models.hf._config import read_config
+    from dew.models.hf._gguf import GGUF, is_gguf
 
     folder = model
     try:
         folder = hf.resolve(model)
-        checkpoint, _ = read_config(folder)
-        tokenizer = HuggingFaceTokenizer.from_folder(folder)
+        if is_gguf(folder):  # its metadata and tensors' types and shapes, no tensor read
+            checkpoint = hf.model_of(folder).config
+            tokenizer = GGUF.open(folder).template_tokenizer()
+            holders = ("tokenizer.ggml.tokens", "token_embd.weight")
+        else:
+            checkpoint, _ = read_config(folder)
+            tokenizer = HuggingFaceTokenizer.from_folder(folder)
+            holders = ("tokenizer.json", "config.json's vocab_size")
         if tokenizer.vocab_size > checkpoint.vocab:
             raise ValueError(
-                f"its tokenizer.json has {tokenizer.vocab_size} ids, more than the "
-                f"{checkpoint.vocab} embedding rows of its config.json's vocab_size"
+                f"its {holders[0]} has {tokenizer.vocab_size} ids, more than the "
+                f"{checkpoint.vocab} embedding rows of its {holders[1]}"
             )
         hf.model_of(folder)  # every tensor's name, shape and file, from the headers
     except (ValueError, FileNotFoundError) as error:

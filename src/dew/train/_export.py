@@ -73,10 +73,10 @@ def export(run: str | os.PathLike, to: str | os.PathLike | None = None) -> tuple
         folder = hf.resolve(config.model)  # a Hub repository id: its snapshot in the cache
     except ValueError as error:
         raise ValueError(f"--run {run} trained --model {config.model}: {error}") from None
-    if not folder.is_dir():
+    if not (folder.is_dir() or hf.is_gguf(folder)):
         raise ValueError(
             f"--run {run} trained --model {folder}, which is gone: its config.json and "
-            "tokenizer files go into the folder written"
+            "tokenizer files (a GGUF file's metadata) go into the folder written"
         )
     checkpoints = run / "checkpoints"
     own = checkpoints / "model"  # the folder the run writes itself, with each checkpoint

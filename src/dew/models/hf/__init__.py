@@ -8,6 +8,11 @@ unchanged) and its params. `save` writes a model's params back as a folder `tran
 vLLM load as it is: the same tensor names, shapes and dtypes, `config.json`, and the tokenizer
 files of the folder it came from.
 
+`load` reads a GGUF file (llama.cpp's format) of those families too, or a packaged one named by
+its short name (`resolve("smollm2")`), with the `gguf` extra: its tensors dequantized, its
+tokenizer and chat template read from its metadata (`_gguf`); `save` of such a model writes a
+folder as for any other, its tokenizer files made from the file's metadata.
+
 Loading reads tensor by tensor, each converted and placed before the next is read, so the host
 never holds the params twice; saving writes tensor by tensor likewise. Every problem a folder
 has (a tensor missing, extra, of another shape; a truncated file) is found from the files'
@@ -23,7 +28,7 @@ import re
 import secrets
 import shutil
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +49,7 @@ from dew.models.hf._config import (
     check_dtype,
     read_config,
 )
+from dew.models.hf._gguf import GGUF, is_gguf
 from dew.models.hf._hub import resolve
 from dew.models.hf._modeling import HFModel
 
@@ -52,6 +58,7 @@ __all__ = [
     "CheckpointError",
     "HFConfig",
     "HFModel",
+    "is_gguf",
     "Llama3Scaling",
     "load",
     "model_of",
@@ -105,9 +112,11 @@ def load(
     Args:
         folder: a Hugging Face checkpoint folder: `config.json`, and `model.safetensors` or
             `model.safetensors.index.json` with the files it names; or a Hub repository id
-            ("OWNER/NAME"), fetched into the Hub's cache (`resolve`).
+            ("OWNER/NAME"), fetched into the Hub's cache (`resolve`); or a GGUF file, or the
+            short name of a packaged one ("smollm2").
         dtype: the params' dtype, "float32" or "bfloat16"; None keeps the checkpoint's (its
-            `config.json`'s `dtype`, else its tensors').
+            `config.json`'s `dtype`, else its tensors'; a GGUF file's is float32, what its
+            quantized tensors dequantize to, unless its embedding is bfloat16).
         shardings: a pytree of `jax.sharding.Sharding`s laid out as the params (see
             `dew.models.hf.sharding`) to place each leaf on as it is read; None puts every leaf
             on the default device.
@@ -123,28 +132,30 @@ def load(
             is missing, or one that is truncated or not safetensors; an `lm_head.weight` that
             is not the embedding in a model whose `tie_word_embeddings` is true (transformers
             would use it, vLLM the embedding). With `dtype` None, a checkpoint whose
-            `config.json` names a dtype dew does not train (float16): pass `dtype`.
+            `config.json` names a dtype dew does not train (float16): pass `dtype`. For a
+            GGUF file: a metadata key naming what dew does not compute (an architecture, a
+            RoPE scaling, a tokenizer), every tensor missing, extra, of another shape or of a
+            quantization the gguf package does not dequantize.
     """
     folder = resolve(folder)
+    if is_gguf(folder):
+        gguf = _checked_gguf(folder)
+        model = HFModel(gguf.config, check_dtype(gguf.default_dtype if dtype is None else dtype))
+        return model, _read_params(model, gguf.tensor, shardings)
     config, named = read_config(folder)
     files = _tensor_files(folder)
     headers, expected = _check_tensors(folder, config, files, compare_tied=True)
     if dtype is None:
         dtype = _default_dtype(folder, named, headers, expected)
     model = HFModel(config, check_dtype(dtype))
-    target = np.dtype(jnp.dtype(dtype))
-    tree = _params.empty_tree(config)
-    for leaf in expected:
+
+    def read(name: str) -> np.ndarray:
         # The file is opened for each tensor: safetensors maps the whole file, and the pages a
         # read touched stay in the process's memory until the map is closed.
-        with safe_open(folder / files[leaf.name], framework="numpy") as opened:
-            tensor = opened.get_tensor(leaf.name)
-        value = leaf.entry.layout.to_leaf(tensor, leaf.shape).astype(target, copy=False)
-        del tensor
-        placement = None if shardings is None else _params.get_leaf(shardings, leaf.path)
-        _params.set_leaf(tree, leaf.path, _place(value, placement))
-        del value
-    return model, tree
+        with safe_open(folder / files[name], framework="numpy") as opened:
+            return opened.get_tensor(name)
+
+    return model, _read_params(model, read, shardings)
 
 
 def model_of(folder: str | os.PathLike, *, dtype: str | None = None) -> HFModel:
@@ -156,11 +167,48 @@ def model_of(folder: str | os.PathLike, *, dtype: str | None = None) -> HFModel:
         ValueError, CheckpointError: as `load`, for the config and the headers.
     """
     folder = resolve(folder)
+    if is_gguf(folder):
+        gguf = _checked_gguf(folder)
+        return HFModel(gguf.config, check_dtype(gguf.default_dtype if dtype is None else dtype))
     config, named = read_config(folder)
     headers, expected = _check_tensors(folder, config, _tensor_files(folder))
     if dtype is None:
         dtype = _default_dtype(folder, named, headers, expected)
     return HFModel(config, check_dtype(dtype))
+
+
+def _read_params(model: HFModel, read: Callable[[str], np.ndarray], shardings: Any) -> dict:
+    """The params of `model`, each checkpoint tensor `read(name)` in turn, converted to its
+    leaf in the model's dtype and placed (on its sharding in `shardings`, else the default
+    device) before the next is read, so the host never holds the params twice."""
+    target = np.dtype(jnp.dtype(model.dtype))
+    tree = _params.empty_tree(model.config)
+    for leaf in _params.leaves(model.config):
+        tensor = read(leaf.name)
+        value = leaf.entry.layout.to_leaf(tensor, leaf.shape).astype(target, copy=False)
+        del tensor
+        placement = None if shardings is None else _params.get_leaf(shardings, leaf.path)
+        _params.set_leaf(tree, leaf.path, _place(value, placement))
+        del value
+    return tree
+
+
+def _checked_gguf(path: Path) -> GGUF:
+    """The GGUF file at `path`, its metadata and every tensor's name, shape and type checked.
+
+    Raises:
+        ValueError: naming the file and the metadata key it cannot take (`GGUF.open`).
+        CheckpointError: listing every tensor missing, extra, of another shape or of a type the
+            gguf package does not dequantize.
+    """
+    gguf = GGUF.open(path)
+    problems = gguf.problems(list(_params.leaves(gguf.config)))
+    if problems:
+        raise CheckpointError(
+            f"cannot load the GGUF file {path} ({len(problems)} problem"
+            f"{'s' if len(problems) > 1 else ''}):\n  " + "\n  ".join(problems)
+        )
+    return gguf
 
 
 def _place(value: np.ndarray, sharding) -> jax.Array:
@@ -442,6 +490,7 @@ def save(
     params: dict,
     *,
     tokenizer_from: str | os.PathLike | None = None,
+    notes: Mapping[str, str] | None = None,
 ) -> None:
     """Write `params` of `model` as a checkpoint folder `transformers` and vLLM load unchanged.
 
@@ -461,19 +510,25 @@ def save(
         folder: where to write; replaced when it exists.
         model: the model the params are of.
         params: its params, laid out as `model.init`'s.
-        tokenizer_from: a folder whose tokenizer files to copy (the checkpoint loaded), or None.
+        tokenizer_from: a folder whose tokenizer files to copy (the checkpoint loaded), a GGUF
+            file whose tokenizer and chat template to write as a folder's files, or None.
+        notes: text files to write into the folder with the rest, by name (`dew export`'s
+            record that it wrote the folder), so the folder never appears without them.
 
     Raises:
         ValueError: when a params leaf's shape or dtype is not the model's, naming the leaf;
-            when `folder` is a file or `tokenizer_from` not a folder.
+            when `folder` is a file or `tokenizer_from` neither a folder nor a GGUF file.
     """
     if not isinstance(model, HFModel):
         raise TypeError(f"model must be a dew.models.hf.HFModel, got {type(model).__name__}")
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} is a file, not a checkpoint folder to write")
-    if tokenizer_from is not None and not Path(tokenizer_from).is_dir():
-        raise ValueError(f"tokenizer_from {tokenizer_from} is not a folder")
+    tokenizer_files: dict[str, str] = {}
+    if tokenizer_from is not None and is_gguf(tokenizer_from):
+        tokenizer_files = GGUF.open(tokenizer_from).tokenizer_files()
+    elif tokenizer_from is not None and not Path(tokenizer_from).is_dir():
+        raise ValueError(f"tokenizer_from {tokenizer_from} is neither a folder nor a GGUF file")
     _check_params(model, params)
     spans = any(
         isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
@@ -490,13 +545,17 @@ def save(
         config = model.config.to_json(model.dtype)
         (staging / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         _write_safetensors(staging / WEIGHTS, _tensors_of(model, params), model)
-        if tokenizer_from is not None:
+        for name, text in tokenizer_files.items():
+            (staging / name).write_text(text, encoding="utf-8")
+        if tokenizer_from is not None and not tokenizer_files:
             for name in TOKENIZER_FILES:
                 source = Path(tokenizer_from) / name
                 if source.is_file():
                     shutil.copyfile(source, staging / name)
                 elif source.is_dir():
                     shutil.copytree(source, staging / name)
+        for name, text in (notes or {}).items():
+            (staging / name).write_text(text, encoding="utf-8")
         for written in staging.rglob("*"):
             if written.is_file():
                 _fsync(written)

@@ -17,6 +17,8 @@ import os
 import re
 from pathlib import Path
 
+from dew.models.hf._gguf import PACKAGED, packaged
+
 # What dew reads of a checkpoint: config.json, generation_config.json, the tensors and their
 # index, the tokenizer's files and the chat templates (named ones in a folder of their own).
 HUB_FILES = (
@@ -37,13 +39,17 @@ def resolve(model: str | os.PathLike) -> Path:
     """The checkpoint folder `model` names: a folder as it is; else, when it reads as a Hub
     repository id ("OWNER/NAME", or "OWNER/NAME@REVISION" for a branch, tag or commit other
     than `main`) and no such folder exists, the repository's snapshot in the Hub's cache,
-    downloaded the first time (see the module).
+    downloaded the first time (see the module); or, when it is the short name of a packaged
+    GGUF file (`_gguf.PACKAGED`: "smollm2") and no such folder exists, that file.
 
     Raises:
         ValueError: naming the repository and the Hub's error, when it cannot be had: not on
-            the Hub, no such revision, gated without a token, or neither reachable nor cached.
+            the Hub, no such revision, gated without a token, or neither reachable nor cached;
+            naming a packaged model and how to install it, when its package is not installed.
     """
     folder = Path(model)
+    if not folder.exists() and str(model) in PACKAGED:
+        return packaged(str(model))
     named = _REPO_ID.fullmatch(str(model))
     if folder.exists() or named is None:
         return folder
