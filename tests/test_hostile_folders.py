@@ -276,15 +276,21 @@ def test_a_fresh_run_into_a_folder_with_a_history_is_refused(capsys, run, kept):
 # Item 4, build point 4, item 21 and item 13 ----------------------------------------------------
 
 
-def test_resume_refuses_an_edited_config_json_as_it_refuses_an_edited_option(capsys, run):
-    """Item 4. Failed before: `groups` edited in config.json from 2 to 4 was taken on
-    `--resume` without a word, while `--groups 4` was refused."""
+@pytest.mark.parametrize(
+    ("field", "edited", "named"),
+    [("groups", 4, "groups 4, not 2 as trained"), ("task", "echo", "task echo, not copy")],
+)
+def test_resume_refuses_an_edited_config_json_as_it_refuses_an_edited_option(
+    capsys, run, field, edited, named
+):
+    """Items 4 and 13. Failed before: `groups` edited in config.json from 2 to 4 was taken on
+    `--resume` without a word, while `--groups 4` was refused; so was an edited task."""
     saved = run / "config.json"
-    saved.write_text(json.dumps(json.loads(saved.read_text()) | {"groups": 4}))
+    saved.write_text(json.dumps(json.loads(saved.read_text()) | {field: edited}))
     before = files(run)
     line = train_refusal(capsys, ["--run", str(run), "--resume", "--steps", "3"])
     assert line.startswith(f"{saved} was edited since its checkpoint"), line
-    assert "groups 4, not 2 as trained" in line and "restore it" in line
+    assert named in line and "restore it" in line, line
     assert files(run) == before
 
 
