@@ -329,6 +329,25 @@ def test_resume_names_the_values_the_run_had_with_its_config_json_gone(capsys, r
     assert json.loads((run / "config.json").read_text())["groups"] == 2
 
 
+def test_resume_with_config_json_gone_and_no_config_in_its_checkpoint_is_one_line(capsys, run):
+    """Item 13, for a checkpoint written before checkpoints kept the run's config. Failed
+    before: the run was built from the defaults, which its checkpoint did not fit (a
+    traceback; then a line blaming the model folder or the task), after config.json had been
+    written with the defaults."""
+    commit = run / "checkpoints" / "checkpoint.json"
+    record = json.loads(commit.read_text())
+    del record["metadata"]["config"]
+    commit.write_text(json.dumps(record))
+    (run / "config.json").unlink()
+    before = files(run)
+    line = train_refusal(capsys, ["--run", str(run), "--resume", "--steps", "3"])
+    assert line == (
+        f"{run / 'config.json'} is gone, and {commit} keeps no config to resume the run with "
+        "(it was written before checkpoints kept one, or is damaged); restore config.json"
+    )
+    assert files(run) == before
+
+
 def test_resume_after_the_model_folder_was_replaced_names_what_changed(capsys, base, tmp_path):
     """Item 13. Failed before: `--resume` of a `--model` run whose folder now holds another
     model ended in a traceback (a leaf of another shape)."""

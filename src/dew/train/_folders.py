@@ -146,7 +146,8 @@ def _run_config(run: Path) -> TrainConfig | None:
 
     Raises:
         ValueError: naming `config.json`, each field that differs and both values, when the file
-            was edited since the checkpoint; naming the file that does not read.
+            was edited since the checkpoint; naming it when it is gone and the checkpoint keeps
+            no config; naming the file that does not read.
     """
     saved = run / "config.json"
     on_file = TrainConfig.from_json(_read_json(saved), where=str(saved)) if saved.exists() else None
@@ -154,6 +155,12 @@ def _run_config(run: Path) -> TrainConfig | None:
     try:
         kept = json.loads(commit.read_text())["metadata"]["config"]
     except (OSError, ValueError, TypeError, KeyError):
+        if on_file is None and commit.exists():
+            # Built from the defaults instead, the run would not fit its own checkpoint.
+            raise ValueError(
+                f"{saved} is gone, and {commit} keeps no config to resume the run with (it "
+                "was written before checkpoints kept one, or is damaged); restore config.json"
+            ) from None
         return on_file  # no checkpoint, or one that does not read (`read_commit` names why)
     trained = TrainConfig.from_json(kept, where=f"{commit}'s config")
     if on_file is None:
