@@ -383,8 +383,16 @@ def _size_problems(
     holds another: checked from shapes alone, before anything of the config's size is made.
     A tensor absent or of another rank is left to the tensor-by-tensor check."""
     problems = []
+    # head_dim, where config.json gives none, is hidden_size / num_attention_heads.
+    head_dim = (
+        "head_dim"
+        if config.source.get("head_dim") is not None
+        else "hidden_size / num_attention_heads"
+    )
 
     def against(field: str, value: int, name: str, axis: int, *, each: int = 1) -> None:
+        """Refuse `field` = `value` (times `each` head_dim) where tensor `name`'s axis is not
+        that long."""
         shape = headers.get(name, (None, []))[1]
         if len(shape) > axis and shape[axis] != value * each:
             rows = "" if each == 1 else f" ({value} x {head_dim} {each} = {value * each} rows)"
@@ -393,12 +401,6 @@ def _size_problems(
                 f"{shape}"
             )
 
-    # head_dim, where config.json gives none, is hidden_size / num_attention_heads.
-    head_dim = (
-        "head_dim"
-        if config.source.get("head_dim") is not None
-        else "hidden_size / num_attention_heads"
-    )
     against("vocab_size", config.vocab, _EMBED, 0)
     against("hidden_size", config.hidden, _EMBED, 1)
     layers = sorted({int(found.group(1)) for name in headers if (found := _LAYER.match(name))})
