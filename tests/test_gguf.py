@@ -433,6 +433,18 @@ def test_each_split_cuts_numbers_as_its_models_tokenizer_does(tmp_path, pre, pie
     assert [piece for piece, _ in split] == pieces
 
 
+def test_a_truncated_gguf_file_is_refused_naming_it(files, tmp_path):
+    path, _ = files["qwen2"]
+    whole = path.read_bytes()
+    for kept in (8, 200, len(whole) - 64):
+        cut = tmp_path / f"cut-{kept}.gguf"
+        cut.write_bytes(whole[:kept])
+        with pytest.raises(ValueError) as raised:
+            hf.load(cut)
+        message = str(raised.value)
+        assert message.startswith(f"{cut} is truncated or not a GGUF file") and "\n" not in message
+
+
 def test_a_file_that_is_no_gguf_is_not_read_as_one(tmp_path):
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"not a gguf file")

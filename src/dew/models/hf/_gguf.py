@@ -168,7 +168,7 @@ def _dequantizable(kind: int) -> bool:
     """Whether the gguf package dequantizes tensors of GGML type `kind`: tried on one block."""
     gguf = _gguf()
     kind = gguf.GGMLQuantizationType(kind)
-    block, size = gguf.GGML_QUANT_SIZES[kind]
+    _, size = gguf.GGML_QUANT_SIZES[kind]
     try:
         gguf.quants.dequantize(np.zeros((1, size), np.uint8), kind)
     except NotImplementedError:
@@ -215,8 +215,12 @@ class GGUF:
         path = Path(path)
         try:
             reader = gguf.GGUFReader(path)
-        except (OSError, ValueError) as error:
-            raise ValueError(f"{path} is not a GGUF file the gguf package reads: {error}") from None
+        # The reader's errors on a cut file depend on where it was cut: a short read, a
+        # reshape, an index past an empty array.
+        except (OSError, ValueError, IndexError, KeyError, OverflowError) as error:
+            raise ValueError(
+                f"{path} is truncated or not a GGUF file the gguf package reads: {error}"
+            ) from None
         return cls(path, reader)
 
     def _field(self, key: str, default: Any = attrs.NOTHING) -> Any:
@@ -246,7 +250,7 @@ class GGUF:
             what = f"{arch}.rope.scaling.type {scaling!r}" if scaling != "none" else ROPE_FREQS
             raise ValueError(f"{self.path}: {what}: RoPE scaling is not supported in GGUF files")
         hidden, heads = field("embedding_length"), field("attention.head_count")
-        head_dim = field("attention.key_length", hidden // heads)
+        head_dim = field("attention.key_length", hidden // heads if heads else 0)
         for key in ("attention.value_length", "rope.dimension_count"):
             if field(key, head_dim) != head_dim:
                 raise ValueError(
@@ -274,10 +278,12 @@ class GGUF:
         }
         if arch in ("llama", "qwen3"):
             written["attention_bias"] = "blk.0.attn_q.bias" in self._tensors
-        for name in ("bos", "eos", "pad"):
-            token = self._field(f"tokenizer.ggml.{name}_token_id", None)
-            if token is None and name == "pad":
-                token = self._field("tokenizer.ggml.padding_token_id", None)
+        for name, key in (
+            ("bos", "bos_token_id"),
+            ("eos", "eos_token_id"),
+            ("pad", "padding_token_id"),
+        ):
+            token = self._field(f"tokenizer.ggml.{key}", None)
             if token is not None:
                 written[f"{name}_token_id"] = int(token)
         return written
