@@ -63,6 +63,7 @@ def servers(folder, tmp_path_factory):
             *common,
             *("--served-model-name", *NAMES),
             *("--logprobs-mode", "processed_logprobs", "--enable-scale-out"),
+            "--no-enable-chunked-prefill",
         ],
         log=logs / "protected.log",
         environment={"VLLM_SERVER_DEV_MODE": "1", **one_process},

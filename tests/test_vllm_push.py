@@ -3,8 +3,9 @@ is its embedding (`tie_word_embeddings`, as most small checkpoints people train)
 a separate head: after each push the server's log-probs are dew's own under the pushed weights.
 
 One server per checkpoint, shared by the module and started together (a server takes a minute to
-start here). The pushed weights are another checkpoint's with the embedding scaled up, so the
-logits are sharp and a head left at its start-up weights is far off, not within noise.
+start here). The pushed weights are other checkpoints' scaled up (`sharpened`), so that a head
+left at its start-up weights, or keys and values cached under the old weights, are far off, not
+within noise.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import trio
 
-from _checkpoint import tiny_qwen2
+from _checkpoint import ONE_WORKER_PROCESS, tiny_qwen2
 from dew.models import hf
-from dew.serve.vllm import VLLMEngine
+from dew.serve.vllm import VLLMEngine, VLLMError
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Async generator 'httpx._content.ByteStream.__aiter__' was garbage:ResourceWarning"
@@ -34,12 +36,19 @@ BLOCK = 128
 ATOL = 1e-5
 
 
-def sharpened(params: dict, scale: float = 40.0) -> dict:
-    """`params` with the embedding (and the head, where separate) scaled up: logits spread over
-    tens of nats, where a tiny random model's are nearly uniform."""
-    out = dict(params, embed=params["embed"] * jnp.float32(scale))
+def sharpened(params: dict) -> dict:
+    """`params` with the layers' matrices scaled by 3 and the embedding (and the head, where
+    separate) by 8: a tiny random model's logits are nearly uniform and its residual stream is
+    mostly its embedding, so neither a stale head nor stale cached keys and values would show
+    much; scaled, its next-token distributions are sharp (the most likely token 0.1 to 0.99)
+    and a prompt's earlier tokens change them by nats."""
+    out = dict(params, embed=params["embed"] * jnp.float32(8))
     if "lm_head" in out:
-        out["lm_head"] = out["lm_head"] * jnp.float32(scale)
+        out["lm_head"] = out["lm_head"] * jnp.float32(8)
+    out["layers"] = [
+        jax.tree.map(lambda leaf: leaf * jnp.float32(3) if leaf.ndim >= 2 else leaf, layer)
+        for layer in params["layers"]
+    ]
     return out
 
 
@@ -112,3 +121,68 @@ async def test_each_push_serves_the_pushed_weights_head_included(kind, engines, 
             np.testing.assert_allclose(
                 call.logprobs, dew_logprobs(model, params, call), rtol=0, atol=ATOL
             )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_prompt_sharing_cached_blocks_is_computed_under_the_pushed_weights(
+    kind, engines, checkpoints
+):
+    """A push empties the servers' prefix cache: a prompt whose first block another prompt
+    left in the cache before the push is computed under the pushed weights, not from the
+    keys and values the old ones cached (vLLM keys its cache on the tokens alone)."""
+    engine = engines[kind]
+    _, model, pushes = checkpoints[kind]
+    rng = np.random.default_rng(len(kind))
+    shared = rng.integers(0, model.vocab, BLOCK + 40, dtype=np.int32)
+    first, second = (
+        np.concatenate([shared, rng.integers(0, model.vocab, 20, dtype=np.int32)]) for _ in range(2)
+    )
+    await engine.load_async(pushes[0], 10)
+    async with engine:
+        await engine.generate(first, max_tokens=4, key=0)  # its blocks stay in the cache
+    await engine.load_async(pushes[1], 11)
+    async with engine:
+        call = await engine.generate(second, max_tokens=8, key=1)
+    assert call.version == 11
+    np.testing.assert_allclose(
+        call.logprobs, dew_logprobs(model, pushes[1], call), rtol=0, atol=ATOL
+    )
+
+
+def test_a_cpu_server_with_chunked_prefill_is_refused_naming_the_flag(checkpoints, tmp_path):
+    """A burst of seeded calls would kill it: refused before any call, as dew attaches to it
+    (`start` makes the same checks)."""
+    with pytest.raises(VLLMError, match="start it with --no-enable-chunked-prefill"):
+        VLLMEngine.start(
+            checkpoints["tied"][0],
+            max_model_len=MAX_LEN,
+            work_dir=tmp_path,
+            arguments=[*ONE_WORKER_PROCESS["arguments"], "--enable-chunked-prefill"],
+            environment=ONE_WORKER_PROCESS["environment"],
+        )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_burst_of_seeded_calls_beyond_a_steps_token_budget_is_served(
+    kind, engines, checkpoints
+):
+    """dew's burst at its defaults: more prompt tokens at once than vLLM's scheduler takes a step
+    (2,048 by default), each call seeded. With chunked prefill on, vLLM's CPU engine split the
+    prompt crossing the budget over two steps and died of it ("CPU Generator does not use
+    offset"); the servers dew starts run without it. Runs last: before, it killed the server."""
+    engine = engines[kind]
+    _, model, _ = checkpoints[kind]
+    rng = np.random.default_rng(7)
+    prompts = rng.integers(0, model.vocab, (160, 25), dtype=np.int32)
+    calls = {}
+    async with engine:
+
+        async def one(index):
+            calls[index] = await engine.generate(prompts[index], max_tokens=4, key=index)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(len(prompts)):
+                nursery.start_soon(one, index)
+    assert sorted(calls) == list(range(len(prompts)))
+    assert all(len(call.completion) == 4 for call in calls.values())
+    assert engine.processes[0].exit_code() is None

@@ -47,6 +47,7 @@ from dew._checks import check_int, check_number
 from dew.models.hf._hub import resolve
 from dew.objectives.rl.sessions import Call, note_progress
 from dew.serve._failure import CallFailed
+from dew.serve._vllm_limits import INFO, INFO_OPTIONS, START_FLAGS, burst_problem
 from dew.serve._vllm_process import (
     PortTaken,
     ServerProcess,
@@ -55,7 +56,13 @@ from dew.serve._vllm_process import (
     free_port,
     server_urls,
 )
-from dew.serve._vllm_push import add_tied_head
+from dew.serve._vllm_push import (
+    PAUSE_OPTIONS,
+    RESET,
+    RESET_OPTIONS,
+    add_tied_head,
+    check_reset,
+)
 
 _GENERATE = "/inference/v1/generate"
 
@@ -267,6 +274,7 @@ class VLLMEngine:
             str(max_model_len),
             "--enforce-eager",
             *_REQUIRED_FLAGS,
+            *START_FLAGS,
             *arguments,
         ]
 
@@ -449,7 +457,9 @@ class VLLMEngine:
         with top_k 1 tells the last: the distribution it draws from keeps one token, of
         log-prob 0, where vLLM's default (`raw_logprobs`) reports that token's log-prob before
         top-k, below 0 unless the model is certain of it (so four tokens are drawn); a server
-        without the token-in/token-out endpoint draws it through /v1/completions."""
+        without the token-in/token-out endpoint draws it through /v1/completions. A CPU server
+        with chunked prefill on is refused too: a burst of dew's seeded calls would kill it
+        (`dew.serve._vllm_limits`)."""
         lacks = []
         paused = self._send(server, "GET", "/is_paused")
         if paused.status_code == 404:
@@ -478,6 +488,15 @@ class VLLMEngine:
             raise self._refused(server, _GENERATE, answer)
         else:
             logprobs = _call(server.url, np.zeros(1, np.int32), answer.json(), 0).logprobs
+        # Its configuration is a development-mode endpoint too; a proxy may not pass it on.
+        info = self._send(server, "GET", INFO, params=INFO_OPTIONS) if paused.is_success else None
+        if info is not None and info.status_code not in (200, 404):
+            raise self._refused(server, INFO, info)
+        if info is not None and info.status_code == 200:
+            with contextlib.suppress(ValueError):
+                problem = burst_problem(info.json())
+                if problem is not None:
+                    lacks.append(problem)
         if logprobs is not None and np.abs(logprobs).max() > 1e-6:
             lacks.append(
                 "it reports log-probs of another distribution than the one it draws from "
@@ -781,7 +800,8 @@ class VLLMEngine:
         Writes them as a checkpoint folder under the push folder (in a worker thread), then
         pauses every server in "keep" mode (calls in flight freeze, then go on under the new
         weights, each keeping the version its first token was drawn under), has each reload
-        its weights from the folder, sets the version and resumes them; each step on every
+        its weights from the folder and empty its prefix cache (what the old weights computed;
+        the calls in flight recompute theirs), sets the version and resumes them; each step on every
         server at once, over an HTTP client of the push's own. Returns once every server serves
         them. Cancelled (or failing) after the pause, it resumes the servers that still answer
         before it lets the cancel (or error) through; a reload already under way may still land,
@@ -833,8 +853,15 @@ class VLLMEngine:
             hf.save(folder, self.model, variables, tokenizer_from=self._checkpoint)
         add_tied_head(folder)
 
-    async def _on_each(self, client: httpx.AsyncClient, path: str, **options) -> None:
-        """POST `path` to every live server at once; the first failure, once all answered.
+    async def _on_each(
+        self,
+        client: httpx.AsyncClient,
+        path: str,
+        check: Callable[[str, httpx.Response], None] | None = None,
+        **options,
+    ) -> None:
+        """POST `path` to every live server at once, `check(url, answer)` each answer (it
+        raises VLLMError); the first failure, once all answered.
 
         Raises:
             VLLMError: naming the URL of a server that failed, or when none is alive.
@@ -843,7 +870,9 @@ class VLLMEngine:
 
         async def one(server: _Server) -> None:
             try:
-                await self._post_async(client, server, path, **options)
+                answer = await self._post_async(client, server, path, **options)
+                if check is not None:
+                    check(server.url, answer)
             except VLLMError as error:
                 failures.append(error)
 
@@ -854,12 +883,14 @@ class VLLMEngine:
             raise failures[0]
 
     async def _push_to_live(self, client: httpx.AsyncClient, folder: Path, version: int) -> None:
-        """Pause every live server, have it reload `folder`, label it `version`, resume it;
-        resumes those that still answer when a step fails or the push is cancelled."""
+        """Pause every live server, have it reload `folder` and empty its prefix cache, label
+        it `version`, resume it; resumes those that still answer when a step fails or the push
+        is cancelled."""
         try:
-            await self._on_each(client, "/pause", params={"mode": "keep"})
+            await self._on_each(client, "/pause", params=PAUSE_OPTIONS)
             reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
             await self._on_each(client, "/collective_rpc", json=reload)
+            await self._on_each(client, RESET, check_reset, params=RESET_OPTIONS)
             label = {"new_version": str(version)}
             await self._on_each(client, "/update_weight_version", json=label)
             await self._on_each(client, "/resume")
@@ -883,6 +914,8 @@ class VLLMEngine:
         reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
         try:
             await self._post_async(client, server, "/collective_rpc", json=reload)
+            reset = await self._post_async(client, server, RESET, params=RESET_OPTIONS)
+            check_reset(server.url, reset)
             label = {"new_version": str(version)}
             await self._post_async(client, server, "/update_weight_version", json=label)
         except VLLMError as error:

@@ -16,6 +16,12 @@ embedding as `lm_head.weight` (`add_tied_head`): during the reload the head's te
 from the embedding's, so vLLM loads it into the head and repacks it. The folder stays a
 checkpoint `transformers`, vLLM and `dew.models.hf.load` read as before (a tied model's saved
 head equal to its embedding is what they expect of one).
+
+A push also empties each server's prefix cache on purpose (`RESET`), after the reload: the
+cached blocks hold keys and values the old weights computed, and a later prompt sharing them
+would be computed partly under the old weights. vLLM's `/pause` clears the cache by default too,
+but documents that as deprecated and ignored in "keep" mode; a push asks it not to
+(`PAUSE_OPTIONS`) and resets the cache itself, so what it relies on is vLLM's documented reset.
 """
 
 from __future__ import annotations
@@ -25,10 +31,20 @@ import struct
 from pathlib import Path
 
 from dew.models import hf
+from dew.serve._vllm_process import VLLMError
 
 HEAD_FILE = "lm_head.safetensors"
 """The file of a tied checkpoint's push folder that holds its head: the embedding's bytes."""
 _COPIED_BYTES = 1 << 26  # the most of the embedding held at once while copying it
+
+PAUSE_OPTIONS = {"mode": "keep", "clear_cache": "false"}
+"""`/pause`'s query: calls in flight freeze and go on after the resume; the cache is reset by
+`RESET` after the reload, not by the pause's deprecated default."""
+RESET = "/reset_prefix_cache"
+"""vLLM's endpoint (development mode) that empties a server's prefix cache."""
+RESET_OPTIONS = {"reset_running_requests": "true"}
+"""`RESET`'s query: calls in flight (frozen by the pause) give their blocks back and are
+recomputed under the new weights when they go on, as their tokens from then on must be."""
 
 
 def add_tied_head(folder: Path) -> bool:
@@ -81,3 +97,17 @@ def add_tied_head(folder: Path) -> bool:
         listing["weight_map"][hf._HEAD] = HEAD_FILE
         index.write_text(json.dumps(listing, indent=2) + "\n", encoding="utf-8")
     return True
+
+
+def check_reset(url: str, answer) -> None:
+    """Raise VLLMError naming the server at `url` when its answer to `RESET` (an httpx response
+    of status 200) does not say the cache was emptied."""
+    try:
+        success = answer.json().get("success")
+    except (ValueError, AttributeError):
+        success = None
+    if success is not True:
+        raise VLLMError(
+            f"the vLLM server {url} did not empty its prefix cache ({RESET} answered "
+            f"{answer.text!r:.200}): calls would reuse what the old weights computed"
+        )
