@@ -377,6 +377,25 @@ async def test_a_source_that_raises_reaches_the_trainer_as_itself_after_the_batc
             await sched.step({"task_id": np.array([7, 8])}, PARAMS, 1)
 
 
+async def test_failures_after_the_trainers_are_one_line_then_a_count_without_tracebacks(
+    autojump_clock, caplog
+):
+    """An engine that dies fails every rollout in flight at once (a vLLM server did so with 160
+    calls): the trainer gets the first; the next is one line, the rest one count at close."""
+    engine = Engine()
+    source = Scripted(engine, lambda task, label: Plan(duration=1.0, raises=Broken("engine died")))
+    with caplog.at_level(logging.ERROR, logger="dew.objectives.rl.scheduler"):
+        async with scheduler(source, engine, ahead=1, max_lag=1) as sched:
+            with pytest.raises(Broken, match="engine died"):
+                await train(sched, dataset(batches=2), 1)
+    lines = [record for record in caplog.records if record.levelno >= logging.ERROR]
+    assert [record.getMessage() for record in lines] == [
+        "a failure after the one the trainer gets (any more are counted): Broken: engine died",
+        "6 more failures after the one the trainer gets",
+    ]
+    assert all(record.exc_info is None for record in lines)
+
+
 async def test_a_malformed_session_raises_session_error_naming_task_label_and_field(
     autojump_clock,
 ):

@@ -280,8 +280,11 @@ class _Scheduler:
         self._deadlines: collections.deque[tuple[float, Label]] = collections.deque()
         self._deadline_added = trio.Event()
         self._batches: dict[int, tuple[trio.Nursery, trio.Event]] = {}
-        # The first failure in the core's order goes to the trainer; later ones are logged.
+        # The first failure in the core's order goes to the trainer; the next is logged in one
+        # line and the rest counted, said at close: an engine that dies fails every rollout in
+        # flight at once, and each traceback would bury the one error that matters.
         self._failure: core.Fail | None = None
+        self._later_failures = 0
         self._events: list[LogEvent] = []
         self._watch: trio.CancelScope | None = None
         self._waiting = False  # a hand-over waits for its delivery
@@ -885,6 +888,10 @@ class _Scheduler:
         if self._ended:
             return  # closed here already, by the close() of another thread or by `_serve`
         self._ended = True
+        if self._later_failures > 1:
+            logger.error(
+                "%d more failures after the one the trainer gets", self._later_failures - 1
+            )
         self._apply([core.Closed(trio.current_time())])
         self.closing_events, self._events = tuple(self._events), []
         self._fail_trainer(RuntimeError(CLOSED_WAITING))
@@ -1123,7 +1130,15 @@ class _Scheduler:
             self._deliver(message)
         elif isinstance(command, core.Fail):
             if self._failure is not None:
-                logger.error("a failure after the one the trainer gets", exc_info=command.error)
+                self._later_failures += 1
+                if self._later_failures == 1:
+                    error = command.error
+                    said = (str(error).splitlines() or [""])[0]
+                    logger.error(
+                        "a failure after the one the trainer gets (any more are counted): %s: %s",
+                        type(error).__name__,
+                        said,
+                    )
                 return
             self._failure = command
             if command.batch is None:
