@@ -98,7 +98,8 @@ def test_config_sizes_are_checked_against_the_tensors_before_anything_is_made(
     for read in (hf.load, hf.model_of):
         with pytest.raises(hf.CheckpointError, match=message) as refused:
             read(folder)
-        assert "1 problem" in str(refused.value)
+        assert str(refused.value).startswith(f"cannot load the checkpoint in {folder}: ")
+        assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize(
@@ -158,10 +159,10 @@ def test_an_index_naming_the_wrong_file_for_a_tensor_is_refused_naming_both(chec
     index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     with pytest.raises(hf.CheckpointError) as refused:
         hf.load(folder)
-    assert str(refused.value).splitlines()[1:] == [
-        f"  tensor {moved}: {index} names model-00001-of-00002.safetensors, but "
-        "model-00002-of-00002.safetensors holds it"
-    ]
+    assert str(refused.value) == (
+        f"cannot load the checkpoint in {folder}: tensor {moved}: {index} names "
+        "model-00001-of-00002.safetensors, but model-00002-of-00002.safetensors holds it"
+    )
 
 
 # A ChatML template that divides by zero on one message's content, as a checkpoint's template

@@ -101,7 +101,8 @@ _COMPARED_BYTES = 1 << 26  # the most of each tensor held at once while comparin
 
 
 class CheckpointError(ValueError):
-    """A checkpoint folder dew cannot load: every problem found, one a line."""
+    """A checkpoint folder dew cannot load: its one problem in one line, or every problem
+    found, one a line."""
 
 
 def load(
@@ -362,7 +363,9 @@ def _check_tensors(
 
 
 def _refuse(folder: Path, problems: list[str]) -> None:
-    """Raise the CheckpointError listing `problems`, one a line."""
+    """Raise the CheckpointError of `problems`: one line for one, else one a line."""
+    if len(problems) == 1:
+        raise CheckpointError(f"cannot load the checkpoint in {folder}: {problems[0]}")
     raise CheckpointError(
         f"cannot load the checkpoint in {folder} ({len(problems)} problem"
         f"{'s' if len(problems) > 1 else ''}):\n  " + "\n  ".join(problems)
