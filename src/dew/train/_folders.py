@@ -61,13 +61,17 @@ class _RunLock:
 
 
 def _in_use(run: Path) -> bool:
-    """Whether another `dew train` holds the run folder `run` now (`_RunLock`): what it has
-    written so far is a run in progress, which taking the lock refuses as such."""
+    """Whether a `dew train` holds the folder `run` now (`_RunLock`'s exclusive lock): what it
+    has written so far is a run in progress, which taking the lock refuses as such. A shared
+    lock asks, so the processes of a pool asking at once do not find each other."""
+    descriptor = os.open(run, os.O_RDONLY)
     try:
-        with _RunLock(run):
-            return False
-    except RunInUse:
+        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
         return True
+    finally:
+        os.close(descriptor)  # lets the shared lock go
+    return False
 
 
 def _check_split(config: TrainConfig, processes: int) -> None:
