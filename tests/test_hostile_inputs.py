@@ -299,6 +299,11 @@ CHECKPOINT_MISFITS = {
         "{folder}/chat_template.jinja: the chat template failed on the conversation: "
         "ZeroDivisionError",
     ),
+    "template nested past the recursion limit": (
+        {"chat_template.jinja": "{% if true %}" * 5000 + "{% endif %}" * 5000},
+        "{folder}/chat_template.jinja: ChatTemplate: template 'default' does not parse: it "
+        "nests deeper than Python's recursion limit",
+    ),
     "max_position_embeddings too short": (
         {"config.json": {"max_position_embeddings": 8}},
         "its max_position_embeddings is 8, but the task's sequences (prompt and --max-tokens) "

@@ -110,6 +110,11 @@ def _check_sources(instance, attribute, value) -> None:
                 f"ChatTemplate: template {name!r} does not parse: {error.message} "
                 f"(line {error.lineno})"
             ) from None
+        except RecursionError:  # Jinja's parser and compiler recurse once per nested block
+            raise ChatTemplateError(
+                f"ChatTemplate: template {name!r} does not parse: it nests deeper than Python's "
+                "recursion limit"
+            ) from None
     if len(value) > 1 and "default" not in value:
         raise ValueError(
             f"ChatTemplate: named templates {sorted(value)} need one named 'default' to render "

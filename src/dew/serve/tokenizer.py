@@ -733,7 +733,10 @@ class TemplateTokenizer(_TokenizersText):
         config = _json_file(root, "tokenizer_config.json")
         sources, origin = _template_sources(root, config, chat_template)
         special = _special_tokens(root, config, tokenizer)
-        template = ChatTemplate(sources, special)
+        try:
+            template = ChatTemplate(sources, special)
+        except ChatTemplateError as error:
+            raise ChatTemplateError(f"{origin}: {error}") from None
         return cls(tokenizer, template, template_kwargs=template_kwargs, origin=origin)
 
     def __repr__(self) -> str:
