@@ -32,8 +32,8 @@ MARKER = "dew-export.json"
 """The record an export writes into its folder (the run and step exported): a folder holding
 it, and only the files an export writes, is one a later export may replace."""
 _WRITTEN = frozenset({hf.CONFIG, hf.WEIGHTS, *hf.TOKENIZER_FILES, MARKER})
-# Arrays read then found gone (a newer commit removed them): the newer record is read, at most
-# this many times in all, so that a run committing faster than its params read ends the wait.
+# A read that fails because a newer commit replaced the record is made again with the newer
+# one, at most this many times in all: a run committing faster than its params read ends it.
 _READS = 3
 
 
