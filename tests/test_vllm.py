@@ -766,6 +766,8 @@ async def test_a_killed_servers_rollouts_are_resubmitted_to_the_server_left(
         assert (record.groups, record.abandoned) == (2, 0)
         failed = [session for session in kept.sessions if session.status is Status.INFRA_ERROR]
         assert failed and all(victim.url in session.error for session in failed)
+        # Its own account of the death is in its log, which the failure names.
+        assert all(str(victim.log) in session.error for session in failed)
         # Pushes skip the dead server; calls go to the live one.
         engine.load(params[1], 31)
         assert (await engine.generate(PROMPT, max_tokens=4)).version == 31
@@ -773,7 +775,8 @@ async def test_a_killed_servers_rollouts_are_resubmitted_to_the_server_left(
         engine.processes[0].kill()
         with pytest.raises(CallFailed):
             await engine.generate(PROMPT, max_tokens=4)
-        with pytest.raises(VLLMError, match="no vLLM server is alive"):
+        with pytest.raises(VLLMError, match="no vLLM server is alive") as dead:
             await engine.generate(PROMPT, max_tokens=4)
+        assert all(str(process.log) in str(dead.value) for process in engine.processes)
         with pytest.raises(VLLMError, match="no vLLM server is alive to push version 32"):
             engine.load(params[1], 32)

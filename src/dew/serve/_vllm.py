@@ -93,7 +93,13 @@ class _Server:
 
     def died(self, why: str) -> None:
         self.alive = False
-        self.failure = why
+        self.failure = f"{why}{self.log_note}"
+
+    @property
+    def log_note(self) -> str:
+        """Where the server's own account of a failure is: ", its log PATH" for a server dew
+        started, "" for an attached one."""
+        return "" if self.process is None else f", its log {self.process.log}"
 
 
 class VLLMEngine:
@@ -719,7 +725,9 @@ class VLLMEngine:
                         content.extend(drawn)
                     last = choice
         if problem is not None:
-            raise VLLMError(f"the vLLM server {server.url} failed the call: {problem}")
+            raise VLLMError(
+                f"the vLLM server {server.url} failed the call{server.log_note}: {problem}"
+            )
         if ids is not None and last.get("finish_reason") is None:
             raise CallFailed(
                 f"the vLLM server {server.url} ended the call's stream before the call ended"
@@ -751,7 +759,7 @@ class VLLMEngine:
                 healthy = False
             if not healthy:
                 server.died(why)
-        return CallFailed(f"the vLLM server {server.url} failed the call: {why}")
+        return CallFailed(f"the vLLM server {server.url} failed the call{server.log_note}: {why}")
 
     def _restarted(self, server: _Server, label: str) -> CallFailed:
         """The failure of a call drawn by weights dew never labelled: every server dew calls
