@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import psutil
 import pytest
 
 from _hf_folders import chat_checkpoint
+from dew import cli, simulate
 from dew.train import COMMIT
 
 DEW_TRAIN = [sys.executable, "-m", "dew", "train"]
@@ -114,3 +116,58 @@ def test_a_pool_of_one_process_trains_on_a_mesh_of_its_devices(tmp_path, env):
     assert finished.returncode == 0, finished.stdout + finished.stderr + log
     assert "Traceback" not in log
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        # 100,000 rollouts a setting (the bound on steps x tasks x groups) of 64 calls each.
+        ["--steps", "1000", "--tasks", "25", "--groups", "4", "--calls", "64"],
+        # 98,304 rollouts a setting in groups of 4096, the costliest size.
+        ["--steps", "1", "--tasks", "24", "--groups", "4096", "--calls", "1"],
+    ],
+    ids=["calls", "groups"],
+)
+def test_dew_simulate_refuses_a_table_of_hours_before_it_starts(monkeypatch, capsys, options):
+    """Item 8: `dew simulate` with every option within its bounds ran 874 CPU-seconds without
+    a line; many engine calls a rollout, or groups of thousands, multiply a rollout's cost.
+    It now refuses a table estimated past ten CPU-minutes before simulating anything, naming
+    the options and the estimate."""
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("dew simulate started simulating")
+
+    monkeypatch.setattr(simulate, "long_tail", tripwire)
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["simulate", *options])
+    assert exit.value.code == 2
+    said = capsys.readouterr().err
+    assert re.search(r"would simulate for about \d+ CPU-minutes, more than 10: lower", said)
+    assert all(option in said for option in ("--steps", "--tasks", "--groups", "--calls"))
+
+
+def test_dew_simulate_says_what_it_will_take_and_each_setting_as_it_ends(capsys):
+    """Item 8: a table within the bound says first about how long it takes, then each setting
+    as it ends, on standard error (the table stays alone on standard out)."""
+    assert cli.main(["simulate", "--smoke"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    names = [setting.name for setting in simulate.settings(simulate.Workload.smoke())]
+    assert re.fullmatch(rf"dew simulate: {len(names)} settings, about \d+ CPU-seconds", lines[0])
+    assert lines[1:] == [
+        f"dew simulate: {name} simulated ({index}/{len(names)})"
+        for index, name in enumerate(names, 1)
+    ]
+    assert captured.out.startswith(simulate.describe(simulate.Workload.smoke()))
+
+
+def test_dew_simulate_reports_a_sync_run_that_admitted_nothing(capsys):
+    """Item 16: a workload whose sync setting admits no sample (one task of one rollout of 64
+    calls, one step) crashed at the report's last line with ZeroDivisionError, after all the
+    work; the ratio is now undefined, saying why."""
+    options = ["--steps", "1", "--tasks", "1", "--groups", "1", "--calls", "64"]
+    assert cli.main(["simulate", *options]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == (
+        "ahead=1 goodput / sync goodput: undefined: sync admitted no sample in its 1 measured steps"
+    )

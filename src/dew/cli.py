@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import logging
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
@@ -57,6 +58,11 @@ _WORKLOAD_OPTIONS = (
 MAX_SIMULATED = 10**5
 """The most rollouts `dew simulate` simulates a setting: the whole table then takes minutes."""
 
+MAX_SIMULATED_SECONDS = 600
+"""The most CPU-seconds `dew simulate`'s table may be estimated to take
+(`simulate.estimated_seconds`): engine calls and large groups multiply a rollout's cost, so a
+table within every option's bounds could otherwise run for hours."""
+
 
 def _configure_simulate(parser: argparse.ArgumentParser) -> None:
     default, smoke = simulate.Workload(), simulate.Workload.smoke()
@@ -97,13 +103,32 @@ def _run_simulate(args: argparse.Namespace) -> int:
                 f"steps x tasks x groups must be <= {MAX_SIMULATED} rollouts a setting, got "
                 f"{workload.steps} x {workload.tasks} x {workload.groups}"
             )
+        seconds = simulate.estimated_seconds(workload)
+        if seconds > MAX_SIMULATED_SECONDS:
+            raise ValueError(
+                f"--steps {workload.steps} x --tasks {workload.tasks} x --groups "
+                f"{workload.groups} x --calls {_shown(workload.calls)} would simulate for about "
+                f"{seconds / 60:.0f} CPU-minutes, more than {MAX_SIMULATED_SECONDS // 60}: "
+                "lower one of them"
+            )
+        count = len(simulate.settings(workload))
+        _progress(f"{count} settings, about {seconds:.0f} CPU-seconds")
+
+        def done(index: int, outcome: simulate.Outcome) -> None:
+            _progress(f"{outcome.setting.name} simulated ({index + 1}/{count})")
+
         # Long trainer waits are what the simulation measures, not news to log.
         with _quiet("dew.objectives.rl.scheduler"):
-            outcomes = simulate.long_tail(workload)
+            outcomes = simulate.long_tail(workload, done=done)
     except ValueError as error:
         args.parser.error(str(error))
     print(simulate.report(workload, outcomes))
     return 0
+
+
+def _progress(text: str) -> None:
+    """A progress line of `dew simulate`, on standard error (the table goes to standard out)."""
+    print(f"dew simulate: {text}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
