@@ -479,13 +479,6 @@ class TrainConfig:
             raise ValueError("dtype is the dtype of a --model checkpoint: give model too")
         if self.engine == "vllm" and self.model is None:
             raise ValueError("engine vllm serves a --model checkpoint folder: give model too")
-        if self.engine == "vllm" and _names_gguf(self.model):
-            raise ValueError(
-                f"engine vllm serves a checkpoint folder, not the GGUF file model "
-                f'{self.model}: write it as one (python -c "from dew.models import hf; '
-                f"hf.save('FOLDER', *hf.load('{self.model}'), "
-                f"tokenizer_from=hf.resolve('{self.model}'))\") and give model FOLDER"
-            )
         if self.admit != "auto" and self.waste_budget != _WASTE_BUDGET:
             raise ValueError("waste_budget bounds the cuts of admit auto: give admit auto too")
         if self.engine_url is not None and self.engine != "vllm":
@@ -592,13 +585,6 @@ def _load_tokenizer(config: TrainConfig) -> Tokenizer:
         raise ValueError(f"--tokenizer {config.tokenizer}: there is no such file") from None
     except Exception as error:  # tokenizers raises a bare Exception for a malformed file
         raise ValueError(f"--tokenizer {config.tokenizer}: {error}") from error
-
-
-def _names_gguf(model: str) -> bool:
-    """Whether --model names a GGUF file: a file that is one, or a packaged model's name."""
-    from dew.models.hf._gguf import PACKAGED, is_gguf
-
-    return (not Path(model).exists() and model in PACKAGED) or is_gguf(model)
 
 
 def _model_tokenizer(model: str) -> Tokenizer:

@@ -130,6 +130,7 @@ def _train(
     task = _task(config, tokenizer)
     shape = task.shape
     model, variables = _model(config, shape.max_len, tokenizer)
+    served = _served_folder(config, run, model, variables)
     # The initial weights, kept as the KL term's reference; a resumed run derives them again.
     reference = variables if config.kl_coef > 0 else None
     mesh = _mesh(config, model)
@@ -169,7 +170,7 @@ def _train(
     if config.engine == "vllm":
         # Stopped in the `finally` below; should an error come before it, at the interpreter's
         # exit.
-        server = _vllm_engine(config, run, model, tokenizer, shape.max_len, trainer.updates)
+        server = _vllm_engine(config, run, served, model, tokenizer, shape.max_len, trainer.updates)
     else:
         server = RolloutServer(
             model,
@@ -338,10 +339,27 @@ def _split(rollout, mesh: Mesh | None):
     return rollout if mesh is None else sharding.ShardedRollout(rollout, mesh)
 
 
-def _vllm_engine(config: TrainConfig, run: Path, model, tokenizer, max_len: int, version: int):
+def _served_folder(config: TrainConfig, run: Path, model, variables) -> Path | None:
+    """The checkpoint folder the run's vLLM servers hold (None without `--engine vllm`): the
+    `--model` folder; for a GGUF file, which vLLM does not serve as dew reads it, the params
+    loaded from it written as a folder, the run's own `vllm/process-I/model` (each process
+    writes its copy from the params it loaded whole, before any mesh splits them)."""
+    if config.engine != "vllm":
+        return None
+    checkpoint = hf.resolve(config.model)
+    if not hf.is_gguf(checkpoint):
+        return checkpoint
+    folder = run / "vllm" / f"process-{jax.process_index()}" / "model"
+    hf.save(folder, model, variables, tokenizer_from=checkpoint)
+    return folder
+
+
+def _vllm_engine(
+    config: TrainConfig, run: Path, served: Path, model, tokenizer, max_len: int, version: int
+):
     """The run's vLLM servers (docs/vllm.md): this process's share of those at `--engine-url`
     (process I of P takes every P-th URL from the I-th: each process pushes its own weights to
-    servers of its own), or `--engine-servers` started on loopback with the `--model` folder,
+    servers of its own), or `--engine-servers` started on loopback with the `served` folder,
     their logs and pushed checkpoints under the run folder's `vllm/process-I/`. The servers
     hold the folder's weights, the trainer's `version` ones only from the first push on, which
     the scheduler makes before any rollout."""
@@ -353,7 +371,7 @@ def _vllm_engine(config: TrainConfig, run: Path, model, tokenizer, max_len: int,
     if config.engine_url is not None:
         engine = VLLMEngine.attach(
             config.engine_url[index::processes],
-            checkpoint=hf.resolve(config.model),
+            checkpoint=served,
             model=model,
             tokenizer=tokenizer,
             push_dir=work,
@@ -367,7 +385,7 @@ def _vllm_engine(config: TrainConfig, run: Path, model, tokenizer, max_len: int,
             )
         return engine
     return VLLMEngine.start(
-        hf.resolve(config.model),
+        served,
         servers=config.engine_servers,
         max_model_len=max_len,
         dtype=model.dtype,
