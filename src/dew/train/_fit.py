@@ -51,11 +51,19 @@ class Sizes:
 
 
 def _longest_prompt(
-    tasks: Sequence[Task], prompt: Callable[[Task], Observation], tokenizer: Tokenizer
+    tasks: Sequence[Task],
+    prompt: Callable[[Task], Observation],
+    tokenizer: Tokenizer,
+    prompt_length: Callable[[Task], int] | None,
 ) -> tuple[int, Task]:
+    for_task = prompt_length or (
+        lambda task: len(
+            tokenizer.encode_chat(messages_of(prompt(task)), add_generation_prompt=True)
+        )
+    )
     longest, which = -1, None
     for task in tasks:
-        length = len(tokenizer.encode_chat(messages_of(prompt(task)), add_generation_prompt=True))
+        length = for_task(task)
         if length > longest:
             longest, which = length, task
     return longest, which
@@ -72,6 +80,7 @@ def measure(
     context: int | None = None,
     width: int | None = None,
     rows: int | None = None,
+    prompt_length: Callable[[Task], int] | None = None,
 ) -> Sizes:
     """The sizes for `tasks`: the longest templated prompt decides the rest, unless given.
 
@@ -87,6 +96,9 @@ def measure(
         width: the packed rows' width; `context` unless given.
         rows: packed rows per batch; enough for `rollouts` chains of the longest length
             unless given.
+        prompt_length: a task's first prompt in tokens, where its agents send more than
+            `prompt`'s messages (a tool environment's tools: `dew.gateway._budget`); `prompt`
+            under `tokenizer`'s template unless given.
 
     Returns:
         The sizes.
@@ -100,7 +112,7 @@ def measure(
         raise ValueError("measure needs at least one task")
     max_tokens = check_int("max_tokens", max_tokens, low=1)
     rollouts = check_int("rollouts", rollouts, low=1)
-    longest, task = _longest_prompt(tasks, prompt, tokenizer)
+    longest, task = _longest_prompt(tasks, prompt, tokenizer, prompt_length)
     if max_context is None:
         chain = longest + max_tokens
         why = f"the longest prompt ({longest} tokens, task {task.name!r}) + max_tokens {max_tokens}"

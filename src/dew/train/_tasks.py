@@ -115,15 +115,20 @@ def _task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
 
 
 def _check_checkpoint_task(config: TrainConfig, tokenizer: Tokenizer) -> None:
-    """Refuse a `--model` run whose checkpoint cannot take its task, before anything starts or
-    is written (the run found it at its start, with a traceback): its chat template failing on
-    the task's prompts, or the task's sequences longer than its `max_position_embeddings`.
+    """Refuse a run whose task cannot fit, before anything starts or is written (the run found
+    it at its start, with a traceback, a run folder left with only its config): an environment
+    whose first prompt leaves no room for a reply within `--max-context`; for a `--model` run,
+    its checkpoint's chat template failing on the task's prompts, or the task's sequences longer
+    than its `max_position_embeddings`.
 
     Raises:
-        ValueError: naming --model, and the template's file and its error, or the field, its
-            value and the length the task needs.
+        ValueError: naming the environment, the task, its first prompt's length and
+            --max-context; or --model, and the template's file and its error, or the field,
+            its value and the length the task needs.
     """
     if config.model is None:
+        if config.task.startswith((VERIFIERS, TEXTARENA)):
+            _task(config, tokenizer)  # sizes the environment's first prompts
         return
     from dew.models import hf  # safetensors and the family on demand
 
@@ -182,15 +187,21 @@ def _verifiers_task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
     from dew.gateway import ServedGateway
 
     env = Verifiers.parse(config.task, size=config.tasks + config.eval_tasks)
-    sizes = measure(
-        [env.task(index) for index in range(env.size)],
-        env.prompt,
-        max_tokens=config.max_tokens,
-        rollouts=config.batch_size * config.groups,
-        tokenizer=tokenizer,
-        max_context=config.max_context,
-        width=None,
-    )
+    try:
+        sizes = measure(
+            [env.task(index) for index in range(env.size)],
+            env.prompt,
+            max_tokens=config.max_tokens,
+            rollouts=config.batch_size * config.groups,
+            tokenizer=tokenizer,
+            max_context=config.max_context,
+            width=None,
+            prompt_length=_verifiers_prompt_length(env, tokenizer),
+        )
+    except ValueError as error:
+        raise ValueError(
+            f"--env {config.task}, --max-context {config.max_context}: {error}"
+        ) from None
 
     def source(engine, sampling: Sampling) -> SessionSource:
         options = {
@@ -203,6 +214,16 @@ def _verifiers_task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
 
     shape = _Shape(max_len=sizes.context, width=sizes.width, chains_per_row=1)
     return _RunTask(source, env.dataset, env.tasks, shape, serve=_served_by_gateway)
+
+
+def _verifiers_prompt_length(env, tokenizer: Tokenizer) -> Callable[[Task], int]:
+    """A verifiers task's first prompt in tokens: the gateway's prompt of the first request its
+    agent sends, the environment's tools included (`offered_tools`), not only its messages."""
+    from dew.envs._verifiers_tools import offered_tools
+    from dew.gateway._budget import first_prompt_length
+
+    tools = offered_tools(env.env)
+    return lambda task: first_prompt_length(tokenizer, env.prompt(task), tools)
 
 
 def _textarena_task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:

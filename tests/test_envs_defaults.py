@@ -1,0 +1,88 @@
+"""Environments at their defaults (issue 43): `dew train --env` sizes a run for everything its
+agents' first request holds (a tool environment's tool schemas, the system text, the chat
+template's wrapping), refuses a first prompt that cannot fit before anything is written, and
+says so in one line.
+
+The environments are verifiers tasksets built in the tests (`_vf_lookup`: an MCP tool the agent
+calls), trained through `dew train` with its tool servers real subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import pytest
+
+from dew.cli import main
+from dew.envs.verifiers import Verifiers
+from dew.serve.tokenizer import BYTES
+from dew.train._tasks import _verifiers_prompt_length
+
+# verifiers' MCP client retries with tenacity's deprecated `initial=` (as test_envs_verifiers).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The 'initial' parameter is deprecated:DeprecationWarning"
+)
+TESTS = str(Path(__file__).parent)
+TINY = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32"]
+TINY += ["--batch-size", "2", "--groups", "2", "--tasks", "4", "--eval-tasks", "2"]
+TINY += ["--checkpoint-every", "5"]
+
+
+@pytest.fixture
+def tool_servers(monkeypatch):
+    """verifiers starts each task's tool server as `python -m _vf_lookup`: it must import."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+
+
+def lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def train(argv: list[str]) -> int:
+    with jax.numpy_dtype_promotion("standard"):  # as in test_train_env
+        return main(["train", *argv])
+
+
+# --- build point 2: the prompt budget counts everything the template renders -------------------
+
+
+def test_a_tool_environments_first_prompt_counts_its_tools():
+    """The length a run is sized by is the gateway's prompt of the agent's first request: its
+    tools' schemas are in it, so it is longer than the messages alone."""
+    env = Verifiers.parse("_vf_lookup", size=1)
+    task = env.task(0)
+    bare = len(BYTES.encode_chat(env.prompt(task)))
+    counted = _verifiers_prompt_length(env, BYTES)(task)
+    assert counted > bare + len('"name": "lookup"')
+
+
+def test_a_tool_environment_trains_at_the_default_context(tmp_path, tool_servers):
+    """At the default context a tool environment's first call fits: every step trains on tokens
+    (before, every rollout was TRUNCATED `context` before its first call: trained on nothing)."""
+    run = tmp_path / "run"
+    argv = ["--env", "verifiers:_vf_lookup", "--run", str(run), *TINY]
+    assert train([*argv, "--steps", "2", "--max-tokens", "4"]) == 0
+    metrics = lines(run / "metrics.jsonl")
+    assert [line["updates"] for line in metrics] == [1, 2]
+    for line in metrics:
+        assert line["tokens/trained"] > 0
+        assert line["masked/context"] == 0
+
+
+def test_a_first_prompt_that_cannot_fit_is_refused_before_the_run_folder(
+    tmp_path, capsys, tool_servers
+):
+    run = tmp_path / "run"
+    argv = ["--env", "verifiers:_vf_lookup", "--run", str(run), *TINY, "--max-context", "200"]
+    with pytest.raises(SystemExit) as exit_:
+        train([*argv, "--steps", "1"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert "task '0'" in error and "--max-context 200" in error
+    length = _verifiers_prompt_length(Verifiers.parse("_vf_lookup", size=1), BYTES)
+    assert f"{length(Verifiers.parse('_vf_lookup', size=1).task(0))} tokens" in error
+    assert "Traceback" not in error
+    assert not run.exists()
