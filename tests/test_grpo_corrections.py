@@ -136,14 +136,23 @@ def reference_weights(batch, objective) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 
 def reference_loss(variables, batch, objective) -> tuple[float, float | None]:
-    """The loss and the reference KL metric (None without kl_coef), in NumPy float64."""
+    """The loss and the reference KL metric (None without kl_coef), in NumPy float64, with the
+    surrogate's levers too (clip_high, clip_dual, ratio_level: tests/test_practitioner_options)."""
     current = current_log_probs(variables, batch)
     trained = batch["loss_mask"] > 0
     _, weight, kept = reference_weights(batch, objective)
-    ratio = np.exp(np.where(trained, current - batch["proximal_logprobs"], 0.0))
+    log_ratio = np.where(trained, current - batch["proximal_logprobs"], 0.0)
+    if objective.ratio_level == "sequence":  # GSPO: the sequence's mean log-ratio
+        for cells in sequences(batch):
+            log_ratio[cells] = log_ratio[cells].mean()
+    ratio = np.exp(log_ratio)
     advantages = batch["advantages"].astype(np.float64)
-    clip = objective.clip
-    surrogate = np.minimum(ratio * advantages, np.clip(ratio, 1 - clip, 1 + clip) * advantages)
+    low = 1 - objective.clip
+    high = 1 + (objective.clip if objective.clip_high is None else objective.clip_high)
+    surrogate = np.minimum(ratio * advantages, np.clip(ratio, low, high) * advantages)
+    if objective.clip_dual is not None:
+        bounded = np.maximum(surrogate, objective.clip_dual * advantages)
+        surrogate = np.where(advantages < 0, bounded, surrogate)
     per_token = -weight * surrogate
     kl = None
     if objective.kl_coef > 0:

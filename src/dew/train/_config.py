@@ -19,6 +19,7 @@ from dew._checks import in_range, int_within
 from dew._documents import read_document
 from dew.envs.lookup import HARNESSES
 from dew.envs.reasoning_gym import PREFIX, ReasoningGym
+from dew.objectives.rl._surrogate import RATIO_LEVELS, check_clip_dual
 from dew.objectives.rl.grpo import AGGREGATIONS, CORRECTIONS, IMPORTANCE_LEVELS, PROXIMALS
 from dew.serve.tokenizer import BYTES, HuggingFaceTokenizer, Tokenizer
 
@@ -251,6 +252,8 @@ class TrainConfig:
             seed's initial weights), so checkpoints need not hold it.
         aggregation, importance_level, correction, importance_cap, importance_floor: the
             objective's loss aggregation and behaviour-importance correction (`GRPOObjective`).
+        clip, clip_high, clip_dual, ratio_level: the surrogate's clip (clip-higher, the dual
+            clip) and the level of its ratio, token or sequence (GSPO) (`GRPOObjective`).
         proximal: `rescore` the proximal log-probs before each update, or take the update's
             own (`current`): the same values, since each batch trains one update, for a
             forward pass less per step (`GRPOObjective`'s proximal). A resumed run may
@@ -368,6 +371,31 @@ class TrainConfig:
         "[--importance-floor, --importance-cap]",
     )
     importance_cap: float = _option(5.0, in_range(1, 10**4), "the importance weight's upper bound")
+    clip: float = _option(
+        0.2,
+        in_range(0, 1, low_open=True, high_open=True),
+        "the surrogate clips the ratio current / proximal to [1 - clip, 1 + clip]",
+    )
+    clip_high: float | None = _option(
+        None,
+        attrs.validators.optional(in_range(0, 1, low_open=True, high_open=True)),
+        "the clip's upper bound apart: [1 - clip, 1 + clip-high] (clip-higher, DAPO: 0.28); "
+        "none: --clip",
+        kind=float,
+    )
+    clip_dual: float | None = _option(
+        None,
+        attrs.validators.optional(in_range(1, 100)),
+        "bound a negative-advantage token's loss at clip-dual x |advantage| however far its "
+        "ratio grows (dual clip, 3 is usual; above 1 + the upper clip); none: unbounded",
+        kind=float,
+    )
+    ratio_level: str = _option(
+        "token",
+        _one_of(RATIO_LEVELS),
+        "the surrogate's ratio per token, or per sequence (GSPO: the geometric mean of its "
+        "tokens' ratios, so a sequence clips as one)",
+    )
     importance_floor: float = _option(
         0.0, in_range(0, 1), "the importance weight's lower bound under --correction mask"
     )
@@ -471,6 +499,7 @@ class TrainConfig:
     )
 
     def __attrs_post_init__(self):
+        check_clip_dual(self.clip, self.clip_high, self.clip_dual)
         if self.mesh is not None and self.model is None:
             raise ValueError("mesh splits a --model checkpoint over devices: give model too")
         if self.model is not None and self.tokenizer is not None:

@@ -446,6 +446,10 @@ def _levers(config: TrainConfig) -> dict[str, Any]:
         "importance_cap",
         "importance_floor",
         "proximal",
+        "clip",
+        "clip_high",
+        "clip_dual",
+        "ratio_level",
     )
     return {name: getattr(config, name) for name in names}
 

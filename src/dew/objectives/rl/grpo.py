@@ -43,6 +43,13 @@ import numpy as np
 import optax
 
 from dew._checks import at_least, in_range, is_callable, positive
+from dew.objectives.rl._surrogate import (
+    RATIO_LEVELS,
+    check_clip_dual,
+    clipped_surrogate,
+    sequence_mean,
+    upper_clip,
+)
 
 Model = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -196,6 +203,14 @@ class GRPOObjective:
         model: `model(variables, tokens, positions, segment_ids) -> logits`, float[rows, width,
             vocab] the next-token logits at each position; attention must stay in its segment.
         clip: the surrogate clips the ratio to current / proximal to [1 - clip, 1 + clip].
+        clip_high: the clip's upper bound apart, [1 - clip, 1 + clip_high] (clip-higher, DAPO:
+            a higher bound lets a token the policy finds unlikely rise further); None: `clip`.
+        clip_dual: with a negative advantage A, a token's surrogate is at least clip_dual x A,
+            so its loss is at most clip_dual x |A| however far the ratio grows (dual clip);
+            above 1 + the upper clip; None: unbounded, as PPO.
+        ratio_level: `token` (each token's current / proximal) or `sequence` (GSPO: the
+            geometric mean of its sequence's trained tokens' ratios, the exp of their mean
+            log-ratio, for each of its tokens, so a sequence clips as one).
         importance_cap: the behaviour importance weight proximal / behaviour is capped here
             (truncation), or a token or sequence whose weight lies above it is left out of the
             loss (masking), so one token the engine found unlikely cannot dominate the step.
@@ -232,7 +247,8 @@ class GRPOObjective:
         ValueError: naming the argument, for a model that is not callable, a clip outside (0, 1),
             an importance_cap below 1 or an importance_floor outside [0, 1] (an on-policy token
             weighs 1 and must train), a floor other than 0 with `truncate` (it bounds only
-            masking), an unknown level, correction, aggregation or proximal, a negative
+            masking), a clip_high outside (0, 1), a clip_dual not above 1 + the upper clip (or
+            above 100), an unknown level, correction, aggregation or proximal, a negative
             kl_coef, or a temperature that is not a finite number > 0 (greedy decoding has no
             log-probs to train on).
     """
@@ -241,6 +257,15 @@ class GRPOObjective:
     clip: float = attrs.field(
         default=0.2, kw_only=True, validator=in_range(0, 1, low_open=True, high_open=True)
     )
+    clip_high: float | None = attrs.field(
+        default=None,
+        kw_only=True,
+        validator=attrs.validators.optional(in_range(0, 1, low_open=True, high_open=True)),
+    )
+    clip_dual: float | None = attrs.field(
+        default=None, kw_only=True, validator=attrs.validators.optional(in_range(1, 100))
+    )
+    ratio_level: str = attrs.field(default="token", kw_only=True, validator=_one_of(RATIO_LEVELS))
     importance_cap: float = attrs.field(default=5.0, kw_only=True, validator=at_least(1))
     importance_level: str = attrs.field(
         default="token", kw_only=True, validator=_one_of(IMPORTANCE_LEVELS)
@@ -266,11 +291,17 @@ class GRPOObjective:
     )
 
     def __attrs_post_init__(self):
+        check_clip_dual(self.clip, self.clip_high, self.clip_dual)
         if self.correction == "truncate" and self.importance_floor != 0:
             raise ValueError(
                 f"importance_floor bounds masking only: with correction='truncate' leave it 0, "
                 f"got {self.importance_floor}"
             )
+
+    @property
+    def upper_clip(self) -> float:
+        """The clip's upper epsilon: `clip_high`, or `clip` where it is None."""
+        return upper_clip(self.clip, self.clip_high)
 
     def packed_log_probs(self, variables, batch: Mapping[str, Any]) -> jax.Array:
         """Score packed rows: each token's log-prob given its segment's earlier tokens.
@@ -368,12 +399,17 @@ class GRPOObjective:
 
         Returns:
             The loss: per kept token t, l_t = -w_t x min(r_t x A_t, clip(r_t) x A_t) (+ kl_coef
-            x k3_t against the reference), with r_t = exp(current - proximal) and w_t the
-            `behavior_importance`, aggregated as `aggregation` says with each token weighted by
-            its loss mask; and float32 metrics over trained tokens (each 0 when there are none):
+            x k3_t against the reference), with r_t = exp(current - proximal) (at the sequence
+            `ratio_level`, the exp of the sequence's mean log-ratio), clip to [1 - clip, 1 +
+            upper_clip], the surrogate at least clip_dual x A_t where A_t < 0 with a
+            `clip_dual`, and w_t the `behavior_importance`, aggregated as `aggregation` says
+            with each token weighted by its loss mask; and float32 metrics over trained
+            tokens (each 0 when there are none):
             `loss`; `kl/behavior_proximal`, the k3 estimate of KL(behaviour || proximal), the
             trainer-engine mismatch and staleness together (`importance_metrics` splits them);
-            `clip_fraction`, the share of tokens whose gradient the clip removes;
+            `clip_fraction`, the share of tokens whose gradient the clip removes, split into
+            `clip_fraction/low` (A < 0, r below 1 - clip) and `/high` (A > 0, r above 1 +
+            upper_clip); with a `clip_dual`, `clip_fraction/dual`, the share it holds;
             `importance/mean`, `importance/max`; `ratio/mean`; `tokens`, the loss mask's total
             weight; with a `kl_coef`, `kl/reference`, the mean k3 estimate of KL(current ||
             reference) over the kept tokens; with `proximal="current"`, `importance/masked`,
@@ -398,11 +434,17 @@ class GRPOObjective:
 
         # Masked before exp, so an untrained token's ratio can't overflow into a NaN gradient.
         log_ratio = jnp.where(trained, current - proximal, jnp.float32(0))
+        if self.ratio_level == "sequence":
+            log_ratio = sequence_mean(log_ratio, trained, *_sequence_index(batch))
         ratio = jnp.exp(log_ratio)
-        low, high = jnp.float32(1.0 - self.clip), jnp.float32(1.0 + self.clip)
-        unclipped = ratio * advantages
-        clipped = jnp.clip(ratio, low, high) * advantages
-        per_token = -importance * jnp.minimum(unclipped, clipped)
+        surrogate = clipped_surrogate(
+            ratio,
+            advantages,
+            clip_low=self.clip,
+            clip_high=self.upper_clip,
+            clip_dual=self.clip_dual,
+        )
+        per_token = -importance * surrogate.value
 
         tokens = mask.sum()
         count = jnp.maximum(trained.sum().astype(jnp.float32), jnp.float32(1))
@@ -425,7 +467,6 @@ class GRPOObjective:
             kept_count = jnp.maximum(kept.sum().astype(jnp.float32), jnp.float32(1))
             metrics["kl/reference"] = jnp.where(kept, k3_reference, 0.0).sum() / kept_count
         loss = self._aggregate(jnp.where(kept, mask, jnp.float32(0)), per_token, batch)
-        clipped_out = ((advantages > 0) & (ratio > high)) | ((advantages < 0) & (ratio < low))
         # k3 = (r - 1) - log r with r = proximal / behaviour over behaviour's samples: unbiased
         # for KL(behaviour || proximal) and never negative, unlike the plain -log r.
         log_importance = jnp.where(
@@ -437,13 +478,17 @@ class GRPOObjective:
         metrics = {
             "loss": loss,
             "kl/behavior_proximal": mean(k3),
-            "clip_fraction": mean(clipped_out.astype(jnp.float32)),
+            "clip_fraction": mean((surrogate.low | surrogate.high).astype(jnp.float32)),
+            "clip_fraction/low": mean(surrogate.low.astype(jnp.float32)),
+            "clip_fraction/high": mean(surrogate.high.astype(jnp.float32)),
             "importance/mean": mean(importance),
             "importance/max": jnp.max(importance),
             "ratio/mean": mean(ratio),
             "tokens": tokens,
             **metrics,
         }
+        if self.clip_dual is not None:
+            metrics["clip_fraction/dual"] = mean(surrogate.dual.astype(jnp.float32))
         if self.proximal == "current":
             # The scheduler reports it from its rescoring, which this mode skips.
             metrics["importance/masked"] = mean((~kept).astype(jnp.float32))
@@ -521,14 +566,11 @@ class GRPOObjective:
         if proximal is None:
             proximal = jnp.asarray(batch["proximal_logprobs"], jnp.float32)
         log_weight = jnp.where(trained, proximal - behavior, jnp.float32(0))
-        if self.importance_level != "token":
+        if self.importance_level == "geometric":
+            log_weight = sequence_mean(log_weight, trained, *_sequence_index(batch))
+        elif self.importance_level == "sequence":
             index, segments = _sequence_index(batch)
             sums = jax.ops.segment_sum(log_weight.reshape(-1), index, num_segments=segments)
-            if self.importance_level == "geometric":
-                counts = jax.ops.segment_sum(
-                    trained.reshape(-1).astype(jnp.float32), index, num_segments=segments
-                )
-                sums = sums / jnp.maximum(counts, jnp.float32(1))
             log_weight = jnp.where(trained, sums[index].reshape(trained.shape), jnp.float32(0))
         cap = jnp.float32(self.importance_cap)
         if self.correction == "truncate":

@@ -1,0 +1,288 @@
+"""What a practitioner reaches for in a run (issue 44), each against an independent reference:
+
+- clip-higher and the dual clip: the loss, its gradient and the split clip fractions match
+  NumPy (`test_grpo_corrections.reference_loss`, which states every surrogate formula once);
+  a token at current - proximal = 50 with a negative advantage loses at most clip_dual x |A|;
+- GSPO's sequence-level ratio: the same reference, and a sequence clips as one;
+- each is a `dew train` option, refused naming it when out of bounds.
+
+The model is the bigram table of tests/test_grpo_corrections.py: real JAX, cheap in NumPy.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dew.objectives.rl.grpo import AGGREGATIONS, CORRECTIONS, IMPORTANCE_LEVELS, GRPOObjective
+from dew.train import TrainConfig
+from dew.train._run import _levers
+from test_grpo_corrections import (
+    ROWS,
+    TOLERANCE,
+    VOCAB,
+    WIDTH,
+    bigram,
+    current_log_probs,
+    random_batch,
+    reference_loss,
+    sequences,
+    table,
+)
+from test_hostile_cli import refusal
+
+SURROGATES = st.fixed_dictionaries(
+    {
+        "clip": st.sampled_from([0.1, 0.2]),
+        "clip_high": st.sampled_from([None, 0.28, 0.5]),
+        "clip_dual": st.sampled_from([None, 2.0, 3.0]),
+        "ratio_level": st.sampled_from(["token", "sequence"]),
+        "importance_level": st.sampled_from(IMPORTANCE_LEVELS),
+        "correction": st.sampled_from(CORRECTIONS),
+        "aggregation": st.sampled_from(AGGREGATIONS),
+    }
+)
+
+
+def off_policy(rng, variables, *, spread: float) -> dict[str, np.ndarray]:
+    """A random batch whose proximal log-probs lie `spread` around the current policy's, so
+    ratios land on both sides of every clip bound."""
+    batch = random_batch(rng, spread=0.3)
+    trained = batch["loss_mask"] > 0
+    current = current_log_probs(variables, batch)
+    proximal = current + spread * rng.standard_normal((ROWS, WIDTH))
+    batch["proximal_logprobs"] = np.where(trained, proximal, 0.0).astype(np.float32)
+    return batch
+
+
+def reference_clip_fractions(variables, batch, objective) -> dict[str, float]:
+    """The split clip fractions over trained tokens, in NumPy float64."""
+    trained = batch["loss_mask"] > 0
+    current = current_log_probs(variables, batch)
+    log_ratio = np.where(trained, current - batch["proximal_logprobs"], 0)
+    if objective.ratio_level == "sequence":
+        for cells in sequences(batch):
+            log_ratio[cells] = log_ratio[cells].mean()
+    ratio, a = np.exp(log_ratio), batch["advantages"]
+    low = trained & (a < 0) & (ratio < 1 - objective.clip)
+    high = trained & (a > 0) & (ratio > 1 + objective.upper_clip)
+    count = max(trained.sum(), 1)
+    fractions = {
+        "clip_fraction": (low | high).sum() / count,
+        "clip_fraction/low": low.sum() / count,
+        "clip_fraction/high": high.sum() / count,
+    }
+    if objective.clip_dual is not None:
+        surrogate = np.minimum(
+            ratio * a, np.clip(ratio, 1 - objective.clip, 1 + objective.upper_clip) * a
+        )
+        fractions["clip_fraction/dual"] = (
+            trained & (a < 0) & (surrogate < objective.clip_dual * a)
+        ).sum() / count
+    return fractions
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, database=None)
+@given(chosen=SURROGATES, seed=st.integers(0, 2**16), spread=st.sampled_from([0.05, 0.4, 3.0]))
+def test_the_clip_variants_and_the_sequence_ratio_match_numpy(chosen, seed, spread):
+    rng = np.random.default_rng(seed)
+    variables = table(rng)
+    batch = off_policy(rng, variables, spread=spread)
+    objective = GRPOObjective(bigram, **chosen)
+    loss, metrics = objective.loss(variables, batch)
+    expected, _ = reference_loss(variables, batch, objective)
+    np.testing.assert_allclose(float(loss), expected, **TOLERANCE)
+    for name, value in reference_clip_fractions(variables, batch, objective).items():
+        assert float(metrics[name]) == pytest.approx(value, abs=1e-6), name
+    assert ("clip_fraction/dual" in metrics) == (objective.clip_dual is not None)
+
+
+@pytest.mark.parametrize(
+    "chosen",
+    [
+        {"clip_high": 0.28},
+        {"clip_dual": 2.0},
+        {"ratio_level": "sequence", "aggregation": "sequence_mean"},
+        {"ratio_level": "sequence", "clip_high": 0.5, "clip_dual": 3.0},
+    ],
+)
+def test_the_gradient_matches_numpy_by_central_differences(chosen):
+    """The NumPy reference loss differentiated numerically in float64, entry by entry of the
+    table, against JAX's gradient of the objective's loss."""
+    rng = np.random.default_rng(5)
+    variables = table(rng)
+    batch = off_policy(rng, variables, spread=0.4)
+    objective = GRPOObjective(bigram, **chosen)
+    grads = np.asarray(jax.grad(lambda v: objective.loss(v, batch)[0])(variables)["table"])
+    base = np.asarray(variables["table"], np.float64)
+    numeric = np.zeros_like(base)
+    step = 1e-5
+    for i, j in np.ndindex(VOCAB, VOCAB):
+        ups, downs = base.copy(), base.copy()
+        ups[i, j] += step
+        downs[i, j] -= step
+        up, _ = reference_loss({"table": ups}, batch, objective)
+        down, _ = reference_loss({"table": downs}, batch, objective)
+        numeric[i, j] = (up - down) / (2 * step)
+    np.testing.assert_allclose(grads, numeric, rtol=1e-3, atol=1e-4)
+
+
+def one_token(gap: float, advantage: float) -> tuple[dict, dict]:
+    """A one-token batch whose current log-prob is `gap` above its proximal one (and its
+    behaviour one: weight 1), under a bigram table that puts nearly all mass on it."""
+    variables = {"table": jnp.zeros((VOCAB, VOCAB), jnp.float32).at[0, 1].set(10.0)}
+    current = float(jax.nn.log_softmax(variables["table"][0])[1])
+    cells = lambda *values: np.asarray([values], np.float32)  # noqa: E731
+    batch = {
+        "tokens": np.asarray([[0, 1]], np.int32),
+        "positions": np.asarray([[0, 1]], np.int32),
+        "segment_ids": np.asarray([[1, 1]], np.int32),
+        "loss_mask": cells(0, 1),
+        "advantages": cells(0, advantage),
+        "proximal_logprobs": cells(0, current - gap),
+        "behavior_logprobs": cells(0, current - gap),
+    }
+    return variables, batch
+
+
+def test_the_dual_clip_bounds_a_negative_advantage_token_far_above_its_proximal():
+    variables, batch = one_token(50.0, -1.0)
+    loss, _ = GRPOObjective(bigram).loss(variables, batch)
+    assert float(loss) > 1e21  # e^50: unbounded without the dual clip
+    dual = GRPOObjective(bigram, clip_dual=3.0)
+    (loss, metrics), grads = jax.value_and_grad(dual.loss, has_aux=True)(variables, batch)
+    assert float(loss) == pytest.approx(3.0)
+    assert float(metrics["clip_fraction/dual"]) == 1.0
+    # Held at a constant: the token pushes nothing.
+    assert np.all(np.asarray(grads["table"]) == 0)
+    # A positive advantage is left to the usual clip (r = e^50 > 1.2: clipped, loss -1.2 A).
+    variables, batch = one_token(50.0, 1.0)
+    loss, metrics = dual.loss(variables, batch)
+    assert float(loss) == pytest.approx(-1.2)
+    assert float(metrics["clip_fraction/dual"]) == 0.0
+    assert float(metrics["clip_fraction/high"]) == 1.0
+
+
+def test_clip_higher_lets_a_positive_token_rise_further_than_a_negative_one_falls():
+    """At r = 1.25 (> 1.2) with A = 1, the symmetric clip holds the surrogate at 1.2 (no
+    gradient); clip_high = 0.28 leaves it at 1.25 (gradient); the low bound stays 0.8."""
+    variables, batch = one_token(float(np.log(1.25)), 1.0)
+    symmetric = GRPOObjective(bigram)
+    higher = GRPOObjective(bigram, clip_high=0.28)
+    assert float(symmetric.loss(variables, batch)[0]) == pytest.approx(-1.2)
+    assert float(higher.loss(variables, batch)[0]) == pytest.approx(-1.25, rel=1e-5)
+    assert float(symmetric.loss(variables, batch)[1]["clip_fraction/high"]) == 1.0
+    assert float(higher.loss(variables, batch)[1]["clip_fraction/high"]) == 0.0
+    variables, batch = one_token(float(np.log(0.75)), -1.0)
+    for objective in (symmetric, higher):
+        loss, metrics = objective.loss(variables, batch)
+        assert float(loss) == pytest.approx(0.8)
+        assert float(metrics["clip_fraction/low"]) == 1.0
+
+
+def test_a_sequence_clips_as_one_at_the_sequence_level():
+    """One sequence of two trained tokens, log-ratios +0.5 and -0.5 (mean 0): per token, the
+    first clips (A > 0, r = e^0.5 > 1.2); per sequence the ratio is 1 and nothing clips."""
+    variables = table(np.random.default_rng(0))
+    tokens = np.asarray([[1, 2, 3]], np.int32)
+    batch = {
+        "tokens": tokens,
+        "positions": np.asarray([[0, 1, 2]], np.int32),
+        "segment_ids": np.ones((1, 3), np.int32),
+        "loss_mask": np.asarray([[0, 1, 1]], np.float32),
+        "advantages": np.asarray([[0, 1, 1]], np.float32),
+    }
+    logits = jax.nn.log_softmax(variables["table"][tokens[0, :2]])
+    current = np.asarray([0.0, logits[0, 2], logits[1, 3]], np.float32)
+    batch["proximal_logprobs"] = (current - np.asarray([0, 0.5, -0.5], np.float32))[None]
+    batch["behavior_logprobs"] = batch["proximal_logprobs"]
+    token = GRPOObjective(bigram).loss(variables, batch)[1]
+    sequence = GRPOObjective(bigram, ratio_level="sequence").loss(variables, batch)[1]
+    assert float(token["clip_fraction"]) == 0.5
+    assert float(sequence["clip_fraction"]) == 0.0
+    assert float(sequence["ratio/mean"]) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_the_defaults_are_the_symmetric_token_clip():
+    rng = np.random.default_rng(9)
+    variables = table(rng)
+    batch = off_policy(rng, variables, spread=1.0)
+    default = GRPOObjective(bigram, clip=0.2)
+    spelled = GRPOObjective(bigram, clip=0.2, clip_high=0.2, ratio_level="token")
+    assert float(default.loss(variables, batch)[0]) == float(spelled.loss(variables, batch)[0])
+    assert (default.clip_high, default.clip_dual, default.ratio_level) == (None, None, "token")
+
+
+@pytest.mark.parametrize(
+    "chosen, message",
+    [
+        ({"clip_high": 0.0}, "clip_high must be"),
+        ({"clip_high": 1.5}, "clip_high must be"),
+        ({"clip_dual": 1.1}, r"clip_dual must be above 1 \+ the upper clip \(1.2\).*got 1.1"),
+        ({"clip_dual": 1.3, "clip_high": 0.5}, r"clip_dual must be above .*\(1.5\)"),
+        ({"clip_dual": 0.5}, "clip_dual must be"),
+        ({"ratio_level": "geometric"}, "ratio_level must be one of"),
+    ],
+)
+def test_bad_surrogate_settings_are_refused_naming_them(chosen, message):
+    with pytest.raises(ValueError, match=message):
+        GRPOObjective(bigram, **chosen)
+
+
+def test_the_surrogate_levers_are_dew_train_options():
+    config = TrainConfig(clip=0.1, clip_high=0.28, clip_dual=3.0, ratio_level="sequence")
+    levers = _levers(config)
+    assert {k: levers[k] for k in ("clip", "clip_high", "clip_dual", "ratio_level")} == {
+        "clip": 0.1,
+        "clip_high": 0.28,
+        "clip_dual": 3.0,
+        "ratio_level": "sequence",
+    }
+    GRPOObjective(bigram, **levers)  # the objective takes them as they are
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--clip-high", "1.5", "clip_high must be"),
+        ("--clip-dual", "1.1", "clip_dual must be above 1 \\+ the upper clip"),
+        ("--ratio-level", "row", "ratio_level must be one of"),
+        ("--clip", "0", "clip must be"),
+    ],
+)
+def test_bad_surrogate_options_are_refused_naming_them(option, value, message, capsys, tmp_path):
+    line = refusal(capsys, ["train", "--run", str(tmp_path / "run"), option, value])
+    assert re.search(message, line), line
+
+
+def test_a_dew_train_run_with_clip_higher_a_dual_clip_and_gspo_records_each_clip(tmp_path):
+    """The built-in copy task on a tiny model, for real: every step's line holds the split
+    clip fractions, each a share in [0, 1], and the low and high ones add up to the whole."""
+    from dew import train
+
+    tiny = {"d_model": 16, "heads": 2, "layers": 1, "d_ff": 32, "tasks": 16, "samples": 0}
+    config = TrainConfig(
+        steps=2,
+        batch_size=2,
+        groups=4,
+        clip_high=0.28,
+        clip_dual=3.0,
+        ratio_level="sequence",
+        **tiny,
+    )
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as in test_train
+        train.train(config, tmp_path / "run")
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert len(records) == 2
+    for record in records:
+        parts = [record[f"clip_fraction/{side}"] for side in ("low", "high", "dual")]
+        assert all(0 <= part <= 1 for part in parts)
+        assert record["clip_fraction"] == pytest.approx(parts[0] + parts[1])
