@@ -9,25 +9,44 @@ running past its bound is killed and fails the test); nothing is timed.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+import attrs
+import numpy as np
+import optax
 import psutil
 import pytest
+import trio
+import trio.testing
 
 from _hf_folders import chat_checkpoint
-from dew import cli, simulate
-from dew.train import COMMIT
+from dew import cli, models, simulate
+from dew.data import ArrayDataset, Task
+from dew.envs import Score
+from dew.envs.environment import EnvironmentSource
+from dew.objectives.rl.scheduler import RolloutScheduler
+from dew.objectives.rl.sessions import Call
+from dew.serve.tokenizer import BYTES
+from dew.simulate import BehaviorObjective
+from dew.train import COMMIT, fit
 
 DEW_TRAIN = [sys.executable, "-m", "dew", "train"]
 SMALL = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32"]
 SMALL += ["--batch-size", "4", "--groups", "2", "--tasks", "32"]
 # Seconds a pool may take before the test kills it and fails.
 BOUND = 300
+# fit's model: the bytes' vocabulary, small enough to compile in seconds.
+TINY = models.TransformerConfig(
+    vocab=BYTES.vocab_size, d_model=16, heads=2, layers=1, d_ff=32, max_len=64
+)
 # A `--model` checkpoint small enough to split over two CPU devices.
 CHECKPOINT = {
     "hidden_size": 32,
@@ -171,3 +190,138 @@ def test_dew_simulate_reports_a_sync_run_that_admitted_nothing(capsys):
     assert last == (
         "ahead=1 goodput / sync goodput: undefined: sync admitted no sample in its 1 measured steps"
     )
+
+
+@attrs.define(eq=False)
+class Answering:
+    """An engine that answers every call at once with 'a' and the end of the turn, under the
+    version last loaded: the environment, not the engine, is what the wait test holds up."""
+
+    version: int = 0
+
+    def load(self, variables, version: int) -> None:
+        self.version = version
+
+    async def generate(self, prompt, *, max_tokens, stop=(), **sampling) -> Call:
+        completion = np.array([*BYTES.encode("a"), BYTES.eos_id], np.int32)
+        return Call(
+            np.asarray(prompt, np.int32),
+            completion,
+            np.full(len(completion), -0.5, np.float32),
+            version=self.version,
+        )
+
+
+@attrs.define(eq=False)
+class Blocking:
+    """An environment whose step blocks its worker thread until `release` is set, first
+    counting itself into `stepping` (on the trio side)."""
+
+    release: threading.Event
+    stepping: Stepping
+
+    def reset(self, task: Task) -> str:
+        return "go"
+
+    def step(self, action: str):
+        trio.from_thread.run_sync(self.stepping.enter, trio_token=self.stepping.token)
+        self.release.wait()
+        return None, True
+
+
+@attrs.define(eq=False)
+class Stepping:
+    """How many environment steps have begun; `all` is set once `expected` have."""
+
+    expected: int
+    token: trio.lowlevel.TrioToken = attrs.Factory(trio.lowlevel.current_trio_token)
+    begun: int = 0
+    all: trio.Event = attrs.Factory(trio.Event)
+
+    def enter(self) -> None:
+        self.begun += 1
+        if self.begun == self.expected:
+            self.all.set()
+
+
+@pytest.fixture
+def release():
+    """A threading.Event set at the test's end, so the thread a step blocked finishes."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+async def test_a_long_wait_on_a_blocking_environment_step_names_the_step(
+    mock_clock, caplog, release
+):
+    """Items 9 and 23 (build point 8): a blocking environment `step()` held the trainer's first
+    batch, and the long-wait line blamed it on the engine's compilation whatever was slow.
+    The line now names what the rollouts in flight wait on: here the environment's step, and
+    no compilation. The clock jumps once both rollouts are inside their step (the autojump
+    clock would jump while a worker thread makes the environment, too)."""
+    engine = Answering()
+    stepping = Stepping(expected=2)
+    source = EnvironmentSource(
+        engine,
+        lambda: Blocking(release, stepping),
+        lambda env, episode: Score(1.0),
+        max_turns=2,
+        max_tokens=4,
+        max_context=128,
+    )
+    sched = RolloutScheduler(
+        BehaviorObjective(), source, engine, width=128, rows=2, groups=2, ahead=0, max_lag=0
+    )
+    caplog.set_level(logging.WARNING, logger="dew.objectives.rl.scheduler")
+    async with sched, trio.open_nursery() as nursery:
+        batches = ArrayDataset({"task_id": np.arange(1)}, batch_size=1)
+        nursery.start_soon(sched.step, next(sched.tasks(batches).stream(0)), None, 0)
+        await stepping.all.wait()
+        for _ in range(2):
+            mock_clock.jump(60)
+            await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    said = [record.getMessage() for record in caplog.records]
+    assert said == [
+        f"the trainer has waited {seconds}s for its first batch (0 of 2 rollouts finished), "
+        "its rollouts in flight waiting: 2 on the environment's step; status() says more"
+        for seconds in (60, 120)
+    ]
+
+
+def test_fit_stops_at_the_step_boundary_past_its_wall_clock(tmp_path, caplog):
+    """Item 9 (build point 8): `fit` had no wall-clock bound. With `wall_clock`, a run stops
+    cleanly after the step during which the bound passed (here 1 µs, which the first step
+    outlasts), saying so, with that step's line."""
+    tasks = [Task(f"{digit}") for digit in range(4)]
+    lines = []
+    caplog.set_level(logging.WARNING, logger="dew.train")
+    trainer = fit(
+        tasks,
+        lambda task, reply: Score(float(reply.strip() == task.name)),
+        prompt=lambda task: f"say {task.name}",
+        max_tokens=2,
+        model=models.Transformer(TINY),
+        optimizer=optax.sgd(1e-2),  # Adam's step count meets strict dtype promotion
+        steps=5,
+        batch_size=2,
+        groups=2,
+        run=tmp_path / "run",
+        on_step=lines.append,
+        wall_clock=1e-6,
+    )
+    assert trainer.updates == 1 and [line["updates"] for line in lines] == [1]
+    assert [record.getMessage() for record in caplog.records] == [
+        "stopped after step 1/5: its wall_clock of 1e-06s has passed"
+    ]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
+
+
+@pytest.mark.parametrize("bound", [0, -1.0, math.inf, math.nan, "60"])
+def test_fit_refuses_a_wall_clock_that_is_not_seconds(bound):
+    """Item 9: a wall_clock that is not a finite number of seconds > 0 is refused naming it,
+    before anything runs."""
+    with pytest.raises(ValueError, match="wall_clock"):
+        fit([Task("1")], lambda task, reply: Score(0.0), prompt=str, max_tokens=1,
+            batch_size=1, wall_clock=bound)  # fmt: skip

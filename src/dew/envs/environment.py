@@ -35,6 +35,7 @@ from attrs.validators import optional
 
 from dew._checks import at_least, finite, in_range, int_at_least, is_callable, positive
 from dew.data import Task
+from dew.objectives.rl._session import waiting_on
 from dew.objectives.rl.sessions import Call, Label, Session, Status
 from dew.serve._failure import CallFailed
 from dew.serve.tokenizer import BYTES, Tokenizer
@@ -255,12 +256,17 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-async def blocking(function: Callable[..., Any], *args: Any) -> Any:
+async def blocking(function: Callable[..., Any], *args: Any, what: str) -> Any:
     """Run blocking code in a worker thread that a cancel abandons.
 
     The abandoned thread runs on to its end and holds its thread-limiter slot until then.
+
+    Args:
+        what: the code, as a trainer's long wait on this rollout names it ("the verifier",
+            "the environment's step"): a step that blocks is then not blamed on the engine.
     """
-    return await trio.to_thread.run_sync(function, *args, abandon_on_cancel=True)
+    with waiting_on(what):
+        return await trio.to_thread.run_sync(function, *args, abandon_on_cancel=True)
 
 
 def _continuation(tokenizer: Tokenizer, completion: np.ndarray, new: list[Message]) -> np.ndarray:
@@ -295,12 +301,13 @@ class _Play:
     # thread leaves the environment mid-step, where nothing else may touch it.
     busy: bool = False
 
-    async def enter(self, function: Callable[..., Any], *args: Any) -> Any:
+    async def enter(self, function: Callable[..., Any], *args: Any, what: str) -> Any:
         """Call into the environment in a worker thread, `busy` until the thread is done: a
-        cancel (not an `Exception`) is the one way out that leaves the thread running."""
+        cancel (not an `Exception`) is the one way out that leaves the thread running.
+        `what` names the call for a long wait (`blocking`)."""
         self.busy = True
         try:
-            result = await blocking(function, *args)
+            result = await blocking(function, *args, what=f"the environment's {what}")
         except Exception:
             self.busy = False
             raise
@@ -405,8 +412,9 @@ class EnvironmentSource:
 
     async def _play(self, play: _Play, label: Label) -> _End:
         try:
-            play.env = await play.enter(self.make_env)
-            seat, observation = play.seat_of(await play.enter(play.env.reset, play.task))
+            play.env = await play.enter(self.make_env, what="construction")
+            reset = await play.enter(play.env.reset, play.task, what="reset")
+            seat, observation = play.seat_of(reset)
             prompt = self._prompt(play, seat, observation)
         except Exception as error:
             return _End(Status.INFRA_ERROR, error=describe(error))
@@ -436,7 +444,7 @@ class EnvironmentSource:
             play.messages.append({"role": "assistant", "content": text})
             play.last[seat] = (np.asarray(call.prompt, np.int32), completion)
             try:
-                observation, done = await play.enter(play.env.step, text)
+                observation, done = await play.enter(play.env.step, text, what="step")
                 if done:
                     return _End(Status.COMPLETED)
                 seat, observation = play.seat_of(observation)
@@ -467,7 +475,7 @@ class EnvironmentSource:
             play.task, tuple(play.messages), tuple(play.actions), end.status, end.truncation
         )
         try:
-            score = await blocking(self.verifier, play.env, episode)
+            score = await blocking(self.verifier, play.env, episode, what="the verifier")
         except Exception as error:
             return Session(Status.INFRA_ERROR, calls, error=f"verifier: {describe(error)}")
         return scored_session(calls, end.status, end.truncation, end.error, score)

@@ -271,7 +271,7 @@ class HarnessSource:
             error=end.error,
         )
         try:
-            score = await blocking(self.verifier, result)
+            score = await blocking(self.verifier, result, what="the verifier")
         except Exception as error:
             return Session(Status.INFRA_ERROR, calls, error=f"verifier: {describe(error)}")
         return scored_session(calls, end.status, end.truncation, end.error, score)

@@ -123,7 +123,7 @@ class PromptSource:
             status, truncation = Status.TRUNCATED, "context" if short else "length"
         reply = reply_text(self.tokenizer, completion, self.stop)
         try:
-            score = await blocking(self.verifier, task, reply)
+            score = await blocking(self.verifier, task, reply, what="the verifier")
         except Exception as error:
             return Session(Status.INFRA_ERROR, (call,), error=f"verifier: {describe(error)}")
         return scored_session((call,), status, truncation, None, score)

@@ -29,6 +29,7 @@ from trio.testing import wait_all_tasks_blocked
 
 from dew._checks import as_tuple, at_least, check_int, int_at_least, positive, probability
 from dew.data import Task
+from dew.objectives.rl._session import waiting_on
 from dew.objectives.rl.sessions import (
     TRUNCATION_REASONS,
     Call,
@@ -542,7 +543,8 @@ class SimulatedSource:
         calls = []
         for call, decode in zip(session.calls, seconds, strict=True):
             note_progress(0, calls=1)  # a call begun counts as a turn, finished or not
-            version = await self.engine.call(decode, key)
+            with waiting_on("the engine"):
+                version = await self.engine.call(decode, key)
             note_progress(len(call.completion))
             calls.append(attrs.evolve(call, version=version))
         if failing is not None:

@@ -76,6 +76,9 @@ API_KEY_VARIABLE = "VLLM_API_KEY"
 own server reads it (`--api-key` unset): dew sends it as `Authorization: Bearer KEY`."""
 # Starts of one server whose picked port another process took first, before start gives up.
 PORT_ATTEMPTS = 3
+READ_TIMEOUT = 600.0
+"""Seconds a server may send nothing while dew waits on it (`read_timeout`): a first token on
+a loaded CPU takes tens of seconds, a push of a 7 B checkpoint from disk about a minute."""
 
 
 class _Server:
@@ -131,6 +134,9 @@ class VLLMEngine:
         owned_dir: a temporary folder of dew's to remove at close, or None.
         api_key: the key the servers want (`--api-key`), sent with every request; None for
             servers that want none.
+        read_timeout: seconds a server may send nothing while dew waits on it (a call's first
+            token, its next one, a step of a push) before it counts as dead: longer than the
+            longest push (calls freeze while the servers reload) and the slowest first token.
     """
 
     def __init__(
@@ -147,6 +153,7 @@ class VLLMEngine:
         version: int,
         owned_dir: Path | None = None,
         api_key: str | None = None,
+        read_timeout: float = READ_TIMEOUT,
     ):
         if save is None and checkpoint is None and model is None:
             raise ValueError("a VLLMEngine needs the run's checkpoint or model (or save=)")
@@ -169,9 +176,12 @@ class VLLMEngine:
         # vLLM guards only its /v1 and /inference paths with the key; it goes with every
         # request, which a proxy guarding every path needs too.
         self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
-        self._pushes = httpx.Client(
-            timeout=httpx.Timeout(600.0, connect=10.0), headers=self._headers
-        )
+        # A server that stops answering (hung, stopped) is cut off after `read_timeout` with
+        # nothing read: a call's wait for its first token and between two of its tokens, and
+        # each step of a push.
+        self._read_timeout = check_number("read_timeout", read_timeout, low=0, low_open=True)
+        self._timeout = httpx.Timeout(read_timeout, connect=10.0)
+        self._pushes = httpx.Client(timeout=self._timeout, headers=self._headers)
         self._client: httpx.AsyncClient | None = None
         self._pushed: Path | None = None
         self._closed = False
@@ -199,6 +209,7 @@ class VLLMEngine:
         environment: dict[str, str] | None = None,
         work_dir: str | Path | None = None,
         api_key: str | None = None,
+        read_timeout: float = READ_TIMEOUT,
     ) -> VLLMEngine:
         """Start `servers` vLLM servers of `checkpoint` on `host` and wait until each answers.
 
@@ -234,6 +245,8 @@ class VLLMEngine:
             api_key: a key the servers want on their /v1 and /inference paths (vLLM's
                 `--api-key`, given to them as VLLM_API_KEY, out of their command lines); the
                 environment's VLLM_API_KEY unless given ("" for none).
+            read_timeout: seconds a server may send nothing while dew waits on it before it
+                counts as dead (see the class).
 
         Raises:
             VLLMError: a port in use, or naming the server's URL and its last log lines when it
@@ -324,6 +337,7 @@ class VLLMEngine:
                 version=version,
                 owned_dir=owned,
                 api_key=api_key,
+                read_timeout=read_timeout,
             )
             # Together: a first call takes tens of seconds on each server.
             with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
@@ -351,6 +365,7 @@ class VLLMEngine:
         save: Callable[[Path, Any], None] | None = None,
         version: int = 0,
         api_key: str | None = None,
+        read_timeout: float = READ_TIMEOUT,
     ) -> VLLMEngine:
         """Use vLLM servers that are already running.
 
@@ -374,6 +389,8 @@ class VLLMEngine:
             version: the version of the weights they hold.
             api_key: the key the servers were started with (`--api-key`), sent with every
                 request; the environment's VLLM_API_KEY unless given ("" for none).
+            read_timeout: seconds a server may send nothing while dew waits on it before it
+                counts as dead (see the class).
 
         Raises:
             VLLMError: naming the URL of a server that does not answer, wants an API key (or
@@ -409,6 +426,7 @@ class VLLMEngine:
             push_dir=push_dir,
             version=version,
             api_key=api_key,
+            read_timeout=read_timeout,
         )
         try:
             lengths = [engine._check_attached(server) for server in servers]
@@ -477,7 +495,8 @@ class VLLMEngine:
             raise self._refused(server, "/is_paused", paused)
         sampling = {"temperature": 1.0, "top_k": 1}
         body = _body(self.name, [0], max_tokens=4, sampling=sampling, stop=())
-        answer = self._send(server, "POST", _GENERATE, json=body)
+        # A server's first call warms it up: tens of seconds on a CPU, whatever read_timeout is.
+        answer = self._send(server, "POST", _GENERATE, json=body, timeout=READ_TIMEOUT)
         logprobs = None
         # vLLM 0.32 answers 403 "Scale-out endpoints are disabled", others 404.
         if answer.status_code == 404 or (
@@ -494,8 +513,11 @@ class VLLMEngine:
             raise self._refused(server, _GENERATE, answer)
         else:
             logprobs = _call(server.url, np.zeros(1, np.int32), answer.json(), 0).logprobs
-        # Its configuration is a development-mode endpoint too; a proxy may not pass it on.
-        info = self._send(server, "GET", INFO, params=INFO_OPTIONS) if paused.is_success else None
+        # Its configuration is a development-mode endpoint too; a proxy may not pass it on. Its
+        # first answer takes seconds (vLLM collects its environment), whatever read_timeout is.
+        info = None
+        if paused.is_success:
+            info = self._send(server, "GET", INFO, params=INFO_OPTIONS, timeout=READ_TIMEOUT)
         if info is not None and info.status_code not in (200, 404):
             raise self._refused(server, INFO, info)
         if info is not None and info.status_code == 200:
@@ -525,7 +547,7 @@ class VLLMEngine:
             "logprobs": 1,
             "ignore_eos": True,
         }
-        answer = self._post(server, "/v1/completions", json=body)
+        answer = self._post(server, "/v1/completions", json=body, timeout=READ_TIMEOUT)
         try:
             values = answer.json()["choices"][0]["logprobs"]["token_logprobs"]
             return np.asarray(values, np.float64)
@@ -589,7 +611,7 @@ class VLLMEngine:
             raise RuntimeError("this VLLMEngine's calls are already open in a trio run")
         # No pool limit: every rollout in flight holds one connection while its call runs.
         self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=10.0),
+            timeout=self._timeout,
             headers=self._headers,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
         )
@@ -668,6 +690,9 @@ class VLLMEngine:
         note_progress(calls=1, sampling=tokens)
         try:
             choice = await self._stream(server, body, tokens)
+        except httpx.ReadTimeout:
+            silent = f"it sent nothing for {self._read_timeout:g} s (read_timeout)"
+            raise await self._lost(server, silent) from None
         except httpx.TransportError as error:
             raise await self._lost(server, error) from None
         finally:
@@ -751,15 +776,19 @@ class VLLMEngine:
         why = f"{type(error).__name__}: {error}" if isinstance(error, Exception) else str(error)
         if server.process is not None and server.process.exit_code() is not None:
             server.died(f"exit code {server.process.exit_code()}")
-        else:
-            try:
-                answer = await self._client.get(f"{server.url}/health", timeout=5)
-                healthy = answer.status_code == 200
-            except httpx.HTTPError:
-                healthy = False
-            if not healthy:
-                server.died(why)
+        elif not await self._healthy(self._client, server):
+            server.died(why)
         return CallFailed(f"the vLLM server {server.url} failed the call{server.log_note}: {why}")
+
+    async def _healthy(self, client: httpx.AsyncClient, server: _Server) -> bool:
+        """Whether the server's process runs (for one dew started) and it answers `/health`
+        within 5 s: a server that failed a request and is not healthy is dead."""
+        if server.process is not None and server.process.exit_code() is not None:
+            return False
+        try:
+            return (await client.get(f"{server.url}/health", timeout=5)).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def _restarted(self, server: _Server, label: str) -> CallFailed:
         """The failure of a call drawn by weights dew never labelled: every server dew calls
@@ -831,9 +860,8 @@ class VLLMEngine:
         folder = self._push_dir / f"push-{version}"
         await trio.to_thread.run_sync(self._write, folder, variables)
         # Made in a worker thread too: making a client (its TLS context) takes tens of ms.
-        timeout = httpx.Timeout(600.0, connect=10.0)
         client = await trio.to_thread.run_sync(
-            functools.partial(httpx.AsyncClient, timeout=timeout, headers=self._headers)
+            functools.partial(httpx.AsyncClient, timeout=self._timeout, headers=self._headers)
         )
         async with client:
             if any(server.alive for server in self._servers):
@@ -882,7 +910,13 @@ class VLLMEngine:
                 if check is not None:
                     check(server.url, answer)
             except VLLMError as error:
-                failures.append(error)
+                if server.alive:
+                    failures.append(error)
+                else:  # dead: the push goes on with the others, or fails with none left
+                    live = sum(other.alive for other in self._servers)
+                    _log.warning(
+                        "the vLLM server %s is left out (%d left): %s", server.url, live, error
+                    )
 
         async with trio.open_nursery() as nursery:
             for server in self._live_for(None):
@@ -950,6 +984,8 @@ class VLLMEngine:
         try:
             answer = await client.post(f"{server.url}{path}", **options)
         except httpx.HTTPError as error:
+            if not await self._healthy(client, server):
+                server.died(f"{type(error).__name__} at {path}, and /health does not answer")
             raise self._post_failed(server, path, error) from None
         if answer.status_code != 200:
             raise self._refused(server, path, answer)

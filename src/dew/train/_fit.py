@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from dew import models
-from dew._checks import check_int
+from dew._checks import check_int, check_number
 from dew.data import ArrayDataset, Batch, Task
 from dew.envs.environment import EnvironmentSource, Observation, Sampling, messages_of
 from dew.envs.prompts import PromptSource
@@ -209,6 +209,7 @@ def fit(
     run: str | os.PathLike | None = None,
     on_step: Callable[[Mapping[str, Any]], None] | None = None,
     seed: int = 0,
+    wall_clock: float | None = None,
 ) -> Trainer:
     """Train a policy on `tasks` with GRPO: one call from data and a verifier to a trainer.
 
@@ -242,6 +243,11 @@ def fit(
         run: a folder for `metrics.jsonl` and checkpoints; None keeps neither.
         on_step: called with each step's metrics line.
         seed: the model's initialisation, the sampling and the task order.
+        wall_clock: seconds the run may take: once they have passed, it stops after the step
+            in progress, saying so (a warning of the `dew.train` logger), and returns the
+            trainer as that step left it. None: no bound.
+            A step that never ends (an environment whose `step` blocks) is bounded by the
+            environment's own `wall_clock` instead (`EnvironmentSource`).
 
     Returns:
         The trainer after its last step: `trainer.variables` is the trained policy.
@@ -256,6 +262,8 @@ def fit(
             every rollout), naming the errors its rollouts failed with.
     """
     tasks = list(tasks)
+    if wall_clock is not None:
+        check_number("wall_clock", wall_clock, low=0, low_open=True)
     batch_size = check_int("batch_size", batch_size, low=1)
     groups = check_int("groups", groups, low=1)
     if len(tasks) < batch_size:
@@ -335,7 +343,9 @@ def fit(
         epochs=max(1, -(-steps * batch_size // per_epoch)),
     )
     with scheduler:
-        trainer.run(scheduler, scheduler.tasks(dataset), steps=steps, ahead=ahead)
+        trainer.run(
+            scheduler, scheduler.tasks(dataset), steps=steps, ahead=ahead, wall_clock=wall_clock
+        )
     return trainer
 
 

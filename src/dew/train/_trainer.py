@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import logging
 import math
 import os
 import time
@@ -19,7 +20,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from dew import _pool_guard
-from dew._checks import check_int
+from dew._checks import check_int, check_number
 from dew.data import Batch, Dataset
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import SchedulerRecord
@@ -35,6 +36,8 @@ from dew.train._checkpoint import (
 
 METRICS = "metrics.jsonl"
 """The metrics log's file name in a run folder: one JSON line per step."""
+
+logger = logging.getLogger("dew.train")
 
 
 @runtime_checkable
@@ -418,8 +421,17 @@ class Trainer:
             return self.checkpoints / COMMIT
         return save_checkpoint(self.checkpoints, checkpoint)
 
-    def run(self, rollout: Rollout, dataset: Dataset, *, steps: int, ahead: int = 1) -> None:
-        """Train until `updates` reaches `steps` or the dataset's stream ends.
+    def run(
+        self,
+        rollout: Rollout,
+        dataset: Dataset,
+        *,
+        steps: int,
+        ahead: int = 1,
+        wall_clock: float | None = None,
+    ) -> None:
+        """Train until `updates` reaches `steps`, the dataset's stream ends, or `wall_clock`
+        seconds have passed.
 
         Opens `dataset.stream(position)` (for a scheduler's `tasks()` stream, this cancels what an
         earlier stream left in flight) and reads it `ahead` batches beyond the batch it hands
@@ -436,6 +448,9 @@ class Trainer:
             steps: the `updates` count to stop at.
             ahead: batches read beyond the one handed over; at least the scheduler's `ahead`,
                 or it submits fewer batches early than it could.
+            wall_clock: seconds this call may run; once they have passed, it stops after the
+                step in progress (a step is never cut short: its update and its line stay
+                together), saying so in a warning of the `dew.train` logger. None: no bound.
 
         Raises:
             ValueError: naming the argument out of bounds.
@@ -444,6 +459,9 @@ class Trainer:
         """
         steps = check_int("steps", steps, low=0)
         ahead = check_int("ahead", ahead, low=0)
+        if wall_clock is not None:
+            check_number("wall_clock", wall_clock, low=0, low_open=True)
+        ends = math.inf if wall_clock is None else time.monotonic() + wall_clock
         self._tally = _RunTally()
         self._rollout = rollout
         restore = getattr(rollout, "restore_state", None)
@@ -465,6 +483,14 @@ class Trainer:
                 if not read:
                     break
                 self._step(rollout, read.popleft(), log)
+                if self.updates < steps and time.monotonic() >= ends:
+                    logger.warning(
+                        "stopped after step %d/%d: its wall_clock of %gs has passed",
+                        self.updates,
+                        steps,
+                        wall_clock,
+                    )
+                    break
             if self.checkpoint_every is not None and self.updates % self.checkpoint_every:
                 self.save()
         self._tally.check()

@@ -6,10 +6,12 @@ Public through `dew.objectives.rl.sessions`; the leaf of the sessions modules (`
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import contextvars
 import enum
 import math
-from collections.abc import Mapping, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -151,17 +153,26 @@ class Session:
 
 @attrs.define(eq=False)
 class Progress:
-    """How far a rollout got: tokens sampled by its finished calls, calls begun, and the tokens
-    of the call being sampled (a list the engine grows), None between calls."""
+    """How far a rollout got: tokens sampled by its finished calls, calls begun, the tokens of
+    the call being sampled (a list the engine grows), None between calls, and what it waits on
+    now (`waiting_on`)."""
 
     tokens: int = 0
     calls: int = 0
     sampling: Sized | None = None
+    waiting: str | None = None
 
     def length(self) -> tuple[int, int]:
         """Its tokens and calls so far: a cancelled rollout's lower bounds."""
         live = 0 if self.sampling is None else len(self.sampling)
         return self.tokens + live, self.calls
+
+    def doing(self) -> str:
+        """What the rollout waits on now, as a long wait names it: the engine while a call of
+        it samples, what `waiting_on` says, or its source's own code."""
+        if self.waiting is not None:
+            return self.waiting
+        return "the engine" if self.sampling is not None else "its source's own code"
 
 
 # The rollout running in a trio task. The scheduler gives each rollout's task its own; an
@@ -186,6 +197,29 @@ def note_progress(tokens: int = 0, *, calls: int = 0, sampling: Sized | None = N
         progress.tokens += tokens
         progress.calls += calls
         progress.sampling = sampling
+
+
+@contextlib.contextmanager
+def waiting_on(what: str) -> Iterator[None]:
+    """Say, for the rollout running in this trio task, that it waits on `what` in the block
+    ("the engine", "the environment's step"), so that a trainer's long wait names where its
+    rollouts are rather than guessing. Outside a scheduler's rollout it does nothing."""
+    progress = _PROGRESS.get()
+    if progress is None:
+        yield
+        return
+    before, progress.waiting = progress.waiting, what
+    try:
+        yield
+    finally:
+        progress.waiting = before
+
+
+def waits(progress: Iterable[Progress]) -> str:
+    """What rollouts in flight wait on, most first: `3 on the engine, 1 on the environment's
+    step`, or `none` for no rollout."""
+    counts = collections.Counter(rollout.doing() for rollout in progress)
+    return ", ".join(f"{n} on {what}" for what, n in counts.most_common()) or "none"
 
 
 def track_progress() -> Progress:

@@ -53,7 +53,7 @@ from dew.objectives.rl._records import (
     Variables,
 )
 from dew.objectives.rl._reports import EmptyStreak, ErrorCounts, OverBudget, TooLongChain
-from dew.objectives.rl._session import Progress, track_progress
+from dew.objectives.rl._session import Progress, track_progress, waits
 from dew.objectives.rl.grpo import GRPOObjective, mismatch_metrics
 from dew.objectives.rl.sessions import (
     Label,
@@ -995,23 +995,34 @@ class _Scheduler:
         return True
 
     async def _watch_wait(self, scope: trio.CancelScope, long_wait: float, first: bool) -> None:
-        """Log what the trainer waits on when a wait grows long: in full, but for the wait on
-        the scheduler's first batch, which is said in one line, since that wait holds the
-        engine's first compilations (a minute or more on a small CPU) and is no hang."""
+        """Log what the trainer waits on when a wait grows long, naming where its rollouts in
+        flight are (the engine, the environment's step, the verifier: `waiting_on`): in full,
+        but for the wait on the scheduler's first batch, which is said in one line, since it
+        may hold the engine's first compilations (a minute or more on a small CPU)."""
         with scope:
             waited = 0.0
             while True:
                 await trio.sleep(max(long_wait, waited))
                 waited = max(long_wait, 2 * waited)
+                where = waits(self._progress.values())
                 if first:
+                    # The engine compiles its steps on its first calls: a wait there is that.
+                    compiles = "the engine" in where and "the engine compiles on its first calls; "
                     logger.warning(
-                        "the trainer has waited %.0fs for its first batch (%s): the engine "
-                        "compiles its steps on the first calls; status() says more",
+                        "the trainer has waited %.0fs for its first batch (%s), its rollouts "
+                        "in flight waiting: %s; %sstatus() says more",
                         waited,
                         self._first_wait_progress(),
+                        where,
+                        compiles or "",
                     )
                 else:
-                    logger.warning("the trainer has waited %.0fs\n%s", waited, self.status())
+                    logger.warning(
+                        "the trainer has waited %.0fs, its rollouts in flight waiting: %s\n%s",
+                        waited,
+                        where,
+                        self.status(),
+                    )
 
     def _first_wait_progress(self) -> str:
         """How far the batch the trainer waits on has come: its rollouts finished of all."""
