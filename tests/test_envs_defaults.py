@@ -10,14 +10,17 @@ calls), trained through `dew train` with its tool servers real subprocesses.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
 import jax
 import pytest
 
+from _scripted import OBJECTIVE, PARAMS, Engine, Plan, Scripted, dataset
 from dew.cli import main
 from dew.envs.verifiers import Verifiers
+from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.serve.tokenizer import BYTES
 from dew.train._tasks import _verifiers_prompt_length
 
@@ -86,3 +89,37 @@ def test_a_first_prompt_that_cannot_fit_is_refused_before_the_run_folder(
     assert f"{length(Verifiers.parse('_vf_lookup', size=1).task(0))} tokens" in error
     assert "Traceback" not in error
     assert not run.exists()
+
+
+# --- build point 3: several agents per episode -------------------------------------------------
+
+
+def test_a_two_agent_environment_is_sized_for_both_chains_and_cuts_no_group(tmp_path, caplog):
+    """`_vf_duo`'s episodes are two chains (one per agent): rows are sized for both, so no
+    group is cut for room (before, half of them were, silently: `groups 1, cut 1`)."""
+    run = tmp_path / "run"
+    caplog.set_level(logging.WARNING, "dew.objectives.rl.scheduler")
+    argv = ["--env", "verifiers:_vf_duo,digits=3", "--run", str(run), *TINY]
+    assert train([*argv, "--steps", "2", "--max-tokens", "4"]) == 0
+    metrics = lines(run / "metrics.jsonl")
+    assert [line["updates"] for line in metrics] == [1, 2]
+    for line in metrics:
+        assert line["cut"] == 0 and line["groups"] == 2
+    assert not [r for r in caplog.records if "cut" in r.getMessage()]
+
+
+async def test_a_group_cut_for_room_is_said_in_one_line_and_counted(autojump_clock, caplog):
+    """Rows too few for a batch's chains (a source of more chains a rollout than its run was
+    sized for): each group left out is counted (`cut`), and the first is said in one warning
+    line naming the task, the chains that did not fit and the rows."""
+    engine = Engine()
+    source = Scripted(engine, lambda task, label: Plan(tokens=40))  # one 42-token chain a row
+    options = {"width": 64, "rows": 2, "groups": 2, "ahead": 0, "max_lag": 0}
+    async with RolloutScheduler(OBJECTIVE, source, engine, **options) as sched:
+        stream = sched.tasks(dataset(2, size=2)).stream(0)
+        for updates in range(2):
+            await sched.step(next(stream), PARAMS, updates)
+            assert sched.last_record.cut == 1 and sched.last_record.groups == 1
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1, said  # the first cut, once
+    assert "task '1'" in said[0] and "2 chains" in said[0] and "2 rows" in said[0]

@@ -212,7 +212,15 @@ def _verifiers_task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
         }
         return ServedGateway(engine, env.source, options)
 
-    shape = _Shape(max_len=sizes.context, width=sizes.width, chains_per_row=1)
+    from dew.envs._verifiers_agents import traces_per_episode
+
+    # Each agent's trace is a chain of its own, each up to the context (as self-play's players).
+    shape = _Shape(
+        max_len=sizes.context,
+        width=sizes.width,
+        chains_per_row=1,
+        chains_per_rollout=traces_per_episode(env.env),
+    )
     return _RunTask(source, env.dataset, env.tasks, shape, serve=_served_by_gateway)
 
 

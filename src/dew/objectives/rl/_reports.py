@@ -1,5 +1,6 @@
 """What the scheduler says when a run goes wrong without failing: the errors its sessions fail
-with, a streak of calls that trained on nothing, and a chain too long for any row.
+with, a streak of calls that trained on nothing, groups cut for room, and a chain too long for
+any row.
 
 Each reporter keeps only what its report needs, and logs under the scheduler's public module.
 """
@@ -168,6 +169,41 @@ class OverBudget:
                 self.budget,
                 100 * record.metrics.get("auto/wasted", math.nan),
                 self.max_lag,
+            )
+
+
+class NoRoom:
+    """Warns at the 1st, 10th, 100th ... group cut for room (`no_room`: its chains do not fit
+    the step's `rows` beside the groups before it), naming the first one's task and chains: a
+    group left out is lost work, and a source whose rollouts make more chains than its run was
+    sized for (an episode's several agents, a game's players) has one cut every step."""
+
+    def __init__(self, rows: int, width: int):
+        self.rows, self.width = rows, width
+        self._cut = 0
+
+    def observe(self, groups: Sequence[Sequence[Session]], cuts) -> None:
+        """Take one call's delivered groups and pack's cuts; warn where the count is a power
+        of ten."""
+        for cut in cuts:
+            if cut.reason != "no_room":
+                continue
+            self._cut += 1
+            if not math.log10(self._cut).is_integer():
+                continue
+            group = groups[cut.group]
+            logger.warning(
+                "task %r group %d: its %d rollouts' %d chains did not fit the step's %d rows "
+                "(width %d) beside the groups before it, so it is cut (%d groups so far, the "
+                "record's `cut`); rollouts of more chains than the run's rows were sized for "
+                "(several agents or players an episode) do this: give the run more rows",
+                group[0].task.name,
+                group[0].label.group,
+                len(group),
+                sum(len(chains(s)) for s in group),
+                self.rows,
+                self.width,
+                self._cut,
             )
 
 

@@ -52,7 +52,13 @@ from dew.objectives.rl._records import (
     SchedulerStatus,
     Variables,
 )
-from dew.objectives.rl._reports import EmptyStreak, ErrorCounts, OverBudget, TooLongChain
+from dew.objectives.rl._reports import (
+    EmptyStreak,
+    ErrorCounts,
+    NoRoom,
+    OverBudget,
+    TooLongChain,
+)
 from dew.objectives.rl._session import Progress, track_progress, waits
 from dew.objectives.rl.grpo import GRPOObjective, mismatch_metrics
 from dew.objectives.rl.sessions import (
@@ -292,10 +298,12 @@ class _Scheduler:
         self._newest_pushed: int | None = None  # the newest version ever pushed to the engines
         # Failed sessions' error texts and how often each came, for status().
         # Failed sessions' error texts, for status(); the trainer's side reports a streak of
-        # calls that trained on nothing, and the first chain too long for any row.
+        # calls that trained on nothing, groups cut for room, and the first chain too long for
+        # any row.
         self._errors = ErrorCounts(ERRORS_KEPT)
         self._empty = EmptyStreak(empty_streak, truncation)
         self._too_long = TooLongChain(width)
+        self._no_room = NoRoom(rows, width)
         self._over_budget = OverBudget(float(waste_budget), max_lag)
         self._send, self._receive = trio.open_memory_channel[_Delivery | _Failure](math.inf)
 
@@ -720,6 +728,7 @@ class _Scheduler:
         if self.log is not None:
             self.log(record)
         self._too_long.observe(message.groups, packed.cut)
+        self._no_room.observe(message.groups, packed.cut)
         self._empty.observe(record, events)
         self._over_budget.observe(record)
         return batch
