@@ -106,8 +106,12 @@ def training_reward(session: Session, truncation: str) -> float | None:
     return {"mask": None, "score": session.reward, "zero": 0.0}[truncation]
 
 
-def reference_advantages(rewards: list[float], estimator: str) -> np.ndarray:
-    """One group's advantages by the estimators' definitions (rloo: less the others' mean)."""
+def reference_advantages(
+    rewards: list[float], estimator: str, batch: list[float] | None = None
+) -> np.ndarray:
+    """One group's advantages by the estimators' definitions (rloo: less the others' mean;
+    batch: scaled by the std of `batch`, every training reward packed together, or of the
+    group's own when it is packed alone)."""
     r = np.asarray(rewards, np.float64)
     if len(r) < 2 or np.ptp(r) == 0:
         return np.zeros(len(r))
@@ -115,6 +119,8 @@ def reference_advantages(rewards: list[float], estimator: str) -> np.ndarray:
         return np.array([r[i] - np.mean(np.delete(r, i)) for i in range(len(r))])
     if estimator == "mean":
         return r - r.mean()
+    if estimator == "batch":
+        return (r - r.mean()) / (np.std(r if batch is None else batch) + 1e-6)
     return (r - r.mean()) / (r.std() + 1e-6)
 
 
@@ -276,8 +282,11 @@ class Rejected(Exception):
         self.session, self.field = session, field
 
 
-def formula_advantages(rewards: list[float], estimator: str) -> np.ndarray:
-    """One group's advantages by its float64 formulas, as pack must give them bit for bit."""
+def formula_advantages(
+    rewards: list[float], estimator: str, batch: list[float] | None = None
+) -> np.ndarray:
+    """One group's advantages by its float64 formulas, as pack must give them bit for bit
+    (`batch`: every training reward of the pack, in order, for the batch std)."""
     r = np.array(rewards, np.float64)
     if len(r) < 2 or np.ptp(r) == 0:
         return np.zeros_like(r)
@@ -285,7 +294,24 @@ def formula_advantages(rewards: list[float], estimator: str) -> np.ndarray:
         return r - (r.sum() - r) / (len(r) - 1)
     if estimator == "mean":
         return r - r.mean()
+    if estimator == "batch":
+        return (r - r.mean()) / (np.array(batch, np.float64).std() + 1e-6)
     return (r - r.mean()) / (r.std() + 1e-6)
+
+
+def batch_rewards(groups, truncation: str) -> list[float]:
+    """Every training reward of the groups, in order (those pack would refuse left out: the
+    reference raises for them before the batch std matters)."""
+    rewards = []
+    for group in groups:
+        for session in group:
+            if session.status is Status.TRUNCATED and truncation == "zero":
+                rewards.append(0.0)
+            elif session.status is Status.TRUNCATED and truncation == "mask":
+                continue
+            elif session.reward is not None:
+                rewards.append(float(session.reward))
+    return rewards
 
 
 def reference_fit(pieces: list[dict], free: np.ndarray, free_support: np.ndarray | None):
@@ -306,7 +332,7 @@ def reference_fit(pieces: list[dict], free: np.ndarray, free_support: np.ndarray
     return rows
 
 
-def reference_pieces(group, *, estimator, truncation, with_support) -> list[dict]:
+def reference_pieces(group, *, estimator, truncation, with_support, batch=None) -> list[dict]:
     """A group's trained chains, each with its arrays, advantage and kept support.
 
     Raises:
@@ -325,7 +351,8 @@ def reference_pieces(group, *, estimator, truncation, with_support) -> list[dict
         else:
             rewards.append(float(session.reward))
     pieces = []
-    for session, advantage in zip(training, formula_advantages(rewards, estimator), strict=True):
+    advantages = formula_advantages(rewards, estimator, batch)
+    for session, advantage in zip(training, advantages, strict=True):
         for chain in chains(session):
             mask = loss_positions(chain)
             if not mask.any():
@@ -431,7 +458,11 @@ def reference_pack(
     with_support = support_capacity is not None
     plans = [
         reference_pieces(
-            group, estimator=estimator, truncation=truncation, with_support=with_support
+            group,
+            estimator=estimator,
+            truncation=truncation,
+            with_support=with_support,
+            batch=batch_rewards(groups, truncation),
         )
         for group in groups
     ]
@@ -702,7 +733,10 @@ def test_advantages_follow_the_estimator_over_training_rollouts(groups, estimato
             for s, session in enumerate(group)
             if training_reward(session, truncation) is not None
         ]
-        reference = reference_advantages([reward for _, reward in training], estimator)
+        batch = [training_reward(session, truncation) for one in groups for session in one]
+        reference = reference_advantages(
+            [reward for _, reward in training], estimator, [r for r in batch if r is not None]
+        )
         expected |= {(g, s): a for (s, _), a in zip(training, reference, strict=True)}
         if estimator in ("group", "mean"):
             assert math.fsum(found[g, s] for s, _ in training) == pytest.approx(0, abs=1e-4)

@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dew.objectives.rl.grpo import AGGREGATIONS, CORRECTIONS, IMPORTANCE_LEVELS, GRPOObjective
+from dew.objectives.rl.sessions import Status, pack
 from dew.train import TrainConfig
 from dew.train._run import _levers
 from test_grpo_corrections import (
@@ -37,6 +38,7 @@ from test_grpo_corrections import (
     table,
 )
 from test_hostile_cli import refusal
+from test_pack import one_call
 
 SURROGATES = st.fixed_dictionaries(
     {
@@ -286,3 +288,62 @@ def test_a_dew_train_run_with_clip_higher_a_dual_clip_and_gspo_records_each_clip
         parts = [record[f"clip_fraction/{side}"] for side in ("low", "high", "dual")]
         assert all(0 <= part <= 1 for part in parts)
         assert record["clip_fraction"] == pytest.approx(parts[0] + parts[1])
+
+
+def test_batch_std_advantages_centre_each_group_and_scale_by_the_whole_batch():
+    """A decisive group (rewards 0 and 1) beside one that barely differs (0.5 and 0.51): by
+    its own std the second's advantages are as large as the first's (±1); by the batch's
+    they stay small, as NumPy computes them."""
+    rewards = [[0.0, 1.0], [0.5, 0.51]]
+    groups = [
+        [one_call(Status.COMPLETED, r, sample=s, group=g) for s, r in enumerate(group)]
+        for g, group in enumerate(rewards)
+    ]
+    spread = np.std(np.asarray(rewards, np.float64).ravel())
+    for estimator, expected in [
+        ("group", [[(r - np.mean(g)) / (np.std(g) + 1e-6) for r in g] for g in rewards]),
+        ("batch", [[(r - np.mean(g)) / (spread + 1e-6) for r in g] for g in rewards]),
+        ("mean", [[r - np.mean(g) for r in g] for g in rewards]),
+    ]:
+        packed = pack(groups, width=16, rows=4, estimator=estimator)
+        laid = np.asarray(packed.batch["advantages"])[np.asarray(packed.batch["loss_mask"]) > 0]
+        want = np.repeat(np.ravel(expected), 2)  # each rollout trains 2 completion tokens
+        np.testing.assert_allclose(np.sort(laid), np.sort(want).astype(np.float32), rtol=1e-6)
+
+
+def test_the_estimator_is_a_dew_train_option_the_run_trains_with(tmp_path):
+    """The scheduler of a real `dew train` run packs with the configured estimator: its trace
+    records it."""
+    from dew import replay, train
+
+    tiny = {"d_model": 16, "heads": 2, "layers": 1, "d_ff": 32, "tasks": 16, "samples": 0}
+    config = TrainConfig(steps=1, batch_size=2, groups=4, estimator="batch", **tiny)
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as in test_train
+        try:
+            train.train(config, tmp_path / "run", record=tmp_path / "run.trace")
+        except train.NothingTrained:  # every group of the one step scored alike: a real end
+            pass
+    assert replay.read_trace(tmp_path / "run.trace").config["estimator"] == "batch"
+
+
+def test_fit_takes_the_estimator_and_names_a_bad_one():
+    from dew.data import Task
+    from dew.envs import Score
+    from dew.train import fit
+
+    with pytest.raises(ValueError, match="estimator must be one of .*'batch'.*got 'std'"):
+        fit(
+            [Task("1+1")],
+            lambda task, reply: Score(float(reply.strip() == "2")),
+            prompt=lambda task: task.name,
+            max_tokens=2,
+            steps=1,
+            batch_size=1,
+            groups=2,
+            estimator="std",
+        )
+
+
+def test_a_bad_estimator_option_is_refused_naming_it(capsys, tmp_path):
+    line = refusal(capsys, ["train", "--run", str(tmp_path / "run"), "--estimator", "std"])
+    assert "estimator must be one of ('group', 'batch', 'mean', 'rloo'), got 'std'" in line

@@ -21,6 +21,7 @@ from dew.envs.lookup import HARNESSES
 from dew.envs.reasoning_gym import PREFIX, ReasoningGym
 from dew.objectives.rl._surrogate import RATIO_LEVELS, check_clip_dual
 from dew.objectives.rl.grpo import AGGREGATIONS, CORRECTIONS, IMPORTANCE_LEVELS, PROXIMALS
+from dew.objectives.rl.sessions import ESTIMATORS
 from dew.serve.tokenizer import BYTES, HuggingFaceTokenizer, Tokenizer
 
 TASKS = ("copy", "guess", "echo")
@@ -247,6 +248,9 @@ class TrainConfig:
         hedge: under carry_over, back up a carried group's stragglers with fresh samples two
             calls before its bound (`RolloutScheduler`'s hedge); False (`--no-hedge`)
             resubmits a group whose straggler goes stale whole.
+        estimator: the advantages (`pack`): a rollout's reward less its group's mean, scaled
+            by the group's reward std (`group`, GRPO), by the batch's (`batch`) or not at all
+            (`mean`, Dr. GRPO), or less the mean of the others (`rloo`).
         kl_coef: the weight of a k3 KL penalty to the initial weights, kept as the reference
             policy; 0 for none. A resumed run derives the reference again from the config (the
             seed's initial weights), so checkpoints need not hold it.
@@ -350,6 +354,12 @@ class TrainConfig:
         attrs.validators.instance_of(bool),
         "with --carry-over, start a fresh sample beside each straggler of a carried group two "
         "calls before --max-lag would make it stale; it stands in only if the straggler misses",
+    )
+    estimator: str = _option(
+        "group",
+        _one_of(ESTIMATORS),
+        "the advantages: reward less the group's mean, over the group's reward std (group), "
+        "the batch's (batch) or none (mean); or less the others' mean (rloo)",
     )
     kl_coef: float = _option(
         0.0, in_range(0, 100), "weight of a KL penalty to the initial weights (0 = none)"

@@ -206,6 +206,7 @@ def fit(
     rows: int | None = None,
     ahead: int = 1,
     max_lag: int = 1,
+    estimator: str = "group",
     run: str | os.PathLike | None = None,
     on_step: Callable[[Mapping[str, Any]], None] | None = None,
     seed: int = 0,
@@ -240,6 +241,9 @@ def fit(
         sampling: the engine's sampling (temperature 1, seeded by `seed`, unless given).
         context, width, rows: override the measured sizes (checked all the same).
         ahead, max_lag: the scheduler's (see `RolloutScheduler`).
+        estimator: the advantages, each rollout's reward less its group's mean, scaled by
+            the group's reward std (`group`), the batch's (`batch`) or not at all (`mean`),
+            or less the mean of the others (`rloo`) (`pack`).
         run: a folder for `metrics.jsonl` and checkpoints; None keeps neither.
         on_step: called with each step's metrics line.
         seed: the model's initialisation, the sampling and the task order.
@@ -333,6 +337,7 @@ def fit(
         groups=groups,
         ahead=ahead,
         max_lag=max_lag,
+        estimator=estimator,
         truncation="score" if environment is None else "mask",
     )
     per_epoch = len(tasks) // batch_size * batch_size

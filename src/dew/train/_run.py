@@ -215,6 +215,7 @@ def _train(
         sync_every=config.sync_every,
         oversample=config.oversample,
         admit=admit,
+        estimator=config.estimator,
         truncation="score",
         vocab=model.vocab,
         filter_uniform=config.filter_uniform,

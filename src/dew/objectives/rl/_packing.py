@@ -200,6 +200,12 @@ def _advantages(rewards: list[float], sizes: list[int], estimator: str) -> np.nd
         float64[n] the advantages, in the order of `rewards`.
     """
     flat = np.array(rewards, np.float64)
+    if estimator == "batch":
+        # Centred in each group, scaled by the spread of the whole batch (TRL's scale_rewards
+        # "batch"): a group whose rewards barely differ keeps small advantages, where its own
+        # std would blow them up to the size of a decisive group's.
+        spread = flat.std() if flat.size else 0.0  # no training reward: nothing to scale
+        return _advantages(rewards, sizes, "mean") / (spread + _EPSILON)
     if len(set(sizes)) == 1 and sizes[0] >= 2:
         # The common case, every group of one size: one array of them, no indexing.
         return _group_advantages(flat.reshape(len(sizes), sizes[0]), estimator).reshape(-1)
@@ -396,8 +402,9 @@ def pack(
         width: cells per row.
         rows: rows in the batch.
         estimator: advantage family over a group's training rollouts: `group` ((r - mean) /
-            (std + 1e-6), 0 when all rewards are equal), `mean` (r - mean), `rloo` (r - mean of
-            the others, 0 for a lone rollout).
+            (std + 1e-6), 0 when all rewards are equal), `batch` ((r - mean) / (std of every
+            training reward of the groups packed together + 1e-6); a seat's pool is its own
+            batch), `mean` (r - mean), `rloo` (r - mean of the others, 0 for a lone rollout).
         truncation: what a TRUNCATED rollout trains on: `mask` (nothing: no loss weight, and it
             leaves the baseline), `score` (its reward), `zero` (reward 0).
         support_capacity: support slots per row; None leaves support out.

@@ -19,8 +19,9 @@ import numpy as np
 
 from dew.data import Task
 
-ESTIMATORS = ("group", "mean", "rloo")
-"""The advantage families `pack` computes over a group (see `pack`)."""
+ESTIMATORS = ("group", "batch", "mean", "rloo")
+"""The advantage families `pack` computes over a group (see `pack`): the group's mean as the
+baseline, scaled by the group's reward std, by the batch's, or not at all; or leave-one-out."""
 TRUNCATION = ("mask", "score", "zero")
 """What a TRUNCATED session can train on (see the module docstring)."""
 TRUNCATION_REASONS = ("length", "turns", "context", "wall_clock")
