@@ -334,6 +334,11 @@ def test_dew_train_trains_a_gguf_file_into_hugging_face_folders(files, tmp_path)
     assert main(["export", "--run", str(run), "--to", str(tmp_path / "exported")]) == 0
     for written in saved.iterdir():
         assert (tmp_path / "exported" / written.name).read_bytes() == written.read_bytes()
+    # The run resumes from its checkpoint, the file read again.
+    with jax.numpy_dtype_promotion("standard"):
+        assert main([*argv[:5], "--steps", "2", "--resume"]) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["updates"] for line in lines] == [1, 2]
 
 
 def test_dew_train_with_vllm_serves_a_gguf_file_written_as_the_runs_own_folder(files, tmp_path):
@@ -449,6 +454,16 @@ def test_a_truncated_gguf_file_is_refused_naming_it(files, tmp_path):
             hf.load(cut)
         message = str(raised.value)
         assert message.startswith(f"{cut} is truncated or not a GGUF file") and "\n" not in message
+
+
+def test_a_file_opened_again_is_parsed_once_while_it_is_unchanged(files, tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(files["qwen2"][0].read_bytes())
+    first = _gguf.GGUF.open(path)
+    assert _gguf.GGUF.open(path) is first
+    path.write_bytes(files["qwen3"][0].read_bytes())
+    again = _gguf.GGUF.open(path)
+    assert again is not first and again.config.architecture == "Qwen3ForCausalLM"
 
 
 def test_a_file_that_is_no_gguf_is_not_read_as_one(tmp_path):

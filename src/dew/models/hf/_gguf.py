@@ -206,22 +206,22 @@ class GGUF:
     def open(cls, path: str | os.PathLike) -> GGUF:
         """The GGUF file at `path`, its metadata read (its tensors are mapped, read on use).
 
+        A run opens its file several times (its tokenizer, its model, each checkpoint's
+        tokenizer files), and the gguf package parses the whole vocabulary each time (seconds
+        for SmolLM2's 49,152 tokens): the last few files opened are kept, each while it is
+        unchanged on disk.
+
         Raises:
             ValueError: naming the file and the metadata key at fault: not a GGUF file, an
                 architecture dew does not compute, a RoPE scaling, partial RoPE or sliding
                 window it does not, a key missing; or how to install the gguf package.
         """
-        gguf = _gguf()
         path = Path(path)
         try:
-            reader = gguf.GGUFReader(path)
-        # The reader's errors on a cut file depend on where it was cut: a short read, a
-        # reshape, an index past an empty array.
-        except (OSError, ValueError, IndexError, KeyError, OverflowError) as error:
-            raise ValueError(
-                f"{path} is truncated or not a GGUF file the gguf package reads: {error}"
-            ) from None
-        return cls(path, reader)
+            stat = path.stat()
+        except OSError as error:
+            raise ValueError(f"{path} cannot be read: {error.strerror}") from None
+        return _opened(path.resolve(), stat.st_mtime_ns, stat.st_size)
 
     def _field(self, key: str, default: Any = attrs.NOTHING) -> Any:
         field = self._reader.fields.get(key)
@@ -492,3 +492,18 @@ class GGUF:
             "tokenizer.json": self.tokenizer().to_str(pretty=True),
             "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
         }
+
+
+@functools.lru_cache(maxsize=4)
+def _opened(path: Path, mtime: int, size: int) -> GGUF:
+    """The GGUF file at `path` as it is at `mtime` with `size` bytes (see `GGUF.open`)."""
+    gguf = _gguf()
+    try:
+        reader = gguf.GGUFReader(path)
+    # The reader's errors on a cut file depend on where it was cut: a short read, a reshape,
+    # an index past an empty array.
+    except (OSError, ValueError, IndexError, KeyError, OverflowError) as error:
+        raise ValueError(
+            f"{path} is truncated or not a GGUF file the gguf package reads: {error}"
+        ) from None
+    return GGUF(path, reader)
