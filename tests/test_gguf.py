@@ -456,6 +456,15 @@ def test_a_truncated_gguf_file_is_refused_naming_it(files, tmp_path):
         assert message.startswith(f"{cut} is truncated or not a GGUF file") and "\n" not in message
 
 
+@pytest.mark.parametrize("bos", [True, False])
+def test_a_file_that_adds_its_bos_token_has_a_tokenizer_that_does(tmp_path, bos):
+    path = tmp_path / "bos.gguf"
+    write_gguf(path, "qwen2", metadata=lambda writer: writer.add_add_bos_token(bos))
+    gguf_file = _gguf.GGUF.open(path)
+    plain = gguf_file.template_tokenizer().encode("hello there").tolist()
+    assert gguf_file.tokenizer().encode("hello there").ids == [0] * bos + plain  # <|endoftext|>
+
+
 def test_a_file_opened_again_is_parsed_once_while_it_is_unchanged(files, tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(files["qwen2"][0].read_bytes())

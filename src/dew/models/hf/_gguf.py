@@ -70,7 +70,7 @@ BLOCK = {
 }
 """Each block's tensors, after `blk.{i}.` in the file and `model.layers.{i}.` in a folder."""
 # fmt: on
-BLOCK_PREFIX, LAYER_PREFIX = "blk.{i}.", "model.layers.{i}."
+BLOCK_PREFIX = "blk.{i}."
 
 PERMUTED = {"attn_q.weight": "heads", "attn_q.bias": "heads"}
 PERMUTED |= {"attn_k.weight": "kv_heads", "attn_k.bias": "kv_heads"}
@@ -99,7 +99,7 @@ PRE_TOKENIZERS = {
     "llama3": _SPLIT.format(digits="{1,3}"),
 }
 """How each `tokenizer.ggml.pre` splits text before BPE: GPT-2's byte-level regex ("gpt2"), that
-after each digit is split off ("digits": SmolLM's and StarCoder's), or a regex of its own."""
+after each digit is split off ("digits": SmolLM's), or a regex of its own."""
 
 
 @attrs.frozen
@@ -124,7 +124,7 @@ PACKAGED = {
 
 
 def packaged(name: str) -> Path | None:
-    """The file of the packaged model `name` (see `PACKAGED`), or None when `name` is none.
+    """The file of the packaged model `name` (see `PACKAGED`), or None when `name` names none.
 
     The package is found, not imported (its own imports are llama.cpp's).
 
@@ -303,6 +303,7 @@ class GGUF:
         for gguf_name, folder_name in TENSORS.items():
             if name == folder_name:
                 return gguf_name
+        # A folder's block tensor is `_params.LAYER_PREFIX` ("model.layers.{i}.") and its name.
         prefix, _, tensor = name.removeprefix("model.layers.").partition(".")
         for gguf_name, folder_name in BLOCK.items():
             if tensor == folder_name:
@@ -426,11 +427,14 @@ class GGUF:
                 if kind == _USER_DEFINED
             ]
         )
-        bos = self._field("tokenizer.ggml.bos_token_id", None)
+        # transformers and vLLM encode a prompt with the special tokens the post-processor adds
+        # (dew's own encoding never does: the chat template writes them).
+        bos = self.special_tokens().get("bos_token")
         if self._field("tokenizer.ggml.add_bos_token", False) and bos is not None:
-            text = tokens[bos]
             tokenizer.post_processor = processors.TemplateProcessing(
-                single=f"{text} $A", pair=f"{text} $A {text} $B", special_tokens=[(text, bos)]
+                single=f"{bos} $A",
+                pair=f"{bos} $A {bos} $B",
+                special_tokens=[(bos, vocabulary[bos])],
             )
         else:
             tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
