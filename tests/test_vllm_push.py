@@ -152,7 +152,7 @@ async def test_a_prompt_sharing_cached_blocks_is_computed_under_the_pushed_weigh
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_dew_train_at_its_default_batch_keeps_the_engine_agreeing_with_dews_rescoring(
-    kind, engines, checkpoints, tmp_path
+    kind, engines, checkpoints, tmp_path, capsys
 ):
     """`dew train` at its default batch (8 tasks x 16 samples, and the batch ahead: a burst
     past vLLM's step budget) trains to its end, each step's `mismatch/engine` (the
@@ -167,12 +167,16 @@ def test_dew_train_at_its_default_batch_keeps_the_engine_agreeing_with_dews_resc
     argv += ["--engine-url", *engine.urls, "--eval-every", "0", "--samples", "0", "--steps", "6"]
     with jax.numpy_dtype_promotion("standard"):  # optax's Adam
         assert main(argv) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert f"attaching to vLLM at {engine.urls[0]}" in said
+    assert any(line.startswith("vLLM ready in ") for line in said), said
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["updates"] for line in lines] == [1, 2, 3, 4, 5, 6]
-    # A step whose groups all scored alike trains nothing, and has no figure.
+    # A step has a figure where it trained tokens drawn under the trainer's own version (most
+    # are drawn a version behind, ahead of their step); one after the first push at least.
     mismatches = [line["mismatch/engine"] for line in lines if "mismatch/engine" in line]
     print(f"{kind}: mismatch/engine per step {mismatches}")
-    assert len(mismatches) >= 3, lines
+    assert len(mismatches) >= 2, lines
     assert max(mismatches) <= 1e-6, mismatches
 
 

@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -369,9 +370,12 @@ def _vllm_engine(
 
     index, processes = jax.process_index(), jax.process_count()
     work = run / "vllm" / f"process-{index}"
+    began = time.monotonic()
     if config.engine_url is not None:
+        urls = config.engine_url[index::processes]
+        print(f"attaching to vLLM at {', '.join(urls)}", flush=True)
         engine = VLLMEngine.attach(
-            config.engine_url[index::processes],
+            urls,
             checkpoint=served,
             model=model,
             tokenizer=tokenizer,
@@ -384,8 +388,11 @@ def _vllm_engine(
                 f"--engine-url: the servers take {engine.max_len} tokens (--max-model-len), "
                 f"the task's sequences reach {max_len}"
             )
+        print(f"vLLM ready in {time.monotonic() - began:.0f}s", flush=True)
         return engine
-    return VLLMEngine.start(
+    # A server takes a minute to start on a CPU, minutes on a loaded one: said, not silent.
+    print(f"starting {config.engine_servers} vLLM server(s), logs in {work}", flush=True)
+    engine = VLLMEngine.start(
         served,
         servers=config.engine_servers,
         max_model_len=max_len,
@@ -395,6 +402,8 @@ def _vllm_engine(
         version=version,
         work_dir=work,
     )
+    print(f"vLLM ready in {time.monotonic() - began:.0f}s at {', '.join(engine.urls)}", flush=True)
+    return engine
 
 
 class _FolderTrainer(Trainer):
