@@ -17,6 +17,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -347,3 +348,105 @@ def test_fit_takes_the_estimator_and_names_a_bad_one():
 def test_a_bad_estimator_option_is_refused_naming_it(capsys, tmp_path):
     line = refusal(capsys, ["train", "--run", str(tmp_path / "run"), "--estimator", "std"])
     assert "estimator must be one of ('group', 'batch', 'mean', 'rloo'), got 'std'" in line
+
+
+def reference_learning_rate(step: int, *, peak: float, warmup: int, decay: str, steps: int):
+    """The schedule by its formulas: linear warmup from 0, then the decay to 0 at `steps`."""
+    if step < warmup:
+        return peak * step / warmup
+    done = min(1.0, (step - warmup) / max(1, steps - warmup))
+    if decay == "linear":
+        return peak * (1 - done)
+    if decay == "cosine":
+        return peak * 0.5 * (1 + np.cos(np.pi * done))
+    return peak
+
+
+def reference_adam(grads: list[np.ndarray], rates: list[float], max_norm: float | None):
+    """Adam's updates in NumPy (b1 0.9, b2 0.999, eps 1e-8), each gradient first scaled down
+    to `max_norm` where it is larger."""
+    m = v = np.zeros_like(grads[0])
+    updates = []
+    for t, (g, rate) in enumerate(zip(grads, rates, strict=True), start=1):
+        norm = np.sqrt((g**2).sum())
+        if max_norm is not None and norm > max_norm:
+            g = g * max_norm / norm
+        m = 0.9 * m + 0.1 * g
+        v = 0.999 * v + 0.001 * g**2
+        updates.append(-rate * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8))
+    return updates
+
+
+@pytest.mark.parametrize(
+    "warmup, decay, max_norm",
+    [(0, "constant", None), (3, "linear", None), (2, "cosine", 0.5), (0, "cosine", None)],
+)
+def test_the_optimizer_steps_at_the_scheduled_rate_behind_the_clip(warmup, decay, max_norm):
+    """dew train's optimizer (`_optimizer`) over 8 updates of gradients whose norms vary
+    around the clip, against Adam, the schedule and the clip written in NumPy."""
+    from dew.train._run import _optimizer
+
+    config = TrainConfig(
+        steps=8, learning_rate=0.01, warmup_steps=warmup, lr_decay=decay, max_grad_norm=max_norm
+    )
+    optimizer, schedule = _optimizer(config)
+    rates = [
+        reference_learning_rate(k, peak=0.01, warmup=warmup, decay=decay, steps=8) for k in range(8)
+    ]
+    rng = np.random.default_rng(4)
+    grads = [rng.standard_normal(3) * scale for scale in (0.1, 2.0, 0.3, 5.0, 1.0, 0.2, 3, 1)]
+    params = jnp.zeros(3, jnp.float32)
+    with jax.numpy_dtype_promotion("standard"):  # optax's, as in test_train
+        np.testing.assert_allclose([float(schedule(k)) for k in range(8)], rates, rtol=1e-5)
+        state = optimizer.init(params)
+        for grad, expected in zip(grads, reference_adam(grads, rates, max_norm), strict=True):
+            update, state = optimizer.update(jnp.asarray(grad, jnp.float32), state, params)
+            np.testing.assert_allclose(np.asarray(update), expected, rtol=2e-5, atol=1e-9)
+
+
+def test_the_defaults_keep_plain_adam_so_older_checkpoints_resume():
+    from dew.train._run import _optimizer
+
+    optimizer, _ = _optimizer(TrainConfig(learning_rate=0.01))
+    params = jnp.zeros(3, jnp.float32)
+    plain = optax.adam(0.01).init(params)
+    assert jax.tree.structure(optimizer.init(params)) == jax.tree.structure(plain)
+
+
+def test_a_dew_train_run_records_the_scheduled_learning_rate(tmp_path):
+    from dew import train
+
+    tiny = {"d_model": 16, "heads": 2, "layers": 1, "d_ff": 32, "tasks": 16, "samples": 0}
+    config = TrainConfig(
+        steps=4,
+        batch_size=2,
+        groups=4,
+        learning_rate=0.01,
+        warmup_steps=2,
+        lr_decay="linear",
+        max_grad_norm=1.0,
+        **tiny,
+    )
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as in test_train
+        train.train(config, tmp_path / "run")
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    rates = [json.loads(line)["learning_rate"] for line in lines]
+    # Warmup 0, 0.005; then 0.01 falling linearly to 0 at step 4.
+    np.testing.assert_allclose(rates, [0.0, 0.005, 0.01, 0.005], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lr-decay", "step"], "lr_decay must be one of"),
+        (["--max-grad-norm", "0"], "max_grad_norm must be"),
+        (["--warmup-steps", "-1"], "warmup_steps must be"),
+        (
+            ["--steps", "10", "--warmup-steps", "10", "--lr-decay", "cosine"],
+            r"warmup_steps must be below steps \(10\) for lr_decay cosine.*got 10",
+        ),
+    ],
+)
+def test_bad_schedule_options_are_refused_naming_them(argv, message, capsys, tmp_path):
+    line = refusal(capsys, ["train", "--run", str(tmp_path / "run"), *argv])
+    assert re.search(message, line), line

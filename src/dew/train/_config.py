@@ -204,6 +204,9 @@ def _option(
 
 _WASTE_BUDGET = 0.2
 """`--waste-budget`'s default, which a run without `--admit auto` keeps."""
+LR_DECAYS = ("constant", "linear", "cosine")
+"""How the learning rate goes after its warmup: it stays, or falls linearly or along a cosine to
+0 at the run's last step (`dew.train._run._optimizer`)."""
 
 
 @attrs.frozen
@@ -223,7 +226,15 @@ class TrainConfig:
         batch_size: tasks per batch, one group each.
         groups: rollouts per task that train together.
         tasks: distinct task ids; the stream goes over them in a seeded order, epoch after epoch.
-        learning_rate: Adam's step size.
+        learning_rate: Adam's step size: its peak under a warmup or a decay.
+        warmup_steps: updates over which the learning rate rises linearly from 0 to
+            learning_rate (the first update's is 0, as in optax's and Hugging Face's warmups).
+        lr_decay: after the warmup, the learning rate stays (`constant`) or falls linearly
+            (`linear`) or along a half cosine (`cosine`) to 0 at `steps`; a resumed run that
+            extends `steps` stretches the rest of the decay.
+        max_grad_norm: the gradient is scaled down to this global norm before Adam sees it
+            (`optax.clip_by_global_norm`); None: not clipped. The record's `grad_norm` is the
+            norm before the clip.
         temperature: the engine's sampling temperature; the objective's log-probs are of the
             same tempered distribution.
         ahead: task batches submitted before the trainer hands them over (the trainer reads
@@ -308,6 +319,24 @@ class TrainConfig:
     # answer for every prompt before it learned to read the prompt (seeds 0, 1 and 2), and then
     # every group scored alike and nothing more was learned.
     learning_rate: float = _option(3e-4, in_range(0, 1, low_open=True), "Adam's step size")
+    warmup_steps: int = _option(
+        0,
+        int_within(0, 10**6),
+        "updates over which the learning rate rises linearly from 0 to --learning-rate",
+    )
+    lr_decay: str = _option(
+        "constant",
+        _one_of(LR_DECAYS),
+        "after the warmup the learning rate stays (constant), or falls linearly (linear) or "
+        "along a cosine (cosine) to 0 at --steps",
+    )
+    max_grad_norm: float | None = _option(
+        None,
+        attrs.validators.optional(in_range(0, 10**6, low_open=True)),
+        "scale the gradient down to this global norm before Adam (none: no clip; the record's "
+        "grad_norm is before it)",
+        kind=float,
+    )
     temperature: float = _option(
         1.0, in_range(0.01, 100), "the sampling temperature, which the objective scores at too"
     )
@@ -518,6 +547,11 @@ class TrainConfig:
             raise ValueError("dtype is the dtype of a --model checkpoint: give model too")
         if self.engine == "vllm" and self.model is None:
             raise ValueError("engine vllm serves a --model checkpoint folder: give model too")
+        if self.lr_decay != "constant" and self.warmup_steps >= self.steps:
+            raise ValueError(
+                f"warmup_steps must be below steps ({self.steps}) for lr_decay {self.lr_decay}: "
+                f"the decay follows the warmup, got {self.warmup_steps}"
+            )
         if self.admit != "auto" and self.waste_budget != _WASTE_BUDGET:
             raise ValueError("waste_budget bounds the cuts of admit auto: give admit auto too")
         if self.engine_url is not None and self.engine != "vllm":

@@ -138,10 +138,12 @@ def _train(
     if mesh is not None:
         variables = sharding.shard(variables, sharding.param_shardings(model, mesh))
     objective = _objective(model, config.temperature, **_levers(config))
+    optimizer, learning_rate = _optimizer(config)
     trainer = _FolderTrainer(
         objective,
-        optax.adam(config.learning_rate),
+        optimizer,
         variables,
+        learning_rate=learning_rate,
         directory=run,
         checkpoint_every=config.checkpoint_every,
         deadline=deadline,
@@ -444,6 +446,32 @@ class _FolderTrainer(Trainer):
         if self._writes or is_sharded(self.variables):
             model = self.objective.model
             hf.save(self.checkpoints / "model", model, self.variables, tokenizer_from=self.folder)
+
+
+def _optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Adam at the run's learning rate schedule, behind a clip of the gradient's global norm
+    where `max_grad_norm` asks for one; and the schedule, for the record.
+
+    The schedule is a linear warmup from 0 over `warmup_steps`, then `lr_decay` to 0 at
+    `steps`. A run of the defaults gets plain `optax.adam(learning_rate)`, whose state is
+    that of every checkpoint written before these options: those resume as they were.
+    """
+    peak, warmup = config.learning_rate, config.warmup_steps
+    decay_steps = max(1, config.steps - warmup)
+    if config.lr_decay == "linear":
+        decay = optax.linear_schedule(peak, 0.0, decay_steps)
+    elif config.lr_decay == "cosine":
+        decay = optax.cosine_decay_schedule(peak, decay_steps)
+    else:
+        decay = optax.constant_schedule(peak)
+    schedule = decay
+    if warmup:
+        schedule = optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+    plain = not warmup and config.lr_decay == "constant"
+    optimizer = optax.adam(peak if plain else schedule)
+    if config.max_grad_norm is not None:
+        optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optimizer)
+    return optimizer, schedule
 
 
 def _levers(config: TrainConfig) -> dict[str, Any]:

@@ -21,11 +21,10 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 
 from dew._checks import check_int
 from dew.train._config import TrainConfig, _load_tokenizer
-from dew.train._run import _levers, _model
+from dew.train._run import _levers, _model, _optimizer
 from dew.train._tasks import _objective, _task
 
 # Timed steps at each row count after the one that compiles: the median of these is the figure.
@@ -65,7 +64,7 @@ def step_seconds(
     shape = _task(config, tokenizer).shape
     model, variables = _model(config, shape.max_len, tokenizer)
     objective = _objective(model, config.temperature, **_levers(config))
-    optimizer = optax.adam(config.learning_rate)
+    optimizer, _ = _optimizer(config)
     update = objective.update_fn(optimizer)
     state = optimizer.init(variables)
     reference = variables if config.kl_coef > 0 else None

@@ -292,6 +292,9 @@ class Trainer:
             log is.
         metadata: JSON values kept with each checkpoint beside the trainer's own (`dew train`
             keeps the run's config there, the one place `--resume` takes it from).
+        learning_rate: the optimizer's learning rate as a function of the update count (an
+            optax schedule), for the record: each line's `learning_rate` is the one its update
+            stepped with. None leaves it out.
 
     A run whose every step had no token to train on (every group abandoned, cut or failed)
     raises NothingTrained at its end, naming what became of the groups and the errors behind.
@@ -316,6 +319,7 @@ class Trainer:
         deadline: float | None = None,
         logs: Sequence[str] = (),
         metadata: Mapping[str, Any] | None = None,
+        learning_rate: Callable[[int], Any] | None = None,
     ):
         if isinstance(logs, str) or not all(isinstance(name, str) for name in logs):
             raise ValueError(f"logs must be a sequence of file names, got {logs!r}")
@@ -331,6 +335,7 @@ class Trainer:
         self.checkpoint_every = checkpoint_every
         self.on_step = on_step
         self.metadata = dict(metadata or {})
+        self.learning_rate = learning_rate
         self.variables = variables
         self.opt_state = _state_beside(optimizer.init(variables), variables)
         self.updates = 0
@@ -523,6 +528,8 @@ class Trainer:
             "seconds/rollout": rolled - started,
             "seconds/update": finished - rolled,
         }
+        if self.learning_rate is not None:
+            fields["learning_rate"] = float(self.learning_rate(self.updates))
         record = getattr(rollout, "last_record", None)
         if isinstance(record, SchedulerRecord):
             fields |= record_fields(record)
