@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -450,3 +451,74 @@ def test_a_dew_train_run_records_the_scheduled_learning_rate(tmp_path):
 def test_bad_schedule_options_are_refused_naming_them(argv, message, capsys, tmp_path):
     line = refusal(capsys, ["train", "--run", str(tmp_path / "run"), *argv])
     assert re.search(message, line), line
+
+
+def test_kept_checkpoints_are_the_last_k_each_readable_and_the_newest_resumes(tmp_path):
+    from dew.train import Checkpoint, load_checkpoint, read_kept, save_checkpoint
+
+    def saved(updates: int) -> Checkpoint:
+        variables = {"w": jnp.full(3, float(updates), jnp.float32)}
+        return Checkpoint(variables, {"m": jnp.zeros(2, jnp.float32)}, updates, updates)
+
+    directory = tmp_path / "checkpoints"
+    for updates in range(1, 6):
+        save_checkpoint(directory, saved(updates), keep=3)
+    template = saved(0)
+    newest = load_checkpoint(directory, template.variables, template.opt_state)
+    assert newest.updates == 5
+    kept = read_kept(directory)
+    assert [record["updates"] for record in kept] == [4, 3]
+    for record in kept:
+        old = load_checkpoint(directory, template.variables, template.opt_state, record=record)
+        assert old.updates == record["updates"]
+        np.testing.assert_array_equal(np.asarray(old.variables["w"]), [record["updates"]] * 3)
+    # The arrays of the three kept checkpoints, and no others.
+    assert len([path for path in directory.iterdir() if path.name.startswith("state-")]) == 3
+    # Keeping one again lets the earlier go at the next commit.
+    save_checkpoint(directory, saved(6))
+    assert read_kept(directory) == []
+    assert len([path for path in directory.iterdir() if path.name.startswith("state-")]) == 1
+
+
+def test_a_kept_checkpoint_whose_arrays_are_gone_is_no_longer_kept(tmp_path):
+    from dew.train import Checkpoint, read_kept, save_checkpoint
+
+    directory = tmp_path / "checkpoints"
+    for updates in range(1, 4):
+        variables = {"w": jnp.zeros(2, jnp.float32)}
+        save_checkpoint(directory, Checkpoint(variables, {}, updates, updates), keep=3)
+    gone = read_kept(directory)[1]["arrays"]  # update 1's
+    (directory / gone).unlink()
+    save_checkpoint(directory, Checkpoint({"w": jnp.zeros(2, jnp.float32)}, {}, 4, 4), keep=3)
+    assert [record["updates"] for record in read_kept(directory)] == [3, 2]
+
+
+def test_a_dew_train_run_keeps_its_last_checkpoints_and_resumes_from_the_newest(tmp_path):
+    from dew import train
+    from dew.train import read_kept
+
+    tiny = {"d_model": 16, "heads": 2, "layers": 1, "d_ff": 32, "tasks": 16, "samples": 0}
+    config = TrainConfig(
+        steps=3, batch_size=2, groups=4, checkpoint_every=1, keep_checkpoints=2, **tiny
+    )
+    run = tmp_path / "run"
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as in test_train
+        train.train(config, run)
+        assert [record["updates"] for record in read_kept(run / "checkpoints")] == [2]
+        trainer = train.train(attrs.evolve(config, steps=4), run, resume=True)
+    assert trainer.updates == 4
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3]
+    assert [record["updates"] for record in read_kept(run / "checkpoints")] == [3]
+    held = [path for path in (run / "checkpoints").iterdir() if path.name.startswith("state-")]
+    assert len(held) == 2
+
+
+def test_keeping_no_checkpoint_is_refused_naming_it(tmp_path):
+    from dew.train import Checkpoint, save_checkpoint
+
+    with pytest.raises(ValueError, match="keep_checkpoints must be an int within"):
+        TrainConfig(keep_checkpoints=0)
+    with pytest.raises(ValueError, match="keep must be an int"):
+        save_checkpoint(tmp_path, Checkpoint({}, {}, 0, 0), keep=0)
+    assert not any(tmp_path.iterdir())  # refused before anything is written

@@ -40,6 +40,7 @@ from dew.train._checkpoint import (
     Variables,
     load_checkpoint,
     load_variables,
+    read_kept,
     save_checkpoint,
 )
 from dew.train._cli import configure_cli, run_cli
@@ -79,6 +80,7 @@ __all__ = [
     "load_checkpoint",
     "load_variables",
     "measure",
+    "read_kept",
     "record_fields",
     "run_cli",
     "run_export_cli",

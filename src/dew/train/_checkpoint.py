@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from dew._checks import check_int
+
 Variables = Any
 """A model's variables: any pytree of arrays."""
 
@@ -95,8 +97,9 @@ def _write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
     _fsync(path.parent)
 
 
-def save_checkpoint(directory: str | os.PathLike, checkpoint: Checkpoint) -> Path:
-    """Write `checkpoint` into `directory` atomically, replacing the one there.
+def save_checkpoint(directory: str | os.PathLike, checkpoint: Checkpoint, *, keep: int = 1) -> Path:
+    """Write `checkpoint` into `directory` atomically, replacing the one there (or, with `keep`,
+    the oldest of those kept).
 
     The arrays go to a freshly named `.npz`, then `checkpoint.json` (the commit record) is renamed
     over the old one, then the arrays of earlier checkpoints and leftovers of interrupted writes
@@ -108,18 +111,29 @@ def save_checkpoint(directory: str | os.PathLike, checkpoint: Checkpoint) -> Pat
     holds, and process 0 alone writes the commit record, which lists every file of the folder
     with its size (so a truncated one is refused on reading), then removes earlier arrays.
 
+    With `keep` above 1, the commit record also holds, under `kept`, the records of the
+    `keep - 1` checkpoints before it (newest first, each as it was committed), and their arrays
+    stay: one rename still commits the new checkpoint and lets the oldest go, so a crash leaves
+    either the earlier set or the new one. `read_kept` lists them; `load_variables` and
+    `load_checkpoint` read one given its record. Resuming reads the newest, as without `keep`.
+
     Args:
         directory: the checkpoint directory, created if missing.
         checkpoint: what to save; its metadata must be JSON.
+        keep: how many checkpoints the directory holds once this one is committed, at least 1.
 
     Returns:
         The path of the commit record.
+
+    Raises:
+        ValueError: a keep below 1, naming it.
     """
+    check_int("keep", keep, low=1)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     leaves = _leaves("variables", checkpoint.variables) + _leaves("opt_state", checkpoint.opt_state)
     if is_sharded([leaf for _, leaf in leaves]):
-        return _save_orbax(directory, checkpoint, leaves)
+        return _save_orbax(directory, checkpoint, leaves, keep)
     arrays = {path: np.asarray(leaf) for path, leaf in leaves}
     name = f"state-{checkpoint.updates:08d}-{secrets.token_hex(4)}.npz"
     stored = {f"leaf{i}": _storable(array) for i, array in enumerate(arrays.values())}
@@ -136,7 +150,7 @@ def save_checkpoint(directory: str | os.PathLike, checkpoint: Checkpoint) -> Pat
             for path, array in arrays.items()
         ],
     }
-    return _commit(directory, record)
+    return _commit(directory, record, keep)
 
 
 def is_sharded(tree: Any) -> bool:
@@ -148,14 +162,16 @@ def is_sharded(tree: Any) -> bool:
     )
 
 
-def _commit(directory: Path, record: dict) -> Path:
-    """Rename the commit record naming `record["arrays"]` into place, then remove the arrays of
-    earlier checkpoints and what interrupted writes left (temporary files, orbax's temporary
-    folders)."""
+def _commit(directory: Path, record: dict, keep: int) -> Path:
+    """Rename the commit record naming `record["arrays"]` (and, under `kept`, the `keep - 1`
+    checkpoints before it) into place, then remove the arrays of every other checkpoint and
+    what interrupted writes left (temporary files, orbax's temporary folders)."""
+    record = {**record, "kept": _kept(directory, keep)} if keep > 1 else record
     text = json.dumps(record, indent=1, allow_nan=False).encode()
     _write_atomically(directory / COMMIT, lambda file: file.write(text))
+    named = {record["arrays"], *(kept["arrays"] for kept in record.get("kept", ()))}
     for stale in directory.iterdir():
-        if stale.name == record["arrays"]:
+        if stale.name in named:
             continue
         if stale.name.startswith(STATE) or stale.name.endswith(".tmp"):
             if stale.is_dir():
@@ -163,6 +179,37 @@ def _commit(directory: Path, record: dict) -> Path:
             else:
                 stale.unlink(missing_ok=True)
     return directory / COMMIT
+
+
+def _kept(directory: Path, keep: int) -> list[dict]:
+    """The records a new commit keeps beside its own: the one committed now and those it kept,
+    newest first, `keep - 1` at most, each without its own `kept`. None from a record that
+    does not read (a damaged one is no checkpoint to keep) or whose arrays are gone."""
+    try:
+        previous = json.loads((directory / COMMIT).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return []
+    if not isinstance(previous, dict) or not isinstance(previous.get("arrays"), str):
+        return []
+    earlier = previous.pop("kept", [])
+    records = [previous, *(earlier if isinstance(earlier, list) else [])]
+    return [
+        record
+        for record in records
+        if isinstance(record, dict) and (directory / str(record.get("arrays"))).exists()
+    ][: keep - 1]
+
+
+def read_kept(directory: str | os.PathLike) -> list[dict]:
+    """The commit records of the checkpoints kept before the newest (`save_checkpoint`'s
+    `keep`), newest first; each can be handed to `load_variables` or `load_checkpoint` as
+    `record`. Empty when there are none (or no checkpoint).
+
+    Raises:
+        ValueError: as `read_commit`, for the newest record.
+    """
+    record = read_commit(directory)
+    return [] if record is None else list(record.get("kept", []))
 
 
 def _fresh_name(updates: int) -> str:
@@ -179,7 +226,9 @@ def _flat(leaves: list[tuple[int, str, Any]], tree_name: str) -> dict[str, Any]:
     return {f"leaf{i}": leaf for i, path, leaf in leaves if path.startswith(tree_name)}
 
 
-def _save_orbax(directory: Path, checkpoint: Checkpoint, leaves: list[tuple[str, Any]]) -> Path:
+def _save_orbax(
+    directory: Path, checkpoint: Checkpoint, leaves: list[tuple[str, Any]], keep: int
+) -> Path:
     """`save_checkpoint` of sharded arrays: an orbax folder every process writes its shards
     into, then process 0's commit record."""
     import orbax.checkpoint as ocp  # the sharded extra, needed only here
@@ -219,7 +268,7 @@ def _save_orbax(directory: Path, checkpoint: Checkpoint, leaves: list[tuple[str,
         ],
         "files": files,
     }
-    return _commit(directory, record)
+    return _commit(directory, record, keep)
 
 
 def read_commit(directory: str | os.PathLike) -> dict | None:
@@ -403,7 +452,11 @@ def _placed_like(value: np.ndarray, template: Any) -> jax.Array:
 
 
 def load_checkpoint(
-    directory: str | os.PathLike, variables: Variables, opt_state: Any
+    directory: str | os.PathLike,
+    variables: Variables,
+    opt_state: Any,
+    *,
+    record: dict | None = None,
 ) -> Checkpoint | None:
     """Read the checkpoint in `directory` into trees laid out like `variables` and `opt_state`.
 
@@ -411,6 +464,8 @@ def load_checkpoint(
         directory: where `save_checkpoint` wrote.
         variables, opt_state: templates: the checkpoint's leaves must have their paths, shapes
             and dtypes (their values are not used).
+        record: the commit record of the checkpoint to read (one of `read_kept`'s, for an
+            earlier one); None reads the newest.
 
     Returns:
         The checkpoint, its leaves as jax arrays placed as the templates' leaves are; None when
@@ -421,7 +476,7 @@ def load_checkpoint(
         ValueError: naming the file, or the leaf whose path, shape or dtype differs from the
             templates'.
     """
-    read = _read_trees(directory, {"variables": variables, "opt_state": opt_state})
+    read = _read_trees(directory, {"variables": variables, "opt_state": opt_state}, record)
     if read is None:
         return None
     record, rebuilt = read

@@ -47,6 +47,8 @@ _LOGGING = ("steps", "eval_every", "samples", "tensorboard")
 _LOGGING += ("engine_url", "engine_servers")
 # Where the proximal log-probs come from, not their values (up to float rounding).
 _LOGGING += ("proximal",)
+# How many checkpoints stay, not what is trained.
+_LOGGING += ("keep_checkpoints",)
 
 
 def _task_name(instance, attribute, value):
@@ -274,6 +276,9 @@ class TrainConfig:
             forward pass less per step (`GRPOObjective`'s proximal). A resumed run may
             switch it.
         checkpoint_every: updates between checkpoints.
+        keep_checkpoints: checkpoints kept in `checkpoints/`, the newest and those before it
+            (`dew.train.read_kept` lists the earlier ones; a resumed run reads the newest, and
+            may change it). The `checkpoints/model` folder of a `model` run is the newest's.
         seed: seeds the initial weights, the task order and the sampling.
         d_model, layers, heads, d_ff: the transformer's shape (`dew.models.TransformerConfig`).
         max_tokens: a reasoning-gym reply's most tokens (a built-in task sets its own).
@@ -445,6 +450,11 @@ class TrainConfig:
         "own forward pass (current: the same values, one forward pass less per step)",
     )
     checkpoint_every: int = _option(25, int_within(1, 10**6), "updates between checkpoints")
+    keep_checkpoints: int = _option(
+        1,
+        int_within(1, 10**4),
+        "checkpoints kept, the newest and those before it (--resume reads the newest)",
+    )
     seed: int = _option(
         0, int_within(0, 2**32 - 1), "seeds the weights, the task order and the sampling"
     )

@@ -146,6 +146,7 @@ def _train(
         learning_rate=learning_rate,
         directory=run,
         checkpoint_every=config.checkpoint_every,
+        keep_checkpoints=config.keep_checkpoints,
         deadline=deadline,
         logs=(SAMPLES, EVALUATIONS),
         folder=None if config.model is None else str(hf.resolve(config.model)),

@@ -295,6 +295,9 @@ class Trainer:
         learning_rate: the optimizer's learning rate as a function of the update count (an
             optax schedule), for the record: each line's `learning_rate` is the one its update
             stepped with. None leaves it out.
+        keep_checkpoints: how many checkpoints `directory/checkpoints` keeps, the newest and
+            those before it (`save_checkpoint`'s `keep`; `read_kept` lists the earlier ones);
+            `resume` reads the newest.
 
     A run whose every step had no token to train on (every group abandoned, cut or failed)
     raises NothingTrained at its end, naming what became of the groups and the errors behind.
@@ -320,6 +323,7 @@ class Trainer:
         logs: Sequence[str] = (),
         metadata: Mapping[str, Any] | None = None,
         learning_rate: Callable[[int], Any] | None = None,
+        keep_checkpoints: int = 1,
     ):
         if isinstance(logs, str) or not all(isinstance(name, str) for name in logs):
             raise ValueError(f"logs must be a sequence of file names, got {logs!r}")
@@ -336,6 +340,7 @@ class Trainer:
         self.on_step = on_step
         self.metadata = dict(metadata or {})
         self.learning_rate = learning_rate
+        self.keep_checkpoints = check_int("keep_checkpoints", keep_checkpoints, low=1)
         self.variables = variables
         self.opt_state = _state_beside(optimizer.init(variables), variables)
         self.updates = 0
@@ -424,7 +429,7 @@ class Trainer:
         # Sharded arrays are written by every process, each its own shards (`save_checkpoint`).
         if not self._writes and not is_sharded(self.variables):
             return self.checkpoints / COMMIT
-        return save_checkpoint(self.checkpoints, checkpoint)
+        return save_checkpoint(self.checkpoints, checkpoint, keep=self.keep_checkpoints)
 
     def run(
         self,
