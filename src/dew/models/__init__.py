@@ -44,6 +44,13 @@ class Model(Protocol):
     engine places its cache on them while it serves params sharded over `mesh`, so that its
     steps find the cache in the layout they hand it back in and compile once (`HFModel` does).
 
+    A model may also split `__call__` in two, `hidden_states(params, tokens, positions,
+    segment_ids) -> float[rows, width, hidden]` and `head(params, hidden) -> float32[...,
+    vocab]`, with `__call__` their composition: the objective then scores a chunk of positions
+    at a time (`GRPOObjective(logit_chunk=...)`) and never holds the [rows, width, vocab] logits,
+    2.5 GB for one 4,096-token row over a 151,936-token vocabulary (`Transformer` and `HFModel`
+    do).
+
     Attributes:
         vocab: the number of token ids; logits' last axis.
         max_len: the longest sequence (prompt + completion) it can take.
@@ -220,21 +227,68 @@ def apply(
     Returns:
         float32[rows, width, vocab]: at each position, the logits of the next token.
     """
+    return unembed(params, hidden_states(params, tokens, positions, segment_ids, config=config))
+
+
+def hidden_states(
+    params: dict,
+    tokens: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    config: TransformerConfig,
+    remat: bool = False,
+) -> jax.Array:
+    """The residual stream after the last block over packed rows, before `unembed`.
+
+    `apply` is `unembed` of it. Kept apart so that the objective can turn it into log-probs a
+    chunk of positions at a time, never holding the [rows, width, vocab] logits.
+
+    Args:
+        params, tokens, positions, segment_ids, config: as `apply` takes them.
+        remat: recompute each block's activations in the backward pass instead of keeping them
+            (see `through_layers`): a block's input is all a gradient keeps of it.
+
+    Returns:
+        float32[rows, width, d_model].
+    """
     width = tokens.shape[-1]
     causal = jnp.tril(jnp.ones((width, width), bool))
     same = segment_ids[..., :, None] == segment_ids[..., None, :]
     allowed = _lead(causal, same.ndim) & same & (segment_ids[..., :, None] != 0)
-    x = embed(params, tokens, positions)
-    for block in params["blocks"]:
+
+    def step(block: dict, x: jax.Array) -> jax.Array:
         q, k, v = block_qkv(block, x, config)
-        x = block_finish(block, x, attend(q, k, v, allowed))
-    return unembed(params, x)
+        return block_finish(block, x, attend(q, k, v, allowed))
+
+    return through_layers(step, params["blocks"], embed(params, tokens, positions), remat=remat)
 
 
-def model(config: TransformerConfig) -> Transformer:
+def through_layers(step, layers: list, x: jax.Array, *, remat: bool) -> jax.Array:
+    """x through `step(layer, x)` for each of `layers` (params of one shape) in turn.
+
+    With `remat`, the backward pass keeps only each layer's input and recomputes the rest: the
+    layers run as one `lax.scan` over their params stacked, each step under `jax.checkpoint`.
+    Unrolled, the recomputation would be undone: XLA's CPU compiler drops the optimisation
+    barrier `jax.checkpoint` sets and merges the recomputed layer with the forward one it
+    repeats (a 4-layer step compiled to the same scratch memory with and without it). The stack
+    costs one copy of the layers' params (and one of their gradients), which a long row's
+    activations dwarf: remat is for those.
+    """
+    if not remat:
+        for layer in layers:
+            x = step(layer, x)
+        return x
+    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
+    kept = jax.checkpoint(step, prevent_cse=False)  # inside a scan's body, nothing to merge with
+    x, _ = jax.lax.scan(lambda x, layer: (kept(layer, x), None), x, stacked)
+    return x
+
+
+def model(config: TransformerConfig, *, remat: bool = False) -> Transformer:
     """The transformer of `config` as a `Model`: the `model(variables, tokens, positions,
-    segment_ids)` the objective takes, and what the engine serves."""
-    return Transformer(config)
+    segment_ids)` the objective takes, and what the engine serves; `remat` as `Transformer`."""
+    return Transformer(config, remat=remat)
 
 
 _FIRST_BLOCK = 32
@@ -436,10 +490,16 @@ class Transformer:
 
     Args:
         config: the transformer's shape.
+        remat: recompute each block's activations in the backward pass instead of keeping them
+            (see `hidden_states`): a training step's memory for less than one more forward pass.
+            The values are the same either way.
     """
 
     config: TransformerConfig = attrs.field(
         validator=attrs.validators.instance_of(TransformerConfig)
+    )
+    remat: bool = attrs.field(
+        default=False, kw_only=True, validator=attrs.validators.instance_of(bool)
     )
 
     @property
@@ -458,7 +518,17 @@ class Transformer:
 
     def __call__(self, params, tokens, positions, segment_ids) -> jax.Array:
         """Next-token logits over packed rows (see `apply`)."""
-        return apply(params, tokens, positions, segment_ids, config=self.config)
+        return self.head(params, self.hidden_states(params, tokens, positions, segment_ids))
+
+    def hidden_states(self, params, tokens, positions, segment_ids) -> jax.Array:
+        """The final residual stream over packed rows (see `hidden_states`)."""
+        return hidden_states(
+            params, tokens, positions, segment_ids, config=self.config, remat=self.remat
+        )
+
+    def head(self, params, hidden: jax.Array) -> jax.Array:
+        """float32[..., vocab]: the next-token logits of `hidden_states`' output (see `unembed`)."""
+        return unembed(params, hidden)
 
     def init_cache(self, *, slots: int, max_len: int) -> list[dict]:
         """An empty key/value cache (see `init_cache`)."""

@@ -22,7 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew._checks import int_at_least
-from dew.models import _lead, _starts, _write_prompt, _write_step, cache_blocks
+from dew.models import (
+    _lead,
+    _starts,
+    _write_prompt,
+    _write_step,
+    cache_blocks,
+    through_layers,
+)
 from dew.models.hf import _params, sharding
 from dew.models.hf._config import HFConfig, check_dtype
 
@@ -117,15 +124,28 @@ def apply(
     """Next-token logits over packed rows: int32[rows, width] tokens, positions (from 0 in each
     segment) and segment ids (0 = padding) -> float32[rows, width, vocab]. A token attends to
     earlier tokens of its own segment only."""
+    x = hidden_states(params, tokens, positions, segment_ids, config=config)
+    return unembed(params, x, config, limit)
+
+
+def hidden_states(
+    params, tokens, positions, segment_ids, *, config: HFConfig, remat: bool = False
+) -> jax.Array:
+    """The residual stream after the last layer over packed rows ([rows, width, hidden], the
+    params' dtype), before `unembed`'s norm and head: `apply` is `unembed` of it, kept apart so
+    the objective can score a chunk of positions at a time. With `remat`, each layer's
+    activations are recomputed in the backward pass instead of kept
+    (`dew.models.through_layers`)."""
     width = tokens.shape[-1]
     causal = jnp.tril(jnp.ones((width, width), bool))
     same = segment_ids[..., :, None] == segment_ids[..., None, :]
     allowed = _lead(causal, same.ndim) & same & (segment_ids[..., :, None] != 0)
-    x = embed(params, tokens)
-    for layer in params["layers"]:
+
+    def step(layer: dict, x: jax.Array) -> jax.Array:
         q, k, v = block_qkv(layer, x, positions, config)
-        x = block_finish(layer, x, attend(q, k, v, allowed), config)
-    return unembed(params, x, config, limit)
+        return block_finish(layer, x, attend(q, k, v, allowed), config)
+
+    return through_layers(step, params["layers"], embed(params, tokens), remat=remat)
 
 
 def init_cache(config: HFConfig, dtype: str, *, slots: int, max_len: int) -> list[dict]:
@@ -251,12 +271,18 @@ class HFModel:
             (checkpoints pad their rows to a round number: Qwen2.5 has 151936 for 151665
             tokens): the rows from it on are never sampled nor given probability, since no
             text decodes from them. None scores every row.
+        remat: recompute each layer's activations in the backward pass instead of keeping them
+            (see `hidden_states`): a training step's memory for less than one more forward pass.
+            The values are the same either way.
     """
 
     config: HFConfig = attrs.field(validator=attrs.validators.instance_of(HFConfig))
     dtype: str = attrs.field(default="float32", validator=_dtype)
     vocab_limit: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(int_at_least(1))
+    )
+    remat: bool = attrs.field(
+        default=False, kw_only=True, validator=attrs.validators.instance_of(bool)
     )
 
     @property
@@ -275,9 +301,18 @@ class HFModel:
 
     def __call__(self, params, tokens, positions, segment_ids) -> jax.Array:
         """Next-token logits over packed rows (see `apply`)."""
-        return apply(
-            params, tokens, positions, segment_ids, config=self.config, limit=self.vocab_limit
+        return self.head(params, self.hidden_states(params, tokens, positions, segment_ids))
+
+    def hidden_states(self, params, tokens, positions, segment_ids) -> jax.Array:
+        """The last layer's residual stream over packed rows (see `hidden_states`)."""
+        return hidden_states(
+            params, tokens, positions, segment_ids, config=self.config, remat=self.remat
         )
+
+    def head(self, params, hidden: jax.Array) -> jax.Array:
+        """float32[..., vocab]: the next-token logits of `hidden_states`' output (see
+        `unembed`)."""
+        return unembed(params, hidden, self.config, self.vocab_limit)
 
     def init_cache(self, *, slots: int, max_len: int) -> list[dict]:
         """An empty key/value cache (see `init_cache`)."""

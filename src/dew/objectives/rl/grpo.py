@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dew._checks import at_least, in_range, is_callable, positive
+from dew._checks import at_least, in_range, int_at_least, is_callable, positive
 from dew.objectives.rl._surrogate import (
     RATIO_LEVELS,
     check_clip_dual,
@@ -70,6 +70,10 @@ PROXIMALS = ("rescore", "current")
 pass (see `GRPOObjective`)."""
 QUANTILES = (10, 50, 90)
 """The percentiles of the importance weight that `importance_metrics` reports."""
+LOGIT_CELLS = 2**25
+"""The logits one chunk of the log-prob pass holds by default (128 MiB of float32): `logit_chunk`
+is this over the model's vocabulary, 220 positions at Qwen's 151,936 tokens, still a matmul
+large enough to run at full speed."""
 # The reference KL's log-ratio is clamped here: beyond it exp overflows float32's gradient,
 # and a token the reference finds e^20 times likelier is held back hard enough.
 _KL_LOG_RATIO = 20.0
@@ -242,6 +246,12 @@ class GRPOObjective:
             way, and only the behaviour importance weight moves the gradient. A loop that
             trains one batch for several updates (epochs, minibatches) must `rescore`: under
             `current` its ratio would stay 1 and the clip would never act.
+        logit_chunk: positions scored at a time, for a model that splits `hidden_states` from
+            its `head` (see `dew.models.Model`): each chunk's logits are computed, reduced to
+            its log-probs and dropped, and recomputed in the backward pass (`jax.checkpoint`),
+            so neither pass holds more than [logit_chunk, vocab] of them rather than [rows,
+            width, vocab]. The values are the same. None: `LOGIT_CELLS` over the vocabulary.
+            A model that only returns logits is scored whole.
 
     Raises:
         ValueError: naming the argument, for a model that is not callable, a clip outside (0, 1),
@@ -249,8 +259,8 @@ class GRPOObjective:
             weighs 1 and must train), a floor other than 0 with `truncate` (it bounds only
             masking), a clip_high outside (0, 1), a clip_dual not above 1 + the upper clip (or
             above 100), an unknown level, correction, aggregation or proximal, a negative
-            kl_coef, or a temperature that is not a finite number > 0 (greedy decoding has no
-            log-probs to train on).
+            kl_coef, a temperature that is not a finite number > 0 (greedy decoding has no
+            log-probs to train on), or a logit_chunk below 1.
     """
 
     model: Model = attrs.field(validator=is_callable)
@@ -278,6 +288,9 @@ class GRPOObjective:
     kl_coef: float = attrs.field(default=0.0, kw_only=True, validator=at_least(0))
     temperature: float = attrs.field(default=1.0, kw_only=True, validator=positive)
     proximal: str = attrs.field(default="rescore", kw_only=True, validator=_one_of(PROXIMALS))
+    logit_chunk: int | None = attrs.field(
+        default=None, kw_only=True, validator=attrs.validators.optional(int_at_least(1))
+    )
     # Built once per objective, so each batch shape compiles once for the objective's lifetime.
     _jitted_log_probs: Callable = attrs.field(
         init=False,
@@ -591,48 +604,119 @@ class GRPOObjective:
         segment_ids = jnp.asarray(batch["segment_ids"], jnp.int32)
         positions = jnp.asarray(batch["positions"], jnp.int32)
         rows, width = tokens.shape
-        logits = self.model(variables, tokens, positions, segment_ids).astype(jnp.float32)
-        logits = logits / jnp.float32(self.temperature)
-        # Position p is predicted by the logits at p - 1: drop the last logits and first token.
-        logits = logits[:, :-1]
-        targets = tokens[:, 1:]
-        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        normaliser = jax.nn.logsumexp(logits, axis=-1)
+        if callable(getattr(self.model, "hidden_states", None)) and callable(
+            getattr(self.model, "head", None)
+        ):
+            hidden = self.model.hidden_states(variables, tokens, positions, segment_ids)
+            head = functools.partial(self.model.head, variables)
+            chunk = self.logit_chunk or max(1, LOGIT_CELLS // self.model.vocab)
+        else:
+            hidden = self.model(variables, tokens, positions, segment_ids)
+            # The logits are whole already: one chunk of every predicted position.
+            head, chunk = (lambda logits: logits), max(1, rows * (width - 1))
+        support = None
         if SUPPORT[0] in batch:
-            normaliser = self._support_normaliser(logits, normaliser, batch)
+            support = tuple(jnp.asarray(batch[key], jnp.int32) for key in SUPPORT)
+        # Position p is predicted by the logits at p - 1: drop the last position and first token.
+        scored = _target_log_probs(
+            head,
+            hidden[:, :-1],
+            tokens[:, 1:],
+            temperature=self.temperature,
+            chunk=chunk,
+            support=support,
+        )
         follows = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
-        scored = jnp.where(follows, picked - normaliser, jnp.float32(0))
+        scored = jnp.where(follows, scored, jnp.float32(0))
         return jnp.concatenate([jnp.zeros((rows, 1), jnp.float32), scored], axis=1)
 
-    @staticmethod
-    def _support_normaliser(
-        logits: jax.Array, normaliser: jax.Array, batch: Mapping[str, Any]
-    ) -> jax.Array:
-        """`normaliser` with the log-sum-exp over the kept tokens wherever support covers a
-        position: a filtered sampler drew from the distribution renormalised over them.
 
-        logits: float32[rows, width - 1, vocab] predicting positions 1..width-1; normaliser:
-        float32[rows, width - 1]. Returns the same shape as normaliser.
-        """
-        kept = jnp.asarray(batch["support_tokens"], jnp.int32)
-        where = jnp.asarray(batch["support_positions"], jnp.int32)
-        rows, predicted = normaliser.shape
-        # Index into the shifted logits; unused entries go one past the end, where scatters drop
-        # them (a -1 would wrap round to the last position).
+def _target_log_probs(
+    head: Callable[[jax.Array], jax.Array],
+    hidden: jax.Array,
+    targets: jax.Array,
+    *,
+    temperature: float,
+    chunk: int,
+    support: tuple[jax.Array, jax.Array] | None,
+) -> jax.Array:
+    """Each target's log-prob under the softmax of `head(hidden) / temperature`, `chunk`
+    positions at a time.
+
+    Each chunk's logits live only inside a `jax.checkpoint`ed step of a `lax.map`: the forward
+    pass keeps each chunk's log-probs, the backward pass recomputes the chunk's logits from its
+    hidden states, so neither holds more than [chunk, vocab] logits. A chunk of every position
+    is the plain computation.
+
+    Args:
+        head: hidden [n, hidden] -> logits float[n, vocab].
+        hidden: [rows, predicted, hidden], the states predicting `targets`.
+        targets: int32[rows, predicted].
+        temperature: the logits are divided by it.
+        chunk: positions (of rows x predicted, row-major) per step.
+        support: `support_tokens` and `support_positions`, int32[rows, S], positions in the
+            batch's coordinates (1 .. predicted; others unused): where they cover a position,
+            the softmax is over the tokens kept there (see `_support_normaliser`).
+
+    Returns:
+        float32[rows, predicted].
+    """
+    rows, predicted = targets.shape
+    cells = rows * predicted
+    # A chunk past the positions there are would only pad them.
+    chunk = max(1, min(chunk, cells))
+    count = -(-cells // chunk)
+    padded = count * chunk
+    flat = hidden.reshape(cells, hidden.shape[-1])
+    flat = jnp.pad(flat, ((0, padded - cells), (0, 0))).reshape(count, chunk, hidden.shape[-1])
+    goals = jnp.pad(targets.reshape(cells), (0, padded - cells)).reshape(count, chunk)
+    starts = jnp.arange(count, dtype=jnp.int32) * jnp.int32(chunk)
+    if support is not None:
+        kept, where = support
+        # Each support entry's cell in the flat order; an unused one goes past every chunk.
         used = (where >= 1) & (where <= predicted)
-        slot = jnp.where(used, where - 1, predicted)
-        row = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], slot.shape)
-        kept_logits = logits[row, jnp.minimum(slot, predicted - 1), kept]
-        empty = jnp.full((rows, predicted), -jnp.inf, jnp.float32)
-        # The shift only steadies the sum; the log-sum-exp's gradient does not depend on it.
-        peak = jax.lax.stop_gradient(empty.at[row, slot].max(kept_logits, mode="drop"))
-        covered = jnp.isfinite(peak)
-        shift = jnp.where(covered, peak, jnp.float32(0))
-        # Unused entries are dropped by the scatter; zeroing their gap keeps their exp (and so
-        # its gradient) finite.
-        gap = jnp.where(used, kept_logits - shift[row, jnp.minimum(slot, predicted - 1)], 0.0)
-        mass = (
-            jnp.zeros((rows, predicted), jnp.float32).at[row, slot].add(jnp.exp(gap), mode="drop")
-        )
-        kept_normaliser = shift + jnp.log(jnp.where(covered, mass, jnp.float32(1)))
-        return jnp.where(covered, kept_normaliser, normaliser)
+        row = jnp.arange(rows, dtype=jnp.int32)[:, None] * jnp.int32(predicted)
+        cell = jnp.where(used, row + where - 1, jnp.int32(padded)).reshape(-1)
+        kept = kept.reshape(-1)
+
+    @jax.checkpoint
+    def score(part: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        states, goal, start = part
+        logits = head(states).astype(jnp.float32) / jnp.float32(temperature)
+        picked = jnp.take_along_axis(logits, goal[:, None], axis=-1)[:, 0]
+        normaliser = jax.nn.logsumexp(logits, axis=-1)
+        if support is not None:
+            local = cell - start
+            local = jnp.where((local >= 0) & (local < chunk), local, jnp.int32(chunk))
+            normaliser = _support_normaliser(logits, normaliser, local, kept)
+        return picked - normaliser
+
+    scored = jax.lax.map(score, (flat, goals, starts))
+    return scored.reshape(padded)[:cells].reshape(rows, predicted)
+
+
+def _support_normaliser(
+    logits: jax.Array, normaliser: jax.Array, cell: jax.Array, kept: jax.Array
+) -> jax.Array:
+    """`normaliser` with the log-sum-exp over the kept tokens wherever support covers a
+    position: a filtered sampler drew from the distribution renormalised over them.
+
+    logits: float32[n, vocab]; normaliser: float32[n]; cell: int32[S], each support entry's
+    position among the n (n or more: unused, which scatters drop); kept: int32[S], its token.
+    Returns float32[n].
+    """
+    size = normaliser.shape[0]
+    used = cell < size
+    at = jnp.minimum(cell, size - 1)
+    kept_logits = logits[at, kept]
+    empty = jnp.full((size,), -jnp.inf, jnp.float32)
+    # The shift only steadies the sum; the log-sum-exp's gradient does not depend on it.
+    peak = jax.lax.stop_gradient(empty.at[cell].max(kept_logits, mode="drop"))
+    covered = jnp.isfinite(peak)
+    shift = jnp.where(covered, peak, jnp.float32(0))
+    # Unused entries are dropped by the scatter; zeroing their gap keeps their exp (and so its
+    # gradient) finite.
+    gap = jnp.where(used, kept_logits - shift[at], jnp.float32(0))
+    mass = jnp.zeros((size,), jnp.float32).at[cell].add(jnp.exp(gap), mode="drop")
+    kept_normaliser = shift + jnp.log(jnp.where(covered, mass, jnp.float32(1)))
+    return jnp.where(covered, kept_normaliser, normaliser)
