@@ -300,6 +300,9 @@ class TrainConfig:
             (`dew.models.hf.resolve`); the run's
             checkpoints hold it as such a folder, `checkpoints/model`.
         dtype: the checkpoint's params dtype ("float32" or "bfloat16"); None keeps its own.
+        remat: recompute each layer's activations in the update's backward pass instead of
+            keeping them (`jax.checkpoint` per layer: `Transformer`'s and `HFModel`'s `remat`),
+            for the model dew's transformer or `model` names; the same updates in less memory.
         mesh: the device mesh the checkpoint's params, optimizer state and batch are split
             over, "DATAxFSDPxTENSOR" (`dew.models.hf.sharding`); its sizes' product must be this
             process's device count, or in a pool the pool's, where the data axis must be a
@@ -509,6 +512,12 @@ class TrainConfig:
         _dtype_or_none,
         "the --model checkpoint's params dtype, float32 or bfloat16 (none: the checkpoint's)",
         kind=str,
+    )
+    remat: bool = _option(
+        False,
+        attrs.validators.instance_of(bool),
+        "recompute each layer's activations in the update's backward pass instead of keeping "
+        "them: the same updates in less memory, for about one more forward pass",
     )
     # The engine that samples the rollouts (docs/vllm.md).
     engine: str = _option(

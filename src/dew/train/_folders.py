@@ -93,9 +93,10 @@ def _check_split(config: TrainConfig, processes: int) -> None:
 # The most of a log read at once: a metrics line is a few KiB.
 _TAIL = 2**20
 
-# Where a run's arrays live, not what it computes: a run resumes onto another mesh (or one
-# device), its checkpoint's shards restored onto the new placement.
-_PLACEMENT = ("mesh",)
+# Where a run's arrays live and what it keeps for the backward pass, not what it computes: a run
+# resumes onto another mesh (or one device), its checkpoint's shards restored onto the new
+# placement, and with or without --remat, which changes its memory, not its updates.
+_PLACEMENT = ("mesh", "remat")
 
 
 def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:

@@ -282,7 +282,8 @@ def _model(config: TrainConfig, max_len: int, tokenizer) -> tuple[models.Model, 
     """
     if config.model is None:
         model_config = config.model_config(max_len, vocab=tokenizer.vocab_size)
-        return models.model(model_config), models.init(jax.random.key(config.seed), model_config)
+        model = models.model(model_config, remat=config.remat)
+        return model, models.init(jax.random.key(config.seed), model_config)
     model, params = hf.load(config.model, dtype=config.dtype)
     if max_len > model.max_len:
         raise ValueError(
@@ -290,7 +291,7 @@ def _model(config: TrainConfig, max_len: int, tokenizer) -> tuple[models.Model, 
             f"max_position_embeddings {model.max_len}"
         )
     # Rows past the tokenizer's ids decode to no text: never sampled, never scored.
-    return attrs.evolve(model, vocab_limit=tokenizer.vocab_size), params
+    return attrs.evolve(model, vocab_limit=tokenizer.vocab_size, remat=config.remat), params
 
 
 def _built_from(model, max_len: int) -> dict[str, Any]:
