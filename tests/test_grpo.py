@@ -219,13 +219,17 @@ def reference_loss(batch, current, clip: float, cap: float) -> dict[str, float]:
     ratio = np.exp(np.where(trained, current - batch["proximal_logprobs"].astype(np.float64), 0))
     surrogate = np.minimum(ratio * advantages, np.clip(ratio, 1 - clip, 1 + clip) * advantages)
     count = max(trained.sum(), 1)
-    binds = ((advantages > 0) & (ratio > 1 + clip)) | ((advantages < 0) & (ratio < 1 - clip))
+    low = (advantages < 0) & (ratio < 1 - clip)
+    high = (advantages > 0) & (ratio > 1 + clip)
+    binds = low | high
     loss = -(importance * surrogate)[trained].sum() / count
     k3 = np.exp(log_importance) - 1 - log_importance
     return {
         "loss": loss,
         "kl/behavior_proximal": k3[trained].sum() / count,
         "clip_fraction": binds[trained].sum() / count,
+        "clip_fraction/low": low[trained].sum() / count,
+        "clip_fraction/high": high[trained].sum() / count,
         "importance/mean": importance[trained].sum() / count,
         "importance/max": importance.max(),
         "ratio/mean": ratio[trained].sum() / count,
@@ -261,6 +265,8 @@ def test_loss_without_trained_tokens_is_zero(params):
         "loss": 0.0,
         "kl/behavior_proximal": 0.0,
         "clip_fraction": 0.0,
+        "clip_fraction/low": 0.0,
+        "clip_fraction/high": 0.0,
         "importance/mean": 0.0,
         "importance/max": 0.0,
         "ratio/mean": 0.0,
