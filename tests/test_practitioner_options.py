@@ -522,3 +522,32 @@ def test_keeping_no_checkpoint_is_refused_naming_it(tmp_path):
     with pytest.raises(ValueError, match="keep must be an int"):
         save_checkpoint(tmp_path, Checkpoint({}, {}, 0, 0), keep=0)
     assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
+def test_the_record_holds_reward_std_and_the_length_of_what_trains():
+    """Rollouts of 2, 4 and 6 completion tokens train; a TRUNCATED one of 8 trains only under
+    truncation zero (under mask it is left out); one of two calls counts both calls' tokens."""
+    from dew.objectives.rl.sessions import Call, Session, session_metrics
+
+    two_calls = Session(
+        Status.COMPLETED,
+        tuple(
+            Call(np.array([7 + k], np.int32), np.ones(3, np.int32), np.full(3, -0.5, np.float32), 0)
+            for k in range(2)
+        ),
+        0.25,
+    )
+    sessions = [
+        one_call(Status.COMPLETED, 1.0, sample=0, length=3),
+        one_call(Status.AGENT_ERROR, 0.0, sample=1, length=5),
+        one_call(Status.COMPLETED, 0.5, sample=2, length=7),
+        one_call(Status.TRUNCATED, 0.75, sample=3, length=9),
+        two_calls,
+    ]
+    rewards = [1.0, 0.0, 0.5, 0.75, 0.25]
+    for truncation, lengths in [("mask", [2, 4, 6, 6]), ("zero", [2, 4, 6, 8, 6])]:
+        packed = pack([sessions], width=16, rows=4, truncation=truncation)
+        metrics = session_metrics(sessions, packed)
+        assert metrics["reward/std"] == pytest.approx(np.std(rewards))
+        assert metrics["length/mean"] == pytest.approx(np.mean(lengths))
+        assert metrics["length/max"] == max(lengths)

@@ -722,10 +722,12 @@ def session_metrics(
 
     Returns:
         `merge_ratio`; `status/<status>` shares; `masked/share` (sessions with no loss weight)
-        and `masked/<truncation reason>` shares; `reward/mean` (over sessions with a reward)
-        and `reward/<component>` means (a component named `mean` is shadowed by the overall
-        mean); `latency/p50`, `/p90`, `/p99`, `/max` of finished - submitted (where both are
-        stamped); `tokens/trained`; `lag/token_mean` and `lag/token_max` (with `version`);
+        and `masked/<truncation reason>` shares; `reward/mean` and `reward/std` (over
+        sessions with a reward) and `reward/<component>` means (a component named `mean` or
+        `std` is shadowed by the overall figure); `length/mean` and `length/max`, the
+        completion tokens (every call's, summed) of the sessions that train; `latency/p50`,
+        `/p90`, `/p99`, `/max` of finished - submitted (where both are stamped);
+        `tokens/trained`; `lag/token_mean` and `lag/token_max` (with `version`);
         `fill`.
     """
     metrics: dict[str, float] = {}
@@ -750,6 +752,14 @@ def session_metrics(
     rewards = [float(s.reward) for s in sessions if s.reward is not None]
     if rewards:
         metrics["reward/mean"] = float(np.mean(rewards))
+        metrics["reward/std"] = float(np.std(rewards))
+    if total:
+        # What the policy wrote in the rollouts that train: a run whose replies grow to the
+        # token limit, or collapse to nothing, shows it here first.
+        lengths = [sum(len(c.completion) for c in s.calls) for s in sessions if s.status in trains]
+        if lengths:
+            metrics["length/mean"] = float(np.mean(lengths))
+            metrics["length/max"] = float(max(lengths))
     latencies = [
         s.finished - s.submitted
         for s in sessions
