@@ -32,6 +32,7 @@ from dew import cli, models, simulate
 from dew.data import ArrayDataset, Task
 from dew.envs import Score
 from dew.envs.environment import EnvironmentSource
+from dew.envs.simulated import SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Call
 from dew.serve.tokenizer import BYTES
@@ -286,6 +287,38 @@ async def test_a_long_wait_on_a_blocking_environment_step_names_the_step(
     assert said == [
         f"the trainer has waited {seconds}s for its first batch (0 of 2 rollouts finished), "
         "its rollouts in flight waiting: 2 on the environment's step; status() says more"
+        for seconds in (60, 120)
+    ]
+
+
+async def test_a_trainer_that_keeps_its_batch_long_is_named_as_what_the_run_waits_on(
+    autojump_clock, caplog
+):
+    """Item 23 (build point 8): the long-wait lines told the engine and the environment apart
+    but never the trainer: a step that trains for minutes (its first update compiling, a
+    checkpoint, an evaluation) left the rollouts ahead waiting without a word. From delivery to
+    its next hand-over the trainer's time is now logged at long_wait and each doubling, as the
+    trainer's, and no more once it hands over."""
+    engine = SimulatedEngine(slots=None)
+    source = SimulatedSource(engine, SimulatedConfig(duration_mean=1.0, duration_sigma=0.0))
+    sched = RolloutScheduler(
+        BehaviorObjective(), source, engine, width=512, rows=2, groups=2, ahead=1, max_lag=1
+    )
+    caplog.set_level(logging.WARNING, logger="dew.objectives.rl.scheduler")
+    async with sched:
+        batches = ArrayDataset({"task_id": np.arange(3)}, batch_size=1)
+        stream = sched.tasks(batches).stream(0)
+        first, second = next(stream), next(stream)
+        await sched.step(first, None, 0)
+        await trio.sleep(130)  # the trainer's first step
+        await sched.step(second, None, 1)
+        await trio.sleep(30)  # a step within long_wait: nothing said
+        await sched.step(next(stream), None, 2)
+    said = [record.getMessage() for record in caplog.records]
+    assert said == [
+        f"the trainer has spent {seconds}s on the batch of updates 0 since it was delivered "
+        "(its update, logs and checkpoint; the first update compiles): the scheduler waits on "
+        "the trainer, its rollouts in flight waiting: none"
         for seconds in (60, 120)
     ]
 

@@ -293,6 +293,7 @@ class _Scheduler:
         self._later_failures = 0
         self._events: list[LogEvent] = []
         self._watch: trio.CancelScope | None = None
+        self._training: trio.CancelScope | None = None  # watches the trainer keeping its batch
         self._waiting = False  # a hand-over waits for its delivery
         self._delivered = False  # whether any call was answered: the first waits on compiles
         self._newest_pushed: int | None = None  # the newest version ever pushed to the engines
@@ -973,6 +974,9 @@ class _Scheduler:
         new version, whatever order trio runs the instant's tasks in. An async push
         (`load_async`) lets the run go on meanwhile; the hand-over, and the submissions it
         makes, come after it, at the instant it ends."""
+        if self._training is not None:
+            self._training.cancel(reason="handed over")
+            self._training = None
         now = trio.current_time()
         if handover.event_fields["pushed"]:
             if await self._push(handover.variables, handover.event_fields["served"]):
@@ -1032,6 +1036,23 @@ class _Scheduler:
                         where,
                         self.status(),
                     )
+
+    async def _watch_trainer(self, scope: trio.CancelScope, long_wait: float) -> None:
+        """Log a trainer that keeps its batch long (from delivery to its next hand-over): the
+        wait is then the trainer's step, not the engine's or the environment's."""
+        with scope:
+            waited = 0.0
+            while True:
+                await trio.sleep(max(long_wait, waited))
+                waited = max(long_wait, 2 * waited)
+                logger.warning(
+                    "the trainer has spent %.0fs on the batch of updates %d since it was "
+                    "delivered (its update, logs and checkpoint; the first update compiles): the "
+                    "scheduler waits on the trainer, its rollouts in flight waiting: %s",
+                    waited,
+                    self._state.updates,
+                    waits(self._progress.values()),
+                )
 
     def _first_wait_progress(self) -> str:
         """How far the batch the trainer waits on has come: its rollouts finished of all."""
@@ -1170,6 +1191,9 @@ class _Scheduler:
         if self._watch is not None:
             self._watch.cancel(reason="delivered")
             self._watch = None
+        if self.long_wait is not None and isinstance(message, _Delivery):
+            self._training = trio.CancelScope()
+            self._nursery.start_soon(self._watch_trainer, self._training, self.long_wait)
         self._send.send_nowait(message)
 
     def _fail(self, error: BaseException) -> None:
