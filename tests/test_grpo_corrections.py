@@ -157,9 +157,14 @@ def reference_loss(variables, batch, objective) -> tuple[float, float | None]:
     kl = None
     if objective.kl_coef > 0:
         gap = np.clip(np.where(kept, batch["reference_logprobs"] - current, 0.0), -20, 20)
-        k3 = np.expm1(gap) - gap
-        per_token = per_token + objective.kl_coef * k3
-        kl = k3[kept].sum() / max(kept.sum(), 1)
+        estimate = {
+            "k1": -gap,
+            "k2": gap**2 / 2,
+            "abs": np.abs(gap),
+            "k3": np.expm1(gap) - gap,
+        }[objective.kl_estimator]
+        per_token = per_token + objective.kl_coef * estimate
+        kl = estimate[kept].sum() / max(kept.sum(), 1)
     m = np.where(kept, batch["loss_mask"], 0.0)
     if objective.aggregation == "token_mean":
         loss = (m * per_token).sum() / max(m.sum(), 1)

@@ -551,3 +551,33 @@ def test_the_record_holds_reward_std_and_the_length_of_what_trains():
         assert metrics["reward/std"] == pytest.approx(np.std(rewards))
         assert metrics["length/mean"] == pytest.approx(np.mean(lengths))
         assert metrics["length/max"] == max(lengths)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(
+    estimator=st.sampled_from(["k1", "k2", "k3", "abs"]),
+    aggregation=st.sampled_from(AGGREGATIONS),
+    seed=st.integers(0, 2**16),
+    spread=st.sampled_from([0.05, 0.5, 30.0]),
+)
+def test_each_reference_kl_estimator_matches_numpy(estimator, aggregation, seed, spread):
+    """The loss and `kl/reference` under each estimator, against the NumPy reference (which
+    states each formula once); a spread of 30 nats meets the clamp at 20."""
+    rng = np.random.default_rng(seed)
+    variables, batch = table(rng), random_batch(rng, spread=spread)
+    objective = GRPOObjective(bigram, kl_coef=0.3, kl_estimator=estimator, aggregation=aggregation)
+    loss, metrics = objective.loss(variables, batch)
+    expected, kl = reference_loss(variables, batch, objective)
+    np.testing.assert_allclose(float(loss), expected, rtol=2e-5, atol=2e-5 * max(1, abs(expected)))
+    np.testing.assert_allclose(float(metrics["kl/reference"]), kl, rtol=2e-5, atol=2e-5)
+    grads = jax.grad(lambda v: objective.loss(v, batch)[0])(variables)["table"]
+    assert np.isfinite(np.asarray(grads)).all()
+
+
+def test_the_kl_estimator_is_a_dew_train_option_and_a_bad_one_is_refused(capsys, tmp_path):
+    assert _levers(TrainConfig(kl_coef=0.1, kl_estimator="k2"))["kl_estimator"] == "k2"
+    assert GRPOObjective(bigram).kl_estimator == "k3"  # today's penalty, unchanged
+    with pytest.raises(ValueError, match="kl_estimator must be one of"):
+        GRPOObjective(bigram, kl_estimator="k4")
+    line = refusal(capsys, ["train", "--run", str(tmp_path / "run"), "--kl-estimator", "k4"])
+    assert "kl_estimator must be one of ('k3', 'k1', 'k2', 'abs'), got 'k4'" in line

@@ -19,7 +19,7 @@ from dew._checks import in_range, int_within
 from dew._documents import read_document
 from dew.envs.lookup import HARNESSES
 from dew.envs.reasoning_gym import PREFIX, ReasoningGym
-from dew.objectives.rl._surrogate import RATIO_LEVELS, check_clip_dual
+from dew.objectives.rl._surrogate import KL_ESTIMATORS, RATIO_LEVELS, check_clip_dual
 from dew.objectives.rl.grpo import AGGREGATIONS, CORRECTIONS, IMPORTANCE_LEVELS, PROXIMALS
 from dew.objectives.rl.sessions import ESTIMATORS
 from dew.serve.tokenizer import BYTES, HuggingFaceTokenizer, Tokenizer
@@ -267,6 +267,7 @@ class TrainConfig:
         kl_coef: the weight of a k3 KL penalty to the initial weights, kept as the reference
             policy; 0 for none. A resumed run derives the reference again from the config (the
             seed's initial weights), so checkpoints need not hold it.
+        kl_estimator: the penalty's per-token estimate of the KL (`GRPOObjective`'s).
         aggregation, importance_level, correction, importance_cap, importance_floor: the
             objective's loss aggregation and behaviour-importance correction (`GRPOObjective`).
         clip, clip_high, clip_dual, ratio_level: the surrogate's clip (clip-higher, the dual
@@ -400,6 +401,12 @@ class TrainConfig:
     )
     kl_coef: float = _option(
         0.0, in_range(0, 100), "weight of a KL penalty to the initial weights (0 = none)"
+    )
+    kl_estimator: str = _option(
+        "k3",
+        _one_of(KL_ESTIMATORS),
+        "the KL penalty's per-token estimate, d = log ref - log policy: k3 (e^d - d - 1), "
+        "k1 (-d), k2 (d^2 / 2) or abs (|d|)",
     )
     aggregation: str = _option(
         "token_mean",

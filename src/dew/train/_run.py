@@ -490,6 +490,7 @@ def _levers(config: TrainConfig) -> dict[str, Any]:
         "clip_high",
         "clip_dual",
         "ratio_level",
+        "kl_estimator",
     )
     return {name: getattr(config, name) for name in names}
 

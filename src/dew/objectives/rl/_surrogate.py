@@ -1,4 +1,5 @@
-"""The PPO surrogate of `GRPOObjective`: the ratio's level and the clip's variants.
+"""The PPO surrogate of `GRPOObjective`: the ratio's level and the clip's variants; and the
+estimators of its reference KL term.
 
 Kept apart from the objective's scoring and weighting, since these are the levers a practitioner
 turns first and each is a formula of its own (docs/concepts.md states them):
@@ -9,7 +10,9 @@ turns first and each is a formula of its own (docs/concepts.md states them):
   token the policy finds unlikely can rise further than a likely one can fall;
 - a dual clip (arXiv:1912.09729): with a negative advantage, min(r A, clip(r) A) alone falls
   without bound as the ratio grows (a token at current - proximal = 50 would weigh e^50), so it
-  is held at clip_dual x A.
+  is held at clip_dual x A;
+- the per-token estimate of KL(current || reference) the reference penalty adds: k1, k2, k3
+  (Schulman's "Approximating KL divergence") or abs.
 
 Every function is pure, from arrays to arrays, on `[rows, width]` cells.
 """
@@ -20,6 +23,10 @@ import attrs
 import jax
 import jax.numpy as jnp
 
+KL_ESTIMATORS = ("k3", "k1", "k2", "abs")
+"""The per-token estimates of KL(current || reference) over the current policy's samples, with
+d = log reference - log current: k1 = -d (unbiased, negative at some tokens), k2 = d^2 / 2
+(biased, low variance), k3 = e^d - d - 1 (unbiased, never negative: the default), abs = |d|."""
 RATIO_LEVELS = ("token", "sequence")
 """Where the PPO ratio current / proximal is taken: each token's own, or its sequence's
 geometric mean over trained tokens (GSPO), the same for each of the sequence's tokens."""
@@ -117,3 +124,20 @@ def clipped_surrogate(
         high=(advantages > 0) & (ratio > high),
         dual=dual,
     )
+
+
+def reference_kl(gap: jax.Array, estimator: str) -> jax.Array:
+    """Each token's `estimator` of KL(current || reference), float32[rows, width].
+
+    Args:
+        gap: d = log reference - log current per token, already clamped and masked by the
+            caller (so e^d cannot overflow).
+        estimator: one of `KL_ESTIMATORS`.
+    """
+    if estimator == "k1":
+        return -gap
+    if estimator == "k2":
+        return jnp.float32(0.5) * gap * gap
+    if estimator == "abs":
+        return jnp.abs(gap)
+    return jnp.expm1(gap) - gap

@@ -44,9 +44,11 @@ import optax
 
 from dew._checks import at_least, in_range, int_at_least, is_callable, positive
 from dew.objectives.rl._surrogate import (
+    KL_ESTIMATORS,
     RATIO_LEVELS,
     check_clip_dual,
     clipped_surrogate,
+    reference_kl,
     sequence_mean,
     upper_clip,
 )
@@ -231,6 +233,8 @@ class GRPOObjective:
             trained tokens divided by the batch's rows x width, a constant: Dr. GRPO).
         kl_coef: the weight of the k3 estimate of KL(current || reference) in the loss; above
             0 the batch must carry `reference_logprobs`.
+        kl_estimator: the per-token estimate of that KL, with d = log reference - log current
+            clamped to [-20, 20]: `k3` (e^d - d - 1), `k1` (-d), `k2` (d^2 / 2) or `abs` (|d|).
         temperature: the engine's sampling temperature. Every log-prob here is of the logits
             divided by it, the distribution the engine drew from and reported its behaviour
             log-probs under; at another temperature, behaviour and proximal would differ by
@@ -258,8 +262,8 @@ class GRPOObjective:
             an importance_cap below 1 or an importance_floor outside [0, 1] (an on-policy token
             weighs 1 and must train), a floor other than 0 with `truncate` (it bounds only
             masking), a clip_high outside (0, 1), a clip_dual not above 1 + the upper clip (or
-            above 100), an unknown level, correction, aggregation or proximal, a negative
-            kl_coef, a temperature that is not a finite number > 0 (greedy decoding has no
+            above 100), an unknown level, correction, aggregation, proximal or kl_estimator, a
+            negative kl_coef, a temperature that is not a finite number > 0 (greedy decoding has no
             log-probs to train on), or a logit_chunk below 1.
     """
 
@@ -286,6 +290,7 @@ class GRPOObjective:
         default="token_mean", kw_only=True, validator=_one_of(AGGREGATIONS)
     )
     kl_coef: float = attrs.field(default=0.0, kw_only=True, validator=at_least(0))
+    kl_estimator: str = attrs.field(default="k3", kw_only=True, validator=_one_of(KL_ESTIMATORS))
     temperature: float = attrs.field(default=1.0, kw_only=True, validator=positive)
     proximal: str = attrs.field(default="rescore", kw_only=True, validator=_one_of(PROXIMALS))
     logit_chunk: int | None = attrs.field(
@@ -424,7 +429,7 @@ class GRPOObjective:
             `clip_fraction/low` (A < 0, r below 1 - clip) and `/high` (A > 0, r above 1 +
             upper_clip); with a `clip_dual`, `clip_fraction/dual`, the share it holds;
             `importance/mean`, `importance/max`; `ratio/mean`; `tokens`, the loss mask's total
-            weight; with a `kl_coef`, `kl/reference`, the mean k3 estimate of KL(current ||
+            weight; with a `kl_coef`, `kl/reference`, the mean `kl_estimator` of KL(current ||
             reference) over the kept tokens; with `proximal="current"`, `importance/masked`,
             the share of trained tokens the correction leaves out (which `importance_metrics`
             reports from the rescoring otherwise; `Trainer` leaves it out of a step with no
@@ -468,17 +473,17 @@ class GRPOObjective:
         metrics = {}
         if self.kl_coef > 0:
             reference = jnp.asarray(batch[REFERENCE], jnp.float32)
-            # k3 = e^d - d - 1, d = reference - current, over the behaviour's samples; clamped
-            # and masked first, so neither an untrained token nor a wild one overflows.
+            # d = reference - current, over the behaviour's samples; clamped and masked first,
+            # so neither an untrained token nor a wild one overflows k3's e^d.
             gap = jnp.clip(
                 jnp.where(kept, reference - current, jnp.float32(0)),
                 -_KL_LOG_RATIO,
                 _KL_LOG_RATIO,
             )
-            k3_reference = jnp.expm1(gap) - gap
-            per_token = per_token + jnp.float32(self.kl_coef) * k3_reference
+            kl = reference_kl(gap, self.kl_estimator)
+            per_token = per_token + jnp.float32(self.kl_coef) * kl
             kept_count = jnp.maximum(kept.sum().astype(jnp.float32), jnp.float32(1))
-            metrics["kl/reference"] = jnp.where(kept, k3_reference, 0.0).sum() / kept_count
+            metrics["kl/reference"] = jnp.where(kept, kl, 0.0).sum() / kept_count
         loss = self._aggregate(jnp.where(kept, mask, jnp.float32(0)), per_token, batch)
         # k3 = (r - 1) - log r with r = proximal / behaviour over behaviour's samples: unbiased
         # for KL(behaviour || proximal) and never negative, unlike the plain -log r.
