@@ -15,14 +15,20 @@ import os
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
+import trio
 
 from _scripted import OBJECTIVE, PARAMS, Engine, Plan, Scripted, dataset
 from dew.cli import main
+from dew.data import Task
 from dew.envs.verifiers import Verifiers
 from dew.objectives.rl.scheduler import RolloutScheduler
+from dew.objectives.rl.sessions import Call, Label, Session, Status
 from dew.serve.tokenizer import BYTES
+from dew.train import SampleLog
 from dew.train._tasks import _verifiers_prompt_length
+from test_envs_verifiers import use_nltk_data
 
 # verifiers' MCP client retries with tenacity's deprecated `initial=` (as test_envs_verifiers).
 pytestmark = pytest.mark.filterwarnings(
@@ -123,3 +129,93 @@ async def test_a_group_cut_for_room_is_said_in_one_line_and_counted(autojump_clo
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(said) == 1, said  # the first cut, once
     assert "task '1'" in said[0] and "2 chains" in said[0] and "2 rows" in said[0]
+
+
+# --- build point 4: errors in one line, the real cause first, before the run folder -------------
+
+
+def refused(tmp_path, capsys, spec: str) -> str:
+    """`dew train --env spec`'s one-line refusal; no run folder made."""
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        train(["--env", spec, "--run", str(run), *TINY, "--steps", "1"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and not run.exists()
+    assert len(error.strip().splitlines()) == 2, error  # the line, and the pointer to --help
+    return error.splitlines()[0]
+
+
+def test_a_game_option_of_the_wrong_type_is_refused_naming_it(tmp_path, capsys, monkeypatch):
+    use_nltk_data(tmp_path, monkeypatch)
+    line = refused(tmp_path, capsys, "textarena:Wordle-v0,num_guesses=abc")
+    assert "num_guesses" in line and "'abc'" in line
+
+
+def test_a_package_of_an_older_verifiers_api_is_named_with_the_api_dew_runs(tmp_path, capsys):
+    line = refused(tmp_path, capsys, "verifiers:_vf_old_api")
+    assert "'_vf_old_api'" in line and "verifiers.v1" in line and "__all__" in line
+
+
+def test_an_environment_whose_own_import_fails_names_the_missing_module(tmp_path, capsys):
+    line = refused(tmp_path, capsys, "verifiers:_vf_needs_dependency")
+    assert "No module named 'dew_tests_missing_dependency'" in line
+    assert "is not installed" not in line
+
+
+def test_an_import_error_in_load_is_named_without_a_cache_hint(tmp_path, capsys):
+    line = refused(tmp_path, capsys, "verifiers:_vf_load_raises")
+    assert "No module named 'dew_tests_missing_scorer'" in line
+    assert "Hugging Face" not in line
+
+
+def test_a_first_prompt_past_the_context_leaves_no_run_folder_from_python(tmp_path):
+    """`dew.train.train` checks the task's fit before it writes the run folder (it wrote
+    `config.json`, then failed with a traceback)."""
+    from dew.train import TrainConfig
+    from dew.train import train as train_run
+
+    config = TrainConfig(
+        task="verifiers:_vf_lookup", tasks=4, eval_tasks=2, batch_size=2, max_context=200
+    )
+    with pytest.raises(ValueError, match=r"--max-context 200: task '0'"):
+        train_run(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+# --- build point 7: honest records ---------------------------------------------------------------
+
+
+class ByDuration:
+    """A source whose rollout `sample` of a group takes `duration(sample)` seconds and scores
+    its sample index: the first to finish is the quickest."""
+
+    def __init__(self, duration):
+        self.duration = duration
+
+    async def run(self, task: Task, label: Label) -> Session:
+        await trio.sleep(self.duration(label.sample))
+        call = Call(np.array([1, 2], np.int32), np.array([3], np.int32), np.zeros(1, np.float32), 0)
+        return Session(Status.COMPLETED, (call,), reward=float(label.sample))
+
+
+async def kept_samples(source, *, seed: int, groups: int = 200, size: int = 4) -> list[int]:
+    """The sample index `SampleLog` keeps of each of `groups` groups of `size` rollouts."""
+    log = SampleLog(source, BYTES, batch_size=1, keep=1, seed=seed)
+    async with trio.open_nursery() as nursery:
+        for group in range(groups):
+            for sample in range(size):
+                nursery.start_soon(log.run, Task(str(group)), Label(group, sample, 0))
+    return [log.take(group)[0]["sample"] for group in range(groups)]
+
+
+async def test_samples_are_drawn_uniformly_within_a_group_and_replay_alike(autojump_clock):
+    """samples.jsonl kept the first rollout of each group to finish, so it over-showed short
+    episodes; each group's kept rollout is now drawn uniformly (seeded by group and sample), so
+    the same draw whatever order the rollouts finish in."""
+    quick_first = await kept_samples(ByDuration(lambda sample: 1 + sample), seed=0)
+    counts = np.bincount(quick_first, minlength=4)
+    assert counts.min() >= 30, counts  # each of the 4 about 50 times; first-to-finish: 200, 0..
+    slow_first = await kept_samples(ByDuration(lambda sample: 4 - sample), seed=0)
+    assert slow_first == quick_first
+    assert await kept_samples(ByDuration(lambda sample: 1), seed=1) != quick_first

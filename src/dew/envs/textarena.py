@@ -353,7 +353,17 @@ class TextArena:
                 f"textarena {self.name} with options {dict(self.options)} cannot start a game: "
                 f"{describe(error)}"
             ) from error
-        if self.max_turns < 1:
+        try:
+            # An option of the wrong type that the game keeps without using it to start
+            # (Wordle's num_guesses="abc") counts its moves in something other than a number.
+            max_turns = self.max_turns
+            if not isinstance(max_turns, int):
+                raise TypeError(f"its moves count as {max_turns!r}, not a number")
+        except TypeError as error:
+            raise ValueError(
+                f"textarena {self.name} refuses options {dict(self.options)}: {error}"
+            ) from None
+        if max_turns < 1:
             # A board of no cells, or a Wordle of no guesses, starts but leaves no move.
             raise ValueError(
                 f"textarena {self.name} with options {dict(self.options)} leaves the player no "

@@ -178,12 +178,17 @@ def load_env(name: str, options: Mapping[str, Any] | None = None) -> Any:
     own harness.
 
     Raises:
-        ImportError: naming the package to install (verifiers, or the taskset).
-        ValueError: naming an option the taskset's config refuses.
+        ImportError: naming the package to install (verifiers, or the taskset), or the module
+            the taskset's own import misses (`taskset_class`).
+        ValueError: naming an option the taskset's config refuses, or a package of another
+            verifiers API.
     """
     vf = _import_verifiers()
     from verifiers.v1.utils.loaders import default_harness_id, env_config_type
 
+    from dew.envs._verifiers_loading import taskset_class
+
+    taskset_class(name)  # verifiers' loader hides why a package does not load
     try:
         config_type = env_config_type(name)
         harness = None if default_harness_id(name) == name else {"id": HARNESS_ID}
@@ -274,6 +279,11 @@ def _load_tasks(env: Any, size: int) -> list[Any]:
     try:
         with no_downloads():
             tasks = list(env.taskset.take(size))
+    except ImportError as error:
+        raise ValueError(
+            f"verifiers environment {name!r} cannot load its tasks: {describe(error)} (a "
+            "package its load() imports: install it)"
+        ) from error
     except Exception as error:
         raise ValueError(
             f"verifiers environment {name!r} cannot load its tasks here: {describe(error)} "

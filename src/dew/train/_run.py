@@ -38,7 +38,7 @@ from dew.train._curves import write_curves
 from dew.train._folders import Misfit, _check_record, _check_run, _check_split, _RunLock
 from dew.train._interrupt import _Interrupted
 from dew.train._samples import SampleLog
-from dew.train._tasks import _objective, _RunTask, _sampling, _task
+from dew.train._tasks import _check_checkpoint_task, _objective, _RunTask, _sampling, _task
 from dew.train._tensorboard import TensorBoard
 from dew.train._trainer import METRICS, Trainer
 
@@ -85,7 +85,8 @@ def train(
             file, a path through a file, a folder that takes no new entry), holds a run and
             `resume` is not set, or holds a different config, or the batch does not split
             over the processes; when `record` exists already, is a folder, or its folder is
-            missing or takes no new file.
+            missing or takes no new file; when the task cannot fit (`_check_checkpoint_task`:
+            an environment's first prompt past --max-context, a checkpoint's limits).
     """
     run = Path(run)
     index, processes = jax.process_index(), jax.process_count()
@@ -93,9 +94,12 @@ def train(
     try:
         _check_run(config, run, resume=resume)
         _check_split(config, processes)
-        _load_tokenizer(config)
+        tokenizer = _load_tokenizer(config)
         _mesh_sizes(config, processes)
         _check_task(config)
+        # An environment's first prompts are sized (and a checkpoint's fit checked) before
+        # the folder is written: one that cannot fit left a folder of only config.json.
+        _check_checkpoint_task(config, tokenizer)
         if record is not None and processes > 1:
             raise ValueError("--record traces a single process's run; run it without a pool")
         if record is not None:
@@ -189,7 +193,9 @@ def _train(
     logs = None
     if index == 0:  # one process writes the run's logs beside metrics.jsonl
         if config.samples:
-            source = samples = SampleLog(source, tokenizer, batch_size=tasks, keep=config.samples)
+            source = samples = SampleLog(
+                source, tokenizer, batch_size=tasks, keep=config.samples, seed=config.seed
+            )
         logs = _RunLogs(config, run, trainer, samples, on_step)
         if config.eval_every:
             logs.evaluation = _Evaluation(task, config, server, slots)

@@ -52,38 +52,56 @@ class SampleLog:
 
     The scheduler numbers groups in the order it registers task batches, `batch_size` to a
     batch, so a rollout's batch (counted from the stream this scheduler opened) is its group
-    id // `batch_size`. The first rollout of each group to finish is kept, up to `keep` groups
-    a batch. Rollouts run in the scheduler's trio thread and `take` is called from the
-    trainer's, so the kept records sit behind a lock.
+    id // `batch_size`. One rollout of each group is kept, up to `keep` groups a batch: drawn
+    uniformly among the group's finished rollouts, each given a key seeded by `seed`, its group
+    and its sample, the smallest key kept (the first to finish over-showed short episodes: a
+    log of mostly quick wins while the step's mean reward was low). The draw does not depend on
+    the order rollouts finish in, so a replayed run keeps the same ones. Rollouts run in the
+    scheduler's trio thread and `take` is called from the trainer's, so the kept records sit
+    behind a lock.
 
     Args:
         source: the session source that runs the rollouts.
         tokenizer: decodes their token ids.
         batch_size: tasks (groups) per task batch.
         keep: rollouts kept per batch.
+        seed: seeds each rollout's key (the run's seed).
 
     Raises:
         ValueError: naming `batch_size` or `keep` when it is not an int >= 1.
     """
 
     def __init__(
-        self, source: SessionSource, tokenizer: Tokenizer, *, batch_size: int, keep: int = 4
+        self,
+        source: SessionSource,
+        tokenizer: Tokenizer,
+        *,
+        batch_size: int,
+        keep: int = 4,
+        seed: int = 0,
     ):
         self.source = source
         self.tokenizer = tokenizer
         self.batch_size = check_int("batch_size", batch_size, low=1)
         self.keep = check_int("keep", keep, low=1)
-        self._kept: dict[int, dict[int, dict[str, Any]]] = {}
+        self.seed = check_int("seed", seed, low=0)
+        # batch -> group -> (the kept rollout's key, its record)
+        self._kept: dict[int, dict[int, tuple[float, dict[str, Any]]]] = {}
         self._lock = threading.Lock()
 
     async def run(self, task: Task, label: Label) -> Session:
-        """Run the rollout with `source`, keeping its record if it is its group's first and its
-        batch has fewer than `keep`."""
+        """Run the rollout with `source`, keeping its record where its key is its group's
+        smallest so far (a later attempt of the same sample replacing the earlier), among the
+        first `keep` groups of its batch to finish a rollout."""
         session = await self.source.run(task, label)
+        key = float(np.random.default_rng([self.seed, label.group, label.sample]).random())
         with self._lock:
             kept = self._kept.setdefault(label.group // self.batch_size, {})
-            if label.group not in kept and len(kept) < self.keep:
-                kept[label.group] = sample_record(self.tokenizer, task, label, session)
+            held = kept.get(label.group)
+            if held is None and len(kept) >= self.keep:
+                return session
+            if held is None or key <= held[0]:
+                kept[label.group] = (key, sample_record(self.tokenizer, task, label, session))
         return session
 
     def take(self, batch: int) -> list[dict[str, Any]]:
@@ -93,4 +111,4 @@ class SampleLog:
             kept = self._kept.pop(batch, {})
             for earlier in [index for index in self._kept if index < batch]:
                 del self._kept[earlier]
-        return [kept[group] for group in sorted(kept)]
+        return [kept[group][1] for group in sorted(kept)]
