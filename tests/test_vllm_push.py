@@ -13,7 +13,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import logging
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -178,6 +180,28 @@ def test_dew_train_at_its_default_batch_keeps_the_engine_agreeing_with_dews_resc
     print(f"{kind}: mismatch/engine per step {mismatches}")
     assert len(mismatches) >= 2, lines
     assert max(mismatches) <= 1e-6, mismatches
+
+
+def test_a_server_computing_in_another_dtype_than_the_model_is_named_in_one_line(
+    engines, checkpoints, tmp_path, caplog
+):
+    """A server's dtype and the run's model's differ (a server started without `--dtype
+    float32` serves a float32 checkpoint in bfloat16; here a float32 server and a bfloat16
+    model): dew attached without a word, and mismatch/engine sat at 1e-8 instead of 1e-14."""
+    folder, model, _ = checkpoints["tied"]
+    with caplog.at_level(logging.WARNING, logger="dew.serve._vllm"):
+        attached = VLLMEngine.attach(
+            engines["tied"].urls,
+            checkpoint=folder,
+            model=attrs.evolve(model, dtype="bfloat16"),
+            push_dir=tmp_path,
+        )
+    attached.close()
+    said = [record.getMessage() for record in caplog.records]
+    named = [line for line in said if "computes in" in line]
+    assert len(named) == 1, said
+    assert "computes in float32, the run's model in bfloat16" in named[0]
+    assert "start it with --dtype bfloat16" in named[0]
 
 
 def test_a_cpu_server_with_chunked_prefill_is_refused_naming_the_flag(checkpoints, tmp_path):

@@ -47,7 +47,13 @@ from dew._checks import check_int, check_number
 from dew.models.hf._hub import resolve
 from dew.objectives.rl.sessions import Call, note_progress
 from dew.serve._failure import CallFailed
-from dew.serve._vllm_limits import INFO, INFO_OPTIONS, START_FLAGS, burst_problem
+from dew.serve._vllm_limits import (
+    INFO,
+    INFO_OPTIONS,
+    START_FLAGS,
+    burst_problem,
+    served_dtype,
+)
 from dew.serve._vllm_process import (
     PortTaken,
     ServerProcess,
@@ -525,6 +531,7 @@ class VLLMEngine:
                 problem = burst_problem(info.json())
                 if problem is not None:
                     lacks.append(problem)
+                self._check_dtype(server, served_dtype(info.json()))
         if logprobs is not None and np.abs(logprobs).max() > 1e-6:
             lacks.append(
                 "it reports log-probs of another distribution than the one it draws from "
@@ -535,6 +542,23 @@ class VLLMEngine:
         if lacks:
             lacking = "; ".join(lacks)
             raise VLLMError(f"the vLLM server {server.url} cannot serve the run: {lacking}")
+
+    def _check_dtype(self, server: _Server, dtype: str | None) -> None:
+        """Say in one line when a server computes in another dtype than the run's model (a
+        server started without `--dtype float32` serves a float32 checkpoint in bfloat16): its
+        behaviour log-probs then differ from dew's by that rounding, which `mismatch/engine`
+        shows at about 1e-8 where float32 on both sides gives 1e-14."""
+        wanted = getattr(self._model, "dtype", None)
+        if dtype is not None and wanted is not None and dtype != wanted:
+            _log.warning(
+                "the vLLM server %s computes in %s, the run's model in %s: its log-probs differ "
+                "from dew's by %s rounding; start it with --dtype %s to match",
+                server.url,
+                dtype,
+                wanted,
+                dtype,
+                wanted,
+            )
 
     def _completion_logprobs(self, server: _Server) -> np.ndarray:
         """The log-probs of a call drawn with top_k 1 through the OpenAI completions endpoint."""

@@ -40,3 +40,12 @@ def burst_problem(info: object) -> str | None:
         "whose prompt it splits over steps, which a burst of dew's calls makes ('CPU Generator "
         "does not use offset'): start it with --no-enable-chunked-prefill"
     )
+
+
+def served_dtype(info: object) -> str | None:
+    """The dtype a server computes in ("float32", "bfloat16", ...), from its `/server_info`
+    answer; None where the answer does not say."""
+    config = info.get("vllm_config") if isinstance(info, dict) else None
+    model = config.get("model_config") if isinstance(config, dict) else None
+    dtype = model.get("dtype") if isinstance(model, dict) else None
+    return dtype.removeprefix("torch.") if isinstance(dtype, str) else None
