@@ -19,10 +19,12 @@ import numpy as np
 import pytest
 import trio
 
+from _gateway import ScriptedEngine
 from _scripted import OBJECTIVE, PARAMS, Engine, Plan, Scripted, dataset
 from dew.cli import main
 from dew.data import Task
 from dew.envs.verifiers import Verifiers
+from dew.gateway import Gateway
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Call, Label, Session, Status
 from dew.serve.tokenizer import BYTES
@@ -219,3 +221,23 @@ async def test_samples_are_drawn_uniformly_within_a_group_and_replay_alike(autoj
     slow_first = await kept_samples(ByDuration(lambda sample: 4 - sample), seed=0)
     assert slow_first == quick_first
     assert await kept_samples(ByDuration(lambda sample: 1), seed=1) != quick_first
+
+
+async def test_errors_that_quote_each_reply_are_counted_as_one_kind_with_the_first_text(caplog):
+    """`_vf_quote`'s reward raises quoting the reply, a text that differs every rollout: its
+    errors are one kind (`TaskError / ValueError`), warned at its 1st and 10th time with that
+    rollout's text, kept with the first full text (before: a line per rollout, 24 for 24)."""
+    env = Verifiers.parse("_vf_quote", size=2)
+    engine = ScriptedEngine([str(reply) for reply in range(24)])
+    caplog.set_level(logging.WARNING, "dew.envs.verifiers")
+    async with Gateway(engine, max_context=128, max_tokens=8, announce=False) as gateway:
+        source = env.source(gateway)
+        sessions = [await source.run(env.task(i % 2), Label(i, 0, 0)) for i in range(24)]
+    assert len({s.error for s in sessions}) == 24
+    first = "TaskError: task QuoteTask scoring: ValueError: cannot score the reply '0'"
+    assert sessions[0].error == first
+    assert source.errors.most_common(3) == ((first, 24),)
+    said = [r.getMessage() for r in caplog.records if r.name == "dew.envs.verifiers"]
+    assert len(said) == 2, said
+    assert "1 rollouts" in said[0] and "10 rollouts" in said[1]
+    assert "TaskError / ValueError" in said[1] and "reply '9'" in said[1]

@@ -44,9 +44,11 @@ How an episode's outcome becomes a dew status:
   function that returned nan or inf): that trace counts 0, and `error` names the reward.
 - INFRA_ERROR: dew's engine failed a call.
 
-An environment's errors are counted by text (`VerifiersSource.errors`) and reported as a
-warning of this module's logger at their 1st, 10th, 100th ... time, the way the scheduler
-reports its sessions' errors: a broken environment shows in the log, not only as rewards of 0.
+An environment's errors are counted by kind, their exception's type (`VerifiersSource.errors`,
+each kind kept with its first full text), and reported as a warning of this module's logger at
+their kind's 1st, 10th, 100th ... time, the way the scheduler reports its sessions' errors: a
+broken environment shows in the log, not only as rewards of 0, and an error that quotes each
+reply is one line, not one a rollout.
 
 Each trace's rewards (their unweighted scores, by name) and metrics (`metric/NAME`) are the
 session's reward components, prefixed with the agent's name when the episode has several
@@ -83,7 +85,7 @@ from dew.data import ArrayDataset, Batch, Task
 from dew.envs._offline import no_downloads
 from dew.envs.environment import describe
 from dew.envs.harness import _gateway, _optional_count, _optional_seconds, play_in_session
-from dew.objectives.rl._reports import ErrorCounts
+from dew.objectives.rl._reports import ErrorCounts, error_kind
 from dew.objectives.rl.sessions import Call, Label, Session, Status
 
 logger = logging.getLogger(__name__)
@@ -632,13 +634,13 @@ class VerifiersSource:
         return ended
 
     def _count(self, error: str) -> None:
-        self.errors.add(error)
-        count = dict(self.errors.most_common(64)).get(error, 0)
-        if count and math.log10(count).is_integer():
+        count = self.errors.add(error)  # by kind: a text quoting the reply varies every time
+        if math.log10(count).is_integer():
             logger.warning(
-                "verifiers environment %r: %d rollouts so far ended with %r",
+                "verifiers environment %r: %d rollouts so far ended with %s (this time: %r)",
                 self.env.config.env_id,
                 count,
+                error_kind(error),
                 error,
             )
 
