@@ -350,13 +350,13 @@ async def test_a_weighted_rubric_of_several_rewards_is_verifiers_own_sum():
     assert as_served(session, engine)
 
 
-async def test_a_reward_that_raises_is_an_agent_error_with_its_text_counted():
+async def test_a_reward_that_raises_is_the_environments_failure_with_its_text_counted():
+    """The rubric's own exception is the environment's failure (INFRA_ERROR, trained on
+    nothing), not the agent's (AGENT_ERROR trained the reply on a reward of 0)."""
     env = copy_env(plugged("divides"))
     sessions, source, _ = await play(env, ["123"], tasks=(0, 1))
     error = "TaskError: task CopyTask scoring: ZeroDivisionError: division by zero"
-    assert [(s.status, s.reward, s.error) for s in sessions] == [
-        (Status.AGENT_ERROR, 0.0, error)
-    ] * 2
+    assert [(s.status, s.error) for s in sessions] == [(Status.INFRA_ERROR, error)] * 2
     assert sessions[0].components == {"metric/reply_length": 3.0}  # scored before the rewards
     assert source.errors.most_common(1) == ((error, 2),)
 

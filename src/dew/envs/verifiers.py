@@ -42,7 +42,10 @@ How an episode's outcome becomes a dew status:
   past verifiers' own boundaries (asyncio's CancelledError, which cancels the episode from
   inside, a SystemExit: reward 0), and a trace whose reward is not a finite number (a reward
   function that returned nan or inf): that trace counts 0, and `error` names the reward.
-- INFRA_ERROR: dew's engine failed a call.
+- INFRA_ERROR: dew's engine failed a call, or the environment's rubric raised (a `@reward` or
+  `@metric` of its task: verifiers' `TaskError: task T scoring: ...`): the environment's own
+  failure, not the agent's, so its reply is not trained on a reward of 0 it did not earn (the
+  scheduler resubmits the rollout, and abandons a group whose attempts keep failing).
 
 An environment's errors are counted by kind, their exception's type (`VerifiersSource.errors`,
 each kind kept with its first full text), and reported as a warning of this module's logger at
@@ -72,6 +75,7 @@ import functools
 import json
 import logging
 import math
+import re
 import threading
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
@@ -505,6 +509,10 @@ class Outcome:
     seats: Mapping[str, float] | None = None
 
 
+# verifiers' text for an exception its task's rubric raised (`Task.score`'s boundary).
+_SCORING = re.compile(r"TaskError: task \w+ scoring: ")
+
+
 def _error_text(error: Any) -> str:
     return f"{error.type}: {error.message}"
 
@@ -545,6 +553,8 @@ def outcome(episode: Any) -> Outcome:
     errors = [_error_text(e) for e in episode.errors]
     errors += [_error_text(e) for trace in episode.traces for e in trace.errors]
     errors += [f"ValueError: {why}" for _, why in scored if why is not None]
+    if errors and _SCORING.match(errors[0]):
+        return Outcome(Status.INFRA_ERROR, 0.0, components, error=errors[0])
     if errors:
         return Outcome(Status.AGENT_ERROR, reward, components, error=errors[0], **seats)
     for trace in episode.traces:
@@ -629,7 +639,7 @@ class VerifiersSource:
         finally:
             session.close("finished" if played else "cancelled")
         ended = _session(session, result)
-        if ended.status is Status.AGENT_ERROR:
+        if ended.status is Status.AGENT_ERROR or _SCORING.match(ended.error or ""):
             self._count(ended.error)
         return ended
 
