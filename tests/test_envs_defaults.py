@@ -241,3 +241,29 @@ async def test_errors_that_quote_each_reply_are_counted_as_one_kind_with_the_fir
     assert len(said) == 2, said
     assert "1 rollouts" in said[0] and "10 rollouts" in said[1]
     assert "TaskError / ValueError" in said[1] and "reply '9'" in said[1]
+
+
+# --- build point 5: tasks= taken from the environment --------------------------------------------
+
+
+async def test_a_verifiers_source_finds_its_task_by_id_without_tasks_given():
+    """A scheduler given no `tasks=` hands the source plain task ids (`task_ids`): the source of
+    `Verifiers.source` takes each id's task from its environment (before, every rollout was
+    AGENT_ERROR: 'NoneType' object has no attribute 'data')."""
+    env = Verifiers.parse("_vf_copy,digits=3", size=2)
+    digits = env.task(1).payload.data.digits
+    async with Gateway(
+        ScriptedEngine([digits]), max_context=128, max_tokens=8, announce=False
+    ) as g:
+        session = await env.source(g).run(Task("1"), Label(0, 0, 0))
+    assert session.status is Status.COMPLETED, session.error
+    assert session.components["copied"] == 1.0
+
+
+async def test_a_task_id_outside_the_environment_is_named():
+    env = Verifiers.parse("_vf_copy,digits=3", size=2)
+    async with Gateway(ScriptedEngine(["1"]), max_context=128, max_tokens=8, announce=False) as g:
+        with pytest.raises(ValueError, match=r"task id 7 is outside 0 \.\. 1"):
+            await env.source(g).run(Task("7"), Label(0, 0, 0))
+        with pytest.raises(ValueError, match=r"task 'x' carries no verifiers task"):
+            await env.source(g).run(Task("x"), Label(0, 0, 0))

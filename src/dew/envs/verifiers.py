@@ -374,8 +374,10 @@ class Verifiers:
         )
 
     def source(self, gateway: Any, **options: Any) -> VerifiersSource:
-        """A `VerifiersSource` of this environment over a serving gateway."""
-        return VerifiersSource(gateway, self.env, **options)
+        """A `VerifiersSource` of this environment over a serving gateway, which takes a
+        task that carries no verifiers task (a scheduler's plain task ids, given no `tasks=`)
+        by its id from these tasks."""
+        return VerifiersSource(gateway, self.env, taskset=self, **options)
 
 
 # --- the asyncio side ---------------------------------------------------------------------------
@@ -614,6 +616,8 @@ class VerifiersSource:
         model: the model name the environment's agents ask for.
         max_calls: the most model calls per episode; None for no limit.
         wall_clock: seconds of trio's clock an episode may run; None for no limit.
+        taskset: the `Verifiers` whose task a plain task id names (a task whose payload is not
+            a verifiers task); None to take only tasks that carry their verifiers task.
 
     Attributes:
         errors: the AGENT_ERROR texts so far and how often each came.
@@ -624,13 +628,21 @@ class VerifiersSource:
     model: str = attrs.field(default="dew", kw_only=True)
     max_calls: int | None = attrs.field(default=None, kw_only=True, validator=_optional_count)
     wall_clock: float | None = attrs.field(default=None, kw_only=True, validator=_optional_seconds)
+    taskset: Verifiers | None = attrs.field(default=None, kw_only=True)
     errors: ErrorCounts = attrs.field(factory=lambda: ErrorCounts(64), init=False, eq=False)
 
     def __attrs_post_init__(self):
         check_offline(self.env)
 
     async def run(self, task: Task, label: Label) -> Session:
-        """Play one episode of `task` (its payload a verifiers task) in a fresh gateway session."""
+        """Play one episode of `task` (its payload a verifiers task, or its name an id of
+        `taskset`'s) in a fresh gateway session.
+
+        Raises:
+            ValueError: naming a task that carries no verifiers task and names none of
+                `taskset`'s (a scheduler needs `tasks=Verifiers.tasks` for such a source).
+        """
+        task = self._with_payload(task)
         session = self.gateway.open(label, max_calls=self.max_calls)
         played = False
         try:
@@ -642,6 +654,16 @@ class VerifiersSource:
         if ended.status is Status.AGENT_ERROR or _SCORING.match(ended.error or ""):
             self._count(ended.error)
         return ended
+
+    def _with_payload(self, task: Task) -> Task:
+        if task.payload is not None:
+            return task
+        if self.taskset is None or not task.name.isdigit():
+            raise ValueError(
+                f"task {task.name!r} carries no verifiers task and names none by its id: give "
+                "the scheduler tasks=Verifiers.tasks, or build the source with Verifiers.source"
+            )
+        return self.taskset.task(int(task.name))
 
     def _count(self, error: str) -> None:
         count = self.errors.add(error)  # by kind: a text quoting the reply varies every time
