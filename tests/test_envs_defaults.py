@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -267,3 +268,19 @@ async def test_a_task_id_outside_the_environment_is_named():
             await env.source(g).run(Task("7"), Label(0, 0, 0))
         with pytest.raises(ValueError, match=r"task 'x' carries no verifiers task"):
             await env.source(g).run(Task("x"), Label(0, 0, 0))
+
+
+ENVIRONMENTS = Path(__file__).parents[1] / "docs" / "environments.md"
+SNIPPETS = re.findall(
+    r"^```python\n(.*?)^```$", ENVIRONMENTS.read_text(encoding="utf-8"), re.M | re.S
+)
+
+
+def test_the_verifiers_snippet_of_the_docs_runs(capsys):
+    """docs/environments.md's verifiers snippet, as written but for its taskset: the tests'
+    `_vf_copy` stands for `my-taskset`."""
+    (snippet,) = [s for s in SNIPPETS if "Verifiers.parse" in s]
+    code = snippet.replace('"my-taskset"', '"_vf_copy"')
+    with jax.numpy_dtype_promotion("standard"):  # as test_readme: a reader's promotion
+        exec(compile(code, "docs/environments.md", "exec"), {"__name__": "docs"})
+    assert capsys.readouterr().out.startswith("reward ")
