@@ -9,9 +9,17 @@ import sys
 
 BENCHMARKS = sorted((pathlib.Path(__file__).parent.parent / "benchmarks").glob("*.py"))
 
-# Those that start vLLM servers, a pool of processes or a device mesh: minutes between them, so
-# they have a test file of their own, which xdist's file-by-file scheduling runs beside the rest.
-HEAVY = {"checkpoints", "engines", "parallel", "sharded_checkpoints", "vllm_nccl_push"}
+# Those that start vLLM servers, a pool of processes or a device mesh, or train one model in JAX
+# and in torch: minutes between them, so they have a test file of their own, which xdist's
+# file-by-file scheduling runs beside the rest.
+HEAVY = {
+    "checkpoints",
+    "engines",
+    "parallel",
+    "sharded_checkpoints",
+    "train_step_torch",
+    "vllm_nccl_push",
+}
 
 
 def run_smoke(script: pathlib.Path) -> None:
