@@ -284,3 +284,11 @@ def test_the_verifiers_snippet_of_the_docs_runs(capsys):
     with jax.numpy_dtype_promotion("standard"):  # as test_readme: a reader's promotion
         exec(compile(code, "docs/environments.md", "exec"), {"__name__": "docs"})
     assert capsys.readouterr().out.startswith("reward ")
+
+
+def test_the_textarena_snippet_of_the_docs_runs(capsys):
+    """docs/environments.md's TextArena snippet, as written: a TicTacToe game, one step."""
+    (snippet,) = [s for s in SNIPPETS if "TextArena.parse" in s]
+    with jax.numpy_dtype_promotion("standard"):
+        exec(compile(snippet, "docs/environments.md", "exec"), {"__name__": "docs"})
+    assert capsys.readouterr().out.startswith("reward ")
