@@ -14,7 +14,7 @@ import trio
 from dew import models
 from dew.data import ArrayDataset, Task
 from dew.objectives.rl.grpo import GRPOObjective
-from dew.objectives.rl.sessions import Call, Label, Session, Status
+from dew.objectives.rl.sessions import Call, Label, Session, Status, note_progress
 
 CONFIG = models.TransformerConfig(vocab=32, d_model=16, heads=2, layers=1, d_ff=32, max_len=64)
 PARAMS = models.init(jax.random.PRNGKey(0), CONFIG)
@@ -25,7 +25,8 @@ WIDTH, ROWS = 64, 8
 @attrs.frozen
 class Plan:
     """How one scripted rollout goes: `delay` seconds, then `calls` calls over `duration`
-    seconds, each under the version served when it starts; then `raises`, or a session of
+    seconds, each under the version served when it starts (told the scheduler as it starts,
+    as an engine does through note_progress); then `raises`, or a session of
     `status`, `reward` and `truncation` whose calls complete `tokens` tokens each. Cancelled,
     it raises `raises_when_cancelled` if set (a source broken in its cleanup)."""
 
@@ -72,6 +73,7 @@ class Scripted:
                 await trio.sleep(plan.delay)
             for i in range(plan.calls):
                 version = self.engine.version
+                note_progress(version=version)  # as an engine says it, for the running lag
                 await trio.sleep(plan.duration / plan.calls)
                 prompt = np.arange(1, 3 + i * (1 + plan.tokens), dtype=np.int32) % 30 + 1
                 completion = np.full(plan.tokens, 5 + label.sample, np.int32)

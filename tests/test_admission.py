@@ -183,6 +183,8 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.subs: dict[Label, Submission] = {}
         self.ends: dict[Label, LogEvent] = {}
         self.in_flight: set[Label] = set()
+        # The version a rollout in flight made its first call under, once the shell said so.
+        self.started: dict[Label, int] = {}
         self.results: dict[Label, Session] = {}
         self.failures: collections.Counter[tuple[int, int]] = collections.Counter()
         self.groups: dict[int, tuple[int, Task]] = {}  # group -> (batch, task)
@@ -213,6 +215,14 @@ class AdmissionMachine(RuleBasedStateMachine):
             self.registry.append(self.new_batch(data))
         index = self.registry.pop(0)
         upcoming = [index] + self.registry[: self.setup.ahead]
+        # Rollouts in flight whose first call started since the last hand-over, as the shell
+        # says: under the version served until this hand-over's push.
+        for label in sorted(self.in_flight - set(self.started), key=by_label):
+            if data.draw(st.booleans(), label="started"):
+                self.started[label] = self.served
+        started = tuple(
+            (x, self.started[x]) for x in sorted(self.in_flight, key=by_label) if x in self.started
+        )
         grown = 1 if self.setup.steady else data.draw(st.sampled_from((0, 1, 2)), label="updates")
         self.updates = grown if self.updates is None else self.updates + grown
         pushed = core.push_due(self.served, self.updates, self.setup.sync_every)
@@ -220,7 +230,11 @@ class AdmissionMachine(RuleBasedStateMachine):
             self.served = self.updates
         self.waiting = index
         tasks = tuple((b, self.batch_tasks[b]) for b in upcoming)
-        self.apply(HandedOver(self.tick(data), index, self.updates, self.served, pushed, tasks))
+        self.apply(
+            HandedOver(
+                self.tick(data), index, self.updates, self.served, pushed, tasks, started=started
+            )
+        )
 
     @precondition(lambda self: self.in_flight)
     @rule(data=st.data())
@@ -315,13 +329,21 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     def returned(self, data, label: Label, status: Status, reward: float | None) -> Session:
         """What the source returns for `label`, stamped as the shell stamps it: its calls carry
-        versions from its submission's up to the one served now."""
+        versions from its submission's (or its first call's, once started) up to the one served
+        now."""
         sub = self.subs[label]
-        count = data.draw(st.integers(0, 3), label="calls")
+        first = self.started.get(label)
+        count = data.draw(st.integers(0 if first is None else 1, 3), label="calls")
         versions = data.draw(
-            st.lists(st.integers(sub.version, self.served), min_size=count, max_size=count),
+            st.lists(
+                st.integers(sub.version if first is None else first, self.served),
+                min_size=count,
+                max_size=count,
+            ),
             label="versions",
         )
+        if first is not None:
+            versions[0] = first
         return session(
             status,
             tuple(sorted(versions)),
@@ -498,10 +520,12 @@ class Referee:
         elif isinstance(event, SourceFailed):
             self.broken_batch = m.batch_of(event.label)
         elif isinstance(event, HandedOver):
-            # The page: one running whose submission is past the bound is cancelled, one
-            # finished whose oldest call is past it is discarded; both are resubmitted.
+            # The page: one running whose oldest call (as the shell said, else its submission)
+            # is past the bound is cancelled, one finished whose oldest call is past it is
+            # discarded; both are resubmitted.
+            started = dict(event.started)
             for label in m.in_flight:
-                if event.updates - m.subs[label].version > config.max_lag:
+                if event.updates - started.get(label, m.subs[label].version) > config.max_lag:
                     self.demanded[label] = ("cancelled", "stale")
             for label, done in m.results.items():
                 if event.updates - m.oldest(label, done) > config.max_lag:

@@ -29,6 +29,7 @@ import trio
 import trio.testing
 from trio._core._run import _r as trio_scheduler_random
 
+from _scripted import ROWS, WIDTH, Engine, Plan, Scripted
 from dew import cli, models
 from dew.data import ArrayDataset, Task
 from dew.envs import GuessDigit, SimulatedConfig, SimulatedEngine, SimulatedSource
@@ -471,6 +472,40 @@ async def test_a_users_own_source_replays_in_a_few_lines(tmp_path, autojump_cloc
     assert result.steps == 6
     with pytest.raises(AssertionError, match=r"replay diverged at step 0"):
         await assert_replays(trace, oversample=2)
+
+
+async def test_a_rollout_kept_by_its_first_calls_version_replays_so(tmp_path, autojump_clock):
+    """The trace holds when each rollout's first call started and under which version, and the
+    replay tells the scheduler alike: batch 2 (submitted under version 0, ahead 2) is swept at
+    updates 3, where its sample 0, whose first call came after the push of version 1, is kept
+    and its sample 1 (first call under version 0) is cancelled as stale. Without the first
+    calls, the replay would cancel both."""
+    engine = Engine()
+
+    def script(task, label):
+        if task.name != "2" or label.attempt > 0:
+            return Plan(duration=0.5)
+        if label.sample == 0:
+            return Plan(delay=2.0, duration=1.5, calls=3)
+        return Plan(duration=4.0, calls=2)
+
+    trace = await record_run(
+        Scripted(engine, script),
+        engine,
+        tmp_path / "first_call.trace",
+        updates=[0, 1, 3],
+        batch_size=1,
+        width=WIDTH,
+        rows=ROWS,
+        groups=2,
+        ahead=2,
+        max_lag=2,
+    )
+    firsts = {label: s.first_call for label, s in trace.sessions.items() if s.task.name == "2"}
+    assert firsts[Label(2, 0, 0)] == (2.0, 1) and firsts[Label(2, 1, 0)] == (0.0, 0)
+    stale = [e.label for e in log(trace) if e.kind == "cancelled" and e.reason == "stale"]
+    assert stale == [Label(2, 1, 0)]
+    await assert_replays(trace)
 
 
 def test_accounting_helpers_catch_a_broken_log():

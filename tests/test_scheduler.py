@@ -183,6 +183,40 @@ async def test_a_rollout_running_across_a_push_keeps_running_and_is_as_stale_as_
     assert set(versions.tolist()) == {0, 1}
 
 
+async def test_a_running_rollout_is_cancelled_as_stale_by_its_oldest_calls_version(
+    autojump_clock,
+):
+    """Batch 2 is submitted under version 0 at call 0 (ahead 2); call 2 reports updates 3, so by
+    its submission all of it is past max_lag 2. Its sample 0 queued until after the push of
+    version 1 and made its first call under it: lag 2, kept and admitted. Its sample 1 made its
+    first call under version 0: lag 3, cancelled as stale and resubmitted."""
+    engine = Engine()
+
+    def script(task, label):
+        if task.name != "2" or label.attempt > 0:
+            return Plan(duration=0.5)
+        if label.sample == 0:
+            return Plan(delay=2.0, duration=1.5, calls=3)  # first call at 2.0, under version 1
+        return Plan(duration=4.0, calls=2)  # first call at 0, under version 0
+
+    source = Scripted(engine, script)
+    records = []
+    async with scheduler(source, engine, ahead=2, max_lag=2) as sched:
+        stream = sched.tasks(dataset(batches=4, size=1)).stream(0)
+        batches = [next(stream) for _ in range(4)]
+        for call, updates in enumerate([0, 1, 3]):
+            await sched.step(batches[call], PARAMS, updates)
+            records.append(sched.last_record)
+            events = sched.last_events
+            await trio.sleep(1.0)
+    assert [v for _, v in engine.pushes] == [0, 1, 3]
+    stale = [label for _, label, reason in source.cancelled if reason == "stale"]
+    assert [(label.sample, label.attempt) for label in stale] == [(1, 0)]
+    admitted = sorted((e.label.sample, e.label.attempt) for e in kinds(events, "admitted"))
+    assert admitted == [(0, 0), (1, 1)]
+    assert records[2].version == 1 and records[2].lag == 2
+
+
 # 4, 5. Groups and admission by status ------------------------------------------------------------
 
 

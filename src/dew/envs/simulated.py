@@ -465,6 +465,8 @@ class SimulatedEngine:
                 # It may have been woken to dispatch for a freed slot; hand that on.
                 self._wake_first()
             raise
+        # The rollout's lag counts from here while it runs (note_progress), not its submission.
+        note_progress(version=waiter.version)
         try:
             await self._decode(seconds)
         finally:

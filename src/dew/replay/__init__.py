@@ -23,7 +23,11 @@ trainer's thread). Each later line has a `kind`:
   error, and, for an episode of several agents, `seats`; absent, either is None), `cancelled`
   (its run got trio.Cancelled at `ended`), `raised` (the source raised `error`) or `invalid`
   (it returned what the scheduler refuses, or no trace holds: `error` is the refusal, as the
-  failed trainer call says it, which replay raises alike);
+  failed trainer call says it, which replay raises alike); and, where its engine said when its
+  first call started (`note_progress(version=...)`), `first_call` [time, version], which replay
+  says alike at that time, since the scheduler counts a running rollout's lag from it (added
+  within version 4: a trace without it replays as recorded, its rollouts counted from their
+  submission as they were);
 - `push`: a weight push (`version`, `time`);
 - `call`: one trainer call: its `step`, `batch`, `updates`, the `stream` and how many batches it
   had yielded (`read`), `handed_over` and `returned` times, and either the SchedulerRecord

@@ -17,6 +17,7 @@ import trio
 import trio.testing
 
 from dew.data import Batch, Dataset, Task
+from dew.objectives.rl._session import oldest_call
 from dew.objectives.rl.scheduler import Publisher, RolloutScheduler, SchedulerRecord
 from dew.objectives.rl.sessions import Label, Session, SessionError, SessionSource, check_session
 from dew.replay._format import (
@@ -335,6 +336,7 @@ class Recorder:
         session: dict | None = None,
         error: str | None = None,
     ) -> None:
+        first = oldest_call()
         line = {
             "kind": "session",
             "task": _encode_task(task),
@@ -344,6 +346,8 @@ class Recorder:
             "outcome": outcome,
             "error": error,
         }
+        if first is not None:
+            line["first_call"] = list(first)
         if session is not None:
             line["session"] = session
         self._write(line)

@@ -20,7 +20,7 @@ from dew import _gc
 from dew._trio import exit_unwrapped
 from dew.data import Batch, Task
 from dew.objectives.rl.scheduler import MAX_IN_FLIGHT, RolloutScheduler
-from dew.objectives.rl.sessions import Label, Session, Status
+from dew.objectives.rl.sessions import Label, Session, Status, note_progress
 from dew.replay._divergence import Divergence, ReplayedCall, ReplayNote, ReplayResult, _divergences
 from dew.replay._format import (
     CONFIG,
@@ -216,10 +216,18 @@ class ReplaySource:
         if recorded is None or recorded.task.name != task.name:
             self.notes.append(ReplayNote(now, task.name, label, "never ran", f"ran at {now!r}"))
             return Session(Status.INFRA_ERROR, error="replay: this rollout is not in the trace")
+        shift = 0.0
         if now == self._submitted.get(label, recorded.submitted):
             end = recorded.ended
         else:
+            shift = now - recorded.submitted
             end = now + (recorded.ended - recorded.submitted)
+        if recorded.first_call is not None:
+            # Its engine said when its first call started: say it alike, for the scheduler
+            # counts a running rollout's lag from it.
+            time, version = recorded.first_call
+            await self.sleep_until(time if not shift else now + (time - recorded.submitted))
+            note_progress(version=version)
         if recorded.outcome == "cancelled":
             # Returns only by trio.Cancelled.
             await self._until_cancelled(label, task.name, end)

@@ -46,6 +46,8 @@ class RecordedSession:
         session: the returned session (unstamped), for `returned`.
         error: what was raised, or why the returned value could not be held, for `raised` and
             `invalid`.
+        first_call: when its oldest call started and its version, where its engine said so
+            (note_progress): the scheduler counts a running rollout's lag from it.
     """
 
     task: Task
@@ -55,6 +57,7 @@ class RecordedSession:
     outcome: str
     session: Session | None = attrs.field(default=None, eq=False)
     error: str | None = None
+    first_call: tuple[float, int] | None = None
 
 
 @attrs.frozen
@@ -222,6 +225,24 @@ class _Line:
         if not isinstance(value, dict):
             self.fail(f"a task must be an object, got {value!r}")
         return Task(self.get("name", (str,), value), value.get("payload"))
+
+
+def _first_call(line: _Line) -> tuple[float, int] | None:
+    """A session line's `first_call` [time, version], or None where it has none (a trace
+    written before the field, or an engine that does not say)."""
+    value = line.data.get("first_call")
+    if value is None:
+        return None
+    if (
+        type(value) is not list
+        or len(value) != 2
+        or type(value[0]) not in (int, float)
+        or not math.isfinite(value[0])
+        or type(value[1]) is not int
+        or value[1] < 0
+    ):
+        line.fail(f"field 'first_call' must be [time, version >= 0], got {value!r}")
+    return float(value[0]), value[1]
 
 
 @functools.lru_cache(maxsize=64)
@@ -513,6 +534,7 @@ def _read_trace(path: str, partial: bool) -> Trace:
                 outcome=outcome,
                 session=session,
                 error=line.get("error", _OPTIONAL_STR),
+                first_call=_first_call(line),
             )
         elif kind == "push":
             pushes.append((line.time("time"), line.get("version", (int,))))

@@ -251,6 +251,10 @@ class HandedOver:
     # the checkpoint (none given: 0), from which its count towards HOLD_AFTER goes on.
     carried: tuple[Task, ...] = ()
     stale: tuple[int, ...] = ()
+    # The running rollouts whose engine said which version their oldest call started under
+    # before this instant (note_progress), with that version: their lag counts from it, as a
+    # finished rollout's does. A running rollout not named counts from its submission.
+    started: tuple[tuple[Label, int], ...] = ()
 
 
 @attrs.frozen
@@ -560,9 +564,10 @@ class _Step:
         self.log("handed_over", version=event.updates)
         if event.pushed:
             self.log("pushed", version=event.served)
+        started = dict(event.started)
         for group in list(self.groups.values()):
             if group.state in (GroupState.RUNNING, GroupState.COMPLETE):
-                self.sweep_stale(group)
+                self.sweep_stale(group, started)
         if self.config.carry_over and self.config.hedge:
             for group in list(self.groups.values()):
                 if group.state is GroupState.RUNNING:
@@ -750,12 +755,15 @@ class _Step:
         if len(self.usable(group)) >= self.config.groups:
             self.complete(group)
 
-    def sweep_stale(self, group: Group) -> None:
-        """Resubmit what is already past the bound: running ones by their submission's version,
-        finished ones by their oldest call's."""
+    def sweep_stale(self, group: Group, started: Mapping[Label, int]) -> None:
+        """Resubmit what is already past the bound, by its oldest call's version: for a running
+        one, the version `started` gives it (its engine's word), else its submission's."""
         updates, max_lag = self.updates, self.config.max_lag
         for sample in group.samples:
-            if sample.state is SampleState.RUNNING and updates - sample.version > max_lag:
+            if (
+                sample.state is SampleState.RUNNING
+                and updates - started.get(sample.label, sample.version) > max_lag
+            ):
                 group = self.end(group, sample, "stale")
                 group = self.resubmit(group, sample, "stale")
             elif (

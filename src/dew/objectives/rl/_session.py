@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 import numpy as np
+import trio
 
 from dew.data import Task
 
@@ -155,13 +156,16 @@ class Session:
 @attrs.define(eq=False)
 class Progress:
     """How far a rollout got: tokens sampled by its finished calls, calls begun, the tokens of
-    the call being sampled (a list the engine grows), None between calls, and what it waits on
-    now (`waiting_on`)."""
+    the call being sampled (a list the engine grows), None between calls, what it waits on now
+    (`waiting_on`), and its oldest call's version with the time that call started, once an
+    engine has said so (`note_progress(version=...)`): the version its lag counts from while it
+    still runs."""
 
     tokens: int = 0
     calls: int = 0
     sampling: Sized | None = None
     waiting: str | None = None
+    oldest: tuple[float, int] | None = None  # (time, version) of its oldest call's start
 
     def length(self) -> tuple[int, int]:
         """Its tokens and calls so far: a cancelled rollout's lower bounds."""
@@ -183,21 +187,44 @@ _PROGRESS: contextvars.ContextVar[Progress | None] = contextvars.ContextVar(
 )
 
 
-def note_progress(tokens: int = 0, *, calls: int = 0, sampling: Sized | None = None) -> None:
+def note_progress(
+    tokens: int = 0,
+    *,
+    calls: int = 0,
+    sampling: Sized | None = None,
+    version: int | None = None,
+) -> None:
     """Count, for the rollout running in this trio task, tokens its finished calls sampled and
     calls begun, and say which call samples now (`sampling`, its growing tokens; None once no
     call does).
 
     An engine calls it as it samples (dew's RolloutServer and SimulatedSource do), so that a
     rollout the scheduler cancels still says how far it got: the lower bounds of its length
-    that the record's selection-bias figures take. Outside a scheduler's rollout it does
-    nothing.
+    that the record's selection-bias figures take. An engine that also passes `version`, the
+    weights version a call starts under, as the call starts (the simulated engine does, once
+    the call has its slot), lets the scheduler count a running rollout's lag from its oldest
+    call, as it counts a finished one's, rather than from its submission: a rollout queued
+    through a push is not cancelled as stale before its calls are. It sets nothing else
+    (`sampling` stays as it was). Outside a scheduler's rollout it does nothing.
     """
     progress = _PROGRESS.get()
-    if progress is not None:
-        progress.tokens += tokens
-        progress.calls += calls
-        progress.sampling = sampling
+    if progress is None:
+        return
+    if version is not None:
+        if progress.oldest is None or version < progress.oldest[1]:
+            progress.oldest = (trio.current_time(), version)
+        return
+    progress.tokens += tokens
+    progress.calls += calls
+    progress.sampling = sampling
+
+
+def oldest_call() -> tuple[float, int] | None:
+    """The rollout running in this trio task: when its oldest call started and its version,
+    as its engine said (note_progress), or None (no call yet, an engine that does not say, or
+    outside a scheduler's rollout). A trace records it, so that its replay says it alike."""
+    progress = _PROGRESS.get()
+    return None if progress is None else progress.oldest
 
 
 @contextlib.contextmanager

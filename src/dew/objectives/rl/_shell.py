@@ -985,11 +985,25 @@ class _Scheduler:
                 # close() came during the push: the batches' nurseries are going.
                 raise RuntimeError(CLOSED_WAITING)
         self._waiting = True
-        self._post(core.HandedOver(time=now, **handover.event_fields))
+        self._post(
+            core.HandedOver(time=now, started=self._oldest_calls(now), **handover.event_fields)
+        )
         if self.long_wait is not None:
             self._watch = trio.CancelScope()
             first = not self._delivered
             self._nursery.start_soon(self._watch_wait, self._watch, self.long_wait, first)
+
+    def _oldest_calls(self, now: float) -> tuple[tuple[Label, int], ...]:
+        """The running rollouts whose oldest call started before `now`, with its version (see
+        note_progress). One whose call started at `now` itself counts from its submission, as
+        before: trio may run that start before or after this hand-over, so only an earlier one
+        is the same in every run and in its replay."""
+        started = [
+            (label, progress.oldest[1])
+            for label, progress in self._progress.items()
+            if progress.oldest is not None and progress.oldest[0] < now
+        ]
+        return tuple(sorted(started, key=lambda item: (item[0].group, item[0].sample)))
 
     async def _push(self, variables: Variables, version: int) -> bool:
         """Serve `variables` under `version`: awaits the publisher's `load_async` where it has
