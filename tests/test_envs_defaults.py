@@ -100,6 +100,18 @@ def test_a_first_prompt_that_cannot_fit_is_refused_before_the_run_folder(
     assert not run.exists()
 
 
+def test_a_games_first_prompt_past_the_context_is_refused_before_the_run_folder(tmp_path, capsys):
+    """TextArena alike: TicTacToe's first message (about 400 bytes) cannot fit 100 tokens."""
+    run = tmp_path / "run"
+    argv = ["--env", "textarena:TicTacToe-v0", "--run", str(run), *TINY, "--max-context", "100"]
+    with pytest.raises(SystemExit) as exit_:
+        train([*argv, "--steps", "1"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert "--max-context 100: task '0'" in error and "tokens" in error
+    assert "Traceback" not in error and not run.exists()
+
+
 # --- build point 3: several agents per episode -------------------------------------------------
 
 

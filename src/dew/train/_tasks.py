@@ -13,7 +13,7 @@ import numpy as np
 
 from dew import models
 from dew.data import Batch, Dataset, Task
-from dew.envs.environment import Sampling
+from dew.envs.environment import Sampling, Seated
 from dew.envs.lookup import HARNESSES
 from dew.envs.reasoning_gym import ReasoningGym
 from dew.envs.tasks import CopyDigits, EchoDigits, GuessDigit
@@ -241,6 +241,20 @@ def _textarena_task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
 
     game = TextArena.parse(config.task, seed=config.seed)
     context = config.max_context or game.game.max_context
+    try:
+        # A game's first message (its opening) must leave room for a move. Openings differ in
+        # what a task draws (a word, a first move), not in their form: the first tasks tell,
+        # without building each of a thousand games at start.
+        measure(
+            [Task(str(index)) for index in range(min(16, config.tasks + config.eval_tasks))],
+            lambda task: _unseated(game.environment().reset(task)),
+            max_tokens=config.max_tokens,
+            rollouts=config.batch_size * config.groups,
+            tokenizer=tokenizer,
+            max_context=context,
+        )
+    except ValueError as error:
+        raise ValueError(f"--env {config.task}, --max-context {context}: {error}") from None
 
     def source(engine, sampling: Sampling) -> SessionSource:
         return game.source(
@@ -255,6 +269,11 @@ def _textarena_task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
     players = game.game.players if game.self_play else 1
     shape = _Shape(max_len=context, width=context, chains_per_row=1, chains_per_rollout=players)
     return _RunTask(source, game.dataset, game.tasks, shape)
+
+
+def _unseated(observation):
+    """A self-play game's observation without the seat it is for (`Seated`)."""
+    return observation.observation if isinstance(observation, Seated) else observation
 
 
 def _served_by_gateway(source: SessionSource, server: RolloutServer) -> SessionSource:
