@@ -7,10 +7,13 @@ import re
 import attrs
 import numpy as np
 import pytest
+import trio
 
 from dew import cli, simulate
 from dew.data import Task
 from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
+from dew.objectives.rl._session import track_progress
+from dew.objectives.rl.scheduler import LogEvent
 from dew.objectives.rl.sessions import Label
 
 
@@ -300,3 +303,47 @@ def test_the_records_measure_the_bias_of_the_cuts_and_none_without_them(smoke):
     for name in ("ahead=1 oversample=2", "ahead=1 admit=3"):
         assert rows[name].length_ratio < 1.0
         assert rows[name].selection <= rows[name].length_ratio
+
+
+async def test_slot_waste_counts_from_a_rollouts_start_on_a_slot(autojump_clock):
+    """One slot, two one-call rollouts submitted at 0: A decodes 2 s and is admitted; B queues
+    for the slot until 2 and is cancelled at 4. Rollout-seconds: A 2, B 4 (wasted 4 of 6).
+    Slot-seconds: A 2, B 2, from its start on the slot (wasted 2 of 4)."""
+    engine = SimulatedEngine(slots=1)
+
+    class OneCall:
+        async def run(self, task: Task, label: Label) -> None:
+            await engine.call(2.0, (task.name,))
+
+    timed = simulate._Timed(OneCall())
+
+    async def rollout(name: str, label: Label, cancel_at: float) -> None:
+        track_progress()  # as the scheduler gives each rollout's task its own
+        with trio.move_on_at(cancel_at):
+            await timed.run(Task(name), label)
+
+    a, b = Label(0, 0, 0), Label(1, 0, 0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rollout, "a", a, 10.0)
+        nursery.start_soon(rollout, "b", b, 4.0)
+    assert timed.spans == {a: (0.0, 2.0), b: (0.0, 4.0)}
+    assert timed.slots == {a: 0.0, b: 2.0}
+    events = [LogEvent("admitted", 2.0, 0, 0, "a", a), LogEvent("cancelled", 4.0, 0, 1, "b", b)]
+    model_time = {a: 2.0, b: 2.0}.get
+    wasted, spent, _ = simulate._account(events, timed.spans, lambda task, label: model_time(label))
+    assert (wasted, spent) == (4.0, 6.0)
+    on_slots = simulate._on_slots(timed.spans, timed.slots)
+    wasted, spent, _ = simulate._account(events, on_slots, lambda task, label: model_time(label))
+    assert (wasted, spent) == (2.0, 4.0)
+
+
+def test_the_table_shows_slot_waste_beside_rollout_waste(smoke):
+    """Sync and ahead admit all they submit: no slot waste; a cut wastes slot-seconds too."""
+    workload, outcomes = smoke
+    rows = by_name(outcomes)
+    assert rows["sync"].slot_wasted == 0.0 and rows["ahead=1"].slot_wasted == 0.0
+    for name, row in rows.items():
+        if "oversample" in name or "admit" in name:
+            assert 0.0 < row.slot_wasted < 1.0, name
+    table = simulate.report(workload, outcomes)
+    assert "slot waste" in table.splitlines()[1]

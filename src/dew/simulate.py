@@ -27,6 +27,7 @@ import trio.testing
 from dew._checks import as_tuple, at_least, check_number, in_range, int_at_least, positive
 from dew.data import ArrayDataset, Task
 from dew.envs.simulated import ObservedRollout, SimulatedConfig, SimulatedEngine, SimulatedSource
+from dew.objectives.rl._session import oldest_call
 from dew.objectives.rl.scheduler import LogEvent, RolloutScheduler
 from dew.objectives.rl.sessions import Label, Session, SessionSource, Status
 
@@ -283,6 +284,10 @@ class Outcome:
             runs from the submission to its end (return or cancellation), slot queueing
             included; work still in flight when the run ends counts nowhere.
         wasted_seconds: those wasted rollout-seconds themselves.
+        slot_wasted: the same share in slot-seconds: a submission's run from its start on an
+            engine slot (its first call's, as the engine says it through note_progress) to its
+            end, its queueing before that left out; one that never got a slot spent none. What
+            the engines, rather than the queue, gave to work thrown away.
         selection: the admitted rollouts' mean model time (the seconds they decode, slot
             queueing left out) over the population's mean duration: below 1 where
             completion-time selection favours short rollouts, about 1 where nothing is
@@ -311,6 +316,7 @@ class Outcome:
     cut: int
     length_ratio: float = math.nan
     slot_wait: float = math.nan
+    slot_wasted: float = math.nan
 
     @property
     def goodput(self) -> float:
@@ -345,15 +351,18 @@ class BehaviorObjective:
 
 @attrs.define(eq=False)
 class _Timed:
-    """A SessionSource that notes when each submission starts and stops running.
+    """A SessionSource that notes when each submission starts and stops running, and when it
+    started on an engine slot.
 
     Args:
         source: runs the rollouts.
         spans: label -> (start, end) on trio's clock, end at its return or cancellation.
+        slots: label -> when its first call got a slot (oldest_call), for those that got one.
     """
 
     source: SessionSource
     spans: dict[Label, tuple[float, float]] = attrs.Factory(dict)
+    slots: dict[Label, float] = attrs.Factory(dict)
 
     async def run(self, task: Task, label: Label) -> Session:
         start = trio.current_time()
@@ -361,6 +370,9 @@ class _Timed:
             return await self.source.run(task, label)
         finally:
             self.spans[label] = (start, trio.current_time())
+            first = oldest_call()
+            if first is not None:
+                self.slots[label] = first[0]
 
 
 @attrs.define(eq=False)
@@ -547,6 +559,9 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
     full = setting.admit is None or setting.admit == "auto" or setting.carry_over
     admitted_groups = workload.tasks if full else setting.admit
     wasted, spent, durations = _account(events, source.spans, simulated.model_time)
+    slot_wasted, slot_spent, _ = _account(
+        events, _on_slots(source.spans, source.slots), simulated.model_time
+    )
     engine_bound = math.inf if workload.slots is None else workload.slots / workload.population_mean
     trainer_bound = (
         admitted_groups * workload.groups / workload.step_time
@@ -566,6 +581,7 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
         cut=sum(record.cut for record in measured),
         length_ratio=_length_ratio(measured),
         slot_wait=engine.queued / engine.granted if engine.granted else math.nan,
+        slot_wasted=slot_wasted / slot_spent if slot_spent > 0 else 0.0,
     )
 
 
@@ -581,6 +597,14 @@ def _length_ratio(records) -> float:
         return math.nan
     admitted, started = np.mean(pairs, axis=0)
     return float(admitted / started) if started > 0 else math.nan
+
+
+def _on_slots(
+    spans: Mapping[Label, tuple[float, float]], slots: Mapping[Label, float]
+) -> dict[Label, tuple[float, float]]:
+    """Each submission's span from its start on a slot to its end; one that never got a slot,
+    an empty span at its end."""
+    return {label: (slots.get(label, end), end) for label, (_, end) in spans.items()}
 
 
 def _account(
@@ -646,7 +670,8 @@ def report(workload: Workload, outcomes: Sequence[Outcome]) -> str:
 
     Columns: goodput (admitted samples per simulated second), its share of the capacity bound,
     the trainer's idle share, the mean and max over steps of a step's lag (its oldest admitted
-    call's), the wasted share of rollout-seconds, the admitted rollouts' mean duration over
+    call's), the wasted share of rollout-seconds and of slot-seconds (Outcome.slot_wasted), the
+    admitted rollouts' mean duration over
     the population mean (selection bias; see Outcome), and their mean seconds over those of
     everything their batches started (the same bias as a trainer's record measures it: see
     Outcome.length_ratio), and the mean seconds an engine call waited for a slot. A last line
@@ -656,14 +681,14 @@ def report(workload: Workload, outcomes: Sequence[Outcome]) -> str:
     lines = [
         describe(workload),
         f"{'setting':<26}{'goodput/s':>10}{'of bound':>10}{'idle':>7}"
-        f"{'lag mean':>10}{'lag max':>9}{'wasted':>8}{'admitted/mean':>15}"
+        f"{'lag mean':>10}{'lag max':>9}{'wasted':>8}{'slot waste':>12}{'admitted/mean':>15}"
         f"{'admitted/started':>18}{'slot wait':>11}",
     ]
     for o in outcomes:
         lines.append(
             f"{o.setting.name:<26}{o.goodput:>10.2f}{percent(o.share):>10}{o.idle:>7.1%}"
-            f"{np.mean(o.lags):>10.2f}{max(o.lags):>9d}{o.wasted:>8.1%}{o.selection:>15.2f}"
-            f"{o.length_ratio:>18.2f}{o.slot_wait:>10.2f}s"
+            f"{np.mean(o.lags):>10.2f}{max(o.lags):>9d}{o.wasted:>8.1%}{percent(o.slot_wasted):>12}"
+            f"{o.selection:>15.2f}{o.length_ratio:>18.2f}{o.slot_wait:>10.2f}s"
         )
     by_name = {o.setting.name: o for o in outcomes}
     if "sync" in by_name and "ahead=1" in by_name:
