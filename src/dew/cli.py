@@ -23,6 +23,7 @@ import attrs
 
 from dew import replay, simulate, train, tune
 from dew._checks import int_option, number_option, span_option
+from dew.serve import _vllm_serve
 
 
 @attrs.frozen
@@ -163,6 +164,11 @@ COMMANDS: dict[str, Command] = {
         summary="write a dew train --model run's last checkpoint as a Hugging Face folder",
         configure=train.configure_export_cli,
         run=train.run_export_cli,
+    ),
+    "serve": Command(
+        summary="start a vLLM server for a checkpoint folder, for dew train --engine-url",
+        configure=_vllm_serve.configure_cli,
+        run=_vllm_serve.run_cli,
     ),
     "replay": Command(
         summary="replay a recorded run under a mock clock and say where it first differs",

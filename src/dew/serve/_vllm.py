@@ -111,6 +111,26 @@ class _Server:
         return "" if self.process is None else f", its log {self.process.log}"
 
 
+def start_flags(
+    name: str, *, dtype: str, max_model_len: int, arguments: Sequence[str] = ()
+) -> list[str]:
+    """The vLLM flags after `--model`, `--host` and `--port` of every server dew starts
+    (`VLLMEngine.start`, `dew serve`): the served name, dtype and length, eager mode, the flags
+    attach requires, those for dew's bursts (`START_FLAGS`), then `arguments`."""
+    return [
+        "--served-model-name",
+        name,
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        *_REQUIRED_FLAGS,
+        *START_FLAGS,
+        *arguments,
+    ]
+
+
 class VLLMEngine:
     """vLLM servers as one engine for sources and the gateway, and one weight Publisher.
 
@@ -290,18 +310,7 @@ class VLLMEngine:
             work_dir = owned = Path(tempfile.mkdtemp(prefix="dew-vllm-"))
         work_dir = Path(work_dir)
         work_dir.mkdir(parents=True, exist_ok=True)
-        flags = [
-            "--served-model-name",
-            name,
-            "--dtype",
-            dtype,
-            "--max-model-len",
-            str(max_model_len),
-            "--enforce-eager",
-            *_REQUIRED_FLAGS,
-            *START_FLAGS,
-            *arguments,
-        ]
+        flags = start_flags(name, dtype=dtype, max_model_len=max_model_len, arguments=arguments)
 
         def serve(index: int, server_port: int) -> ServerProcess:
             return ServerProcess(
@@ -1241,12 +1250,18 @@ def _started_under(spans, submitted: int) -> int:
 
 
 def _said(answer: httpx.Response) -> str:
-    """A server's error answer in one line: its status and message."""
+    """A server's error answer in one line: its status and message. An answer that is not
+    JSON (another server on the port: a web server's HTML error page) is named by its content
+    type and what answered (the Server header), never pasted in."""
     try:
         body = answer.json()
         message = body.get("error") or body.get("detail") or body.get("message") or body
         if isinstance(message, dict):
             message = message.get("message", message)
-    except ValueError:
-        message = answer.text
-    return f"{answer.status_code} {str(message)[:500]}"
+    except (ValueError, AttributeError):
+        kind = answer.headers.get("content-type", "no content type").split(";")[0]
+        lines = answer.text.strip().splitlines()
+        first = lines[0][:200] if len(lines) == 1 and "html" not in kind else ""
+        who = answer.headers.get("server")
+        message = f"({kind}{f', from {who}' if who else ''}){f' {first}' if first else ''}"
+    return f"{answer.status_code} {' '.join(str(message).split())[:500]}"

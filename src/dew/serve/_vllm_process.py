@@ -132,6 +132,39 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
+def server_command(
+    checkpoint: Path,
+    *,
+    host: str,
+    port: int,
+    arguments: Sequence[str],
+    environment: Mapping[str, str],
+) -> tuple[list[str], dict[str, str]]:
+    """The command line of a vLLM server of `checkpoint` on `host:port` and the variables it
+    needs on top of dew's environment: `SERVER_ENVIRONMENT`, `environment`, and a PYTHONPATH
+    led by the `_vllm_site` folder. The one place a server's command is made: `ServerProcess`
+    runs it and `dew serve --print-command` prints it, so a server started by hand runs as
+    dew's own do."""
+    added = {**SERVER_ENVIRONMENT, **environment}
+    # Every Python process vLLM starts imports `_vllm_site/sitecustomize.py` first (it mends
+    # broken torchvision builds, whose import fails vLLM's).
+    inherited = added.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
+    added["PYTHONPATH"] = os.pathsep.join([str(_SITE), *filter(None, [inherited]), *_dew_source()])
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(checkpoint),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *arguments,
+    ]
+    return command, added
+
+
 class ServerProcess:
     """One vLLM OpenAI-compatible server process that dew started, and its log.
 
@@ -155,30 +188,16 @@ class ServerProcess:
     ):
         self.url = f"http://{host}:{port}"
         self.log = log
-        env = {**os.environ, **SERVER_ENVIRONMENT, **environment}
-        # Every Python process vLLM starts imports `_vllm_site/sitecustomize.py` first.
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(_SITE), *filter(None, [env.get("PYTHONPATH")]), *_dew_source()]
+        command, added = server_command(
+            checkpoint, host=host, port=port, arguments=arguments, environment=environment
         )
-        command = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(checkpoint),
-            "--host",
-            host,
-            "--port",
-            str(port),
-            *arguments,
-        ]
         with open(log, "wb") as output:
             self._process = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT,
-                env=env,
+                env={**os.environ, **added},
                 start_new_session=True,
             )
         watch(self._process.pid)

@@ -1,0 +1,148 @@
+"""`dew serve`: one real vLLM server (its CPU build) started by the command, attached to as
+`dew train --engine-url` attaches, and stopped by SIGTERM; the command it prints for those who
+start vLLM themselves, and the one docs/vllm.md shows, are the ones dew's own start runs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from _checkpoint import tiny_qwen2
+from dew.serve._vllm import start_flags
+from dew.serve._vllm_process import SERVER_ENVIRONMENT, server_command
+from dew.serve.vllm import VLLMEngine, VLLMError, free_port
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
+DEW = [sys.executable, "-c", "import sys; from dew._command import main; sys.exit(main())"]
+READY = re.compile(r"--engine-url (\S+) \(pid (\d+), log (.+)\)")
+
+
+def _printed(folder: Path, *options: str) -> tuple[dict[str, str], list[str]]:
+    """`dew serve FOLDER --print-command`'s output: its variables and its command line."""
+    done = subprocess.run(
+        [*DEW, "serve", str(folder), "--print-command", *options],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    words = shlex.split(done.stdout)
+    variables = dict(word.split("=", 1) for word in words if re.match(r"^[A-Z_]+=", word))
+    return variables, words[len(variables) :]
+
+
+def test_print_command_is_what_start_runs(tmp_path):
+    folder = tiny_qwen2(tmp_path / "tiny")
+    variables, command = _printed(folder, "--port", "8123", "--max-model-len", "128")
+    flags = start_flags("tiny", dtype="float32", max_model_len=128)
+    expected, added = server_command(
+        folder, host="127.0.0.1", port=8123, arguments=flags, environment={}
+    )
+    assert command == expected
+    assert variables == added
+    site = Path(variables["PYTHONPATH"].split(os.pathsep)[0])
+    assert (site / "sitecustomize.py").is_file()
+    # Without --max-model-len: the checkpoint's own length.
+    assert _printed(folder)[1][command.index("--max-model-len") + 1] == "256"
+
+
+def test_the_docs_command_has_every_flag_and_variable_of_dews_start():
+    """docs/vllm.md's hand-written command, as a shell splits it, holds every variable and flag
+    dew's start gives a server, with the same values."""
+    text = DOCS.read_text()
+    block = text.split("prints the server's environment and command line", 1)[1]
+    block = block.split("```console", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    words = shlex.split(block)
+    variables = dict(word.split("=", 1) for word in words if re.match(r"^[A-Z_]+=", word))
+    assert {**SERVER_ENVIRONMENT, "PYTHONPATH": variables.get("PYTHONPATH")} == variables
+    assert "_vllm_site" in variables["PYTHONPATH"]
+    command = words[len(variables) :]
+    assert command[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = start_flags("qwen2-0.5b", dtype="float32", max_model_len=2048)
+    at = command.index("--served-model-name")
+    assert command[at:] == flags
+
+
+def test_dew_serve_starts_a_server_dew_attaches_to_and_sigterm_stops_it(tmp_path):
+    folder = tiny_qwen2(tmp_path / "tiny", tied=True)
+    serve = subprocess.Popen(
+        [*DEW, "serve", str(folder), "--port", "0", "--log-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = []
+        for line in serve.stdout:
+            lines.append(line)
+            if found := READY.search(line):
+                break
+        else:
+            pytest.fail(f"dew serve ended without its URL line:\n{''.join(lines)}")
+        url, pid, log = found[1], int(found[2]), Path(found[3])
+        assert log.is_file() and log.parent == tmp_path / "logs"
+        with VLLMEngine.attach([url], checkpoint=folder, push_dir=tmp_path / "push") as engine:
+            assert engine.max_len == 256  # the checkpoint's max_position_embeddings
+        serve.send_signal(signal.SIGTERM)
+        rest = serve.communicate(timeout=120)[0]
+        assert serve.returncode == 0, rest
+        assert "stopping the server" in rest
+        # Nothing of the server's process group runs on (the engine core included).
+        for _ in range(300):
+            if not _running_in_group(pid):
+                break
+            time.sleep(0.1)
+        assert not _running_in_group(pid)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+
+
+def _running_in_group(group: int) -> list[int]:
+    """The processes of process group `group` that have not exited: its zombies, which wait
+    for the system to reap them once their parent is gone, are not counted."""
+    running = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            # The fields after the command's closing parenthesis: state, ppid, pgrp, ...
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            if int(pgrp) == group and state not in ("Z", "X"):
+                running.append(int(stat.parent.name))
+    return running
+
+
+def test_a_server_that_is_not_vllm_is_named_in_one_line(tmp_path):
+    """Before, the error pasted the web server's 14-line HTML error page in."""
+    port = free_port()
+    web = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        with httpx.Client() as client:
+            for _ in range(600):  # until it listens: its import takes a moment
+                with contextlib.suppress(httpx.TransportError):
+                    client.get(f"http://127.0.0.1:{port}/")
+                    break
+                time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}"
+        with pytest.raises(VLLMError) as refused:
+            VLLMEngine.attach([url], checkpoint=tiny_qwen2(tmp_path / "tiny"), push_dir=tmp_path)
+        message = str(refused.value)
+        assert "\n" not in message and "<" not in message, message
+        assert url in message and "404 (text/html, from SimpleHTTP" in message
+    finally:
+        web.kill()
+        web.wait()
