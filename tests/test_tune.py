@@ -660,3 +660,16 @@ def test_the_grid_crosses_the_waste_budget_with_the_auto_settings_only():
             tune.Grid(admit=("auto",), waste_budget=(bad,))
     with pytest.raises(ValueError, match="waste_budget must hold at least one value"):
         tune.Grid(admit=("auto",), waste_budget=())
+
+
+def test_a_rows_slot_waste_is_its_seeds_and_the_table_shows_it(rows):
+    """Slot waste beside rollout waste: a row's is the mean of its seeds' (each counted from a
+    rollout's start on a slot: see tests/test_simulate.py), none where nothing is cut."""
+    for r in rows:
+        assert r.slot_wasted == pytest.approx(np.mean([o.slot_wasted for o in r.outcomes]))
+        if r.wasted == 0:
+            assert r.slot_wasted == 0, r.setting.name
+        if "over=" in r.setting.name:
+            assert r.slot_wasted > 0, r.setting.name
+    header = tune.table(rows).splitlines()[0]
+    assert "wasted" in header and "slot waste" in header

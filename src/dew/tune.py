@@ -258,6 +258,12 @@ class Row:
         return self._mean("wasted")
 
     @property
+    def slot_wasted(self) -> float:
+        """The wasted share of slot-seconds (from a rollout's start on an engine slot, queueing
+        left out; see Outcome.slot_wasted)."""
+        return self._mean("slot_wasted")
+
+    @property
     def wasted_seconds(self) -> float:
         """Wasted rollout-seconds per trained second: mean over seeds of wasted over elapsed."""
         return float(np.mean([o.wasted_seconds / o.elapsed for o in self.outcomes]))
@@ -484,14 +490,15 @@ def table(
 
     Columns: goodput (admitted samples per second, mean over seeds, ± its spread), its share of
     the capacity bound, the trainer's idle share, mean and max lag, the wasted share of
-    rollout-seconds and wasted rollout-seconds per second, and selection (the admitted
+    rollout-seconds, of slot-seconds (`slot waste`) and wasted rollout-seconds per second, and
+    selection (the admitted
     rollouts' mean duration over the population's; 1 is unbiased).
     """
     on = {id(r) for r in front(rows, max_waste=max_waste, max_bias=max_bias)}
     width = max(len("setting"), *(len(r.setting.name) for r in rows)) + 2
     lines = [
         f"  {'setting':<{width}}{'goodput/s':>16}{'of bound':>10}{'idle':>7}{'lag mean':>10}"
-        f"{'lag max':>9}{'wasted':>8}{'wasted s/s':>12}{'selection':>11}"
+        f"{'lag max':>9}{'wasted':>8}{'slot waste':>12}{'wasted s/s':>12}{'selection':>11}"
     ]
     for r in rows:
         mark = (
@@ -502,7 +509,8 @@ def table(
         goodput = f"{r.goodput:.2f} ±{r.goodput_spread:.2f}"
         lines.append(
             f"{mark} {r.setting.name:<{width}}{goodput:>16}{percent(r.share):>10}{r.idle:>7.1%}"
-            f"{r.lag_mean:>10.2f}{r.lag_max:>9d}{r.wasted:>8.1%}{r.wasted_seconds:>12.3g}"
+            f"{r.lag_mean:>10.2f}{r.lag_max:>9d}{r.wasted:>8.1%}{percent(r.slot_wasted):>12}"
+            f"{r.wasted_seconds:>12.3g}"
             f"{r.selection:>11.3f}"
         )
     limits = [f"wasted <= {max_waste:.1%}"] if max_waste is not None else []
