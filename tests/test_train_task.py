@@ -230,3 +230,19 @@ def test_a_bad_tokenizer_is_refused_naming_it(tmp_path, capsys, make, culprit):
             ValueError, match=f"tokenizer must be a file's path or None, got {bad!r}"
         ):
             TrainConfig(tokenizer=bad)
+
+
+def test_every_metrics_line_has_the_push_and_the_summary_the_wall_time(tmp_path, capsys):
+    """Each line names the version the engine serves and its push's seconds (push times were
+    in no line), and the last line gives the command's wall time, not the steps' alone (a
+    vLLM run said "trained 6 steps in 36s" after 255 s)."""
+    run = tmp_path / "run"
+    tiny = [f"--{name.replace('_', '-')}={value}" for name, value in TINY.items()]
+    options = ["--steps=2", "--batch-size=2", "--groups=2", "--tasks=4", "--max-tokens=2"]
+    with jax.numpy_dtype_promotion("standard"):
+        assert main(["train", *options, *tiny, "--run", str(run)]) == 0
+    metrics = lines(run / "metrics.jsonl")
+    assert [line["push/version"] for line in metrics] == [0, 1]
+    assert all(line["push/seconds"] >= 0 for line in metrics)
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith("trained 2 steps in ") and "s of wall time (" in summary

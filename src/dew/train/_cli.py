@@ -10,6 +10,7 @@ import argparse
 import os
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -190,6 +191,7 @@ def run_cli(args: argparse.Namespace) -> int:
     Raises:
         SystemExit: with status 2, through the parser, for a bad option or run folder.
     """
+    began = time.monotonic()  # the summary's time: the command's, servers' start included
     given = {f.name: getattr(args, f.name) for f in attrs.fields(TrainConfig)}
     given = {name: value for name, value in given.items() if value is not None}
     _harness_option(args, given)
@@ -227,13 +229,15 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.processes is not None:
         return _launch(args, given, run)
     if joining:
-        return _join(args, config, run)
+        return _join(args, config, run, began)
     _announce(config, run, commit, resume=args.resume)
-    return _train_until_interrupted(config, run, resume=args.resume, record=args.record)
+    return _train_until_interrupted(
+        config, run, resume=args.resume, record=args.record, began=began
+    )
 
 
 def _train_until_interrupted(
-    config: TrainConfig, run: Path, *, resume: bool, record: str | None
+    config: TrainConfig, run: Path, *, resume: bool, record: str | None, began: float
 ) -> int:
     """Train in this process, with progress lines, until the last step or a Ctrl-C (`_CtrlC`);
     return the exit status: 0, INTERRUPTED after one line saying where it stopped, or 1 after
@@ -277,12 +281,18 @@ def _train_until_interrupted(
     if stopped is not None:
         _say(f"dew train: {stopped}: continue with `dew train --run {run} --resume`")
         return INTERRUPTED
-    print(
-        f"trained {trainer.updates} steps in {trainer.elapsed:.0f}s; metrics, checkpoints "
-        f"and curves.png in {run}",
-        flush=True,
-    )
+    print(_summary(trainer, run, began), flush=True)
     return 0
+
+
+def _summary(trainer, run: Path, began: float) -> str:
+    """The run's last line: its steps and the command's wall time since `began` (loading the
+    model and starting vLLM servers included, which the trainer's own `elapsed`, the steps'
+    time summed over the run's resumes, leaves out)."""
+    return (
+        f"trained {trainer.updates} steps in {time.monotonic() - began:.0f}s of wall time "
+        f"({trainer.elapsed:.0f}s in steps); metrics, checkpoints and curves.png in {run}"
+    )
 
 
 def _then(run: Path) -> str:
@@ -389,7 +399,7 @@ def _launch(args: argparse.Namespace, given: Mapping[str, Any], run: Path) -> in
     return run_pool(commands, paths, echo=sys.stdout, report=sys.stderr, graceful=True)
 
 
-def _join(args: argparse.Namespace, config: TrainConfig, run: Path) -> int:
+def _join(args: argparse.Namespace, config: TrainConfig, run: Path, began: float) -> int:
     """Be process --process-id of the pool at --coordinator: train, or stop the whole pool with
     a line naming the process that stopped it."""
     try:
@@ -428,9 +438,5 @@ def _join(args: argparse.Namespace, config: TrainConfig, run: Path) -> int:
         sys.stderr.flush()
         # An orderly exit would wait in jax.distributed's shutdown for processes that are gone.
         os._exit(1)
-    print(
-        f"trained {trainer.updates} steps in {trainer.elapsed:.0f}s; metrics, checkpoints "
-        f"and curves.png in {run}",
-        flush=True,
-    )
+    print(_summary(trainer, run, began), flush=True)
     return 0

@@ -538,6 +538,9 @@ class Trainer:
         record = getattr(rollout, "last_record", None)
         if isinstance(record, SchedulerRecord):
             fields |= record_fields(record)
+        # The newest weight push: the version the engine serves and the seconds it took.
+        if (push := getattr(rollout, "last_push", None)) is not None:
+            fields["push/version"], fields["push/seconds"] = push
         fields |= {name: _json_number(value) for name, value in metrics.items()}
         line: dict[str, Any] = {
             "step": self.updates,

@@ -238,6 +238,10 @@ class _Scheduler:
         self.pool: Pool = default_pool()
         self.last_record: SchedulerRecord | None = None
         self.last_events: tuple[LogEvent, ...] = ()
+        # The newest push this process made: (version, wall seconds it took), None before
+        # the first. The trainer's metrics lines show it (`push/version`, `push/seconds`);
+        # not part of the record, so that replay, which pushes to no server, compares none.
+        self.last_push: tuple[int, float] | None = None
         # The rest of the event log at close(): what came after the last call's delivery, and
         # the `closed` cancellations that end every submission still in flight.
         self.closing_events: tuple[LogEvent, ...] = ()
@@ -1015,11 +1019,13 @@ class _Scheduler:
         # of the old stream may still finish with the newer one before their cancel.
         self._newest_pushed = max(version, self._newest_pushed or version)
         load_async = getattr(self.weights, "load_async", None)
+        began = time.perf_counter()
         if load_async is None:
             self.weights.load(variables, version)
-            return False
-        await load_async(variables, version)
-        return True
+        else:
+            await load_async(variables, version)
+        self.last_push = (version, time.perf_counter() - began)
+        return load_async is not None
 
     async def _watch_wait(self, scope: trio.CancelScope, long_wait: float, first: bool) -> None:
         """Log what the trainer waits on when a wait grows long, naming where its rollouts in
