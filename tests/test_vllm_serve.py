@@ -146,3 +146,28 @@ def test_a_server_that_is_not_vllm_is_named_in_one_line(tmp_path):
     finally:
         web.kill()
         web.wait()
+
+
+@pytest.mark.parametrize(
+    ("config", "options", "culprit"),
+    [
+        (None, ["--max-model-len=64"], "not a checkpoint folder (no config.json)"),
+        ("{nope", [], "config.json: Expecting property name"),
+        ('{"max_position_embeddings": "x"}', [], "gives no max_position_embeddings"),
+        ("{}", ["--dtype=fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    ],
+)
+def test_a_bad_checkpoint_or_option_is_refused_in_one_line(tmp_path, config, options, culprit):
+    """Before, --print-command printed a command for a folder that is none, and a --dtype vLLM
+    refuses failed the start after a minute, in vLLM's log."""
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    if config is not None:
+        (folder / "config.json").write_text(config)
+    done = subprocess.run(
+        [*DEW, "serve", str(folder), "--print-command", *options], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and not done.stdout
+    first, hint = done.stderr.splitlines()
+    assert first.startswith("dew serve: error: ") and culprit in first, first
+    assert hint == "(see `dew serve --help`)"

@@ -46,6 +46,7 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default="float32",
+        choices=("float32", "bfloat16", "float16"),
         help="dtype the server computes in; dew's models are float32 (default: %(default)s)",
     )
     parser.add_argument(
@@ -63,15 +64,17 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
 
 def _max_model_len(args: argparse.Namespace) -> int:
     """--max-model-len, or the checkpoint's max_position_embeddings."""
-    if args.max_model_len is not None:
-        return args.max_model_len
     config = args.checkpoint / "config.json"
     if not config.is_file():
         args.parser.error(f"checkpoint {args.checkpoint}: not a checkpoint folder (no config.json)")
+    if args.max_model_len is not None:
+        return args.max_model_len
     try:
-        length = read_document(config).get("max_position_embeddings")
-    except (ValueError, AttributeError) as error:
-        args.parser.error(f"{config}: {error}")
+        document = read_document(config)
+    except ValueError as error:
+        message = str(error)
+        args.parser.error(message if str(config) in message else f"{config}: {message}")
+    length = document.get("max_position_embeddings") if isinstance(document, dict) else None
     if not isinstance(length, int) or length < 2:
         args.parser.error(f"{config} gives no max_position_embeddings: give --max-model-len")
     return length
