@@ -15,12 +15,15 @@ import time
 from pathlib import Path
 
 import httpx
+import jax
 import pytest
 
 from _checkpoint import tiny_qwen2
+from dew.cli import main
 from dew.serve._vllm import start_flags
 from dew.serve._vllm_process import SERVER_ENVIRONMENT, server_command
 from dew.serve.vllm import VLLMEngine, VLLMError, free_port
+from test_vllm import dew_train, metrics
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
 DEW = [sys.executable, "-c", "import sys; from dew._command import main; sys.exit(main())"]
@@ -72,7 +75,7 @@ def test_the_docs_command_has_every_flag_and_variable_of_dews_start():
     assert command[at:] == flags
 
 
-def test_dew_serve_starts_a_server_dew_attaches_to_and_sigterm_stops_it(tmp_path):
+def test_dew_serve_starts_a_server_dew_attaches_to_and_sigterm_stops_it(tmp_path, capsys):
     folder = tiny_qwen2(tmp_path / "tiny", tied=True)
     serve = subprocess.Popen(
         [*DEW, "serve", str(folder), "--port", "0", "--log-dir", str(tmp_path / "logs")],
@@ -92,6 +95,13 @@ def test_dew_serve_starts_a_server_dew_attaches_to_and_sigterm_stops_it(tmp_path
         assert log.is_file() and log.parent == tmp_path / "logs"
         with VLLMEngine.attach([url], checkpoint=folder, push_dir=tmp_path / "push") as engine:
             assert engine.max_len == 256  # the checkpoint's max_position_embeddings
+        # dew train on it, as docs/vllm.md says: its line holds the push, its summary the time.
+        run = tmp_path / "run"
+        with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+            assert main(dew_train(folder, run, [url], "--steps", "1")) == 0
+        (line,) = metrics(run)
+        assert line["push/version"] == 0 and line["push/seconds"] > 0
+        assert "s of wall time (" in capsys.readouterr().out
         serve.send_signal(signal.SIGTERM)
         rest = serve.communicate(timeout=120)[0]
         assert serve.returncode == 0, rest

@@ -118,6 +118,8 @@ def run_cli(args: argparse.Namespace) -> int:
             f"(pid {process.pid}, log {process.log}); Ctrl-C stops it",
             flush=True,
         )
+        # Until a signal ends the wait (as _Stopped or KeyboardInterrupt), or the server dies,
+        # which no signal tells this process: its exit is looked at each second.
         while (code := process.exit_code()) is None:
             time.sleep(1)
         print(
@@ -134,6 +136,9 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"dew serve: {error}", file=sys.stderr, flush=True)
         return 1
     finally:
+        # A second SIGTERM must not cut the stop short, which would leave the server to dew's
+        # watchdog: the stop ends in SIGKILL after its grace anyway.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if engine is not None:
             engine.close()
         signal.signal(signal.SIGTERM, previous)
