@@ -102,7 +102,11 @@ async def _drive(run: dict) -> tuple[list, list, RolloutScheduler]:
 def test_every_call_keeps_the_pages_promises():
     happened = collections.Counter()
 
-    @settings(max_examples=100, deadline=None, derandomize=True, database=None)
+    # 150 draws reach every way a submission ends (a group discarded as uniform 7 times, the
+    # rarest). Hypothesis also draws from literal constants it finds in the loaded modules, so
+    # a number added anywhere in dew changes these draws: 100 stopped reaching 'uniform' when
+    # dew.simulate gained its cost constants.
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None)
     @given(run=runs())
     def check(run):
         clock = trio.testing.MockClock(autojump_threshold=0)
