@@ -62,7 +62,8 @@ def nltk_data(tmp_path, monkeypatch):
 
 def use_nltk_data(tmp_path, monkeypatch):
     """Write nltk's `words` corpus of WORDS and a tagger that tags each a noun under
-    `tmp_path`, point nltk at it, and return the folder."""
+    `tmp_path`, point nltk at it (forgetting a corpus an earlier test loaded from its own
+    folder), and return the folder."""
     import nltk
 
     root = tmp_path / "nltk_data"
@@ -75,7 +76,18 @@ def use_nltk_data(tmp_path, monkeypatch):
     for part, value in parts.items():
         (tagger / f"averaged_perceptron_tagger_eng.{part}.json").write_text(json.dumps(value))
     monkeypatch.setattr(nltk.data, "path", [str(root)])
+    unload_words()
     return root
+
+
+def unload_words() -> None:
+    """Forget the `words` corpus nltk loaded, and the folder it read: nltk refuses to read a
+    folder no longer on its path, such as another test's."""
+    from nltk.corpus import words
+    from nltk.corpus.util import LazyCorpusLoader
+
+    if not isinstance(words, LazyCorpusLoader):
+        words._unload()
 
 
 class Recording:

@@ -93,7 +93,7 @@ def numeric_options() -> list[tuple[str, str]]:
                 value = action.type("1")
             except (ValueError, TypeError, argparse.ArgumentTypeError):
                 continue
-            if not isinstance(value, str):
+            if not isinstance(value, str | os.PathLike):  # a folder named 1 is no number
                 found.append((name, action.option_strings[0]))
     return found
 

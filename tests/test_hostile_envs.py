@@ -34,7 +34,7 @@ from dew.envs.verifiers import HARNESS_ID, Verifiers, parse_spec
 from dew.gateway import Gateway
 from dew.objectives.rl.sessions import Call, Label, Status, chains, check_session
 from dew.serve import tokenizer
-from test_envs_verifiers import WORDS, use_nltk_data
+from test_envs_verifiers import WORDS, unload_words, use_nltk_data
 
 # verifiers' MCP client retries with tenacity's deprecated `initial=` (as in
 # tests/test_envs_verifiers.py).
@@ -151,16 +151,6 @@ def test_an_entry_without_question_or_a_score_that_is_no_number_is_named(monkeyp
 
 
 # --- TextArena ----------------------------------------------------------------------------------
-
-
-def unload_words() -> None:
-    """Forget the `words` corpus nltk loaded, and the folder it read: nltk refuses to read a
-    folder no longer on its path, such as another test's."""
-    from nltk.corpus import words
-    from nltk.corpus.util import LazyCorpusLoader
-
-    if not isinstance(words, LazyCorpusLoader):
-        words._unload()
 
 
 @pytest.fixture
