@@ -29,3 +29,16 @@ def chat_checkpoint(folder: Path, shape: dict) -> Path:
     config = transformers.Qwen2Config(**{**shape, "vocab_size": len(vocab) + 8})
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
+
+
+def randomize_params(model) -> None:
+    """Draw every param of a transformers `model` at random, in place, from torch's generator:
+    norms near 1, the rest N(0, 0.2), so biases and norms take part in what a test compares."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+            else:
+                param.normal_(0, 0.2)

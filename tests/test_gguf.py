@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from _bpe import train_bpe
+from _hf_folders import randomize_params
 from dew._torch_media import hide_broken_media_packages
 from dew.models import hf
 from dew.models.hf import _gguf
@@ -130,12 +131,7 @@ def write_gguf(
     config.vocab_size = len(tokens)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.2 * torch.randn_like(param))
-            else:
-                param.normal_(0, 0.2)
+    randomize_params(model)
     model.eval()
     names = gguf.get_tensor_name_map(
         next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch),

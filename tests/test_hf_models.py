@@ -21,7 +21,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from _hf_folders import chat_checkpoint
+from _hf_folders import chat_checkpoint, randomize_params
 from dew._torch_media import hide_broken_media_packages
 from dew.envs.environment import Score
 from dew.envs.prompts import PromptSource
@@ -80,12 +80,7 @@ def _random_checkpoint(family: str, folder: Path, seed: int = 0, **save) -> None
     model = transformers.AutoModelForCausalLM.from_config(
         FAMILIES[family](), attn_implementation="eager"
     )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.2 * torch.randn_like(param))
-            else:
-                param.normal_(0, 0.2)
+    randomize_params(model)
     model.save_pretrained(folder, **save)
 
 

@@ -24,6 +24,7 @@ from safetensors.numpy import save_file
 
 from _bpe import train_bpe
 from _checkpoint import CHAT_TEMPLATE
+from _hf_folders import randomize_params
 from dew._torch_media import hide_broken_media_packages
 from dew.models import hf
 from dew.serve.tokenizer import TemplateTokenizer
@@ -74,12 +75,7 @@ def _checkpoint(folder: Path, family: str, *, dtype=None, save=None, **changes) 
     model = transformers.AutoModelForCausalLM.from_config(
         _config(family, **changes), attn_implementation="eager"
     )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.2 * torch.randn_like(param))
-            else:
-                param.normal_(0, 0.2)
+    randomize_params(model)
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(folder, **(save or {}))
