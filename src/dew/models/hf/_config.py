@@ -243,7 +243,9 @@ def read_config(folder: Path) -> tuple[HFConfig, str | None]:
     """
     path = folder / CONFIG
     if not folder.is_dir():
-        raise ValueError(f"{folder} is not a folder (a checkpoint is a folder with {CONFIG})")
+        raise ValueError(
+            f"{folder} is not a folder (a checkpoint is a folder with {CONFIG}, or a .gguf file)"
+        )
     if not path.is_file():
         raise ValueError(f"{folder} has no {CONFIG}: not a Hugging Face checkpoint folder")
     try:
