@@ -8,6 +8,12 @@ workers instead. The trainer opens the NCCL group as rank 0 once (vLLM's
 broadcasts every checkpoint tensor of the params (named, shaped and laid out as
 `dew.models.hf.save` writes them), sets the weights version and resumes.
 
+The broadcast goes through the same layer-by-layer reload as a folder push (vLLM's
+`initialize_layerwise_reload` / `finalize_layerwise_reload`), which re-runs a layer's post-load
+processing only for layers that received tensors. So a tied checkpoint's push also sends the
+embedding as `lm_head.weight`, as a folder push writes it (`dew.serve._vllm_push`): without it
+the server would go on computing logits with its start-up head (`pushed_tensors`).
+
 The servers must run with `--weight-transfer-config '{"backend": "nccl"}'` on GPUs. Exercised by
 `benchmarks/vllm_nccl_push.py` where a GPU exists; the CPU path (`VLLMEngine.load`) is the
 tested default.
@@ -17,7 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
+
 from dew._checks import check_int
+from dew.models import hf
 from dew.serve._vllm import VLLMEngine
 
 NCCL_SERVER_FLAGS = ("--weight-transfer-config", '{"backend": "nccl"}')
@@ -56,8 +65,6 @@ class NCCLPublisher:
             NCCLTrainerWeightTransferEngine,
         )
 
-        from dew.models import hf
-
         self.engine = engine
         self._model = model
         self._variables = None
@@ -67,13 +74,11 @@ class NCCLPublisher:
             """The params being pushed, as checkpoint tensors on the trainer's GPU."""
 
             def metadata(self) -> list[ParamMeta]:
-                return [
-                    ParamMeta(leaf.name, _torch_dtype(model.dtype), tuple(leaf.tensor_shape))
-                    for leaf in hf._params.leaves(model.config)
-                ]
+                dtype = _torch_dtype(model.dtype)
+                return [ParamMeta(name, dtype, shape) for name, shape in pushed_shapes(model)]
 
             def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-                for name, tensor in hf._tensors_of(model, publisher._variables):
+                for name, tensor in pushed_tensors(model, publisher._variables):
                     yield name, torch.from_numpy(tensor).to("cuda", non_blocking=True)
 
         # One trainer rank (0) and every server's workers.
@@ -111,6 +116,26 @@ class NCCLPublisher:
                 self.engine.resume(version)
         finally:
             self._variables = None
+
+
+def pushed_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
+    """The name and shape of each tensor a push of `model`'s params sends, in the order
+    `pushed_tensors` yields them (vLLM sizes its receive buffers from this list)."""
+    shapes = [(leaf.name, tuple(leaf.tensor_shape)) for leaf in hf._params.leaves(model.config)]
+    if model.config.tied:
+        shapes.append((hf._HEAD, dict(shapes)[hf._EMBED]))
+    return shapes
+
+
+def pushed_tensors(model, params) -> Iterator[tuple[str, np.ndarray]]:
+    """Each checkpoint tensor of `params`, and for a tied model the embedding once more as the
+    head, so that the server's reload reprocesses its head (see the module's docstring)."""
+    for name, tensor in hf._tensors_of(model, params):
+        yield name, tensor
+        if model.config.tied and name == hf._EMBED:
+            embedding = tensor
+    if model.config.tied:
+        yield hf._HEAD, embedding
 
 
 def _torch_dtype(name: str):
