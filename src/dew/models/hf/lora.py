@@ -1,0 +1,423 @@
+"""LoRA adapters of a Hugging Face checkpoint: trained in JAX, saved as PEFT saves them.
+
+An adapter adds to each targeted projection W (torch's [out, in]) the low-rank delta
+`alpha / rank * B @ A`, A [rank, in] and B [out, rank], as PEFT's `LoraLayer` does; B starts at
+zero, so an adapter's first logits are the base model's exactly. The adapter is kept in PEFT's
+own layout (`lora_A`, `lora_B` per module, float32), so saving it is writing its arrays under
+PEFT's names and loading PEFT's is reading them: nothing to transpose either way.
+
+Hand-written, not a library: qwix (LoRA for JAX models) is not installed here, and dew's HF
+decoder is plain functions over a params pytree, which a library that rewrites a flax module's
+calls cannot wrap. The delta is added to the params before the unchanged forward runs
+(`merged`), so every family, the packed rows, the engine's prefill and decode and the saved
+merged folder go through one code path, and dew's logits are the merged model's that PEFT's
+`merge_and_unload` gives. The price: each forward builds the targeted weights afresh (one
+[in, out] matmul of rank `rank` per weight, and the weights' size in transient memory), where
+a fused `x @ A @ B` beside each projection would not; the optimizer holds state for the adapter
+alone either way (`LoRAModel.frozen`). Dropout on the adapter's input, which a merged weight
+cannot express, is not offered.
+
+`LoRAModel` serves and trains base + adapter as a `dew.models.Model`: its variables are
+`{"adapter": ..., "base": ...}`, the base under `stop_gradient`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from dew._checks import int_at_least
+from dew._documents import read_document
+from dew.models.hf import _params
+from dew.models.hf._modeling import HFModel
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "TARGETS",
+    "LoRAConfig",
+    "LoRAModel",
+    "frozen",
+    "init",
+    "load_adapter",
+    "merged",
+    "save_adapter",
+]
+
+ADAPTER_CONFIG = "adapter_config.json"
+"""The adapter folder's config, PEFT's `LoraConfig` as JSON."""
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+"""The adapter folder's tensors, under PEFT's names (`_tensor_name`)."""
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The modules an adapter targets unless told: every attention and MLP projection."""
+
+# PEFT's name of a module's tensors inside a causal LM it wraps: base_model.model is PEFT's
+# wrapper and the transformers model; the rest is the checkpoint's own module path.
+_PEFT_PREFIX = "base_model.model."
+_WEIGHT = ".weight"
+
+
+def _projections() -> dict[str, _params.Entry]:
+    """Each module an adapter can target (a block's projection, by its checkpoint name:
+    `q_proj`, ...) and its row of the params table."""
+    return {
+        entry.name.split(".")[-2]: entry
+        for entry in _params.LAYER
+        if entry.name.endswith("_proj" + _WEIGHT)
+    }
+
+
+def _module_path(target: str) -> str:
+    """The module of `target` inside a block: "self_attn.q_proj", "mlp.gate_proj"."""
+    return _projections()[target].name.removesuffix(_WEIGHT)
+
+
+def _tensor_name(index: int, target: str, factor: str) -> str:
+    """PEFT's saved name of `factor` ("lora_A" or "lora_B") of `target` in block `index`."""
+    block = _params.LAYER_PREFIX.format(i=index)
+    return f"{_PEFT_PREFIX}{block}{_module_path(target)}.{factor}{_WEIGHT}"
+
+
+def _targets(instance, attribute, value) -> None:
+    known = _projections()
+    if not value:
+        raise ValueError(f"{attribute.name} must name at least one module")
+    unknown = [name for name in value if name not in known]
+    if unknown:
+        raise ValueError(
+            f"{attribute.name} {', '.join(map(repr, unknown))} match no module of the model; "
+            f"the modules an adapter can target are {', '.join(known)}"
+        )
+    if len(set(value)) != len(value):
+        raise ValueError(f"{attribute.name} names a module twice: {list(value)}")
+
+
+def _positive(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{attribute.name} must be a number > 0, got {value!r}")
+
+
+@attrs.frozen
+class LoRAConfig:
+    """An adapter's shape: PEFT's `LoraConfig` fields dew trains.
+
+    Args:
+        rank: the adapter's rank r (PEFT's `r`).
+        alpha: its scale's numerator (PEFT's `lora_alpha`): the delta is alpha / rank * B @ A.
+        targets: the modules adapted in every block, by their checkpoint names
+            (PEFT's `target_modules`); `TARGETS` unless given.
+    """
+
+    rank: int = attrs.field(default=8, validator=int_at_least(1))
+    alpha: float = attrs.field(default=16.0, validator=_positive)
+    targets: tuple[str, ...] = attrs.field(default=TARGETS, converter=tuple, validator=_targets)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def to_peft(self, base_model: str | None = None) -> dict[str, Any]:
+        """The config as PEFT writes `adapter_config.json` for it (fields left out take PEFT's
+        and vLLM's defaults, which are what dew computes)."""
+        alpha = int(self.alpha) if float(self.alpha).is_integer() else self.alpha
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model,
+            "r": self.rank,
+            "lora_alpha": alpha,
+            "lora_dropout": 0.0,
+            "target_modules": list(self.targets),
+            "bias": "none",
+            "lora_bias": False,
+            "fan_in_fan_out": False,
+            "use_rslora": False,
+            "use_dora": False,
+            "modules_to_save": None,
+            "init_lora_weights": True,
+            "inference_mode": True,
+        }
+
+    @classmethod
+    def from_peft(cls, document: Mapping[str, Any], where: str) -> LoRAConfig:
+        """The config of a PEFT `adapter_config.json` read from `where`.
+
+        Raises:
+            ValueError: naming `where` and the field, for an adapter dew does not compute
+                (another PEFT method, DoRA, rsLoRA, per-module ranks, trained biases).
+        """
+        unsupported = {
+            "peft_type": "LORA",
+            "use_dora": False,
+            "use_rslora": False,
+            "bias": "none",
+            "lora_bias": False,
+            "fan_in_fan_out": False,
+            "modules_to_save": None,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+            "layers_to_transform": None,
+        }
+        for field, plain in unsupported.items():
+            if document.get(field, plain) != plain:
+                raise ValueError(
+                    f"{where}: {field} = {document[field]!r}, which dew does not compute "
+                    f"(it computes {field} = {plain!r})"
+                )
+        targets = document.get("target_modules")
+        if isinstance(targets, str) or not isinstance(targets, list):
+            raise ValueError(f"{where}: target_modules must be a list of module names")
+        try:
+            return cls(document["r"], document["lora_alpha"], tuple(sorted(targets)))
+        except KeyError as missing:
+            raise ValueError(f"{where} has no {missing.args[0]}") from None
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+
+
+def _shapes(model: HFModel, target: str) -> tuple[int, int]:
+    """The (in, out) widths of `target`'s weight in torch's [out, in] layout."""
+    entry = _projections()[target]
+    out, width = entry.layout.tensor_shape(entry.leaf_shape(model.config))
+    return width, out
+
+
+def init(key: jax.Array, model: HFModel, lora: LoRAConfig) -> dict[str, Any]:
+    """A fresh adapter of `model`: per block and target, `lora_A` float32[rank, in] drawn as
+    PEFT draws it (uniform within +-1/sqrt(in), the Kaiming bound of a=sqrt(5)) from `key`,
+    and `lora_B` float32[out, rank] zeros, so the adapted model starts as the base.
+
+    Returns:
+        `{"layers": [{target: {"lora_A": ..., "lora_B": ...}}]}`, one dict per block.
+    """
+    keys = jax.random.split(key, model.config.layers * len(lora.targets))
+    layers, drawn = [], iter(keys)
+    for _ in range(model.config.layers):
+        block = {}
+        for target in lora.targets:
+            width, out = _shapes(model, target)
+            bound = 1 / np.sqrt(width)
+            block[target] = {
+                "lora_A": jax.random.uniform(
+                    next(drawn), (lora.rank, width), jnp.float32, -bound, bound
+                ),
+                "lora_B": jnp.zeros((out, lora.rank), jnp.float32),
+            }
+        layers.append(block)
+    return {"layers": layers}
+
+
+def merged(params: dict, adapter: dict, lora: LoRAConfig) -> dict:
+    """`params` with each targeted weight plus its adapter's delta alpha / rank * B @ A
+    (computed in float32, added in float32, then in the params' dtype): the params PEFT's
+    `merge_and_unload` gives. Pure; jit it or call it inside a jitted function."""
+    out = {**params, "layers": [dict(layer) for layer in params["layers"]]}
+    projections = _projections()
+    for layer, block in zip(out["layers"], adapter["layers"], strict=True):
+        for target, factors in block.items():
+            entry = projections[target]
+            name = entry.path[-1]
+            weight = layer[name]
+            delta = lora.scale * (factors["lora_B"] @ factors["lora_A"])
+            delta = entry.layout.to_leaf(delta, weight.shape)
+            layer[name] = (weight.astype(jnp.float32) + delta).astype(weight.dtype)
+    return out
+
+
+def frozen(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`optimizer` over a `LoRAModel`'s variables' adapter, the base left as it is with no
+    state (its updates are zeros): the base's gradient is zero anyway (`stop_gradient`), and
+    Adam's state for it would cost twice the base's memory for nothing."""
+    return optax.multi_transform(
+        {"adapter": optimizer, "base": optax.set_to_zero()},
+        lambda variables: {name: name for name in variables},
+    )
+
+
+def save_adapter(
+    folder: str | os.PathLike,
+    adapter: dict,
+    config: LoRAConfig,
+    *,
+    base_model: str | None = None,
+) -> None:
+    """Write `adapter` as the folder PEFT's `save_pretrained` writes: `adapter_config.json`
+    and `adapter_model.safetensors` (float32, PEFT's tensor names), which
+    `PeftModel.from_pretrained` and vLLM's `--lora-modules` / `load_lora_adapter` load as
+    they are. Written whole or not at all: into a fresh folder beside it, renamed over it.
+
+    vLLM caches prefixes by an adapter's path: write each new version to a new folder.
+
+    Args:
+        folder: where to write; replaced when it exists.
+        adapter: `init`'s layout (as trained: a `LoRAModel`'s variables' "adapter").
+        config: the adapter's config.
+        base_model: the checkpoint it adapts, written as `base_model_name_or_path`.
+
+    Raises:
+        ValueError: when the adapter's targets or rank are not `config`'s, naming the module;
+            when `folder` is a file.
+    """
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{folder} is a file, not an adapter folder to write")
+    tensors = dict(_adapter_tensors(adapter, config))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = folder.with_name(f".{folder.name}.{secrets.token_hex(4)}.partial")
+    staging.mkdir()
+    try:
+        document = json.dumps(config.to_peft(base_model), indent=2) + "\n"
+        (staging / ADAPTER_CONFIG).write_text(document, encoding="utf-8")
+        save_file(tensors, staging / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        old = None
+        if folder.exists():
+            old = folder.with_name(f".{folder.name}.{secrets.token_hex(4)}.old")
+            os.replace(folder, old)
+        os.replace(staging, folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _adapter_tensors(adapter: dict, config: LoRAConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Each adapter tensor under PEFT's name, as float32 numpy, checked against `config`."""
+    for index, block in enumerate(adapter["layers"]):
+        if sorted(block) != sorted(config.targets):
+            raise ValueError(
+                f"the adapter's block {index} adapts {sorted(block)}, its config's "
+                f"targets are {sorted(config.targets)}"
+            )
+        for target, factors in block.items():
+            a, b = (
+                np.asarray(jax.device_get(factors[f]), np.float32) for f in ("lora_A", "lora_B")
+            )
+            if a.shape[0] != config.rank or b.shape[1] != config.rank:
+                raise ValueError(
+                    f"the adapter's {_tensor_name(index, target, 'lora_A')} is rank "
+                    f"{a.shape[0]}, its config's rank is {config.rank}"
+                )
+            yield _tensor_name(index, target, "lora_A"), np.ascontiguousarray(a)
+            yield _tensor_name(index, target, "lora_B"), np.ascontiguousarray(b)
+
+
+def load_adapter(folder: str | os.PathLike, model: HFModel) -> tuple[LoRAConfig, dict]:
+    """The config and adapter of a PEFT adapter folder of `model`'s checkpoint (one PEFT or
+    `save_adapter` wrote).
+
+    Raises:
+        ValueError: naming the folder's file and field or tensor: a config dew does not
+            compute, every tensor missing, extra or of another shape, at once.
+    """
+    folder = Path(folder)
+    config_path = folder / ADAPTER_CONFIG
+    try:
+        document = read_document(config_path)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{config_path} is not an adapter config: {error}") from None
+    if not isinstance(document, dict):
+        raise ValueError(f"{config_path} is not a JSON object")
+    config = LoRAConfig.from_peft(document, str(config_path))
+    weights = folder / ADAPTER_WEIGHTS
+    try:
+        with safe_open(weights, framework="numpy") as opened:
+            held = {name: opened.get_tensor(name) for name in opened.keys()}
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{weights} is missing, truncated or not safetensors: {error}") from None
+    problems, layers = [], []
+    for index in range(model.config.layers):
+        block = {}
+        for target in config.targets:
+            width, out = _shapes(model, target)
+            factors = {}
+            for factor, shape in (("lora_A", (config.rank, width)), ("lora_B", (out, config.rank))):
+                name = _tensor_name(index, target, factor)
+                if name not in held:
+                    problems.append(f"tensor {name} is missing")
+                elif held[name].shape != shape:
+                    problems.append(f"tensor {name} is {list(held[name].shape)}, not {list(shape)}")
+                else:
+                    factors[factor] = jnp.asarray(held.pop(name), jnp.float32)
+            block[target] = factors
+        layers.append(block)
+    problems += [f"tensor {name} is not one this model's adapter has" for name in sorted(held)]
+    if problems:
+        raise ValueError(f"cannot load the adapter in {weights}: " + "; ".join(problems))
+    return config, {"layers": layers}
+
+
+@attrs.frozen
+class LoRAModel:
+    """A checkpoint's decoder with a LoRA adapter, as a `dew.models.Model`: base + adapter.
+
+    Its variables are `{"adapter": init's layout, "base": the checkpoint's params}`. Every
+    function runs the base model on `merged` params; the base is under `stop_gradient`, so a
+    training step differentiates the adapter alone (and `frozen` keeps no optimizer state
+    for the base).
+
+    Args:
+        base: the checkpoint's model.
+        lora: the adapter's config.
+    """
+
+    base: HFModel = attrs.field(validator=attrs.validators.instance_of(HFModel))
+    lora: LoRAConfig = attrs.field(validator=attrs.validators.instance_of(LoRAConfig))
+
+    @property
+    def vocab(self) -> int:
+        return self.base.vocab
+
+    @property
+    def max_len(self) -> int:
+        return self.base.max_len
+
+    @property
+    def dtype(self) -> str:
+        return self.base.dtype
+
+    def variables(self, params: dict, key: jax.Array) -> dict:
+        """The variables of a fresh adapter (`init` from `key`) of the checkpoint's `params`."""
+        return {"adapter": init(key, self.base, self.lora), "base": params}
+
+    def init(self, key: jax.Array) -> dict:
+        """Random base params and a fresh adapter of them."""
+        base_key, adapter_key = jax.random.split(key)
+        return self.variables(self.base.init(base_key), adapter_key)
+
+    def params(self, variables: dict) -> dict:
+        """The base's params with the adapter merged in (the base under `stop_gradient`)."""
+        base = jax.lax.stop_gradient(variables["base"])
+        return merged(base, variables["adapter"], self.lora)
+
+    def __call__(self, variables, tokens, positions, segment_ids) -> jax.Array:
+        return self.base(self.params(variables), tokens, positions, segment_ids)
+
+    def hidden_states(self, variables, tokens, positions, segment_ids) -> jax.Array:
+        return self.base.hidden_states(self.params(variables), tokens, positions, segment_ids)
+
+    def head(self, variables, hidden: jax.Array) -> jax.Array:
+        # The head (final norm and output projection) is never adapted.
+        return self.base.head(jax.lax.stop_gradient(variables["base"]), hidden)
+
+    def init_cache(self, *, slots: int, max_len: int) -> list[dict]:
+        return self.base.init_cache(slots=slots, max_len=max_len)
+
+    def prefill(self, variables, cache, tokens, slot):
+        return self.base.prefill(self.params(variables), cache, tokens, slot)
+
+    def decode(self, variables, cache, tokens, positions):
+        return self.base.decode(self.params(variables), cache, tokens, positions)
