@@ -246,3 +246,32 @@ def test_every_metrics_line_has_the_push_and_the_summary_the_wall_time(tmp_path,
     assert all(line["push/seconds"] >= 0 for line in metrics)
     summary = capsys.readouterr().out.strip().splitlines()[-1]
     assert summary.startswith("trained 2 steps in ") and "s of wall time (" in summary
+
+
+def test_the_copy_task_replies_up_to_max_tokens_when_given(tmp_path):
+    """`--max-tokens` sizes a copy reply (a BPE model such as SmolLM2 says more than a digit
+    and a stop token: every reply was cut at 2 tokens whatever it asked); left out, the reply
+    is the digits and a stop token, as a byte tokenizer counts them."""
+    from dew.serve.tokenizer import BYTES
+    from dew.train._tasks import _task
+
+    for given, reply in ((None, 2), (6, 6)):
+        config = TrainConfig(task="copy", max_tokens=given, **TINY)
+        task = _task(config, BYTES)
+        prompt = BYTES.encode_chat([{"role": "user", "content": "0" * 8}])
+        assert task.shape.max_len == len(prompt) + reply
+    # A run's rollouts reach it: a tiny model seldom stops, so its replies fill it.
+    config = TrainConfig(
+        task="copy", steps=1, batch_size=2, groups=2, tasks=2, max_tokens=6, samples=0, **TINY
+    )
+    run = tmp_path / "run"
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as above
+        train(config, run)
+    (line,) = lines(run / "metrics.jsonl")
+    assert line["status/truncated"] > 0 and line["length/max"] == 6
+
+
+@pytest.mark.parametrize("task", ["guess", "echo", "harness:lookup"])
+def test_max_tokens_is_refused_for_a_task_of_its_own_turns(task):
+    with pytest.raises(ValueError, match=f"max_tokens sizes a reply; task '{task}' sets its"):
+        TrainConfig(task=task, max_tokens=8)

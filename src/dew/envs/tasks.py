@@ -113,14 +113,21 @@ class CopyDigits:
         return Score(match, {"match": match})
 
     def source(
-        self, engine, *, sampling: Sampling | None = None, tokenizer: Tokenizer = BYTES
+        self,
+        engine,
+        *,
+        sampling: Sampling | None = None,
+        tokenizer: Tokenizer = BYTES,
+        max_tokens: int | None = None,
     ) -> PromptSource:
-        """A `PromptSource` of this task on `engine`, rendering prompts with `tokenizer`."""
+        """A `PromptSource` of this task on `engine`, rendering prompts with `tokenizer`, each
+        reply up to `max_tokens` (None: `self.max_tokens`, the digits and a stop token as bytes;
+        a BPE model's reply takes other counts)."""
         return PromptSource(
             engine,
             self.prompt,
             self.verify,
-            max_tokens=self.max_tokens,
+            max_tokens=self.max_tokens if max_tokens is None else max_tokens,
             sampling=Sampling() if sampling is None else sampling,
             tokenizer=tokenizer,
         )

@@ -19,6 +19,7 @@ from dew._checks import in_range, int_within
 from dew._documents import read_document
 from dew.envs.lookup import HARNESSES
 from dew.envs.reasoning_gym import PREFIX, ReasoningGym
+from dew.models.hf.lora import TARGETS, LoRAConfig
 from dew.objectives.rl._surrogate import KL_ESTIMATORS, RATIO_LEVELS, check_clip_dual
 from dew.objectives.rl.grpo import AGGREGATIONS, CORRECTIONS, IMPORTANCE_LEVELS, PROXIMALS
 from dew.objectives.rl.sessions import ESTIMATORS
@@ -136,6 +137,18 @@ def _mesh_or_none(instance, attribute, value):
         )
 
 
+def _lora_targets(instance, attribute, value):
+    """Module names, comma-separated, each one an adapter can target (`LoRAConfig`'s check)."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise ValueError(f"{attribute.name} must be module names, comma-separated, got {value!r}")
+    try:
+        LoRAConfig(targets=tuple(name.strip() for name in value.split(",")))
+    except ValueError as error:
+        raise ValueError(str(error).replace("targets", attribute.name, 1)) from None
+
+
 def _one_of(choices: tuple[str, ...]) -> Callable:
     def validate(instance, attribute, value) -> None:
         if value not in choices:
@@ -204,6 +217,8 @@ def _option(
     )
 
 
+DEFAULT_MAX_TOKENS = 4
+"""A reasoning-gym or environment reply's most tokens where `--max-tokens` gives none."""
 _WASTE_BUDGET = 0.2
 """`--waste-budget`'s default, which a run without `--admit auto` keeps."""
 LR_DECAYS = ("constant", "linear", "cosine")
@@ -282,7 +297,10 @@ class TrainConfig:
             may change it). The `checkpoints/model` folder of a `model` run is the newest's.
         seed: seeds the initial weights, the task order and the sampling.
         d_model, layers, heads, d_ff: the transformer's shape (`dew.models.TransformerConfig`).
-        max_tokens: a reasoning-gym reply's most tokens (a built-in task sets its own).
+        max_tokens: a reply's most tokens; None for the task's own: the copy task's digits
+            and a stop token (a byte tokenizer's count; a BPE tokenizer's model says more
+            before it stops), `DEFAULT_MAX_TOKENS` for reasoning-gym and environments.
+            guess, echo and harnesses play turns of their own length and take none.
         eval_every: steps between greedy evaluations on the held-out tasks; 0 for none.
         eval_tasks: held-out tasks, the ids after the training ones.
         samples: rollouts per step written, decoded, to `samples.jsonl`; 0 for none.
@@ -472,10 +490,13 @@ class TrainConfig:
     layers: int = _option(2, int_within(1, 256), "the transformer's blocks")
     heads: int = _option(4, int_within(1, 256), "the transformer's attention heads")
     d_ff: int = _option(256, int_within(1, 2**16), "the transformer's MLP width")
-    max_tokens: int = _option(
-        4,
-        int_within(1, 2**16),
-        "a reasoning-gym reply's most tokens (built-in tasks set their own)",
+    max_tokens: int | None = _option(
+        None,
+        attrs.validators.optional(int_within(1, 2**16)),
+        "a reply's most tokens (none: the task's own, copy's its digits and a stop token, "
+        f"{DEFAULT_MAX_TOKENS} for reasoning-gym and environments; guess, echo and harnesses "
+        "set their own)",
+        kind=int,
     )
     eval_every: int = _option(
         0, int_within(0, 10**6), "steps between greedy evaluations on held-out tasks (0 = none)"
@@ -562,6 +583,35 @@ class TrainConfig:
         "1x2x2 (none: one device)",
         kind=str,
     )
+    # A LoRA adapter of the --model checkpoint instead of all its params (docs/checkpoints.md).
+    lora: bool = _option(
+        False,
+        attrs.validators.instance_of(bool),
+        "train a LoRA adapter of the --model checkpoint, its params frozen (no optimizer state "
+        "for them); checkpoints hold the adapter as PEFT saves it",
+    )
+    lora_rank: int = _option(8, int_within(1, 4096), "with --lora, the adapter's rank")
+    lora_alpha: float = _option(
+        16.0,
+        in_range(0, 1e6, low_open=True),
+        "with --lora, the adapter's alpha: its delta is alpha / rank x B A",
+    )
+    lora_targets: str | None = _option(
+        None,
+        _lora_targets,
+        "with --lora, the modules adapted in each block, comma-separated, e.g. q_proj,v_proj "
+        "(none: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)",
+        kind=str,
+    )
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The adapter `lora` trains, or None for a run of every param."""
+        if not self.lora:
+            return None
+        if self.lora_targets is None:
+            return LoRAConfig(self.lora_rank, self.lora_alpha, TARGETS)
+        targets = tuple(name.strip() for name in self.lora_targets.split(","))
+        return LoRAConfig(self.lora_rank, self.lora_alpha, targets)
 
     def __attrs_post_init__(self):
         check_clip_dual(self.clip, self.clip_high, self.clip_dual)
@@ -573,6 +623,15 @@ class TrainConfig:
             raise ValueError("dtype is the dtype of a --model checkpoint: give model too")
         if self.engine == "vllm" and self.model is None:
             raise ValueError("engine vllm serves a --model checkpoint folder: give model too")
+        if self.lora and self.model is None:
+            raise ValueError("lora trains an adapter of a --model checkpoint: give model too")
+        if self.lora and self.mesh is not None:
+            raise ValueError(
+                "lora keeps the adapter and its checkpoint on one device: leave out mesh"
+            )
+        for name, default in (("lora_rank", 8), ("lora_alpha", 16.0), ("lora_targets", None)):
+            if not self.lora and getattr(self, name) != default:
+                raise ValueError(f"{name} shapes a LoRA adapter: give lora too")
         if self.lr_decay != "constant" and self.warmup_steps >= self.steps:
             raise ValueError(
                 f"warmup_steps must be below steps ({self.steps}) for lr_decay {self.lr_decay}: "
@@ -608,6 +667,12 @@ class TrainConfig:
             raise ValueError(
                 f"max_context sizes an environment's episodes (--env); task {self.task!r} sets "
                 "its own"
+            )
+        own_turns = self.task in ("guess", "echo") or self.task.startswith(HARNESS)
+        if self.max_tokens is not None and own_turns:
+            raise ValueError(
+                f"max_tokens sizes a reply; task {self.task!r} sets its turns' own, got "
+                f"{self.max_tokens}"
             )
         if self.tasks < self.batch_size:
             raise ValueError(f"tasks must be >= batch_size {self.batch_size}, got {self.tasks}")

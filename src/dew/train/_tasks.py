@@ -25,7 +25,7 @@ from dew.objectives.rl.sessions import SessionSource
 from dew.serve import RolloutServer, ServedSource
 from dew.serve.chat_template import ChatTemplateError
 from dew.serve.tokenizer import Tokenizer
-from dew.train._config import HARNESS, TrainConfig
+from dew.train._config import DEFAULT_MAX_TOKENS, HARNESS, TrainConfig
 from dew.train._fit import measure
 
 
@@ -69,10 +69,15 @@ def _task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
         longest = max(
             len(tokenizer.encode_chat([{"role": "user", "content": prompt}])) for prompt in prompts
         )
-        chain = longest + copy.max_tokens
+        # A byte tokenizer's reply is its digits and a stop token; another model's says more
+        # before it stops, which only --max-tokens makes room for.
+        reply = copy.max_tokens if config.max_tokens is None else config.max_tokens
+        chain = longest + reply
         shape = _Shape(max_len=chain, width=2 * chain, chains_per_row=2)
         return _RunTask(
-            lambda engine, sampling: copy.source(engine, sampling=sampling, tokenizer=tokenizer),
+            lambda engine, sampling: copy.source(
+                engine, sampling=sampling, tokenizer=tokenizer, max_tokens=reply
+            ),
             copy.dataset,
             task_ids,
             shape,
@@ -99,19 +104,24 @@ def _task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
     sizes = measure(
         [gym.task(index) for index in range(gym.size)],
         gym.prompt,
-        max_tokens=config.max_tokens,
+        max_tokens=_reply_tokens(config),
         rollouts=config.batch_size * config.groups,
         tokenizer=tokenizer,
         width=None,
     )
     return _RunTask(
         lambda engine, sampling: gym.source(
-            engine, max_tokens=config.max_tokens, sampling=sampling, tokenizer=tokenizer
+            engine, max_tokens=_reply_tokens(config), sampling=sampling, tokenizer=tokenizer
         ),
         gym.dataset,
         gym.tasks,
         _Shape(max_len=sizes.context, width=sizes.width, chains_per_row=1),
     )
+
+
+def _reply_tokens(config: TrainConfig) -> int:
+    """A reasoning-gym or environment reply's most tokens: `--max-tokens`, or the default."""
+    return DEFAULT_MAX_TOKENS if config.max_tokens is None else config.max_tokens
 
 
 def _check_checkpoint_task(config: TrainConfig, tokenizer: Tokenizer) -> None:
@@ -191,7 +201,7 @@ def _verifiers_task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
         sizes = measure(
             [env.task(index) for index in range(env.size)],
             env.prompt,
-            max_tokens=config.max_tokens,
+            max_tokens=_reply_tokens(config),
             rollouts=config.batch_size * config.groups,
             tokenizer=tokenizer,
             max_context=config.max_context,
@@ -206,7 +216,7 @@ def _verifiers_task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
     def source(engine, sampling: Sampling) -> SessionSource:
         options = {
             "max_context": sizes.context,
-            "max_tokens": config.max_tokens,
+            "max_tokens": _reply_tokens(config),
             "sampling": sampling,
             "announce": False,
         }
@@ -248,7 +258,7 @@ def _textarena_task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
         measure(
             [Task(str(index)) for index in range(min(16, config.tasks + config.eval_tasks))],
             lambda task: _unseated(game.environment().reset(task)),
-            max_tokens=config.max_tokens,
+            max_tokens=_reply_tokens(config),
             rollouts=config.batch_size * config.groups,
             tokenizer=tokenizer,
             max_context=context,
@@ -259,7 +269,7 @@ def _textarena_task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
     def source(engine, sampling: Sampling) -> SessionSource:
         return game.source(
             engine,
-            max_tokens=config.max_tokens,
+            max_tokens=_reply_tokens(config),
             max_context=context,
             sampling=sampling,
             tokenizer=tokenizer,
