@@ -85,11 +85,11 @@ import numpy as np
 import trio
 
 from dew._checks import int_at_least
+from dew._errors import ErrorCounts, error_kind
 from dew.data import ArrayDataset, Batch, Task
 from dew.envs._offline import no_downloads
 from dew.envs.environment import describe
 from dew.envs.harness import _gateway, _optional_count, _optional_seconds, play_in_session
-from dew.objectives.rl._reports import ErrorCounts, error_kind
 from dew.objectives.rl.sessions import Call, Label, Session, Status
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,6 @@ import numpy as np
 import orjson
 import trio
 
-from dew.envs.environment import Sampling
 from dew.gateway._answers import (
     Sample,
     assistant_message,
@@ -53,6 +52,7 @@ from dew.gateway._schema import (
 from dew.gateway._template import Reply, parse_reply, tool_format
 from dew.gateway._templated import Rendered
 from dew.objectives.rl.sessions import Call, Label
+from dew.serve._sampling import Sampling
 from dew.serve.tokenizer import BYTES, Tokenizer
 
 _log = logging.getLogger("dew.gateway")

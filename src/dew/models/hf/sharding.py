@@ -24,16 +24,25 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.models.hf import _params
+from dew.models.hf._config import HFConfig
 
-if TYPE_CHECKING:  # HFModel lays its cache out with `cache_shardings`, so it imports this module
-    from dew.models.hf._modeling import HFModel
+
+class Configured(Protocol):
+    """What this module reads of a model: its checkpoint's config (an `HFModel` is one).
+
+    Named by what it needs rather than as `HFModel`: the model's module lays its cache out with
+    `cache_shardings`, so it imports this one, and naming it here made the two a circle.
+    """
+
+    config: HFConfig
+
 
 DATA = "data"
 """The mesh axis that splits only the batch's rows."""
@@ -76,7 +85,7 @@ def make_mesh(
     return Mesh(np.array(devices).reshape(data, fsdp, tensor), AXES)
 
 
-def param_specs(model: HFModel, mesh: Mesh) -> dict[str, Any]:
+def param_specs(model: Configured, mesh: Mesh) -> dict[str, Any]:
     """Each param's `PartitionSpec` on `mesh`: its table row's spec, with each mesh axis that
     does not divide the leaf's axis dropped (that axis replicated), written as `jax.jit` writes
     the params a step hands back (`_written_as_jit`)."""
@@ -104,7 +113,7 @@ def _written_as_jit(axes: Sequence[str | None], mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(*parts)
 
 
-def param_shardings(model: HFModel, mesh: Mesh) -> dict[str, Any]:
+def param_shardings(model: Configured, mesh: Mesh) -> dict[str, Any]:
     """Each param's `NamedSharding` on `mesh` (see `param_specs`): what `dew.models.hf.load`
     takes as `shardings` to place each tensor as it is read."""
     return jax.tree.map(
@@ -114,7 +123,7 @@ def param_shardings(model: HFModel, mesh: Mesh) -> dict[str, Any]:
     )
 
 
-def cache_shardings(model: HFModel, mesh: Mesh, cache: Any) -> Any:
+def cache_shardings(model: Configured, mesh: Mesh, cache: Any) -> Any:
     """Each leaf's `NamedSharding` on `mesh` for `model`'s key/value cache (per layer and block
     of positions, [slots, kv_heads, block, head_dim]), whose params are sharded over it as
     `param_shardings` places them: the key/value heads split as the key projection's heads

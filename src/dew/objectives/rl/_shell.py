@@ -30,6 +30,7 @@ import trio
 import trio.testing
 
 from dew._checks import check_int
+from dew._errors import ErrorCounts
 from dew._trio import exit_unwrapped, stop_in
 from dew.data import Batch, Dataset, Task
 from dew.objectives.rl import _admission as core
@@ -52,13 +53,7 @@ from dew.objectives.rl._records import (
     SchedulerStatus,
     Variables,
 )
-from dew.objectives.rl._reports import (
-    EmptyStreak,
-    ErrorCounts,
-    NoRoom,
-    OverBudget,
-    TooLongChain,
-)
+from dew.objectives.rl._reports import EmptyStreak, NoRoom, OverBudget, TooLongChain
 from dew.objectives.rl._session import Progress, track_progress, waits
 from dew.objectives.rl.grpo import GRPOObjective, mismatch_metrics
 from dew.objectives.rl.sessions import (
