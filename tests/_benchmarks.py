@@ -15,10 +15,10 @@ BENCHMARKS = sorted((pathlib.Path(__file__).parent.parent / "benchmarks").glob("
 HEAVY = {
     "checkpoints",
     "engines",
+    "gpu",
     "parallel",
     "sharded_checkpoints",
     "train_step_torch",
-    "vllm_nccl_push",
 }
 
 

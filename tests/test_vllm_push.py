@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import trio
 
-from _checkpoint import ONE_WORKER_PROCESS, tiny_qwen2
+from _checkpoint import ONE_WORKER_PROCESS, sharpened, tiny_qwen2
 from dew.models import hf
 from dew.serve.vllm import VLLMEngine, VLLMError
 
@@ -37,22 +37,6 @@ PROMPT = np.array([0, 1, 17, 42, 99, 7], np.int32)
 BLOCK = 128
 # What a push of float32 weights must land within: float32 rounding of the two forward passes.
 ATOL = 1e-5
-
-
-def sharpened(params: dict) -> dict:
-    """`params` with the layers' matrices scaled by 3 and the embedding (and the head, where
-    separate) by 8: a tiny random model's logits are nearly uniform and its residual stream is
-    mostly its embedding, so neither a stale head nor stale cached keys and values would show
-    much; scaled, its next-token distributions are sharp (the most likely token 0.1 to 0.99)
-    and a prompt's earlier tokens change them by nats."""
-    out = dict(params, embed=params["embed"] * jnp.float32(8))
-    if "lm_head" in out:
-        out["lm_head"] = out["lm_head"] * jnp.float32(8)
-    out["layers"] = [
-        jax.tree.map(lambda leaf: leaf * jnp.float32(3) if leaf.ndim >= 2 else leaf, layer)
-        for layer in params["layers"]
-    ]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +93,7 @@ def dew_logprobs(model, params, call) -> np.ndarray:
     return drawn.astype(np.float64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 async def test_each_push_serves_the_pushed_weights_head_included(kind, engines, checkpoints):
     """A tied head is reloaded with the embedding: before, vLLM's CPU build kept computing
@@ -126,6 +111,7 @@ async def test_each_push_serves_the_pushed_weights_head_included(kind, engines, 
             )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_prompt_sharing_cached_blocks_is_computed_under_the_pushed_weights(
     kind, engines, checkpoints
@@ -152,6 +138,7 @@ async def test_a_prompt_sharing_cached_blocks_is_computed_under_the_pushed_weigh
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_dew_train_at_its_default_batch_keeps_the_engine_agreeing_with_dews_rescoring(
     kind, engines, checkpoints, tmp_path, capsys
@@ -182,6 +169,7 @@ def test_dew_train_at_its_default_batch_keeps_the_engine_agreeing_with_dews_resc
     assert max(mismatches) <= 1e-6, mismatches
 
 
+@pytest.mark.slow
 def test_a_server_computing_in_another_dtype_than_the_model_is_named_in_one_line(
     engines, checkpoints, tmp_path, caplog
 ):
@@ -217,6 +205,7 @@ def test_a_cpu_server_with_chunked_prefill_is_refused_naming_the_flag(checkpoint
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_burst_of_seeded_calls_beyond_a_steps_token_budget_is_served(
     kind, engines, checkpoints

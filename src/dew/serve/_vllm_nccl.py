@@ -15,8 +15,8 @@ embedding as `lm_head.weight`, as a folder push writes it (`dew.serve._vllm_push
 the server would go on computing logits with its start-up head (`pushed_tensors`).
 
 The servers must run with `--weight-transfer-config '{"backend": "nccl"}'` on GPUs. Exercised by
-`benchmarks/vllm_nccl_push.py` where a GPU exists; the CPU path (`VLLMEngine.load`) is the
-tested default.
+`benchmarks/gpu.py` where a GPU exists; the CPU path (`VLLMEngine.load`) is the tested
+default.
 """
 
 from __future__ import annotations
