@@ -13,13 +13,18 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from safetensors import safe_open
 
-from _hf_folders import randomize_params
+from _hf_folders import chat_checkpoint, randomize_params
 from dew._torch_media import hide_broken_media_packages
+from dew.data import Task
+from dew.envs import Score
 from dew.models import hf
 from dew.models.hf import lora
+from dew.train import fit
+from dew.train._checkpoint import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 hide_broken_media_packages()
@@ -27,7 +32,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-VOCAB = 96
+VOCAB = 260  # the byte tokenizer's, so `fit` serves bytes and every id decodes
 SHAPE = {
     "vocab_size": VOCAB,
     "hidden_size": 32,
@@ -96,6 +101,13 @@ def _forward(model, variables, tokens):
         jnp.arange(length, dtype=jnp.int32)[None],
         jnp.ones((1, length), jnp.int32),
     )[0]
+
+
+def _assert_same(tree, other) -> None:
+    """Two trees of arrays equal leaf by leaf, bit for bit."""
+    assert jax.tree.structure(tree) == jax.tree.structure(other)
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(other), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _sequence(seed: int) -> np.ndarray:
@@ -170,11 +182,19 @@ def test_a_saved_adapter_is_peft_s_own_folder_and_loads_in_peft(folders, tmp_pat
         _forward(lora.LoRAModel(base, config), {"adapter": adapter, "base": params}, sequence)
     )
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    # The engine's prefill and decode serve base + adapter too.
+    model = lora.LoRAModel(base, config)
+    variables = {"adapter": adapter, "base": params}
+    cache = model.init_cache(slots=2, max_len=32)
+    cache, logits = jax.jit(model.prefill)(variables, cache, jnp.asarray(sequence[:12]), 1)
+    np.testing.assert_allclose(np.asarray(logits), want[:12], atol=1e-4, rtol=0)
+    at = jnp.asarray([0, 12], jnp.int32)
+    _, logits = jax.jit(model.decode)(variables, cache, jnp.asarray([0, sequence[12]]), at)
+    np.testing.assert_allclose(np.asarray(logits[1]), want[12], atol=1e-4, rtol=0)
     # And back: dew reads its own folder to the same arrays.
     again_config, again = lora.load_adapter(tmp_path / "dew", base)
     assert again_config == _sorted_targets(config)
-    for mine, read in zip(jax.tree.leaves(adapter), jax.tree.leaves(again), strict=True):
-        np.testing.assert_array_equal(np.asarray(mine), np.asarray(read))
+    _assert_same(adapter, again)
 
 
 def test_targets_that_match_no_module_are_refused_naming_those_that_exist():
@@ -196,3 +216,126 @@ def test_an_adapter_of_another_rank_or_targets_is_not_saved_under_a_config(folde
     with pytest.raises(ValueError, match=r"adapts \['q_proj'\], its config's targets"):
         lora.save_adapter(tmp_path / "a", adapter, lora.LoRAConfig(rank=4, targets=("v_proj",)))
     assert not (tmp_path / "a").exists()
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 checkpoint with its own tokenizer and Qwen2.5's chat template."""
+    shape = {**SHAPE, "num_hidden_layers": 1, "max_position_embeddings": 256}
+    del shape["vocab_size"]  # the tokenizer's, made with it
+    return chat_checkpoint(tmp_path_factory.mktemp("qwen2-chat"), shape)
+
+
+def _train(chat_folder: Path, run: Path, *options: str) -> int:
+    from dew.cli import main
+
+    argv = ["train", "--model", str(chat_folder), "--run", str(run), "--lora"]
+    argv += ["--lora-rank", "4", "--lora-targets", "q_proj,v_proj,down_proj"]
+    argv += ["--batch-size", "2", "--groups", "2", "--tasks", "8", "--checkpoint-every", "1"]
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        return main([*argv, *options])
+
+
+def _lines(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_dew_train_lora_trains_the_adapter_alone_and_resumes_exactly(chat_folder, tmp_path, capsys):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert _train(chat_folder, straight, "--steps", "2") == 0
+    summary = capsys.readouterr().out
+    assert "LoRA: " in summary and "of optimizer state over the frozen" in summary
+    # The checkpoint holds the adapter as PEFT saves it, which PEFT loads as it is and scores
+    # as dew scores base + adapter.
+    adapter_folder = straight / "checkpoints" / "adapter"
+    assert sorted(p.name for p in adapter_folder.iterdir()) == sorted(
+        [lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS]
+    )
+    assert not (straight / "checkpoints" / "model").exists()
+    base, params = hf.load(chat_folder)
+    config, adapter = lora.load_adapter(adapter_folder, base)
+    assert config == lora.LoRAConfig(4, 16.0, ("down_proj", "q_proj", "v_proj"))
+    model = lora.LoRAModel(base, config)
+    variables = {"adapter": adapter, "base": params}
+    transformers_base = transformers.AutoModelForCausalLM.from_pretrained(
+        chat_folder, dtype=torch.float32, attn_implementation="eager"
+    )
+    peft_model = peft.PeftModel.from_pretrained(transformers_base, adapter_folder).eval()
+    sequence = np.random.default_rng(6).integers(0, base.vocab, 12).astype(np.int32)
+    np.testing.assert_allclose(
+        np.asarray(_forward(model, variables, jnp.asarray(sequence))),
+        _torch_logits(peft_model, sequence),
+        atol=1e-4,
+        rtol=0,
+    )
+    # dew's own checkpoint: the base as loaded, and optimizer state for the adapter alone.
+    template = model.variables(params, jax.random.key(0))
+    optimizer = lora.frozen(optax.adam(3e-4))
+    state = load_checkpoint(straight / "checkpoints", template, optimizer.init(template))
+    _assert_same(state.variables["base"], params)
+    held = lora.footprint(state.variables, state.opt_state)
+    assert held["optimizer"] <= 2 * held["adapter"] + 64  # Adam's moments and its count
+    assert held["adapter"] * 20 < held["base"]
+    # Stopped after one step and resumed, the run trains the same second step.
+    assert _train(chat_folder, resumed, "--steps", "1") == 0
+    assert _train(chat_folder, resumed, "--steps", "2", "--resume") == 0
+    first, second = _lines(straight), _lines(resumed)
+    assert [line["updates"] for line in second] == [1, 2]
+    for name in ("loss", "grad_norm", "reward/mean", "tokens"):
+        assert [line[name] for line in second] == [line[name] for line in first], name
+    _, again = lora.load_adapter(resumed / "checkpoints" / "adapter", base)
+    _assert_same(adapter, again)
+
+
+TASKS = [Task(str(digit)) for digit in range(4)]
+
+
+def _closeness(task: Task, reply: str) -> Score:
+    """How near the reply's first byte is to the task's digit: a dense reward, so even a
+    random model's groups differ and train."""
+    return Score(max(0.0, 1.0 - abs(ord(reply[:1] or "\0") - ord(task.name)) / 256))
+
+
+def _fit(base, variables_or_params, **options):
+    return fit(
+        TASKS,
+        _closeness,
+        prompt=lambda task: f"say {task.name}",
+        max_tokens=2,
+        model=base,
+        params=variables_or_params,
+        steps=2,
+        batch_size=2,
+        groups=4,
+        **options,
+    )
+
+
+def test_fit_with_lora_trains_the_adapter_alone_and_serves_it(folders, caplog):
+    base, params = hf.load(folders["qwen2"])
+    config = lora.LoRAConfig(rank=2, targets=("q_proj", "up_proj"))
+    lines = []
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        trainer = _fit(base, params, lora=config, on_step=lines.append)
+    assert isinstance(trainer.objective.model, lora.LoRAModel)
+    assert all(line["grad_norm"] > 0 for line in lines)
+    _assert_same(trainer.variables["base"], params)
+    b = trainer.variables["adapter"]["layers"][0]["q_proj"]["lora_B"]
+    assert float(jnp.abs(b).max()) > 0  # trained: B starts at zero
+    held = lora.footprint(trainer.variables, trainer.opt_state)
+    assert held["optimizer"] <= 2 * held["adapter"] + 64  # Adam's moments and its count
+    assert "received no gradient" not in caplog.text
+
+
+def test_an_adapter_that_gets_no_gradient_is_said_with_its_step(folders, caplog):
+    base, params = hf.load(folders["qwen2"])
+    config = lora.LoRAConfig(rank=2, targets=("v_proj",))
+    model = lora.LoRAModel(base, config)
+    # A and B both zero: neither factor's gradient reaches it, the run would learn nothing.
+    zeros = jax.tree.map(jnp.zeros_like, lora.init(jax.random.key(0), base, config))
+    variables = {"adapter": zeros, "base": params}
+    with jax.numpy_dtype_promotion("standard"), caplog.at_level("WARNING", "dew.train"):
+        _fit(model, variables, optimizer=lora.frozen(optax.adam(1e-3)))
+    said = [r.getMessage() for r in caplog.records if "no gradient" in r.getMessage()]
+    assert len(said) == 2 and said[0].startswith("step 0: the LoRA adapter received no gradient")
+    assert all("\n" not in line for line in said)

@@ -22,6 +22,7 @@ from dew import _pool_guard
 from dew._checks import int_option, number_option
 from dew._launch import run_pool
 from dew.envs.lookup import HARNESSES
+from dew.models.hf import lora
 from dew.serve._vllm_process import VLLMError
 from dew.train._checkpoint import COMMIT, read_commit
 from dew.train._config import (
@@ -289,10 +290,24 @@ def _summary(trainer, run: Path, began: float) -> str:
     """The run's last line: its steps and the command's wall time since `began` (loading the
     model and starting vLLM servers included, which the trainer's own `elapsed`, the steps'
     time summed over the run's resumes, leaves out)."""
-    return (
+    line = (
         f"trained {trainer.updates} steps in {time.monotonic() - began:.0f}s of wall time "
         f"({trainer.elapsed:.0f}s in steps); metrics, checkpoints and curves.png in {run}"
     )
+    if isinstance(trainer.objective.model, lora.LoRAModel):
+        held = lora.footprint(trainer.variables, trainer.opt_state)
+        line += (
+            f"\nLoRA: {_megabytes(held['adapter'])} of adapter and "
+            f"{_megabytes(held['optimizer'])} of optimizer state over the frozen "
+            f"{_megabytes(held['base'])} of params; full fine-tuning would hold "
+            f"{_megabytes(held['base'])} of gradients and {_megabytes(held['full_optimizer'])} "
+            "of Adam's state"
+        )
+    return line
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 2**20:.2f} MiB"
 
 
 def _then(run: Path) -> str:

@@ -22,6 +22,8 @@ from dew._checks import check_int, check_number
 from dew.data import ArrayDataset, Batch, Task
 from dew.envs.environment import EnvironmentSource, Observation, Sampling, messages_of
 from dew.envs.prompts import PromptSource
+from dew.models.hf import HFModel
+from dew.models.hf.lora import LoRAConfig, LoRAModel, frozen
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.serve import RolloutServer, ServedSource
@@ -211,6 +213,7 @@ def fit(
     on_step: Callable[[Mapping[str, Any]], None] | None = None,
     seed: int = 0,
     wall_clock: float | None = None,
+    lora: LoRAConfig | None = None,
 ) -> Trainer:
     """Train a policy on `tasks` with GRPO: one call from data and a verifier to a trainer.
 
@@ -252,6 +255,10 @@ def fit(
             trainer as that step left it. None: no bound.
             A step that never ends (an environment whose `step` blocks) is bounded by the
             environment's own `wall_clock` instead (`EnvironmentSource`).
+        lora: train a LoRA adapter of `model` (a `dew.models.hf.HFModel`) and its `params`
+            instead of every param (`dew.models.hf.lora`): the params stay frozen, with no
+            optimizer state, and the engine serves them with the adapter. The trainer's
+            variables are then `{"adapter": ..., "base": params}`.
 
     Returns:
         The trainer after its last step: `trainer.variables` is the trained policy.
@@ -311,10 +318,20 @@ def fit(
         )
     if params is None:
         params = model.init(jax.random.key(seed))
+    optimizer = optax.adam(1e-3) if optimizer is None else optimizer
+    if lora is not None:
+        if not isinstance(model, HFModel) or not isinstance(lora, LoRAConfig):
+            raise ValueError(
+                "lora adapts a Hugging Face checkpoint: give model= a dew.models.hf.HFModel "
+                "and lora= a dew.models.hf.lora.LoRAConfig"
+            )
+        model = LoRAModel(model, lora)
+        params = model.variables(params, jax.random.key(seed))
+        optimizer = frozen(optimizer)
     objective = GRPOObjective(model, temperature=sampling.temperature)
     trainer = Trainer(
         objective,
-        optax.adam(1e-3) if optimizer is None else optimizer,
+        optimizer,
         params,
         directory=run,
         on_step=on_step,

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from dew import models, replay
 from dew.envs.environment import Sampling
 from dew.models import hf
-from dew.models.hf import sharding
+from dew.models.hf import lora, sharding
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Label, Status
 from dew.parallel import ProcessRows, default_pool
@@ -42,6 +42,8 @@ from dew.train._tasks import _check_checkpoint_task, _objective, _RunTask, _samp
 from dew.train._tensorboard import TensorBoard
 from dew.train._trainer import METRICS, Trainer
 
+ADAPTER = "adapter"
+"""A `--lora` run's checkpoints hold its adapter in this folder, as PEFT saves it."""
 SAMPLES = "samples.jsonl"
 EVALUATIONS = "eval.jsonl"
 
@@ -143,6 +145,8 @@ def _train(
         variables = sharding.shard(variables, sharding.param_shardings(model, mesh))
     objective = _objective(model, config.temperature, **_levers(config))
     optimizer, learning_rate = _optimizer(config)
+    if config.lora:
+        optimizer = lora.frozen(optimizer)
     trainer = _FolderTrainer(
         objective,
         optimizer,
@@ -297,13 +301,20 @@ def _model(config: TrainConfig, max_len: int, tokenizer) -> tuple[models.Model, 
             f"max_position_embeddings {model.max_len}"
         )
     # Rows past the tokenizer's ids decode to no text: never sampled, never scored.
-    return attrs.evolve(model, vocab_limit=tokenizer.vocab_size, remat=config.remat), params
+    model = attrs.evolve(model, vocab_limit=tokenizer.vocab_size, remat=config.remat)
+    adapter = config.lora_config()
+    if adapter is None:
+        return model, params
+    adapted = lora.LoRAModel(model, adapter)
+    return adapted, adapted.variables(params, jax.random.key(config.seed))
 
 
 def _built_from(model, max_len: int) -> dict[str, Any]:
     """What a run's model was built from, besides its config: the task's sequence length
     (dew's transformer has a position per token) and a `--model` folder's config.json."""
     built: dict[str, Any] = {"max_len": max_len}
+    if isinstance(model, lora.LoRAModel):
+        model = model.base
     if isinstance(model, hf.HFModel):
         built["model_config"] = model.config.to_json(model.dtype)
     return built
@@ -362,6 +373,8 @@ def _served_folder(config: TrainConfig, run: Path, model, variables) -> Path | N
     if not hf.is_gguf(checkpoint):
         return checkpoint
     folder = run / "vllm" / f"process-{jax.process_index()}" / "model"
+    if isinstance(model, lora.LoRAModel):  # the servers hold the base; pushes carry the rest
+        model, variables = model.base, variables["base"]
     hf.save(folder, model, variables, tokenizer_from=checkpoint)
     return folder
 
@@ -451,8 +464,17 @@ class _FolderTrainer(Trainer):
     def _write_folder(self) -> None:
         if self.folder is None or self.checkpoints is None:
             return
+        model = self.objective.model
+        if isinstance(model, lora.LoRAModel):
+            if self._writes:
+                lora.save_adapter(
+                    self.checkpoints / ADAPTER,
+                    self.variables["adapter"],
+                    model.lora,
+                    base_model=self.folder,
+                )
+            return
         if self._writes or is_sharded(self.variables):
-            model = self.objective.model
             hf.save(self.checkpoints / "model", model, self.variables, tokenizer_from=self.folder)
 
 

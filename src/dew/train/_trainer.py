@@ -22,6 +22,7 @@ from jax.experimental import multihost_utils
 from dew import _pool_guard
 from dew._checks import check_int, check_number
 from dew.data import Batch, Dataset
+from dew.models.hf.lora import LoRAModel
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import SchedulerRecord
 from dew.parallel import DataParallelUpdate, local_copy, pool_fields
@@ -188,6 +189,24 @@ def _check_finite(metrics: Mapping[str, Any], step: int) -> None:
             f"step {step}: {values}; training stops, the weights left as the step before found "
             "them (look for NaN or infinite rewards, advantages or log-probs in the batch, or "
             "token ids outside the model's vocabulary, which score as non-finite log-probs)"
+        )
+
+
+def _check_adapter_gradient(
+    model: Any, metrics: Mapping[str, Any], packed: Batch, step: int
+) -> None:
+    """Say, in one warning, that a LoRA adapter received no gradient at a step whose rows had
+    something to learn (a trained token with a nonzero advantage): such an adapter attaches to
+    nothing the loss reaches, or its factors are both zero, and the run learns nothing."""
+    if not isinstance(model, LoRAModel) or float(metrics.get("grad_norm", 1.0)) != 0:
+        return
+    signal = np.asarray(packed["advantages"]) * np.asarray(packed["loss_mask"])
+    if np.any(signal != 0):
+        logger.warning(
+            "step %d: the LoRA adapter received no gradient (its gradient is all zeros, with "
+            "%d trained tokens of nonzero advantage): it learns nothing",
+            step,
+            int(np.count_nonzero(signal)),
         )
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "TARGETS",
     "LoRAConfig",
     "LoRAModel",
+    "footprint",
     "frozen",
     "init",
     "load_adapter",
@@ -245,6 +246,27 @@ def frozen(optimizer: optax.GradientTransformation) -> optax.GradientTransformat
         {"adapter": optimizer, "base": optax.set_to_zero()},
         lambda variables: {name: name for name in variables},
     )
+
+
+def _bytes(tree: Any) -> int:
+    return sum(
+        int(np.prod(np.shape(leaf))) * jnp.dtype(leaf.dtype).itemsize
+        for leaf in jax.tree.leaves(tree)
+    )
+
+
+def footprint(variables: dict, opt_state: Any) -> dict[str, int]:
+    """What a LoRA run holds against full fine-tuning of the same checkpoint with Adam, in
+    bytes: `base` (the checkpoint's params), `adapter`, `optimizer` (the run's optimizer
+    state: the adapter's alone) and `full_optimizer` (Adam's two moments of every param,
+    what training them all would hold besides their gradients, as large as the params)."""
+    base = _bytes(variables["base"])
+    return {
+        "base": base,
+        "adapter": _bytes(variables["adapter"]),
+        "optimizer": _bytes(opt_state),
+        "full_optimizer": 2 * base,
+    }
 
 
 def save_adapter(
