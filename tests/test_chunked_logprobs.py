@@ -120,12 +120,55 @@ def test_chunked_log_probs_equal_the_whole_logits(model_and_params, chunk, suppo
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
 
 
+def reference_entropy(model, params, batch, temperature: float) -> float:
+    """The mean entropy over trained tokens of the distribution each token's log-prob is taken
+    under, in NumPy float64 from the model's whole logits: the softmax of the logits before it
+    over the temperature, renormalised over the support where one covers the position."""
+    logits = np.asarray(
+        model(params, batch["tokens"], batch["positions"], batch["segment_ids"]), np.float64
+    )
+    covered: dict[tuple[int, int], list[int]] = {}
+    if "support_tokens" in batch:
+        for row, entry in np.ndindex(batch["support_positions"].shape):
+            position = int(batch["support_positions"][row, entry])
+            if position >= 1:
+                covered.setdefault((row, position), []).append(
+                    int(batch["support_tokens"][row, entry])
+                )
+    trained = np.argwhere(batch["loss_mask"] > 0)
+    entropies = []
+    for row, position in trained:
+        scaled = logits[row, position - 1] / temperature
+        scaled = scaled[covered[row, position]] if (row, position) in covered else scaled
+        scaled = scaled - scaled.max()
+        p = np.exp(scaled) / np.exp(scaled).sum()
+        entropies.append(-(p * np.log(p)).sum())
+    return float(np.mean(entropies))
+
+
+@pytest.mark.parametrize("support", [False, True])
+@pytest.mark.parametrize("chunk", [1, 7, None])
+def test_the_entropy_rides_on_the_chunked_pass_and_matches_numpy(model_and_params, chunk, support):
+    """Issue 44 item 1: `entropy` in the loss's metrics is the policy's mean token entropy over
+    trained tokens, chunk by chunk as the log-probs are, over the support where there is one."""
+    model, params = model_and_params
+    batch = packed(4, support=support)
+    objective = GRPOObjective(model, logit_chunk=chunk, temperature=0.7)
+    _, metrics = jax.jit(objective.loss)(params, batch)
+    want = reference_entropy(model, params, batch, temperature=0.7)
+    np.testing.assert_allclose(float(metrics["entropy"]), want, rtol=1e-5)
+    if support:  # the support's renormalised distribution, not the whole vocabulary's
+        plain = {key: value for key, value in batch.items() if not key.startswith("support")}
+        assert abs(want - reference_entropy(model, params, plain, temperature=0.7)) > 0.1
+
+
 @pytest.mark.parametrize("chunk", [5, None])
-def test_chunked_loss_and_gradient_equal_the_whole_logits(model_and_params, chunk):
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.1])
+def test_chunked_loss_and_gradient_equal_the_whole_logits(model_and_params, chunk, entropy_coef):
     model, params = model_and_params
     batch = packed(3)
-    chunked = GRPOObjective(model, logit_chunk=chunk, kl_coef=0.1)
-    plain = GRPOObjective(whole(model), kl_coef=0.1)
+    chunked = GRPOObjective(model, logit_chunk=chunk, kl_coef=0.1, entropy_coef=entropy_coef)
+    plain = GRPOObjective(whole(model), kl_coef=0.1, entropy_coef=entropy_coef)
     batch["reference_logprobs"] = batch["proximal_logprobs"] + np.float32(0.2) * batch["loss_mask"]
     (got, _), got_grads = jax.jit(jax.value_and_grad(chunked.loss, has_aux=True))(params, batch)
     (want, _), want_grads = jax.jit(jax.value_and_grad(plain.loss, has_aux=True))(params, batch)

@@ -208,8 +208,9 @@ def test_behavior_importance_is_capped_and_masked(params):
     assert np.any(got[trained] == 2.0) and np.any(got[trained] < 1.0)
 
 
-def reference_loss(batch, current, clip: float, cap: float) -> dict[str, float]:
-    """The decoupled PPO loss and its metrics in NumPy, float64."""
+def reference_loss(batch, current, entropy, clip: float, cap: float) -> dict[str, float]:
+    """The decoupled PPO loss and its metrics in NumPy, float64; `entropy` is the policy's at
+    each token, float64[rows, width]."""
     trained = batch["loss_mask"] > 0
     advantages = batch["advantages"].astype(np.float64)
     log_importance = np.where(
@@ -233,6 +234,7 @@ def reference_loss(batch, current, clip: float, cap: float) -> dict[str, float]:
         "importance/mean": importance[trained].sum() / count,
         "importance/max": importance.max(),
         "ratio/mean": ratio[trained].sum() / count,
+        "entropy": entropy[trained].sum() / count,
         "tokens": trained.sum(),
     }
 
@@ -244,7 +246,11 @@ def test_loss_matches_numpy(params, use_jit):
     objective = GRPOObjective(transformer(), clip=0.2, importance_cap=3.0)
     loss_fn = jax.jit(objective.loss) if use_jit else objective.loss
     loss, metrics = loss_fn(params, batch)
-    expected = reference_loss(batch, current, clip=0.2, cap=3.0)
+    logits = np.asarray(MODEL(params, batch["tokens"], batch["positions"], batch["segment_ids"]))
+    log_p = log_softmax(logits)
+    # The distribution at p predicts token p + 1: shifted by one, as the log-probs are.
+    entropy = np.pad(-(np.exp(log_p) * log_p).sum(-1)[:, :-1], ((0, 0), (1, 0)))
+    expected = reference_loss(batch, current, entropy, clip=0.2, cap=3.0)
     assert set(metrics) == set(expected)
     np.testing.assert_allclose(float(loss), expected["loss"], **TOLERANCE)
     for name, value in expected.items():
@@ -270,6 +276,7 @@ def test_loss_without_trained_tokens_is_zero(params):
         "importance/mean": 0.0,
         "importance/max": 0.0,
         "ratio/mean": 0.0,
+        "entropy": 0.0,
         "tokens": 0.0,
     }
 

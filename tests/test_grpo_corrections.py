@@ -96,6 +96,21 @@ def current_log_probs(variables, batch) -> np.ndarray:
     return out
 
 
+def current_entropy(variables, batch) -> np.ndarray:
+    """The entropy -sum_v p_v log p_v of the bigram's distribution at each token its log-prob
+    is taken at (0 elsewhere, as `current_log_probs`), float64."""
+    logits = np.asarray(variables["table"], np.float64)[batch["tokens"]]
+    logits -= logits.max(-1, keepdims=True)
+    log_softmax = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    entropy = -(np.exp(log_softmax) * log_softmax).sum(-1)
+    out = np.zeros((ROWS, WIDTH))
+    for row, p in itertools.product(range(ROWS), range(1, WIDTH)):
+        segment = batch["segment_ids"][row, p]
+        if segment and batch["segment_ids"][row, p - 1] == segment:
+            out[row, p] = entropy[row, p - 1]
+    return out
+
+
 def sequences(batch) -> list[np.ndarray]:
     """Each (row, segment)'s trained cells, as boolean masks over the batch."""
     trained = batch["loss_mask"] > 0
@@ -137,7 +152,8 @@ def reference_weights(batch, objective) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def reference_loss(variables, batch, objective) -> tuple[float, float | None]:
     """The loss and the reference KL metric (None without kl_coef), in NumPy float64, with the
-    surrogate's levers too (clip_high, clip_dual, ratio_level: tests/test_practitioner_options)."""
+    surrogate's levers too (clip_high, clip_dual, ratio_level, the entropy bonus:
+    tests/test_practitioner_options)."""
     current = current_log_probs(variables, batch)
     trained = batch["loss_mask"] > 0
     _, weight, kept = reference_weights(batch, objective)
@@ -153,7 +169,7 @@ def reference_loss(variables, batch, objective) -> tuple[float, float | None]:
     if objective.clip_dual is not None:
         bounded = np.maximum(surrogate, objective.clip_dual * advantages)
         surrogate = np.where(advantages < 0, bounded, surrogate)
-    per_token = -weight * surrogate
+    per_token = -weight * surrogate - objective.entropy_coef * current_entropy(variables, batch)
     kl = None
     if objective.kl_coef > 0:
         gap = np.clip(np.where(kept, batch["reference_logprobs"] - current, 0.0), -20, 20)

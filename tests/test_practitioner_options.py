@@ -33,6 +33,7 @@ from test_grpo_corrections import (
     VOCAB,
     WIDTH,
     bigram,
+    current_entropy,
     current_log_probs,
     random_batch,
     reference_loss,
@@ -51,6 +52,7 @@ SURROGATES = st.fixed_dictionaries(
         "importance_level": st.sampled_from(IMPORTANCE_LEVELS),
         "correction": st.sampled_from(CORRECTIONS),
         "aggregation": st.sampled_from(AGGREGATIONS),
+        "entropy_coef": st.sampled_from([0.0, 0.05]),
     }
 )
 
@@ -106,6 +108,9 @@ def test_the_clip_variants_and_the_sequence_ratio_match_numpy(chosen, seed, spre
     for name, value in reference_clip_fractions(variables, batch, objective).items():
         assert float(metrics[name]) == pytest.approx(value, abs=1e-6), name
     assert ("clip_fraction/dual" in metrics) == (objective.clip_dual is not None)
+    trained = batch["loss_mask"] > 0
+    entropy = current_entropy(variables, batch)[trained].sum() / max(trained.sum(), 1)
+    np.testing.assert_allclose(float(metrics["entropy"]), entropy, **TOLERANCE)
 
 
 @pytest.mark.parametrize(
@@ -115,6 +120,8 @@ def test_the_clip_variants_and_the_sequence_ratio_match_numpy(chosen, seed, spre
         {"clip_dual": 2.0},
         {"ratio_level": "sequence", "aggregation": "sequence_mean"},
         {"ratio_level": "sequence", "clip_high": 0.5, "clip_dual": 3.0},
+        {"entropy_coef": 0.1},
+        {"entropy_coef": 0.05, "ratio_level": "sequence", "aggregation": "constant"},
     ],
 )
 def test_the_gradient_matches_numpy_by_central_differences(chosen):
@@ -233,6 +240,7 @@ def test_the_defaults_are_the_symmetric_token_clip():
         ({"clip_dual": 1.3, "clip_high": 0.5}, r"clip_dual must be above .*\(1.5\)"),
         ({"clip_dual": 0.5}, "clip_dual must be"),
         ({"ratio_level": "geometric"}, "ratio_level must be one of"),
+        ({"entropy_coef": -0.1}, "entropy_coef must be"),
     ],
 )
 def test_bad_surrogate_settings_are_refused_naming_them(chosen, message):
@@ -241,13 +249,17 @@ def test_bad_surrogate_settings_are_refused_naming_them(chosen, message):
 
 
 def test_the_surrogate_levers_are_dew_train_options():
-    config = TrainConfig(clip=0.1, clip_high=0.28, clip_dual=3.0, ratio_level="sequence")
+    config = TrainConfig(
+        clip=0.1, clip_high=0.28, clip_dual=3.0, ratio_level="sequence", entropy_coef=0.01
+    )
     levers = _levers(config)
-    assert {k: levers[k] for k in ("clip", "clip_high", "clip_dual", "ratio_level")} == {
+    names = ("clip", "clip_high", "clip_dual", "ratio_level", "entropy_coef")
+    assert {k: levers[k] for k in names} == {
         "clip": 0.1,
         "clip_high": 0.28,
         "clip_dual": 3.0,
         "ratio_level": "sequence",
+        "entropy_coef": 0.01,
     }
     GRPOObjective(bigram, **levers)  # the objective takes them as they are
 
@@ -259,6 +271,7 @@ def test_the_surrogate_levers_are_dew_train_options():
         ("--clip-dual", "1.1", "clip_dual must be above 1 \\+ the upper clip"),
         ("--ratio-level", "row", "ratio_level must be one of"),
         ("--clip", "0", "clip must be"),
+        ("--entropy-coef", "-1", "entropy_coef must be"),
     ],
 )
 def test_bad_surrogate_options_are_refused_naming_them(option, value, message, capsys, tmp_path):
@@ -266,9 +279,32 @@ def test_bad_surrogate_options_are_refused_naming_them(option, value, message, c
     assert re.search(message, line), line
 
 
+def test_an_entropy_bonus_alone_raises_the_policys_entropy():
+    """With every advantage 0 the surrogate's gradient vanishes: an update moves the policy by
+    the entropy bonus alone, and the entropy over the trained tokens goes up (with no bonus,
+    nothing moves)."""
+    rng = np.random.default_rng(11)
+    variables = table(rng)
+    batch = off_policy(rng, variables, spread=0.1) | {
+        "advantages": np.zeros((ROWS, WIDTH), np.float32)
+    }
+    trained = batch["loss_mask"] > 0
+    before = current_entropy(variables, batch)[trained].mean()
+    for coef, rises in [(0.5, True), (0.0, False)]:
+        objective = GRPOObjective(bigram, entropy_coef=coef)
+        optimizer = optax.sgd(0.5)
+        after, _, metrics = objective.update_fn(optimizer)(
+            variables, optimizer.init(variables), batch
+        )
+        assert float(metrics["entropy"]) == pytest.approx(before, rel=1e-5)
+        entropy = current_entropy(after, batch)[trained].mean()
+        assert (entropy > before + 1e-3) if rises else entropy == pytest.approx(before, abs=1e-6)
+
+
 def test_a_dew_train_run_with_clip_higher_a_dual_clip_and_gspo_records_each_clip(tmp_path):
-    """The built-in copy task on a tiny model, for real: every step's line holds the split
-    clip fractions, each a share in [0, 1], and the low and high ones add up to the whole."""
+    """The built-in copy task on a tiny model, for real, with an entropy bonus: every step's
+    line holds the split clip fractions, each a share in [0, 1], the low and high ones adding
+    up to the whole, and the policy's entropy, between 0 and log(vocabulary)."""
     from dew import train
 
     tiny = {"d_model": 16, "heads": 2, "layers": 1, "d_ff": 32, "tasks": 16, "samples": 0}
@@ -279,6 +315,7 @@ def test_a_dew_train_run_with_clip_higher_a_dual_clip_and_gspo_records_each_clip
         clip_high=0.28,
         clip_dual=3.0,
         ratio_level="sequence",
+        entropy_coef=0.01,
         **tiny,
     )
     with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as in test_train
@@ -290,6 +327,7 @@ def test_a_dew_train_run_with_clip_higher_a_dual_clip_and_gspo_records_each_clip
         parts = [record[f"clip_fraction/{side}"] for side in ("low", "high", "dual")]
         assert all(0 <= part <= 1 for part in parts)
         assert record["clip_fraction"] == pytest.approx(parts[0] + parts[1])
+        assert 0 < record["entropy"] < np.log(256)
 
 
 def test_batch_std_advantages_centre_each_group_and_scale_by_the_whole_batch():

@@ -283,6 +283,7 @@ class TrainConfig:
             policy; 0 for none. A resumed run derives the reference again from the config (the
             seed's initial weights), so checkpoints need not hold it.
         kl_estimator: the penalty's per-token estimate of the KL (`GRPOObjective`'s).
+        entropy_coef: the weight of an entropy bonus (`GRPOObjective`'s); 0 for none.
         aggregation, importance_level, correction, importance_cap, importance_floor: the
             objective's loss aggregation and behaviour-importance correction (`GRPOObjective`).
         clip, clip_high, clip_dual, ratio_level: the surrogate's clip (clip-higher, the dual
@@ -430,6 +431,12 @@ class TrainConfig:
         "token_mean",
         _one_of(AGGREGATIONS),
         "how the loss averages: token_mean, sequence_mean, or constant (Dr. GRPO)",
+    entropy_coef: float = _option(
+        0.0,
+        in_range(0, 100),
+        "weight of an entropy bonus: each token's loss less entropy-coef x the policy's entropy "
+        "there (0 = none)",
+    )
     )
     importance_level: str = _option(
         "token",

@@ -540,6 +540,7 @@ class _RunLogs:
         self.trainer = trainer
         self.samples = samples
         self.first_position = trainer.position
+        "entropy_coef",
         self.on_step = on_step
         self.evaluation: _Evaluation | None = None
         self.tensorboard = TensorBoard(run / "tensorboard") if config.tensorboard else None

@@ -26,7 +26,8 @@ The levers a practitioner tunes, each documented with its formula in docs/concep
 behaviour importance weight's level (`importance_level`: per token, per sequence, or the
 sequence's geometric mean) and how it is applied (`correction`: truncated at the cap, or tokens
 outside `[importance_floor, importance_cap]` masked out of the loss); how the loss is averaged
-(`aggregation`); and a k3 KL penalty to a reference policy (`kl_coef`). The defaults are
+(`aggregation`); a KL penalty to a reference policy (`kl_coef`); and an entropy bonus
+(`entropy_coef`). The defaults are
 decoupled PPO as AReaL trains it: token-level weights truncated at 5, the token mean.
 """
 
@@ -235,6 +236,9 @@ class GRPOObjective:
             0 the batch must carry `reference_logprobs`.
         kl_estimator: the per-token estimate of that KL, with d = log reference - log current
             clamped to [-20, 20]: `k3` (e^d - d - 1), `k1` (-d), `k2` (d^2 / 2) or `abs` (|d|).
+        entropy_coef: an entropy bonus: each kept token's loss less entropy_coef x H_t, the
+            entropy of the current policy's distribution at the token, so the update also
+            pushes the policy's entropy up (verl's entropy_coeff); 0 (the default): none.
         temperature: the engine's sampling temperature. Every log-prob here is of the logits
             divided by it, the distribution the engine drew from and reported its behaviour
             log-probs under; at another temperature, behaviour and proximal would differ by
@@ -263,8 +267,9 @@ class GRPOObjective:
             weighs 1 and must train), a floor other than 0 with `truncate` (it bounds only
             masking), a clip_high outside (0, 1), a clip_dual not above 1 + the upper clip (or
             above 100), an unknown level, correction, aggregation, proximal or kl_estimator, a
-            negative kl_coef, a temperature that is not a finite number > 0 (greedy decoding has no
-            log-probs to train on), or a logit_chunk below 1.
+            negative kl_coef, an entropy_coef outside [0, 100], a temperature that is not a
+            finite number > 0 (greedy decoding has no log-probs to train on), or a logit_chunk
+            below 1.
     """
 
     model: Model = attrs.field(validator=is_callable)
@@ -291,6 +296,7 @@ class GRPOObjective:
     )
     kl_coef: float = attrs.field(default=0.0, kw_only=True, validator=at_least(0))
     kl_estimator: str = attrs.field(default="k3", kw_only=True, validator=_one_of(KL_ESTIMATORS))
+    entropy_coef: float = attrs.field(default=0.0, kw_only=True, validator=in_range(0, 100))
     temperature: float = attrs.field(default=1.0, kw_only=True, validator=positive)
     proximal: str = attrs.field(default="rescore", kw_only=True, validator=_one_of(PROXIMALS))
     logit_chunk: int | None = attrs.field(
@@ -417,18 +423,22 @@ class GRPOObjective:
 
         Returns:
             The loss: per kept token t, l_t = -w_t x min(r_t x A_t, clip(r_t) x A_t) (+ kl_coef
-            x k3_t against the reference), with r_t = exp(current - proximal) (at the sequence
-            `ratio_level`, the exp of the sequence's mean log-ratio), clip to [1 - clip, 1 +
-            upper_clip], the surrogate at least clip_dual x A_t where A_t < 0 with a
-            `clip_dual`, and w_t the `behavior_importance`, aggregated as `aggregation` says
-            with each token weighted by its loss mask; and float32 metrics over trained
-            tokens (each 0 when there are none):
+            x k3_t against the reference) (- entropy_coef x H_t, the entropy bonus), with r_t =
+            exp(current - proximal) (at the sequence `ratio_level`, the exp of the sequence's
+            mean log-ratio), clip to [1 - clip, 1 + upper_clip], the surrogate at least
+            clip_dual x A_t where A_t < 0 with a `clip_dual`, and w_t the
+            `behavior_importance`, aggregated as `aggregation` says with each token weighted
+            by its loss mask; and float32 metrics over trained tokens (each 0 when there are
+            none):
             `loss`; `kl/behavior_proximal`, the k3 estimate of KL(behaviour || proximal), the
             trainer-engine mismatch and staleness together (`importance_metrics` splits them);
             `clip_fraction`, the share of tokens whose gradient the clip removes, split into
             `clip_fraction/low` (A < 0, r below 1 - clip) and `/high` (A > 0, r above 1 +
             upper_clip); with a `clip_dual`, `clip_fraction/dual`, the share it holds;
-            `importance/mean`, `importance/max`; `ratio/mean`; `tokens`, the loss mask's total
+            `importance/mean`, `importance/max`; `ratio/mean`; `entropy`, the mean entropy
+            H_t = -sum_v p_v log p_v of the current policy's distribution at each trained
+            token (nats; over a filtered sampler's support where the batch carries one),
+            computed in the log-prob pass chunk by chunk; `tokens`, the loss mask's total
             weight; with a `kl_coef`, `kl/reference`, the mean `kl_estimator` of KL(current ||
             reference) over the kept tokens; with `proximal="current"`, `importance/masked`,
             the share of trained tokens the correction leaves out (which `importance_metrics`
@@ -441,7 +451,11 @@ class GRPOObjective:
         trained_keys = TRAINED if self.proximal == "rescore" else TRAINED[:-1]
         _require(batch, SCORED + trained_keys + ((REFERENCE,) if self.kl_coef > 0 else ()))
         keys = SCORED + (SUPPORT if _support(batch) else ())
-        current = self._log_probs(variables, {key: batch[key] for key in keys})
+        current, entropy = self._scores(
+            variables,
+            {key: batch[key] for key in keys},
+            entropy="trained" if self.entropy_coef > 0 else "metric",
+        )
         mask = jnp.asarray(batch["loss_mask"], jnp.float32)
         advantages = jnp.asarray(batch["advantages"], jnp.float32)
         if self.proximal == "rescore":
@@ -463,6 +477,8 @@ class GRPOObjective:
             clip_dual=self.clip_dual,
         )
         per_token = -importance * surrogate.value
+        if self.entropy_coef > 0:
+            per_token = per_token - jnp.float32(self.entropy_coef) * entropy
 
         tokens = mask.sum()
         count = jnp.maximum(trained.sum().astype(jnp.float32), jnp.float32(1))
@@ -502,6 +518,7 @@ class GRPOObjective:
             "importance/mean": mean(importance),
             "importance/max": jnp.max(importance),
             "ratio/mean": mean(ratio),
+            "entropy": mean(entropy),
             "tokens": tokens,
             **metrics,
         }
@@ -604,7 +621,15 @@ class GRPOObjective:
         return trained, log_weight, jnp.where(kept, weight, jnp.float32(0)), kept
 
     def _log_probs(self, variables, batch: Mapping[str, Any]) -> jax.Array:
-        """`packed_log_probs` before jit: traced by it and by `loss`."""
+        """`packed_log_probs` before jit."""
+        return self._scores(variables, batch)[0]
+
+    def _scores(
+        self, variables, batch: Mapping[str, Any], *, entropy: str | None = None
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """The packed rows' log-probs, float32[rows, width], and (with `entropy`, as
+        `_target_log_probs` takes it) the entropy of the distribution each is taken under, 0
+        where the log-prob is; traced by `packed_log_probs` and by `loss`."""
         tokens = jnp.asarray(batch["tokens"], jnp.int32)
         segment_ids = jnp.asarray(batch["segment_ids"], jnp.int32)
         positions = jnp.asarray(batch["positions"], jnp.int32)
@@ -623,17 +648,22 @@ class GRPOObjective:
         if SUPPORT[0] in batch:
             support = tuple(jnp.asarray(batch[key], jnp.int32) for key in SUPPORT)
         # Position p is predicted by the logits at p - 1: drop the last position and first token.
-        scored = _target_log_probs(
+        scored, spread = _target_log_probs(
             head,
             hidden[:, :-1],
             tokens[:, 1:],
             temperature=self.temperature,
             chunk=chunk,
             support=support,
+            entropy=entropy,
         )
         follows = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
-        scored = jnp.where(follows, scored, jnp.float32(0))
-        return jnp.concatenate([jnp.zeros((rows, 1), jnp.float32), scored], axis=1)
+
+        def placed(values: jax.Array) -> jax.Array:
+            values = jnp.where(follows, values, jnp.float32(0))
+            return jnp.concatenate([jnp.zeros((rows, 1), jnp.float32), values], axis=1)
+
+        return placed(scored), None if spread is None else placed(spread)
 
 
 def _target_log_probs(
@@ -644,14 +674,16 @@ def _target_log_probs(
     temperature: float,
     chunk: int,
     support: tuple[jax.Array, jax.Array] | None,
-) -> jax.Array:
+    entropy: str | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
     """Each target's log-prob under the softmax of `head(hidden) / temperature`, `chunk`
-    positions at a time.
+    positions at a time, and (asked) the entropy of that softmax at each position.
 
     Each chunk's logits live only inside a `jax.checkpoint`ed step of a `lax.map`: the forward
-    pass keeps each chunk's log-probs, the backward pass recomputes the chunk's logits from its
-    hidden states, so neither holds more than [chunk, vocab] logits. A chunk of every position
-    is the plain computation.
+    pass keeps each chunk's log-probs (and entropies), the backward pass recomputes the chunk's
+    logits from its hidden states, so neither holds more than [chunk, vocab] logits. A chunk of
+    every position is the plain computation. The entropy rides on the same logits, so it costs
+    no second pass and no [positions, vocab] array.
 
     Args:
         head: hidden [n, hidden] -> logits float[n, vocab].
@@ -662,9 +694,14 @@ def _target_log_probs(
         support: `support_tokens` and `support_positions`, int32[rows, S], positions in the
             batch's coordinates (1 .. predicted; others unused): where they cover a position,
             the softmax is over the tokens kept there (see `_support_normaliser`).
+        entropy: None for none; `metric` for the entropy with no gradient (a figure of the
+            record: its backward pass costs nothing); `trained` for the entropy with its
+            gradient (an entropy bonus trains on it).
 
     Returns:
-        float32[rows, predicted].
+        float32[rows, predicted] log-probs, and float32[rows, predicted] entropies (nats) of
+        the distribution each log-prob is taken under (renormalised over the support where
+        one covers the position), or None.
     """
     rows, predicted = targets.shape
     cells = rows * predicted
@@ -685,19 +722,60 @@ def _target_log_probs(
         kept = kept.reshape(-1)
 
     @jax.checkpoint
-    def score(part: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+    def score(part: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         states, goal, start = part
         logits = head(states).astype(jnp.float32) / jnp.float32(temperature)
         picked = jnp.take_along_axis(logits, goal[:, None], axis=-1)[:, 0]
-        normaliser = jax.nn.logsumexp(logits, axis=-1)
+        whole = jax.nn.logsumexp(logits, axis=-1)
+        normaliser, local = whole, None
         if support is not None:
             local = cell - start
             local = jnp.where((local >= 0) & (local < chunk), local, jnp.int32(chunk))
-            normaliser = _support_normaliser(logits, normaliser, local, kept)
-        return picked - normaliser
+            normaliser = _support_normaliser(logits, whole, local, kept)
+        if entropy is None:
+            return picked - normaliser, jnp.zeros_like(normaliser)
+        spread = _entropy(logits, whole, normaliser, local, kept if support is not None else None)
+        if entropy == "metric":
+            spread = jax.lax.stop_gradient(spread)
+        return picked - normaliser, spread
 
-    scored = jax.lax.map(score, (flat, goals, starts))
-    return scored.reshape(padded)[:cells].reshape(rows, predicted)
+    scored, spread = jax.lax.map(score, (flat, goals, starts))
+
+    def unpadded(values: jax.Array) -> jax.Array:
+        return values.reshape(padded)[:cells].reshape(rows, predicted)
+
+    return unpadded(scored), None if entropy is None else unpadded(spread)
+
+
+def _entropy(
+    logits: jax.Array,
+    whole: jax.Array,
+    normaliser: jax.Array,
+    cell: jax.Array | None,
+    kept: jax.Array | None,
+) -> jax.Array:
+    """The entropy -sum_v p_v log p_v of the distribution each of n positions' log-probs are
+    taken under: the softmax over the whole vocabulary, or over the kept tokens where a
+    support covers the position.
+
+    logits: float32[n, vocab]; whole: float32[n], their log-sum-exp; normaliser: float32[n],
+    `_support_normaliser`'s (the kept tokens' log-sum-exp where covered); cell, kept: as
+    `_support_normaliser` takes them, or None for no support. Returns float32[n].
+    """
+    # H = N - sum_v p_v z_v, since log p_v = z_v - N and p sums to 1; the whole vocabulary's
+    # N, so no exp overflows where a support's smaller one stands.
+    everywhere = whole - (jnp.exp(logits - whole[:, None]) * logits).sum(-1)
+    if kept is None:
+        return everywhere
+    size = normaliser.shape[0]
+    at = jnp.minimum(cell, size - 1)
+    kept_logits = logits[at, kept]
+    # An unused entry (cell = size) is dropped by the scatters; zeroing it keeps exp finite.
+    used = cell < size
+    gap = jnp.where(used, kept_logits - normaliser[at], jnp.float32(0))
+    expected = jnp.zeros((size,), jnp.float32).at[cell].add(jnp.exp(gap) * kept_logits, mode="drop")
+    covered = jnp.zeros((size,), jnp.bool_).at[cell].set(True, mode="drop")
+    return jnp.where(covered, normaliser - expected, everywhere)
 
 
 def _support_normaliser(
