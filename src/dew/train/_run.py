@@ -519,6 +519,7 @@ def _levers(config: TrainConfig) -> dict[str, Any]:
         "clip_dual",
         "ratio_level",
         "kl_estimator",
+        "entropy_coef",
     )
     return {name: getattr(config, name) for name in names}
 
@@ -540,7 +541,6 @@ class _RunLogs:
         self.trainer = trainer
         self.samples = samples
         self.first_position = trainer.position
-        "entropy_coef",
         self.on_step = on_step
         self.evaluation: _Evaluation | None = None
         self.tensorboard = TensorBoard(run / "tensorboard") if config.tensorboard else None
