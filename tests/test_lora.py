@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +24,7 @@ from dew.data import Task
 from dew.envs import Score
 from dew.models import hf
 from dew.models.hf import lora
-from dew.train import fit
+from dew.train import TrainConfig, fit
 from dew.train._checkpoint import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,11 +68,8 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 def _peft_model(folder: Path, config: lora.LoRAConfig, seed: int):
     """transformers' float32 model of `folder` under a PEFT adapter of `config` whose B is
     drawn at random too (PEFT starts it at zero), so the adapter changes the logits."""
-    base = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager"
-    )
     wrapped = peft.get_peft_model(
-        base,
+        _transformers_model(folder),
         peft.LoraConfig(
             r=config.rank,
             lora_alpha=config.alpha,
@@ -85,6 +83,13 @@ def _peft_model(folder: Path, config: lora.LoRAConfig, seed: int):
             if "lora_B" in name:
                 param.normal_(0, 0.3)
     return wrapped.eval()
+
+
+def _transformers_model(folder: Path):
+    """transformers' float32 model of the checkpoint in `folder`, as it loads it."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    )
 
 
 def _torch_logits(model, tokens: np.ndarray) -> np.ndarray:
@@ -172,16 +177,18 @@ def test_a_saved_adapter_is_peft_s_own_folder_and_loads_in_peft(folders, tmp_pat
             assert ours.get_slice(name).get_dtype() == theirs.get_slice(name).get_dtype()
     written = json.loads((tmp_path / "dew" / lora.ADAPTER_CONFIG).read_text())
     assert written["base_model_name_or_path"] == str(folder)
-    transformers_base = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager"
-    )
-    loaded = peft.PeftModel.from_pretrained(transformers_base, tmp_path / "dew").eval()
+    loaded = peft.PeftModel.from_pretrained(_transformers_model(folder), tmp_path / "dew").eval()
     sequence = _sequence(4)
     want = _torch_logits(loaded, sequence)
     got = np.asarray(
         _forward(lora.LoRAModel(base, config), {"adapter": adapter, "base": params}, sequence)
     )
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    # Merged into the weights (`dew export --merge`), it is a folder transformers alone loads.
+    hf.save(tmp_path / "merged", base, lora.merged(params, adapter, config), tokenizer_from=folder)
+    np.testing.assert_allclose(
+        _torch_logits(_transformers_model(tmp_path / "merged"), sequence), want, atol=1e-4, rtol=0
+    )
     # The engine's prefill and decode serve base + adapter too.
     model = lora.LoRAModel(base, config)
     variables = {"adapter": adapter, "base": params}
@@ -257,10 +264,8 @@ def test_dew_train_lora_trains_the_adapter_alone_and_resumes_exactly(chat_folder
     assert config == lora.LoRAConfig(4, 16.0, ("down_proj", "q_proj", "v_proj"))
     model = lora.LoRAModel(base, config)
     variables = {"adapter": adapter, "base": params}
-    transformers_base = transformers.AutoModelForCausalLM.from_pretrained(
-        chat_folder, dtype=torch.float32, attn_implementation="eager"
-    )
-    peft_model = peft.PeftModel.from_pretrained(transformers_base, adapter_folder).eval()
+    peft_model = peft.PeftModel.from_pretrained(_transformers_model(chat_folder), adapter_folder)
+    peft_model.eval()
     sequence = np.random.default_rng(6).integers(0, base.vocab, 12).astype(np.int32)
     np.testing.assert_allclose(
         np.asarray(_forward(model, variables, jnp.asarray(sequence))),
@@ -276,6 +281,21 @@ def test_dew_train_lora_trains_the_adapter_alone_and_resumes_exactly(chat_folder
     held = lora.footprint(state.variables, state.opt_state)
     assert held["optimizer"] <= 2 * held["adapter"] + 64  # Adam's moments and its count
     assert held["adapter"] * 20 < held["base"]
+    # `dew export` writes the adapter again, or with --merge the checkpoint with it merged in.
+    from dew.cli import main
+
+    assert main(["export", "--run", str(straight), "--to", str(tmp_path / "adapter")]) == 0
+    for name in (lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS):
+        assert (tmp_path / "adapter" / name).read_bytes() == (adapter_folder / name).read_bytes()
+    merged = tmp_path / "merged"
+    assert main(["export", "--run", str(straight), "--merge", "--to", str(merged)]) == 0
+    np.testing.assert_allclose(
+        _torch_logits(_transformers_model(merged), sequence),
+        _torch_logits(peft_model, sequence),
+        atol=1e-4,
+        rtol=0,
+    )
+    assert (merged / "tokenizer.json").is_file()
     # Stopped after one step and resumed, the run trains the same second step.
     assert _train(chat_folder, resumed, "--steps", "1") == 0
     assert _train(chat_folder, resumed, "--steps", "2", "--resume") == 0
@@ -339,3 +359,16 @@ def test_an_adapter_that_gets_no_gradient_is_said_with_its_step(folders, caplog)
     said = [r.getMessage() for r in caplog.records if "no gradient" in r.getMessage()]
     assert len(said) == 2 and said[0].startswith("step 0: the LoRA adapter received no gradient")
     assert all("\n" not in line for line in said)
+
+
+def test_export_merge_of_a_run_of_every_param_is_refused_in_one_line(chat_folder, tmp_path):
+    from dew.train import export
+
+    run = tmp_path / "run"
+    run.mkdir()
+    config = attrs.asdict(TrainConfig(model=str(chat_folder)))
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as refused:
+        export(run, merge=True)
+    assert str(refused.value).startswith("--merge merges a --lora run's adapter")
+    assert "\n" not in str(refused.value)

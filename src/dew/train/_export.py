@@ -11,6 +11,11 @@ whole, and a folder holding that record and nothing but the files an export writ
 (one whose export was cut short before its record is refused like any other: nothing is lost).
 Any other folder is refused, naming it: the run folder, a folder inside it (but the run's own
 `checkpoints/model`) or above it, the current folder, a folder holding other files.
+
+A `--lora` run's export is its adapter as PEFT saves it (the run's own `checkpoints/adapter`
+unless `--to` names another folder), or with `--merge` the checkpoint with the adapter merged
+into its weights (`dew.models.hf.lora.merged`): a full folder transformers and vLLM load
+without PEFT.
 """
 
 from __future__ import annotations
@@ -23,21 +28,26 @@ from pathlib import Path
 import jax
 
 from dew.models import hf
-from dew.models.hf import sharding
+from dew.models.hf import lora, sharding
 from dew.train._checkpoint import COMMIT, _write_atomically, load_variables, read_commit
 from dew.train._config import TrainConfig, _read_json
 from dew.train._folders import _nearest_existing, _probe
+from dew.train._run import ADAPTER
 
 MARKER = "dew-export.json"
 """The record an export writes into its folder (the run and step exported): a folder holding
 it, and only the files an export writes, is one a later export may replace."""
-_WRITTEN = frozenset({hf.CONFIG, hf.WEIGHTS, *hf.TOKENIZER_FILES, MARKER})
+_WRITTEN = frozenset(
+    {hf.CONFIG, hf.WEIGHTS, *hf.TOKENIZER_FILES, lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS, MARKER}
+)
 # A read that fails because a newer commit replaced the record is made again with the newer
 # one, at most this many times in all: a run committing faster than its params read ends it.
 _READS = 3
 
 
-def export(run: str | os.PathLike, to: str | os.PathLike | None = None) -> tuple[Path, int]:
+def export(
+    run: str | os.PathLike, to: str | os.PathLike | None = None, *, merge: bool = False
+) -> tuple[Path, int]:
     """Write the params of `run`'s last checkpoint as a checkpoint folder `transformers` and
     vLLM load: the trained folder's config and tokenizer files, the params' tensors.
 
@@ -48,14 +58,18 @@ def export(run: str | os.PathLike, to: str | os.PathLike | None = None) -> tuple
     Args:
         run: a `dew train --model` run folder.
         to: the folder to write: a new one, an empty one, or one an export wrote (replaced
-            whole); None for `run/checkpoints/model`.
+            whole); None for `run/checkpoints/model` (a `--lora` run's adapter:
+            `run/checkpoints/adapter`).
+        merge: for a `--lora` run, write the checkpoint with the adapter merged into its
+            weights rather than the adapter.
 
     Returns:
         The folder written and the checkpoint's optimizer updates.
 
     Raises:
         ValueError: naming the run when it holds no run, no checkpoint, a run of dew's own
-            transformer, or a checkpoint folder trained that is gone; a damaged checkpoint
+            transformer, or a checkpoint folder trained that is gone; `merge` for a run that
+            trained every param (there is no adapter to merge); a damaged checkpoint
             (`read_commit`); naming `to` when writing it could destroy what an export did not
             write, or it cannot be written (`_check_destination`).
     """
@@ -78,10 +92,29 @@ def export(run: str | os.PathLike, to: str | os.PathLike | None = None) -> tuple
             f"--run {run} trained --model {folder}, which is gone: its config.json and "
             "tokenizer files (a GGUF file's metadata) go into the folder written"
         )
+    adapter = config.lora_config()
+    if merge and adapter is None:
+        raise ValueError(
+            f"--merge merges a --lora run's adapter into its checkpoint; --run {run} trained "
+            "every param, which dew export writes as they are without --merge"
+        )
     checkpoints = run / "checkpoints"
-    own = checkpoints / "model"  # the folder the run writes itself, with each checkpoint
+    # The folder the run writes itself, with each checkpoint.
+    own = checkpoints / ("model" if adapter is None or merge else ADAPTER)
     to = own if to is None else _check_destination(Path(to), run, own)
     model = hf.model_of(folder, dtype=config.dtype)
+    if adapter is not None:
+        adapted = lora.LoRAModel(model, adapter)
+        record, variables = _committed_params(run, jax.eval_shape(adapted.init, jax.random.key(0)))
+        if merge:
+            merged = jax.jit(lora.merged, static_argnums=2)(
+                variables["base"], variables["adapter"], adapter
+            )
+            hf.save(to, model, merged, tokenizer_from=folder)
+        else:
+            lora.save_adapter(to, variables["adapter"], adapter, base_model=str(folder))
+        _mark(to, own, run, record)
+        return to, int(record["updates"])
     template = jax.eval_shape(model.init, jax.random.key(0))
     if jax.local_device_count() > 1:
         placed = sharding.param_shardings(model, sharding.make_mesh(devices=jax.local_devices()))
@@ -92,10 +125,15 @@ def export(run: str | os.PathLike, to: str | os.PathLike | None = None) -> tuple
         )
     record, params = _committed_params(run, template)
     hf.save(to, model, params, tokenizer_from=folder)
+    _mark(to, own, run, record)
+    return to, int(record["updates"])
+
+
+def _mark(to: Path, own: Path, run: Path, record: dict) -> None:
+    """Write the export's record into `to`, unless it is the run's own folder."""
     if to != own:
         text = _marker(run, record).encode()
         _write_atomically(to / MARKER, lambda file: file.write(text))
-    return to, int(record["updates"])
 
 
 def _committed_params(run: Path, template) -> tuple[dict, dict]:
@@ -218,14 +256,20 @@ def configure_export_cli(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the checkpoint folder to write: a new or empty folder, or one dew export wrote "
         "(replaced whole); never the run folder or a folder holding other files "
-        "(default: RUN/checkpoints/model)",
+        "(default: RUN/checkpoints/model; a --lora run's adapter: RUN/checkpoints/adapter)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="for a --lora run, write the checkpoint with the adapter merged into its weights "
+        "(a full folder transformers and vLLM load without PEFT), not the adapter",
     )
 
 
 def run_export_cli(args: argparse.Namespace) -> int:
     """Run `dew export` from its parsed options; a bad run folder is one line and status 2."""
     try:
-        to, updates = export(args.folder, args.to)
+        to, updates = export(args.folder, args.to, merge=args.merge)
     except ValueError as error:
         args.parser.error(str(error))
     print(f"dew export: the checkpoint at step {updates} of {args.folder} written to {to}")
