@@ -269,7 +269,7 @@ def test_tune_says_in_one_line_when_the_plot_fails_at_run_time(
     def full(rows, path, **limits):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(tune, "plot", full)
+    monkeypatch.setattr(tune._cli, "plot", full)
     picture = tmp_path / "front.png"
     argv = ["tune", trace, "--steps", "4", "--seeds", "1", "--ahead", "0", "--sync-every", "1"]
     assert cli.main([*argv, "--plot", str(picture)]) == 1

@@ -151,7 +151,7 @@ def test_dew_tune_names_the_words_a_knob_takes(trace, capsys):
     assert refusal(capsys, trace.path, "--max-lag", "1,most").endswith(
         "argument --max-lag: must be an int within [0, 10000] or one of 'least', got 'most'"
     )
-    assert tune._hedges("on, off") == (True, False)
+    assert tune._cli._hedges("on, off") == (True, False)
 
 
 def with_config(trace, folder, **changes):

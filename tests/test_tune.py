@@ -412,7 +412,7 @@ def test_the_grid_takes_auto_among_the_admit_values():
     assert settings[0].admit == "auto"
     with pytest.raises(ValueError, match="admit values must be ints >= 1, got 'most'"):
         tune.Grid(admit=("most",))
-    parse = tune._int_list(1, 4096, "all", "auto")
+    parse = tune._cli._int_list(1, 4096, "all", "auto")
     assert parse("all,auto,3") == (None, "auto", 3)
 
 
