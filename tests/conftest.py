@@ -36,6 +36,10 @@ import threading
 import jax
 import pytest
 
+# Files holding slow tests go to xdist's workers first (tests/_slow_first.py); pytester runs
+# the small suites that test it.
+pytest_plugins = ["_slow_first", "pytester"]
+
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
