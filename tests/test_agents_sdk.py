@@ -94,6 +94,7 @@ def says_the_population(result: HarnessResult) -> Score:
     return Score(1.0 if "2.1M" in result.output else 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["run", "stream"])
 @pytest.mark.parametrize("api", ["responses", "chat"])
 async def test_an_agents_sdk_harness_trains_through_the_gateway_unchanged(api, mode):
@@ -102,6 +103,7 @@ async def test_an_agents_sdk_harness_trains_through_the_gateway_unchanged(api, m
 
 # Streamed, the tool call comes without text before it: Pydantic AI's run_stream ends at the
 # first text the model streams, as its documentation says, before any tool call after it.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("api", "mode", "before_the_call"), [("chat", "run", "Checking."), ("responses", "stream", "")]
 )

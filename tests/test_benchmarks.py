@@ -14,6 +14,7 @@ def test_there_are_benchmarks():
     assert HEAVY <= names, HEAVY - names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script", [b for b in BENCHMARKS if b.stem not in HEAVY], ids=lambda p: p.stem
 )

@@ -8,6 +8,7 @@ import pytest
 from _benchmarks import BENCHMARKS, HEAVY, run_smoke
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", [b for b in BENCHMARKS if b.stem in HEAVY], ids=lambda p: p.stem)
 def test_benchmark_smoke_run_prints_figures(script):
     run_smoke(script)

@@ -337,6 +337,7 @@ def test_dew_train_trains_a_gguf_file_into_hugging_face_folders(files, tmp_path)
     assert [line["updates"] for line in lines] == [1, 2]
 
 
+@pytest.mark.slow
 def test_dew_train_with_vllm_serves_a_gguf_file_written_as_the_runs_own_folder(files, tmp_path):
     from dew.cli import main
 
@@ -536,6 +537,7 @@ def test_smollm2_gives_transformers_logits_and_chat_ids(smollm2):
     )
 
 
+@pytest.mark.slow
 async def test_smollm2_answers_with_paris_on_dews_engine(smollm2):
     _, model, params, tokenizer = smollm2
     server = RolloutServer(model, params, slots=1, max_len=64, tokenizer=tokenizer)

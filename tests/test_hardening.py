@@ -1015,6 +1015,7 @@ def test_ctrl_c_while_the_library_imports_ends_with_one_line(monkeypatch, capsys
     assert capsys.readouterr().err == "dew: interrupted\n"
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_dew_train_after_its_step_with_a_checkpoint_and_one_line(tmp_path, capsys):
     run, trace = tmp_path / "run", tmp_path / "run.trace.gz"
     process = start_training(run, "--checkpoint-every", "1000", "--record", str(trace))

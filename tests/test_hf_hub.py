@@ -132,6 +132,7 @@ def test_dew_train_trains_a_repository_id_and_its_run_exports(hub, tmp_path, cap
     hf.load(written)
 
 
+@pytest.mark.slow
 def test_a_vllm_server_started_with_the_repository_id_serves_its_snapshot():
     """`dew train --model OWNER/NAME --engine-url URL` attaches to a server started as `vllm
     serve OWNER/NAME`: the snapshot folder's repository is the served model's name or root."""

@@ -30,6 +30,7 @@ SHAPE = {
 }
 
 
+@pytest.mark.slow
 def test_sharded_params_train_serve_and_restore_onto_another_mesh(tmp_path):
     """Params and Adam's moments are split over fsdp x tensor as the params table declares; a
     sharded step with the batch over the data axes equals the one-device step to 1e-5 and hands
@@ -52,6 +53,7 @@ def test_sharded_params_train_serve_and_restore_onto_another_mesh(tmp_path):
     assert "sharding checks passed" in finished.stdout
 
 
+@pytest.mark.slow
 def test_dew_train_splits_a_checkpoint_over_a_pools_mesh_and_resumes_on_another(tmp_path):
     """`dew train --model --processes 2 --mesh 2x2x1`, two processes of two CPU devices, trains
     on a mesh across both (data across the processes, fsdp within each) and checkpoints orbax

@@ -92,6 +92,7 @@ def no_key(monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
 
 
+@pytest.mark.slow
 def test_a_server_wanting_an_api_key_is_refused_naming_it_and_the_key(
     servers, folder, tmp_path, no_key
 ):
@@ -107,6 +108,7 @@ def test_a_server_wanting_an_api_key_is_refused_naming_it_and_the_key(
     assert "--api-key" in str(wrong.value) and "not-the-key" not in str(wrong.value)
 
 
+@pytest.mark.slow
 async def test_attached_with_the_key_from_the_environment_it_calls_and_pushes(
     servers, folder, tmp_path, monkeypatch
 ):
@@ -132,6 +134,7 @@ async def test_attached_with_the_key_from_the_environment_it_calls_and_pushes(
     assert httpx.get(f"{url}/weight_info").json() == {"weight_version": "4"}
 
 
+@pytest.mark.slow
 def test_urls_as_users_paste_them_are_normalised_or_refused_naming_them(
     servers, folder, tmp_path, no_key
 ):
@@ -164,6 +167,7 @@ def test_urls_as_users_paste_them_are_normalised_or_refused_naming_them(
         )
 
 
+@pytest.mark.slow
 async def test_a_server_serving_several_names_serves_each_and_lists_them_for_another(
     servers, folder, tmp_path, no_key
 ):
@@ -182,6 +186,7 @@ async def test_a_server_serving_several_names_serves_each_and_lists_them_for_ano
         VLLMEngine.attach([url], name="gamma", checkpoint=folder, push_dir=tmp_path, api_key=KEY)
 
 
+@pytest.mark.slow
 def test_dew_train_refuses_a_server_shorter_than_its_context_at_attach(
     servers, folder, tmp_path, monkeypatch, capsys
 ):
@@ -230,6 +235,7 @@ def test_dew_train_refuses_urls_that_cannot_be_servers_before_anything_starts(
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 def test_a_server_lacking_every_flag_behind_an_api_key_is_refused_naming_each(
     servers, folder, tmp_path, no_key
 ):
@@ -247,6 +253,7 @@ def test_a_server_lacking_every_flag_behind_an_api_key_is_refused_naming_each(
         assert flag in message, message
 
 
+@pytest.mark.slow
 def test_start_gives_the_servers_their_api_key_out_of_their_command_line(
     folder, tmp_path, monkeypatch
 ):

@@ -80,6 +80,7 @@ def pool_processes(launcher: subprocess.Popen) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_pool_signalled_while_it_starts_stops_at_its_first_step(tmp_path, env, signum):
     """Item 7 (and build point 6): a pool signalled while its processes still start (importing
@@ -116,6 +117,7 @@ def test_a_pool_signalled_while_it_starts_stops_at_its_first_step(tmp_path, env,
     assert (commit["updates"], commit["position"]) == (1, 1)
 
 
+@pytest.mark.slow
 def test_a_pool_of_one_process_trains_on_a_mesh_of_its_devices(tmp_path, env):
     """Item 15: `--processes 1 --mesh 1x1x2` trains, its process splitting the checkpoint over
     its two devices. Its one process checked the mesh against its devices before it joined the

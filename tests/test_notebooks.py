@@ -45,6 +45,7 @@ def test_the_docs_list_every_notebook():
     assert not [p.name for p in NOTEBOOKS if f"`notebooks/{p.name}`" not in listed]
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_and_draws(path):

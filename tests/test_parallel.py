@@ -124,6 +124,7 @@ def result(out: pathlib.Path, case: str, process: int) -> tuple[dict[str, np.nda
 # --- the proximal rescoring -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_rescoring_over_the_pool_equals_each_process_scoring_its_rows_alone(pool2):
     seen = []
     for process in range(2):
@@ -141,6 +142,7 @@ def test_rescoring_over_the_pool_equals_each_process_scoring_its_rows_alone(pool
     assert not np.allclose(seen[0], seen[1])
 
 
+@pytest.mark.slow
 def test_rows_of_another_structure_are_refused_on_every_process(pool2):
     for process in range(2):
         _, facts = result(pool2, "structure", process)
@@ -152,6 +154,7 @@ def test_rows_of_another_structure_are_refused_on_every_process(pool2):
 # --- the agreement --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool, processes", [("pool2", 2), ("pool4", 4)])
 def test_a_failed_admission_raises_on_every_process_at_the_agreement(request, pool, processes):
     out = request.getfixturevalue(pool)
@@ -172,6 +175,7 @@ def test_a_failed_admission_raises_on_every_process_at_the_agreement(request, po
 # --- first readers --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool, processes", [("pool2", 2), ("pool4", 4)])
 def test_later_readers_receive_exactly_their_first_readers_rows(request, pool, processes):
     out = request.getfixturevalue(pool)
@@ -196,6 +200,7 @@ def test_later_readers_receive_exactly_their_first_readers_rows(request, pool, p
         assert "objects holds Python objects" in facts["refused2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool, processes", [("pool2", 2), ("pool4", 4)])
 def test_first_reader_batch_carries_every_bit_of_every_dtype(request, pool, processes):
     """int64 past 2**31, float64, -0.0, subnormals and NaN payloads come back as the first
@@ -216,6 +221,7 @@ def test_first_reader_batch_carries_every_bit_of_every_dtype(request, pool, proc
     assert arrays["exact_received/int64"][0] == 2**40 + 3 + processes - 2
 
 
+@pytest.mark.slow
 def test_the_share_size_of_a_mesh_is_the_processes_that_hold_each_data_slice(pool4):
     for process in range(4):
         _, facts = result(pool4, "mesh", process)
@@ -231,6 +237,7 @@ def test_the_share_size_of_a_mesh_is_the_processes_that_hold_each_data_slice(poo
 # --- a scheduler on every process -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_processs_scheduler_trains_on_rows_rescored_over_the_pool(pool2):
     for process in range(2):
         arrays, facts = result(pool2, "scheduler", process)
@@ -247,6 +254,7 @@ def test_every_processs_scheduler_trains_on_rows_rescored_over_the_pool(pool2):
         assert facts["compilations"] == 1
 
 
+@pytest.mark.slow
 def test_a_shares_later_reader_samples_nothing_and_trains_on_the_first_readers_rows(pool2):
     first, first_facts = result(pool2, "share", 0)
     later, later_facts = result(pool2, "share", 1)
@@ -265,6 +273,7 @@ def test_a_shares_later_reader_samples_nothing_and_trains_on_the_first_readers_r
         assert (first[f"segments{step}"] > 0).any()
 
 
+@pytest.mark.slow
 def test_a_broken_source_stops_every_process_at_the_same_step(pool2):
     _, healthy = result(pool2, "failure", 0)
     _, broken = result(pool2, "failure", 1)
@@ -285,6 +294,7 @@ def trained_alone():
     return train_alone(DATA_PARALLEL_STEPS, processes=2)
 
 
+@pytest.mark.slow
 def test_two_processes_train_to_the_parameters_of_one_over_the_same_global_batches(pool2):
     """Each process steps on its own rows (padded from three to four over its two devices); JAX
     reduces the gradients across the pool; both end with the single process's parameters."""
@@ -313,6 +323,7 @@ def test_two_processes_train_to_the_parameters_of_one_over_the_same_global_batch
 # --- one metrics stream ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_pools_metrics_line_adds_counts_keeps_the_worst_and_averages_the_rest(pool2):
     for process in range(2):
         _, facts = result(pool2, "pooled", process)

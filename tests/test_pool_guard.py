@@ -44,6 +44,7 @@ def last_line(log: str) -> str:
     return [line for line in log.splitlines() if line.startswith("process ")][-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case, status, culprit",
     [
@@ -70,6 +71,7 @@ def test_every_process_stops_naming_the_process_that_broke(tmp_path, case, statu
         )
 
 
+@pytest.mark.slow
 def test_killing_process_0_stops_every_other_process_and_the_launcher_names_it(tmp_path):
     """Process 0 holds the pool's coordination service: when it is killed, jax ends the other
     processes at once (its client aborts on the service's loss, before any line of dew's can

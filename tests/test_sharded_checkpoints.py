@@ -42,6 +42,7 @@ def worker(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return scratch, finished
 
 
+@pytest.mark.slow
 def test_a_sharded_run_resumes_exactly_on_another_mesh_never_from_a_broken_checkpoint(worker):
     """A Trainer on a 1x2x2 mesh checkpoints into an orbax folder (variables/ and opt_state/,
     each process's OCDBT files; no npz); interrupted and resumed it equals the uninterrupted
@@ -54,6 +55,7 @@ def test_a_sharded_run_resumes_exactly_on_another_mesh_never_from_a_broken_check
     assert "sharded checkpoint checks passed" in finished.stdout
 
 
+@pytest.mark.slow
 def test_sharded_params_export_a_folder_transformers_loads_with_equal_logits(worker):
     """The folder written from sharded params, gathered one tensor at a time, loads in
     transformers with the logits dew computes from the sharded params."""
@@ -76,6 +78,7 @@ def test_sharded_params_export_a_folder_transformers_loads_with_equal_logits(wor
 POOL_WORKER = Path(__file__).parent / "_pool_checkpoint_worker.py"
 
 
+@pytest.mark.slow
 def test_a_pool_whose_mesh_spans_its_processes_writes_each_process_its_shards(tmp_path):
     """Two `jax.distributed` processes of two CPU devices: a trainer on a 1x4x1 mesh across
     both (each process half of every param) checkpoints orbax shards, each process its own

@@ -576,6 +576,7 @@ def dew_train(run, *options) -> list[str]:
     return [*DEW, "train", "--run", str(run), *TINY, *options]
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_from_its_checkpoint_and_trains_nothing_twice(tmp_path):
     run, steps = tmp_path / "run", 40
     options = ["--steps", str(steps), "--checkpoint-every", "4"]
@@ -626,6 +627,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_trains_nothing_twice(tmp_p
     assert (run / "curves.png").exists()
 
 
+@pytest.mark.slow
 def test_the_default_task_learns(tmp_path, xla_optimizations):
     # The default run, cut short and synchronous. With `ahead` 1 the version each rollout is
     # sampled at depends on the threads' timing, and at 60 steps the reward's rise varies from

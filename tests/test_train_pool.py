@@ -61,6 +61,7 @@ def logs(run) -> dict[int, str]:
     }
 
 
+@pytest.mark.slow
 def test_a_pool_of_processes_trains_an_agent_harness_through_the_gateway(tmp_path, env):
     run, steps = tmp_path / "run", 2
     done = subprocess.run(
@@ -82,6 +83,7 @@ def test_a_pool_of_processes_trains_an_agent_harness_through_the_gateway(tmp_pat
     assert all(f"trained {steps} steps" in text for text in logs(run).values())
 
 
+@pytest.mark.slow
 def test_a_pool_of_processes_trains_the_default_task_with_a_rising_reward(
     tmp_path, env, xla_optimizations
 ):
@@ -122,6 +124,7 @@ def test_a_pool_of_processes_trains_the_default_task_with_a_rising_reward(
     assert (run / "curves.png").exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_pool_after_one_step_with_its_checkpoint(tmp_path, env):
     # A terminal's Ctrl-C reaches the launcher alone (each process has a session of its own);
     # it passes the interrupt on, and the processes agree after each step whether any was
@@ -208,6 +211,7 @@ def killed(tmp_path_factory, env) -> Killed:
     return Killed(run, pid, launcher.returncode, err.decode(), record, before, resumed)
 
 
+@pytest.mark.slow
 def test_a_killed_process_stops_the_pool_by_name_and_the_pool_resumes_exactly(killed):
     """kill -9 of process 1 mid-run: process 0 stops with a line naming it, the launcher exits
     with the killed process's status; `--resume` then continues from the last checkpoint, every
@@ -242,6 +246,7 @@ def test_a_killed_process_stops_the_pool_by_name_and_the_pool_resumes_exactly(ki
     assert (final["updates"], final["position"]) == (steps, steps)
 
 
+@pytest.mark.slow
 def test_a_pools_run_resumes_on_one_process_at_the_exact_data_position(killed, tmp_path, env):
     """A run checkpointed by a pool of two resumes on a single process: it continues at the
     checkpoint's step and data position, reading every row of each global batch itself."""

@@ -99,6 +99,7 @@ def reference_logprobs(model, call, *, temperature=1.0, top_k=None) -> np.ndarra
     return logprobs[torch.arange(len(call.completion)), torch.tensor(call.completion)].numpy()
 
 
+@pytest.mark.slow
 async def test_generate_takes_ids_and_answers_ids_with_behaviour_logprobs(
     engine, params, references
 ):
@@ -117,6 +118,7 @@ async def test_generate_takes_ids_and_answers_ids_with_behaviour_logprobs(
     np.testing.assert_allclose(filtered.logprobs, want, atol=2e-4)
 
 
+@pytest.mark.slow
 async def test_a_stop_token_ends_the_completion_and_stays_in_it(engine, params, references):
     engine.load(params[0], 0)
     async with engine:
@@ -131,6 +133,7 @@ async def test_a_stop_token_ends_the_completion_and_stays_in_it(engine, params, 
     assert len(clipped.completion) == 3
 
 
+@pytest.mark.slow
 async def test_bad_calls_are_refused_naming_the_argument(engine):
     async with engine:
         with pytest.raises(ValueError, match="prompt must hold 1 to max_len - 1 = 127"):
@@ -143,6 +146,7 @@ async def test_bad_calls_are_refused_naming_the_argument(engine):
         await engine.generate(PROMPT, max_tokens=1)
 
 
+@pytest.mark.slow
 async def test_a_push_changes_what_is_served_and_the_version(engine, params, references):
     engine.load(params[1], 7)
     assert engine.version == 7
@@ -170,6 +174,7 @@ async def wait_held(url: str, ended) -> None:
                 await trio.sleep(0.05)
 
 
+@pytest.mark.slow
 async def test_a_push_while_calls_run_keeps_them_running_under_their_version(
     engine, params, references
 ):
@@ -208,6 +213,7 @@ async def test_a_push_while_calls_run_keeps_them_running_under_their_version(
     assert straddled >= 1
 
 
+@pytest.mark.slow
 async def test_a_cancelled_call_says_how_many_tokens_it_drew(engine, params):
     """As dew's engine does: a call counts toward its rollout's progress (what the scheduler
     reads of a rollout it cancels) as its tokens stream in."""
@@ -258,6 +264,7 @@ def engine_mismatch(batch) -> float:
     return float(np.mean(np.expm1(log_rho) - log_rho))
 
 
+@pytest.mark.slow
 async def test_each_push_lands_the_engine_agreeing_with_dews_rescoring_at_lag_0(
     engine, folders, params
 ):
@@ -300,6 +307,7 @@ async def test_each_push_lands_the_engine_agreeing_with_dews_rescoring_at_lag_0(
     assert engine_mismatch(stale) > 1e-3
 
 
+@pytest.mark.slow
 def test_a_push_runs_beside_the_rollouts_and_the_gateway_in_the_schedulers_run(
     engine, folders, params, tmp_path
 ):
@@ -367,6 +375,7 @@ def test_a_push_runs_beside_the_rollouts_and_the_gateway_in_the_schedulers_run(
     assert pusher.version == 1 and len(pusher.push_seconds) == 2
 
 
+@pytest.mark.slow
 def test_attaching_checks_the_model_and_the_server(engine, folders, tmp_path):
     with pytest.raises(VLLMError, match=f"{engine.urls[0]} serves \\['first'\\], not the run's"):
         VLLMEngine.attach(engine.urls[:1], name="other", checkpoint=folders[0], push_dir=tmp_path)
@@ -381,6 +390,7 @@ def test_attaching_checks_the_model_and_the_server(engine, folders, tmp_path):
     attached.close()
 
 
+@pytest.mark.slow
 def test_a_server_reporting_raw_logprobs_is_refused_naming_the_flag(folders, tmp_path):
     # vLLM's default logprobs mode reports log-probs before temperature, top-k and top-p: a run
     # would train on log-probs of another distribution than the one its tokens were drawn from.
@@ -395,12 +405,14 @@ def test_a_server_reporting_raw_logprobs_is_refused_naming_the_flag(folders, tmp
         )
 
 
+@pytest.mark.slow
 def test_a_port_in_use_is_refused_before_starting(engine, folders):
     port = int(engine.urls[0].rsplit(":", 1)[1])
     with pytest.raises(VLLMError, match=f"port {port} on 127.0.0.1 is in use"):
         VLLMEngine.start(folders[0], max_model_len=MAX_LEN, port=port)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_vllm_refuses_fails_with_its_error(tmp_path, monkeypatch):
     """The server's own error reaches the caller. Its first start finds its port taken (dew
     picks a free port, and vLLM binds it after its imports, while any other process may take
@@ -441,6 +453,7 @@ def test_a_server_never_ready_times_out_naming_it_and_its_log(folders, tmp_path)
     )
 
 
+@pytest.mark.slow
 async def test_an_agent_harness_runs_through_the_gateway_with_vllm_serving(
     engine, folders, params, references
 ):
@@ -500,6 +513,7 @@ def assert_served(urls, version: int) -> None:
         assert httpx.get(f"{url}/weight_info").json() == {"weight_version": str(version)}
 
 
+@pytest.mark.slow
 def test_dew_train_trains_a_checkpoint_with_vllm_serving_and_replays_its_record(
     engine, folders, tmp_path
 ):
@@ -521,6 +535,7 @@ def test_dew_train_trains_a_checkpoint_with_vllm_serving_and_replays_its_record(
     assert [version for _, version in replay.read_trace(trace).pushes] == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_an_interrupted_vllm_run_resumes_at_its_checkpoint_and_trains_nothing_twice(
     engine, folders, tmp_path, capsys
 ):
@@ -566,6 +581,7 @@ def test_an_interrupted_vllm_run_resumes_at_its_checkpoint_and_trains_nothing_tw
     assert_served(engine.urls, steps - 1)
 
 
+@pytest.mark.slow
 def test_a_pool_of_processes_trains_each_on_its_share_of_the_vllm_servers(
     engine, folders, tmp_path
 ):
@@ -622,6 +638,7 @@ def test_a_pool_refuses_urls_that_do_not_split_over_its_processes(folders, tmp_p
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 async def test_a_push_cancelled_after_its_pause_resumes_the_servers(engine, params, references):
     engine.load(params[0], 50)
     async with engine, httpx.AsyncClient() as client:
@@ -668,6 +685,7 @@ async def served_calls(url: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
+@pytest.mark.slow
 async def test_a_restarted_server_gets_no_calls_until_the_next_push_reloads_it(
     engine, folders, params, references, caplog
 ):
@@ -718,6 +736,7 @@ class KeptSessions:
         return session
 
 
+@pytest.mark.slow
 async def test_a_killed_servers_rollouts_are_resubmitted_to_the_server_left(
     engine, folders, params
 ):

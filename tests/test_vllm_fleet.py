@@ -47,6 +47,7 @@ def engine(folders, tmp_path_factory):
         yield engine
 
 
+@pytest.mark.slow
 async def test_a_server_killed_before_a_push_is_left_out_and_the_push_lands_on_the_other(
     engine, folders, caplog
 ):
@@ -65,6 +66,7 @@ async def test_a_server_killed_before_a_push_is_left_out_and_the_push_lands_on_t
     assert engine.calls == (0, 0) and survivor.exit_code() is None
 
 
+@pytest.mark.slow
 async def test_a_server_that_stops_answering_is_cut_off_by_the_read_timeout(engine):
     """Before, a call to a stopped server waited for ever, with nothing said."""
     survivor = engine.processes[0]

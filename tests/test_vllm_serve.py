@@ -92,6 +92,7 @@ def test_dew_serve_starts_a_server_dew_attaches_to_and_sigterm_stops_it(tmp_path
         else:
             pytest.fail(f"dew serve ended without its URL line:\n{''.join(lines)}")
         url, pid, log = found[1], int(found[2]), Path(found[3])
+@pytest.mark.slow
         assert log.is_file() and log.parent == tmp_path / "logs"
         with VLLMEngine.attach([url], checkpoint=folder, push_dir=tmp_path / "push") as engine:
             assert engine.max_len == 256  # the checkpoint's max_position_embeddings
