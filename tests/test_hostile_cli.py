@@ -203,6 +203,9 @@ def test_tune_bounds_the_simulated_runs_and_simulate_the_rollouts(capsys, trace)
         (["--d-model", "3", "--heads", "2"], "d_model must be a multiple of heads 2, got 3"),
         (["--temperature", "1e-300"], "argument --temperature: temperature must be within"),
         (["--learning-rate", "1e300"], "argument --learning-rate: learning_rate must be within"),
+        (["--engine-timeout", "0"], "argument --engine-timeout: engine_timeout must be within"),
+        (["--engine-timeout", "nan"], "argument --engine-timeout: engine_timeout must be within"),
+        (["--engine-timeout", "soon"], "argument --engine-timeout: invalid float value: 'soon'"),
     ],
 )
 def test_a_bad_train_option_is_one_line_and_leaves_no_run_folder(capsys, tmp_path, argv, culprit):

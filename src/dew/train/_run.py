@@ -404,6 +404,7 @@ def _vllm_engine(
             tokenizer=tokenizer,
             push_dir=work,
             version=version,
+            read_timeout=config.engine_timeout,
         )
         if engine.max_len < max_len:
             engine.close()
@@ -424,6 +425,7 @@ def _vllm_engine(
         tokenizer=tokenizer,
         version=version,
         work_dir=work,
+        read_timeout=config.engine_timeout,
     )
     print(f"vLLM ready in {time.monotonic() - began:.0f}s at {', '.join(engine.urls)}", flush=True)
     return engine
