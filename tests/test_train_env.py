@@ -40,7 +40,7 @@ def test_dew_train_env_trains_a_verifiers_environment_and_evaluates_its_held_out
         assert {"reward/copied", "reward/length", "reward/metric/reply_length"} <= set(line)
         assert line["status/completed"] + line["status/truncated"] == 1.0
     evaluations = lines(run / "eval.jsonl")
-    assert [e["updates"] for e in evaluations] == [2] and len(evaluations[0]["rewards"]) == 2
+    assert [e["updates"] for e in evaluations] == [0, 2] and len(evaluations[1]["rewards"]) == 2
 
 
 @pytest.mark.parametrize(
@@ -91,4 +91,4 @@ def test_the_runs_tokenizer_and_evaluations_reach_a_gateway_run(tmp_path, task, 
         user = [{"role": "user", "content": asked(int(sample["task"]))}]
         assert sample["prompt"] == tokenizer.decode(tokenizer.encode_chat(user))
     evaluations = lines(run / "eval.jsonl")
-    assert [e["updates"] for e in evaluations] == [1] and len(evaluations[0]["rewards"]) == 2
+    assert [e["updates"] for e in evaluations] == [0, 1] and len(evaluations[1]["rewards"]) == 2

@@ -44,7 +44,7 @@ def test_dew_train_harness_trains_evaluates_records_checkpoints_and_resumes(tmp_
     samples = lines(run / "samples.jsonl")
     assert samples and all(s["prompt"].startswith("<bos><|im_start|>user\n") for s in samples)
     evaluations = lines(run / "eval.jsonl")
-    assert [e["updates"] for e in evaluations] == [2] and len(evaluations[0]["rewards"]) == 2
+    assert [e["updates"] for e in evaluations] == [0, 2] and len(evaluations[1]["rewards"]) == 2
     assert json.loads((run / "checkpoints" / COMMIT).read_text())["updates"] == 3
     assert (run / "curves.png").exists()
 

@@ -87,18 +87,19 @@ def test_a_reasoning_gym_task_trains_end_to_end_with_its_scorer(tmp_path):
         reply = sample["completion"].removesuffix("<|im_end|>")
         assert sample["reward"] == gym._dataset.score_answer(reply, entry)
         assert sample["status"] in ("completed", "truncated")
-    # The greedy evaluations run on the held-out ids, one curve point per step.
+    # The evaluations run on the held-out ids, before the first update and after each.
     evaluations = lines(run / "eval.jsonl")
-    assert [e["updates"] for e in evaluations] == [1, 2]
-    assert all(len(e["rewards"]) == 3 and 0 <= e["reward/mean"] <= 1 for e in evaluations)
-    assert [line["eval/reward/mean"] for line in steps] == [e["reward/mean"] for e in evaluations]
+    assert [e["updates"] for e in evaluations] == [0, 1, 2]
+    assert all(len(e["rewards"]) == 3 and 0 <= e["greedy"] <= 1 for e in evaluations)
+    assert [line["eval/greedy"] for line in steps] == [e["greedy"] for e in evaluations[1:]]
+    assert all(0 <= e["mean@4"] <= 1 for e in evaluations)
     assert (run / "curves.png").read_bytes().startswith(b"\x89PNG")
     board = scalars(run / "tensorboard")
     assert board["loss"] == {
         1: pytest.approx(metrics[0]["loss"]),
         2: pytest.approx(metrics[1]["loss"]),
     }
-    assert set(board["eval/reward/mean"]) == {1, 2}
+    assert set(board["eval/greedy"]) == {0, 1, 2}
     # The run folder's config reads back as the config that ran, the tokenizer's path in it.
     assert TrainConfig.from_file(run / "config.json") == config
 
@@ -198,10 +199,11 @@ def test_a_resumed_run_cuts_its_samples_and_evaluations_back_to_the_checkpoint(t
         with pytest.raises(KeyboardInterrupt):
             train(config, tmp_path, on_step=die_at_the_last_step)
         assert [s["step"] for s in lines(tmp_path / "samples.jsonl")] == [0, 1]
-        assert [e["updates"] for e in lines(tmp_path / "eval.jsonl")] == [1, 2]
+        assert [e["updates"] for e in lines(tmp_path / "eval.jsonl")] == [0, 1, 2]
         train(config, tmp_path, resume=True)  # from the checkpoint at 1 update
     assert [s["step"] for s in lines(tmp_path / "samples.jsonl")] == [0, 1]
-    assert [e["updates"] for e in lines(tmp_path / "eval.jsonl")] == [1, 2]
+    assert [e["updates"] for e in lines(tmp_path / "eval.jsonl")] == [0, 1, 2]
+    assert [e["updates"] for e in lines(tmp_path / "eval_samples.jsonl")] == [0, 1, 2]
     assert [m["step"] for m in lines(tmp_path / "metrics.jsonl")] == [0, 1]
 
 

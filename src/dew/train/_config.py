@@ -43,9 +43,9 @@ engine holds a slot, and its cache, for each."""
 MAX_WEIGHTS = 2**31
 """The most weights of a run's transformer blocks (8 GiB of float32, before Adam's two more)."""
 # Fields that change what a run logs, not what it trains: a resumed run may change them.
-_LOGGING = ("steps", "eval_every", "samples", "tensorboard")
+_LOGGING = ("steps", "eval_every", "eval_samples", "samples", "tensorboard")
 # Where the vLLM servers run, not what they serve: a resumed run may use other servers.
-_LOGGING += ("engine_url", "engine_servers", "engine_timeout")
+_LOGGING += ("engine_url", "engine_servers")
 # Where the proximal log-probs come from, not their values (up to float rounding).
 _LOGGING += ("proximal",)
 # How many checkpoints stay, not what is trained.
@@ -302,8 +302,12 @@ class TrainConfig:
             and a stop token (a byte tokenizer's count; a BPE tokenizer's model says more
             before it stops), `DEFAULT_MAX_TOKENS` for reasoning-gym and environments.
             guess, echo and harnesses play turns of their own length and take none.
-        eval_every: steps between greedy evaluations on the held-out tasks; 0 for none.
+        eval_every: updates between evaluations on the held-out tasks (and one before the
+            first): greedy and sampled (mean@k) reward, per-class accuracy, replies beside the
+            base model's (`dew.train._evaluation`); 0 for none.
         eval_tasks: held-out tasks, the ids after the training ones.
+        eval_samples: sampled replies per held-out task for an evaluation's mean@k, at
+            `temperature`; 0 for greedy only.
         samples: rollouts per step written, decoded, to `samples.jsonl`; 0 for none.
         tensorboard: also write the metrics as TensorBoard scalars (needs tensorboardX).
         max_context: an environment's (`verifiers:` or `textarena:`) most tokens per episode,
@@ -431,12 +435,12 @@ class TrainConfig:
         "token_mean",
         _one_of(AGGREGATIONS),
         "how the loss averages: token_mean, sequence_mean, or constant (Dr. GRPO)",
+    )
     entropy_coef: float = _option(
         0.0,
         in_range(0, 100),
         "weight of an entropy bonus: each token's loss less entropy-coef x the policy's entropy "
         "there (0 = none)",
-    )
     )
     importance_level: str = _option(
         "token",
@@ -506,10 +510,18 @@ class TrainConfig:
         kind=int,
     )
     eval_every: int = _option(
-        0, int_within(0, 10**6), "steps between greedy evaluations on held-out tasks (0 = none)"
+        0,
+        int_within(0, 10**6),
+        "updates between evaluations on held-out tasks, and one before the first: greedy and "
+        "mean@k reward, per-class accuracy, replies beside the base model's (0 = none)",
     )
     eval_tasks: int = _option(
         16, int_within(1, 10**5), "held-out tasks, the ids after the training ones"
+    )
+    eval_samples: int = _option(
+        4,
+        int_within(0, 256),
+        "sampled replies per held-out task for an evaluation's mean@k (0 = greedy only)",
     )
     samples: int = _option(
         4, int_within(0, 10**4), "rollouts per step written, decoded, to samples.jsonl (0 = none)"
@@ -580,12 +592,6 @@ class TrainConfig:
     )
     engine_servers: int = _option(
         1, int_within(1, 64), "with --engine vllm, how many vLLM servers to start"
-    )
-    engine_timeout: float = _option(
-        600.0,  # dew.serve._vllm.READ_TIMEOUT, which test_vllm_timeout.py holds it to
-        in_range(0, 86400, low_open=True),
-        "with --engine vllm, the seconds a server may send nothing while dew waits on it (a "
-        "call's first token, the next token, a push) before it is left out as dead",
     )
 
     mesh: str | None = _option(

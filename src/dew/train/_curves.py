@@ -70,15 +70,15 @@ def curves_figure(
     started, in tokens, turns and seconds: below 1, the cut favoured short rollouts); and the
     groups whose rewards were all equal, those trained on among them. A panel whose keys no
     line holds says so. With evaluations, the reward panel also marks the held-out reward at
-    each one.
+    each one, greedy and mean@k.
 
     Args:
         lines: the metrics lines, each with `step` and any of `reward/mean`, `loss`,
             `kl/behavior_proximal`, `mismatch/engine`, `staleness/kl`, `lag`, `waited`,
             `seconds/step`, `fill`, `cut`, `bias/<tokens|turns|seconds>/ratio_mean`,
             `groups/uniform`, `groups/uniform_trained`.
-        evaluations: the held-out evaluations (`eval.jsonl`'s lines), each with `updates` and
-            `reward/mean`.
+        evaluations: the held-out evaluations (`eval.jsonl`'s lines), each with `updates`,
+            `greedy` and, where it sampled, `mean@k`.
 
     Returns:
         The figure, 12 x 12 inches.
@@ -102,8 +102,17 @@ def curves_figure(
         axes[0, 0].plot(steps, smoothed(reward, window), label=f"mean of {window} steps")
     if evaluations:
         at = _series(evaluations, "updates")
-        held_out = _series(evaluations, "reward/mean")
-        axes[0, 0].plot(at, held_out, "o-", color="tab:green", label="held-out tasks")
+        held_out = _series(evaluations, "greedy")
+        axes[0, 0].plot(at, held_out, "o-", color="tab:green", label="held-out, greedy")
+        sampled = next((key for key in evaluations[0] if key.startswith("mean@")), None)
+        if sampled is not None:
+            axes[0, 0].plot(
+                at,
+                _series(evaluations, sampled),
+                "s--",
+                color="tab:olive",
+                label=f"held-out, {sampled}",
+            )
     if np.isfinite(reward).any() or evaluations:
         axes[0, 0].legend(loc="best", fontsize="small")
     _panel(axes[0, 1], steps, _series(lines, "loss"), "loss", "clipped surrogate")

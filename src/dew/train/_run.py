@@ -1,16 +1,17 @@
 """`train`: one run of `dew train` in this process, end to end, and the logs it writes.
 
 A run folder holds `config.json` (which `--config` reads back), `metrics.jsonl` (one line per
-step), `samples.jsonl` (a few decoded rollouts per step), `eval.jsonl` (greedy evaluation on
-held-out tasks every `eval_every` steps), `checkpoints/`, `curves.png` and, with `tensorboard`,
-TensorBoard's event files under `tensorboard/`.
+step), `samples.jsonl` (a few decoded rollouts per step), `eval.jsonl` (the evaluations on
+held-out tasks before the first update and every `eval_every` updates, `dew.train._evaluation`),
+`eval_samples.jsonl` and `eval_samples.md` (held-out replies at each evaluation beside the base
+model's), `checkpoints/`, `curves.png` and, with `tensorboard`, TensorBoard's event files under
+`tensorboard/`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,31 +22,34 @@ import attrs
 import jax
 import numpy as np
 import optax
-import trio
 from jax.sharding import Mesh
 
 from dew import models, replay
-from dew.envs.environment import Sampling
 from dew.models import hf
 from dew.models.hf import lora, sharding
 from dew.objectives.rl.scheduler import RolloutScheduler
-from dew.objectives.rl.sessions import Label, Status
 from dew.parallel import ProcessRows, default_pool
 from dew.serve import RolloutServer
 from dew.train._checkpoint import COMMIT, _write_atomically, is_sharded
 from dew.train._config import TrainConfig, _check_task, _load_tokenizer, _mesh_sizes
 from dew.train._curves import write_curves
+from dew.train._evaluation import (
+    EVAL_SAMPLES,
+    EVAL_SAMPLES_MD,
+    EVALUATIONS,
+    Evaluation,
+    write_eval_samples,
+)
 from dew.train._folders import Misfit, _check_record, _check_run, _check_split, _RunLock
 from dew.train._interrupt import _Interrupted
 from dew.train._samples import SampleLog
-from dew.train._tasks import _check_checkpoint_task, _objective, _RunTask, _sampling, _task
+from dew.train._tasks import _check_checkpoint_task, _objective, _sampling, _task
 from dew.train._tensorboard import TensorBoard
 from dew.train._trainer import METRICS, Trainer
 
 ADAPTER = "adapter"
 """A `--lora` run's checkpoints hold its adapter in this folder, as PEFT saves it."""
 SAMPLES = "samples.jsonl"
-EVALUATIONS = "eval.jsonl"
 
 
 def train(
@@ -156,7 +160,7 @@ def _train(
         checkpoint_every=config.checkpoint_every,
         keep_checkpoints=config.keep_checkpoints,
         deadline=deadline,
-        logs=(SAMPLES, EVALUATIONS),
+        logs=(SAMPLES, EVALUATIONS, EVAL_SAMPLES),
         folder=None if config.model is None else str(hf.resolve(config.model)),
         # Each checkpoint keeps the config it was trained with (--resume takes it from there)
         # and what the model was built from besides, which a resume that no longer fits names.
@@ -202,7 +206,22 @@ def _train(
             )
         logs = _RunLogs(config, run, trainer, samples, on_step)
         if config.eval_every:
-            logs.evaluation = _Evaluation(task, config, server, slots)
+            ids = np.arange(config.tasks, config.tasks + config.eval_tasks)
+            logs.evaluation = Evaluation(
+                task,
+                ids,
+                server,
+                slots,
+                samples=config.eval_samples,
+                temperature=config.temperature,
+                seed=config.seed,
+            )
+            if trainer.updates == 0:  # the base model's, which each later one is set beside
+                # Its lines go with the state before any update: the logs cut back to that
+                # state first (a run resumed without a checkpoint), measured with them after.
+                trainer._cut_logs()
+                logs.evaluate(0)
+                trainer._measure_logs()
     trainer.on_step = on_step if logs is None else logs
     source = task.serve(source, server)
     publisher = server
@@ -404,7 +423,6 @@ def _vllm_engine(
             tokenizer=tokenizer,
             push_dir=work,
             version=version,
-            read_timeout=config.engine_timeout,
         )
         if engine.max_len < max_len:
             engine.close()
@@ -425,7 +443,6 @@ def _vllm_engine(
         tokenizer=tokenizer,
         version=version,
         work_dir=work,
-        read_timeout=config.engine_timeout,
     )
     print(f"vLLM ready in {time.monotonic() - began:.0f}s at {', '.join(engine.urls)}", flush=True)
     return engine
@@ -544,7 +561,7 @@ class _RunLogs:
         self.samples = samples
         self.first_position = trainer.position
         self.on_step = on_step
-        self.evaluation: _Evaluation | None = None
+        self.evaluation: Evaluation | None = None
         self.tensorboard = TensorBoard(run / "tensorboard") if config.tensorboard else None
 
     def __call__(self, line: Mapping[str, Any]) -> None:
@@ -555,13 +572,32 @@ class _RunLogs:
             _append_lines(self.run / SAMPLES, records)
         updates = line["updates"]
         if self.evaluation is not None and updates % self.config.eval_every == 0:
-            result = self.evaluation(self.trainer.variables, updates)
-            _append_lines(self.run / EVALUATIONS, [result])
-            line = {**line, **{f"eval/{key}": value for key, value in result.items()}}
+            line = {**line, **self.evaluate(updates)}
         if self.tensorboard is not None:
             self.tensorboard(line)
         if self.on_step is not None:
             self.on_step(line)
+
+    def evaluate(self, updates: int) -> dict[str, Any]:
+        """Evaluate the trainer's weights on the held-out tasks: its line to `eval.jsonl`, its
+        replies to `eval_samples.jsonl` and `.md`; its numbers as `eval/...` keys. The one
+        before the first update (0) goes to TensorBoard and is printed, as no step's line
+        carries it."""
+        result, shown = self.evaluation(self.trainer.variables, updates)
+        _append_lines(self.run / EVALUATIONS, [result])
+        _append_lines(self.run / EVAL_SAMPLES, shown)
+        write_eval_samples(self.run / EVAL_SAMPLES, self.run / EVAL_SAMPLES_MD)
+        scores = {f"eval/{key}": value for key, value in result.items() if key != "rewards"}
+        if updates == 0:
+            if self.tensorboard is not None:
+                self.tensorboard({"updates": 0, **scores})
+            shown_scores = ", ".join(
+                f"{key.removeprefix('eval/')} {value:.3f}"
+                for key, value in scores.items()
+                if key.startswith(("eval/greedy", "eval/mean@"))
+            )
+            print(f"held-out before training: {shown_scores}", flush=True)
+        return scores
 
     def close(self) -> None:
         if self.tensorboard is not None:
@@ -572,59 +608,3 @@ def _append_lines(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
     with open(path, "a", encoding="utf-8") as log:
         for record in records:
             log.write(json.dumps(record, allow_nan=False) + "\n")
-
-
-class _Evaluation:
-    """Greedy rollouts of the held-out tasks (the `eval_tasks` ids after the training ones) on
-    an engine of their own, in a trio run of their own on the trainer's thread.
-
-    The engine has the training engine's model and slots, so its steps reuse the compiled
-    functions.
-    """
-
-    def __init__(self, task: _RunTask, config: TrainConfig, server: RolloutServer, slots: int):
-        ids = np.arange(config.tasks, config.tasks + config.eval_tasks, dtype=np.int64)
-        self.tasks = list(task.tasks({"task_id": ids}))
-        self.task = task
-        # Placeholder weights: each evaluation loads the trainer's.
-        model = server.model
-        self.server = RolloutServer(
-            model,
-            model.init(jax.random.key(0)),
-            slots=slots,
-            max_len=server.max_len,
-            tokenizer=server.tokenizer,
-        )
-
-    def __call__(self, variables, updates: int) -> dict[str, Any]:
-        """Roll out every held-out task greedily under `variables`.
-
-        Returns:
-            `updates`, `reward/mean` (a rollout without a reward counts 0), `status/completed`
-            (the share that finished with a stop token) and each task's reward in `rewards`.
-        """
-        self.server.load(sharding.local_view(variables), updates)
-        sessions = trio.run(self._rollouts)
-        rewards = [0.0 if s.reward is None else float(s.reward) for s in sessions]
-        completed = [s.status is Status.COMPLETED for s in sessions]
-        return {
-            "updates": updates,
-            "reward/mean": math.fsum(rewards) / len(rewards),
-            "status/completed": sum(completed) / len(completed),
-            "rewards": rewards,
-        }
-
-    async def _rollouts(self):
-        sessions = [None] * len(self.tasks)
-        # Served afresh in each evaluation's trio run (a served source serves one run).
-        greedy = self.task.source(self.server, Sampling(temperature=0.0))
-        source = self.task.serve(greedy, self.server)
-
-        async def one(index: int) -> None:
-            label = Label(group=index, sample=0, attempt=0)
-            sessions[index] = await source.run(self.tasks[index], label)
-
-        async with trio.open_nursery() as nursery:
-            for index in range(len(self.tasks)):
-                nursery.start_soon(one, index)
-        return sessions

@@ -53,6 +53,8 @@ class _RunTask:
     tasks: Callable[[Batch], Sequence[Task]]
     shape: _Shape
     serve: Callable[[SessionSource, RolloutServer], SessionSource] = ServedSource
+    # A task's right answer, where it has one (held-out per-class accuracy), else None.
+    answer: Callable[[Task], str] | None = None
 
 
 def _task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
@@ -81,6 +83,7 @@ def _task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
             copy.dataset,
             task_ids,
             shape,
+            answer=copy.answer,
         )
     if config.task == "guess":
         guess = GuessDigit(seed=config.seed)
@@ -116,6 +119,7 @@ def _task(config: TrainConfig, tokenizer: Tokenizer) -> _RunTask:
         gym.dataset,
         gym.tasks,
         _Shape(max_len=sizes.context, width=sizes.width, chains_per_row=1),
+        answer=lambda task: str(task.payload["answer"]),
     )
 
 

@@ -1,0 +1,95 @@
+"""A run's held-out evaluation: greedy and mean@k reward, per-class accuracy and distinct
+correct answers (a constant answer shows), and the replies beside the base model's."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from _checkpoint import tiny_qwen2
+from dew.cli import main
+from dew.data import Task
+from dew.envs import CopyDigits
+from dew.train._evaluation import held_out_scores, write_eval_samples
+
+
+def lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_constant_answer_shows_in_the_classes_not_in_the_mean():
+    """A policy that answers "No" to everything scores the share of "No" items; per class it
+    scores 1 on "No" and 0 on "Yes", and one distinct correct answer."""
+    answers = ["No", "No", "Yes", "No"]
+    greedy = [1.0, 1.0, 0.0, 1.0]
+    sampled = [[1.0, 0.0], [1.0, 1.0], [0.0, 0.0], [0.5, 0.5]]
+    scores = held_out_scores(greedy, sampled, answers)
+    assert scores == {
+        "greedy": 0.75,
+        "mean@2": pytest.approx(0.5),
+        "distinct_correct": 1,
+        "majority": 0.75,
+        "class/No": 1.0,
+        "class/Yes": 0.0,
+    }
+    # Free answers (more than ten distinct): no classes, the distinct correct ones counted.
+    free = [str(n) for n in range(12)]
+    scores = held_out_scores([1.0] * 6 + [0.2] * 6, [[]] * 12, free)
+    assert scores == {"greedy": 0.6, "distinct_correct": 6}
+    assert held_out_scores([0.5, 0.0], [[], []], None) == {"greedy": 0.25}
+
+
+def test_the_samples_file_sets_each_reply_beside_the_base_models(tmp_path):
+    def record(updates, task, reply, reward):
+        prompt = f"<|im_start|>user\nwhat is {task}|?<|im_end|>\n<|im_start|>assistant\n"
+        return {"updates": updates, "task": task, "answer": "7", "prompt": prompt,
+                "completion": reply, "reward": reward}  # fmt: skip
+
+    jsonl, markdown = tmp_path / "eval_samples.jsonl", tmp_path / "eval_samples.md"
+    shown = [record(0, "9", "seven\nor so", 0.0), record(3, "9", "7", 1.0)]
+    jsonl.write_text("".join(json.dumps(line) + "\n" for line in shown))
+    write_eval_samples(jsonl, markdown)
+    text = markdown.read_text()
+    assert "## After 0 updates" in text and "## After 3 updates" in text
+    after = text.split("## After 3 updates")[1]
+    assert "| 9 | what is 9\\|? | 7 | seven<br>or so (0.00) | 7 (1.00) |" in after
+
+
+def test_a_run_evaluates_held_out_tasks_before_and_after_with_classes_and_replies(tmp_path):
+    """On a tiny checkpoint, the copy task (a digit's answer: ten classes): an evaluation before
+    the first update and every --eval-every, on the tasks past --tasks."""
+    folder = tiny_qwen2(tmp_path / "tiny")
+    run = tmp_path / "run"
+    argv = ["train", "--model", str(folder), "--run", str(run), "--steps", "2"]
+    argv += ["--batch-size", "2", "--groups", "2", "--tasks", "4", "--max-tokens", "3"]
+    argv += ["--eval-every", "2", "--eval-tasks", "12", "--eval-samples", "2", "--samples", "0"]
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        assert main(argv) == 0
+    copy = CopyDigits(seed=0)
+    answers = [copy.answer(Task(str(index))) for index in range(4, 16)]
+    evaluations = lines(run / "eval.jsonl")
+    assert [e["updates"] for e in evaluations] == [0, 2]
+    for evaluation in evaluations:
+        assert len(evaluation["rewards"]) == 12
+        assert evaluation["greedy"] == pytest.approx(sum(evaluation["rewards"]) / 12)
+        assert 0 <= evaluation["mean@2"] <= 1
+        assert {key for key in evaluation if key.startswith("class/")} == {
+            f"class/{answer}" for answer in answers
+        }
+        assert evaluation["majority"] == max(answers.count(a) for a in answers) / 12
+    # The replies of the first held-out tasks at each evaluation, the base model's at 0.
+    shown = lines(run / "eval_samples.jsonl")
+    assert [(s["updates"], s["task"]) for s in shown] == [
+        (updates, str(index)) for updates in (0, 2) for index in range(4, 12)
+    ]
+    assert all(s["answer"] == copy.answer(Task(s["task"])) for s in shown)
+    assert all(copy.prompt(Task(s["task"])) in s["prompt"] for s in shown)
+    text = (run / "eval_samples.md").read_text()
+    base = {s["task"]: s for s in shown if s["updates"] == 0}
+    after = text.split("## After 2 updates")[1]
+    for record in shown[8:]:
+        before = base[record["task"]]
+        cell = f"{before['completion']} ({before['reward']:.2f})"
+        assert cell.replace("|", "\\|").replace("\n", "<br>") in after
