@@ -77,6 +77,10 @@ LOGIT_CELLS = 2**25
 """The logits one chunk of the log-prob pass holds by default (128 MiB of float32): `logit_chunk`
 is this over the model's vocabulary, 220 positions at Qwen's 151,936 tokens, still a matmul
 large enough to run at full speed."""
+ATTENTION_CELLS = 2**22
+"""The query-key pairs of one row chunk's attention by default: `row_chunk` is this over the
+width squared, so a chunk's scores stay near 16 MiB a head however wide the rows (one row of
+2,048 positions a chunk, and every row of a narrow batch in one)."""
 # The reference KL's log-ratio is clamped here: beyond it exp overflows float32's gradient,
 # and a token the reference finds e^20 times likelier is held back hard enough.
 _KL_LOG_RATIO = 20.0
@@ -260,6 +264,12 @@ class GRPOObjective:
             so neither pass holds more than [logit_chunk, vocab] of them rather than [rows,
             width, vocab]. The values are the same. None: `LOGIT_CELLS` over the vocabulary.
             A model that only returns logits is scored whole.
+        row_chunk: rows the model runs over at a time, each chunk's activations recomputed in
+            the backward pass (`jax.checkpoint` in a `lax.map`), so neither pass holds the
+            attention of more than `row_chunk` rows: a row's attention grows with its width
+            squared, and a batch of 128 rows of 2,048 positions held 8 GiB of scores a layer.
+            The values are the same. None: `ATTENTION_CELLS` over the width squared (every row
+            at once for a narrow batch).
 
     Raises:
         ValueError: naming the argument, for a model that is not callable, a clip outside (0, 1),
@@ -269,7 +279,7 @@ class GRPOObjective:
             above 100), an unknown level, correction, aggregation, proximal or kl_estimator, a
             negative kl_coef, an entropy_coef outside [0, 100], a temperature that is not a
             finite number > 0 (greedy decoding has no log-probs to train on), or a logit_chunk
-            below 1.
+            or row_chunk below 1.
     """
 
     model: Model = attrs.field(validator=is_callable)
@@ -300,6 +310,9 @@ class GRPOObjective:
     temperature: float = attrs.field(default=1.0, kw_only=True, validator=positive)
     proximal: str = attrs.field(default="rescore", kw_only=True, validator=_one_of(PROXIMALS))
     logit_chunk: int | None = attrs.field(
+        default=None, kw_only=True, validator=attrs.validators.optional(int_at_least(1))
+    )
+    row_chunk: int | None = attrs.field(
         default=None, kw_only=True, validator=attrs.validators.optional(int_at_least(1))
     )
     # Built once per objective, so each batch shape compiles once for the objective's lifetime.
@@ -637,11 +650,13 @@ class GRPOObjective:
         if callable(getattr(self.model, "hidden_states", None)) and callable(
             getattr(self.model, "head", None)
         ):
-            hidden = self.model.hidden_states(variables, tokens, positions, segment_ids)
+            hidden = self._by_rows(
+                self.model.hidden_states, variables, tokens, positions, segment_ids
+            )
             head = functools.partial(self.model.head, variables)
             chunk = self.logit_chunk or max(1, LOGIT_CELLS // self.model.vocab)
         else:
-            hidden = self.model(variables, tokens, positions, segment_ids)
+            hidden = self._by_rows(self.model, variables, tokens, positions, segment_ids)
             # The logits are whole already: one chunk of every predicted position.
             head, chunk = (lambda logits: logits), max(1, rows * (width - 1))
         support = None
@@ -664,6 +679,32 @@ class GRPOObjective:
             return jnp.concatenate([jnp.zeros((rows, 1), jnp.float32), values], axis=1)
 
         return placed(scored), None if spread is None else placed(spread)
+
+    def _by_rows(self, run, variables, tokens, positions, segment_ids) -> jax.Array:
+        """`run(variables, tokens, positions, segment_ids)` over the rows `row_chunk` at a time.
+
+        Each chunk runs in a `jax.checkpoint`ed step of a `lax.map`: the forward pass keeps only
+        its output, the backward pass runs the chunk again for its gradient, so no pass holds
+        more than one chunk's activations (a row's attention is width x width a head). Rows
+        are padded to whole chunks with padding segments (id 0), which attend nowhere. One
+        chunk of every row is the plain call.
+        """
+        rows, width = tokens.shape
+        chunk = self.row_chunk or max(1, ATTENTION_CELLS // width**2)
+        if chunk >= rows:
+            return run(variables, tokens, positions, segment_ids)
+        count = -(-rows // chunk)
+
+        def parts(array: jax.Array) -> jax.Array:
+            padded = jnp.pad(array, ((0, count * chunk - rows), (0, 0)))
+            return padded.reshape(count, chunk, width)
+
+        @jax.checkpoint
+        def step(part: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+            return run(variables, *part)
+
+        out = jax.lax.map(step, (parts(tokens), parts(positions), parts(segment_ids)))
+        return out.reshape(count * chunk, *out.shape[2:])[:rows]
 
 
 def _target_log_probs(
