@@ -41,6 +41,7 @@ resetting, the fixed opponent's move).
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import random
 import re
 import threading
@@ -53,6 +54,7 @@ import numpy as np
 from dew._checks import int_at_least
 from dew.data import ArrayDataset, Batch, Task
 from dew.envs._offline import no_downloads
+from dew.envs._releases import check_release
 from dew.envs.environment import (
     EnvironmentSource,
     Episode,
@@ -319,11 +321,13 @@ class TextArena:
 
     def __attrs_post_init__(self):
         try:
-            import textarena as ta
-        except ImportError as error:
+            check_release("textarena")
+        except importlib.metadata.PackageNotFoundError:
             raise ImportError(
                 "TextArena games need the textarena package: pip install 'dew[verifiers]'"
-            ) from error
+            ) from None
+        import textarena as ta
+
         if self.name not in GAMES:
             raise ValueError(f"dew plays TextArena games {', '.join(GAMES)}; not {self.name!r}")
         game = GAMES[self.name]

@@ -72,6 +72,7 @@ import collections
 import concurrent.futures
 import contextlib
 import functools
+import importlib.metadata
 import json
 import logging
 import math
@@ -88,6 +89,7 @@ from dew._checks import int_at_least
 from dew._errors import ErrorCounts, error_kind
 from dew.data import ArrayDataset, Batch, Task
 from dew.envs._offline import no_downloads
+from dew.envs._releases import check_release
 from dew.envs.environment import describe
 from dew.envs.harness import _gateway, _optional_count, _optional_seconds, play_in_session
 from dew.objectives.rl.sessions import Call, Label, Session, Status
@@ -112,11 +114,13 @@ _LIMITS = {
 
 def _import_verifiers():
     try:
-        import verifiers.v1 as vf
-    except ImportError as error:
+        check_release("verifiers")
+    except importlib.metadata.PackageNotFoundError:
         raise ImportError(
             "verifiers environments need the verifiers package: pip install 'dew[verifiers]'"
-        ) from error
+        ) from None
+    import verifiers.v1 as vf
+
     return vf
 
 
