@@ -372,3 +372,31 @@ def test_export_merge_of_a_run_of_every_param_is_refused_in_one_line(chat_folder
         export(run, merge=True)
     assert str(refused.value).startswith("--merge merges a --lora run's adapter")
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "culprit"),
+    [
+        (
+            ["--lora", "--lora-targets", "q_proj,query_key_value"],
+            "argument --lora-targets: lora_targets 'query_key_value' matches no module of the "
+            "model; the modules an adapter can target are q_proj, k_proj, v_proj, o_proj, "
+            "gate_proj, up_proj, down_proj",
+        ),
+        (["--lora-rank", "4"], "lora_rank shapes a LoRA adapter: give lora too"),
+        (["--lora", "--lora-rank", "0"], "argument --lora-rank: lora_rank must be an int"),
+        (["--lora", "--mesh", "1x1x1"], "lora keeps the adapter and its checkpoint on one device"),
+    ],
+)
+def test_dew_train_refuses_a_bad_lora_option_in_one_line(
+    chat_folder, tmp_path, capsys, options, culprit
+):
+    from dew.cli import main
+
+    argv = ["train", "--model", str(chat_folder), "--run", str(tmp_path / "run"), *options]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    said = capsys.readouterr().err
+    assert culprit in said and said.count(culprit) == 1
+    assert not (tmp_path / "run").exists()

@@ -99,7 +99,8 @@ def _targets(instance, attribute, value) -> None:
     unknown = [name for name in value if name not in known]
     if unknown:
         raise ValueError(
-            f"{attribute.name} {', '.join(map(repr, unknown))} match no module of the model; "
+            f"{attribute.name} {', '.join(map(repr, unknown))} "
+            f"match{'es' if len(unknown) == 1 else ''} no module of the model; "
             f"the modules an adapter can target are {', '.join(known)}"
         )
     if len(set(value)) != len(value):
@@ -128,6 +129,7 @@ class LoRAConfig:
 
     @property
     def scale(self) -> float:
+        """The delta's factor, alpha / rank (PEFT's `scaling`)."""
         return self.alpha / self.rank
 
     def to_peft(self, base_model: str | None = None) -> dict[str, Any]:
@@ -401,14 +403,17 @@ class LoRAModel:
 
     @property
     def vocab(self) -> int:
+        """The checkpoint's embedding rows."""
         return self.base.vocab
 
     @property
     def max_len(self) -> int:
+        """The checkpoint's longest sequence."""
         return self.base.max_len
 
     @property
     def dtype(self) -> str:
+        """The base params' dtype (the adapter is float32)."""
         return self.base.dtype
 
     def variables(self, params: dict, key: jax.Array) -> dict:
@@ -426,20 +431,26 @@ class LoRAModel:
         return merged(base, variables["adapter"], self.lora)
 
     def __call__(self, variables, tokens, positions, segment_ids) -> jax.Array:
+        """Next-token logits of base + adapter over packed rows (`HFModel.__call__`)."""
         return self.base(self.params(variables), tokens, positions, segment_ids)
 
     def hidden_states(self, variables, tokens, positions, segment_ids) -> jax.Array:
+        """The last layer's residual stream of base + adapter (`HFModel.hidden_states`)."""
         return self.base.hidden_states(self.params(variables), tokens, positions, segment_ids)
 
     def head(self, variables, hidden: jax.Array) -> jax.Array:
+        """The next-token logits of `hidden_states`' output (`HFModel.head`)."""
         # The head (final norm and output projection) is never adapted.
         return self.base.head(jax.lax.stop_gradient(variables["base"]), hidden)
 
     def init_cache(self, *, slots: int, max_len: int) -> list[dict]:
+        """An empty key/value cache, the checkpoint's (`HFModel.init_cache`)."""
         return self.base.init_cache(slots=slots, max_len=max_len)
 
     def prefill(self, variables, cache, tokens, slot):
+        """Run a prompt into one slot of the cache under base + adapter (`HFModel.prefill`)."""
         return self.base.prefill(self.params(variables), cache, tokens, slot)
 
     def decode(self, variables, cache, tokens, positions):
+        """Advance every slot by one token under base + adapter (`HFModel.decode`)."""
         return self.base.decode(self.params(variables), cache, tokens, positions)
