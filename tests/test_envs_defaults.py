@@ -298,6 +298,23 @@ def test_the_verifiers_snippet_of_the_docs_runs(capsys):
     assert capsys.readouterr().out.startswith("reward ")
 
 
+def test_the_verifiers_loader_snippet_of_the_docs_builds_the_environment_parse_builds(capsys):
+    """docs/environments.md's snippet of verifiers' own loader, as written but for its taskset:
+    the environment it builds has the tasks `Verifiers.parse` gives."""
+    (snippet,) = [s for s in SNIPPETS if "vf.load_environment" in s]
+    scope = {"__name__": "docs"}
+    exec(
+        compile(snippet.replace('"my-taskset"', '"_vf_copy"'), "docs/environments.md", "exec"),
+        scope,
+    )
+    assert capsys.readouterr().out == "4 tasks of _vf_copy\n"
+    parsed = Verifiers.parse("_vf_copy", size=4)
+    loaded = scope["env"]
+    assert [vars(loaded.task(i).payload) for i in range(4)] == [
+        vars(parsed.task(i).payload) for i in range(4)
+    ]
+
+
 def test_the_textarena_snippet_of_the_docs_runs(capsys):
     """docs/environments.md's TextArena snippet, as written: a TicTacToe game, one step."""
     (snippet,) = [s for s in SNIPPETS if "TextArena.parse" in s]
