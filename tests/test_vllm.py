@@ -391,18 +391,28 @@ def test_attaching_checks_the_model_and_the_server(engine, folders, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_server_reporting_raw_logprobs_is_refused_naming_the_flag(folders, tmp_path):
-    # vLLM's default logprobs mode reports log-probs before temperature, top-k and top-p: a run
-    # would train on log-probs of another distribution than the one its tokens were drawn from.
-    with pytest.raises(VLLMError, match="start it with --logprobs-mode processed_logprobs"):
+def test_a_server_reporting_raw_logprobs_or_chunking_prefills_on_a_cpu_is_refused_naming_both(
+    folders, tmp_path
+):
+    """`start` refuses what attach refuses, each problem named in one error (one server start
+    for both). vLLM's default logprobs mode reports log-probs before temperature, top-k and
+    top-p: a run would train on log-probs of another distribution than the one its tokens were
+    drawn from. A CPU server with chunked prefill on dies of a burst of seeded calls
+    (dew.serve._vllm_limits): refused before any call."""
+    with pytest.raises(VLLMError, match="cannot serve the run") as caught:
         VLLMEngine.start(
             folders[0],
             servers=1,
             max_model_len=MAX_LEN,
             work_dir=tmp_path,
-            arguments=["--logprobs-mode", "raw_logprobs", *ONE_WORKER_PROCESS["arguments"]],
+            arguments=[
+                *("--logprobs-mode", "raw_logprobs", "--enable-chunked-prefill"),
+                *ONE_WORKER_PROCESS["arguments"],
+            ],
             environment=ONE_WORKER_PROCESS["environment"],
         )
+    assert "start it with --logprobs-mode processed_logprobs" in str(caught.value)
+    assert "start it with --no-enable-chunked-prefill" in str(caught.value)
 
 
 @pytest.mark.slow

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import trio
 
-from _checkpoint import ONE_WORKER_PROCESS, sharpened, tiny_qwen2
+from _checkpoint import sharpened, tiny_qwen2
 from dew.models import hf
-from dew.serve.vllm import VLLMEngine, VLLMError
+from dew.serve.vllm import VLLMEngine
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Async generator 'httpx._content.ByteStream.__aiter__' was garbage:ResourceWarning"
@@ -190,19 +190,6 @@ def test_a_server_computing_in_another_dtype_than_the_model_is_named_in_one_line
     assert len(named) == 1, said
     assert "computes in float32, the run's model in bfloat16" in named[0]
     assert "start it with --dtype bfloat16" in named[0]
-
-
-def test_a_cpu_server_with_chunked_prefill_is_refused_naming_the_flag(checkpoints, tmp_path):
-    """A burst of seeded calls would kill it: refused before any call, as dew attaches to it
-    (`start` makes the same checks)."""
-    with pytest.raises(VLLMError, match="start it with --no-enable-chunked-prefill"):
-        VLLMEngine.start(
-            checkpoints["tied"][0],
-            max_model_len=MAX_LEN,
-            work_dir=tmp_path,
-            arguments=[*ONE_WORKER_PROCESS["arguments"], "--enable-chunked-prefill"],
-            environment=ONE_WORKER_PROCESS["environment"],
-        )
 
 
 @pytest.mark.slow
