@@ -58,6 +58,23 @@ def test_print_command_is_what_start_runs(tmp_path):
     assert _printed(folder)[1][command.index("--max-model-len") + 1] == "256"
 
 
+def test_print_command_with_a_lora_rank_serves_adapters_loaded_at_run_time(tmp_path):
+    """`dew serve --lora-rank R`, the server `dew train --lora --engine-url` attaches to, runs
+    with LoRA on for the smallest rank vLLM takes that holds R, and may load adapters while it
+    runs; a rank vLLM cannot serve is refused naming the option."""
+    folder = tiny_qwen2(tmp_path / "tiny")
+    variables, command = _printed(folder, "--lora-rank", "4")
+    at = command.index("--enable-lora")
+    assert command[at : at + 5] == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"]
+    assert variables["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    refused = subprocess.run(
+        [*DEW, "serve", str(folder), "--print-command", "--lora-rank", "1024"],
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 2 and "--lora-rank" in refused.stderr
+
+
 def test_the_docs_command_has_every_flag_and_variable_of_dews_start():
     """docs/vllm.md's hand-written command, as a shell splits it, holds every variable and flag
     dew's start gives a server, with the same values."""
@@ -75,6 +92,7 @@ def test_the_docs_command_has_every_flag_and_variable_of_dews_start():
     assert command[at:] == flags
 
 
+@pytest.mark.slow
 def test_dew_serve_starts_a_server_dew_attaches_to_and_sigterm_stops_it(tmp_path, capsys):
     folder = tiny_qwen2(tmp_path / "tiny", tied=True)
     serve = subprocess.Popen(
@@ -92,7 +110,6 @@ def test_dew_serve_starts_a_server_dew_attaches_to_and_sigterm_stops_it(tmp_path
         else:
             pytest.fail(f"dew serve ended without its URL line:\n{''.join(lines)}")
         url, pid, log = found[1], int(found[2]), Path(found[3])
-@pytest.mark.slow
         assert log.is_file() and log.parent == tmp_path / "logs"
         with VLLMEngine.attach([url], checkpoint=folder, push_dir=tmp_path / "push") as engine:
             assert engine.max_len == 256  # the checkpoint's max_position_embeddings
@@ -102,6 +119,8 @@ def test_dew_serve_starts_a_server_dew_attaches_to_and_sigterm_stops_it(tmp_path
             assert main(dew_train(folder, run, [url], "--steps", "1")) == 0
         (line,) = metrics(run)
         assert line["push/version"] == 0 and line["push/seconds"] > 0
+        # The full weights: every tensor of the checkpoint, and a tied head's copy besides.
+        assert line["push/bytes"] > (folder / "model.safetensors").stat().st_size
         assert "s of wall time (" in capsys.readouterr().out
         serve.send_signal(signal.SIGTERM)
         rest = serve.communicate(timeout=120)[0]

@@ -19,11 +19,14 @@ reload it in place through vLLM's RL endpoints: pause in "keep" mode (calls in f
 and go on after the resume, under the new weights), reload from the folder, set the weights
 version, resume. `load_async` does it without holding the trio run that awaits it (the folder
 is written in a worker thread, the servers driven over an async client), which is what the
-scheduler awaits; `load` is the same push for synchronous callers.
+scheduler awaits; `load` is the same push for synchronous callers. A run that trains a LoRA
+adapter pushes the adapter alone, loaded in place under one name (`dew.serve._vllm_push` says
+what vLLM then does to the calls in flight).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -63,11 +66,16 @@ from dew.serve._vllm_process import (
     server_urls,
 )
 from dew.serve._vllm_push import (
+    LOAD_ADAPTER,
+    LORA_ENVIRONMENT,
     PAUSE_OPTIONS,
     RESET,
     RESET_OPTIONS,
     add_tied_head,
     check_reset,
+    lora_flags,
+    lora_problem,
+    pushed_bytes,
 )
 
 _GENERATE = "/inference/v1/generate"
@@ -163,6 +171,12 @@ class VLLMEngine:
         read_timeout: seconds a server may send nothing while dew waits on it (a call's first
             token, its next one, a step of a push) before it counts as dead: longer than the
             longest push (calls freeze while the servers reload) and the slowest first token.
+        lora: whether the run trains a LoRA adapter of the served checkpoint: each push then
+            loads the adapter `save` writes (as PEFT saves one) in place under the one name
+            `adapter`, never the full weights, and calls name the adapter from the first push on
+            (before it, the base model, which an adapter at its start equals). A `model` that
+            is a `dew.models.hf.lora.LoRAModel` makes it so, and its adapter is written with
+            `lora.save_adapter` unless `save` is given.
     """
 
     def __init__(
@@ -180,9 +194,18 @@ class VLLMEngine:
         owned_dir: Path | None = None,
         api_key: str | None = None,
         read_timeout: float = READ_TIMEOUT,
+        lora: bool = False,
     ):
         if save is None and checkpoint is None and model is None:
             raise ValueError("a VLLMEngine needs the run's checkpoint or model (or save=)")
+        self._lora_rank = None  # the adapter's, where the model says it
+        if _is_lora(model):
+            self._lora_rank = model.lora.rank
+            lora, model, save = True, model.base, save or _adapter_writer(model, checkpoint)
+        if lora and save is None:
+            raise ValueError(
+                "a VLLMEngine of a LoRA run needs save=, the adapter's writer, or a LoRAModel"
+            )
         self._servers = list(servers)
         self.name = name
         self.max_len = max_model_len
@@ -211,7 +234,16 @@ class VLLMEngine:
         self._client: httpx.AsyncClient | None = None
         self._pushed: Path | None = None
         self._closed = False
+        self.lora = lora
+        # Under LoRA: how many pushes were begun, each adapter folder pushed by the push's index
+        # (1, 2, ...), and the calls in flight by the newest push made when they were submitted
+        # (a call holds that push's folder or a later one until it ends: see `_vllm_push`).
+        self._adapter_pushes = 0
+        self._adapters: dict[int, Path] = {}
+        self._in_flight: collections.Counter[int] = collections.Counter()
         self.push_seconds: list[float] = []
+        self.push_bytes: list[int] = []
+        """The bytes of tensors each push had every server read (`pushed_bytes`)."""
 
     # --- making one ------------------------------------------------------------------------------
 
@@ -236,6 +268,7 @@ class VLLMEngine:
         work_dir: str | Path | None = None,
         api_key: str | None = None,
         read_timeout: float = READ_TIMEOUT,
+        lora_rank: int | None = None,
     ) -> VLLMEngine:
         """Start `servers` vLLM servers of `checkpoint` on `host` and wait until each answers.
 
@@ -273,6 +306,11 @@ class VLLMEngine:
                 environment's VLLM_API_KEY unless given ("" for none).
             read_timeout: seconds a server may send nothing while dew waits on it before it
                 counts as dead (see the class).
+            lora_rank: for a run that trains a LoRA adapter of rank up to this, pushed as the
+                adapter alone (see the class; `save` writes it): the servers run with
+                `--enable-lora --max-lora-rank R --max-loras 1` (R the smallest rank vLLM
+                takes that holds it) and may load adapters at run time. A `LoRAModel` model's
+                rank unless given; None for full pushes.
 
         Raises:
             VLLMError: a port in use, or naming the server's URL and its last log lines when it
@@ -300,6 +338,11 @@ class VLLMEngine:
         api_key = _api_key(api_key)
         # "" overrides a key in dew's own environment that api_key= replaced.
         environment[API_KEY_VARIABLE] = api_key or ""
+        if lora_rank is None and _is_lora(model):
+            lora_rank = model.lora.rank
+        if lora_rank is not None:
+            arguments = [*lora_flags(lora_rank), *arguments]
+            environment |= LORA_ENVIRONMENT
         ports = [free_port(host) for _ in range(servers)] if port == 0 else []
         for index in range(servers if port else 0):
             check_port_free(host, port + index)
@@ -353,6 +396,7 @@ class VLLMEngine:
                 owned_dir=owned,
                 api_key=api_key,
                 read_timeout=read_timeout,
+                lora=lora_rank is not None,
             )
             # Together: a first call takes tens of seconds on each server.
             with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
@@ -381,6 +425,7 @@ class VLLMEngine:
         version: int = 0,
         api_key: str | None = None,
         read_timeout: float = READ_TIMEOUT,
+        lora: bool = False,
     ) -> VLLMEngine:
         """Use vLLM servers that are already running.
 
@@ -406,6 +451,8 @@ class VLLMEngine:
                 request; the environment's VLLM_API_KEY unless given ("" for none).
             read_timeout: seconds a server may send nothing while dew waits on it before it
                 counts as dead (see the class).
+            lora: push the adapter `save` writes, not the full weights (see the class); the
+                servers must then run with `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING.
 
         Raises:
             VLLMError: naming the URL of a server that does not answer, wants an API key (or
@@ -442,6 +489,7 @@ class VLLMEngine:
             version=version,
             api_key=api_key,
             read_timeout=read_timeout,
+            lora=lora,
         )
         try:
             lengths = [engine._check_attached(server) for server in servers]
@@ -498,7 +546,8 @@ class VLLMEngine:
         top-k, below 0 unless the model is certain of it (so four tokens are drawn); a server
         without the token-in/token-out endpoint draws it through /v1/completions. A CPU server
         with chunked prefill on is refused too: a burst of dew's seeded calls would kill it
-        (`dew.serve._vllm_limits`)."""
+        (`dew.serve._vllm_limits`); and for a LoRA run, one that serves no adapters of the
+        run's rank (`lora_problem`) or cannot load them while it runs."""
         lacks = []
         paused = self._send(server, "GET", "/is_paused")
         if paused.status_code == 404:
@@ -541,6 +590,13 @@ class VLLMEngine:
                 if problem is not None:
                     lacks.append(problem)
                 self._check_dtype(server, served_dtype(info.json()))
+                if self.lora and (problem := lora_problem(info.json(), self._lora_rank)):
+                    lacks.append(problem)
+        if self.lora and self._send(server, "GET", LOAD_ADAPTER).status_code == 404:
+            lacks.append(
+                f"it cannot load adapters while it runs ({LOAD_ADAPTER} is missing): start it "
+                f"with {' '.join(f'{name}={value}' for name, value in LORA_ENVIRONMENT.items())}"
+            )
         if logprobs is not None and np.abs(logprobs).max() > 1e-6:
             lacks.append(
                 "it reports log-probs of another distribution than the one it draws from "
@@ -664,6 +720,11 @@ class VLLMEngine:
         with self._lock:
             return self._version
 
+    @property
+    def adapter(self) -> str:
+        """The name a LoRA run's adapter is served under: the served model's, `-lora` added."""
+        return f"{self.name}-lora"
+
     async def generate(
         self,
         prompt: np.ndarray,
@@ -709,7 +770,7 @@ class VLLMEngine:
             sampling["allowed_token_ids"] = self._allowed
         stop_ids = [check_int("stop id", token, low=0) for token in stop]
         body = _body(
-            self.name,
+            self.adapter if self._adapters else self.name,
             ids,
             max_tokens=min(max_tokens, self.max_len - len(ids)),
             sampling=sampling,
@@ -718,6 +779,8 @@ class VLLMEngine:
         server = self._pick()
         submitted = self.version
         server.calls += 1
+        pushes = len(self._adapters) and max(self._adapters)
+        self._in_flight[pushes] += 1
         tokens: list[int] = []
         # What the call draws counts toward its rollout's length, even if it is cancelled.
         note_progress(calls=1, sampling=tokens)
@@ -730,10 +793,16 @@ class VLLMEngine:
             raise await self._lost(server, error) from None
         finally:
             server.calls -= 1
+            self._in_flight[pushes] -= 1
             note_progress(len(tokens))
         label = _first_label(choice.get("weight_versions"))
         if label is not None and not label.isdigit():
             raise self._restarted(server, label)
+        if self.lora:
+            # Its first token is drawn by the adapter it named on arrival (or the base model,
+            # the adapter at its start), whatever the server labels it: a call that waited
+            # through a push is drawn by the old adapter under the new label (see `_vllm_push`).
+            choice["weight_versions"] = None
         return _call(server.url, np.asarray(ids, np.int32), {"choices": [choice]}, submitted)
 
     async def _stream(self, server: _Server, body: dict, tokens: list[int]) -> dict:
@@ -890,7 +959,13 @@ class VLLMEngine:
         began = time.perf_counter()
         if not any(server.restarted for server in self._servers):
             self._live_for(version)
-        folder = self._push_dir / f"push-{version}"
+        if self.lora:
+            # A new folder even after a failed push, which some servers may have loaded.
+            self._adapter_pushes += 1
+            index = self._adapter_pushes
+            folder = self._push_dir / f"adapter-{index}"
+        else:
+            folder = self._push_dir / f"push-{version}"
         await trio.to_thread.run_sync(self._write, folder, variables)
         # Made in a worker thread too: making a client (its TLS context) takes tens of ms.
         client = await trio.to_thread.run_sync(
@@ -906,21 +981,38 @@ class VLLMEngine:
         self._live_for(version)
         with self._lock:
             self._version = version
-        previous, self._pushed = self._pushed, folder
-        if previous is not None and previous != folder:
-            shutil.rmtree(previous, ignore_errors=True)
+        if self.lora:
+            self._adapters[index] = folder
+            self._drop_adapters()
+        else:
+            previous, self._pushed = self._pushed, folder
+            if previous is not None and previous != folder:
+                shutil.rmtree(previous, ignore_errors=True)
+        self.push_bytes.append(pushed_bytes(folder))
         self.push_seconds.append(time.perf_counter() - began)
+
+    def _drop_adapters(self) -> None:
+        """Remove the adapter folders of earlier pushes that no call in flight may hold: vLLM
+        reads a call's adapter again from its folder at each step (see `_vllm_push`), so a
+        folder removed under a call would fail it. A call submitted after push k holds push
+        k's folder or a later one."""
+        held = [pushes for pushes, calls in self._in_flight.items() if calls]
+        oldest = min([max(self._adapters), *held])
+        for index in [index for index in self._adapters if index < oldest]:
+            shutil.rmtree(self._adapters.pop(index), ignore_errors=True)
 
     def _write(self, folder: Path, variables) -> None:
         """Write pushed params as the checkpoint folder the servers reload, a tied model's
-        head included (`add_tied_head`: else vLLM's reload leaves the head as it was)."""
+        head included (`add_tied_head`: else vLLM's reload leaves the head as it was), or a
+        LoRA run's adapter as `save` writes it."""
         if self._save is not None:
             self._save(folder, variables)
         else:
             from dew.models import hf
 
             hf.save(folder, self.model, variables, tokenizer_from=self._checkpoint)
-        add_tied_head(folder)
+        if not self.lora:
+            add_tied_head(folder)
 
     async def _on_each(
         self,
@@ -958,14 +1050,19 @@ class VLLMEngine:
             raise failures[0]
 
     async def _push_to_live(self, client: httpx.AsyncClient, folder: Path, version: int) -> None:
-        """Pause every live server, have it reload `folder` and empty its prefix cache, label
-        it `version`, resume it; resumes those that still answer when a step fails or the push
-        is cancelled."""
+        """Pause every live server, have it reload `folder` and empty its prefix cache (or,
+        under LoRA, load the adapter in `folder`: its new path keeps the cache's old blocks
+        apart), label it `version`, resume it; resumes those that still answer when a step
+        fails or the push is cancelled. The pause makes the swap and the label one step for
+        the calls that arrive: none is drawn by the new weights under the old label."""
         try:
             await self._on_each(client, "/pause", params=PAUSE_OPTIONS)
-            reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
-            await self._on_each(client, "/collective_rpc", json=reload)
-            await self._on_each(client, RESET, check_reset, params=RESET_OPTIONS)
+            if self.lora:
+                await self._on_each(client, LOAD_ADAPTER, json=self._adapter_load(folder))
+            else:
+                reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+                await self._on_each(client, "/collective_rpc", json=reload)
+                await self._on_each(client, RESET, check_reset, params=RESET_OPTIONS)
             label = {"new_version": str(version)}
             await self._on_each(client, "/update_weight_version", json=label)
             await self._on_each(client, "/resume")
@@ -976,6 +1073,10 @@ class VLLMEngine:
             if isinstance(error, VLLMError):
                 raise VLLMError(f"pushing version {version}: {error}") from None
             raise
+
+    def _adapter_load(self, folder: Path) -> dict[str, Any]:
+        """`LOAD_ADAPTER`'s request: the adapter in `folder`, in place under the run's one name."""
+        return {"lora_name": self.adapter, "lora_path": str(folder), "load_inplace": True}
 
     async def _rejoin(
         self, client: httpx.AsyncClient, server: _Server, folder: Path, version: int
@@ -988,9 +1089,14 @@ class VLLMEngine:
             return
         reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
         try:
-            await self._post_async(client, server, "/collective_rpc", json=reload)
-            reset = await self._post_async(client, server, RESET, params=RESET_OPTIONS)
-            check_reset(server.url, reset)
+            if self.lora:
+                await self._post_async(
+                    client, server, LOAD_ADAPTER, json=self._adapter_load(folder)
+                )
+            else:
+                await self._post_async(client, server, "/collective_rpc", json=reload)
+                reset = await self._post_async(client, server, RESET, params=RESET_OPTIONS)
+                check_reset(server.url, reset)
             label = {"new_version": str(version)}
             await self._post_async(client, server, "/update_weight_version", json=label)
         except VLLMError as error:
@@ -1126,6 +1232,28 @@ def _api_key(api_key: str | None) -> str | None:
             "give the key alone"
         )
     return key or None
+
+
+def _is_lora(model) -> bool:
+    """Whether `model` is a checkpoint with a LoRA adapter (`dew.models.hf.lora.LoRAModel`)."""
+    if model is None:
+        return False
+    from dew.models.hf import lora as adapters
+
+    return isinstance(model, adapters.LoRAModel)
+
+
+def _adapter_writer(model, checkpoint: str | Path | None) -> Callable[[Path, Any], None]:
+    """How a push of a `LoRAModel`'s variables writes them: its adapter alone, as PEFT saves
+    one (`dew.models.hf.lora.save_adapter`), naming the checkpoint it adapts."""
+    from dew.models.hf import lora as adapters
+
+    base = None if checkpoint is None else str(checkpoint)
+
+    def save(folder: Path, variables) -> None:
+        adapters.save_adapter(folder, variables["adapter"], model.lora, base_model=base)
+
+    return save
 
 
 def _folder_tokenizer(checkpoint: str | Path):

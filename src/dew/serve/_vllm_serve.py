@@ -50,6 +50,13 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
         help="dtype the server computes in; dew's models are float32 (default: %(default)s)",
     )
     parser.add_argument(
+        "--lora-rank",
+        type=int_option(1, 512),
+        default=None,
+        help="serve LoRA adapters of rank up to this, loaded while it runs, for dew train --lora "
+        "--engine-url (default: full-weight pushes only)",
+    )
+    parser.add_argument(
         "--log-dir",
         type=Path,
         default=None,
@@ -84,13 +91,24 @@ def run_cli(args: argparse.Namespace) -> int:
     """Run `dew serve` from its parsed options; return the exit status."""
     from dew.serve._vllm import VLLMEngine, start_flags
     from dew.serve._vllm_process import VLLMError, server_command
+    from dew.serve._vllm_push import LORA_ENVIRONMENT, lora_flags
 
     length = _max_model_len(args)
     if args.print_command:
         checkpoint = args.checkpoint.resolve()
-        flags = start_flags(checkpoint.name, dtype=args.dtype, max_model_len=length)
+        lora = args.lora_rank is not None
+        flags = start_flags(
+            checkpoint.name,
+            dtype=args.dtype,
+            max_model_len=length,
+            arguments=lora_flags(args.lora_rank) if lora else (),
+        )
         command, added = server_command(
-            checkpoint, host=args.host, port=args.port, arguments=flags, environment={}
+            checkpoint,
+            host=args.host,
+            port=args.port,
+            arguments=flags,
+            environment=dict(LORA_ENVIRONMENT) if lora else {},
         )
         print(shlex.join([f"{name}={value}" for name, value in added.items()] + command))
         return 0
@@ -111,6 +129,7 @@ def run_cli(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             work_dir=log_dir,
+            lora_rank=args.lora_rank,
         )
         (process,) = engine.processes
         print(

@@ -557,9 +557,12 @@ class Trainer:
         record = getattr(rollout, "last_record", None)
         if isinstance(record, SchedulerRecord):
             fields |= record_fields(record)
-        # The newest weight push: the version the engine serves and the seconds it took.
+        # The newest weight push: the version the engine serves, the seconds it took and the
+        # bytes its servers read (a vLLM engine's: the full weights, or a LoRA run's adapter).
         if (push := getattr(rollout, "last_push", None)) is not None:
-            fields["push/version"], fields["push/seconds"] = push
+            fields["push/version"], fields["push/seconds"], pushed = push
+            if pushed is not None:
+                fields["push/bytes"] = pushed
         fields |= {name: _json_number(value) for name, value in metrics.items()}
         line: dict[str, Any] = {
             "step": self.updates,

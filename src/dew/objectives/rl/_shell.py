@@ -233,10 +233,12 @@ class _Scheduler:
         self.pool: Pool = default_pool()
         self.last_record: SchedulerRecord | None = None
         self.last_events: tuple[LogEvent, ...] = ()
-        # The newest push this process made: (version, wall seconds it took), None before
-        # the first. The trainer's metrics lines show it (`push/version`, `push/seconds`);
-        # not part of the record, so that replay, which pushes to no server, compares none.
-        self.last_push: tuple[int, float] | None = None
+        # The newest push this process made: (version, wall seconds it took, bytes of tensors
+        # the engine's servers read, None for an engine that reads none), None before the
+        # first. The trainer's metrics lines show it (`push/version`, `push/seconds`,
+        # `push/bytes`); not part of the record, so that replay, which pushes to no server,
+        # compares none.
+        self.last_push: tuple[int, float, int | None] | None = None
         # The rest of the event log at close(): what came after the last call's delivery, and
         # the `closed` cancellations that end every submission still in flight.
         self.closing_events: tuple[LogEvent, ...] = ()
@@ -1019,7 +1021,8 @@ class _Scheduler:
             self.weights.load(variables, version)
         else:
             await load_async(variables, version)
-        self.last_push = (version, time.perf_counter() - began)
+        pushed = getattr(self.weights, "push_bytes", None)
+        self.last_push = (version, time.perf_counter() - began, pushed[-1] if pushed else None)
         return load_async is not None
 
     async def _watch_wait(self, scope: trio.CancelScope, long_wait: float, first: bool) -> None:

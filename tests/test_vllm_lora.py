@@ -1,0 +1,272 @@
+"""LoRA adapter pushes into a real vLLM server (its CPU build): with `lora_rank`, each push has
+the server load the adapter alone in place under one name, and its log-probs are then the base
+model's with that adapter, as transformers + PEFT compute them.
+
+One server for the module (it takes a minute or more to start here), started for adapters of
+rank 8. The adapters are PEFT's own (`get_peft_model(...).save_pretrained`), their A and B drawn
+at random: PEFT starts B at 0, which would leave the base model's log-probs as they are.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import jax
+import numpy as np
+import pytest
+import trio
+
+from _checkpoint import ONE_WORKER_PROCESS, tiny_qwen2
+from dew._torch_media import hide_broken_media_packages
+from dew.objectives.rl._session import track_progress
+from dew.serve._vllm_push import lora_problem
+from dew.serve.vllm import VLLMEngine, VLLMError
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Async generator 'httpx._content.ByteStream.__aiter__' was garbage:ResourceWarning"
+)
+
+RANK = 8
+MAX_LEN = 512
+PROMPT = np.array([0, 1, 17, 42, 99, 7], np.int32)
+# The server's KV cache blocks hold 128 tokens on a CPU: prompts longer than that share blocks.
+BLOCK = 128
+# What a push of float32 weights must land within: float32 rounding of the two forward passes.
+ATOL = 1e-5
+
+
+def peft_adapter(base: Path, seed: int):
+    """A transformers + PEFT model of `base` with a rank-RANK adapter on the attention's query
+    and value projections and the MLP's down projection, its A and B drawn from `seed`."""
+    hide_broken_media_packages()
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=RANK, lora_alpha=2 * RANK, target_modules=["q_proj", "v_proj", "down_proj"]
+    )
+    adapted = peft.get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+    return adapted.eval()
+
+
+def save_adapter(folder: Path, adapted) -> None:
+    """The engine's adapter writer here: PEFT's own (adapter_config.json and
+    adapter_model.safetensors)."""
+    adapted.save_pretrained(folder)
+
+
+def peft_logprobs(adapted, call) -> np.ndarray:
+    """float64[completion]: each drawn token's log-prob under transformers + PEFT, at
+    temperature 1 (the calls' sampling)."""
+    import torch
+
+    ids = torch.tensor(np.concatenate([call.prompt, call.completion])[None].astype(np.int64))
+    with torch.no_grad():
+        logits = adapted(input_ids=ids).logits[0, len(call.prompt) - 1 : -1]
+    logprobs = torch.log_softmax(logits.double(), dim=-1).numpy()
+    return logprobs[np.arange(len(call.completion)), call.completion]
+
+
+def swapped_logprobs(first, second, call, switch: int) -> np.ndarray:
+    """float64[completion]: each drawn token's log-prob when the adapter of `first` drew the
+    tokens before `switch` and that of `second` the rest, over the keys and values `first`
+    computed for the positions before: what a server that swaps adapters under a call in
+    flight, without recomputing its cache, draws it from."""
+    import torch
+
+    ids = torch.tensor(np.concatenate([call.prompt, call.completion])[None].astype(np.int64))
+    cut = len(call.prompt) + switch - 1  # the position whose logits draw token `switch`
+    with torch.no_grad():
+        before = first(input_ids=ids[:, :cut], use_cache=True)
+        after = second(input_ids=ids[:, cut:-1], past_key_values=before.past_key_values)
+    logits = torch.cat([before.logits[0, len(call.prompt) - 1 :], after.logits[0]])
+    logprobs = torch.log_softmax(logits.double(), dim=-1).numpy()
+    return logprobs[np.arange(len(call.completion)), call.completion]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return tiny_qwen2(tmp_path_factory.mktemp("lora") / "base", seed=0, max_len=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def adapters(base):
+    """Two adapters of the base checkpoint, far apart."""
+    return [peft_adapter(base, seed) for seed in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def engine(base, tmp_path_factory):
+    with VLLMEngine.start(
+        base,
+        max_model_len=MAX_LEN,
+        lora_rank=RANK,
+        save=save_adapter,
+        work_dir=tmp_path_factory.mktemp("engine"),
+        **ONE_WORKER_PROCESS,
+    ) as started:
+        yield started
+
+
+@pytest.mark.slow
+async def test_each_adapter_push_serves_the_base_model_with_that_adapter(
+    engine, adapters, base, tmp_path
+):
+    """Each push loads only the adapter, in place under the one name calls give as their
+    model; the calls report the pushed version (vLLM labels an adapter's calls "default"
+    unless told) and draw with the base model + that adapter."""
+    for version, adapted in enumerate(adapters, start=1):
+        save_adapter(tmp_path / str(version), adapted)
+        await engine.load_async(adapted, version)
+        async with engine:
+            calls = [await engine.generate(PROMPT, max_tokens=16, key=key) for key in range(3)]
+        for call in calls:
+            assert call.version == version
+            np.testing.assert_allclose(
+                call.logprobs, peft_logprobs(adapted, call), rtol=0, atol=ATOL
+            )
+            other = peft_logprobs(adapters[2 - version], call)
+            assert np.abs(call.logprobs - other).max() > 100 * ATOL  # the adapters differ
+        # What the push had the server read: the adapter's tensors, not the model's.
+        pushed = engine.push_bytes[-1]
+        assert pushed == (tmp_path / str(version) / "adapter_model.safetensors").stat().st_size
+        assert pushed * 10 < (base / "model.safetensors").stat().st_size
+    served = httpx.get(f"{engine.urls[0]}/v1/models").json()["data"]
+    adapters_served = [entry for entry in served if entry.get("parent")]
+    assert [entry["id"] for entry in adapters_served] == [engine.adapter]
+    assert len(engine.push_seconds) >= 2
+
+
+@pytest.mark.slow
+async def test_a_prompt_sharing_cached_blocks_is_computed_under_the_pushed_adapter(
+    engine, adapters
+):
+    """Each version's adapter comes from a folder of its own: vLLM keys its prefix cache on
+    the adapter's name and path, so a prompt whose first block a call under the previous
+    adapter left in the cache is computed under the new one (an in-place reload from one path
+    would reuse those blocks)."""
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, 300, BLOCK + 40, dtype=np.int32)
+    first, second = (
+        np.concatenate([shared, rng.integers(0, 300, 20, dtype=np.int32)]) for _ in range(2)
+    )
+    await engine.load_async(adapters[0], 10)
+    async with engine:
+        await engine.generate(first, max_tokens=4, key=0)  # its blocks stay in the cache
+    await engine.load_async(adapters[1], 11)
+    async with engine:
+        call = await engine.generate(second, max_tokens=8, key=1)
+    assert call.version == 11
+    np.testing.assert_allclose(call.logprobs, peft_logprobs(adapters[1], call), rtol=0, atol=ATOL)
+
+
+@pytest.mark.slow
+async def test_a_call_in_flight_through_an_adapter_push_keeps_the_version_that_drew_it(
+    engine, adapters
+):
+    """What vLLM does to a call in flight when the adapter is swapped in place: it goes on
+    under the old adapter (read again from its folder at each step) while the server labels
+    its tokens with the new version, until a call that arrived after the swap joins its batch;
+    from then on both are drawn by the new adapter, the call in flight over the keys and values
+    the old one computed. So its record keeps the version it was submitted under (that of its
+    first token's adapter), not the label; and the old folder stays until it ends (vLLM reads
+    it at each step)."""
+    await engine.load_async(adapters[0], 20)
+    async with engine:
+        results = {}
+        progress = {}
+
+        async def call(name, max_tokens, key):
+            progress[name] = track_progress()
+            results[name] = await engine.generate(PROMPT, max_tokens=max_tokens, key=key)
+
+        async def drawn(name, at_least):
+            with trio.fail_after(300):
+                while name not in progress or progress[name].length()[0] < at_least:
+                    await trio.sleep(0.01)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, "old", 60, 5)
+            await drawn("old", 5)
+            await engine.load_async(adapters[1], 21)
+            await drawn("old", progress["old"].length()[0] + 5)  # after the swap, alone
+            alone = progress["old"].length()[0]
+            nursery.start_soon(call, "new", 10, 6)
+    old, new = results["old"], results["new"]
+    assert (old.version, new.version) == (20, 21)
+    assert len(old.completion) == 60
+    np.testing.assert_allclose(new.logprobs, peft_logprobs(adapters[1], new), rtol=0, atol=ATOL)
+    # The old adapter drew it up to some token after the new call came, the new one the rest.
+    under_old = np.abs(old.logprobs - peft_logprobs(adapters[0], old)) <= ATOL
+    switch = int(np.argmin(under_old)) if not under_old.all() else len(old.completion)
+    print(f"the call in flight was drawn by the new adapter from token {switch} on")
+    assert alone <= switch < len(old.completion)
+    np.testing.assert_allclose(
+        old.logprobs, swapped_logprobs(*adapters, old, switch), rtol=0, atol=ATOL
+    )
+
+
+@pytest.mark.slow
+def test_dew_train_lora_pushes_the_adapter_and_the_engine_agrees_with_dew(
+    engine, base, tmp_path, capsys
+):
+    """`dew train --lora` on the vLLM server: each push loads the adapter alone (push/bytes
+    a small share of the checkpoint's), and the engine's behaviour log-probs equal dew's own
+    base + adapter rescoring (`mismatch/engine`, over the tokens drawn under the trainer's own
+    version, float noise)."""
+    from dew.cli import main
+
+    run = tmp_path / "run"
+    argv = ["train", "--model", str(base), "--lora", "--engine", "vllm", "--run", str(run)]
+    argv += ["--engine-url", *engine.urls, "--eval-every", "0", "--samples", "0"]
+    argv += ["--steps", "3", "--tasks", "4", "--groups", "2", "--batch-size", "2"]
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        assert main(argv) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["updates"] for line in lines] == [1, 2, 3]
+    full = (base / "model.safetensors").stat().st_size
+    assert all(0 < line["push/bytes"] * 10 < full for line in lines), lines
+    mismatches = [line["mismatch/engine"] for line in lines if "mismatch/engine" in line]
+    print(f"mismatch/engine per step {mismatches}; push/bytes {lines[-1]['push/bytes']}")
+    assert mismatches, lines
+    assert max(mismatches) <= 1e-6, mismatches
+    # The servers' adapter is the run's last: its folder under the run's vLLM folder.
+    served = httpx.get(f"{engine.urls[0]}/v1/models").json()["data"]
+    (adapter,) = [entry for entry in served if entry["id"] == engine.adapter]
+    assert Path(adapter["root"]).parent == run / "vllm" / "process-0"
+
+
+@pytest.mark.slow
+def test_attaching_a_lora_run_to_a_server_of_a_smaller_rank_is_refused_naming_the_flag(
+    engine, base, tmp_path
+):
+    """A run whose adapter's rank is past the server's `--max-lora-rank` is refused as it
+    attaches, naming the flags to start the server with, not at its first push."""
+    from dew.models import hf
+    from dew.models.hf import lora
+
+    model = lora.LoRAModel(hf.load(base)[0], lora.LoRAConfig(rank=16, alpha=32.0))
+    with pytest.raises(VLLMError) as refused:
+        VLLMEngine.attach(engine.urls, checkpoint=base, model=model, push_dir=tmp_path)
+    assert "rank up to 8, the run's is 16" in str(refused.value)
+    assert "--enable-lora --max-lora-rank 16 --max-loras 1" in str(refused.value)
+
+
+def test_a_server_without_lora_is_named_with_the_flags_it_needs():
+    """What `/server_info` says of a server started without `--enable-lora` (its LoRA config
+    null) and of one that says nothing of LoRA (another server: nothing to say)."""
+    said = lora_problem({"vllm_config": {"lora_config": None}}, 4)
+    assert said == (
+        "it serves no LoRA adapters: start it with --enable-lora --max-lora-rank 8 --max-loras 1"
+    )
+    assert lora_problem({"vllm_config": {}}, 4) is None
+    assert lora_problem({"vllm_config": {"lora_config": {"max_lora_rank": 8}}}, 8) is None
