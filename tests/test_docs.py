@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import itertools
 import os
 import pathlib
 import re
@@ -208,6 +209,7 @@ def test_the_site_builds_strictly(tmp_path):
         text=True,
     )
     assert build.returncode == 0, build.stderr
+    assert_served_from_the_site(tmp_path)
     anchors = set()
     for page in (tmp_path / "api").rglob("index.html"):
         anchors |= set(re.findall(r'id="(dew[\w.]*)"', page.read_text()))
@@ -215,11 +217,75 @@ def test_the_site_builds_strictly(tmp_path):
     for module in public_modules():
         for name in public_names(importlib.import_module(module)):
             value = getattr(importlib.import_module(module), name)
-            # Shown where it is defined or under the module that re-exports it.
-            homes = {f"{module}.{name}", f"{getattr(value, '__module__', module)}.{name}"}
+            # Shown where it is defined, under the module that re-exports it, or under the
+            # public package of the private module that defines it (dew.envs.Sampling is
+            # dew.serve._sampling's, shown as dew.serve.Sampling).
+            defined = getattr(value, "__module__", module)
+            public = ".".join(
+                itertools.takewhile(lambda p: not p.startswith("_"), defined.split("."))
+            )
+            homes = {f"{module}.{name}", f"{defined}.{name}", f"{public}.{name}"}
             if inspect.ismodule(value):
                 homes.add(value.__name__)
             beneath = any(a.startswith(f"{module}.") and a.endswith(f".{name}") for a in anchors)
             if not (homes & anchors or beneath):
                 missing.append(f"{module}.{name}")
     assert not missing, f"the API reference does not show {missing}"
+
+
+def assert_served_from_the_site(site: pathlib.Path) -> None:
+    """The built site loads no script from elsewhere, carries the MathJax its pages load, shows
+    its formulas to it, and every image a page shows is in the site."""
+    pages = {page: page.read_text() for page in site.rglob("*.html")}
+    remote = sorted(
+        str(page.relative_to(site))
+        for page, html in pages.items()
+        if re.search(r'<script[^>]+src="(https?:)?//', html)
+    )
+    assert not remote, f"pages load scripts from elsewhere: {remote}"
+    concepts = site / "concepts" / "index.html"
+    sources = re.findall(r'<script src="([^"?]*mathjax[^"?]*)', pages[concepts], re.IGNORECASE)
+    assert any(s.endswith("MathJax.js") for s in sources), sources
+    for source in sources:
+        assert (concepts.parent / source).resolve().is_file(), source
+    # The TeX input and the fonts MathJax loads on its own, by name, beside MathJax.js.
+    served = site / "assets" / "mathjax"
+    assert (served / "config" / "TeX-AMS-MML_HTMLorMML-full.js").is_file()
+    assert (served / "jax" / "input" / "TeX" / "config.js").is_file()
+    assert list((served / "fonts" / "HTML-CSS" / "STIX-Web" / "woff").rglob("*.woff"))
+    assert '"STIX-Web"' in (site / "javascripts" / "mathjax.js").read_text()
+    formulas = re.findall(r'class="arithmatex">(.*?)</', pages[concepts], re.DOTALL)
+    assert len(formulas) > 40 and all(f.startswith(("\\(", "\\[")) for f in formulas)
+    missing = [
+        f"{page.relative_to(site)}: {image}"
+        for page, html in pages.items()
+        for image in re.findall(r'<img[^>]+src="([^"]+)"', html)
+        if "://" not in image and not (page.parent / image).resolve().is_file()
+    ]
+    assert not missing, f"pages show images the site lacks: {missing}"
+    shown = re.findall(r'<img[^>]+src="([^"]+)"', pages[concepts])
+    assert {pathlib.Path(image).name for image in shown} >= set(CONCEPT_FIGURES)
+
+
+CONCEPT_FIGURES = ("long_tail_goodput.png", "long_tail_cost.png")
+"""The figures docs/figures/concepts.py draws and docs/concepts.md shows."""
+
+
+def test_the_concepts_figures_are_drawn_by_their_script_and_shown(tmp_path):
+    """docs/figures/concepts.py draws every figure the concepts page shows (from
+    `Workload.smoke()` here; the checked-in ones from the defaults), and the page shows each
+    checked-in one."""
+    script = DOCS / "figures" / "concepts.py"
+    drawn = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert drawn.returncode == 0, drawn.stderr
+    for name in CONCEPT_FIGURES:
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG"), name
+        assert (DOCS / "figures" / name).read_bytes().startswith(b"\x89PNG"), name
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(CONCEPT_FIGURES)
+    text = (DOCS / "concepts.md").read_text()
+    shown = re.findall(r"!\[[^\]]*\]\((figures/[^)]+)\)", text)
+    assert sorted(pathlib.Path(path).name for path in shown) == sorted(CONCEPT_FIGURES)

@@ -152,7 +152,7 @@ def schedulers_rooms(graph: dict[str, set[str]]) -> set[str]:
 
 
 SOURCES_ROOMS = ("dew.envs", "dew.gateway", "dew.serve")
-"""Where sources, the gateway and engines live: none knows it is scheduled (SPEC.md: the
+"""Where sources, the gateway and engines live: none knows it is scheduled (the
 scheduler talks to engines only through `Publisher`, and sources only through `run`)."""
 
 

@@ -14,7 +14,15 @@ The package is split by what each part does: `_grid` the grid and its simulation
 workload `dew tune` simulates, and `_cli` the command's options. This module only re-exports.
 """
 
-from dew.tune._cli import MAX_RUNS, MAX_SLOTS, MAX_VALUES, PLOT_SUFFIXES, configure_cli, run_cli
+# The command's limits stay where tune.py kept them, as plain names of the module.
+from dew.tune._cli import (  # noqa: F401
+    MAX_RUNS,
+    MAX_SLOTS,
+    MAX_VALUES,
+    PLOT_SUFFIXES,
+    configure_cli,
+    run_cli,
+)
 from dew.tune._grid import (
     Grid,
     Row,
@@ -27,10 +35,6 @@ from dew.tune._grid import (
 from dew.tune._report import best, feasible, front, plot, table
 
 __all__ = [
-    "MAX_RUNS",
-    "MAX_SLOTS",
-    "MAX_VALUES",
-    "PLOT_SUFFIXES",
     "Grid",
     "Row",
     "admitted",
