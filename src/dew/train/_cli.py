@@ -47,7 +47,7 @@ from dew.train._folders import (
 )
 from dew.train._interrupt import INTERRUPTED, _CtrlC, _Interrupted, _say, any_process
 from dew.train._progress import Progress
-from dew.train._run import train
+from dew.train._run import _check_memory, train
 from dew.train._tasks import _check_checkpoint_task
 from dew.train._trainer import NothingTrained
 
@@ -223,6 +223,7 @@ def run_cli(args: argparse.Namespace) -> int:
         _check_task(config)
         _load_environment(config)
         _check_checkpoint_task(config, tokenizer)
+        _check_memory(config, tokenizer, args.processes or args.num_processes or 1)
         # A damaged checkpoint is refused here, before anything starts or is written.
         commit = read_commit(run / "checkpoints") if args.resume else None
     except ValueError as error:

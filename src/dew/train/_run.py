@@ -42,6 +42,7 @@ from dew.train._evaluation import (
 )
 from dew.train._folders import Misfit, _check_record, _check_run, _check_split, _RunLock
 from dew.train._interrupt import _Interrupted
+from dew.train._memory import GIB, Estimate, estimate, machine_memory
 from dew.train._samples import SampleLog
 from dew.train._tasks import _check_checkpoint_task, _objective, _sampling, _task
 from dew.train._tensorboard import TensorBoard
@@ -106,6 +107,7 @@ def train(
         # An environment's first prompts are sized (and a checkpoint's fit checked) before
         # the folder is written: one that cannot fit left a folder of only config.json.
         _check_checkpoint_task(config, tokenizer)
+        memory = _check_memory(config, tokenizer, processes)
         if record is not None and processes > 1:
             raise ValueError("--record traces a single process's run; run it without a pool")
         if record is not None:
@@ -114,6 +116,8 @@ def train(
         problem = error
     # Every process refuses alike, before process 0 writes anything.
     default_pool().agree(problem)
+    if index == 0:
+        print(memory.line(machine_memory()), flush=True)
     # Process 0, the one that writes the folder, holds it for the run's length: a second run
     # into it (a --resume typed while the first still trains) would log and train alongside.
     with _RunLock(run) if index == 0 else contextlib.nullcontext():
@@ -180,9 +184,7 @@ def _train(
             )
             placed = sharding.state_shardings(trainer.opt_state, trainer.variables, mesh)
             trainer.opt_state = sharding.shard(trainer.opt_state, placed)
-    tasks = config.batch_size // processes  # this process's share of each batch
-    admit = config.admit if not isinstance(config.admit, int) else config.admit // processes
-    slots = tasks * (config.groups + config.oversample) * (config.ahead + 1)
+    tasks, admit, slots, rollouts = _shares(config, processes)
     if config.engine == "vllm":
         # Stopped in the `finally` below; should an error come before it, at the interpreter's
         # exit.
@@ -232,9 +234,6 @@ def _train(
         recorder = replay.Recorder(record)
         source = replay.RecordingSource(source, recorder)
         publisher = replay.RecordingPublisher(server, recorder)
-    # Carry-over trains a batch's cut groups at a later step: a step may take a whole batch.
-    full = not isinstance(admit, int) or config.carry_over  # auto may admit the whole batch
-    rollouts = (tasks if full else admit) * config.groups
     scheduler = RolloutScheduler(
         objective,
         source,
@@ -298,6 +297,70 @@ def _train(
     if index == 0:
         write_curves(run / METRICS, run / "curves.png", evaluations=run / EVALUATIONS)
     return trainer
+
+
+def _shares(config: TrainConfig, processes: int) -> tuple[int, Any, int, int]:
+    """This process's share of each batch: its tasks, the groups it admits (`--admit`), its
+    engine's slots (every rollout in flight, `--ahead` batches of them) and the rollouts a
+    step packs."""
+    tasks = config.batch_size // processes
+    admit = config.admit if not isinstance(config.admit, int) else config.admit // processes
+    slots = tasks * (config.groups + config.oversample) * (config.ahead + 1)
+    # Carry-over trains a batch's cut groups at a later step: a step may take a whole batch.
+    full = not isinstance(admit, int) or config.carry_over  # auto may admit the whole batch
+    return tasks, admit, slots, (tasks if full else admit) * config.groups
+
+
+def memory_estimate(config: TrainConfig, tokenizer, processes: int = 1) -> Estimate:
+    """What one process of the run will hold (`dew.train._memory.estimate`), from the task's
+    shape and the model's, before anything is built: dew's transformer of the config, or the
+    `--model` checkpoint's from its config and headers. vLLM's cache is its server's, not
+    the run's."""
+    shape = _task(config, tokenizer).shape
+    _, _, slots, rollouts = _shares(config, processes)
+    if config.model is None:
+        model_config = config.model_config(shape.max_len, vocab=tokenizer.vocab_size)
+        model = models.model(model_config, remat=config.remat)
+    else:
+        model = hf.model_of(config.model, dtype=config.dtype)
+    return estimate(
+        model,
+        rows=shape.rows(rollouts),
+        width=shape.width,
+        slots=0 if config.engine == "vllm" else slots,
+        max_len=shape.max_len,
+        ahead=config.ahead,
+        remat=config.remat,
+        reference=config.kl_coef > 0,
+    )
+
+
+def _check_memory(config: TrainConfig, tokenizer, processes: int) -> Estimate:
+    """The run's memory estimate, refused before anything is built or written when it exceeds
+    the machine's memory (the run was killed by the kernel minutes in, at 18.5 GiB).
+
+    Raises:
+        ValueError: naming the estimate, its largest part, the machine's memory and the
+            options that lower that part.
+    """
+    needed = memory_estimate(config, tokenizer, processes)
+    available = machine_memory()
+    if needed.total <= available:
+        return needed
+    parts = {
+        "weights and Adam": (needed.weights, "a smaller --model (or --lora), --d-model, --layers"),
+        "the engine's cache": (needed.cache, "--batch-size, --groups, --ahead, --max-context"),
+        "the step's activations": (
+            needed.activations,
+            "--max-context, --batch-size, --groups" + ("" if config.remat else ", or pass --remat"),
+        ),
+        "the packed batches": (needed.batches, "--batch-size, --groups, --max-context"),
+    }
+    part, (size, knobs) = max(parts.items(), key=lambda item: item[1][0])
+    raise ValueError(
+        f"the run would need about {needed.total / GIB:.1f} GiB, {size / GIB:.1f} of them "
+        f"{part}, but this machine has {available / GIB:.1f} GiB: lower {knobs}"
+    )
 
 
 def _model(config: TrainConfig, max_len: int, tokenizer) -> tuple[models.Model, Any]:

@@ -1,0 +1,77 @@
+"""The memory estimate at a run's start, and the refusal of a run that cannot fit (issue 42
+item 2, issue 43 item 1): `dew train` prints what the run will hold, by part, against the
+machine's memory, and refuses in one line, before its folder is made, a run whose estimate
+exceeds it, naming the largest part and the options that lower it (such runs were killed by
+the kernel minutes in, at 18.5 GiB)."""
+
+import jax
+import numpy as np
+
+from dew import models
+from dew.objectives.rl.grpo import GRPOObjective
+from dew.serve.tokenizer import BYTES
+from dew.train import TrainConfig
+from dew.train._memory import GIB, estimate, machine_memory
+from dew.train._run import memory_estimate
+from test_envs_verifiers import use_nltk_data
+from test_hostile_folders import refusal
+from test_row_chunks import packed
+
+
+def test_a_model_too_large_for_the_machine_is_refused_before_its_folder(capsys, tmp_path):
+    run = tmp_path / "run"
+    # 1.6 G params: 6 GiB of float32, 32 GiB with their gradient, Adam and the engine's copy.
+    argv = ["--d-model", "4096", "--layers", "8", "--d-ff", "16384", "--run", str(run)]
+    line = refusal(capsys, "train", argv)
+    assert line.startswith("the run would need about "), line
+    assert "of them weights and Adam" in line and "--d-model, --layers" in line
+    assert f"this machine has {machine_memory() / GIB:.1f} GiB" in line
+    assert not run.exists()
+
+
+def test_a_game_too_wide_for_memory_names_max_context_and_remat(capsys, tmp_path, monkeypatch):
+    use_nltk_data(tmp_path, monkeypatch)
+    run = tmp_path / "run"
+    argv = ["--env", "textarena:Wordle-v0", "--max-context", "131072", "--run", str(run)]
+    line = refusal(capsys, "train", argv)
+    assert "of them the step's activations" in line, line
+    assert "--max-context" in line and "or pass --remat" in line
+    assert not run.exists()
+
+
+def test_the_default_run_fits_and_its_estimate_is_one_line():
+    needed = memory_estimate(TrainConfig(), BYTES)
+    assert 0 < needed.weights < needed.runtime and needed.cache > 0 and needed.batches > 0
+    assert needed.total < machine_memory()
+    line = needed.line(machine_memory())
+    assert line.startswith("memory: about ") and "\n" not in line
+    # The built-in task's rows are narrow: the step runs every row at once.
+    config = TrainConfig()
+    assert needed.chunk == config.batch_size * config.groups // 2
+
+
+def test_the_activation_estimate_bounds_the_compiled_step():
+    """The estimate of a wide step's activations is at least what XLA's compiled gradient
+    needs beyond its arguments, and within 3 times it: the estimate is what the refusal
+    weighs."""
+    rows, width = 16, 1024
+    model = models.model(
+        models.TransformerConfig(vocab=64, d_model=32, heads=4, layers=2, d_ff=64, max_len=width)
+    )
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    batch = jax.tree.map(np.asarray, packed(4, rows, width, support=False))
+    batch["tokens"] = batch["tokens"] % 64
+    objective = GRPOObjective(model)
+    step = jax.jit(jax.grad(lambda p, b: objective.loss(p, b)[0]))
+    compiled = step.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+    needed = estimate(
+        model,
+        rows=rows,
+        width=width,
+        slots=1,
+        max_len=width,
+        ahead=0,
+        remat=False,
+        reference=False,
+    )
+    assert compiled <= needed.activations <= 3 * compiled, (compiled, needed.activations)
