@@ -619,3 +619,87 @@ def test_the_kl_estimator_is_a_dew_train_option_and_a_bad_one_is_refused(capsys,
         GRPOObjective(bigram, kl_estimator="k4")
     line = refusal(capsys, ["train", "--run", str(tmp_path / "run"), "--kl-estimator", "k4"])
     assert "kl_estimator must be one of ('k3', 'k1', 'k2', 'abs'), got 'k4'" in line
+
+
+def test_the_reference_sync_copies_the_updated_params_every_nth_update():
+    """`reference_sync(3)` chained after SGD, over 7 updates, against the params NumPy computes:
+    the initial ones until the 3rd update, the 3rd's until the 6th, then the 6th's."""
+    from dew.train._reference import reference_sync, synced_reference
+
+    rng = np.random.default_rng(2)
+    params = {"w": jnp.asarray(rng.standard_normal(4), jnp.float32)}
+    optimizer = optax.chain(optax.sgd(0.1), reference_sync(3))
+    state = optimizer.init(params)
+    history = [np.asarray(params["w"])]
+    for update in range(1, 8):
+        grads = {"w": jnp.asarray(rng.standard_normal(4), jnp.float32)}
+        updates, state = optimizer.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        history.append(np.asarray(params["w"]))
+        want = history[update // 3 * 3]
+        reference = synced_reference(state, params, every=3)
+        np.testing.assert_array_equal(np.asarray(reference["w"]), want)
+        if update % 3:  # held in the state, an exact copy of the params it was handed
+            np.testing.assert_array_equal(np.asarray(state[1].reference["w"]), want)
+    with pytest.raises(ValueError, match="every must be an int >= 1"):
+        reference_sync(0)
+    with pytest.raises(ValueError, match="holds 0 reference_sync states"):
+        synced_reference(optax.sgd(0.1).init(params), params, every=3)
+
+
+def test_a_re_synced_reference_is_checkpointed_so_a_resumed_run_goes_on_against_it(tmp_path):
+    """`dew train --kl-coef 0.1 --ref-sync-every 2`, for real: a batch packed right after a
+    sync meets a reference equal to the policy (kl/reference ~ 0), the others one update
+    behind (> 0); the checkpoint at 3 updates holds update 2's weights as the reference (its
+    own weights are update 3's), and the run resumed from it goes on against that reference:
+    the resumed trainer holds it, and its first batch, packed at 3 updates, meets a reference
+    one update behind (kl/reference > 0, not the ~0 of a reference re-derived from the
+    checkpoint's weights)."""
+    from dew import train
+    from dew.train import load_variables, read_kept
+    from dew.train._reference import synced_reference
+
+    tiny = {"d_model": 16, "heads": 2, "layers": 1, "d_ff": 32, "tasks": 16, "samples": 0}
+    config = TrainConfig(
+        steps=3,
+        batch_size=2,
+        groups=4,
+        entropy_coef=0.05,  # the tiny policy scores no reward: the bonus moves its weights
+        kl_coef=0.1,
+        ref_sync_every=2,
+        learning_rate=0.01,
+        checkpoint_every=1,
+        keep_checkpoints=3,
+        **tiny,
+    )
+    run = tmp_path / "run"
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as in test_train
+        stopped = train.train(config, run)
+        (update_2,) = [
+            record for record in read_kept(run / "checkpoints") if record["updates"] == 2
+        ]
+        weights_2 = load_variables(run / "checkpoints", stopped.variables, record=update_2)
+        resumed = train.train(attrs.evolve(config, steps=4), run, resume=True)
+    held = synced_reference(stopped.opt_state, stopped.variables, every=2)
+    jax.tree.map(np.testing.assert_array_equal, held, weights_2)
+    assert not all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(held), jax.tree.leaves(stopped.variables), strict=True)
+    )
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    kl = [line["kl/reference"] for line in lines]
+    # Step k's batch is packed at k updates: synced at 0 (the initial weights) and 2.
+    assert [value < 1e-6 for value in kl] == [True, False, True, False], kl
+    # At 4 updates the resumed run synced again: its reference is its own weights now.
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        synced_reference(resumed.opt_state, resumed.variables, every=2),
+        resumed.variables,
+    )
+
+
+def test_a_reference_sync_without_a_kl_penalty_is_refused_naming_it(capsys, tmp_path):
+    with pytest.raises(ValueError, match="ref_sync_every re-syncs the KL penalty's reference"):
+        TrainConfig(ref_sync_every=2)
+    line = refusal(capsys, ["train", "--run", str(tmp_path / "run"), "--ref-sync-every", "-1"])
+    assert "ref_sync_every" in line, line

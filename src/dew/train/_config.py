@@ -283,6 +283,9 @@ class TrainConfig:
             policy; 0 for none. A resumed run derives the reference again from the config (the
             seed's initial weights), so checkpoints need not hold it.
         kl_estimator: the penalty's per-token estimate of the KL (`GRPOObjective`'s).
+        ref_sync_every: with a kl_coef, re-sync the reference to the policy's weights after
+            every N-th update (kept in the optimizer's state, so checkpoints hold it and a
+            resumed run goes on against it); 0: the initial weights, for the whole run.
         entropy_coef: the weight of an entropy bonus (`GRPOObjective`'s); 0 for none.
         aggregation, importance_level, correction, importance_cap, importance_floor: the
             objective's loss aggregation and behaviour-importance correction (`GRPOObjective`).
@@ -435,6 +438,12 @@ class TrainConfig:
         "token_mean",
         _one_of(AGGREGATIONS),
         "how the loss averages: token_mean, sequence_mean, or constant (Dr. GRPO)",
+    )
+    ref_sync_every: int = _option(
+        0,
+        int_within(0, 10**9),
+        "re-sync the KL penalty's reference to the policy every N updates (0 = never: the "
+        "initial weights throughout)",
     )
     entropy_coef: float = _option(
         0.0,
@@ -651,6 +660,11 @@ class TrainConfig:
         for name, default in (("lora_rank", 8), ("lora_alpha", 16.0), ("lora_targets", None)):
             if not self.lora and getattr(self, name) != default:
                 raise ValueError(f"{name} shapes a LoRA adapter: give lora too")
+        if self.ref_sync_every and self.kl_coef == 0:
+            raise ValueError(
+                f"ref_sync_every re-syncs the KL penalty's reference: give kl_coef above 0 "
+                f"too, got ref_sync_every {self.ref_sync_every} with kl_coef 0"
+            )
         if self.lr_decay != "constant" and self.warmup_steps >= self.steps:
             raise ValueError(
                 f"warmup_steps must be below steps ({self.steps}) for lr_decay {self.lr_decay}: "

@@ -43,6 +43,7 @@ from dew.train._evaluation import (
 from dew.train._folders import Misfit, _check_record, _check_run, _check_split, _RunLock
 from dew.train._interrupt import _Interrupted
 from dew.train._memory import GIB, Estimate, estimate, machine_memory
+from dew.train._reference import reference_sync, synced_reference
 from dew.train._samples import SampleLog
 from dew.train._tasks import _check_checkpoint_task, _objective, _sampling, _task
 from dew.train._tensorboard import TensorBoard
@@ -147,6 +148,8 @@ def _train(
     model, variables = _model(config, shape.max_len, tokenizer)
     served = _served_folder(config, run, model, variables)
     # The initial weights, kept as the KL term's reference; a resumed run derives them again.
+    # Re-synced, the reference is the optimizer state's (`reference_sync`), which checkpoints
+    # keep: the scheduler reads it as each batch is packed, at the update that batch trains at.
     reference = variables if config.kl_coef > 0 else None
     mesh = _mesh(config, model)
     if mesh is not None:
@@ -155,6 +158,8 @@ def _train(
     optimizer, learning_rate = _optimizer(config)
     if config.lora:
         optimizer = lora.frozen(optimizer)
+    if config.ref_sync_every:  # last: it copies the params the update leaves, LoRA's base too
+        optimizer = optax.chain(optimizer, reference_sync(config.ref_sync_every))
     trainer = _FolderTrainer(
         objective,
         optimizer,
@@ -251,7 +256,15 @@ def _train(
         truncation="score",
         vocab=model.vocab,
         filter_uniform=config.filter_uniform,
-        reference=reference,
+        reference=(
+            (
+                lambda: synced_reference(
+                    trainer.opt_state, trainer.variables, every=config.ref_sync_every
+                )
+            )
+            if config.ref_sync_every
+            else reference
+        ),
         carry_over=config.carry_over,
         waste_budget=config.waste_budget,
         hedge=config.hedge,

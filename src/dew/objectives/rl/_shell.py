@@ -603,7 +603,9 @@ class _Scheduler:
         if getattr(self.objective, "proximal", "rescore") != "current":
             batch["proximal_logprobs"] = self.pool.rescore(self.objective, variables, batch)
         if self.reference is not None:
-            batch["reference_logprobs"] = self.pool.rescore(self.objective, self.reference, batch)
+            # A callable reference moves (`dew train --ref-sync-every`): read as of this batch.
+            reference = self.reference() if callable(self.reference) else self.reference
+            batch["reference_logprobs"] = self.pool.rescore(self.objective, reference, batch)
         return packed, batch
 
     def _prepare(self, batch: Batch, variables: Variables, updates: int) -> _HandOver:

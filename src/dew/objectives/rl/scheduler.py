@@ -137,7 +137,9 @@ class RolloutScheduler:
             `groups/uniform_trained` of them trained on).
         reference: a frozen reference policy's variables, rescored over the packed rows as
             `reference_logprobs` beside the proximal log-probs, for an objective with a
-            `kl_coef`; required by one, refused without one.
+            `kl_coef`; required by one, refused without one. Or a function of no arguments
+            that returns them, called as each batch is packed: a reference that moves during
+            the run (`dew train --ref-sync-every`, which reads the trainer's optimizer state).
         carry_over: with `admit`, the groups a batch's cut leaves out keep running instead of
             being cancelled (`carried` in the event log) and are admitted at a later call,
             ahead of its own groups and within its task batch size, while their oldest call
