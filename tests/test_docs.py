@@ -289,3 +289,14 @@ def test_the_concepts_figures_are_drawn_by_their_script_and_shown(tmp_path):
     text = (DOCS / "concepts.md").read_text()
     shown = re.findall(r"!\[[^\]]*\]\((figures/[^)]+)\)", text)
     assert sorted(pathlib.Path(path).name for path in shown) == sorted(CONCEPT_FIGURES)
+
+
+def test_every_page_says_the_same_of_how_long_dew_train_takes():
+    # The README said ~2 min and docs/index.md ~3 min for the same command.
+    claims = {
+        line.strip()
+        for path in [ROOT / "README.md", *DOCS.rglob("*.md")]
+        for line in path.read_text().splitlines()
+        if "&& dew train " in line and "#" in line
+    }
+    assert len(claims) == 1, claims
