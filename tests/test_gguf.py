@@ -307,6 +307,7 @@ def test_a_gguf_model_saves_as_a_folder_transformers_loads(files, tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_dew_train_trains_a_gguf_file_into_hugging_face_folders(files, tmp_path):
     from dew.cli import main
 
@@ -505,6 +506,7 @@ def smollm2():
     return path, model, params, _gguf.GGUF.open(path).template_tokenizer()
 
 
+@pytest.mark.slow
 def test_smollm2_is_the_packaged_file_and_a_135m_llama(smollm2):
     path, model, params, tokenizer = smollm2
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
@@ -520,6 +522,7 @@ def test_smollm2_is_the_packaged_file_and_a_135m_llama(smollm2):
     assert sum(leaf.size for leaf in jax.tree.leaves(params)) == 134_515_008
 
 
+@pytest.mark.slow
 def test_smollm2_gives_transformers_logits_and_chat_ids(smollm2):
     path, model, params, tokenizer = smollm2
     ids = tokenizer.encode_chat(QUESTION)

@@ -253,7 +253,6 @@ def test_a_server_lacking_every_flag_behind_an_api_key_is_refused_naming_each(
         assert flag in message, message
 
 
-@pytest.mark.slow
 def test_start_gives_the_servers_their_api_key_out_of_their_command_line(
     folder, tmp_path, monkeypatch
 ):

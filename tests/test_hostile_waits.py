@@ -325,6 +325,7 @@ async def test_a_trainer_that_keeps_its_batch_long_is_named_as_what_the_run_wait
     ]
 
 
+@pytest.mark.slow
 def test_fit_stops_at_the_step_boundary_past_its_wall_clock(tmp_path, caplog):
     """Item 9 (build point 8): `fit` had no wall-clock bound. With `wall_clock`, a run stops
     cleanly after the step during which the bound passed (here 1 µs, which the first step

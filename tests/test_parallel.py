@@ -396,6 +396,7 @@ def test_the_distributed_pool_of_one_process_is_the_local_pool():
         DistributedPool().rescore(objective, variables, ragged)
 
 
+@pytest.mark.slow
 @jax.numpy_dtype_promotion("standard")  # optax's Adam
 def test_the_data_parallel_update_of_one_process_is_the_plain_update():
     """One process steps on the whole of each global batch (the pool's two shares of rows) and

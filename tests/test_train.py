@@ -493,6 +493,7 @@ def test_bad_options_name_the_culprit(capsys, tmp_path, argv, culprit):
     assert culprit in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_oversample_and_admit_train_the_first_groups_to_complete(tmp_path, capsys):
     # The long-tail knobs `dew tune` weighs, as `dew train` options: 4 tasks a batch, 2 trained,
     # each group's first 2 of 4 rollouts; the rest are cancelled, counted and never trained.
@@ -514,6 +515,7 @@ def test_oversample_and_admit_train_the_first_groups_to_complete(tmp_path, capsy
     assert "admit" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hedge", [True, False])
 def test_carry_over_trains_the_groups_admit_cut_at_later_steps(tmp_path, hedge):
     # 4 tasks a batch, the first 2 groups to complete train and the other 2 keep running, to
@@ -537,6 +539,7 @@ def test_carry_over_trains_the_groups_admit_cut_at_later_steps(tmp_path, hedge):
     assert (config["carry_over"], config["hedge"]) == (True, hedge)
 
 
+@pytest.mark.slow
 def test_admit_auto_chooses_each_steps_cut_and_its_record_says_why(tmp_path):
     # The scheduler chooses each step's admit from the run's own durations: the first step,
     # before any group has completed, takes the whole batch; each line of metrics.jsonl holds
@@ -644,6 +647,7 @@ def test_the_default_task_learns(tmp_path, xla_optimizations):
     assert end > start + 0.1, (start, end)
 
 
+@pytest.mark.slow
 def test_a_recorded_training_run_replays_without_the_engine(tmp_path):
     from dew import replay
 
