@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+import struct
+from pathlib import Path
 
 import attrs
 import jax
@@ -703,3 +705,90 @@ def test_a_reference_sync_without_a_kl_penalty_is_refused_naming_it(capsys, tmp_
         TrainConfig(ref_sync_every=2)
     line = refusal(capsys, ["train", "--run", str(tmp_path / "run"), "--ref-sync-every", "-1"])
     assert "ref_sync_every" in line, line
+
+
+def wandb_records(path) -> list:
+    """The protobuf records of a W&B run file (`run-ID.wandb`), read with wandb's own message
+    definitions: after a 7-byte header (`:W&B`, magic, version), LevelDB's log format of
+    32 KiB blocks, each record in pieces with a 7-byte header (crc32c, length, kind: 1 whole,
+    2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    block, offset, pending, records = 32768, 7, b"", []
+    while offset + 7 <= len(data):
+        room = block - offset % block
+        if room < 7:  # a block's tail too short for a header is padding
+            offset += room
+            continue
+        _, length, kind = struct.unpack("<IHB", data[offset : offset + 7])
+        if kind == 0 and length == 0:  # zeros pad the block's end
+            offset += room
+            continue
+        pending += data[offset + 7 : offset + 7 + length]
+        offset += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def test_a_dew_train_run_logs_its_config_and_every_line_to_wandb_offline(tmp_path):
+    """`dew train --wandb PROJECT`, for real and offline (no network here): the W&B run file
+    under RUN/wandb/ holds the run's config and, at each step `updates`, every finite number
+    of that step's metrics line."""
+    from dew import train
+
+    tiny = {"d_model": 16, "heads": 2, "layers": 1, "d_ff": 32, "tasks": 16, "samples": 0}
+    config = TrainConfig(steps=2, batch_size=2, groups=4, wandb="dew-tests", **tiny)
+    run = tmp_path / "run"
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as in test_train
+        train.train(config, run)
+    (written,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    records = wandb_records(written)
+    (started,) = [record.run for record in records if record.WhichOneof("record_type") == "run"]
+    assert started.project == "dew-tests"
+    logged_config = {item.key: json.loads(item.value_json) for item in started.config.update}
+    assert {key: logged_config[key] for key in ("steps", "wandb", "wandb_mode")} == {
+        "steps": 2,
+        "wandb": "dew-tests",
+        "wandb_mode": "offline",
+    }
+    history = {
+        record.history.step.num: {
+            # A key may come split at its slashes (nested_key) rather than whole (key).
+            item.key or "/".join(item.nested_key): json.loads(item.value_json)
+            for item in record.history.item
+        }
+        for record in records
+        if record.WhichOneof("record_type") == "history"
+    }
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(history) == [line["updates"] for line in lines] == [1, 2]
+    for line in lines:
+        numbers = {
+            name: value
+            for name, value in line.items()
+            if name not in ("step", "updates")
+            and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and np.isfinite(value)
+        }
+        assert {"loss", "entropy", "learning_rate", "reward/mean"} <= set(numbers)
+        logged = history[line["updates"]]
+        assert {name: logged[name] for name in numbers} == pytest.approx(numbers, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--wandb", "team/project"], "wandb must be a W&B project's name"),
+        (["--wandb", "p", "--wandb-mode", "cloud"], "wandb_mode must be one of"),
+    ],
+)
+def test_bad_wandb_options_are_refused_naming_them(argv, message, capsys, tmp_path):
+    line = refusal(capsys, ["train", "--run", str(tmp_path / "run"), *argv])
+    assert message in line, line

@@ -24,6 +24,7 @@ from dew.objectives.rl._surrogate import KL_ESTIMATORS, RATIO_LEVELS, check_clip
 from dew.objectives.rl.grpo import AGGREGATIONS, CORRECTIONS, IMPORTANCE_LEVELS, PROXIMALS
 from dew.objectives.rl.sessions import ESTIMATORS
 from dew.serve.tokenizer import BYTES, HuggingFaceTokenizer, Tokenizer
+from dew.train._wandb import WANDB_MODES
 
 TASKS = ("copy", "guess", "echo")
 """The built-in tasks `dew train --task` runs: CopyDigits, GuessDigit and EchoDigits."""
@@ -50,6 +51,8 @@ _LOGGING += ("engine_url", "engine_servers")
 _LOGGING += ("proximal",)
 # How many checkpoints stay, not what is trained.
 _LOGGING += ("keep_checkpoints",)
+# Where the metrics are tracked besides metrics.jsonl.
+_LOGGING += ("wandb", "wandb_mode")
 
 
 def _task_name(instance, attribute, value):
@@ -120,6 +123,13 @@ def _load_environment(config: TrainConfig) -> None:
 def _path_or_none(instance, attribute, value):
     if value is not None and not (isinstance(value, str) and value):
         raise ValueError(f"{attribute.name} must be a file's path or None, got {value!r}")
+
+
+def _project_or_none(instance, attribute, value):
+    if value is not None and not (isinstance(value, str) and value.strip() and "/" not in value):
+        raise ValueError(
+            f"{attribute.name} must be a W&B project's name (no '/') or None, got {value!r}"
+        )
 
 
 def _dtype_or_none(instance, attribute, value):
@@ -313,6 +323,10 @@ class TrainConfig:
             `temperature`; 0 for greedy only.
         samples: rollouts per step written, decoded, to `samples.jsonl`; 0 for none.
         tensorboard: also write the metrics as TensorBoard scalars (needs tensorboardX).
+        wandb: also log the config and every step's metrics to this Weights & Biases project
+            (needs wandb), under `RUN/wandb/`; None for none.
+        wandb_mode: `offline` (the default: files only, `wandb sync` uploads them later) or
+            `online`.
         max_context: an environment's (`verifiers:` or `textarena:`) most tokens per episode,
             its prompts and replies together (the model's context and the packed rows' width);
             None for a TextArena game's own, or a verifiers environment's longest first prompt
@@ -539,6 +553,18 @@ class TrainConfig:
         False,
         _flag,
         "also write the metrics as TensorBoard scalars to RUN/tensorboard (needs tensorboardX)",
+    )
+    wandb: str | None = _option(
+        None,
+        _project_or_none,
+        "also log the config and every step's metrics to this Weights & Biases project, under "
+        "RUN/wandb (needs wandb)",
+        kind=str,
+    )
+    wandb_mode: str = _option(
+        "offline",
+        _one_of(WANDB_MODES),
+        "with --wandb: offline (files only; wandb sync uploads them later) or online",
     )
     max_context: int | None = _option(
         None,

@@ -5,7 +5,7 @@ step), `samples.jsonl` (a few decoded rollouts per step), `eval.jsonl` (the eval
 held-out tasks before the first update and every `eval_every` updates, `dew.train._evaluation`),
 `eval_samples.jsonl` and `eval_samples.md` (held-out replies at each evaluation beside the base
 model's), `checkpoints/`, `curves.png` and, with `tensorboard`, TensorBoard's event files under
-`tensorboard/`.
+`tensorboard/` and, with `wandb`, Weights & Biases' files under `wandb/`.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from dew.train._samples import SampleLog
 from dew.train._tasks import _check_checkpoint_task, _objective, _sampling, _task
 from dew.train._tensorboard import TensorBoard
 from dew.train._trainer import METRICS, Trainer
+from dew.train._wandb import WandbLog
 
 ADAPTER = "adapter"
 """A `--lora` run's checkpoints hold its adapter in this folder, as PEFT saves it."""
@@ -621,7 +622,8 @@ def _levers(config: TrainConfig) -> dict[str, Any]:
 
 class _RunLogs:
     """A run's per-step logs beside `metrics.jsonl` (an `on_step` callback): the decoded samples,
-    the greedy evaluations on held-out tasks, TensorBoard, then the caller's own callback."""
+    the greedy evaluations on held-out tasks, TensorBoard, Weights & Biases, then the caller's
+    own callback."""
 
     def __init__(
         self,
@@ -639,6 +641,15 @@ class _RunLogs:
         self.on_step = on_step
         self.evaluation: Evaluation | None = None
         self.tensorboard = TensorBoard(run / "tensorboard") if config.tensorboard else None
+        self.wandb = None
+        if config.wandb is not None:
+            self.wandb = WandbLog(
+                config.wandb,
+                run,
+                attrs.asdict(config),
+                name=run.resolve().name,
+                mode=config.wandb_mode,
+            )
 
     def __call__(self, line: Mapping[str, Any]) -> None:
         if self.samples is not None:
@@ -651,6 +662,8 @@ class _RunLogs:
             line = {**line, **self.evaluate(updates)}
         if self.tensorboard is not None:
             self.tensorboard(line)
+        if self.wandb is not None:
+            self.wandb(line)
         if self.on_step is not None:
             self.on_step(line)
 
@@ -667,6 +680,8 @@ class _RunLogs:
         if updates == 0:
             if self.tensorboard is not None:
                 self.tensorboard({"updates": 0, **scores})
+            if self.wandb is not None:
+                self.wandb({"updates": 0, **scores})
             shown_scores = ", ".join(
                 f"{key.removeprefix('eval/')} {value:.3f}"
                 for key, value in scores.items()
@@ -678,6 +693,8 @@ class _RunLogs:
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def _append_lines(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
