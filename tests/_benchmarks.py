@@ -10,12 +10,13 @@ import sys
 BENCHMARKS = sorted((pathlib.Path(__file__).parent.parent / "benchmarks").glob("*.py"))
 
 # Those that start vLLM servers, a pool of processes or a device mesh, or train one model in JAX
-# and in torch: minutes between them, so they have a test file of their own, which xdist's
-# file-by-file scheduling runs beside the rest.
+# and in torch, or a real pretrained model: minutes between them, so they have a test file of
+# their own, which xdist's file-by-file scheduling runs beside the rest.
 HEAVY = {
     "checkpoints",
     "engines",
     "gpu",
+    "learning",
     "parallel",
     "sharded_checkpoints",
     "train_step_torch",
