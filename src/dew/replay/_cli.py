@@ -71,6 +71,7 @@ _OPTIONS: dict[str, Callable[[str], Any]] = {
     "carry_over": _flag,
     "waste_budget": number_option(0, 1),
     "hedge": _flag,
+    "narrow": _flag,
 }
 
 

@@ -50,6 +50,7 @@ CONFIG = (
     "carry_over",
     "waste_budget",
     "hedge",
+    "narrow",
 )
 """The RolloutScheduler arguments a trace holds: all but objective, source, weights, tasks, log."""
 # CONFIG names added after traces of this VERSION were first written: a trace without one ran
@@ -61,6 +62,7 @@ ADDED = {
     "carry_over": False,
     "waste_budget": 0.2,
     "hedge": True,
+    "narrow": False,
 }
 KINDS = ("stream", "batch", "session", "push", "call", "end")
 """The kinds of a trace's lines after its header."""

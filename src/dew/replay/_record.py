@@ -239,6 +239,7 @@ class Recorder:
             "carry_over": scheduler.config.carry_over,
             "waste_budget": scheduler.config.waste_budget,
             "hedge": scheduler.config.hedge,
+            "narrow": scheduler.narrow,
         }
         # Open until `_stop`: the recording spans a `with` of the caller's.
         if self.path.endswith(".gz"):

@@ -269,6 +269,7 @@ def _train(
         carry_over=config.carry_over,
         waste_budget=config.waste_budget,
         hedge=config.hedge,
+        narrow=True,
     )
     per_epoch = config.tasks // config.batch_size * config.batch_size
     dataset = ProcessRows(

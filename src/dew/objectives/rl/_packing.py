@@ -467,6 +467,69 @@ def pack(
     )
 
 
+NARROWINGS = 4
+"""How many times `pack_narrow` may halve a batch's width: at most 5 widths a run, each compiled
+once by the trainer's step and the rescoring."""
+
+
+def pack_narrow(
+    groups: Sequence[Sequence[Session]],
+    *,
+    width: int,
+    rows: int,
+    estimator: str = "group",
+    truncation: str = "mask",
+    support_capacity: int | None = None,
+) -> Packed:
+    """`pack` into the narrowest of `width`, width / 2, ... width / 2**`NARROWINGS` that packs
+    and cuts the same groups as `width`, among those that divide `width`: rows as many times
+    more, so each shape has the cells of `rows x width` (and support slots as many times fewer
+    a row).
+
+    A row's attention costs its width squared, so the same cells in narrower rows cost the
+    step width / narrower times less in compute and in memory: a batch of short chains (a
+    game's early episodes, a policy's short replies) trains as its tokens need, not as the
+    longest chain the run allows. Narrowing never cuts a group the full width would pack.
+
+    Args:
+        groups, width, rows, estimator, truncation, support_capacity: as `pack` takes them,
+            `width` the widest rows (the run's).
+
+    Returns:
+        The packed batch of the narrowest such width (`width` itself when no narrower fits).
+
+    Raises:
+        As `pack`.
+    """
+    full = pack(
+        groups,
+        width=width,
+        rows=rows,
+        estimator=estimator,
+        truncation=truncation,
+        support_capacity=support_capacity,
+    )
+    for halvings in range(NARROWINGS, 0, -1):
+        narrow = width >> halvings
+        # Only a width that halves evenly: the same cells, so `constant` aggregation's divisor
+        # (rows x width) and the fill are the full width's.
+        if width % (1 << halvings) or not full.packed:
+            continue
+        packed = pack(
+            groups,
+            width=narrow,
+            rows=rows << halvings,
+            estimator=estimator,
+            truncation=truncation,
+            support_capacity=None
+            if support_capacity is None
+            else max(1, -(-support_capacity >> halvings)),
+        )
+        if packed.packed == full.packed and packed.cut == full.cut:
+            return packed
+    return full
+
+
 @attrs.define(eq=False)
 class _Layout:
     """The pieces laid in each row so far, and the rows' free room.

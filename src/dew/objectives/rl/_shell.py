@@ -44,7 +44,7 @@ from dew.objectives.rl._arguments import (
     check_waste_budget,
     resolve_vocab,
 )
-from dew.objectives.rl._packing import _percentile, uniform_group
+from dew.objectives.rl._packing import _percentile, pack_narrow, uniform_group
 from dew.objectives.rl._records import (
     GroupStatus,
     Publisher,
@@ -66,7 +66,7 @@ from dew.objectives.rl.sessions import (
     pack,
     session_metrics,
 )
-from dew.parallel import Pool, default_pool, first_reader_batch
+from dew.parallel import LocalPool, Pool, default_pool, first_reader_batch
 
 # Logged under the public module's name, where a user configures the scheduler's logging.
 logger = logging.getLogger("dew.objectives.rl.scheduler")
@@ -161,7 +161,10 @@ class _Scheduler:
         carry_over: bool = False,
         waste_budget: float = 0.2,
         hedge: bool = True,
+        narrow: bool = False,
     ):
+        if not isinstance(narrow, bool):
+            raise ValueError(f"narrow must be a bool, got {narrow!r}")
         check_carry_over(carry_over, admit)
         check_waste_budget(waste_budget)
         check_hedge(hedge)
@@ -231,6 +234,8 @@ class _Scheduler:
         # sequence axis across processes): only a share's first reader samples, the others
         # train on its rows.
         self.pool: Pool = default_pool()
+        # A pool's processes must agree on one shape (the rescoring and the step span them).
+        self.narrow = narrow and isinstance(self.pool, LocalPool)
         self.last_record: SchedulerRecord | None = None
         self.last_events: tuple[LogEvent, ...] = ()
         # The newest push this process made: (version, wall seconds it took, bytes of tensors
@@ -589,7 +594,7 @@ class _Scheduler:
     def _pack_and_rescore(self, groups, variables: Variables) -> tuple[Packed, dict]:
         """Pack `groups` into this process's rows, take the share's first reader's rows, and
         rescore them under `variables` over the pool; return the packing and the batch."""
-        packed = pack(
+        packed = (pack_narrow if self.narrow else pack)(
             groups,
             width=self.width,
             rows=self.rows,

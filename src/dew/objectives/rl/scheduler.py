@@ -127,6 +127,12 @@ class RolloutScheduler:
             advantage is 0), log a warning that gives the streak's counts and most frequent
             errors, once per streak; None never warns. A healthy run rarely has even one
             such call, and 5 wastes few steps before saying so.
+        narrow: pack each batch into the narrowest of `width`, width / 2, ... width / 16
+            that holds the same groups, with as many times more rows (`pack_narrow`): a row's
+            attention costs its width squared, so a batch of short chains trains as its tokens
+            need rather than at the longest chain the run allows; at most five shapes compile.
+            A process of a `jax.distributed` pool packs at `width` (the pool's processes must
+            agree on one shape). `dew train` narrows.
         filter_uniform: discard a complete group whose training rewards are all equal (its
             advantages would all be 0: it takes rows and trains nothing; DAPO's dynamic
             sampling). Its finished rollouts end `discarded` (reason `uniform`), and it does
@@ -249,6 +255,7 @@ class RolloutScheduler:
         carry_over: bool = False,
         waste_budget: float = 0.2,
         hedge: bool = True,
+        narrow: bool = False,
     ):
         inner = _Scheduler(
             objective,
@@ -276,6 +283,7 @@ class RolloutScheduler:
             carry_over=carry_over,
             waste_budget=waste_budget,
             hedge=hedge,
+            narrow=narrow,
         )
         object.__setattr__(self, "_inner", inner)
         finalizer = weakref.finalize(self, inner.dropped)
