@@ -22,7 +22,8 @@ from _checkpoint import ONE_WORKER_PROCESS, tiny_qwen2
 from dew._torch_media import hide_broken_media_packages
 from dew.objectives.rl._session import track_progress
 from dew.serve._vllm_push import lora_problem
-from dew.serve.vllm import VLLMEngine, VLLMError
+from dew.serve.vllm import CallFailed, VLLMEngine, VLLMError
+from test_vllm_push import dew_logprobs
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Async generator 'httpx._content.ByteStream.__aiter__' was garbage:ResourceWarning"
@@ -123,9 +124,16 @@ async def test_each_adapter_push_serves_the_base_model_with_that_adapter(
 ):
     """Each push loads only the adapter, in place under the one name calls give as their
     model; the calls report the pushed version (vLLM labels an adapter's calls "default"
-    unless told) and draw with the base model + that adapter."""
+    unless told) and draw with the base model + that adapter, as transformers + PEFT and dew's
+    own `LoRAModel` (the adapter read back with `lora.load_adapter`) compute them."""
+    from dew.models import hf
+    from dew.models.hf import lora
+
+    model, params = hf.load(base)
     for version, adapted in enumerate(adapters, start=1):
         save_adapter(tmp_path / str(version), adapted)
+        config, adapter = lora.load_adapter(tmp_path / str(version), model)
+        ours = lora.LoRAModel(model, config), {"adapter": adapter, "base": params}
         await engine.load_async(adapted, version)
         async with engine:
             calls = [await engine.generate(PROMPT, max_tokens=16, key=key) for key in range(3)]
@@ -134,6 +142,7 @@ async def test_each_adapter_push_serves_the_base_model_with_that_adapter(
             np.testing.assert_allclose(
                 call.logprobs, peft_logprobs(adapted, call), rtol=0, atol=ATOL
             )
+            np.testing.assert_allclose(call.logprobs, dew_logprobs(*ours, call), rtol=0, atol=ATOL)
             other = peft_logprobs(adapters[2 - version], call)
             assert np.abs(call.logprobs - other).max() > 100 * ATOL  # the adapters differ
         # What the push had the server read: the adapter's tensors, not the model's.
@@ -213,6 +222,29 @@ async def test_a_call_in_flight_through_an_adapter_push_keeps_the_version_that_d
     np.testing.assert_allclose(
         old.logprobs, swapped_logprobs(*adapters, old, switch), rtol=0, atol=ATOL
     )
+
+
+@pytest.mark.slow
+async def test_a_server_that_lost_the_adapter_gets_no_calls_until_the_next_push_loads_it(
+    engine, adapters
+):
+    """A server restarted under its URL knows no adapter of the run's name (made so here by
+    unloading it): a call naming it fails as one the scheduler resubmits elsewhere (before, as
+    a refusal, which ends the run), the server gets no more calls, and the next push loads the
+    adapter into it again."""
+    await engine.load_async(adapters[0], 30)
+    forget = {"lora_name": engine.adapter}
+    httpx.post(f"{engine.urls[0]}/v1/unload_lora_adapter", json=forget).raise_for_status()
+    async with engine:
+        with pytest.raises(CallFailed, match=f"no adapter '{engine.adapter}'"):
+            await engine.generate(PROMPT, max_tokens=4, key=0)
+        with pytest.raises(VLLMError, match="no vLLM server is alive"):
+            await engine.generate(PROMPT, max_tokens=4, key=0)
+    await engine.load_async(adapters[1], 31)
+    async with engine:
+        call = await engine.generate(PROMPT, max_tokens=8, key=1)
+    assert call.version == 31
+    np.testing.assert_allclose(call.logprobs, peft_logprobs(adapters[1], call), rtol=0, atol=ATOL)
 
 
 @pytest.mark.slow

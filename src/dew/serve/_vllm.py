@@ -797,7 +797,7 @@ class VLLMEngine:
             note_progress(len(tokens))
         label = _first_label(choice.get("weight_versions"))
         if label is not None and not label.isdigit():
-            raise self._restarted(server, label)
+            raise self._restarted(server, f"weights labelled {label!r}")
         if self.lora:
             # Its first token is drawn by the adapter it named on arrival (or the base model,
             # the adapter at its start), whatever the server labels it: a call that waited
@@ -826,6 +826,9 @@ class VLLMEngine:
                     raise await self._lost(server, _said(answer))
                 if answer.status_code == 401:
                     raise self._refused(server, _GENERATE, answer)
+                if answer.status_code == 404 and body["model"] == self.adapter:
+                    # vLLM knows no adapter of that name: it lost the one pushed last.
+                    raise self._restarted(server, f"no adapter {self.adapter!r}")
                 raise VLLMError(f"the vLLM server {server.url} refused the call: {_said(answer)}")
             # Read to the end whatever comes: leaving httpx's line iterator half read would leave
             # its generators for the garbage collector (trio warns of each).
@@ -892,24 +895,29 @@ class VLLMEngine:
         except httpx.HTTPError:
             return False
 
-    def _restarted(self, server: _Server, label: str) -> CallFailed:
+    def _restarted(self, server: _Server, serves: str) -> CallFailed:
         """The failure of a call drawn by weights dew never labelled: every server dew calls
         carries the label of the version it pushed, so a server answering under another one
-        (vLLM's "default") was restarted, or reloaded by someone else, and serves weights that
-        are not the run's. It is left out of the calls until the next push reloads it."""
+        (vLLM's "default"), or without a LoRA run's adapter, was restarted, or reloaded by
+        someone else, and serves weights that are not the run's. It is left out of the calls
+        until the next push reloads it.
+
+        Args:
+            serves: what it serves instead, "weights labelled 'default'" say.
+        """
         if server.alive:
             _log.warning(
-                "the vLLM server %s answered a call under the weights label %r, not a version "
-                "dew pushed: it restarted? it gets no calls until the next push reloads it",
+                "the vLLM server %s answered a call with %s, not a version dew pushed: it "
+                "restarted? it gets no calls until the next push reloads it",
                 server.url,
-                label,
+                serves,
             )
-        server.died(f"it serves weights labelled {label!r}, not a version dew pushed")
+        server.died(f"it serves {serves}, not a version dew pushed")
         server.restarted = True
         return CallFailed(
-            f"the vLLM server {server.url} drew the call with weights labelled {label!r}, not a "
-            "version dew pushed (was it restarted?): the call is dropped, the server left out "
-            "until the next push reloads it"
+            f"the vLLM server {server.url} served the call with {serves}, not a version dew "
+            "pushed (was it restarted?): the call is dropped, the server left out until the "
+            "next push reloads it"
         )
 
     def _obituary(self) -> str:
