@@ -540,3 +540,36 @@ def test_the_public_surface_keeps_its_signatures():
         "variables",
         "version",
     ]
+
+
+async def test_a_call_tells_its_rollout_the_version_it_starts_under_once_it_has_a_slot():
+    """Issue 46 item 4 on dew's own engine: every slot busy at version 0, a call queues; a push
+    of version 1 lands while it waits; once a slot frees it starts under 1, and its rollout's
+    progress says so (note_progress(version=1)): the scheduler counts that rollout's lag from 1,
+    not from the 0 it was submitted under. The running calls said 0 as they started."""
+    from dew.objectives.rl._session import track_progress
+
+    prompt = np.array([8, 8, 8], np.int32)
+    progress = {}
+    async with server() as engine, trio.open_nursery() as nursery:
+        await idle(engine)
+        running = [trio.CancelScope() for _ in range(SLOTS)]
+
+        async def rollout(name: str, max_tokens: int, key: int, scope: trio.CancelScope):
+            progress[name] = track_progress()
+            with scope:
+                await engine.generate(prompt, max_tokens=max_tokens, key=key)
+
+        for key in range(SLOTS):
+            nursery.start_soon(rollout, f"running {key}", 60, key, running[key])
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(rollout, "queued", 2, SLOTS, trio.CancelScope())
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.stats().queued == 1
+        assert progress["queued"].oldest is None  # no slot yet: nothing said
+        engine.load(params(1), version=1)
+        for scope in running:
+            scope.cancel(reason="free the slots")
+    assert {progress[f"running {key}"].oldest[1] for key in range(SLOTS)} == {0}
+    assert progress["queued"].oldest[1] == 1
+    assert progress["queued"].calls == 1

@@ -9,7 +9,9 @@ joined since the last step are prefilled into free slots (one compilation per po
 bucket). Calls beyond `slots` queue in arrival order.
 
 Weights pushed with `load` are swapped in between steps: calls in flight continue under the new
-weights, and each call reports the version it started under (that of its first token). Each token
+weights, and each call reports the version it started under (that of its first token), which
+it also says to its rollout as it gets its slot (`note_progress(version=...)`: the scheduler counts
+a running rollout's lag from its oldest call, as a finished one's). Each token
 is drawn from the distribution the sampler really used (temperature, then top-k, then top-p over
 the top-k renormalised distribution), and its behaviour log-prob is taken under that distribution;
 a filtered call also reports the token ids each position kept (its support), and a call that asks
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import functools
 import threading
 from collections.abc import Sequence
@@ -208,6 +211,9 @@ class _Request:
     alternatives: list[tuple[np.ndarray, np.ndarray]] = attrs.field(factory=list)
     cancelled: bool = False
     closed: bool = False
+    # The calling rollout's context: the step loop says in it the version the call starts
+    # under once it has its slot (note_progress), as the rollout's own task would.
+    context: contextvars.Context | None = None
 
     def call(self) -> Call:
         return Call(
@@ -502,6 +508,7 @@ class RolloutServer:
         request = self._request(
             prompt, max_tokens, temperature, top_k, top_p, stop, key, top_logprobs
         )
+        request.context = contextvars.copy_context()
         self._queue.append(request)
         self._wake.set()
         # What the call samples counts toward its rollout's length, even if it is cancelled.
@@ -649,6 +656,10 @@ class RolloutServer:
             if request is None and self._queue:
                 request = self._queue.popleft()
                 request.version = self._served
+                # Its rollout's lag counts from here while it runs, not from its submission: a
+                # call queued through a push starts under the new weights.
+                if request.context is not None:
+                    request.context.run(note_progress, version=request.version)
                 self._active[slot] = request
                 self._temperature[slot] = request.temperature
                 self._top_k[slot] = request.top_k
