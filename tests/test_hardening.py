@@ -283,6 +283,7 @@ def test_sizes_that_cannot_work_are_refused_at_construction(kwargs, culprit):
         RolloutScheduler(OBJECTIVE, Scripted(Engine()), Engine(), **args)
 
 
+@pytest.mark.slow
 async def test_a_task_batch_too_large_to_keep_in_flight_is_refused(autojump_clock):
     engine = Engine()
     async with scheduler(Scripted(engine), engine, groups=64, width=64, rows=64) as sched:
@@ -421,6 +422,7 @@ def constructor_arguments(draw) -> tuple[dict, frozenset[str]]:
     return kwargs, frozenset(spoiled)
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(constructor_arguments())
 def test_every_constructor_combination_runs_or_is_refused_naming_an_argument(drawn):
@@ -640,6 +642,7 @@ def nan_rollout(batch, variables, updates):
     return packed
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_stops_training_before_anything_is_written(tmp_path):
     trainer = Trainer(OBJECTIVE, optax.sgd(1e-3), PARAMS, directory=tmp_path, checkpoint_every=1)
     with pytest.raises(FloatingPointError, match="step 0: loss nan"):

@@ -116,6 +116,7 @@ def test_a_repository_the_hub_cannot_give_is_refused_naming_it_and_the_hubs_erro
     assert "LocalEntryNotFoundError" in error  # the Hub's own word: not cached, and offline
 
 
+@pytest.mark.slow
 def test_dew_train_trains_a_repository_id_and_its_run_exports(hub, tmp_path, capsys):
     from dew.cli import main
 

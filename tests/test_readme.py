@@ -16,6 +16,7 @@ def test_the_readme_has_python_blocks():
     assert len(BLOCKS) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_a_readme_block_runs(index, capsys):
     # optax's Adam raises its float decay to its int32 step count, which the tests' strict
