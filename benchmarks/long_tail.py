@@ -12,9 +12,10 @@ simulated source and engine), so the figures are deterministic.
         # rollout, one call per rollout): the best fixed settings, carry-over at max_lag 3, 5
         # and 8, and admit="auto" with carry-over at each (the same ahead as the fixed row
         # above it, waste budget 0.15), each figure as mean [min, max] over seeds: goodput's
-        # share of the capacity bound min(C / mean, B G / T), wasted slot-seconds, admitted /
-        # population mean duration, the ratio the staleness window allows at the run's pace,
-        # and the mean seconds a call waited for a slot
+        # share of the capacity bound min(C / mean, B G / T), the wasted share of rollout-seconds
+        # and of slot-seconds (slot waste: queueing left out), admitted / population mean
+        # duration, the ratio the staleness window allows at the run's pace, and the mean
+        # seconds a call waited for a slot
     python benchmarks/long_tail.py --workloads [--steps 300] [--seeds 3] [--jobs 2]
         # auto against the best fixed setting at max_lag 5 on the reference workload and on
         # sigma 0.5, sigma 1.5 and T = 3 x mean, auto told nothing of which: each workload's
@@ -120,7 +121,9 @@ AUTOS = (
 )
 
 
-def _one(job: tuple[Workload, Setting]) -> tuple[str, float, float, float, float, float, float]:
+def _one(
+    job: tuple[Workload, Setting],
+) -> tuple[str, float, float, float, float, float, float, float]:
     workload, setting = job
     outcome = simulate(workload, setting)
     # The bound for every setting: the engine's and a whole batch a step's.
@@ -138,6 +141,7 @@ def _one(job: tuple[Workload, Setting]) -> tuple[str, float, float, float, float
         outcome.goodput,
         _ratio_allowed(workload, setting.max_lag * period),
         outcome.slot_wait,
+        outcome.slot_wasted,
     )
 
 
@@ -181,11 +185,14 @@ def reference(steps: int, seeds: int, jobs: int, settings=SETTINGS) -> str:
     lines = [
         "reference workload: C=64, 8 tasks x 8 rollouts, lognormal mean 10 s sigma 1, one call "
         f"each, T=10 s, {steps} steps, seeds 0..{seeds - 1}; mean [min, max]",
-        f"{'setting':<30}{'of bound':>22}{'wasted':>22}{'admitted/mean':>22}"
+        f"{'setting':<30}{'of bound':>22}{'wasted':>22}{'slot waste':>22}{'admitted/mean':>22}"
         f"{'window allows':>22}{'slot wait s':>22}",
     ]
     for setting in settings:
-        rows = np.array([r[1:4] + r[5:7] for r in results if r[0] == setting.name])
+        # Share, wasted (rollout-seconds), slot waste (slot-seconds), ratio, allowed, wait.
+        rows = np.array(
+            [(r[1], r[2], r[7], r[3], r[5], r[6]) for r in results if r[0] == setting.name]
+        )
         lines.append(f"{setting.name:<30}{_cells(rows)}")
     return "\n".join(lines)
 
@@ -205,7 +212,8 @@ def workloads(
     ]
     results = iter(_run(work, jobs))
     lines = [
-        f"max_lag 5, {steps} steps, seeds 0..{seeds - 1}: goodput (samples/s) and wasted share, "
+        f"max_lag 5, {steps} steps, seeds 0..{seeds - 1}: goodput (samples/s) and wasted share "
+        f"(of rollout-seconds, and of slot-seconds), "
         f"means over seeds; each auto's goodput over the best fixed setting's, and over the "
         f"best of those wasting no more than its budget",
         f"{'workload':<12}"
@@ -217,13 +225,13 @@ def workloads(
         figures = []
         for _ in settings:
             rows = np.array([next(results)[1:] for _ in range(seeds)])
-            figures.append((rows[:, 3].mean(), rows[:, 1].mean()))
-        best = max(goodput for goodput, _ in figures[: len(fixed)])
-        cells = "".join(f"{f'{g:.2f} ({w:.0%})':>28}" for g, w in figures)
-        ratios = "".join(f"{g / best:>14.3f}" for g, _ in figures[len(fixed) :])
+            figures.append((rows[:, 3].mean(), rows[:, 1].mean(), rows[:, 6].mean()))
+        best = max(goodput for goodput, _, _ in figures[: len(fixed)])
+        cells = "".join(f"{f'{g:.2f} ({w:.0%}, slot {v:.0%})':>28}" for g, w, v in figures)
+        ratios = "".join(f"{g / best:>14.3f}" for g, _, _ in figures[len(fixed) :])
         within = ""
-        for auto, (goodput, _) in zip(autos, figures[len(fixed) :], strict=True):
-            kept = [g for g, w in figures[: len(fixed)] if w <= auto.waste_budget]
+        for auto, (goodput, _, _) in zip(autos, figures[len(fixed) :], strict=True):
+            kept = [g for g, w, _ in figures[: len(fixed)] if w <= auto.waste_budget]
             within += f"{goodput / max(kept):>16.3f}" if kept else f"{'none':>16}"
         lines.append(f"{name:<12}{cells}{ratios}{within}")
     return "\n".join(lines)
