@@ -389,6 +389,7 @@ VALID = {
     "carry_over": st.booleans(),
     "waste_budget": st.sampled_from([0.0, 0.2, 0.5]),
     "hedge": st.booleans(),
+    "narrow": st.booleans(),
 }
 # Collaborators: what each is when valid, and what it may be instead.
 COLLABORATORS = {
@@ -449,7 +450,11 @@ def test_every_constructor_combination_runs_or_is_refused_naming_an_argument(dra
     except ValueError as error:  # admit beyond the task batch is known at the first batch
         assert str(error).startswith("admit must"), error
         return
-    assert batch["tokens"].shape == (kwargs["rows"], kwargs["width"])
+    rows, width = batch["tokens"].shape
+    if kwargs["narrow"]:  # as narrow as the tokens allow, in the same cells
+        assert rows * width == kwargs["rows"] * kwargs["width"] and kwargs["width"] % width == 0
+    else:
+        assert (rows, width) == (kwargs["rows"], kwargs["width"])
     assert sched.last_record.updates == 0
 
 
@@ -743,6 +748,7 @@ def trained_run(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["checkpoint.json", "npz", "config.json"])
 def test_resuming_a_damaged_run_names_the_file_before_starting(
     damage, trained_run, tmp_path, capsys
@@ -765,6 +771,7 @@ def test_resuming_a_damaged_run_names_the_file_before_starting(
     assert "resuming" not in captured.out and "dew train:" not in captured.out
 
 
+@pytest.mark.slow
 def test_resuming_with_the_earlier_runs_trace_refuses_to_overwrite_it(
     trained_run, tmp_path, capsys
 ):
