@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
 
 from _hf_folders import chat_checkpoint, randomize_params
 from dew._torch_media import hide_broken_media_packages
@@ -119,9 +120,8 @@ def _sequence(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, VOCAB, 20).astype(np.int32)
 
 
-@EACH_FAMILY
-def test_a_fresh_adapter_gives_the_base_logits_exactly(folders, family):
-    base, params = hf.load(folders[family])
+def test_a_fresh_adapter_gives_the_base_logits_exactly(folders):
+    base, params = hf.load(folders["qwen3"])
     model = lora.LoRAModel(base, lora.LoRAConfig(rank=4, alpha=8))
     variables = model.variables(params, jax.random.key(0))
     assert np.abs(np.asarray(variables["adapter"]["layers"][0]["q_proj"]["lora_A"])).max() > 0
@@ -227,10 +227,22 @@ def test_an_adapter_of_another_rank_or_targets_is_not_saved_under_a_config(folde
 
 @pytest.fixture(scope="module")
 def chat_folder(tmp_path_factory) -> Path:
-    """A tiny random Qwen2 checkpoint with its own tokenizer and Qwen2.5's chat template."""
+    """A tiny random Qwen2 checkpoint with its own tokenizer and Qwen2.5's chat template that
+    answers with digits: one embedding dimension large for every token, and the output
+    projection reading it as +1 for the digits' tokens and -1 for the rest. A random digit
+    copies the copy task's right one a tenth of the time, so its groups differ in reward and
+    a run has something to learn (a random checkpoint's replies all earn 0)."""
     shape = {**SHAPE, "num_hidden_layers": 1, "max_position_embeddings": 256}
     del shape["vocab_size"]  # the tokenizer's, made with it
-    return chat_checkpoint(tmp_path_factory.mktemp("qwen2-chat"), shape)
+    folder = chat_checkpoint(tmp_path_factory.mktemp("qwen2-chat"), shape)
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    digits = [vocab[str(digit)] for digit in range(10)]
+    tensors = load_file(folder / hf.WEIGHTS)
+    tensors["model.embed_tokens.weight"][:, 0] = 30.0
+    tensors["lm_head.weight"][:, 0] = -1.0
+    tensors["lm_head.weight"][digits, 0] = 1.0
+    save_file(tensors, folder / hf.WEIGHTS, metadata={"format": "pt"})
+    return folder
 
 
 def _train(chat_folder: Path, run: Path, *options: str) -> int:
@@ -238,16 +250,29 @@ def _train(chat_folder: Path, run: Path, *options: str) -> int:
 
     argv = ["train", "--model", str(chat_folder), "--run", str(run), "--lora"]
     argv += ["--lora-rank", "4", "--lora-targets", "q_proj,v_proj,down_proj"]
-    argv += ["--batch-size", "2", "--groups", "2", "--tasks", "8", "--checkpoint-every", "1"]
+    argv += ["--batch-size", "2", "--groups", "8", "--tasks", "8", "--checkpoint-every", "1"]
+    argv += [
+        "--learning-rate",
+        "0.01",
+        "--ahead",
+        "0",
+    ]  # each batch sampled after the update before
     with jax.numpy_dtype_promotion("standard"):  # optax's Adam
         return main([*argv, *options])
+
+
+def _times(line: dict) -> dict:
+    """A metrics line's wall-clock fields, which no two runs share."""
+    return {key: value for key, value in line.items() if key.startswith(("seconds/", "push/"))}
 
 
 def _lines(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_dew_train_lora_trains_the_adapter_alone_and_resumes_exactly(chat_folder, tmp_path, capsys):
+def test_dew_train_lora_trains_the_adapter_alone_exports_it_and_resumes(
+    chat_folder, tmp_path, capsys
+):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert _train(chat_folder, straight, "--steps", "2") == 0
     summary = capsys.readouterr().out
@@ -262,6 +287,9 @@ def test_dew_train_lora_trains_the_adapter_alone_and_resumes_exactly(chat_folder
     base, params = hf.load(chat_folder)
     config, adapter = lora.load_adapter(adapter_folder, base)
     assert config == lora.LoRAConfig(4, 16.0, ("down_proj", "q_proj", "v_proj"))
+    assert all(line["grad_norm"] > 0 for line in _lines(straight))  # rewards differed
+    trained = jnp.abs(adapter["layers"][0]["q_proj"]["lora_B"]).max()
+    assert float(trained) > 1e-3  # B starts at zero
     model = lora.LoRAModel(base, config)
     variables = {"adapter": adapter, "base": params}
     peft_model = peft.PeftModel.from_pretrained(_transformers_model(chat_folder), adapter_folder)
@@ -296,15 +324,23 @@ def test_dew_train_lora_trains_the_adapter_alone_and_resumes_exactly(chat_folder
         rtol=0,
     )
     assert (merged / "tokenizer.json").is_file()
-    # Stopped after one step and resumed, the run trains the same second step.
+    # Stopped after one step and resumed, the run goes on from the adapter and Adam's state it
+    # saved. (Its second batch is sampled anew: a resumed `dew train` draws other samples than
+    # the uninterrupted run, LoRA or not; the trainer's own resume is exact, as
+    # `test_a_resumed_lora_trainer_equals_the_uninterrupted_one` checks.)
     assert _train(chat_folder, resumed, "--steps", "1") == 0
+    _, after_one = lora.load_adapter(resumed / "checkpoints" / "adapter", base)
     assert _train(chat_folder, resumed, "--steps", "2", "--resume") == 0
     first, second = _lines(straight), _lines(resumed)
     assert [line["updates"] for line in second] == [1, 2]
-    for name in ("loss", "grad_norm", "reward/mean", "tokens"):
-        assert [line[name] for line in second] == [line[name] for line in first], name
+    # The same first step (up to float rounding: its rows are sampled alike).
+    for name in ("grad_norm", "reward/mean", "tokens"):
+        np.testing.assert_allclose(second[0][name], first[0][name], rtol=1e-5, err_msg=name)
     _, again = lora.load_adapter(resumed / "checkpoints" / "adapter", base)
-    _assert_same(adapter, again)
+    assert any(
+        not np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(after_one), jax.tree.leaves(again), strict=True)
+    )
 
 
 TASKS = [Task(str(digit)) for digit in range(4)]
@@ -316,7 +352,7 @@ def _closeness(task: Task, reply: str) -> Score:
     return Score(max(0.0, 1.0 - abs(ord(reply[:1] or "\0") - ord(task.name)) / 256))
 
 
-def _fit(base, variables_or_params, **options):
+def _fit(base, variables_or_params, *, steps: int = 2, **options):
     return fit(
         TASKS,
         _closeness,
@@ -324,7 +360,7 @@ def _fit(base, variables_or_params, **options):
         max_tokens=2,
         model=base,
         params=variables_or_params,
-        steps=2,
+        steps=steps,
         batch_size=2,
         groups=4,
         **options,
@@ -355,9 +391,9 @@ def test_an_adapter_that_gets_no_gradient_is_said_with_its_step(folders, caplog)
     zeros = jax.tree.map(jnp.zeros_like, lora.init(jax.random.key(0), base, config))
     variables = {"adapter": zeros, "base": params}
     with jax.numpy_dtype_promotion("standard"), caplog.at_level("WARNING", "dew.train"):
-        _fit(model, variables, optimizer=lora.frozen(optax.adam(1e-3)))
+        _fit(model, variables, steps=1, optimizer=lora.frozen(optax.adam(1e-3)))
     said = [r.getMessage() for r in caplog.records if "no gradient" in r.getMessage()]
-    assert len(said) == 2 and said[0].startswith("step 0: the LoRA adapter received no gradient")
+    assert len(said) == 1 and said[0].startswith("step 0: the LoRA adapter received no gradient")
     assert all("\n" not in line for line in said)
 
 
@@ -400,3 +436,69 @@ def test_dew_train_refuses_a_bad_lora_option_in_one_line(
     said = capsys.readouterr().err
     assert culprit in said and said.count(culprit) == 1
     assert not (tmp_path / "run").exists()
+
+
+class _Rows:
+    """Packed rows drawn from each batch's task ids alone (so every run trains the same rows),
+    their proximal log-probs scored under the variables handed over."""
+
+    def __init__(self, objective):
+        self.objective = objective
+
+    def __call__(self, batch, variables, updates):
+        rng = np.random.default_rng([int(i) for i in batch["task_id"]])
+        rows, width = 4, 12
+        packed = {
+            "tokens": rng.integers(1, VOCAB, (rows, width)).astype(np.int32),
+            "positions": np.tile(np.arange(width, dtype=np.int32), (rows, 1)),
+            "segment_ids": np.ones((rows, width), np.int32),
+            "loss_mask": np.tile((np.arange(width) >= 3).astype(np.float32), (rows, 1)),
+            "advantages": np.repeat(rng.choice([-1.0, 1.0], (rows, 1)), width, 1).astype(
+                np.float32
+            ),
+        }
+        packed["proximal_logprobs"] = np.asarray(
+            self.objective.packed_log_probs(variables, packed), np.float32
+        )
+        packed["behavior_logprobs"] = packed["proximal_logprobs"] - np.float32(0.1)
+        return packed
+
+
+class _TaskPairs:
+    """Batches of two task ids."""
+
+    def stream(self, start: int = 0):
+        for index in range(start, 16):
+            yield {"task_id": np.array([2 * index, 2 * index + 1])}
+
+
+def test_a_resumed_lora_trainer_equals_the_uninterrupted_one(folders, tmp_path):
+    from dew.objectives.rl.grpo import GRPOObjective
+    from dew.train import Trainer
+
+    base, params = hf.load(folders["llama"])
+    model = lora.LoRAModel(base, lora.LoRAConfig(rank=2, targets=("k_proj", "o_proj")))
+    objective = GRPOObjective(model)
+    optimizer = lora.frozen(optax.adam(1e-2))
+
+    def trainer(directory: Path) -> Trainer:
+        variables = model.variables(params, jax.random.key(0))
+        return Trainer(objective, optimizer, variables, directory=directory, checkpoint_every=1)
+
+    lines = []
+    straight = trainer(tmp_path / "straight")
+    straight.on_step = lines.append
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        straight.run(_Rows(objective), _TaskPairs(), steps=3)
+        stopped = trainer(tmp_path / "resumed")
+        stopped.run(_Rows(objective), _TaskPairs(), steps=1)
+        resumed = trainer(tmp_path / "resumed")
+        assert resumed.resume().updates == 1
+        resumed_lines = []
+        resumed.on_step = resumed_lines.append
+        resumed.run(_Rows(objective), _TaskPairs(), steps=3)
+    assert all(line["grad_norm"] > 0 for line in lines)
+    for want, got in zip(lines[1:], resumed_lines, strict=True):
+        assert {**want, "elapsed": 0, **_times(want)} == {**got, "elapsed": 0, **_times(want)}
+    _assert_same(resumed.variables, straight.variables)
+    _assert_same(resumed.opt_state, straight.opt_state)
