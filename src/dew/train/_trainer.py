@@ -539,6 +539,8 @@ class Trainer:
         )
         metrics = local_copy(metrics) if self._global else jax.device_get(metrics)
         _check_finite(metrics, self.updates)
+        if self._writes:
+            _check_adapter_gradient(self.objective.model, metrics, packed, self.updates)
         self._tally.observe(self.updates, metrics, rollout)
         if not float(metrics.get("tokens", 1.0)) > 0:
             # A share of the trained tokens: the record's figure, which the loss reports in its
