@@ -175,6 +175,13 @@ def test_exactly_once_holds_whatever_auto_chooses():
         log: list[core.LogEvent] = []
         admitted: set[int] = set()
         finished_at: dict[Label, float] = {}
+        # When each submission got an engine slot, as far as the core was told before its end.
+        slot_of: dict[Label, float] = {}
+
+        def slot_start(label: Label) -> float:
+            """A drawn time between the submission and now at which its first call started."""
+            start = subs[label].time
+            return data.draw(st.sampled_from((start, (start + time) / 2, time)), label="slot")
 
         def apply(event):
             nonlocal state, waiting
@@ -221,7 +228,15 @@ def test_exactly_once_holds_whatever_auto_chooses():
                     for b in range(batch, batch + 1 + ahead)
                 )
                 waiting = batch
-                apply(core.HandedOver(time, batch, updates, served, pushed, tasks))
+                told = [
+                    label
+                    for label in sorted(running, key=lambda x: (x.group, x.sample, x.attempt))
+                    if data.draw(st.booleans(), label="told")
+                ]
+                slots = tuple((label, slot_start(label)) for label in told)
+                for label, at in slots:
+                    slot_of.setdefault(label, at)
+                apply(core.HandedOver(time, batch, updates, served, pushed, tasks, slots=slots))
                 if state.choice is not None and state.choice.over_budget and config.carry_over:
                     # Drained to a batch's worth of carried groups, but for complete ones.
                     carried = [state.groups[i] for i in state.carried]
@@ -245,7 +260,10 @@ def test_exactly_once_holds_whatever_auto_chooses():
                         sub.task, label, sub.time, time
                     )
                     finished_at[label] = time
-                    apply(core.Finished(time, label, result))
+                    slot = slot_start(label) if data.draw(st.booleans(), label="said") else None
+                    if slot is not None:
+                        slot_of.setdefault(label, slot)
+                    apply(core.Finished(time, label, result, slot))
                     running.discard(label)
             elif choice == "reopen" and waiting is None:
                 apply(core.Reopened(time))
@@ -255,18 +273,26 @@ def test_exactly_once_holds_whatever_auto_chooses():
         assert state.carried == () and state.choice is None
         # The budget's measure is the log's: every submission's seconds from its submission to
         # its finish (or its cancellation), thrown away unless admitted.
-        wasted = spent = 0.0
+        # In slot-seconds, each from its slot's start where the core was told it.
+        wasted = spent = slot_wasted = slot_spent = 0.0
         for e in log:
             if e.kind in TERMINAL:
-                seconds = finished_at.get(e.label, e.time) - subs[e.label].time
+                end, start = finished_at.get(e.label, e.time), subs[e.label].time
+                seconds = end - start
                 spent += seconds
                 wasted += seconds * (e.kind != "admitted")
+                seconds = end - max(start, slot_of.get(e.label, start))
+                slot_spent += seconds
+                slot_wasted += seconds * (e.kind != "admitted")
         assert state.spent == pytest.approx((wasted, spent))
+        assert state.slot_spent == pytest.approx((slot_wasted, slot_spent))
+        seen["slot-seconds apart"] += slot_spent < spent
         seen["wasted"] += wasted > 0
 
     check()
     # The draws reach what they test: calls that auto cut below their batch.
     assert seen["cut below the batch"] > 10 and seen["wasted"] > 10, seen
+    assert seen["slot-seconds apart"] > 10, seen
 
 
 # --- the shell: each record carries the choice and its estimate --------------------------------
@@ -323,8 +349,12 @@ def test_each_record_carries_the_cut_auto_chose_and_its_estimate(carry_over):
         assert m["auto/step"] == pytest.approx(1.0)  # the trainer's sleep between calls
         assert m["auto/observed"] >= 4 and 0 <= m["auto/waste"] <= 1
         assert 0 < m["auto/goodput"] < math.inf
-        # The run's measured waste so far, which the budget weighed the estimate against.
+        # The run's measured waste so far, which the budget weighed the estimate against, and
+        # the same in slot-seconds (the engine's queue left out).
         assert 0 <= m["auto/wasted"] <= 1
+        assert 0 <= m["auto/slot_wasted"] <= 1
+    # The simulated engine's 8 slots queue calls: slot-seconds are not rollout-seconds.
+    assert any(r.metrics["auto/slot_wasted"] != r.metrics["auto/wasted"] for r in estimated)
     assert min(chosen) < 4, "a heavy tail makes auto cut below the batch"
     # Deterministic under the mock clock: the same run chooses alike.
     again, _ = drive(1, 24, max_lag=3, carry_over=carry_over, waste_budget=0.5)

@@ -123,6 +123,9 @@ class Sample:
     state: SampleState = SampleState.RUNNING
     result: Session | None = None
     backs: int | None = None  # a hedge's: the index of the original sample it backs up
+    # When its first call got an engine slot, as the engine said it (note_progress), once the
+    # core has heard: its slot-seconds count from there (None: from its submission).
+    slot: float | None = None
 
     @property
     def index(self) -> int:
@@ -136,7 +139,14 @@ class Sample:
     # reflection, which dominated the core's cost.
     def with_state(self, state: SampleState, result: Session | None = None) -> Sample:
         return Sample(
-            self.label, self.version, self.submitted, self.failures, state, result, self.backs
+            self.label,
+            self.version,
+            self.submitted,
+            self.failures,
+            state,
+            result,
+            self.backs,
+            self.slot,
         )
 
 
@@ -230,6 +240,10 @@ class State:
     # ended, thrown away and all: what the run's cuts, hedges, staleness and queueing really
     # cost, which the budget bounds.
     spent: tuple[float, float] = (0.0, 0.0)
+    # The same in slot-seconds, each submission from its start on an engine slot (its first
+    # call's, as the engine said it) to its end, its queueing left out; one whose engine never
+    # said counts from its submission (dew simulate's slot waste, as the core can know it).
+    slot_spent: tuple[float, float] = (0.0, 0.0)
 
 
 # Events: what happened. `time` is the scheduler's clock.
@@ -255,6 +269,8 @@ class HandedOver:
     # before this instant (note_progress), with that version: their lag counts from it, as a
     # finished rollout's does. A running rollout not named counts from its submission.
     started: tuple[tuple[Label, int], ...] = ()
+    # The same rollouts with when that call started: when each got an engine slot.
+    slots: tuple[tuple[Label, float], ...] = ()
 
 
 @attrs.frozen
@@ -262,6 +278,8 @@ class Finished:
     time: float
     label: Label
     session: Session
+    # When its first call got an engine slot, where its engine said so (note_progress).
+    slot: float | None = None
 
 
 @attrs.frozen
@@ -391,7 +409,7 @@ def run(state: State, events: Sequence[Event]) -> tuple[State, list[Command]]:
         if isinstance(event, HandedOver):
             work.hand_over(event)
         elif isinstance(event, Finished):
-            work.finish(event.label, event.session)
+            work.finish(event.label, event.session, event.slot)
         elif isinstance(event, TimedOut):
             work.time_out(event.label)
         elif isinstance(event, SourceFailed):
@@ -436,7 +454,7 @@ class _Step:
         self.held = list(state.held)
         self.seen, self.steps = state.seen, state.steps
         self.delivered_at, self.choice = state.delivered_at, state.choice
-        self.spent = state.spent
+        self.spent, self.slot_spent = state.spent, state.slot_spent
         self.groups = dict(state.groups)
         self.batches = dict(state.batches)
         self.unsettled = dict(state.unsettled)
@@ -462,6 +480,7 @@ class _Step:
             delivered_at=self.delivered_at,
             choice=self.choice,
             spent=self.spent,
+            slot_spent=self.slot_spent,
         )
 
     # --- bookkeeping -------------------------------------------------------------------------
@@ -530,7 +549,8 @@ class _Step:
     def account(self, sample: Sample, wasted: bool, ran: bool = True) -> None:
         """Under admit="auto": add a submission's seconds, from its submission to now (or, for
         a result discarded later, to its finish), to the run's spent and, thrown away, wasted
-        seconds; `ran` False for a finished one, whose seconds were counted at its finish."""
+        seconds; `ran` False for a finished one, whose seconds were counted at its finish. The
+        same from its start on a slot to the run's slot-seconds."""
         if not self.config.auto:
             return
         end = self.time
@@ -539,6 +559,10 @@ class _Step:
         seconds = max(0.0, end - sample.submitted)
         lost, total = self.spent
         self.spent = (lost + seconds * wasted, total + seconds * ran)
+        start = sample.submitted if sample.slot is None else max(sample.submitted, sample.slot)
+        seconds = max(0.0, end - start)
+        lost, total = self.slot_spent
+        self.slot_spent = (lost + seconds * wasted, total + seconds * ran)
 
     def end(self, group: Group, sample: Sample, reason: str) -> Group:
         """Stop a sample that is still in play: cancel it in flight or discard its result."""
@@ -565,6 +589,8 @@ class _Step:
         if event.pushed:
             self.log("pushed", version=event.served)
         started = dict(event.started)
+        if event.slots and self.config.auto:
+            self.note_slots(dict(event.slots))
         for group in list(self.groups.values()):
             if group.state in (GroupState.RUNNING, GroupState.COMPLETE):
                 self.sweep_stale(group, started)
@@ -649,6 +675,9 @@ class _Step:
             # In group-seconds, as the estimate's: a group holds `samples` slots.
             spent=(self.spent[0] / self.config.samples, self.spent[1] / self.config.samples),
         )
+        lost, total = self.slot_spent
+        if total > 0:
+            self.choice = attrs.evolve(self.choice, slot_wasted=lost / total)
         if not self.config.carry_over:
             self.cut(batch)
         elif self.choice.over_budget:
@@ -774,6 +803,15 @@ class _Step:
                 group = self.resubmit(group, sample, "stale")
                 group = self.put(group.with_state(GroupState.RUNNING))
 
+    def note_slots(self, slots: Mapping[Label, float]) -> None:
+        """Under admit="auto": note when running submissions got an engine slot, as their
+        engines said (`HandedOver.slots`), for their slot-seconds."""
+        for label, at in slots.items():
+            found = self.running(label)
+            if found is not None and found[1].slot is None:
+                group, sample = found
+                self.put_sample(group, attrs.evolve(sample, slot=at))
+
     def running(self, label: Label) -> tuple[Group, Sample] | None:
         """The group and sample of a submission still in flight, or None if it already ended."""
         group = self.groups.get(label.group)
@@ -784,11 +822,14 @@ class _Step:
             return None
         return group, sample
 
-    def finish(self, label: Label, session: Session) -> None:
+    def finish(self, label: Label, session: Session, slot: float | None = None) -> None:
         found = self.running(label)
         if found is None:
             return
         group, sample = found
+        if slot is not None and sample.slot is None and self.config.auto:
+            sample = attrs.evolve(sample, slot=slot)
+            group = self.put_sample(group, sample)
         cause = admissible_failure(session, self.config.truncation)
         if cause is not None:
             self.account(sample, True)

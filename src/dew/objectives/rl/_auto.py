@@ -63,6 +63,9 @@ class Choice:
     # The share of the run's rollout-seconds so far thrown away, measured: what the budget
     # weighed the call's estimate against (None before any submission has ended).
     wasted: float | None = None
+    # The same share in slot-seconds (each submission from its start on an engine slot), as
+    # dew simulate's slot waste counts it: what the engines, not their queues, gave away.
+    slot_wasted: float | None = None
     # No admit kept the run within its budget, so the call cuts nothing; under carry_over the
     # core then cancels carried groups beyond a batch's worth, `drained` of them.
     over_budget: bool = False
@@ -79,6 +82,7 @@ class Choice:
             "auto/step": self.step,
             "auto/observed": self.observed,
             "auto/wasted": self.wasted,
+            "auto/slot_wasted": self.slot_wasted,
             "auto/over_budget": self.over_budget,
             "auto/drained": self.drained,
         }

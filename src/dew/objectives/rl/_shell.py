@@ -994,7 +994,12 @@ class _Scheduler:
                 raise RuntimeError(CLOSED_WAITING)
         self._waiting = True
         self._post(
-            core.HandedOver(time=now, started=self._oldest_calls(now), **handover.event_fields)
+            core.HandedOver(
+                time=now,
+                started=self._oldest_calls(now),
+                slots=self._slot_starts(now),
+                **handover.event_fields,
+            )
         )
         if self.long_wait is not None:
             self._watch = trio.CancelScope()
@@ -1008,6 +1013,16 @@ class _Scheduler:
         is the same in every run and in its replay."""
         started = [
             (label, progress.oldest[1])
+            for label, progress in self._progress.items()
+            if progress.oldest is not None and progress.oldest[0] < now
+        ]
+        return tuple(sorted(started, key=lambda item: (item[0].group, item[0].sample)))
+
+    def _slot_starts(self, now: float) -> tuple[tuple[Label, float], ...]:
+        """The running rollouts whose oldest call started before `now`, with when it started:
+        their start on an engine slot (see `_oldest_calls`, whose rollouts these are)."""
+        started = [
+            (label, progress.oldest[0])
             for label, progress in self._progress.items()
             if progress.oldest is not None and progress.oldest[0] < now
         ]
@@ -1266,7 +1281,8 @@ class _Scheduler:
             except SessionError as error:
                 self._post(core.SourceFailed(now, label, error))
                 return
-            self._post(core.Finished(now, label, session))
+            oldest = self._progress[label].oldest
+            self._post(core.Finished(now, label, session, None if oldest is None else oldest[0]))
         finally:
             del self._scopes[label]
             del self._progress[label]

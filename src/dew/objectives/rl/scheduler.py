@@ -190,8 +190,10 @@ class RolloutScheduler:
             choice and its estimate: `auto/admit`, `auto/wait`, `auto/goodput` (groups per
             second), `auto/waste`, `auto/step`, `auto/observed` (the completed groups the
             estimate rests on), `auto/wasted` (the run's measured share thrown away so far),
-            `auto/over_budget` (1 where no admit kept within the budget) and `auto/drained`
-            (the carried groups that call cancelled); ten calls in a row over the budget log a
+            `auto/slot_wasted` (the same in slot-seconds: each submission from its start on an
+            engine slot, as the engine said it, its queueing left out), `auto/over_budget` (1
+            where no admit kept within the budget) and `auto/drained` (the carried groups that
+            call cancelled); ten calls in a row over the budget log a
             warning, once a streak, since what they still waste is the staleness window's
             rather than the cut's. A run under the mock clock, and its replay, choose alike.
         hedge: under carry_over, a carried group still running when the call two before its last
