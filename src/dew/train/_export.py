@@ -104,15 +104,15 @@ def export(
     to = own if to is None else _check_destination(Path(to), run, own)
     model = hf.model_of(folder, dtype=config.dtype)
     if adapter is not None:
-        adapted = lora.LoRAModel(model, adapter)
-        record, variables = _committed_params(run, jax.eval_shape(adapted.init, jax.random.key(0)))
+        # A LoRA run's checkpoints keep the adapter alone: the base is the folder's.
+        shapes = jax.eval_shape(lambda key: lora.init(key, model, adapter), jax.random.key(0))
+        record, stored = _committed_params(run, {"adapter": shapes})
         if merge:
-            merged = jax.jit(lora.merged, static_argnums=2)(
-                variables["base"], variables["adapter"], adapter
-            )
+            _, params = hf.load(folder, dtype=config.dtype)
+            merged = jax.jit(lora.merged, static_argnums=2)(params, stored["adapter"], adapter)
             hf.save(to, model, merged, tokenizer_from=folder)
         else:
-            lora.save_adapter(to, variables["adapter"], adapter, base_model=str(folder))
+            lora.save_adapter(to, stored["adapter"], adapter, base_model=str(folder))
         _mark(to, own, run, record)
         return to, int(record["updates"])
     template = jax.eval_shape(model.init, jax.random.key(0))

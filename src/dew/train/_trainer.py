@@ -192,6 +192,22 @@ def _check_finite(metrics: Mapping[str, Any], step: int) -> None:
         )
 
 
+def _stored(model: Any, variables: Variables) -> Variables:
+    """What a checkpoint keeps of `variables`: a LoRA model's adapter alone (its frozen base is
+    the checkpoint folder's, which a resumed run loads again), else all of them."""
+    if isinstance(model, LoRAModel):
+        return {"adapter": variables["adapter"]}
+    return variables
+
+
+def _restored(model: Any, variables: Variables, stored: Variables) -> Variables:
+    """The variables of a checkpoint's `stored` ones (`_stored`): a LoRA model's adapter
+    beside the base it was given, else `stored`."""
+    if isinstance(model, LoRAModel):
+        return {**variables, "adapter": stored["adapter"]}
+    return stored
+
+
 def _check_adapter_gradient(
     model: Any, metrics: Mapping[str, Any], packed: Batch, step: int
 ) -> None:
@@ -406,12 +422,16 @@ class Trainer:
         """
         if self.checkpoints is None:
             return None
-        checkpoint = load_checkpoint(self.checkpoints, self.variables, self.opt_state)
+        checkpoint = load_checkpoint(
+            self.checkpoints, _stored(self.objective.model, self.variables), self.opt_state
+        )
         if self.processes > 1:
             _same_checkpoint(checkpoint)
         if checkpoint is not None:
             check_log_lengths(self.directory, checkpoint.metadata, self._log_bytes)
-            self.variables, self.opt_state = checkpoint.variables, checkpoint.opt_state
+            model = self.objective.model
+            self.variables = _restored(model, self.variables, checkpoint.variables)
+            self.opt_state = checkpoint.opt_state
             self.updates, self.position = checkpoint.updates, checkpoint.position
             self.elapsed = float(checkpoint.metadata.get("elapsed", 0.0))
             self._logged_bytes = int(checkpoint.metadata.get("metrics_bytes", 0))
@@ -443,7 +463,11 @@ class Trainer:
         if callable(state):
             metadata["rollout"] = state()
         checkpoint = Checkpoint(
-            self.variables, self.opt_state, self.updates, self.position, metadata
+            _stored(self.objective.model, self.variables),
+            self.opt_state,
+            self.updates,
+            self.position,
+            metadata,
         )
         # Sharded arrays are written by every process, each its own shards (`save_checkpoint`).
         if not self._writes and not is_sharded(self.variables):
