@@ -39,9 +39,11 @@ def test_files_holding_slow_tests_are_collected_first_and_keep_their_order(pytes
             """
         ),
     )
+    # pytest-benchmark, where installed, warns in an xdist worker (the project's addopts too
+    # leave it out); the inner run inherits the outer one's warnings as errors.
     result = pytester.runpytest_inprocess(
-        "-p", "_slow_first", "-p", "no:cacheprovider", "-n", "0", "--collect-only", "-q",
-        "-W", "ignore::pytest.PytestUnknownMarkWarning",
+        "-p", "_slow_first", "-p", "no:cacheprovider", "-p", "no:benchmark", "-n", "0",
+        "--collect-only", "-q", "-W", "ignore::pytest.PytestUnknownMarkWarning",
     )  # fmt: skip
     collected = [line for line in result.outlines if "::" in line]
     assert collected == [
