@@ -195,11 +195,13 @@ def shared(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 def test_a_run_on_its_own_cpu_fits_no_contention(tmp_path):
     fitted = calibrate.calibrate([record_shared(tmp_path / "alone.trace", None)])
     assert fitted.contention == Contention()
 
 
+@pytest.mark.slow
 def test_the_fit_recovers_the_contention_of_a_recorded_run(shared):
     fitted = calibrate.calibrate([shared["ahead=1"]])
     assert fitted.contention.trainer == pytest.approx(TRUE.trainer, abs=0.25)
@@ -220,6 +222,7 @@ def predicted(fitted, setting, contention, measured):
     return float(np.mean([o.goodput for o in outcomes])), float(np.mean([o.idle for o in outcomes]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("target", "setting"),
     [
@@ -315,6 +318,7 @@ def write_run(folder, **fields):
     return folder
 
 
+@pytest.mark.slow
 def test_step_seconds_times_the_runs_own_step_at_the_rows_each_count_trains(tmp_path, monkeypatch):
     run = write_run(tmp_path / "run")
     built, steps = [], []
