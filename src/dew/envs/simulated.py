@@ -140,7 +140,8 @@ class ObservedRollout:
         return sum(self.seconds) + (self.failing or 0.0)
 
 
-@attrs.frozen
+# Its hash is kept: `_draft`, cached, hashes it at every call, and `observed` may be long.
+@attrs.frozen(cache_hash=True)
 class SimulatedConfig:
     """How simulated sessions are drawn.
 
