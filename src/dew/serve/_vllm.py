@@ -769,18 +769,25 @@ class VLLMEngine:
         if self._allowed is not None:
             sampling["allowed_token_ids"] = self._allowed
         stop_ids = [check_int("stop id", token, low=0) for token in stop]
+        server = self._pick()
+        # The version and, under LoRA, the newest adapter push of one moment: a push may land
+        # from another thread (`load`).
+        with self._lock:
+            submitted = self._version
+            pushes = max(self._adapters, default=0)
+            self._in_flight[pushes] += 1
         body = _body(
-            self.adapter if self._adapters else self.name,
+            self.adapter if pushes else self.name,
             ids,
             max_tokens=min(max_tokens, self.max_len - len(ids)),
             sampling=sampling,
             stop=stop_ids,
         )
-        server = self._pick()
-        submitted = self.version
         server.calls += 1
-        pushes = len(self._adapters) and max(self._adapters)
-        self._in_flight[pushes] += 1
+        # Its rollout's lag counts from this call while it runs, not from its submission: the
+        # version served now (vLLM's own queue hides when the call starts; a push while it
+        # queues only makes the lag counted larger, so nothing passes max_lag unseen).
+        note_progress(version=submitted)
         tokens: list[int] = []
         # What the call draws counts toward its rollout's length, even if it is cancelled.
         note_progress(calls=1, sampling=tokens)
@@ -793,7 +800,8 @@ class VLLMEngine:
             raise await self._lost(server, error) from None
         finally:
             server.calls -= 1
-            self._in_flight[pushes] -= 1
+            with self._lock:
+                self._in_flight[pushes] -= 1
             note_progress(len(tokens))
         label = _first_label(choice.get("weight_versions"))
         if label is not None and not label.isdigit():
@@ -989,8 +997,9 @@ class VLLMEngine:
         self._live_for(version)
         with self._lock:
             self._version = version
+            if self.lora:
+                self._adapters[index] = folder
         if self.lora:
-            self._adapters[index] = folder
             self._drop_adapters()
         else:
             previous, self._pushed = self._pushed, folder
@@ -1004,10 +1013,14 @@ class VLLMEngine:
         reads a call's adapter again from its folder at each step (see `_vllm_push`), so a
         folder removed under a call would fail it. A call submitted after push k holds push
         k's folder or a later one."""
-        held = [pushes for pushes, calls in self._in_flight.items() if calls]
-        oldest = min([max(self._adapters), *held])
-        for index in [index for index in self._adapters if index < oldest]:
-            shutil.rmtree(self._adapters.pop(index), ignore_errors=True)
+        with self._lock:
+            held = [pushes for pushes, calls in self._in_flight.items() if calls]
+            oldest = min([max(self._adapters), *held])
+            dropped = [
+                self._adapters.pop(index) for index in list(self._adapters) if index < oldest
+            ]
+        for folder in dropped:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _write(self, folder: Path, variables) -> None:
         """Write pushed params as the checkpoint folder the servers reload, a tied model's
