@@ -243,6 +243,9 @@ async def test_a_cancelled_call_says_how_many_tokens_it_drew(engine, params):
         tokens, calls = progress.length()
         assert calls == 1 and tokens >= 1
         assert progress.sampling is None  # no call samples for it any more
+        # The version the call started under, said as it started (issue 46 item 4): the
+        # scheduler counts the running rollout's lag from it, not from its submission.
+        assert progress.oldest is not None and progress.oldest[1] == 12
         return tokens
 
     # The tiny model draws its whole budget in a few hundred ms: on a loaded machine the pause
