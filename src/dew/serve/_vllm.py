@@ -788,10 +788,6 @@ class VLLMEngine:
         # version served now (vLLM's own queue hides when the call starts; a push while it
         # queues only makes the lag counted larger, so nothing passes max_lag unseen).
         note_progress(version=submitted)
-        # Its rollout's lag counts from this call while it runs, not from its submission: the
-        # version served now (vLLM's own queue hides when the call starts; a push while it
-        # queues only makes the lag counted larger, so nothing passes max_lag unseen).
-        note_progress(version=submitted)
         tokens: list[int] = []
         # What the call draws counts toward its rollout's length, even if it is cancelled.
         note_progress(calls=1, sampling=tokens)
