@@ -408,6 +408,7 @@ def assert_all_end(processes: list) -> None:
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
 
 
+@pytest.mark.slow
 def test_sigterm_stops_dew_train_in_order_and_ends_every_harness_process(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)

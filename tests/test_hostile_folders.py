@@ -237,6 +237,7 @@ def train_refusal(capsys, argv: list[str]) -> str:
     return line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lost", ["checkpoints/checkpoint.json", "checkpoints"])
 def test_resume_without_a_commit_record_refuses_a_folder_with_a_history(capsys, run, lost):
     """Item 2. Failed before: `--resume` of a run whose checkpoint.json (or checkpoints/) was
@@ -348,6 +349,7 @@ def test_resume_with_config_json_gone_and_no_config_in_its_checkpoint_is_one_lin
     assert files(run) == before
 
 
+@pytest.mark.slow
 def test_resume_after_the_model_folder_was_replaced_names_what_changed(capsys, base, tmp_path):
     """Item 13. Failed before: `--resume` of a `--model` run whose folder now holds another
     model ended in a traceback (a leaf of another shape)."""

@@ -430,6 +430,7 @@ def test_tune_is_deterministic_for_a_seed(rows):
     assert [r.goodput for r in other] != [r.goodput for r in again]
 
 
+@pytest.mark.slow
 def test_tune_in_processes_gives_the_same_rows(rows):
     grid = tune.Grid(ahead=(1,), oversample=(2,), sync_every=(1,))
     assert tune.tune(SMALL, grid, seeds=2, jobs=2) == [
