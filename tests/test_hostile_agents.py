@@ -168,6 +168,7 @@ PYDANTIC_AI_AGENT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("api", "mode"), [("chat", "run"), ("responses", "iter")])
 async def test_pydantic_ai_structured_output_and_its_retries_are_one_recorded_chain(api, mode):
     """Pins what no test did: Pydantic AI's tool-call structured output with both its retries
@@ -247,6 +248,7 @@ HANDOFF_AGENT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["run", "stream"])
 @pytest.mark.parametrize("api", ["chat", "responses"])
 async def test_an_agents_sdk_handoff_to_a_structured_agent_is_recorded_whole(api, mode):
