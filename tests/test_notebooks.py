@@ -47,10 +47,23 @@ def test_the_docs_list_every_notebook():
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_and_draws(path):
+@pytest.mark.parametrize(
+    "path",
+    # real_model.ipynb trains a real 135M-param model: its first update compiles for minutes on
+    # a loaded 2-core machine.
+    [
+        pytest.param(path, marks=pytest.mark.timeout(1800)) if path.stem == "real_model" else path
+        for path in NOTEBOOKS
+    ],
+    ids=lambda p: p.stem,
+)
+def test_notebook_runs_and_draws(path, monkeypatch):
+    # real_model.ipynb trains SmolLM2 for 30 steps as written: 2 here, on 4 held-out tasks.
+    monkeypatch.setenv("DEW_REAL_MODEL_STEPS", "2")
+    monkeypatch.setenv("DEW_REAL_MODEL_EVAL_TASKS", "4")
     notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(notebook, timeout=300, kernel_name="python3")
+    cell_seconds = 1500 if path.stem == "real_model" else 300
+    client = NotebookClient(notebook, timeout=cell_seconds, kernel_name="python3")
     client.execute(cwd=str(path.parent))
     outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
