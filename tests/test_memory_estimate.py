@@ -24,7 +24,10 @@ def test_a_model_too_large_for_the_machine_is_refused_before_its_folder(capsys, 
     argv = ["--d-model", "4096", "--layers", "8", "--d-ff", "16384", "--run", str(run)]
     line = refusal(capsys, "train", argv)
     assert line.startswith("the run would need about "), line
-    assert "of them weights and Adam" in line and "--d-model, --layers" in line
+    assert (
+        "of them weights and Adam" in line
+        and "lower --d-model or --layers, or take a smaller --model" in line
+    )
     assert f"this machine has {machine_memory() / GIB:.1f} GiB" in line
     assert not run.exists()
 

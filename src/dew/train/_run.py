@@ -363,7 +363,7 @@ def _check_memory(config: TrainConfig, tokenizer, processes: int) -> Estimate:
     if needed.total <= available:
         return needed
     parts = {
-        "weights and Adam": (needed.weights, "a smaller --model (or --lora), --d-model, --layers"),
+        "weights and Adam": (needed.weights, "--d-model or --layers, or take a smaller --model"),
         "the engine's cache": (needed.cache, "--batch-size, --groups, --ahead, --max-context"),
         "the step's activations": (
             needed.activations,
