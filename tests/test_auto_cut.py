@@ -161,6 +161,7 @@ def plays(draw):
     return config, size
 
 
+@pytest.mark.slow
 def test_exactly_once_holds_whatever_auto_chooses():
     seen = collections.Counter()
 

@@ -202,6 +202,7 @@ def plays(draw):
     return config, size
 
 
+@pytest.mark.slow
 def test_exactly_once_holds_for_carried_groups_whatever_happens():
     seen = collections.Counter()
 
@@ -403,6 +404,7 @@ def _slow_source(engine: SimulatedEngine) -> _SlowTask:
     return _SlowTask(SimulatedSource(engine, config), slow="1", seconds=60.0)
 
 
+@pytest.mark.slow
 async def test_a_group_stale_again_and_again_is_held_and_the_next_call_waits_to_train_it(
     tmp_path, autojump_clock
 ):

@@ -354,6 +354,7 @@ def test_step_seconds_names_what_it_cannot_time(tmp_path):
         step_seconds(meshed, [1])
 
 
+@pytest.mark.slow
 def test_dew_tune_times_the_recorded_runs_trainer(shared, tmp_path, capsys):
     run = write_run(tmp_path / "run")
     argv = ["tune", shared["ahead=1"].path, "--steps", "8", "--seeds", "1", "--ahead", "1"]

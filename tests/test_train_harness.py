@@ -20,6 +20,7 @@ def lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_dew_train_harness_trains_evaluates_records_checkpoints_and_resumes(tmp_path, capsys):
     run, trace = tmp_path / "run", tmp_path / "run.trace"
     argv = ["train", "--harness", "lookup", "--run", str(run), *TINY, "--eval-every", "2"]

@@ -76,6 +76,7 @@ def test_a_synchronous_step_has_no_engine_mismatch_and_a_lagged_one_has_stalenes
     assert stale and all(kl > 0 for kl in stale), stale
 
 
+@pytest.mark.slow
 def test_a_kl_run_keeps_the_initial_weights_as_its_reference_across_a_resume(tmp_path):
     run = tmp_path / "run"
     # The default model, whose first rollouts already differ in reward (a tiny one's all
@@ -95,6 +96,7 @@ def test_a_kl_run_keeps_the_initial_weights_as_its_reference_across_a_resume(tmp
     assert config.kl_coef == 0.05
 
 
+@pytest.mark.slow
 def test_a_run_taking_the_updates_own_proximal_trains_as_the_rescored_one(tmp_path):
     """Each batch trains one update at the weights it would be rescored under, so the loss's
     own log-probs are the proximal ones: the same steps, one forward pass less each."""

@@ -43,6 +43,7 @@ def _printed(folder: Path, *options: str) -> tuple[dict[str, str], list[str]]:
     return variables, words[len(variables) :]
 
 
+@pytest.mark.slow
 def test_print_command_is_what_start_runs(tmp_path):
     folder = tiny_qwen2(tmp_path / "tiny")
     variables, command = _printed(folder, "--port", "8123", "--max-model-len", "128")
@@ -58,6 +59,7 @@ def test_print_command_is_what_start_runs(tmp_path):
     assert _printed(folder)[1][command.index("--max-model-len") + 1] == "256"
 
 
+@pytest.mark.slow
 def test_print_command_with_a_lora_rank_serves_adapters_loaded_at_run_time(tmp_path):
     """`dew serve --lora-rank R`, the server `dew train --lora --engine-url` attaches to, runs
     with LoRA on for the smallest rank vLLM takes that holds R, and may load adapters while it
@@ -151,6 +153,7 @@ def _running_in_group(group: int) -> list[int]:
     return running
 
 
+@pytest.mark.slow
 def test_a_server_that_is_not_vllm_is_named_in_one_line(tmp_path):
     """Before, the error pasted the web server's 14-line HTML error page in."""
     port = free_port()
@@ -178,6 +181,7 @@ def test_a_server_that_is_not_vllm_is_named_in_one_line(tmp_path):
         web.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("config", "options", "culprit"),
     [
