@@ -813,6 +813,7 @@ def test_a_real_engine_run_replays_without_the_engine(tmp_path, strict_promotion
         assert replayed.arrays[PROXIMAL] != recorded.arrays[PROXIMAL]
 
 
+@pytest.mark.slow
 async def test_a_long_simulated_run_replays_bit_for_bit(autojump_clock, tmp_path):
     """200 steps with every way a submission can end, recorded then replayed exactly."""
     from dew.testing import assert_exactly_once, assert_replays, run_simulated

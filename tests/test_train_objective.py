@@ -62,6 +62,7 @@ def test_a_filtered_run_reports_its_uniform_groups_and_trains_on_none(tmp_path):
     assert replay.replay(trace).matched
 
 
+@pytest.mark.slow
 def test_a_synchronous_step_has_no_engine_mismatch_and_a_lagged_one_has_staleness(tmp_path):
     config = TrainConfig(steps=3, batch_size=2, groups=2, ahead=0, max_lag=0, **TINY)
     with jax.numpy_dtype_promotion("standard"):

@@ -43,6 +43,7 @@ def scalars(logdir) -> dict[str, dict[int, float]]:
     return found
 
 
+@pytest.mark.slow
 def test_a_reasoning_gym_task_trains_end_to_end_with_its_scorer(tmp_path):
     """With the user's own tokenizer (`--tokenizer tokenizer.json`, a small BPE trained here):
     it renders the prompts and decodes the replies, and the model is as wide as its
