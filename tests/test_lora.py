@@ -500,3 +500,43 @@ def test_a_resumed_lora_trainer_equals_the_uninterrupted_one(folders, tmp_path):
         assert {**want, "elapsed": 0, **_times(want)} == {**got, "elapsed": 0, **_times(want)}
     _assert_same(resumed.variables, straight.variables)
     _assert_same(resumed.opt_state, straight.opt_state)
+
+
+def test_the_lora_engine_serves_base_and_adapter_merged_once_as_the_lora_model_does(folders):
+    """`LoRAServer` (dew's engine in a LoRA run) merges each pushed adapter into the base once
+    instead of at every step, and draws what a `RolloutServer` of the `LoRAModel` draws: the
+    same tokens with the same log-probs, before and after a push of another adapter."""
+    import trio
+
+    from dew.serve import RolloutServer
+    from dew.serve._lora import LoRAServer, serving
+
+    base, params = hf.load(folders["qwen2"])
+    model = lora.LoRAModel(base, lora.LoRAConfig(rank=4, alpha=8))
+
+    def adapted(seed: int) -> dict:
+        variables = model.variables(params, jax.random.key(seed))
+        keys = iter(jax.random.split(jax.random.key(seed + 100), 64))
+        adapter = jax.tree.map(
+            lambda leaf: jax.random.normal(next(keys), leaf.shape, leaf.dtype) * 0.05,
+            variables["adapter"],
+        )
+        return {**variables, "adapter": adapter}
+
+    async def draw(server, pushed) -> list:
+        async with server:
+            calls = [await server.generate(_sequence(7)[:6], max_tokens=12, key=3)]
+            server.load(pushed, 1)
+            calls.append(await server.generate(_sequence(8)[:6], max_tokens=12, key=4))
+        return calls
+
+    assert serving(model) is LoRAServer and serving(base) is RolloutServer
+    first, second = adapted(0), adapted(1)
+    merged = trio.run(draw, LoRAServer(model, first, slots=2, max_len=32), second)
+    reference = trio.run(draw, RolloutServer(model, first, slots=2, max_len=32), second)
+    for ours, theirs in zip(merged, reference, strict=True):
+        np.testing.assert_array_equal(ours.completion, theirs.completion)
+        np.testing.assert_allclose(ours.logprobs, theirs.logprobs, rtol=0, atol=1e-5)
+    assert merged[1].version == 1
+    with pytest.raises(ValueError, match="tree layout of the LoRA model"):
+        LoRAServer(model, params, slots=2, max_len=32)

@@ -46,7 +46,7 @@ MAX_WEIGHTS = 2**31
 # Fields that change what a run logs, not what it trains: a resumed run may change them.
 _LOGGING = ("steps", "eval_every", "eval_samples", "samples", "tensorboard")
 # Where the vLLM servers run, not what they serve: a resumed run may use other servers.
-_LOGGING += ("engine_url", "engine_servers")
+_LOGGING += ("engine_url", "engine_servers", "engine_timeout")
 # Where the proximal log-probs come from, not their values (up to float rounding).
 _LOGGING += ("proximal",)
 # How many checkpoints stay, not what is trained.
@@ -448,11 +448,6 @@ class TrainConfig:
         "the KL penalty's per-token estimate, d = log ref - log policy: k3 (e^d - d - 1), "
         "k1 (-d), k2 (d^2 / 2) or abs (|d|)",
     )
-    aggregation: str = _option(
-        "token_mean",
-        _one_of(AGGREGATIONS),
-        "how the loss averages: token_mean, sequence_mean, or constant (Dr. GRPO)",
-    )
     ref_sync_every: int = _option(
         0,
         int_within(0, 10**9),
@@ -464,6 +459,11 @@ class TrainConfig:
         in_range(0, 100),
         "weight of an entropy bonus: each token's loss less entropy-coef x the policy's entropy "
         "there (0 = none)",
+    )
+    aggregation: str = _option(
+        "token_mean",
+        _one_of(AGGREGATIONS),
+        "how the loss averages: token_mean, sequence_mean, or constant (Dr. GRPO)",
     )
     importance_level: str = _option(
         "token",
@@ -627,6 +627,12 @@ class TrainConfig:
     )
     engine_servers: int = _option(
         1, int_within(1, 64), "with --engine vllm, how many vLLM servers to start"
+    )
+    engine_timeout: float = _option(
+        600.0,  # dew.serve._vllm.READ_TIMEOUT, which test_vllm_timeout.py holds it to
+        in_range(0, 86400, low_open=True),
+        "with --engine vllm, the seconds a server may send nothing while dew waits on it (a "
+        "call's first token, the next token, a push) before it is left out as dead",
     )
 
     mesh: str | None = _option(

@@ -25,6 +25,7 @@ from dew.envs.environment import Sampling
 from dew.models.hf import sharding
 from dew.objectives.rl.sessions import Label, Status
 from dew.serve import RolloutServer
+from dew.serve._lora import serving
 from dew.train._samples import sample_record
 
 EVALUATIONS = "eval.jsonl"
@@ -111,7 +112,7 @@ class Evaluation:
         self.seed = seed
         model = server.model
         # Placeholder weights: each evaluation loads the trainer's.
-        self.server = RolloutServer(
+        self.server = serving(model)(
             model,
             model.init(jax.random.key(0)),
             slots=slots,

@@ -26,7 +26,8 @@ from dew.models.hf import HFModel
 from dew.models.hf.lora import LoRAConfig, LoRAModel, frozen
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
-from dew.serve import RolloutServer, ServedSource
+from dew.serve import ServedSource
+from dew.serve._lora import serving
 from dew.serve.tokenizer import BYTES, Tokenizer
 from dew.train._trainer import Trainer
 
@@ -336,7 +337,7 @@ def fit(
         directory=run,
         on_step=on_step,
     )
-    server = RolloutServer(
+    server = serving(model)(
         model,
         trainer.variables,
         slots=batch_size * groups * (ahead + 1),

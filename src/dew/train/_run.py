@@ -29,7 +29,7 @@ from dew.models import hf
 from dew.models.hf import lora, sharding
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.parallel import ProcessRows, default_pool
-from dew.serve import RolloutServer
+from dew.serve._lora import serving
 from dew.train._checkpoint import COMMIT, _write_atomically, is_sharded
 from dew.train._config import TrainConfig, _check_task, _load_tokenizer, _mesh_sizes
 from dew.train._curves import write_curves
@@ -196,7 +196,7 @@ def _train(
         # exit.
         server = _vllm_engine(config, run, served, model, tokenizer, shape.max_len, trainer.updates)
     else:
-        server = RolloutServer(
+        server = serving(model)(
             model,
             sharding.local_view(trainer.variables),  # a pool's mesh: this process's whole params
             slots=slots,
@@ -501,6 +501,7 @@ def _vllm_engine(
             tokenizer=tokenizer,
             push_dir=work,
             version=version,
+            read_timeout=config.engine_timeout,
         )
         if engine.max_len < max_len:
             engine.close()
@@ -521,6 +522,7 @@ def _vllm_engine(
         tokenizer=tokenizer,
         version=version,
         work_dir=work,
+        read_timeout=config.engine_timeout,
     )
     print(f"vLLM ready in {time.monotonic() - began:.0f}s at {', '.join(engine.urls)}", flush=True)
     return engine
