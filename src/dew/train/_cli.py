@@ -223,7 +223,8 @@ def run_cli(args: argparse.Namespace) -> int:
         _check_task(config)
         _load_environment(config)
         _check_checkpoint_task(config, tokenizer)
-        _check_memory(config, tokenizer, args.processes or args.num_processes or 1)
+        if not joining:  # a pool's process checks it in train(), after jax.distributed starts
+            _check_memory(config, tokenizer, args.processes or 1)
         # A damaged checkpoint is refused here, before anything starts or is written.
         commit = read_commit(run / "checkpoints") if args.resume else None
     except ValueError as error:
