@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 from pathlib import Path
 
 import jax
 import pytest
+
+from dew.cli import main
 
 README = Path(__file__).parents[1] / "README.md"
 BLOCKS = re.findall(r"^```python\n(.*?)^```$", README.read_text(encoding="utf-8"), re.M | re.S)
@@ -28,3 +32,33 @@ def test_a_readme_block_runs(index, capsys):
     out, err = capsys.readouterr()
     assert out.strip(), f"README.md block {index} prints nothing"
     assert "running(attempt" not in err, err
+
+
+def real_model_command() -> list[str]:
+    """The README's "Train a real model" `dew train` command as argv (its lines joined)."""
+    text = README.read_text(encoding="utf-8").split("## Train a real model", 1)[1]
+    block = re.search(r"^```bash\n(.*?)^```$", text, re.M | re.S).group(1)
+    command = next(line for line in block.replace("\\\n", " ").splitlines() if "dew train" in line)
+    return shlex.split(command.split("#")[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # a real 135M-param model: minutes to compile on a loaded CPU
+def test_the_readme_trains_a_real_model_as_written_in_3_steps(tmp_path, capsys):
+    """The README's command, its steps cut to 3 and its held-out set to 4 tasks (an evaluation
+    before the first update and after the third): what a newcomer runs, shortened."""
+    argv = real_model_command()
+    assert argv[:4] == ["dew", "train", "--model", "smollm2"]
+    pairs = zip(argv, argv[1:], strict=False)
+    options = {option: value for option, value in pairs if option.startswith("--")}
+    assert int(options["--eval-tasks"]) >= 64 and "--run" in options
+    shortened = {"--steps": "3", "--eval-every": "3", "--eval-tasks": "4"}
+    argv = [shortened.get(argv[i - 1], arg) if i else arg for i, arg in enumerate(argv)]
+    run = tmp_path / "run"
+    argv[argv.index("--run") + 1] = str(run)
+    with jax.numpy_dtype_promotion("standard"):  # a reader's promotion, as above
+        assert main(argv[1:]) == 0
+    assert "held-out before training: greedy" in capsys.readouterr().out
+    evaluations = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["updates"] for e in evaluations] == [0, 3]
+    assert (run / "eval_samples.md").exists() and (run / "checkpoints" / "model").is_dir()
