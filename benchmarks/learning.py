@@ -15,7 +15,7 @@ scored the share of "No" items). The script prints each run's curve, then the ta
     python benchmarks/learning.py --tasks copy --seeds 0 1 2
     python benchmarks/learning.py --engine vllm            # rollouts on a vLLM server
     python benchmarks/learning.py --steps 40 --keep runs/  # longer, keeping the run folders
-    python benchmarks/learning.py --smoke                  # one step of one task, tiny
+    python benchmarks/learning.py --smoke                  # one step of a tiny random model
 
 The tasks (`TASKS`): reasoning-gym's `syllogism` (Yes or No, half of each: two classes) and
 `basic_arithmetic` of two one-digit terms (free numeric answers). The recipe (`RECIPE`) and what
@@ -151,19 +151,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="updates a run trains for")
     parser.add_argument("--eval-every", type=int, default=10, help="updates between evaluations")
     parser.add_argument("--keep", type=Path, help="keep the run folders here")
-    parser.add_argument("--smoke", action="store_true", help="one step of one task, tiny")
+    parser.add_argument("--model", default=RECIPE["model"], help="the checkpoint (smollm2)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="one step of one task, a tiny random checkpoint"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: one run's JSON spec
     args = parser.parse_args(argv)
     if args.one:
         run_one(json.loads(args.one))
         return 0
     recipe, tasks, steps, every = dict(RECIPE), args.tasks, args.steps, args.eval_every
-    if args.smoke:
-        # Every group of one step may score alike: kept, so the step trains something.
-        recipe |= {"batch_size": 1, "groups": 2, "eval_tasks": 2, "eval_samples": 1}
-        recipe["filter_uniform"] = False
-        tasks, steps, every = ["syllogism"], 1, 1
+    recipe["model"] = args.model
     root = args.keep or Path(tempfile.mkdtemp(prefix="dew-learning-"))
+    if args.smoke:
+        # The script's whole path in a minute: SmolLM2's own run is the README's, which a test
+        # runs. Every group of one step may score alike: kept, so the step trains something.
+        recipe |= {"batch_size": 1, "groups": 2, "eval_tasks": 2, "eval_samples": 1}
+        recipe |= {"filter_uniform": False, "model": str(_tiny_checkpoint(root / "tiny"))}
+        tasks, steps, every = ["syllogism"], 1, 1
     rows = []
     for name in tasks:
         for seed in args.seeds:
@@ -206,6 +211,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['peak_gib']:.2f} | {_spread(row)} |"
         )
     return 0
+
+
+def _tiny_checkpoint(folder: Path) -> Path:
+    """A random Qwen2 of width 64 with a chat template (the tests' maker), for --smoke."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from _hf_folders import chat_checkpoint
+
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+    shape |= {"num_attention_heads": 2, "num_key_value_heads": 1}
+    return chat_checkpoint(folder, shape | {"max_position_embeddings": 4096})
 
 
 def _spread(row: dict) -> str:

@@ -10,8 +10,8 @@ import sys
 BENCHMARKS = sorted((pathlib.Path(__file__).parent.parent / "benchmarks").glob("*.py"))
 
 # Those that start vLLM servers, a pool of processes or a device mesh, or train one model in JAX
-# and in torch, or a real pretrained model: minutes between them, so they have a test file of
-# their own, which xdist's file-by-file scheduling runs beside the rest.
+# and in torch, or several `dew train` processes: minutes between them, so they have a test file
+# of their own, which xdist's file-by-file scheduling runs beside the rest.
 HEAVY = {
     "checkpoints",
     "engines",
@@ -23,18 +23,13 @@ HEAVY = {
 }
 
 
-SLOW = {"learning": 1500}
-"""The seconds a smoke run may take where 300 are too few: `learning` trains a real 135M-param
-model, whose first update compiles for minutes on a loaded 2-core machine (353 s once)."""
-
-
 def run_smoke(script: pathlib.Path) -> None:
     """Run `script --smoke`: it exits 0 and prints at least one figure."""
     done = subprocess.run(
         [sys.executable, str(script), "--smoke"],
         capture_output=True,
         text=True,
-        timeout=SLOW.get(script.stem, 300),
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"\d+\.\d+", done.stdout), done.stdout

@@ -5,18 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from _benchmarks import BENCHMARKS, HEAVY, SLOW, run_smoke
+from _benchmarks import BENCHMARKS, HEAVY, run_smoke
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "script",
-    [
-        pytest.param(b, marks=pytest.mark.timeout(SLOW[b.stem] + 100)) if b.stem in SLOW else b
-        for b in BENCHMARKS
-        if b.stem in HEAVY
-    ],
-    ids=lambda p: p.stem,
-)
+@pytest.mark.parametrize("script", [b for b in BENCHMARKS if b.stem in HEAVY], ids=lambda p: p.stem)
 def test_benchmark_smoke_run_prints_figures(script):
     run_smoke(script)
