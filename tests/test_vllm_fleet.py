@@ -1,9 +1,11 @@
 """A fleet of real vLLM servers (its CPU build) outlives a server that dies or stops answering.
 
-One engine of two servers of a tied tiny checkpoint, shared by the module, with a read timeout of
-a few seconds. The first test kills a server behind the engine's back and pushes: the push goes
-on with the other. The second stops (SIGSTOP) the server left mid-call: the read timeout cuts it
-off instead of waiting for ever, and with no server left the engine says so.
+One engine of three servers of a tied tiny checkpoint, shared by the module, with a read timeout
+of a few seconds. The first test kills a server in the middle of a push (after the pause, as its
+reload is asked for): the push lands on the others. The second kills a server behind the
+engine's back and pushes: the push goes on with the one left. The third stops (SIGSTOP) the
+server left mid-call: the read timeout cuts it off instead of waiting for ever, and with no
+server left the engine says so.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def folders(tmp_path_factory):
 def engine(folders, tmp_path_factory):
     with VLLMEngine.start(
         folders[0],
-        servers=2,
+        servers=3,
         max_model_len=128,
         work_dir=tmp_path_factory.mktemp("engine"),
         read_timeout=READ_TIMEOUT,
@@ -48,22 +50,49 @@ def engine(folders, tmp_path_factory):
 
 
 @pytest.mark.slow
-async def test_a_server_killed_before_a_push_is_left_out_and_the_push_lands_on_the_other(
-    engine, folders, caplog
+async def test_a_server_killed_mid_push_is_left_out_and_the_push_lands_on_the_others(
+    engine, folders, caplog, monkeypatch
 ):
-    """Before, the push failed at the dead server's /pause and stopped the run."""
+    """The third server dies once it is paused, as the push asks it to reload: its reload
+    fails, it is left out in one line, and the two others serve the pushed weights under the
+    pushed version (a push that failed there would have stopped the run)."""
     params = hf.load(folders[1])[1]
-    survivor, victim = engine.processes
-    victim.kill()  # its whole process group, as a crash: nothing the engine sees
+    victim = engine.processes[2]
+    post = engine._post_async
+
+    async def dying(client, server, path, **options):
+        if path == "/collective_rpc" and server.url == victim.url:
+            victim.kill()  # its whole process group, as a crash in the middle of the push
+        return await post(client, server, path, **options)
+
+    monkeypatch.setattr(engine, "_post_async", dying)
     with caplog.at_level(logging.WARNING, logger="dew.serve._vllm"):
         await engine.load_async(params, 1)
     assert engine.version == 1
     left_out = [r.getMessage() for r in caplog.records if "is left out" in r.getMessage()]
+    assert len(left_out) == 1 and victim.url in left_out[0] and "(2 left)" in left_out[0]
+    async with engine:
+        calls = [await engine.generate(PROMPT, max_tokens=4, key=key) for key in range(6)]
+    assert {call.version for call in calls} == {1}
+
+
+@pytest.mark.slow
+async def test_a_server_killed_before_a_push_is_left_out_and_the_push_lands_on_the_other(
+    engine, folders, caplog
+):
+    """Before, the push failed at the dead server's /pause and stopped the run."""
+    params = hf.load(folders[0])[1]
+    survivor, victim = engine.processes[:2]
+    victim.kill()  # its whole process group, as a crash: nothing the engine sees
+    with caplog.at_level(logging.WARNING, logger="dew.serve._vllm"):
+        await engine.load_async(params, 2)
+    assert engine.version == 2
+    left_out = [r.getMessage() for r in caplog.records if "is left out" in r.getMessage()]
     assert len(left_out) == 1 and victim.url in left_out[0] and "(1 left)" in left_out[0]
     async with engine:
         calls = [await engine.generate(PROMPT, max_tokens=4, key=key) for key in range(4)]
-    assert {call.version for call in calls} == {1}
-    assert engine.calls == (0, 0) and survivor.exit_code() is None
+    assert {call.version for call in calls} == {2}
+    assert engine.calls == (0, 0, 0) and survivor.exit_code() is None
 
 
 @pytest.mark.slow
