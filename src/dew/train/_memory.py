@@ -116,7 +116,15 @@ def estimate(
         remat: whether the model recomputes each layer in the backward pass.
         reference: whether a KL term keeps the initial weights.
     """
-    params = _bytes(jax.eval_shape(model.init, jax.random.key(0)))
+    variables = jax.eval_shape(model.init, jax.random.key(0))
+    params = _bytes(variables)
+    if isinstance(variables, dict) and variables.keys() == {"adapter", "base"}:  # a LoRA model
+        # Adam and the engine hold the adapter alone, the engine the base merged with it; the
+        # gradient (zeros for the frozen base) and the reference are of every variable.
+        adapter = _bytes(variables["adapter"])
+        weights = params * (3 if reference else 2) + adapter * 2 + (params - adapter)
+    else:
+        weights = params * (6 if reference else 5)
     cache = _bytes(jax.eval_shape(lambda: model.init_cache(slots=slots, max_len=max_len)))
     layers, heads, d_model, d_ff = _dimensions(model)
     chunk = min(rows, max(1, ATTENTION_CELLS // width**2))
@@ -127,7 +135,7 @@ def estimate(
     logits = 3 * LOGIT_CELLS * 4  # a chunk's logits, their softmax and gradient
     hidden = 2 * rows * width * d_model * 4
     return Estimate(
-        weights=params * (6 if reference else 5),
+        weights=weights,
         cache=cache,
         activations=chunk * kept + hidden + min(logits, 3 * rows * width * model.vocab * 4),
         batches=(ahead + 2) * rows * width * _BATCH_ARRAYS * 4,

@@ -338,6 +338,8 @@ def memory_estimate(config: TrainConfig, tokenizer, processes: int = 1) -> Estim
         model = models.model(model_config, remat=config.remat)
     else:
         model = hf.model_of(config.model, dtype=config.dtype)
+        if config.lora:
+            model = lora.LoRAModel(model, config.lora_config())
     return estimate(
         model,
         rows=shape.rows(rollouts),
