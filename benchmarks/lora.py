@@ -11,6 +11,7 @@ adapter and optimizer state held.
     python benchmarks/lora.py                                # a small checkpoint, 3 steps
     python benchmarks/lora.py --hidden 896 --layers 24 --intermediate 4864 --heads 14 \\
         --kv-heads 2                                         # Qwen2-0.5B's shape
+    python benchmarks/lora.py --smoke                        # a tiny checkpoint, 2 steps
 """
 
 from __future__ import annotations
@@ -99,7 +100,11 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--smoke", action="store_true", help="a tiny checkpoint, 2 steps")
     args = parser.parse_args()
+    if args.smoke:
+        args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads = 64, 1, 128, 2, 1
+        args.steps, args.rank = 2, 2
     shape = {
         "hidden_size": args.hidden,
         "intermediate_size": args.intermediate,

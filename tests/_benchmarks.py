@@ -17,6 +17,7 @@ HEAVY = {
     "engines",
     "gpu",
     "learning",
+    "lora",
     "parallel",
     "sharded_checkpoints",
     "train_step_torch",

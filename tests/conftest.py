@@ -27,6 +27,7 @@ lone server was ready in 42 s without it against 50 s with it (two runs each, id
 drawing the same tokens with the same log-probs to the last bit (a gather and a log-softmax).
 """
 
+import gc
 import os
 import shutil
 import signal
@@ -80,6 +81,17 @@ def xla_optimizations(monkeypatch):
     jax.config.update("jax_disable_most_optimizations", False)
     yield added
     jax.config.update("jax_disable_most_optimizations", disabled)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_programs_freed():
+    """Each test file's compiled programs are dropped after it (`jax.clear_caches`): a worker
+    runs dozens of files, and kept, their executables and what they hold grew one worker of a
+    two-worker suite run to 12 GB of a 24 GB machine, which then swapped. A later file that
+    compiles the same program loads it from the persistent cache above."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)

@@ -507,6 +507,7 @@ def test_the_public_surface_keeps_its_signatures():
         "chat_template",
         "EngineStats",
         "RolloutServer",
+        "Sampling",  # an engine's setting, from dew.serve._sampling (dew.envs re-exports it)
         "ServedSource",
         "sample",
         "tokenizer",

@@ -65,8 +65,8 @@ def test_a_bad_environment_is_refused_in_one_line(tmp_path, capsys, argv, culpri
 @pytest.mark.parametrize(
     ("task", "kind"),
     [
-        (["--env", "verifiers:_vf_copy,digits=3"], "verifiers"),
-        (["--harness", "lookup"], "harness"),
+        (["--env", "verifiers:_vf_copy,digits=3", "--max-tokens", "4"], "verifiers"),
+        (["--harness", "lookup"], "harness"),  # its turns size their own replies
     ],
 )
 def test_the_runs_tokenizer_and_evaluations_reach_a_gateway_run(tmp_path, task, kind):
@@ -77,7 +77,7 @@ def test_the_runs_tokenizer_and_evaluations_reach_a_gateway_run(tmp_path, task, 
     tokenizer = HuggingFaceTokenizer.from_file(path)
     run = tmp_path / "run"
     argv = ["train", *task, "--run", str(run), *TINY, "--tokenizer", str(path), "--steps", "1"]
-    argv += ["--max-tokens", "4", "--eval-every", "1", "--eval-tasks", "2", "--samples", "2"]
+    argv += ["--eval-every", "1", "--eval-tasks", "2", "--samples", "2"]
     with jax.numpy_dtype_promotion("standard"):
         assert main(argv) == 0
     if kind == "verifiers":
