@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import jax
+import numpy as np
 import pytest
 
 from _checkpoint import tiny_qwen2
@@ -205,3 +206,45 @@ def test_a_bad_checkpoint_or_option_is_refused_in_one_line(tmp_path, config, opt
     first, hint = done.stderr.splitlines()
     assert first.startswith("dew serve: error: ") and culprit in first, first
     assert hint == "(see `dew serve --help`)"
+
+
+@pytest.mark.slow
+async def test_the_docs_command_starts_a_server_dew_attaches_to(tmp_path):
+    """docs/vllm.md's hand-written command, run by a shell as written but for the reader's own
+    parts (its checkpoint folder, the installation's folders, a free port): dew attaches to the
+    server it starts and draws a call from it."""
+    import dew
+
+    text = DOCS.read_text()
+    block = text.split("prints the server's environment and command line", 1)[1]
+    block = block.split("```console", 1)[1].split("```", 1)[0]
+    folder = tiny_qwen2(tmp_path / "qwen2-0.5b", max_len=2048)
+    port = free_port()
+    site = str(Path(dew.__file__).resolve().parents[1])
+    command = block.replace("SITE-PACKAGES", site).replace("checkpoints/qwen2-0.5b", str(folder))
+    command = command.replace("--port 8000", f"--port {port}").replace(
+        "python -m", f"{sys.executable} -m"
+    )
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        ["bash", "-c", command], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the docs' server was not ready in 600 s"
+            time.sleep(1)
+        engine = VLLMEngine.attach([url], checkpoint=folder, push_dir=tmp_path / "push")
+        async with engine:
+            call = await engine.generate(np.arange(6, dtype=np.int32), max_tokens=4, key=0)
+        assert len(call.completion) == 4
+        engine.close()
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        log.close()
