@@ -34,6 +34,8 @@ MAX_LEN = 512
 PROMPT = np.array([0, 1, 17, 42, 99, 7], np.int32)
 # The server's KV cache blocks hold 128 tokens on a CPU: prompts longer than that share blocks.
 BLOCK = 128
+# The call in flight through a push: it must still be drawing when a call after the push joins.
+OLD_TOKENS = 240
 # What a push of float32 weights must land within: float32 rounding of the two forward passes.
 ATOL = 1e-5
 
@@ -204,7 +206,9 @@ async def test_a_call_in_flight_through_an_adapter_push_keeps_the_version_that_d
                     await trio.sleep(0.01)
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(call, "old", 60, 5)
+            # Long enough that the new call joins its batch before it ends, even on a machine
+            # under load (60 tokens were not, once: the switch fell after its last token).
+            nursery.start_soon(call, "old", OLD_TOKENS, 5)
             await drawn("old", 5)
             await engine.load_async(adapters[1], 21)
             await drawn("old", progress["old"].length()[0] + 5)  # after the swap, alone
@@ -212,7 +216,7 @@ async def test_a_call_in_flight_through_an_adapter_push_keeps_the_version_that_d
             nursery.start_soon(call, "new", 10, 6)
     old, new = results["old"], results["new"]
     assert (old.version, new.version) == (20, 21)
-    assert len(old.completion) == 60
+    assert len(old.completion) == OLD_TOKENS
     np.testing.assert_allclose(new.logprobs, peft_logprobs(adapters[1], new), rtol=0, atol=ATOL)
     # The old adapter drew it up to some token after the new call came, the new one the rest.
     under_old = np.abs(old.logprobs - peft_logprobs(adapters[0], old)) <= ATOL
