@@ -28,6 +28,8 @@ import pytest
 import trio
 
 import dew.objectives.rl._shell as shell
+import dew.objectives.rl._shell_trainer as shell_trainer
+import dew.objectives.rl._shell_trio as shell_trio
 import dew.objectives.rl.scheduler as scheduler_module
 from _scripted import OBJECTIVE, PARAMS, ROWS, WIDTH, Engine, Plan, Scripted, dataset
 from dew import models
@@ -63,7 +65,9 @@ def make_scheduler(**kwargs) -> tuple[RolloutScheduler, Scripted]:
 
 # Item 5: close() racing a trainer call -------------------------------------------------------
 
-SCHEDULER_FILES = {shell.__file__, scheduler_module.__file__}
+SCHEDULER_FILES = {
+    module.__file__ for module in (shell, shell_trainer, shell_trio, scheduler_module)
+}
 
 
 class CloseAt:
@@ -125,7 +129,7 @@ def _holding_the_lifecycle_lock(sched: RolloutScheduler, frame) -> bool:
     if not hasattr(sched._inner, "_life"):
         return False
     while frame is not None:
-        if frame.f_code.co_filename == shell.__file__ and frame.f_code.co_name in (
+        if frame.f_code.co_filename == shell_trio.__file__ and frame.f_code.co_name in (
             "_start_thread",
             "close",
         ):

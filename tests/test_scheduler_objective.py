@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from _scripted import CONFIG, OBJECTIVE, PARAMS, ROWS, WIDTH, Engine, Plan, Scripted, dataset
 from dew import models
-from dew.objectives.rl._shell import selection_bias
+from dew.objectives.rl._shell_trainer import selection_bias
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Call, Session, Status, note_progress
