@@ -77,9 +77,11 @@ def straggler(
     carry_over: bool = False,
     calls_left: int = 0,
     spent: tuple[float, float] = (0.0, 0.0),
+    slot_spent: tuple[float, float] | None = None,
 ) -> _auto.Choice:
     """Seven of eight groups complete; the eighth has run 50 s where every group seen took 1 to
-    20 s, or 60 (one in twenty); the run has thrown away `spent`[0] of its `spent`[1] s."""
+    20 s, or 60 (one in twenty); the run has thrown away `spent`[0] of its `spent`[1] s, and of
+    its slot-seconds `slot_spent` (by default the same: no submission queued)."""
     seen = [(float(d), True) for d in range(1, 20)] + [(60.0, True)]
     return _auto.choose(
         size=8,
@@ -92,6 +94,7 @@ def straggler(
         budget=budget,
         carry_over=carry_over,
         spent=spent,
+        slot_spent=spent if slot_spent is None else slot_spent,
     )
 
 
@@ -131,6 +134,26 @@ def test_the_run_s_budget_is_spent_over_its_calls():
     # Earlier calls that cut nothing leave room for it.
     later = straggler(budget=0.2, spent=(0.0, 1000.0))
     assert later.admit == 7
+
+
+def test_the_budget_is_held_in_slot_seconds_not_from_submission():
+    """The run's waste is weighed in slot-seconds: a rollout's seconds queued for a slot are
+    neither work thrown away nor work kept. 30 % of the rollout-seconds thrown away, but the
+    rollouts cancelled had queued most of theirs (10 % of the slot-seconds): the straggler is
+    cut. The other way round (the admitted ones had queued), no cut fits."""
+    queued = straggler(budget=0.2, spent=(300.0, 1000.0), slot_spent=(50.0, 500.0))
+    assert (queued.admit, queued.over_budget) == (7, False)
+    assert (queued.wasted, queued.slot_wasted) == (0.3, 0.1)
+    kept_queued = straggler(budget=0.2, spent=(100.0, 1000.0), slot_spent=(100.0, 400.0))
+    assert (kept_queued.admit, kept_queued.over_budget) == (8, True)
+    assert (kept_queued.wasted, kept_queued.slot_wasted) == (0.1, 0.25)
+    # The call's own estimate counts from submission, as the durations seen do: it is weighed
+    # at the run's share of seconds on a slot. Half of them: the cut's 50 s lost beside 7
+    # groups' 94.5 s kept weigh as 25 and 47.25 slot-seconds, within 0.04 over 800.
+    mean = (sum(range(1, 20)) + 60) / 20
+    assert 50 / (50 + 7 * mean + 800) > 0.04 > 25 / (25 + 3.5 * mean + 800)
+    assert straggler(budget=0.04, spent=(0.0, 1600.0), slot_spent=(0.0, 800.0)).admit == 7
+    assert straggler(budget=0.04, spent=(0.0, 800.0), slot_spent=(0.0, 800.0)).admit == 8
 
 
 # --- the core with auto: exactly-once under any play -------------------------------------------
@@ -315,15 +338,19 @@ def _scheduler(engine, seed: int, **options) -> RolloutScheduler:
     return scheduler
 
 
-def drive(seed: int, calls: int, **options):
+def drive(seed: int, calls: int, slots: int = 8, **options):
+    """Run `calls` trainer calls a second apart under the mock clock, on an engine of `slots`:
+    each call's record and the run's events."""
+
     async def run():
-        engine = SimulatedEngine(slots=8)
+        engine = SimulatedEngine(slots=slots)
         scheduler = _scheduler(engine, seed, **options)
         records, events = [], []
-        dataset = ArrayDataset({"task_id": np.arange((calls + 2) * 4)}, batch_size=4)
+        ahead = options.get("ahead", 1)
+        dataset = ArrayDataset({"task_id": np.arange((calls + ahead + 1) * 4)}, batch_size=4)
         async with scheduler:
             stream = scheduler.tasks(dataset).stream(0)
-            pending = collections.deque([next(stream), next(stream)])
+            pending = collections.deque(next(stream) for _ in range(ahead + 1))
             for updates in range(calls):
                 await scheduler.step(pending.popleft(), None, updates)
                 records.append(scheduler.last_record)
@@ -360,6 +387,18 @@ def test_each_record_carries_the_cut_auto_chose_and_its_estimate(carry_over):
     # Deterministic under the mock clock: the same run chooses alike.
     again, _ = drive(1, 24, max_lag=3, carry_over=carry_over, waste_budget=0.5)
     assert [r.metrics for r in again] == [r.metrics for r in records]
+
+
+def test_a_run_on_a_queueing_engine_holds_its_budget_in_slot_seconds():
+    """Two slots for two batches ahead of 8 rollouts: rollouts queue for seconds, and the
+    admitted ones, submitted ahead, queue most. Counted from submission their queueing weighs
+    as work kept, and a run held to its budget so counted spent 23.4 % of its slot-seconds on
+    work thrown away against a 0.2 budget; weighed in slot-seconds it holds the budget."""
+    records, events = drive(1, 40, slots=2, ahead=2, max_lag=4, carry_over=True, waste_budget=0.2)
+    assert assert_exactly_once(events) == frozenset()
+    last = records[-1].metrics
+    assert last["auto/wasted"] < last["auto/slot_wasted"] - 0.02  # the counts differ here
+    assert last["auto/slot_wasted"] <= 0.2 + 0.01
 
 
 def test_a_run_past_its_budget_drains_carried_groups_beyond_a_batch():
@@ -399,7 +438,7 @@ def test_a_run_that_cannot_hold_its_budget_says_so_once_a_streak(caplog):
     # One warning for each streak of ten, at its tenth call.
     starts = [i for i in streaks if i == 9 or not all(over[i - 10 : i + 1])]
     assert len(warned) == len(starts) >= 1
-    wasted = records[starts[0]].metrics["auto/wasted"]
+    wasted = records[starts[0]].metrics["auto/slot_wasted"]  # the budget's measure
     assert f"10 calls in a row, through updates {starts[0]}," in warned[0]
     assert "waste_budget 0.02" in warned[0] and f"{100 * wasted:.1f}% of its" in warned[0]
     assert "raise max_lag or waste_budget" in warned[0]

@@ -601,7 +601,8 @@ def tune_rows(capsys, argv) -> tuple[dict[str, list[str]], str]:
 
 
 def wasted(figures: list[str]) -> float:
-    """The wasted share of a row's figures, the third from the end."""
+    """The slot waste of a row's figures, the third from the end: the share auto's budget
+    holds."""
     return float(figures[-3].rstrip("%")) / 100
 
 

@@ -275,9 +275,10 @@ class TrainConfig:
             cancelled. None (or "none") trains every task's group. In a pool each process admits its
             share, so it must split evenly over the processes. "auto" chooses each step's
             from the run's own durations, within `waste_budget` (`RolloutScheduler`).
-        waste_budget: under admit "auto", the most of the run's rollout-seconds it may throw
-            away (measured from the run's own events: cancelled, stale, failed, unneeded hedges);
-            with carry_over, a step past it cancels the carried groups beyond a batch's worth.
+        waste_budget: under admit "auto", the most of the run's slot-seconds it may throw
+            away (measured from the run's own events: cancelled, stale, failed, unneeded hedges,
+            each from its start on an engine slot); with carry_over, a step past it cancels the
+            carried groups beyond a batch's worth.
         filter_uniform: discard a group whose rollouts all scored alike (it trains nothing)
             and, with `admit`, admit a later group in its place (`RolloutScheduler`).
         carry_over: with `admit`, the groups a batch's cut leaves out keep running and train at
@@ -412,7 +413,7 @@ class TrainConfig:
     waste_budget: float = _option(
         _WASTE_BUDGET,
         in_range(0, 1, high_open=True),
-        "with --admit auto, the most of the run's rollout-seconds it may throw away (with "
+        "with --admit auto, the most of the run's slot-seconds it may throw away (with "
         "--carry-over, a step past it cancels the carried groups beyond a batch's worth)",
     )
     filter_uniform: bool = _option(

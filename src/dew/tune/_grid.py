@@ -70,7 +70,7 @@ class Grid:
         hedge: whether a carry-over setting backs up its carried groups' stragglers with fresh
             samples (`RolloutScheduler`'s hedge; False is `dew train --no-hedge`); crossed with
             the carry-over settings only, since only they carry.
-        waste_budget: under admit="auto", the most of the run's rollout-seconds its cuts may
+        waste_budget: under admit="auto", the most of the run's slot-seconds its cuts may
             throw away (`RolloutScheduler`'s waste_budget, `dew train --waste-budget`); crossed
             with the "auto" settings only, which alone have a budget. Each is within [0, 1).
 

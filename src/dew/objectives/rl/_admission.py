@@ -237,12 +237,12 @@ class State:
     delivered_at: float | None = None
     choice: Choice | None = None
     # Under admit="auto": the rollout-seconds (submission to end) of the submissions that
-    # ended, thrown away and all: what the run's cuts, hedges, staleness and queueing really
-    # cost, which the budget bounds.
+    # ended, thrown away and all: what the run's cuts, hedges, staleness and queueing cost.
     spent: tuple[float, float] = (0.0, 0.0)
     # The same in slot-seconds, each submission from its start on an engine slot (its first
     # call's, as the engine said it) to its end, its queueing left out; one whose engine never
     # said counts from its submission (dew simulate's slot waste, as the core can know it).
+    # The budget bounds this one: what the engines, not their queues, gave to work thrown away.
     slot_spent: tuple[float, float] = (0.0, 0.0)
 
 
@@ -674,10 +674,11 @@ class _Step:
             carry_over=self.config.carry_over,
             # In group-seconds, as the estimate's: a group holds `samples` slots.
             spent=(self.spent[0] / self.config.samples, self.spent[1] / self.config.samples),
+            slot_spent=(
+                self.slot_spent[0] / self.config.samples,
+                self.slot_spent[1] / self.config.samples,
+            ),
         )
-        lost, total = self.slot_spent
-        if total > 0:
-            self.choice = attrs.evolve(self.choice, slot_wasted=lost / total)
         if not self.config.carry_over:
             self.cut(batch)
         elif self.choice.over_budget:

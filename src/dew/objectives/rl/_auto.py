@@ -9,7 +9,9 @@ counts as censored at its age rather than being dropped, which would favour shor
 how long the trainer's steps take. `choose` returns the cut that maximises the call's estimated
 goodput (groups delivered per second of the trainer's step and wait) among those whose
 estimated waste stays within the budget; the `Choice` names the estimate, so each record says
-why its call cut where it did.
+why its call cut where it did. The budget is held in slot-seconds (each submission from its
+start on an engine slot), what the engines gave to work thrown away: counted from submission,
+a queued rollout's wait would weigh as work, admitted or not.
 
 Everything here is a pure function of numbers the core holds (times on the scheduler's clock),
 so a run under the mock clock, and its replay, choose alike.
@@ -60,11 +62,12 @@ class Choice:
     # The call's estimated group-seconds lost and delivered, weighed with the run's measured.
     lost: float = 0.0
     kept: float = 0.0
-    # The share of the run's rollout-seconds so far thrown away, measured: what the budget
-    # weighed the call's estimate against (None before any submission has ended).
+    # The share of the run's rollout-seconds so far thrown away, measured (None before any
+    # submission has ended).
     wasted: float | None = None
     # The same share in slot-seconds (each submission from its start on an engine slot), as
-    # dew simulate's slot waste counts it: what the engines, not their queues, gave away.
+    # dew simulate's slot waste counts it: what the engines, not their queues, gave away, and
+    # what the budget weighed the call's estimate against.
     slot_wasted: float | None = None
     # No admit kept the run within its budget, so the call cuts nothing; under carry_over the
     # core then cancels carried groups beyond a batch's worth, `drained` of them.
@@ -138,6 +141,7 @@ def choose(
     budget: float,
     carry_over: bool,
     spent: tuple[float, float] = (0.0, 0.0),
+    slot_spent: tuple[float, float] = (0.0, 0.0),
 ) -> Choice:
     """The call's cut: the admit in 1..size of highest estimated goodput within the waste budget.
 
@@ -157,13 +161,21 @@ def choose(
             of passing the bound) or are cancelled (their waste is what they ran).
         spent: the group-seconds the run's ended submissions threw away, and all they ran,
             measured (the core's own record: each one's seconds from submission to its end).
+        slot_spent: the same in slot-seconds, each from its start on an engine slot (from its
+            submission where the engine never said): the budget's measure. The estimate's
+            group-seconds, which count from submission as `seen` does, are weighed in it at
+            the run's measured share of a submission's seconds spent on a slot.
     """
     wasted = spent[0] / spent[1] if spent[1] > 0 else None
+    slot_wasted = slot_spent[0] / slot_spent[1] if slot_spent[1] > 0 else None
+    on_slot = min(1.0, slot_spent[1] / spent[1]) if spent[1] > 0 else 1.0
     completed = [d for d, done in seen if done]
     if len(completed) < size or not steps:
         # Nothing to estimate from yet: under carry_over a cut costs no work, so the first
         # calls take half the batch rather than wait on its slowest group; else none is cut.
-        return Choice(admit=-(-size // 2) if carry_over else size, wasted=wasted)
+        return Choice(
+            admit=-(-size // 2) if carry_over else size, wasted=wasted, slot_wasted=slot_wasted
+        )
     times, s = survival([d for d, _ in seen], [done for _, done in seen])
     step = float(np.median(steps))
     mean = float(np.mean(completed))
@@ -215,15 +227,29 @@ def choose(
             carry_over,
             admit == size and not carry_over,
         )
-        if spent[0] + lost > budget * (spent[1] + lost + kept) + 1e-9:
+        lost_slot, kept_slot = lost * on_slot, kept * on_slot
+        if slot_spent[0] + lost_slot > budget * (slot_spent[1] + lost_slot + kept_slot) + 1e-9:
             continue
         # Ties go to the larger admit: the same goodput with less cut.
         if best is None or goodput >= best.goodput:
             waste = lost / (lost + kept) if lost + kept > 0 else 0.0
-            best = Choice(admit, wait, goodput, waste, step, len(completed), lost, kept, wasted)
+            best = Choice(
+                admit, wait, goodput, waste, step, len(completed), lost, kept, wasted, slot_wasted
+            )
     if best is None:
-        no_cut = Choice(size, None, None, 0.0, step, len(completed), 0.0, size * mean, wasted)
-        return attrs.evolve(no_cut, over_budget=True)
+        return Choice(
+            size,
+            None,
+            None,
+            0.0,
+            step,
+            len(completed),
+            0.0,
+            size * mean,
+            wasted,
+            slot_wasted,
+            over_budget=True,
+        )
     return best
 
 

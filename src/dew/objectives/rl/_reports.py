@@ -140,14 +140,14 @@ class OverBudget:
             logger.warning(
                 "admit='auto': %d calls in a row, through updates %d, found no cut within "
                 "waste_budget %.3g, and cut nothing; the run has thrown away %.1f%% of its "
-                "rollout-seconds "
-                "so far. What is still wasted is not the cut's but the staleness window's "
+                "slot-seconds so far. What is still wasted is not the cut's but the staleness "
+                "window's "
                 "(rollouts still running when max_lag %d passes), hedges' and failures': raise "
                 "max_lag or waste_budget, or expect the run to stay over its budget",
                 self.length,
                 record.updates,
                 self.budget,
-                100 * record.metrics.get("auto/wasted", math.nan),
+                100 * record.metrics.get("auto/slot_wasted", math.nan),
                 self.max_lag,
             )
 

@@ -169,33 +169,34 @@ class RolloutScheduler:
             batch's others, running or complete. A cut before the call would carry groups that
             complete in time, and a call that admits fewer than a batch leaves groups in play
             for good: each makes the rollouts in flight, and so their staleness, grow.
-        waste_budget: under `admit="auto"`, the most waste a call's cut may cost, as a share of
-            its group-seconds. At each hand-over the scheduler estimates, from this run's own
-            record (a Kaplan-Meier estimate of its recent groups' seconds to completion, a group
-            cut before completing counted as censored, and the median of its recent steps'
-            seconds), for each admit in 1..the task batch size how long the trainer would wait,
-            how many groups it would receive (carried ones counted under carry_over) and what
-            the cut would waste (the seconds of the groups it cancels; under carry_over, of
-            those it carries that would pass `max_lag` before completing), and takes the admit
-            of highest estimated goodput (groups per second of step and wait) within the budget,
-            no cut until a batch's worth of groups has completed. The budget is of what the run
-            has really thrown away so far, measured from its own events (every ended
-            submission's seconds from submission to end, those not admitted thrown away:
-            cancelled, stale, failed, unneeded hedges, slot queueing included), plus the call's
-            estimate; where no admit keeps within it, the call cuts nothing, and under
-            carry_over it cancels (as `surplus`) running carried groups, those that have run
-            least first, until a batch's worth of carried groups is left in play: a call admits
-            at most a batch, so the carried groups earlier cuts left in play would otherwise
-            stay, queueing for the engine and going stale. The record's metrics carry the
-            choice and its estimate: `auto/admit`, `auto/wait`, `auto/goodput` (groups per
-            second), `auto/waste`, `auto/step`, `auto/observed` (the completed groups the
-            estimate rests on), `auto/wasted` (the run's measured share thrown away so far),
-            `auto/slot_wasted` (the same in slot-seconds: each submission from its start on an
-            engine slot, as the engine said it, its queueing left out), `auto/over_budget` (1
-            where no admit kept within the budget) and `auto/drained` (the carried groups that
-            call cancelled); ten calls in a row over the budget log a
-            warning, once a streak, since what they still waste is the staleness window's
-            rather than the cut's. A run under the mock clock, and its replay, choose alike.
+        waste_budget: under `admit="auto"`, the most waste a call's cut may cost, as a share of its
+            group-seconds. At each hand-over the scheduler estimates, from this run's own record
+            (a Kaplan-Meier estimate of its recent groups' seconds to completion, a group cut
+            before completing counted as censored, and the median of its recent steps' seconds),
+            for each admit in 1..the task batch size how long the trainer would wait, how many
+            groups it would receive (carried ones counted under carry_over) and what the cut
+            would waste (the seconds of the groups it cancels; under carry_over, of those it
+            carries that would pass `max_lag` before completing), and takes the admit of highest
+            estimated goodput (groups per second of step and wait) within the budget, no cut
+            until a batch's worth of groups has completed. The budget is of what the run has
+            really thrown away so far, in slot-seconds, measured from its own events (every
+            ended submission's seconds from its start on an engine slot, as its engine said it,
+            to its end, those not admitted thrown away: cancelled, stale, failed, unneeded
+            hedges; its queueing before that neither kept nor thrown away), plus the call's
+            estimate, weighed at the run's share of seconds on a slot; where no admit keeps
+            within it, the call cuts nothing, and under carry_over it cancels (as `surplus`)
+            running carried groups, those that have run least first, until a batch's worth of
+            carried groups is left in play: a call admits at most a batch, so the carried groups
+            earlier cuts left in play would otherwise stay, queueing for the engine and going
+            stale. The record's metrics carry the choice and its estimate: `auto/admit`,
+            `auto/wait`, `auto/goodput` (groups per second), `auto/waste`, `auto/step`,
+            `auto/observed` (the completed groups the estimate rests on), `auto/wasted` (the
+            run's measured share of rollout-seconds, from submission, thrown away so far),
+            `auto/slot_wasted` (the same in slot-seconds, what the budget holds),
+            `auto/over_budget` (1 where no admit kept within the budget) and `auto/drained` (the
+            carried groups that call cancelled); ten calls in a row over the budget log a
+            warning, once a streak, since what they still waste is the staleness window's rather
+            than the cut's. A run under the mock clock, and its replay, choose alike.
         hedge: under carry_over, a carried group still running when the call two before its last
             admissible one hands over gets a fresh sample (a hedge) beside each of its running
             ones, once; a hedge replaces its original only where the original has not finished
