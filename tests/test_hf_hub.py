@@ -137,7 +137,7 @@ def test_dew_train_trains_a_repository_id_and_its_run_exports(hub, tmp_path, cap
 def test_a_vllm_server_started_with_the_repository_id_serves_its_snapshot():
     """`dew train --model OWNER/NAME --engine-url URL` attaches to a server started as `vllm
     serve OWNER/NAME`: the snapshot folder's repository is the served model's name or root."""
-    from dew.serve._vllm import _served_name
+    from dew.serve._vllm_checks import _served_name
 
     snapshot = Path("/cache/models--dew-tests--tiny-qwen2/snapshots") / COMMIT
     assert _served_name({REPO: {"root": REPO}}, snapshot) == REPO

@@ -1,5 +1,6 @@
-"""What a pushed folder must hold for vLLM to load all of it: a full checkpoint (reloaded in
-place) or a LoRA adapter (loaded in place under one name).
+"""A push into vLLM servers: what a pushed folder must hold for vLLM to load all of it (a full
+checkpoint, reloaded in place, or a LoRA adapter, loaded in place under one name), and how a
+VLLMEngine drives the push on every server (`_Pushes`: `load`, `load_async`, at the end).
 
 vLLM's `reload_weights` (which a push has each server run through `/collective_rpc`) reloads
 layer by layer: it puts every layer's tensors aside, loads the folder's tensors into fresh ones,
@@ -44,12 +45,23 @@ version's folder only once no call submitted under it or before it is in flight.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import functools
 import json
+import shutil
 import struct
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
 
 from dew._checks import check_int
 from dew.models import hf
+from dew.serve._vllm_http import _log, _Server
 from dew.serve._vllm_process import VLLMError
 
 HEAD_FILE = "lm_head.safetensors"
@@ -176,3 +188,247 @@ def check_reset(url: str, answer) -> None:
             f"the vLLM server {url} did not empty its prefix cache ({RESET} answered "
             f"{answer.text!r:.200}): calls would reuse what the old weights computed"
         )
+
+
+class _Pushes:
+    """VLLMEngine's pushes: `load`, `load_async`, and the pause and resume of a hand-made push.
+
+    A part of `VLLMEngine` (`_vllm`), kept here beside what a pushed folder must hold so that
+    each part reads in one sitting: its methods use the state `VLLMEngine.__init__` sets.
+    """
+
+    def load(self, variables, version: int) -> None:
+        """Serve `variables` under `version` on every live server (the Publisher protocol):
+        `load_async`, run to its end from any thread.
+
+        It runs in a trio run of its own, on a thread of its own, and blocks the caller until
+        every server serves the new weights: called from a trio run, it holds that run for the
+        whole push, where `await engine.load_async(...)` would not (the scheduler awaits that).
+
+        Raises:
+            VLLMError: as `load_async`: a step of the push failed, or no server is alive.
+            ValueError: as `load_async`: a bad version, or params the writer refuses.
+        """
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dew-push") as pool:
+            pool.submit(trio.run, self.load_async, variables, version).result()
+
+    async def load_async(self, variables, version: int) -> None:
+        """Serve `variables` under `version` on every live server, letting the trio run that
+        awaits it go on meanwhile: the rollouts in flight, a gateway and the fleet's other calls.
+
+        Writes them as a checkpoint folder under the push folder (in a worker thread), then
+        pauses every server in "keep" mode (calls in flight freeze, then go on under the new
+        weights, each keeping the version its first token was drawn under), has each reload
+        its weights from the folder and empty its prefix cache (what the old weights computed;
+        the calls in flight recompute theirs), sets the version and resumes them; each step on every
+        server at once, over an HTTP client of the push's own. Returns once every server serves
+        them. Cancelled (or failing) after the pause, it resumes the servers that still answer
+        before it lets the cancel (or error) through; a reload already under way may still land,
+        so until the next push a server may serve the new weights under the old version (the
+        behaviour log-probs are still those of the weights that drew the tokens). Servers left
+        out as restarted (see the class) are reloaded with the pushed weights and labelled, and
+        take calls again; a push with no server alive but those still pushes to them.
+
+        Raises:
+            VLLMError: naming the server's URL and its error when a step of the push fails (the
+                servers are resumed first where they still answer), or when no server is alive.
+            ValueError: if `version` is not an int >= 0, or as the checkpoint writer refuses
+                `variables`.
+        """
+        version = check_int("version", version, low=0)
+        began = time.perf_counter()
+        if not any(server.restarted for server in self._servers):
+            self._live_for(version)
+        if self.lora:
+            # A new folder even after a failed push, which some servers may have loaded.
+            self._adapter_pushes += 1
+            index = self._adapter_pushes
+            folder = self._push_dir / f"adapter-{index}"
+        else:
+            folder = self._push_dir / f"push-{version}"
+        await trio.to_thread.run_sync(self._write, folder, variables)
+        # Made in a worker thread too: making a client (its TLS context) takes tens of ms.
+        client = await trio.to_thread.run_sync(
+            functools.partial(httpx.AsyncClient, timeout=self._timeout, headers=self._headers)
+        )
+        async with client:
+            if any(server.alive for server in self._servers):
+                await self._push_to_live(client, folder, version)
+            async with trio.open_nursery() as nursery:
+                for server in self._servers:
+                    if server.restarted:
+                        nursery.start_soon(self._rejoin, client, server, folder, version)
+        self._live_for(version)
+        with self._lock:
+            self._version = version
+            if self.lora:
+                self._adapters[index] = folder
+        if self.lora:
+            self._drop_adapters()
+        else:
+            previous, self._pushed = self._pushed, folder
+            if previous is not None and previous != folder:
+                shutil.rmtree(previous, ignore_errors=True)
+        self.push_bytes.append(pushed_bytes(folder))
+        self.push_seconds.append(time.perf_counter() - began)
+
+    def _drop_adapters(self) -> None:
+        """Remove the adapter folders of earlier pushes that no call in flight may hold: vLLM
+        reads a call's adapter again from its folder at each step (see `_vllm_push`), so a
+        folder removed under a call would fail it. A call submitted after push k holds push
+        k's folder or a later one."""
+        with self._lock:
+            held = [pushes for pushes, calls in self._in_flight.items() if calls]
+            oldest = min([max(self._adapters), *held])
+            dropped = [
+                self._adapters.pop(index) for index in list(self._adapters) if index < oldest
+            ]
+        for folder in dropped:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _write(self, folder: Path, variables) -> None:
+        """Write pushed params as the checkpoint folder the servers reload, a tied model's
+        head included (`add_tied_head`: else vLLM's reload leaves the head as it was), or a
+        LoRA run's adapter as `save` writes it."""
+        if self._save is not None:
+            self._save(folder, variables)
+        else:
+            hf.save(folder, self.model, variables, tokenizer_from=self._checkpoint)
+        if not self.lora:
+            add_tied_head(folder)
+
+    async def _on_each(
+        self,
+        client: httpx.AsyncClient,
+        path: str,
+        check: Callable[[str, httpx.Response], None] | None = None,
+        **options,
+    ) -> None:
+        """POST `path` to every live server at once, `check(url, answer)` each answer (it
+        raises VLLMError); the first failure, once all answered.
+
+        Raises:
+            VLLMError: naming the URL of a server that failed, or when none is alive.
+        """
+        failures: list[VLLMError] = []
+
+        async def one(server: _Server) -> None:
+            try:
+                answer = await self._post_async(client, server, path, **options)
+                if check is not None:
+                    check(server.url, answer)
+            except VLLMError as error:
+                if server.alive:
+                    failures.append(error)
+                else:  # dead: the push goes on with the others, or fails with none left
+                    live = sum(other.alive for other in self._servers)
+                    _log.warning(
+                        "the vLLM server %s is left out (%d left): %s", server.url, live, error
+                    )
+
+        async with trio.open_nursery() as nursery:
+            for server in self._live_for(None):
+                nursery.start_soon(one, server)
+        if failures:
+            raise failures[0]
+
+    async def _push_to_live(self, client: httpx.AsyncClient, folder: Path, version: int) -> None:
+        """Pause every live server, have it reload `folder` and empty its prefix cache (or,
+        under LoRA, load the adapter in `folder`: its new path keeps the cache's old blocks
+        apart), label it `version`, resume it; resumes those that still answer when a step
+        fails or the push is cancelled. The pause makes the swap and the label one step for
+        the calls that arrive: none is drawn by the new weights under the old label."""
+        try:
+            await self._on_each(client, "/pause", params=PAUSE_OPTIONS)
+            if self.lora:
+                await self._on_each(client, LOAD_ADAPTER, json=self._adapter_load(folder))
+            else:
+                reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+                await self._on_each(client, "/collective_rpc", json=reload)
+                await self._on_each(client, RESET, check_reset, params=RESET_OPTIONS)
+            label = {"new_version": str(version)}
+            await self._on_each(client, "/update_weight_version", json=label)
+            await self._on_each(client, "/resume")
+        except BaseException as error:
+            # Servers left paused would hold every call in flight for good.
+            with trio.move_on_after(30, shield=True):
+                await self._resume_all_async(client)
+            if isinstance(error, VLLMError):
+                raise VLLMError(f"pushing version {version}: {error}") from None
+            raise
+
+    def _adapter_load(self, folder: Path) -> dict[str, Any]:
+        """`LOAD_ADAPTER`'s request: the adapter in `folder`, in place under the run's one name."""
+        return {"lora_name": self.adapter, "lora_path": str(folder), "load_inplace": True}
+
+    async def _rejoin(
+        self, client: httpx.AsyncClient, server: _Server, folder: Path, version: int
+    ) -> None:
+        """Reload a restarted server with the weights just pushed and label them, so that it
+        takes calls again; one that fails stays out (until the next push tries again)."""
+        if server.process is not None and server.process.exit_code() is not None:
+            server.restarted = False
+            server.died(f"exit code {server.process.exit_code()}")
+            return
+        reload = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+        try:
+            if self.lora:
+                await self._post_async(
+                    client, server, LOAD_ADAPTER, json=self._adapter_load(folder)
+                )
+            else:
+                await self._post_async(client, server, "/collective_rpc", json=reload)
+                reset = await self._post_async(client, server, RESET, params=RESET_OPTIONS)
+                check_reset(server.url, reset)
+            label = {"new_version": str(version)}
+            await self._post_async(client, server, "/update_weight_version", json=label)
+        except VLLMError as error:
+            _log.warning("the restarted vLLM server %s stays out: %s", server.url, error)
+            return
+        server.alive, server.restarted, server.failure = True, False, ""
+        _log.warning("the restarted vLLM server %s serves version %d again", server.url, version)
+
+    async def _resume_all_async(self, client: httpx.AsyncClient) -> None:
+        """Resume the live servers after a failed or cancelled push, those that still answer."""
+        async with trio.open_nursery() as nursery:
+            for server in self._servers:
+                if server.alive:
+                    nursery.start_soon(self._resume_quietly, client, server)
+
+    async def _resume_quietly(self, client: httpx.AsyncClient, server: _Server) -> None:
+        with contextlib.suppress(VLLMError):
+            await self._post_async(client, server, "/resume")
+
+    def pause(self) -> None:
+        """Pause every live server in "keep" mode: calls in flight freeze until `resume`.
+
+        Raises:
+            VLLMError: naming the server that failed (those paused already are resumed).
+        """
+        paused = []
+        try:
+            for server in self._live_for(None):
+                self._post(server, "/pause", params={"mode": "keep"})
+                paused.append(server)
+        except VLLMError:
+            self._resume_all(paused)
+            raise
+
+    def resume(self, version: int) -> None:
+        """Label what the servers hold `version` and resume them; calls from now on report it.
+
+        Raises:
+            VLLMError: naming the server that failed.
+        """
+        for server in self._live_for(version):
+            self._post(server, "/update_weight_version", json={"new_version": str(version)})
+            self._post(server, "/resume")
+        with self._lock:
+            self._version = version
+
+    def _resume_all(self, servers: Sequence[_Server] | None = None) -> None:
+        """Resume servers after a failed push, those that still answer."""
+        for server in self._servers if servers is None else servers:
+            if server.alive:
+                with contextlib.suppress(VLLMError):
+                    self._post(server, "/resume")
