@@ -128,6 +128,45 @@ def test_a_run_past_its_budget_says_that_no_cut_fits():
     assert not within.over_budget
 
 
+def test_where_no_cut_fits_the_budget_auto_takes_the_least_wasteful_and_says_so():
+    """Under carry_over no admit is free: a carried group may pass the bound. Where none keeps
+    the run within its budget, the call takes the one estimated to throw least away, and its
+    record says it is over budget. Here the eighth group has run 70 s, longer than any group
+    seen: waiting for it may never end, and every cut of 7 or fewer costs the same (the group
+    is taken to pass the bound), so the call takes 7 at once."""
+    seen = [(float(d), True) for d in range(1, 20)] + [(60.0, True)]
+    choice = _auto.choose(
+        size=8,
+        complete=7,
+        running=[_auto.Running(70.0, 2)],
+        carried_complete=0,
+        carried_running=[],
+        seen=seen,
+        steps=[10.0],
+        budget=0.1,
+        carry_over=True,
+        spent=(100.0, 500.0),
+        slot_spent=(100.0, 500.0),
+    )
+    assert (choice.admit, choice.wait, choice.over_budget) == (7, 0.0, True)
+    assert choice.metrics()["auto/over_budget"] == 1.0 and choice.metrics()["auto/waste"] > 0
+    # Without carry_over no cut throws nothing away: that stays the least wasteful.
+    plain = _auto.choose(
+        size=8,
+        complete=7,
+        running=[_auto.Running(50.0)],
+        carried_complete=0,
+        carried_running=[],
+        seen=seen,
+        steps=[10.0],
+        budget=0.1,
+        carry_over=False,
+        spent=(100.0, 500.0),
+        slot_spent=(100.0, 500.0),
+    )
+    assert (plain.admit, plain.wait, plain.over_budget) == (8, 10.0, True)
+
+
 def test_the_run_s_budget_is_spent_over_its_calls():
     first = straggler(budget=0.2)
     assert first.admit == 8  # this cut alone would cost more than a fifth

@@ -8,8 +8,9 @@ complete (a Kaplan-Meier estimate over a recent window, where a group cut before
 counts as censored at its age rather than being dropped, which would favour short groups), and
 how long the trainer's steps take. `choose` returns the cut that maximises the call's estimated
 goodput (groups delivered per second of the trainer's step and wait) among those whose
-estimated waste stays within the budget; the `Choice` names the estimate, so each record says
-why its call cut where it did. The budget is held in slot-seconds (each submission from its
+estimated waste stays within the budget, or where none does the least wasteful (and says
+so); the `Choice` names the estimate, so each record says why its call cut where it did. The
+budget is held in slot-seconds (each submission from its
 start on an engine slot), what the engines gave to work thrown away: counted from submission,
 a queued rollout's wait would weigh as work, admitted or not.
 
@@ -69,8 +70,9 @@ class Choice:
     # dew simulate's slot waste counts it: what the engines, not their queues, gave away, and
     # what the budget weighed the call's estimate against.
     slot_wasted: float | None = None
-    # No admit kept the run within its budget, so the call cuts nothing; under carry_over the
-    # core then cancels carried groups beyond a batch's worth, `drained` of them.
+    # No admit kept the run within its budget, so the call takes the one estimated to throw
+    # least away (without carry_over, no cut); under carry_over the core then cancels carried
+    # groups beyond a batch's worth, `drained` of them.
     over_budget: bool = False
     drained: int = 0
 
@@ -191,7 +193,7 @@ def choose(
     carried_sf = np.cumsum(_count_pmf(p_carried)[:, ::-1], axis=1)[:, ::-1]  # P(count >= m)
     carried_sf = np.concatenate([carried_sf, np.zeros((waits.size, 1))], axis=1)
     expected = complete + p_own.sum(axis=1) + carried_complete + p_carried.sum(axis=1)
-    best = None
+    best = least = None
     for admit in range(1, size + 1):
         # The call is ready once `admit` of its own are complete, or, under carry_over, once
         # complete groups fill it: the chance it is by each wait, the groups independent.
@@ -228,29 +230,29 @@ def choose(
             admit == size and not carry_over,
         )
         lost_slot, kept_slot = lost * on_slot, kept * on_slot
-        if slot_spent[0] + lost_slot > budget * (slot_spent[1] + lost_slot + kept_slot) + 1e-9:
-            continue
-        # Ties go to the larger admit: the same goodput with less cut.
-        if best is None or goodput >= best.goodput:
-            waste = lost / (lost + kept) if lost + kept > 0 else 0.0
-            best = Choice(
-                admit, wait, goodput, waste, step, len(completed), lost, kept, wasted, slot_wasted
-            )
-    if best is None:
-        return Choice(
-            size,
-            None,
-            None,
-            0.0,
-            step,
-            len(completed),
-            0.0,
-            size * mean,
-            wasted,
-            slot_wasted,
-            over_budget=True,
+        waste = lost / (lost + kept) if lost + kept > 0 else 0.0
+        choice = Choice(
+            admit, wait, goodput, waste, step, len(completed), lost, kept, wasted, slot_wasted
         )
-    return best
+        # The run's share thrown away, this call's estimate included. Ties go to the larger
+        # admit, here and below: the same figure with less cut.
+        total = slot_spent[1] + lost_slot + kept_slot
+        share = (slot_spent[0] + lost_slot) / total if total > 0 else 0.0
+        if least is None or share <= least[0] + 1e-12:
+            least = (share, choice)
+        if share > budget + 1e-9:
+            continue
+        if best is None or goodput >= best.goodput:
+            best = choice
+    if best is not None:
+        return best
+    # No admit keeps the run within its budget: the one that throws least away. Without
+    # carry_over that is no cut, which throws nothing away, its wait estimated or not.
+    if least is not None and (carry_over or least[1].admit == size):
+        return attrs.evolve(least[1], over_budget=True)
+    return Choice(
+        size, None, None, 0.0, step, len(completed), 0.0, size * mean, wasted, slot_wasted, True
+    )
 
 
 def _count_pmf(p: np.ndarray) -> np.ndarray:
