@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -82,6 +84,54 @@ def test_a_tool_environment_trains_at_the_default_context(tmp_path, tool_servers
     for line in metrics:
         assert line["tokens/trained"] > 0
         assert line["masked/context"] == 0
+
+
+# An episode cancelled by its trio run, whose cleanup stops a server process as verifiers' runtime
+# teardown stops an episode's tool servers (`wait_for` of a gather of the processes' exits); the
+# trio run ends, as a run's error ends it, once that cleanup is under way.
+CANCELLED_EPISODE = """
+import asyncio, sys, threading
+import trio
+from dew.envs.verifiers import _run_loop
+
+started, cleaning = threading.Event(), threading.Event()
+
+async def episode():
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import sys, time; sys.stdin.read(); time.sleep(1)",
+        stdin=asyncio.subprocess.PIPE,
+    )
+    try:
+        started.set()
+        await asyncio.Event().wait()
+    finally:
+        cleaning.set()
+        server.stdin.close()
+        await asyncio.wait_for(asyncio.gather(server.wait(), return_exceptions=True), 30)
+
+async def main():
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_run_loop().run, episode())
+        await trio.to_thread.run_sync(started.wait)
+        nursery.cancel_scope.cancel()
+    await trio.to_thread.run_sync(cleaning.wait)
+
+trio.run(main)
+print("ended")
+"""
+
+
+def test_an_episode_cancelled_by_the_runs_end_finishes_its_cleanup_without_a_traceback():
+    """A run that ends (its error, or its last step) while an environment's episode is still
+    stopping its servers lets that cleanup finish: it is not cancelled a second time when the
+    asyncio loop closes (a verifiers tool environment's run printed `_GatheringFuture exception
+    was never retrieved` and its traceback after the run's own one-line error)."""
+    done = subprocess.run(
+        [sys.executable, "-c", CANCELLED_EPISODE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ended", done.stderr[-3000:]
+    assert "never retrieved" not in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
 def test_a_first_prompt_that_cannot_fit_is_refused_before_the_run_folder(

@@ -408,11 +408,18 @@ class _Loop:
             # so that the episodes of this run, that one's included, still end.
             with contextlib.suppress(SystemExit, KeyboardInterrupt):
                 self.loop.run_forever()
-        # Stopped with the trio run: what is left (cancelled episodes unwinding) ends here.
-        left = asyncio.all_tasks(self.loop)
-        for task in left:
-            task.cancel()
-        self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        # Stopped with the trio run: what is left ends here. The episodes it awaited were
+        # cancelled as it ended and are unwinding: they finish their cleanup first (verifiers
+        # stops an episode's tool servers under `wait_for` of a gather, and a second cancel
+        # there left the gather's CancelledError unretrieved, a traceback on stderr after the
+        # run's own error). Then what nobody cancelled (the environment's own helper tasks,
+        # and any the cleanup started) is cancelled, until no task is left.
+        unwinding = {task for task in asyncio.all_tasks(self.loop) if task.cancelling()}
+        self.loop.run_until_complete(asyncio.gather(*unwinding, return_exceptions=True))
+        while left := asyncio.all_tasks(self.loop):
+            for task in left:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
         self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.close()
 
