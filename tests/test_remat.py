@@ -15,7 +15,7 @@ from dew.models import hf
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.train import TrainConfig
 from dew.train._cli import configure_cli
-from dew.train._config import _load_tokenizer
+from dew.train._config_preflight import _load_tokenizer
 from dew.train._run import _model
 from test_chunked_logprobs import MODELS, packed
 

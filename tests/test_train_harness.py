@@ -69,9 +69,9 @@ def test_a_bad_harness_is_refused_naming_the_known_ones(tmp_path, capsys, argv, 
 def test_a_harness_without_the_gateway_packages_is_refused_naming_them(
     tmp_path, capsys, monkeypatch
 ):
-    from dew.train import _config
+    from dew.train import _config_fields
 
-    monkeypatch.setattr(_config, "_GATEWAY_PACKAGES", ("hypercorn", "dew_no_such_package"))
+    monkeypatch.setattr(_config_fields, "_GATEWAY_PACKAGES", ("hypercorn", "dew_no_such_package"))
     with pytest.raises(SystemExit) as exit_:
         main(["train", "--run", str(tmp_path / "run"), "--harness", "lookup"])
     assert exit_.value.code == 2

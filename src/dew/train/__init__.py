@@ -44,7 +44,8 @@ from dew.train._checkpoint import (
     save_checkpoint,
 )
 from dew.train._cli import configure_cli, run_cli
-from dew.train._config import TASKS, TrainConfig
+from dew.train._config import TrainConfig
+from dew.train._config_fields import TASKS
 from dew.train._curves import curves_figure, write_curves
 from dew.train._export import configure_export_cli, export, run_export_cli
 from dew.train._fit import Sizes, fit, measure, task_list

@@ -1,14 +1,15 @@
-"""`dew train`'s config: `TrainConfig`, its fields' checks, and reading it from a file.
+"""`dew train`'s config: `TrainConfig`, how its fields go together, and reading it from a file.
 
 A run folder's `config.json` is a `TrainConfig` as JSON; `--config` reads one from TOML or JSON,
-with the command line's options over it.
+with the command line's options over it. Each field's own check is `_config_fields`'s; what a
+run checks of the config against the files and the machine before it starts (the tokenizer, the
+mesh, the task) is `_config_preflight`'s.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,27 +18,31 @@ import attrs
 from dew import models
 from dew._checks import in_range, int_within
 from dew._documents import read_document
-from dew.envs.lookup import HARNESSES
-from dew.envs.reasoning_gym import PREFIX, ReasoningGym
 from dew.models.hf.lora import TARGETS, LoRAConfig
 from dew.objectives.rl._surrogate import KL_ESTIMATORS, RATIO_LEVELS, check_clip_dual
 from dew.objectives.rl.grpo import AGGREGATIONS, CORRECTIONS, IMPORTANCE_LEVELS, PROXIMALS
 from dew.objectives.rl.sessions import ESTIMATORS
-from dew.serve.tokenizer import BYTES, HuggingFaceTokenizer, Tokenizer
+from dew.serve.tokenizer import BYTES
+from dew.train._config_fields import (
+    ENVIRONMENTS,
+    HARNESS,
+    _admit,
+    _admit_value,
+    _dtype_or_none,
+    _flag,
+    _lora_targets,
+    _mesh_or_none,
+    _no_cut,
+    _one_of,
+    _option,
+    _optional_tuple,
+    _path_or_none,
+    _project_or_none,
+    _server_urls,
+    _task_name,
+)
 from dew.train._wandb import WANDB_MODES
 
-TASKS = ("copy", "guess", "echo")
-"""The built-in tasks `dew train --task` runs: CopyDigits, GuessDigit and EchoDigits."""
-HARNESS = "harness:"
-"""The prefix of a task that is a built-in agent harness (`--harness NAME` is this plus NAME)."""
-ENVIRONMENTS = {
-    "verifiers:": ("verifiers", "textarena", "hypercorn", "openai", "orjson"),
-    "textarena:": ("textarena", "nltk"),
-}
-"""The prefixes of a task that is an environment of another package (`--env SPEC`), and the
-packages each needs: a verifiers environment through the recording gateway, a TextArena game."""
-# What a harness run needs installed: the gateway extra.
-_GATEWAY_PACKAGES = ("hypercorn", "openai", "orjson")
 MAX_IN_FLIGHT = 2**16
 """The most rollouts a run has in flight, batch_size x (groups + oversample) x (ahead + 1): the
 engine holds a slot, and its cache, for each."""
@@ -53,178 +58,6 @@ _LOGGING += ("proximal",)
 _LOGGING += ("keep_checkpoints",)
 # Where the metrics are tracked besides metrics.jsonl.
 _LOGGING += ("wandb", "wandb_mode")
-
-
-def _task_name(instance, attribute, value):
-    if isinstance(value, str) and value.startswith(HARNESS):
-        _check_harness(value.removeprefix(HARNESS))
-    elif isinstance(value, str) and value.startswith(tuple(ENVIRONMENTS)):
-        _check_environment(value)
-    elif not isinstance(value, str) or not (value in TASKS or value.startswith(PREFIX)):
-        raise ValueError(
-            f"{attribute.name} must be one of {TASKS}, {PREFIX}NAME[,key=value...], "
-            f"verifiers:NAME[,key=value...], textarena:GAME[,key=value...] or {HARNESS}NAME, "
-            f"got {value!r}"
-        )
-
-
-def _check_harness(name: str) -> None:
-    """Raises: ValueError naming the built-in harnesses when `name` is not one, or the packages
-    of the recording gateway that are not installed."""
-    if name not in HARNESSES:
-        raise ValueError(
-            f"unknown harness {name!r}; the built-in harnesses are: {', '.join(HARNESSES)}"
-        )
-    missing = [package for package in _GATEWAY_PACKAGES if not importlib.util.find_spec(package)]
-    if missing:
-        raise ValueError(
-            f"a harness trains through the recording gateway, which needs {', '.join(missing)}: "
-            "pip install 'dew[gateway]'"
-        )
-
-
-def _flag(instance, attribute, value):
-    # A config file's "yes" or 1 is a mistake to name, not a truth to guess.
-    if not isinstance(value, bool):
-        raise ValueError(f"{attribute.name} must be true or false, got {value!r}")
-
-
-def _check_environment(spec: str) -> None:
-    """Raises: ValueError naming the packages an environment task needs and lacks, or a spec
-    without a name."""
-    prefix = next(prefix for prefix in ENVIRONMENTS if spec.startswith(prefix))
-    if not spec.removeprefix(prefix).split(",")[0].strip():
-        raise ValueError(f"{spec!r} names no environment: {prefix}NAME[,key=value...]")
-    missing = [p for p in ENVIRONMENTS[prefix] if not importlib.util.find_spec(p)]
-    if missing:
-        raise ValueError(f"{spec} needs {', '.join(missing)}: pip install 'dew[verifiers]'")
-
-
-def _load_environment(config: TrainConfig) -> None:
-    """Load an environment task (`--env`) as the run will, so a bad one is refused before the
-    run starts.
-
-    Raises:
-        ValueError: naming the environment, the package to install or what it needs.
-    """
-    try:
-        if config.task.startswith("verifiers:"):
-            from dew.envs.verifiers import Verifiers
-
-            Verifiers.parse(config.task, size=config.tasks + config.eval_tasks)
-        elif config.task.startswith("textarena:"):
-            from dew.envs.textarena import TextArena
-
-            TextArena.parse(config.task, seed=config.seed)
-    except ImportError as error:
-        raise ValueError(str(error)) from error
-
-
-def _path_or_none(instance, attribute, value):
-    if value is not None and not (isinstance(value, str) and value):
-        raise ValueError(f"{attribute.name} must be a file's path or None, got {value!r}")
-
-
-def _project_or_none(instance, attribute, value):
-    if value is not None and not (isinstance(value, str) and value.strip() and "/" not in value):
-        raise ValueError(
-            f"{attribute.name} must be a W&B project's name (no '/') or None, got {value!r}"
-        )
-
-
-def _dtype_or_none(instance, attribute, value):
-    if value not in (None, "float32", "bfloat16"):
-        raise ValueError(f"{attribute.name} must be float32, bfloat16 or None, got {value!r}")
-
-
-def _mesh_or_none(instance, attribute, value):
-    if value is None:
-        return
-    sizes = value.split("x") if isinstance(value, str) else []
-    if len(sizes) != 3 or not all(size.isdigit() and int(size) >= 1 for size in sizes):
-        raise ValueError(
-            f"{attribute.name} must be DATAxFSDPxTENSOR, three sizes >= 1 (1x2x2), got {value!r}"
-        )
-
-
-def _lora_targets(instance, attribute, value):
-    """Module names, comma-separated, each one an adapter can target (`LoRAConfig`'s check)."""
-    if value is None:
-        return
-    if not isinstance(value, str):
-        raise ValueError(f"{attribute.name} must be module names, comma-separated, got {value!r}")
-    try:
-        LoRAConfig(targets=tuple(name.strip() for name in value.split(",")))
-    except ValueError as error:
-        raise ValueError(str(error).replace("targets", attribute.name, 1)) from None
-
-
-def _one_of(choices: tuple[str, ...]) -> Callable:
-    def validate(instance, attribute, value) -> None:
-        if value not in choices:
-            raise ValueError(f"{attribute.name} must be one of {choices}, got {value!r}")
-
-    return validate
-
-
-_WORDS = ("auto", "none")
-"""admit's values other than a number of groups."""
-
-
-def _admit_value(text: str) -> int | str:
-    """--admit's value: "auto", "none" (every task's group trains: the default) or a number of
-    groups."""
-    return text if text in _WORDS else int(text)
-
-
-_admit_value.__name__ = "admit"
-
-
-def _admit(instance, attribute, value) -> None:
-    if value not in _WORDS:
-        int_within(1, 4096)(instance, attribute, value)
-
-
-def _no_cut(value: Any) -> Any:
-    """admit "none", as the option's help and a config file spell the default, is None."""
-    return None if value == "none" else value
-
-
-def _server_urls(instance, attribute, value) -> None:
-    """Refuse URLs that cannot be vLLM servers' (a bare `localhost:8000`) or that name one server
-    twice (in a pool, two processes would push to it), before anything starts."""
-    if value is None:
-        return
-    from dew.serve._vllm_process import server_urls  # as VLLMEngine.attach reads them
-
-    try:
-        server_urls((value,) if isinstance(value, str) else value)
-    except ValueError as error:
-        raise ValueError(f"{attribute.name}: {error}") from None
-
-
-def _optional_tuple(values: Any) -> tuple | None:
-    return None if values is None else tuple(values)
-
-
-def _option(
-    default: Any,
-    validator: Callable,
-    help: str,
-    *,
-    kind: type | None = None,
-    converter: Callable | None = None,
-) -> Any:
-    """A TrainConfig field that is also a `dew train` option, with its help text and, where
-    the default (None) does not tell it, the type of its values (and a converter of the value
-    given, where another spelling means the same)."""
-    kind = type(default) if kind is None else kind
-    return attrs.field(
-        default=default,
-        validator=validator,
-        converter=converter,
-        metadata={"help": help, "type": kind},
-    )
 
 
 DEFAULT_MAX_TOKENS = 4
@@ -794,123 +627,6 @@ class TrainConfig:
             d_ff=self.d_ff,
             max_len=max_len,
         )
-
-
-def _load_tokenizer(config: TrainConfig) -> Tokenizer:
-    """The tokenizer `config` names: its `tokenizer.json`, or the byte tokenizer.
-
-    Raises:
-        ValueError: naming the path when it is no file, or not a tokenizer the chat template
-            can use.
-    """
-    if config.model is not None:
-        return _model_tokenizer(config.model)
-    if config.tokenizer is None:
-        return BYTES
-    if Path(config.tokenizer).exists() and not Path(config.tokenizer).is_file():
-        raise ValueError(f"--tokenizer {config.tokenizer}: not a file (a tokenizer.json is)")
-    try:
-        return HuggingFaceTokenizer.from_file(config.tokenizer)
-    except FileNotFoundError:
-        raise ValueError(f"--tokenizer {config.tokenizer}: there is no such file") from None
-    except Exception as error:  # tokenizers raises a bare Exception for a malformed file
-        raise ValueError(f"--tokenizer {config.tokenizer}: {error}") from error
-
-
-def _model_tokenizer(model: str) -> Tokenizer:
-    """The tokenizer and chat template of the checkpoint `model` names (a folder, a Hub
-    repository id or a GGUF file: `dew.models.hf.resolve`), once its config.json and its
-    tensors' headers (a GGUF file's metadata and tensors' shapes and types) are checked (before
-    any tensor is read) and it is found to have an embedding row for every id.
-
-    Raises:
-        ValueError: naming --model and the file, field or tensors at fault.
-    """
-    from dew.models import hf  # safetensors and the family on demand
-    from dew.models.hf._config import read_config
-    from dew.models.hf._gguf import GGUF, is_gguf
-
-    folder = model
-    try:
-        folder = hf.resolve(model)
-        if is_gguf(folder):  # its metadata and tensors' types and shapes, no tensor read
-            checkpoint = hf.model_of(folder).config
-            tokenizer = GGUF.open(folder).template_tokenizer()
-            holders = ("tokenizer.ggml.tokens", "token_embd.weight")
-        else:
-            checkpoint, _ = read_config(folder)
-            tokenizer = HuggingFaceTokenizer.from_folder(folder)
-            holders = ("tokenizer.json", "config.json's vocab_size")
-        if tokenizer.vocab_size > checkpoint.vocab:
-            raise ValueError(
-                f"its {holders[0]} has {tokenizer.vocab_size} ids, more than the "
-                f"{checkpoint.vocab} embedding rows of its {holders[1]}"
-            )
-        hf.model_of(folder)  # every tensor's name, shape and file, from the headers
-    except (ValueError, FileNotFoundError) as error:
-        raise ValueError(f"--model {model}: {error}") from None
-    return tokenizer
-
-
-def _mesh_sizes(
-    config: TrainConfig, processes: int = 1, *, count: bool = True
-) -> tuple[int, int, int] | None:
-    """The data, fsdp and tensor sizes of `config.mesh`, or None.
-
-    `count=False` leaves the devices uncounted: a process about to join a pool must not start
-    JAX's backend before `jax.distributed.initialize` (`train` counts them once joined).
-
-    Raises:
-        ValueError: naming --mesh when its devices are not this process's (in a pool, the
-            pool's), or in a pool when its data axis does not span the processes.
-    """
-    if config.mesh is None:
-        return None
-    import jax
-
-    data, fsdp, tensor = (int(size) for size in config.mesh.split("x"))
-    if processes > 1:
-        # Each process's engine samples on its own from the params its devices hold, so they
-        # must hold them whole: only the data axis spans processes.
-        if data % processes:
-            raise ValueError(
-                f"--mesh {config.mesh} in a pool of {processes} processes: its data axis "
-                f"({data}) must be a multiple of {processes}, so that each process's devices "
-                "hold whole params for its engine (fsdp and tensor split within a process)"
-            )
-        devices = jax.local_device_count() * processes if count else data * fsdp * tensor
-        if data * fsdp * tensor != devices:
-            raise ValueError(
-                f"--mesh {config.mesh} needs {data * fsdp * tensor} devices, the pool of "
-                f"{processes} processes has {devices} ({jax.local_device_count()} each)"
-            )
-        return data, fsdp, tensor
-    # A pool of one (`--processes 1`) joins it too: its devices are counted once it has.
-    if count and data * fsdp * tensor != jax.device_count():
-        raise ValueError(
-            f"--mesh {config.mesh} needs {data * fsdp * tensor} devices, this process has "
-            f"{jax.device_count()}"
-        )
-    return data, fsdp, tensor
-
-
-def _check_task(config: TrainConfig) -> None:
-    """Refuse a reasoning-gym task that names no dataset, or options its dataset refuses,
-    before the run folder is made: reasoning-gym only says so when the task is built.
-
-    Raises:
-        ValueError: naming the task and what reasoning-gym refuses.
-    """
-    if not config.task.startswith(PREFIX):
-        return
-    try:
-        # One entry is enough to meet the dataset's refusals: they come with its config or
-        # its first draw.
-        ReasoningGym.parse(config.task, size=1, seed=config.seed).entry(0)
-    except ImportError as error:
-        raise ValueError(f"--task {config.task}: {error}") from None
-    except (TypeError, ValueError, AssertionError) as error:
-        raise ValueError(f"--task {config.task}: {error}") from None
 
 
 def _fields_of(data: Mapping[str, Any], where: str) -> dict[str, Any]:

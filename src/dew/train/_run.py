@@ -31,7 +31,8 @@ from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.parallel import ProcessRows, default_pool
 from dew.serve._lora import serving
 from dew.train._checkpoint import COMMIT, _write_atomically, is_sharded
-from dew.train._config import TrainConfig, _check_task, _load_tokenizer, _mesh_sizes
+from dew.train._config import TrainConfig
+from dew.train._config_preflight import _check_task, _load_tokenizer, _mesh_sizes
 from dew.train._curves import write_curves
 from dew.train._evaluation import (
     EVAL_SAMPLES,

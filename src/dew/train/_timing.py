@@ -23,7 +23,8 @@ import jax
 import numpy as np
 
 from dew._checks import check_int
-from dew.train._config import TrainConfig, _load_tokenizer
+from dew.train._config import TrainConfig
+from dew.train._config_preflight import _load_tokenizer
 from dew.train._run import _levers, _model, _optimizer
 from dew.train._tasks import _objective, _task
 
