@@ -93,3 +93,35 @@ def test_a_run_evaluates_held_out_tasks_before_and_after_with_classes_and_replie
         before = base[record["task"]]
         cell = f"{before['completion']} ({before['reward']:.2f})"
         assert cell.replace("|", "\\|").replace("\n", "<br>") in after
+
+
+def test_an_evaluations_keys_are_in_the_metrics_line_of_its_update_and_on_tensorboard(tmp_path):
+    """Issue 41: the held-out evaluation's figures (greedy, mean@k, per class, majority) are in
+    `metrics.jsonl` at the update they were measured after, as in TensorBoard, not in
+    `eval.jsonl` alone; dew's own default model on the copy task."""
+    from test_train_task import scalars
+
+    run = tmp_path / "run"
+    argv = ["train", "--run", str(run), "--steps", "3", "--batch-size", "2", "--groups", "2"]
+    argv += ["--tasks", "4", "--eval-every", "2", "--eval-tasks", "12", "--eval-samples", "2"]
+    argv += ["--samples", "0", "--tensorboard"]
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        assert main(argv) == 0
+    evaluations = lines(run / "eval.jsonl")
+    assert [e["updates"] for e in evaluations] == [0, 2]
+    metrics = lines(run / "metrics.jsonl")
+    assert [line["updates"] for line in metrics] == [1, 2, 3]
+    measured = {key: value for key, value in evaluations[1].items() if key != "rewards"}
+    assert {"greedy", "mean@2", "majority"} <= measured.keys()
+    assert any(key.startswith("class/") for key in measured)
+    assert {f"eval/{key}": value for key, value in measured.items()} == {
+        key: value for key, value in metrics[1].items() if key.startswith("eval/")
+    }
+    assert not [key for line in (metrics[0], metrics[2]) for key in line if key.startswith("eval/")]
+    board = scalars(run / "tensorboard")
+    # (TensorBoard's tags take no '@': tensorboardX writes mean@2 as eval/mean_2.)
+    for key in ("greedy", "majority", next(key for key in measured if key.startswith("class/"))):
+        assert board[f"eval/{key}"] == {
+            0: pytest.approx(evaluations[0][key]),
+            2: pytest.approx(evaluations[1][key]),
+        }

@@ -1,10 +1,11 @@
 """`train`: one run of `dew train` in this process, end to end, and the logs it writes.
 
 A run folder holds `config.json` (which `--config` reads back), `metrics.jsonl` (one line per
-step), `samples.jsonl` (a few decoded rollouts per step), `eval.jsonl` (the evaluations on
-held-out tasks before the first update and every `eval_every` updates, `dew.train._evaluation`),
-`eval_samples.jsonl` and `eval_samples.md` (held-out replies at each evaluation beside the base
-model's), `checkpoints/`, `curves.png` and, with `tensorboard`, TensorBoard's event files under
+step, with the `eval/...` keys of the evaluation after it where there was one), `samples.jsonl`
+(a few decoded rollouts per step), `eval.jsonl` (the evaluations on held-out tasks before the
+first update and every `eval_every` updates, `dew.train._evaluation`), `eval_samples.jsonl`
+and `eval_samples.md` (held-out replies at each evaluation beside the base model's),
+`checkpoints/`, `curves.png` and, with `tensorboard`, TensorBoard's event files under
 `tensorboard/` and, with `wandb`, Weights & Biases' files under `wandb/`.
 """
 
@@ -232,6 +233,8 @@ def _train(
                 logs.evaluate(0)
                 trainer._measure_logs()
     trainer.on_step = on_step if logs is None else logs
+    if logs is not None and logs.evaluation is not None:
+        trainer.measure = logs.measure
     source = task.serve(source, server)
     publisher = server
     if mesh is not None and sharding.spans_processes(mesh):
@@ -628,8 +631,9 @@ def _levers(config: TrainConfig) -> dict[str, Any]:
 
 class _RunLogs:
     """A run's per-step logs beside `metrics.jsonl` (an `on_step` callback): the decoded samples,
-    the greedy evaluations on held-out tasks, TensorBoard, Weights & Biases, then the caller's
-    own callback."""
+    TensorBoard, Weights & Biases, then the caller's own callback; and the evaluations on
+    held-out tasks (the trainer's `measure`), whose `eval/...` keys join the line of the step
+    they were measured after, in `metrics.jsonl` and every sink alike."""
 
     def __init__(
         self,
@@ -663,15 +667,19 @@ class _RunLogs:
             batch = line["position"] - self.first_position
             records = [{"step": line["step"], **record} for record in self.samples.take(batch)]
             _append_lines(self.run / SAMPLES, records)
-        updates = line["updates"]
-        if self.evaluation is not None and updates % self.config.eval_every == 0:
-            line = {**line, **self.evaluate(updates)}
         if self.tensorboard is not None:
             self.tensorboard(line)
         if self.wandb is not None:
             self.wandb(line)
         if self.on_step is not None:
             self.on_step(line)
+
+    def measure(self, updates: int) -> dict[str, Any]:
+        """The `eval/...` keys of an evaluation after `updates` updates, every `eval_every`;
+        none between."""
+        if updates % self.config.eval_every:
+            return {}
+        return self.evaluate(updates)
 
     def evaluate(self, updates: int) -> dict[str, Any]:
         """Evaluate the trainer's weights on the held-out tasks: its line to `eval.jsonl`, its

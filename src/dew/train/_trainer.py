@@ -319,6 +319,9 @@ class Trainer:
         directory: the run's folder for metrics and checkpoints; None keeps neither.
         checkpoint_every: updates between checkpoints (needs a directory); None saves none.
         on_step: called with each step's metrics line, after it is written.
+        measure: called after each update with the updates count; the keys it returns join
+            the step's line before it is written and handed to `on_step`, measured at that
+            update (`dew train`'s held-out evaluation, `eval/...`, every `--eval-every`).
         deadline: in a pool, seconds a step may take: past it the process stops, naming the
             processes behind the others (one that hangs), so every process stops rather than
             wait forever in a collective; None waits as long as it takes.
@@ -354,6 +357,7 @@ class Trainer:
         directory: str | os.PathLike | None = None,
         checkpoint_every: int | None = None,
         on_step: Callable[[Mapping[str, Any]], None] | None = None,
+        measure: Callable[[int], Mapping[str, Any]] | None = None,
         deadline: float | None = None,
         logs: Sequence[str] = (),
         metadata: Mapping[str, Any] | None = None,
@@ -373,6 +377,7 @@ class Trainer:
         self.directory = None if directory is None else Path(directory)
         self.checkpoint_every = checkpoint_every
         self.on_step = on_step
+        self.measure = measure
         self.metadata = dict(metadata or {})
         self.learning_rate = learning_rate
         self.keep_checkpoints = check_int("keep_checkpoints", keep_checkpoints, low=1)
@@ -602,6 +607,8 @@ class Trainer:
             line["errors"] = errors
         self.updates += 1
         self.position += 1
+        if self.measure is not None:
+            line |= self.measure(self.updates)
         if log is not None:
             log.write(json.dumps(line, allow_nan=False).encode() + b"\n")
             log.flush()
