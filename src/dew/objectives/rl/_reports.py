@@ -120,9 +120,10 @@ def _all_uniform(record: SchedulerRecord) -> bool:
 
 class OverBudget:
     """Under admit="auto": warns once per streak of `length` calls in a row at which no cut kept
-    the run within its waste budget, with the share the run has thrown away. Such calls cut
-    nothing, so what is still wasted is not the cut's: rollouts still running when `max_lag`
-    passes (the staleness window's cost on a heavy tail), hedges, failures. The budget then
+    the run within its waste budget, with the share the run has thrown away. Such calls take
+    the cut estimated to waste least (without carry_over, none), so what is still wasted is
+    not the cut's: rollouts still running when `max_lag` passes (the staleness window's cost
+    on a heavy tail), hedges, failures. The budget then
     cannot hold at this `max_lag`, and the user should hear it rather than read it off
     `auto/over_budget`."""
 
@@ -139,11 +140,11 @@ class OverBudget:
         if self._streak == self.length:
             logger.warning(
                 "admit='auto': %d calls in a row, through updates %d, found no cut within "
-                "waste_budget %.3g, and cut nothing; the run has thrown away %.1f%% of its "
-                "slot-seconds so far. What is still wasted is not the cut's but the staleness "
-                "window's "
-                "(rollouts still running when max_lag %d passes), hedges' and failures': raise "
-                "max_lag or waste_budget, or expect the run to stay over its budget",
+                "waste_budget %.3g and took the least wasteful; the run has thrown away %.1f%% "
+                "of its slot-seconds so far. What is still wasted is not the cut's but the "
+                "staleness window's (rollouts still running when max_lag %d passes), hedges' "
+                "and failures': raise max_lag or waste_budget, or expect the run to stay over "
+                "its budget",
                 self.length,
                 record.updates,
                 self.budget,
