@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import attrs
 import numpy as np
@@ -161,6 +163,19 @@ def test_dew_simulate_smoke_prints_the_library_table(smoke, capsys):
     assert set(goodput) == {o.setting.name for o in outcomes}
     assert goodput["sync"] < goodput["ahead=1"]
     assert goodput["sync"] == pytest.approx(by_name(outcomes)["sync"].goodput, abs=0.005)
+
+
+def test_dew_simulates_process_never_imports_torch_or_transformers():
+    """Issue 42 item 5: `dew simulate` runs no model, so its process loads neither torch nor
+    transformers (seconds of import each); benchmarks/simulate_cli.py prints where its time
+    goes."""
+    code = (
+        "import sys; from dew.cli import main; main(['simulate', '--smoke']); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "[]"
 
 
 def test_dew_simulate_options_set_the_workload(capsys):
