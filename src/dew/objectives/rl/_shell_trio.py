@@ -26,6 +26,7 @@ import trio.testing
 from dew._trio import exit_unwrapped
 from dew.objectives.rl import _admission as core
 from dew.objectives.rl._admission import LogEvent
+from dew.objectives.rl._auto import Choice
 from dew.objectives.rl._records import Variables
 from dew.objectives.rl._session import Progress, track_progress, waits
 from dew.objectives.rl.sessions import Label, Session, SessionError, check_session
@@ -52,7 +53,7 @@ class _Delivery:
     started: tuple[tuple[float, float, float], ...] = ()
     carried: tuple[int, ...] = ()  # under carry_over: the age in calls of each carried group
     in_play: int = 0  # carried groups still in play after the delivery
-    choice: core.Choice | None = None  # under admit="auto": the call's cut and its estimate
+    choice: Choice | None = None  # under admit="auto": the call's cut and its estimate
 
 
 @attrs.frozen

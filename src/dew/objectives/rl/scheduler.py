@@ -2,10 +2,11 @@
 
 `RolloutScheduler` is the trainer's Rollout for any SessionSource. This module is its front:
 the arguments, the two facades, and closing on collection. Behind it, `_admission` holds the
-admission rules as a pure function, `_shell` (with its parts `_shell_trainer` and `_shell_trio`)
-the trio side that carries out its commands (and documents how ties at one instant are ordered),
-`_arguments` the argument checks and limits, `_reports` the warnings of a run that trains on
-nothing, and `_records` the records and status it returns.
+admission rules as a pure function (its values, events and commands in `_admission_values`),
+`_shell` (with its parts `_shell_trainer` and `_shell_trio`) the trio side that carries out its
+commands (and documents how ties at one instant are ordered), `_arguments` the argument checks
+and limits, `_reports` the warnings of a run that trains on nothing, and `_records` the records
+and status it returns.
 """
 
 from __future__ import annotations
