@@ -44,3 +44,52 @@ def test_the_long_tail_reference_table_shows_slot_waste_as_dew_simulate_measures
     outcome = simulate(Workload(seed=0, steps=4, **long_tail.REFERENCE), setting)
     assert means[1:3] == [round(outcome.wasted, 3), round(outcome.slot_wasted, 3)]
     assert outcome.slot_wasted != outcome.wasted  # queueing counted apart: the columns differ
+
+
+def test_the_long_tail_workloads_weigh_auto_against_the_best_fixed_setting_within_its_budget():
+    """Issue 46 item 3: benchmarks/long_tail.py --workloads runs the six workloads (the bimodal
+    mix 80 % short, 20 % ten times as long, of mean 10 s) and sets each auto beside the best
+    fixed setting whose slot waste is within auto's budget, or says none fits (4 steps, seed 0:
+    each figure the one `dew.simulate` measures)."""
+    import importlib.util
+
+    from dew.simulate import Workload, simulate
+
+    (script,) = [b for b in BENCHMARKS if b.stem == "long_tail"]
+    spec = importlib.util.spec_from_file_location("long_tail_benchmark", script)
+    long_tail = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(long_tail)
+    assert list(long_tail.WORKLOADS) == [
+        "reference",
+        "sigma=0.5",
+        "sigma=1.5",
+        "sigma=2.0",
+        "T=3xmean",
+        "bimodal",
+    ]
+    pool = Workload(**long_tail.WORKLOADS["bimodal"])
+    assert abs(pool.population_mean - 10.0) < 0.3
+    seconds = [r.duration for r in pool.observed]
+    short, long = seconds[: len(seconds) * 8 // 10], seconds[len(seconds) * 8 // 10 :]
+    assert 9 < (sum(long) / len(long)) / (sum(short) / len(short)) < 11
+    auto = long_tail.AUTOS[0]
+    assert (auto.ahead, auto.max_lag, auto.waste_budget) == (1, 5, 0.15)
+    fixed = long_tail.AT_LAG_5[4:6]
+    lines = long_tail.workloads(
+        steps=4, seeds=1, jobs=1, names=("bimodal",), fixed=fixed, autos=(auto,)
+    )
+    (row,) = lines.splitlines()[2:]
+    outcomes = [
+        simulate(Workload(seed=0, steps=4, **long_tail.WORKLOADS["bimodal"]), s)
+        for s in (*fixed, auto)
+    ]
+    within = [o for o in outcomes[:2] if o.slot_wasted <= 0.15]
+    mine = outcomes[2]
+    assert row.split()[2] == f"{mine.goodput:.2f}"
+    assert ("yes" if mine.slot_wasted <= 0.16 else "no") in row.split()
+    if within:
+        best = max(within, key=lambda o: o.goodput)
+        assert best.setting.name in row
+        assert row.split()[-1] == f"{mine.goodput / best.goodput:.3f}"
+    else:
+        assert "none fits" in row
