@@ -29,6 +29,9 @@ def silent_server():
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    # Closing a socket does not wake a thread blocked in its accept() (the join waited its
+    # whole 10 s); shutting it down does.
+    listener.shutdown(socket.SHUT_RDWR)
     listener.close()
     for connection in held:
         connection.close()
@@ -48,6 +51,8 @@ def test_a_server_that_sends_nothing_is_dropped_after_engine_timeout(
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1, error
     assert silent_server in error[0] and "does not answer" in error[0], error
+    # Its first request, the listing of its models, waited the run's 1 s (before, 30 s).
+    assert "sent nothing for 1 s" in error[0], error
 
 
 def test_the_options_default_is_the_engines():

@@ -29,8 +29,16 @@ class _ServerChecks:
 
     def _check_attached(self, server: _Server) -> int:
         """The attached server's max_model_len, once it is known to serve the run's model."""
+        # A listing is quick: a server silent for longer than the run allows (read_timeout,
+        # `dew train --engine-timeout`) or 30 s is not one to attach to.
+        timeout = min(30.0, self._read_timeout)
         try:
-            answer = self._pushes.get(f"{server.url}/v1/models", timeout=30)
+            answer = self._pushes.get(f"{server.url}/v1/models", timeout=timeout)
+        except httpx.TimeoutException:
+            raise VLLMError(
+                f"the vLLM server {server.url} does not answer /v1/models: it sent nothing for "
+                f"{timeout:g} s"
+            ) from None
         except httpx.HTTPError as error:
             raise VLLMError(f"the vLLM server {server.url} does not answer: {error}") from None
         if answer.status_code == 404:
