@@ -8,17 +8,6 @@ from pathlib import Path
 
 from _bpe import train_bpe
 
-# A vLLM server whose model worker runs in its engine core's process instead of one of its own
-# (vLLM's CPU build takes the single-process executor only with V1 multiprocessing off, which
-# still leaves the engine core apart from the API server): one Python process fewer to start,
-# so ready about 12 s sooner here (29-31 s against 42). For the tests whose subject is what dew
-# checks or reports of a server, not the server's process layout; the tests that train, push
-# and kill servers run them as users do.
-ONE_WORKER_PROCESS = {
-    "environment": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    "arguments": ["--distributed-executor-backend", "uni"],
-}
-
 # ChatML, as Qwen2 checkpoints render conversations.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

@@ -20,7 +20,17 @@ size never feel. Benchmarks and users' runs keep XLA's defaults. The few tests t
 default model for tens of steps, where the optimised program's speed pays for its longer compile,
 turn the passes back on for themselves (the `xla_optimizations` fixture).
 
-The vLLM servers tests start run torch eagerly (TORCHDYNAMO_DISABLE, inherited through the
+The vLLM servers tests start run their model worker in their engine core's process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, inherited through the environment by every server a test,
+a `dew train` or a benchmark smoke run starts): vLLM's CPU build otherwise starts a worker
+process of its own beside the engine core, one more Python process importing torch, so each
+server was ready about 12-17 s later (42 s against 29-31 s; 57 s against 40 s on a loaded
+machine) and held several hundred MB more, over about twenty server starts in the suite. The
+tests check what dew asks of a server and sends it, which that layout leaves alike (its pushes
+reach the worker through the same `collective_rpc`); tests/test_vllm_fleet.py, which kills
+servers in the middle of pushes, runs its servers in vLLM's default layout, as users do.
+
+The vLLM servers tests start also run torch eagerly (TORCHDYNAMO_DISABLE, inherited through the
 environment like the settings above). vLLM's sampler compiles its log-prob gathering with
 torch.compile even under `--enforce-eager`, and each server process pays for that compile: a
 lone server was ready in 42 s without it against 50 s with it (two runs each, idle machine),
@@ -52,6 +62,7 @@ _CACHE = {
 }
 os.environ.update(_CACHE)
 os.environ["TORCHDYNAMO_DISABLE"] = "1"
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 jax.config.update("jax_disable_most_optimizations", True)
 jax.config.update("jax_compilation_cache_dir", _CACHE["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

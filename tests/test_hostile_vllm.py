@@ -4,8 +4,8 @@ Two servers are shared by the module, started together with vLLM's own command l
 of the test's choosing, as a user starts one: `protected` with `--api-key`, two served names,
 every flag a run needs and a `--max-model-len` shorter than `dew train`'s context; `bare` with
 `--api-key` and none of the flags (no development mode, no `--enable-scale-out`, vLLM's default
-log-probs); both with their model worker in their engine core's process
-(`_checkpoint.ONE_WORKER_PROCESS`: what is checked here is not the process layout). They run
+log-probs); both with their model worker in their engine core's process, as every server the
+tests start (tests/conftest.py). They run
 through dew's `ServerProcess` only for its process-group clean-up and its
 `sitecustomize` (this machine's torchvision cannot load beside torch's CPU build); dew attaches
 to them knowing nothing of those processes.
@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from _checkpoint import ONE_WORKER_PROCESS, tiny_qwen2
+from _checkpoint import tiny_qwen2
 from dew.models import hf
 from dew.serve import _vllm
 from dew.serve._vllm_process import ServerProcess, free_port
@@ -53,8 +53,7 @@ def servers(folder, tmp_path_factory):
     """The `protected` and `bare` servers' URLs, started at once and ready (GET /health)."""
     logs = tmp_path_factory.mktemp("logs")
     common = ["--dtype", "float32", "--max-model-len", str(SERVER_LEN), "--enforce-eager"]
-    common += ["--api-key", KEY, *ONE_WORKER_PROCESS["arguments"]]
-    one_process = ONE_WORKER_PROCESS["environment"]
+    common += ["--api-key", KEY]
     protected = ServerProcess(
         folder,
         host="127.0.0.1",
@@ -66,7 +65,7 @@ def servers(folder, tmp_path_factory):
             "--no-enable-chunked-prefill",
         ],
         log=logs / "protected.log",
-        environment={"VLLM_SERVER_DEV_MODE": "1", **one_process},
+        environment={"VLLM_SERVER_DEV_MODE": "1"},
     )
     bare = ServerProcess(
         folder,
@@ -74,7 +73,7 @@ def servers(folder, tmp_path_factory):
         port=free_port(),
         arguments=common,
         log=logs / "bare.log",
-        environment={"VLLM_SERVER_DEV_MODE": "0", **one_process},
+        environment={"VLLM_SERVER_DEV_MODE": "0"},
     )
     try:
         deadline = time.monotonic() + 900

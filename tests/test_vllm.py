@@ -23,7 +23,7 @@ import openai
 import pytest
 import trio
 
-from _checkpoint import ONE_WORKER_PROCESS, tiny_qwen2
+from _checkpoint import tiny_qwen2
 from dew import replay
 from dew._torch_media import hide_broken_media_packages
 from dew.data import ArrayDataset, Task
@@ -408,11 +408,7 @@ def test_a_server_reporting_raw_logprobs_or_chunking_prefills_on_a_cpu_is_refuse
             servers=1,
             max_model_len=MAX_LEN,
             work_dir=tmp_path,
-            arguments=[
-                *("--logprobs-mode", "raw_logprobs", "--enable-chunked-prefill"),
-                *ONE_WORKER_PROCESS["arguments"],
-            ],
-            environment=ONE_WORKER_PROCESS["environment"],
+            arguments=["--logprobs-mode", "raw_logprobs", "--enable-chunked-prefill"],
         )
     assert "start it with --logprobs-mode processed_logprobs" in str(caught.value)
     assert "start it with --no-enable-chunked-prefill" in str(caught.value)
@@ -452,7 +448,6 @@ def test_a_checkpoint_vllm_refuses_fails_with_its_error(tmp_path, monkeypatch):
                 max_model_len=MAX_LEN,
                 ready_timeout=600,
                 work_dir=tmp_path,
-                **ONE_WORKER_PROCESS,
             )
     assert "NoSuchModelForCausalLM" in str(caught.value)
     assert len(picked) == 2 and f":{picked[1]} exited" in str(caught.value)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import trio
 
-from _checkpoint import ONE_WORKER_PROCESS, tiny_qwen2
+from _checkpoint import tiny_qwen2
 from dew._torch_media import hide_broken_media_packages
 from dew.objectives.rl._session import track_progress
 from dew.serve._vllm_push import lora_problem
@@ -115,7 +115,6 @@ def engine(base, tmp_path_factory):
         lora_rank=RANK,
         save=save_adapter,
         work_dir=tmp_path_factory.mktemp("engine"),
-        **ONE_WORKER_PROCESS,
     ) as started:
         yield started
 
