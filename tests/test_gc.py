@@ -25,7 +25,7 @@ def _walked(thing) -> bool:
 
 @pytest.fixture(autouse=True)
 def _collector_as_found():
-    # A gateway served earlier in this process may have frozen what was alive then, for good.
+    # Each test starts with nothing frozen and leaves nothing frozen.
     gc.unfreeze()
     enabled = gc.isenabled()
     yield
@@ -80,3 +80,25 @@ def test_frozen_unfreezes_after_an_error():
     with pytest.raises(RuntimeError), _gc.frozen():
         raise RuntimeError("replay failed")
     assert gc.get_freeze_count() == 0
+
+
+def test_frozen_while_serving_holds_the_freeze_until_the_last_server_stops():
+    with _gc.frozen_while_serving():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with _gc.frozen_while_serving():
+            assert gc.get_freeze_count() == frozen  # the second server freezes nothing more
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0
+    # And after a server stopped, a replay's freeze is its own again.
+    with _gc.frozen():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_frozen_while_serving_leaves_a_freeze_made_before_it_as_it_was():
+    gc.freeze()
+    before = gc.get_freeze_count()
+    with _gc.frozen_while_serving():
+        pass
+    assert gc.get_freeze_count() == before

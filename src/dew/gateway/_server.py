@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import gc
 import hashlib
 import inspect
 import logging
@@ -25,6 +24,7 @@ import numpy as np
 import orjson
 import trio
 
+from dew import _gc
 from dew.gateway._answers import (
     Sample,
     assistant_message,
@@ -238,11 +238,12 @@ class Gateway:
         announce: print the address to stderr when serving.
         freeze_gc: on entering, collect once and move every object alive then (the imported
             modules, the model, the compiled functions) out of the cyclic garbage collector's
-            reach (`gc.freeze`). A full collection walks every tracked object and stops the
-            whole process while it does: with jax imported that is 60-90 ms, which every
-            request in flight waits out (the p99 latency of `benchmarks/gateway.py` went from
-            67-92 ms to about 21 ms). Objects alive then are still freed when their last
-            reference goes; only garbage cycles among them are never collected.
+            reach (`gc.freeze`) while it serves. A full collection walks every tracked object
+            and stops the whole process while it does: with jax imported that is 60-90 ms,
+            which every request in flight waits out (the p99 latency of
+            `benchmarks/gateway.py` went from 67-92 ms to about 21 ms). Objects alive then are
+            still freed when their last reference goes, and collectable again once the last
+            gateway of the process has stopped (`dew._gc.frozen_while_serving`).
 
     Raises:
         ValueError: naming the argument out of bounds, a max_context above an engine's
@@ -325,9 +326,6 @@ class Gateway:
     async def __aenter__(self) -> Gateway:
         if self._stack is not None:
             raise RuntimeError("this Gateway is already serving")
-        if self.freeze_gc:
-            gc.collect()
-            gc.freeze()
         config = hypercorn.config.Config()
         host = f"[{self.host}]" if ":" in self.host else self.host
         config.bind = [f"{host}:{self.port}"]
@@ -344,6 +342,8 @@ class Gateway:
         # Large requests are read two at a time in worker threads (the GIL runs one anyway).
         self._readers = trio.CapacityLimiter(2)
         self._stack = contextlib.AsyncExitStack()
+        if self.freeze_gc:
+            self._stack.enter_context(_gc.frozen_while_serving())
         nursery = await self._stack.enter_async_context(trio.open_nursery())
         self._nursery = nursery
         try:
