@@ -36,12 +36,16 @@ from pathlib import Path
 TASKS = {
     "syllogism": {"task": "reasoning-gym:syllogism,invalid_ratio=0.5", "max_tokens": 4},
     "arithmetic": {
-        "task": "reasoning-gym:basic_arithmetic,min_terms=2,max_terms=2,min_digits=1,max_digits=1",
-        "max_tokens": 6,
+        "task": (
+            "reasoning-gym:basic_arithmetic,min_terms=2,max_terms=2,min_digits=1,max_digits=1,"
+            'operators=["+"],allow_negation=false,allow_parentheses=false'
+        ),
+        "max_tokens": 16,
     },
 }
 """Each task's `dew train` settings beyond the recipe: its spec and its replies' most tokens
-(SmolLM2's right replies are a token or two; a longer budget lets it ramble, slower)."""
+(syllogism's right replies are a token or two; a sum's reply needs room for the equation
+SmolLM2 writes before it learns to stop: at 6 tokens no reply held the answer)."""
 
 RECIPE = {
     "model": "smollm2",
@@ -65,8 +69,17 @@ reward of the base model over 48 tasks, replies of at most the tokens named:
 
 - dew's `copy` task, 4 tokens: 0.000. SmolLM2 answers "33333333" with "I'm sorry for ...": it
   never says the bare digit, so no group has a reward to learn from.
-- `basic_arithmetic` (two one-digit terms), 6 tokens: 0.006. It starts "To calculate the sum
-  of ..." and reasoning-gym scores the reply verbatim (a sentence holding the number scores 0).
+- `basic_arithmetic` (two one-digit terms, every operator), 6 tokens: 0.006. It starts "To
+  calculate the sum of ..." and runs out of tokens before any number.
+- `basic_arithmetic` (two one-digit terms, `+` only), 16 tokens (the `arithmetic` task and the
+  README's command): greedy 0.011, and 9 of 12 groups of 16 sampled replies held a reply the
+  scorer credits ("10 + 8 equals 18." scores 0.118: reasoning-gym gives a reply holding the
+  answer the answer's share of its characters). Trained 30 steps (README's "Train a real
+  model", seed 0, dew's engine, 951 s, 20-25 s a step, 12.7 GB peak): held-out greedy 0.011 ->
+  0.147 -> 0.155 -> 0.155 at 0, 10, 20, 30 updates, mean@2 0.008 -> 0.149, held-out replies
+  credited 20 % -> 97 %; "To calculate 6 + 5, we simply add them together. 6" became
+  "6 + 5 = 11" and a stop. A real gain, not a constant answer (the sums are 19 classes); the
+  bare answer (score 1) was not found in 30 steps.
 - `letter_counting` (one word), 6 tokens: 0.000 ("The letter "r" appears ..."); its answers are
   96 % one class (1), so even a gain there would be a constant answer.
 - `syllogism`, 8 tokens (issue 41): 0.117; the one task of these within 5-60 %. Trained at
