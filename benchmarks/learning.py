@@ -79,7 +79,9 @@ reward of the base model over 48 tasks, replies of at most the tokens named:
   0.147 -> 0.155 -> 0.155 at 0, 10, 20, 30 updates, mean@2 0.008 -> 0.149, held-out replies
   credited 20 % -> 97 %; "To calculate 6 + 5, we simply add them together. 6" became
   "6 + 5 = 11" and a stop. A real gain, not a constant answer (the sums are 19 classes); the
-  bare answer (score 1) was not found in 30 steps.
+  bare answer (score 1) was not found in 30 steps. The same with `--engine vllm`: greedy
+  0.011 -> 0.083 -> 0.144 -> 0.155, mean@2 0.008 -> 0.151, credited 20 % -> 97 %, 719 s wall,
+  15 s a step, the dew process's peak 11.2 GB (the server's apart), mismatch/engine 5.7e-11.
 - `letter_counting` (one word), 6 tokens: 0.000 ("The letter "r" appears ..."); its answers are
   96 % one class (1), so even a gain there would be a constant answer.
 - `syllogism`, 8 tokens (issue 41): 0.117; the one task of these within 5-60 %. Trained at
