@@ -368,6 +368,15 @@ def test_trainer_arguments_are_checked(tmp_path):
         Trainer(OBJECTIVE, MOMENTUM, params(), logs=["samples.jsonl"])
     with pytest.raises(ValueError, match="logs must be a sequence of file names, got 'samples"):
         Trainer(OBJECTIVE, MOMENTUM, params(), directory=tmp_path, logs="samples.jsonl")
+    with pytest.raises(ValueError, match="measure must be a callable .* got 'eval'"):
+        Trainer(OBJECTIVE, MOMENTUM, params(), measure="eval")
+    for measure, problem in [
+        (lambda updates: 0.5, "measure must return a mapping of str keys to metrics, got 0.5"),
+        (lambda updates: {"loss": 0.0}, r"measure returned \['loss'\], keys the trainer's line"),
+    ]:
+        trainer = Trainer(OBJECTIVE, MOMENTUM, params(), measure=measure)
+        with pytest.raises(ValueError, match=problem):
+            trainer.run(FakeRollout(OBJECTIVE, []), CountingDataset([]), steps=1)
 
 
 # 3. ServedSource ----------------------------------------------------------------------------------

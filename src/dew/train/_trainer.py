@@ -376,6 +376,10 @@ class Trainer:
         self.optimizer = optimizer
         self.directory = None if directory is None else Path(directory)
         self.checkpoint_every = checkpoint_every
+        if measure is not None and not callable(measure):
+            raise ValueError(
+                f"measure must be a callable (updates -> a mapping of metrics), got {measure!r}"
+            )
         self.on_step = on_step
         self.measure = measure
         self.metadata = dict(metadata or {})
@@ -608,7 +612,7 @@ class Trainer:
         self.updates += 1
         self.position += 1
         if self.measure is not None:
-            line |= self.measure(self.updates)
+            line |= self._measured(self.updates, line)
         if log is not None:
             log.write(json.dumps(line, allow_nan=False).encode() + b"\n")
             log.flush()
@@ -618,6 +622,25 @@ class Trainer:
         self._measure_logs()
         if self.checkpoint_every is not None and self.updates % self.checkpoint_every == 0:
             self.save()
+
+    def _measured(self, updates: int, line: Mapping[str, Any]) -> Mapping[str, Any]:
+        """What `measure` gives for the step's line.
+
+        Raises:
+            ValueError: naming what it gave when that is not a mapping of str keys, or a key
+                the step's line has already (the trainer's own figure would be overwritten).
+        """
+        measured = self.measure(updates)
+        if not isinstance(measured, Mapping) or not all(isinstance(k, str) for k in measured):
+            raise ValueError(
+                f"measure must return a mapping of str keys to metrics, got {measured!r:.200}"
+            )
+        if taken := sorted(set(measured) & set(line)):
+            raise ValueError(
+                f"measure returned {taken}, keys the trainer's line has already: name its "
+                "metrics apart (dew train's evaluation prefixes them with eval/)"
+            )
+        return measured
 
     def _measure_logs(self) -> None:
         """Note the logs' lengths after a step: the lengths that go with the trainer's state."""
