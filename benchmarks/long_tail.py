@@ -273,6 +273,10 @@ if __name__ == "__main__":
         parser.add_argument("--seeds", type=int, default=None)
         parser.add_argument("--jobs", type=int, default=2)
         options = parser.parse_args(args)
+        for name in ("steps", "seeds", "jobs"):
+            value = getattr(options, name)
+            if value is not None and value < 1:
+                parser.error(f"--{name} must be at least 1, got {value}")
         if options.reference:
             print(reference(options.steps, options.seeds or 10, options.jobs))
         if options.workloads:

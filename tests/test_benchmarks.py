@@ -3,6 +3,9 @@ that start servers or processes run in tests/test_benchmarks_heavy.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from _benchmarks import BENCHMARKS, HEAVY, run_smoke
@@ -93,3 +96,21 @@ def test_the_long_tail_workloads_weigh_auto_against_the_best_fixed_setting_withi
         assert row.split()[-1] == f"{mine.goodput / best.goodput:.3f}"
     else:
         assert "none fits" in row
+
+
+@pytest.mark.parametrize("option", ["--steps=-1", "--seeds=0", "--jobs=0"])
+def test_the_long_tail_tables_refuse_a_count_below_one_in_one_line(option):
+    script = next(path for path in BENCHMARKS if path.stem == "long_tail")
+    done = subprocess.run(
+        [sys.executable, str(script), "--workloads", option],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    name, value = option.split("=")
+    assert done.returncode == 2, done.stderr
+    assert (
+        done.stderr.splitlines()[-1]
+        == f"long_tail.py: error: {name} must be at least 1, got {value}"
+    )
+    assert "Traceback" not in done.stderr
