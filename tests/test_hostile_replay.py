@@ -380,6 +380,8 @@ def _restored(field: str, index: int, value):
         ("stream", 0, _restored("tasks", 0, 5), "a task must be an object, got 5"),
         ("stream", 0, lambda s: s["restored_state"]["tasks"].pop(), "the line's restored says"),
         ("stream", 0, lambda s: s.update(restored=-2), "restored must be >= 0, got -2"),
+        ("push", 0, lambda p: p.update(began=p["time"] + 1), "the push began at"),
+        ("push", 0, lambda p: p.update(began="soon"), "field 'began' must be"),
     ],
     ids=[
         "read-past-stream",
@@ -393,6 +395,8 @@ def _restored(field: str, index: int, value):
         "restored-task",
         "restored-miscount",
         "negative-restored",
+        "push-began-after-its-end",
+        "push-began-not-a-time",
     ],
 )
 def test_a_line_that_contradicts_the_run_is_refused_naming_it(

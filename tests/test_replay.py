@@ -710,6 +710,74 @@ def test_a_thread_call_that_raised_replays_as_recorded(tmp_path):
     assert result.calls[-1].raised == "RuntimeError: the table fell over"
 
 
+class ServedMidway(Served):
+    """A Publisher whose push (`load_async`) serves the new version partway through, as vLLM's
+    does (it reloads and resumes, then returns), and returns once a rollout has ended under the
+    new version (or after a second: none was running)."""
+
+    def __init__(self):
+        self.ended_under_new: trio.Event | None = None
+
+    async def load_async(self, variables, version):
+        await trio.sleep(0.005)
+        self.version, self.ended_under_new = version, trio.Event()
+        with trio.move_on_after(1.0):
+            await self.ended_under_new.wait()
+        self.ended_under_new = None
+
+
+@attrs.frozen
+class LateCoin:
+    """Coin's rollouts, drawn under the version served when they end (a call of vLLM that
+    joins the batch after the reload)."""
+
+    engine: ServedMidway
+
+    async def run(self, task: Task, label: Label) -> Session:
+        rng = np.random.default_rng([int(task.name), label.group, label.sample])
+        await trio.sleep(float(rng.exponential(0.02)))
+        version = self.engine.version
+        if self.engine.ended_under_new is not None:
+            self.engine.ended_under_new.set()
+        heads = int(rng.integers(2))
+        logprobs = np.array([-0.7], np.float32)
+        call = Call(np.array([1, 2], np.int32), np.array([heads + 3], np.int32), logprobs, version)
+        return Session(Status.COMPLETED, [call], reward=float(heads))
+
+
+def test_a_thread_trace_replays_rollouts_that_ended_during_an_async_push(tmp_path):
+    # The scheduler knows a version from its push's start: a rollout in flight may end under
+    # it before the push returns and the hand-over is logged. Replay makes the call at the
+    # push's recorded start and lets it last until the hand-over, so that rollout is taken.
+    engine = ServedMidway()
+    recorder = Recorder(tmp_path / "pushes.trace")
+    scheduler = RolloutScheduler(
+        NoRescoring(),
+        RecordingSource(LateCoin(engine), recorder),
+        RecordingPublisher(engine, recorder),
+        width=16,
+        rows=8,
+        groups=2,
+    )
+    with recorder.record(scheduler):
+        drive(recorder, ArrayDataset({"task_id": np.arange(40)}, 4), range(5))
+    trace = read_trace(recorder.path)
+    pushing = [c for c in trace.calls if any(e.kind == "pushed" for e in c.events)]
+    assert len(pushing) == len(trace.pushes) == len(trace.push_starts) == 5
+    during = [
+        session
+        for (ended, version), began in zip(trace.pushes, trace.push_starts, strict=True)
+        for session in trace.sessions.values()
+        if began < session.ended < ended and session.session.calls[0].version == version
+    ]
+    assert during, "no rollout ended under a version being pushed: the test proves nothing"
+    for call, began in zip(pushing, trace.push_starts, strict=True):
+        assert began < call.handed_over
+    result = replay(trace)
+    assert result.matched, str(result)
+    assert result.steps == 5
+
+
 async def test_the_recorder_keeps_each_facade_to_its_own_calls(tmp_path, autojump_clock):
     engine = Served()
 

@@ -28,7 +28,8 @@ trainer's thread). Each later line has a `kind`:
   says alike at that time, since the scheduler counts a running rollout's lag from it (added
   within version 4: a trace without it replays as recorded, its rollouts counted from their
   submission as they were);
-- `push`: a weight push (`version`, `time`);
+- `push`: a weight push (`version`, `time` it ended, and `began`: when it began, added within
+  version 4; a thread trace without it replays each push at its call's hand-over);
 - `call`: one trainer call: its `step`, `batch`, `updates`, the `stream` and how many batches it
   had yielded (`read`), `handed_over` and `returned` times, and either the SchedulerRecord
   (`record`, metrics included), the event log (`events`) and the digests of the packed batch's
@@ -59,10 +60,13 @@ while the scheduler ran has `time` null in its line and takes the time of its `r
 the end line's `time` are null, read as the first and last times the trace holds. A call that
 raised has null times. The scheduler then runs on the real clock; its readings that no event
 carries are recorded but not compared: each record's `waited` (the trainer thread's seconds)
-and each push's time (the engine takes the weights a moment after the hand-over; versions are
-compared); nor is what happened after the last call returned (the close is off the trainer's
-clock). A rollout's latency and deadline count from its submission event's time, so they replay
-exactly.
+and each push's end (versions are compared); nor is what happened after the last call returned
+(the close is off the trainer's clock). A rollout's latency and deadline count from its
+submission event's time, so they replay exactly. A call whose push the scheduler awaited
+(`load_async`, vLLM's) reached the scheduler when that push began, and its hand-over came when
+the push ended: replay makes the call at the push's recorded start and lets the push last until
+the recorded hand-over, so a rollout that ended under the new version during the push (the
+scheduler knows a version from its push's start) is taken as it was.
 
 Replay runs the recorded configuration (with any overrides) against `ReplaySource`, which plays
 each recorded rollout back by (task name, label) with its recorded duration and outcome, under

@@ -491,8 +491,9 @@ def _refusal(session: Any, task: Task, label: Label, vocab: int | None) -> str |
 @attrs.frozen(eq=False)
 class RecordingPublisher:
     """A Publisher that passes every weight push on to `publisher` and, once it is taken,
-    records it (version, time). It offers `load_async` where `publisher` does (an instance of
-    its subclass then), so the scheduler awaits the push as it would the publisher's own."""
+    records it (version, when it began and ended). It offers `load_async` where `publisher`
+    does (an instance of its subclass then), so the scheduler awaits the push as it would the
+    publisher's own."""
 
     publisher: Publisher
     recorder: Recorder
@@ -504,11 +505,17 @@ class RecordingPublisher:
 
     def load(self, variables: Any, version: int) -> None:
         """Push the weights through `publisher`, then record the push."""
+        began = trio.current_time()
         self.publisher.load(variables, version)
-        self._recorded(version)
+        self._recorded(version, began)
 
-    def _recorded(self, version: int) -> None:
-        push = {"kind": "push", "version": _plain(version), "time": trio.current_time()}
+    def _recorded(self, version: int, began: float) -> None:
+        push = {
+            "kind": "push",
+            "version": _plain(version),
+            "time": trio.current_time(),
+            "began": began,
+        }
         self.recorder._write(push)
 
 
@@ -517,6 +524,7 @@ class _AsyncRecordingPublisher(RecordingPublisher):
 
     async def load_async(self, variables: Any, version: int) -> None:
         """Push the weights through `publisher.load_async` (the scheduler's run goes on
-        meanwhile), then record the push at the instant it ended."""
+        meanwhile), then record the push: the instants it began and ended."""
+        began = trio.current_time()
         await self.publisher.load_async(variables, version)
-        self._recorded(version)
+        self._recorded(version, began)

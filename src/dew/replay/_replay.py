@@ -66,9 +66,10 @@ class ReplayPublisher:
     """A Publisher for replay: it accepts every push and keeps them, as (time, version).
 
     Args:
-        ends: the recorded pushes' times (when each ended), for a trace of the scheduler's
-            async facade: the k-th push lasts until the k-th of them, as a publisher's async
-            push (`load_async`) did in the recorded run; empty, each push is instant.
+        ends: when each recorded push ended: the k-th push lasts until the k-th of them, as a
+            publisher's async push (`load_async`) did in the recorded run (an async trace's
+            push lines; a thread trace's hand-overs, see `_thread_pushes`); empty, or where an
+            end has passed, a push is instant.
         sleep_until: the replay's clock keeper (`ReplaySource.sleep_until`), which `ends` need.
     """
 
@@ -474,8 +475,10 @@ async def _replay(
             f"{trio.current_time()!r}, which cannot go back to it (a damaged trace?)",
         )
     source = ReplaySource(trace)
-    # An async trace's pushes took the time recorded (a thread trace's are off its clock).
-    ends = [time for time, _ in trace.pushes] if trace.facade == "async" else []
+    if trace.facade == "async":
+        starts, ends = {}, [time for time, _ in trace.pushes]
+    else:
+        starts, ends = _thread_pushes(trace)
     publisher = ReplayPublisher(ends, source.sleep_until)
     _check_recorded(trace, source)
     scheduler = _scheduler(trace, config, source, publisher)
@@ -486,7 +489,7 @@ async def _replay(
     streams = [_open(scheduler, stream) for stream in trace.streams if not stream.running]
     try:
         async with source, scheduler:
-            await _drive(trace, scheduler, source, calls, streams, progress)
+            await _drive(trace, scheduler, source, calls, streams, starts, progress)
     except ReplayStalled as error:
         step = len(calls)
         recorded = trace.calls[step].returned if step < len(trace.calls) else trace.end
@@ -498,6 +501,31 @@ async def _replay(
         found, key=lambda d: (d.step, math.inf if d.time is None else d.time), default=None
     )
     return ReplayResult(trace.path, tuple(calls), divergence, start=trace.start, cut=trace.cut)
+
+
+def _thread_pushes(trace: Trace) -> tuple[dict[int, float], list[float]]:
+    """When a thread trace's calls reached the scheduler, and when its pushes ended.
+
+    The trainer's thread reads no trio clock: a call's time in the trace is its `handed_over`
+    event, which an awaited push (`load_async`) puts at the push's end. A call whose log says
+    it `pushed` made the next push, which began when the call reached the scheduler
+    (`Trace.push_starts`). Replay makes the call then and lets its push last until the recorded
+    hand-over, so what happened during the push (a rollout that ended under the version being
+    pushed) happens again. A push the trace holds no start of, or a synchronous one (its
+    hand-over is its start), is instant at its call's hand-over.
+
+    Returns:
+        step -> the call's time, for the calls whose push began before their hand-over; and
+        per push, when it ends (-inf for an instant one).
+    """
+    starts: dict[int, float] = {}
+    ends = [-math.inf] * len(trace.pushes)
+    pushing = (call for call in trace.calls if any(e.kind == "pushed" for e in call.events))
+    for index, (call, began) in enumerate(zip(pushing, trace.push_starts, strict=False)):
+        if None not in (began, call.handed_over) and began < call.handed_over:
+            starts[call.step] = began
+            ends[index] = call.handed_over
+    return starts, ends
 
 
 def _open(scheduler: RolloutScheduler, stream: RecordedStream) -> Iterator[Batch]:
@@ -530,6 +558,7 @@ async def _drive(
     source: ReplaySource,
     calls: list[ReplayedCall],
     streams: list[Iterator[Batch]],
+    starts: Mapping[int, float],
     progress: Callable[[int, int, float], None] | None,
 ) -> None:
     """The replay's trainer: open streams, read them, hand batches over, as recorded; a cut
@@ -537,6 +566,8 @@ async def _drive(
 
     Args:
         streams: the streams opened so far (before the scheduler ran).
+        starts: step -> when a thread trace's call reached the scheduler, where that is
+            before its hand-over (its push's start, see `_thread_pushes`).
         progress: called after each call (see `replay`).
     """
     read = 0
@@ -558,7 +589,8 @@ async def _drive(
             read = max(read, call.read)
         # A call from the trainer's thread that raised has no time: hand it over as soon as
         # the replay gets to it, but not before the recording began.
-        await source.sleep_until(trace.start if call.handed_over is None else call.handed_over)
+        at = starts.get(call.step, call.handed_over)
+        await source.sleep_until(trace.start if at is None else at)
         calls.append(await _call(scheduler, call))
         if progress is not None:
             progress(len(calls), len(trace.calls), trio.current_time() - trace.start)

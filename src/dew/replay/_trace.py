@@ -137,6 +137,9 @@ class Trace:
             through the close.
         cut: for a trace whose recording was cut off (a killed run's, read with `partial`),
             where it ends; its `end` is then its last call's return and `closing_events` empty.
+        push_starts: per push, when it began (None where the trace does not say: written
+            before dew recorded it). The scheduler knows a push's version from its start, so
+            a rollout may end under it before the push's end.
     """
 
     path: str
@@ -151,6 +154,7 @@ class Trace:
     end: float
     closing_events: tuple[LogEvent, ...]
     cut: str | None = None
+    push_starts: tuple[float | None, ...] = ()
 
 
 class _Line:
@@ -486,6 +490,7 @@ def _read_trace(path: str, partial: bool) -> Trace:
     streams: list[tuple[float | None, bool, list[int], int, tuple, int]] = []
     sessions: dict[Label, RecordedSession] = {}
     pushes: list[tuple[float, int]] = []
+    push_starts: list[float | None] = []
     calls: list[RecordedCall] = []
     ended, end = False, None
     for number, text in enumerate(lines[1:], start=2):
@@ -538,6 +543,10 @@ def _read_trace(path: str, partial: bool) -> Trace:
             )
         elif kind == "push":
             pushes.append((line.time("time"), line.get("version", (int,))))
+            began = line.optional_time("began") if "began" in line.data else None
+            if began is not None and began > pushes[-1][0]:
+                line.fail(f"the push began at {began!r}, after it ended at {pushes[-1][0]!r}")
+            push_starts.append(began)
         elif kind == "call":
             step = line.get("step", (int,))
             if step != len(calls):
@@ -603,6 +612,7 @@ def _read_trace(path: str, partial: bool) -> Trace:
     )
     if start is None or end is None:
         times = _times(opened, sessions.values(), pushes, calls)
+        times += [began for began in push_starts if began is not None]
         start = min(times, default=0.0) if start is None else start
         end = max(times, default=start) if end is None else end
     return Trace(
@@ -618,6 +628,7 @@ def _read_trace(path: str, partial: bool) -> Trace:
         end=end,
         closing_events=closing,
         cut=cut,
+        push_starts=tuple(push_starts),
     )
 
 
