@@ -535,13 +535,9 @@ def test_dew_train_trains_a_checkpoint_with_vllm_serving_and_replays_its_record(
     from dew.cli import main
 
     run, trace = tmp_path / "run", tmp_path / "run.trace"
-    # No batch ahead: a trace of the trainer's thread in which a rollout ends under a version
-    # whose async push is still in progress does not replay (the replay pushes at the recorded
-    # hand-over, after the push's end, and refuses the rollout's newer version): a known bug,
-    # timing-dependent on real servers (it failed one full-suite run here), not this test's
-    # subject. Rollouts across pushes are replayed under the mock clock elsewhere.
-    options = ["--steps", "5", "--ahead", "0", "--record", str(trace)]
-    argv = dew_train(folders[0], run, engine.urls, *options)
+    # At the default batch ahead, rollouts run during the pushes, and one may end under the
+    # version being pushed: the trace holds each push's start, which replay needs for it.
+    argv = dew_train(folders[0], run, engine.urls, "--steps", "5", "--record", str(trace))
     with jax.numpy_dtype_promotion("standard"):  # optax's Adam
         assert main(argv) == 0
     lines = metrics(run)
