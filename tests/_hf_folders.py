@@ -31,6 +31,25 @@ def chat_checkpoint(folder: Path, shape: dict) -> Path:
     return folder
 
 
+def answer_with_digits(folder: Path) -> Path:
+    """Make the checkpoint in `folder` (`chat_checkpoint`'s, untied) answer with digits: one
+    embedding dimension large for every token, and the output projection reading it as +1 for
+    the digits' tokens and -1 for the rest. A random digit copies the copy task's right one a
+    tenth of the time, so its groups differ in reward and a run has something to learn (a
+    random checkpoint's replies all earn 0)."""
+    from safetensors.numpy import load_file, save_file
+
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    digits = [vocab[str(digit)] for digit in range(10)]
+    weights = folder / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.embed_tokens.weight"][:, 0] = 30.0
+    tensors["lm_head.weight"][:, 0] = -1.0
+    tensors["lm_head.weight"][digits, 0] = 1.0
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return folder
+
+
 def randomize_params(model) -> None:
     """Draw every param of a transformers `model` at random, in place, from torch's generator:
     norms near 1, the rest N(0, 0.2), so biases and norms take part in what a test compares."""

@@ -17,9 +17,8 @@ import numpy as np
 import optax
 import pytest
 from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
 
-from _hf_folders import chat_checkpoint, randomize_params
+from _hf_folders import answer_with_digits, chat_checkpoint, randomize_params
 from dew._torch_media import hide_broken_media_packages
 from dew.data import Task
 from dew.envs import Score
@@ -228,21 +227,10 @@ def test_an_adapter_of_another_rank_or_targets_is_not_saved_under_a_config(folde
 @pytest.fixture(scope="module")
 def chat_folder(tmp_path_factory) -> Path:
     """A tiny random Qwen2 checkpoint with its own tokenizer and Qwen2.5's chat template that
-    answers with digits: one embedding dimension large for every token, and the output
-    projection reading it as +1 for the digits' tokens and -1 for the rest. A random digit
-    copies the copy task's right one a tenth of the time, so its groups differ in reward and
-    a run has something to learn (a random checkpoint's replies all earn 0)."""
+    answers with digits (`answer_with_digits`), so a run's groups differ in reward."""
     shape = {**SHAPE, "num_hidden_layers": 1, "max_position_embeddings": 256}
     del shape["vocab_size"]  # the tokenizer's, made with it
-    folder = chat_checkpoint(tmp_path_factory.mktemp("qwen2-chat"), shape)
-    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
-    digits = [vocab[str(digit)] for digit in range(10)]
-    tensors = load_file(folder / hf.WEIGHTS)
-    tensors["model.embed_tokens.weight"][:, 0] = 30.0
-    tensors["lm_head.weight"][:, 0] = -1.0
-    tensors["lm_head.weight"][digits, 0] = 1.0
-    save_file(tensors, folder / hf.WEIGHTS, metadata={"format": "pt"})
-    return folder
+    return answer_with_digits(chat_checkpoint(tmp_path_factory.mktemp("qwen2-chat"), shape))
 
 
 def _train(chat_folder: Path, run: Path, *options: str) -> int:

@@ -10,15 +10,18 @@ at random: PEFT starts B at 0, which would leave the base model's log-probs as t
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import httpx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import trio
 
 from _checkpoint import tiny_qwen2
+from _hf_folders import answer_with_digits, chat_checkpoint
 from dew._torch_media import hide_broken_media_packages
 from dew.objectives.rl._session import track_progress
 from dew.serve._vllm_push import lora_problem
@@ -278,6 +281,67 @@ def test_dew_train_lora_pushes_the_adapter_and_the_engine_agrees_with_dew(
     served = httpx.get(f"{engine.urls[0]}/v1/models").json()["data"]
     (adapter,) = [entry for entry in served if entry["id"] == engine.adapter]
     assert Path(adapter["root"]).parent == run / "vllm" / "process-0"
+
+
+@pytest.fixture(scope="module")
+def digits_folder(tmp_path_factory) -> Path:
+    """A tiny Qwen2 checkpoint vLLM's CPU build serves (heads of 64) with a tokenizer, chat
+    template, and replies of digits, so the copy task's groups differ in reward and the
+    adapter trains."""
+    shape = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1}
+    shape |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
+    shape |= {"max_position_embeddings": MAX_LEN}
+    return answer_with_digits(chat_checkpoint(tmp_path_factory.mktemp("digits"), shape))
+
+
+@pytest.mark.slow
+def test_dew_train_lora_starts_its_vllm_server_for_adapters_and_trains_through_it(
+    digits_folder, tmp_path
+):
+    """`dew train --lora --engine vllm` without `--engine-url`: dew starts the server with
+    what adapter pushes need (`--enable-lora`, a `--max-lora-rank` at least the run's), each
+    batch is drawn under the adapter the update before pushed (`--ahead 0`), and the server's
+    log-probs are dew's own base + adapter rescoring (`mismatch/engine`) at float rounding,
+    with an adapter that moves them far more than that; the run's folder holds the adapter."""
+    from dew.cli import main
+    from dew.models import hf
+    from dew.models.hf import lora
+
+    run, rank = tmp_path / "run", 4
+    argv = ["train", "--model", str(digits_folder), "--lora", "--lora-rank", str(rank)]
+    argv += ["--lora-targets", "q_proj,v_proj,down_proj", "--learning-rate", "0.01"]
+    argv += ["--engine", "vllm", "--engine-servers", "1", "--run", str(run), "--ahead", "0"]
+    argv += ["--steps", "4", "--tasks", "8", "--batch-size", "4", "--groups", "8"]
+    argv += ["--max-tokens", "2", "--eval-every", "0", "--samples", "0"]
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        assert main(argv) == 0
+    log = (run / "vllm" / "process-0" / "vllm-0.log").read_text()
+    (served_rank,) = {int(found) for found in re.findall(r"'max_lora_rank': (\d+)", log)}
+    assert "'enable_lora': True" in log and served_rank >= rank
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["updates"] for line in lines] == [1, 2, 3, 4]
+    assert [line["push/version"] for line in lines] == [0, 1, 2, 3]
+    full = (digits_folder / "model.safetensors").stat().st_size
+    assert all(0 < line["push/bytes"] * 10 < full for line in lines), lines
+    # Each batch was drawn under the trainer's own version, so each step compares.
+    mismatches = [line["mismatch/engine"] for line in lines]
+    print(f"mismatch/engine per step {mismatches}")
+    assert max(mismatches) <= 1e-6, mismatches
+    # The batches after the first were drawn under a trained adapter (B starts at zero), and
+    # the run's adapter moves the log-probs far past that bound: a server that left it out
+    # would not pass.
+    assert any(line["grad_norm"] > 0 for line in lines[:-1]), lines
+    model, params = hf.load(digits_folder)
+    config, adapter = lora.load_adapter(run / "checkpoints" / "adapter", model)
+    assert config == lora.LoRAConfig(rank, 16.0, ("down_proj", "q_proj", "v_proj"))
+    adapted = lora.LoRAModel(model, config), {"adapter": adapter, "base": params}
+    tokens = jnp.arange(2, 14, dtype=jnp.int32)[None]
+    positions, segments = jnp.arange(12, dtype=jnp.int32)[None], jnp.ones_like(tokens)
+    base, moved = (
+        jax.nn.log_softmax(forward(variables, tokens, positions, segments))
+        for forward, variables in ((model, params), adapted)
+    )
+    assert float(jnp.abs(moved - base).max()) > 1e-3
 
 
 @pytest.mark.slow
