@@ -29,6 +29,12 @@ outside `[importance_floor, importance_cap]` masked out of the loss); how the lo
 (`aggregation`); a KL penalty to a reference policy (`kl_coef`); and an entropy bonus
 (`entropy_coef`). The defaults are
 decoupled PPO as AReaL trains it: token-level weights truncated at 5, the token mean.
+
+This module holds the objective itself: its settings, the behaviour importance weights, the
+loss and its aggregation, and the update step. Beside it, each a formula or a mechanism a reader
+can take alone: `_surrogate` (the clipped surrogate's variants and the reference KL's
+estimators), `_logprobs` (the chunked log-prob and entropy pass over the model's head) and
+`_step_layout` (the step's outputs placed as its inputs were).
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ import numpy as np
 import optax
 
 from dew._checks import at_least, in_range, int_at_least, is_callable, positive
+from dew.objectives.rl._logprobs import target_log_probs
+from dew.objectives.rl._step_layout import LaidOutStep, laid_out
 from dew.objectives.rl._surrogate import (
     KL_ESTIMATORS,
     RATIO_LEVELS,
@@ -159,51 +167,6 @@ def mismatch_metrics(batch: Mapping[str, Any], *, version: int) -> dict[str, flo
         if where.any():
             metrics[name] = float(k3[where].mean())
     return metrics
-
-
-def _layout(tree: Any) -> tuple[jax.sharding.Sharding | None, ...]:
-    """The sharding of each of `tree`'s leaves that is placed on devices (a committed array),
-    for the step to hand it back with; None for the leaves jit places as it likes (numpy,
-    uncommitted arrays) and for the tracers of an enclosing jit (`dew.parallel`'s step over a
-    pool), whose own shardings place them.
-
-    Left to propagation, GSPMD may lay an output out otherwise than its input: on a mesh with a
-    one-device axis and a batch it leaves whole, the replicated norms and their Adam moments come
-    back split over fsdp, and the step and every jitted function the weights go to (the
-    rescoring, the engine's steps) compile again for them. A tuple of shardings is hashable:
-    the step takes it as a static argument, which compiles nothing more, since the inputs'
-    shardings it is read from key jit's cache already."""
-    return tuple(
-        leaf.sharding
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.committed
-        else None
-        for leaf in jax.tree.leaves(tree)
-    )
-
-
-def _laid_out(tree: Any, layout: tuple[jax.sharding.Sharding | None, ...]) -> Any:
-    """`tree` with each leaf constrained to its sharding in `layout` (`_layout` of the inputs
-    it mirrors), inside a jitted function; a leaf whose sharding is None left to propagation."""
-    leaves, structure = jax.tree.flatten(tree)
-    return structure.unflatten(
-        leaf if placed is None else jax.lax.with_sharding_constraint(leaf, placed)
-        for leaf, placed in zip(leaves, layout, strict=True)
-    )
-
-
-@attrs.frozen(eq=False)
-class _LaidOutStep:
-    """`GRPOObjective.update_fn`'s step: the jitted `update(variables, opt_state, batch,
-    layout)`, handed the variables' and state's shardings (`_layout`) to lay its own out as."""
-
-    update: Callable
-
-    def __call__(self, variables, opt_state, batch):
-        return self.update(variables, opt_state, batch, layout=_layout((variables, opt_state)))
-
-    def _cache_size(self) -> int:
-        """The programs compiled, one per input signature, as a jitted function counts them."""
-        return self.update._cache_size()
 
 
 @attrs.frozen(eq=False)
@@ -555,7 +518,7 @@ class GRPOObjective:
             as they were, so NaN never reaches the weights; its metrics show the non-finite
             value, for the caller to stop on. So does a step with no trained token: nothing to
             learn from, and Adam's momentum alone would move the weights. Variables and state
-            placed on devices come back with the shardings they came in with (see `_layout`),
+            placed on devices come back with the shardings they came in with (see `layout`),
             so the step compiles once per batch shape, and so do the jitted functions the
             weights are pushed to. Its `_cache_size()` counts its compilations, as jit's does.
         """
@@ -577,10 +540,10 @@ class GRPOObjective:
 
             new_variables = jax.tree.map(unless_finite, new_variables, variables)
             new_state = jax.tree.map(unless_finite, new_state, opt_state)
-            new_variables, new_state = _laid_out((new_variables, new_state), layout)
+            new_variables, new_state = laid_out((new_variables, new_state), layout)
             return new_variables, new_state, {**metrics, "grad_norm": grad_norm}
 
-        return _LaidOutStep(update)
+        return LaidOutStep(update)
 
     def _require_weighted(self, batch: Mapping[str, Any]) -> None:
         level = () if self.importance_level == "token" else ("segment_ids",)
@@ -641,7 +604,7 @@ class GRPOObjective:
         self, variables, batch: Mapping[str, Any], *, entropy: str | None = None
     ) -> tuple[jax.Array, jax.Array | None]:
         """The packed rows' log-probs, float32[rows, width], and (with `entropy`, as
-        `_target_log_probs` takes it) the entropy of the distribution each is taken under, 0
+        `target_log_probs` takes it) the entropy of the distribution each is taken under, 0
         where the log-prob is; traced by `packed_log_probs` and by `loss`."""
         tokens = jnp.asarray(batch["tokens"], jnp.int32)
         segment_ids = jnp.asarray(batch["segment_ids"], jnp.int32)
@@ -663,7 +626,7 @@ class GRPOObjective:
         if SUPPORT[0] in batch:
             support = tuple(jnp.asarray(batch[key], jnp.int32) for key in SUPPORT)
         # Position p is predicted by the logits at p - 1: drop the last position and first token.
-        scored, spread = _target_log_probs(
+        scored, spread = target_log_probs(
             head,
             hidden[:, :-1],
             tokens[:, 1:],
@@ -705,142 +668,3 @@ class GRPOObjective:
 
         out = jax.lax.map(step, (parts(tokens), parts(positions), parts(segment_ids)))
         return out.reshape(count * chunk, *out.shape[2:])[:rows]
-
-
-def _target_log_probs(
-    head: Callable[[jax.Array], jax.Array],
-    hidden: jax.Array,
-    targets: jax.Array,
-    *,
-    temperature: float,
-    chunk: int,
-    support: tuple[jax.Array, jax.Array] | None,
-    entropy: str | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
-    """Each target's log-prob under the softmax of `head(hidden) / temperature`, `chunk`
-    positions at a time, and (asked) the entropy of that softmax at each position.
-
-    Each chunk's logits live only inside a `jax.checkpoint`ed step of a `lax.map`: the forward
-    pass keeps each chunk's log-probs (and entropies), the backward pass recomputes the chunk's
-    logits from its hidden states, so neither holds more than [chunk, vocab] logits. A chunk of
-    every position is the plain computation. The entropy rides on the same logits, so it costs
-    no second pass and no [positions, vocab] array.
-
-    Args:
-        head: hidden [n, hidden] -> logits float[n, vocab].
-        hidden: [rows, predicted, hidden], the states predicting `targets`.
-        targets: int32[rows, predicted].
-        temperature: the logits are divided by it.
-        chunk: positions (of rows x predicted, row-major) per step.
-        support: `support_tokens` and `support_positions`, int32[rows, S], positions in the
-            batch's coordinates (1 .. predicted; others unused): where they cover a position,
-            the softmax is over the tokens kept there (see `_support_normaliser`).
-        entropy: None for none; `metric` for the entropy with no gradient (a figure of the
-            record: its backward pass costs nothing); `trained` for the entropy with its
-            gradient (an entropy bonus trains on it).
-
-    Returns:
-        float32[rows, predicted] log-probs, and float32[rows, predicted] entropies (nats) of
-        the distribution each log-prob is taken under (renormalised over the support where
-        one covers the position), or None.
-    """
-    rows, predicted = targets.shape
-    cells = rows * predicted
-    # A chunk past the positions there are would only pad them.
-    chunk = max(1, min(chunk, cells))
-    count = -(-cells // chunk)
-    padded = count * chunk
-    flat = hidden.reshape(cells, hidden.shape[-1])
-    flat = jnp.pad(flat, ((0, padded - cells), (0, 0))).reshape(count, chunk, hidden.shape[-1])
-    goals = jnp.pad(targets.reshape(cells), (0, padded - cells)).reshape(count, chunk)
-    starts = jnp.arange(count, dtype=jnp.int32) * jnp.int32(chunk)
-    if support is not None:
-        kept, where = support
-        # Each support entry's cell in the flat order; an unused one goes past every chunk.
-        used = (where >= 1) & (where <= predicted)
-        row = jnp.arange(rows, dtype=jnp.int32)[:, None] * jnp.int32(predicted)
-        cell = jnp.where(used, row + where - 1, jnp.int32(padded)).reshape(-1)
-        kept = kept.reshape(-1)
-
-    @jax.checkpoint
-    def score(part: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        states, goal, start = part
-        logits = head(states).astype(jnp.float32) / jnp.float32(temperature)
-        picked = jnp.take_along_axis(logits, goal[:, None], axis=-1)[:, 0]
-        whole = jax.nn.logsumexp(logits, axis=-1)
-        normaliser, local = whole, None
-        if support is not None:
-            local = cell - start
-            local = jnp.where((local >= 0) & (local < chunk), local, jnp.int32(chunk))
-            normaliser = _support_normaliser(logits, whole, local, kept)
-        if entropy is None:
-            return picked - normaliser, jnp.zeros_like(normaliser)
-        spread = _entropy(logits, whole, normaliser, local, kept if support is not None else None)
-        if entropy == "metric":
-            spread = jax.lax.stop_gradient(spread)
-        return picked - normaliser, spread
-
-    scored, spread = jax.lax.map(score, (flat, goals, starts))
-
-    def unpadded(values: jax.Array) -> jax.Array:
-        return values.reshape(padded)[:cells].reshape(rows, predicted)
-
-    return unpadded(scored), None if entropy is None else unpadded(spread)
-
-
-def _entropy(
-    logits: jax.Array,
-    whole: jax.Array,
-    normaliser: jax.Array,
-    cell: jax.Array | None,
-    kept: jax.Array | None,
-) -> jax.Array:
-    """The entropy -sum_v p_v log p_v of the distribution each of n positions' log-probs are
-    taken under: the softmax over the whole vocabulary, or over the kept tokens where a
-    support covers the position.
-
-    logits: float32[n, vocab]; whole: float32[n], their log-sum-exp; normaliser: float32[n],
-    `_support_normaliser`'s (the kept tokens' log-sum-exp where covered); cell, kept: as
-    `_support_normaliser` takes them, or None for no support. Returns float32[n].
-    """
-    # H = N - sum_v p_v z_v, since log p_v = z_v - N and p sums to 1; the whole vocabulary's
-    # N, so no exp overflows where a support's smaller one stands.
-    everywhere = whole - (jnp.exp(logits - whole[:, None]) * logits).sum(-1)
-    if kept is None:
-        return everywhere
-    size = normaliser.shape[0]
-    at = jnp.minimum(cell, size - 1)
-    kept_logits = logits[at, kept]
-    # An unused entry (cell = size) is dropped by the scatters; zeroing it keeps exp finite.
-    used = cell < size
-    gap = jnp.where(used, kept_logits - normaliser[at], jnp.float32(0))
-    expected = jnp.zeros((size,), jnp.float32).at[cell].add(jnp.exp(gap) * kept_logits, mode="drop")
-    covered = jnp.zeros((size,), jnp.bool_).at[cell].set(True, mode="drop")
-    return jnp.where(covered, normaliser - expected, everywhere)
-
-
-def _support_normaliser(
-    logits: jax.Array, normaliser: jax.Array, cell: jax.Array, kept: jax.Array
-) -> jax.Array:
-    """`normaliser` with the log-sum-exp over the kept tokens wherever support covers a
-    position: a filtered sampler drew from the distribution renormalised over them.
-
-    logits: float32[n, vocab]; normaliser: float32[n]; cell: int32[S], each support entry's
-    position among the n (n or more: unused, which scatters drop); kept: int32[S], its token.
-    Returns float32[n].
-    """
-    size = normaliser.shape[0]
-    used = cell < size
-    at = jnp.minimum(cell, size - 1)
-    kept_logits = logits[at, kept]
-    empty = jnp.full((size,), -jnp.inf, jnp.float32)
-    # The shift only steadies the sum; the log-sum-exp's gradient does not depend on it.
-    peak = jax.lax.stop_gradient(empty.at[cell].max(kept_logits, mode="drop"))
-    covered = jnp.isfinite(peak)
-    shift = jnp.where(covered, peak, jnp.float32(0))
-    # Unused entries are dropped by the scatter; zeroing their gap keeps their exp (and so its
-    # gradient) finite.
-    gap = jnp.where(used, kept_logits - shift[at], jnp.float32(0))
-    mass = jnp.zeros((size,), jnp.float32).at[cell].add(jnp.exp(gap), mode="drop")
-    kept_normaliser = shift + jnp.log(jnp.where(covered, mass, jnp.float32(1)))
-    return jnp.where(covered, kept_normaliser, normaliser)

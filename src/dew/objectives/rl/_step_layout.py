@@ -1,0 +1,61 @@
+"""Where `GRPOObjective.update_fn`'s step puts its outputs: on the devices its inputs were on.
+
+A jitted step whose outputs GSPMD lays out otherwise than its inputs compiles again the next
+call, and so does every jitted function the weights go to next (the rescoring, the engine's
+steps). The step reads its inputs' shardings here, takes them as a static argument and
+constrains its outputs to them. Kept apart from the objective: it is about placing arrays on
+devices, not about the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import jax
+
+
+def layout(tree: Any) -> tuple[jax.sharding.Sharding | None, ...]:
+    """The sharding of each of `tree`'s leaves that is placed on devices (a committed array),
+    for the step to hand it back with; None for the leaves jit places as it likes (numpy,
+    uncommitted arrays) and for the tracers of an enclosing jit (`dew.parallel`'s step over a
+    pool), whose own shardings place them.
+
+    Left to propagation, GSPMD may lay an output out otherwise than its input: on a mesh with a
+    one-device axis and a batch it leaves whole, the replicated norms and their Adam moments come
+    back split over fsdp, and the step and every jitted function the weights go to (the
+    rescoring, the engine's steps) compile again for them. A tuple of shardings is hashable:
+    the step takes it as a static argument, which compiles nothing more, since the inputs'
+    shardings it is read from key jit's cache already."""
+    return tuple(
+        leaf.sharding
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.committed
+        else None
+        for leaf in jax.tree.leaves(tree)
+    )
+
+
+def laid_out(tree: Any, layout: tuple[jax.sharding.Sharding | None, ...]) -> Any:
+    """`tree` with each leaf constrained to its sharding in `layout` (`layout` of the inputs
+    it mirrors), inside a jitted function; a leaf whose sharding is None left to propagation."""
+    leaves, structure = jax.tree.flatten(tree)
+    return structure.unflatten(
+        leaf if placed is None else jax.lax.with_sharding_constraint(leaf, placed)
+        for leaf, placed in zip(leaves, layout, strict=True)
+    )
+
+
+@attrs.frozen(eq=False)
+class LaidOutStep:
+    """`GRPOObjective.update_fn`'s step: the jitted `update(variables, opt_state, batch,
+    layout)`, handed the variables' and state's shardings (`layout`) to lay its own out as."""
+
+    update: Callable
+
+    def __call__(self, variables, opt_state, batch):
+        return self.update(variables, opt_state, batch, layout=layout((variables, opt_state)))
+
+    def _cache_size(self) -> int:
+        """The programs compiled, one per input signature, as a jitted function counts them."""
+        return self.update._cache_size()
