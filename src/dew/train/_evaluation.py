@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 import trio
 
@@ -81,8 +80,11 @@ class Evaluation:
     trio run of their own on the trainer's thread.
 
     The engine has the training engine's model and slots, so its steps reuse the compiled
-    functions. The sampled rollouts draw at the run's temperature with keys seeded by `seed` and
-    the evaluation's updates: the same in a replayed run, fresh at each evaluation.
+    functions. It is built for each evaluation from the weights evaluated and dropped after it,
+    so that through the updates between evaluations the run holds no second copy of the weights
+    and no second cache (SmolLM2-135M's float32 params are 0.5 GiB). The sampled rollouts draw
+    at the run's temperature with keys seeded by `seed` and the evaluation's updates: the same
+    in a replayed run, fresh at each evaluation.
 
     Args:
         task: the run's task (`dew.train._tasks._RunTask`).
@@ -110,15 +112,10 @@ class Evaluation:
         self.samples = samples
         self.temperature = temperature
         self.seed = seed
-        model = server.model
-        # Placeholder weights: each evaluation loads the trainer's.
-        self.server = serving(model)(
-            model,
-            model.init(jax.random.key(0)),
-            slots=slots,
-            max_len=server.max_len,
-            tokenizer=server.tokenizer,
-        )
+        self.model = server.model
+        self.slots = slots
+        self.max_len = server.max_len
+        self.tokenizer = server.tokenizer
 
     def __call__(self, variables, updates: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Roll out every held-out task greedily, and `samples` times sampled, under
@@ -130,13 +127,21 @@ class Evaluation:
             in `rewards` (a rollout without a reward counts 0); and the first `SHOWN` tasks'
             greedy replies (`sample_record`'s, with `updates` and the task's `answer`).
         """
-        self.server.load(sharding.local_view(variables), updates)
-        greedy = [row[0] for row in trio.run(self._rollouts, Sampling(temperature=0.0), 1)]
+        server = serving(self.model)(
+            self.model,
+            sharding.local_view(variables),
+            slots=self.slots,
+            max_len=self.max_len,
+            version=updates,
+            tokenizer=self.tokenizer,
+        )
+        greedy = [row[0] for row in trio.run(self._rollouts, server, Sampling(temperature=0.0), 1)]
         sampled: list[list] = [[] for _ in self.tasks]
         if self.samples:
             seed = int(np.random.SeedSequence([self.seed, updates]).generate_state(1)[0])
             sampling = Sampling(self.temperature, seed=seed)
-            sampled = trio.run(self._rollouts, sampling, self.samples)
+            sampled = trio.run(self._rollouts, server, sampling, self.samples)
+        del server  # its weights and cache, before the trainer's next update
         rewards = [_reward(session) for session in greedy]
         answers = None
         if self.task.answer is not None:
@@ -149,19 +154,20 @@ class Evaluation:
             "status/completed": sum(completed) / len(completed),
             "rewards": rewards,
         }
-        tokenizer = self.server.tokenizer
         shown = []
         for index, (task, session) in enumerate(zip(self.tasks[:SHOWN], greedy, strict=False)):
-            record = sample_record(tokenizer, task, Label(index, 0, 0), session)
+            record = sample_record(self.tokenizer, task, Label(index, 0, 0), session)
             answer = None if answers is None else answers[index]
             shown.append({"updates": updates, "answer": answer, **record})
         return line, shown
 
-    async def _rollouts(self, sampling: Sampling, samples: int) -> list[list]:
-        """`samples` rollouts of each task under `sampling`, `[tasks, samples]`."""
+    async def _rollouts(
+        self, server: RolloutServer, sampling: Sampling, samples: int
+    ) -> list[list]:
+        """`samples` rollouts of each task on `server` under `sampling`, `[tasks, samples]`."""
         sessions: list[list] = [[None] * samples for _ in self.tasks]
         # Served afresh in each trio run (a served source serves one run, its server once).
-        source = self.task.serve(self.task.source(self.server, sampling), self.server)
+        source = self.task.serve(self.task.source(server, sampling), server)
 
         async def one(index: int, sample: int) -> None:
             label = Label(group=index, sample=sample, attempt=0)
