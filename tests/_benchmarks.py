@@ -18,6 +18,7 @@ HEAVY = {
     "gpu",
     "learning",
     "lora",
+    "options",
     "parallel",
     "sharded_checkpoints",
     "train_step_torch",
