@@ -55,6 +55,21 @@ def test_eight_panels_with_labelled_axes():
     )
 
 
+def test_the_held_out_evaluations_are_drawn_greedy_mean_and_pass_at_k():
+    """Issue 44 item 7: curves.png's reward panel marks each evaluation's pass@k beside its
+    greedy and mean@k reward."""
+    evaluations = [
+        {"updates": updates, "greedy": 0.1 * updates, "mean@4": 0.05 * updates, "pass@4": 0.5}
+        for updates in (0, 10, 20)
+    ]
+    reward = panels(curves_figure(lines(30), evaluations))["reward"]
+    drawn = {line.get_label(): line for line in reward.lines}
+    for key in ("greedy", "mean@4", "pass@4"):
+        line = drawn[f"held-out, {key}"]
+        np.testing.assert_allclose(line.get_xdata(), [0, 10, 20])
+        np.testing.assert_allclose(line.get_ydata(), [e[key] for e in evaluations])
+
+
 def test_reward_is_drawn_raw_and_as_its_trailing_mean():
     data = lines(30)
     reward = panels(curves_figure(data))["reward"]

@@ -29,6 +29,7 @@ def test_a_constant_answer_shows_in_the_classes_not_in_the_mean():
     assert scores == {
         "greedy": 0.75,
         "mean@2": pytest.approx(0.5),
+        "pass@2": 0.5,
         "distinct_correct": 1,
         "majority": 0.75,
         "class/No": 1.0,
@@ -39,6 +40,15 @@ def test_a_constant_answer_shows_in_the_classes_not_in_the_mean():
     scores = held_out_scores([1.0] * 6 + [0.2] * 6, [[]] * 12, free)
     assert scores == {"greedy": 0.6, "distinct_correct": 6}
     assert held_out_scores([0.5, 0.0], [[], []], None) == {"greedy": 0.25}
+
+
+def test_pass_at_k_is_the_share_of_tasks_a_sampled_reply_solved():
+    """Issue 44 item 7: pass@k counts a task once however many of its k replies are correct,
+    and a reply at partial credit (a closest guess, part of an answer) solves nothing."""
+    sampled = [[0.0, 1.0, 1.0], [0.99, 0.5, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    scores = held_out_scores([0.0] * 4, sampled, None)
+    assert scores == {"greedy": 0.0, "mean@3": pytest.approx(4.49 / 12), "pass@3": 0.5}
+    assert "pass@1" not in held_out_scores([0.0], [[]], None)
 
 
 def test_the_samples_file_sets_each_reply_beside_the_base_models(tmp_path):
@@ -112,7 +122,7 @@ def test_an_evaluations_keys_are_in_the_metrics_line_of_its_update_and_on_tensor
     metrics = lines(run / "metrics.jsonl")
     assert [line["updates"] for line in metrics] == [1, 2, 3]
     measured = {key: value for key, value in evaluations[1].items() if key != "rewards"}
-    assert {"greedy", "mean@2", "majority"} <= measured.keys()
+    assert {"greedy", "mean@2", "pass@2", "majority"} <= measured.keys()
     assert any(key.startswith("class/") for key in measured)
     assert {f"eval/{key}": value for key, value in measured.items()} == {
         key: value for key, value in metrics[1].items() if key.startswith("eval/")

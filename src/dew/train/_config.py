@@ -150,11 +150,11 @@ class TrainConfig:
             before it stops), `DEFAULT_MAX_TOKENS` for reasoning-gym and environments.
             guess, echo and harnesses play turns of their own length and take none.
         eval_every: updates between evaluations on the held-out tasks (and one before the
-            first): greedy and sampled (mean@k) reward, per-class accuracy, replies beside the
-            base model's (`dew.train._evaluation`); 0 for none.
+            first): greedy and sampled (mean@k, pass@k) reward, per-class accuracy, replies
+            beside the base model's (`dew.train._evaluation`); 0 for none.
         eval_tasks: held-out tasks, the ids after the training ones.
-        eval_samples: sampled replies per held-out task for an evaluation's mean@k, at
-            `temperature`; 0 for greedy only.
+        eval_samples: sampled replies per held-out task for an evaluation's mean@k and pass@k
+            (the share of tasks a sampled reply solved), at `temperature`; 0 for greedy only.
         samples: rollouts per step written, decoded, to `samples.jsonl`; 0 for none.
         tensorboard: also write the metrics as TensorBoard scalars (needs tensorboardX).
         wandb: also log the config and every step's metrics to this Weights & Biases project
@@ -370,7 +370,7 @@ class TrainConfig:
         0,
         int_within(0, 10**6),
         "updates between evaluations on held-out tasks, and one before the first: greedy and "
-        "mean@k reward, per-class accuracy, replies beside the base model's (0 = none)",
+        "mean@k and pass@k reward, per-class accuracy, replies beside the base model's (0 = none)",
     )
     eval_tasks: int = _option(
         16, int_within(1, 10**5), "held-out tasks, the ids after the training ones"
@@ -378,7 +378,8 @@ class TrainConfig:
     eval_samples: int = _option(
         4,
         int_within(0, 256),
-        "sampled replies per held-out task for an evaluation's mean@k (0 = greedy only)",
+        "sampled replies per held-out task for an evaluation's mean@k and pass@k (the share of "
+        "tasks a sampled reply solved) (0 = greedy only)",
     )
     samples: int = _option(
         4, int_within(0, 10**4), "rollouts per step written, decoded, to samples.jsonl (0 = none)"

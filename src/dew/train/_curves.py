@@ -70,7 +70,7 @@ def curves_figure(
     started, in tokens, turns and seconds: below 1, the cut favoured short rollouts); and the
     groups whose rewards were all equal, those trained on among them. A panel whose keys no
     line holds says so. With evaluations, the reward panel also marks the held-out reward at
-    each one, greedy and mean@k.
+    each one, greedy and mean@k, and pass@k, the share of held-out tasks a sampled reply solved.
 
     Args:
         lines: the metrics lines, each with `step` and any of `reward/mean`, `loss`,
@@ -78,7 +78,7 @@ def curves_figure(
             `seconds/step`, `fill`, `cut`, `bias/<tokens|turns|seconds>/ratio_mean`,
             `groups/uniform`, `groups/uniform_trained`.
         evaluations: the held-out evaluations (`eval.jsonl`'s lines), each with `updates`,
-            `greedy` and, where it sampled, `mean@k`.
+            `greedy` and, where it sampled, `mean@k` and `pass@k`.
 
     Returns:
         The figure, 12 x 12 inches.
@@ -104,15 +104,16 @@ def curves_figure(
         at = _series(evaluations, "updates")
         held_out = _series(evaluations, "greedy")
         axes[0, 0].plot(at, held_out, "o-", color="tab:green", label="held-out, greedy")
-        sampled = next((key for key in evaluations[0] if key.startswith("mean@")), None)
-        if sampled is not None:
-            axes[0, 0].plot(
-                at,
-                _series(evaluations, sampled),
-                "s--",
-                color="tab:olive",
-                label=f"held-out, {sampled}",
-            )
+        for prefix, style, color in (("mean@", "s--", "tab:olive"), ("pass@", "^:", "tab:cyan")):
+            sampled = next((key for key in evaluations[0] if key.startswith(prefix)), None)
+            if sampled is not None:
+                axes[0, 0].plot(
+                    at,
+                    _series(evaluations, sampled),
+                    style,
+                    color=color,
+                    label=f"held-out, {sampled}",
+                )
     if np.isfinite(reward).any() or evaluations:
         axes[0, 0].legend(loc="best", fontsize="small")
     _panel(axes[0, 1], steps, _series(lines, "loss"), "loss", "clipped surrogate")

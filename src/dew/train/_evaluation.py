@@ -1,11 +1,13 @@
-"""Held-out evaluation in a run: greedy and sampled (mean@k) reward over the tasks the training
-never draws, per-class accuracy where the tasks' answers are a few classes, and the replies a
-person reads, the base model's beside the trained model's (`eval_samples.md`).
+"""Held-out evaluation in a run: greedy and sampled (mean@k, pass@k) reward over the tasks the
+training never draws, per-class accuracy where the tasks' answers are a few classes, and the
+replies a person reads, the base model's beside the trained model's (`eval_samples.md`).
 
 Why both greedy and mean@k: greedy shows what the policy's most likely reply earns, mean@k what
-the policy the trainer samples from earns. Why per class and distinct correct answers: a policy
-that learned one constant answer scores the share of that class, which a mean alone hides (a
-syllogism run answered "No" to everything and scored the share of "No" items).
+the policy the trainer samples from earns; pass@k, how many tasks it solves at all within k
+tries (a task it never solves gives GRPO no reward to learn from). Why per class and distinct
+correct answers: a policy that learned one constant answer scores the share of that class,
+which a mean alone hides (a syllogism run answered "No" to everything and scored the share of
+"No" items).
 """
 
 from __future__ import annotations
@@ -52,16 +54,19 @@ def held_out_scores(
         answers: each task's right answer, or None where the task has no single one.
 
     Returns:
-        `greedy` (the mean greedy reward) and `mean@k` (the mean sampled reward, where k >= 1);
-        with answers, `distinct_correct` (how many distinct answers the greedy replies got
-        right, at reward `CORRECT`) and, where the tasks' answers are at most `CLASSES`
-        classes, `majority` (the most common answer's share: what one constant answer scores)
-        and `class/<answer>` (the greedy reward over that answer's tasks).
+        `greedy` (the mean greedy reward), and where k >= 1 `mean@k` (the mean sampled reward)
+        and `pass@k` (the share of tasks with a sampled reply at reward `CORRECT`); with
+        answers, `distinct_correct` (how many distinct answers the greedy replies got right, at
+        reward `CORRECT`) and, where the tasks' answers are at most `CLASSES` classes,
+        `majority` (the most common answer's share: what one constant answer scores) and
+        `class/<answer>` (the greedy reward over that answer's tasks).
     """
     scores: dict[str, Any] = {"greedy": math.fsum(greedy) / len(greedy)}
     k = len(sampled[0]) if len(sampled) else 0
     if k:
-        scores[f"mean@{k}"] = float(np.mean(np.asarray(sampled, dtype=np.float64)))
+        rewards = np.asarray(sampled, dtype=np.float64)
+        scores[f"mean@{k}"] = float(rewards.mean())
+        scores[f"pass@{k}"] = float((rewards >= CORRECT).any(axis=1).mean())
     if answers is None:
         return scores
     correct = {answer for answer, r in zip(answers, greedy, strict=True) if r >= CORRECT}
@@ -91,7 +96,7 @@ class Evaluation:
         ids: the held-out task ids.
         server: the training engine, whose model, length and tokenizer the evaluation's takes.
         slots: the engine's slots.
-        samples: sampled replies per task for mean@k; 0 for greedy only.
+        samples: sampled replies per task for mean@k and pass@k; 0 for greedy only.
         temperature: their sampling temperature.
         seed: seeds their keys.
     """
