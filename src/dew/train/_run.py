@@ -178,6 +178,8 @@ def _train(
         # and what the model was built from besides, which a resume that no longer fits names.
         metadata={"config": attrs.asdict(config), **_built_from(model, shape.max_len)},
     )
+    # The trainer steps its own copy: the loaded params stay only as the KL term's reference.
+    del variables
     if mesh is not None:  # Adam's moments as their params, its count replicated over the mesh
         placed = sharding.state_shardings(trainer.opt_state, trainer.variables, mesh)
         trainer.opt_state = sharding.shard(trainer.opt_state, placed)

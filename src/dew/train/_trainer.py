@@ -26,6 +26,7 @@ from dew.models.hf.lora import LoRAModel
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import SchedulerRecord
 from dew.parallel import DataParallelUpdate, local_copy, pool_fields
+from dew.serve._engine import _copy
 from dew.train._checkpoint import (
     COMMIT,
     Checkpoint,
@@ -238,7 +239,8 @@ def _update_fn(
     hands back this process's copy of the replicated variables and state."""
     steps = _UPDATE_FNS.setdefault(objective, {})
     if (optimizer, pooled) not in steps:
-        update = objective.update_fn(optimizer)
+        # A pool's step hands back local copies of its variables: nothing there to donate.
+        update = objective.update_fn(optimizer, donate=not pooled)
         if pooled:
             update = _pooled(DataParallelUpdate(update))
         steps[optimizer, pooled] = update
@@ -273,6 +275,14 @@ def _state_beside(state: Any, variables: Variables) -> Any:
     return jax.tree.map(beside, state)
 
 
+def _apart(state: Any, variables: Variables) -> Any:
+    """`state` with each leaf that is one of `variables`' own arrays copied (an optimizer state
+    that keeps the params it starts from, as `reference_sync`'s does): a step that donates both
+    cannot take one buffer twice."""
+    own = {id(leaf) for leaf in jax.tree.leaves(variables)}
+    return jax.tree.map(lambda leaf: _copy(leaf) if id(leaf) in own else leaf, state)
+
+
 def _pooled(parallel: DataParallelUpdate) -> Callable:
     def update(variables, opt_state, rows):
         variables, opt_state, metrics = parallel(variables, opt_state, rows)
@@ -286,7 +296,10 @@ class Trainer:
 
     The trainer's state is its attributes `variables`, `opt_state`, `updates` (optimizer updates
     applied) and `position` (the stream index of the next batch to hand over), plus `elapsed`,
-    its training seconds across resumes.
+    its training seconds across resumes. Each step consumes the arrays of `variables` and
+    `opt_state` for the new ones' (buffer donation: a step never holds the old weights and
+    Adam's moments beside the new): an array read from them is good until the next step. The
+    variables it is given are copied first, so the caller's own stay good.
 
     In a pool of `jax.distributed` processes, every process runs its own trainer over its own
     rows of each global batch (`dew.parallel.ProcessRows`), and the update is one jitted step
@@ -385,8 +398,13 @@ class Trainer:
         self.metadata = dict(metadata or {})
         self.learning_rate = learning_rate
         self.keep_checkpoints = check_int("keep_checkpoints", keep_checkpoints, low=1)
-        self.variables = variables
-        self.opt_state = _state_beside(optimizer.init(variables), variables)
+        # The step consumes the variables and state it is handed (`update_fn(donate=True)`:
+        # the old and the new weights and moments are never held side by side), so the trainer
+        # steps its own copy and the caller's arrays outlive its first step.
+        self.variables = _copy(variables)
+        self.opt_state = _apart(
+            _state_beside(optimizer.init(self.variables), self.variables), self.variables
+        )
         self.updates = 0
         self.position = 0
         self.elapsed = 0.0

@@ -505,11 +505,19 @@ class GRPOObjective:
             metrics["importance/masked"] = mean((~kept).astype(jnp.float32))
         return loss, metrics
 
-    def update_fn(self, optimizer: optax.GradientTransformation) -> Callable:
+    def update_fn(
+        self, optimizer: optax.GradientTransformation, *, donate: bool = False
+    ) -> Callable:
         """A jitted training step on this loss with `optimizer`.
 
         Args:
             optimizer: an optax transformation; its state comes from `optimizer.init(variables)`.
+            donate: the step consumes the variables and optimizer state it is given: their
+                buffers become the new ones' (XLA's buffer donation), so a step holds one copy
+                of the weights and Adam's moments instead of the old and the new side by side
+                (for a 135 M-param model in float32, 1.5 GiB less at the step's peak). The
+                caller must not read what it handed in afterwards, and no leaf may be handed in
+                twice (an optimizer state holding the variables' own arrays).
 
         Returns:
             `update(variables, opt_state, batch) -> (variables, opt_state, metrics)`: one
@@ -524,7 +532,9 @@ class GRPOObjective:
         """
         value_and_grad = jax.value_and_grad(self.loss, has_aux=True)
 
-        @functools.partial(jax.jit, static_argnames="layout")
+        donated = ("variables", "opt_state") if donate else ()
+
+        @functools.partial(jax.jit, static_argnames="layout", donate_argnames=donated)
         def update(variables, opt_state, batch, layout):
             (_, metrics), grads = value_and_grad(variables, batch)
             grad_norm = optax.tree.norm(grads)
