@@ -8,7 +8,12 @@ Compiled programs go to a persistent compilation cache in a folder of this sessi
 the processes the tests start (`dew train`, benchmark smoke runs, pools) inherit through the
 environment: the same small models are compiled by many tests, and a cache hit loads the
 executable XLA built the first time, so results are unchanged while the suite takes about a
-third less time. The folder is new each session, so no run depends on an earlier one.
+third less time. The folder is new each session, so no run depends on an earlier one. It is one
+folder for the whole session, xdist's workers included: the process that loads this file first
+makes it (and removes it at its end), and the workers it starts inherit it through
+DEW_TESTS_JAX_CACHE. The folder's path is part of JAX's cache key, so with a folder each, a
+program one worker had compiled was compiled again by the other (7 test files on 2 workers: 547
+programs compiled, 492 with one folder).
 
 Every program is compiled without XLA's and LLVM's most expensive optimisation passes
 (`jax_disable_most_optimizations`, set here before anything compiles and passed on to every
@@ -54,9 +59,12 @@ pytest_plugins = ["_slow_first", "pytester"]
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+_OWNS_CACHE = "DEW_TESTS_JAX_CACHE" not in os.environ
+if _OWNS_CACHE:
+    os.environ["DEW_TESTS_JAX_CACHE"] = tempfile.mkdtemp(prefix="dew-tests-jax-cache-")
 _CACHE = {
     "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
-    "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="dew-tests-jax-cache-"),
+    "JAX_COMPILATION_CACHE_DIR": os.environ["DEW_TESTS_JAX_CACHE"],
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
 }
@@ -116,6 +124,20 @@ def _sigint_as_it_was():
     signal.signal(signal.SIGINT, handler)
 
 
+def pytest_configure(config):
+    """A compilation cache entry read while another process writes it is a miss, not an error.
+
+    JAX writes an entry in place, not by a rename, so a worker that looks a program up while
+    the other worker (or a process a test started) is writing it reads a cut file; JAX then
+    warns and compiles the program itself, as without the cache, and the suite's warnings as
+    errors would fail that test for it."""
+    config.addinivalue_line(
+        "filterwarnings", "ignore:Error reading persistent compilation cache entry:UserWarning"
+    )
+
+
 def pytest_unconfigure(config):
-    """Remove the session's compilation cache."""
-    shutil.rmtree(_CACHE["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    """Remove the session's compilation cache, in the process that made it (xdist's workers
+    end before the process that started them)."""
+    if _OWNS_CACHE:
+        shutil.rmtree(_CACHE["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
