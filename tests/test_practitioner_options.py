@@ -233,6 +233,56 @@ def test_the_defaults_are_the_symmetric_token_clip():
     assert (default.clip_high, default.clip_dual, default.ratio_level) == (None, None, "token")
 
 
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_at_one_update_a_batch_the_clips_never_act_and_gspo_moves_only_the_weights(aggregation):
+    """docs/concepts.md's learning comparison: `dew train` trains each batch by one update at
+    the weights it rescored it under, so every ratio is 1. Clip-higher, the dual clip and
+    GSPO's tight clip then give the defaults' gradient; GSPO's sequence ratio gives it too
+    on-policy (one advantage a sequence, as packing lays them), and off-policy differs only
+    by each token taking its sequence's mean behaviour weight."""
+    rng = np.random.default_rng(5)
+    variables = table(rng)
+    batch = random_batch(rng, spread=0.3)
+    for cells in sequences(batch):
+        batch["advantages"][cells] = rng.standard_normal()
+    plain = GRPOObjective(bigram, aggregation=aggregation)
+    batch["proximal_logprobs"] = np.asarray(plain.packed_log_probs(variables, batch))
+
+    def gradient(objective, batch):
+        return jax.grad(lambda v: objective.loss(v, batch)[0])(variables)["table"]
+
+    want = gradient(plain, batch)
+    for levers in ({"clip_high": 0.28}, {"clip_dual": 3.0}, {"clip": 3e-4, "clip_high": 4e-4}):
+        clipped = GRPOObjective(bigram, aggregation=aggregation, **levers)
+        np.testing.assert_allclose(gradient(clipped, batch), want, **TOLERANCE)
+    gspo = GRPOObjective(
+        bigram, aggregation=aggregation, ratio_level="sequence", clip=3e-4, clip_high=4e-4
+    )
+    on_policy = dict(batch, behavior_logprobs=batch["proximal_logprobs"])
+    np.testing.assert_allclose(gradient(gspo, on_policy), gradient(plain, on_policy), **TOLERANCE)
+    assert not np.allclose(gradient(gspo, batch), want, **TOLERANCE)
+    # Off-policy, it is the token ratio's gradient with each sequence's weights averaged.
+    trained = batch["loss_mask"] > 0
+    weights = np.where(
+        trained,
+        np.minimum(
+            np.exp(batch["proximal_logprobs"] - batch["behavior_logprobs"]), plain.importance_cap
+        ),
+        0.0,
+    )
+    averaged = np.zeros_like(weights)
+    for cells in sequences(batch):
+        averaged[cells] = weights[cells].mean()
+    # Behaviour log-probs that give each token its sequence's mean weight.
+    averaged_batch = dict(
+        batch,
+        behavior_logprobs=np.where(
+            trained, batch["proximal_logprobs"] - np.log(np.where(trained, averaged, 1.0)), 0.0
+        ).astype(np.float32),
+    )
+    np.testing.assert_allclose(gradient(gspo, batch), gradient(plain, averaged_batch), **TOLERANCE)
+
+
 @pytest.mark.parametrize(
     "chosen, message",
     [
