@@ -604,6 +604,72 @@ def test_a_dew_train_run_keeps_its_last_checkpoints_and_resumes_from_the_newest(
     assert len(held) == 2
 
 
+def test_keep_best_holds_the_best_evaluations_checkpoint_through_a_resume(tmp_path):
+    """Issue 44 item 6 (a gap: only the newest checkpoints were kept): with keep_best,
+    checkpoints/best holds the trainer's state at the first evaluation of the run's highest
+    greedy held-out reward, its evaluation in the record, and every checkpoint kept shows its
+    arrays are that update's. The run is synchronous (ahead 0: the same rollouts every time):
+    its best comes before the resume, whose evaluations only tie it, so a resumed run that
+    did not read back the best it has to beat would replace it. --resume reads the newest."""
+    from dew import train
+    from dew.train import load_variables, read_kept
+    from dew.train._checkpoint import read_commit
+
+    config = TrainConfig(
+        task="guess", steps=8, batch_size=4, groups=8, tasks=64, samples=0, seed=1, ahead=0,
+        eval_every=1, eval_tasks=8, eval_samples=0, keep_best=True,
+        checkpoint_every=1, keep_checkpoints=8,
+    )  # fmt: skip
+    run = tmp_path / "run"
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as in test_train
+        train.train(attrs.evolve(config, steps=4), run)
+        before = read_commit(run / "checkpoints" / "best")
+        trainer = train.train(config, run, resume=True)
+    evaluations = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["updates"] for e in evaluations] == list(range(9))
+    greedy = [e["greedy"] for e in evaluations]
+    best = evaluations[greedy.index(max(greedy))]
+    record = read_commit(run / "checkpoints" / "best")
+    assert record["updates"] == best["updates"] == before["updates"] > 0, greedy
+    assert max(greedy[5:]) == max(greedy), greedy  # the resumed run's evaluations tie it
+    assert record["metadata"]["eval"] == {k: v for k, v in best.items() if k != "rewards"}
+    assert read_commit(run / "checkpoints")["updates"] == trainer.updates == 8
+    (kept,) = [r for r in read_kept(run / "checkpoints") if r["updates"] == best["updates"]]
+    same = load_variables(run / "checkpoints", trainer.variables, record=kept)
+    held = load_variables(run / "checkpoints" / "best", trainer.variables)
+    for a, b in zip(jax.tree.leaves(held), jax.tree.leaves(same), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_keep_best_of_a_model_run_holds_its_folder_beside_it(tmp_path):
+    """A --model run's best checkpoint has its own checkpoint folder, best/model, holding
+    the very params of dew's checkpoint beside it (a tiny random Qwen2 on the copy task)."""
+    from _checkpoint import tiny_qwen2
+    from dew.cli import main
+    from dew.models import hf
+    from dew.train import load_variables
+
+    folder = tiny_qwen2(tmp_path / "tiny")
+    run = tmp_path / "run"
+    argv = ["train", "--model", str(folder), "--run", str(run), "--steps", "2", "--keep-best"]
+    argv += ["--batch-size", "2", "--groups", "2", "--tasks", "4", "--max-tokens", "3"]
+    argv += ["--eval-every", "1", "--eval-tasks", "2", "--eval-samples", "0", "--samples", "0"]
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        assert main(argv) == 0
+    best = run / "checkpoints" / "best"
+    _, params = hf.load(best / "model")
+    held = load_variables(best, params)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(held), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_keep_best_without_evaluations_is_refused_naming_it(capsys, tmp_path):
+    with pytest.raises(ValueError, match="keep_best keeps the best evaluation's checkpoint"):
+        TrainConfig(keep_best=True)
+    line = refusal(capsys, ["train", "--keep-best", "--run", str(tmp_path / "r")])
+    assert "keep_best" in line and "eval_every" in line, line
+
+
 def test_keeping_no_checkpoint_is_refused_naming_it(tmp_path):
     from dew.train import Checkpoint, save_checkpoint
 

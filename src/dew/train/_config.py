@@ -55,7 +55,7 @@ _LOGGING += ("engine_url", "engine_servers", "engine_timeout")
 # Where the proximal log-probs come from, not their values (up to float rounding).
 _LOGGING += ("proximal",)
 # How many checkpoints stay, not what is trained.
-_LOGGING += ("keep_checkpoints",)
+_LOGGING += ("keep_checkpoints", "keep_best")
 # Where the metrics are tracked besides metrics.jsonl.
 _LOGGING += ("wandb", "wandb_mode")
 
@@ -143,6 +143,11 @@ class TrainConfig:
         keep_checkpoints: checkpoints kept in `checkpoints/`, the newest and those before it
             (`dew.train.read_kept` lists the earlier ones; a resumed run reads the newest, and
             may change it). The `checkpoints/model` folder of a `model` run is the newest's.
+        keep_best: with `eval_every`, each evaluation whose greedy held-out reward is above
+            every earlier one's of the run (a resumed run's included) also checkpoints the
+            trainer into `checkpoints/best` (with its evaluation in the record's metadata,
+            `eval`; a `model` run's folder in `best/model`, a LoRA run's adapter in
+            `best/adapter`); resume still reads the newest. A resumed run may change it.
         seed: seeds the initial weights, the task order and the sampling.
         d_model, layers, heads, d_ff: the transformer's shape (`dew.models.TransformerConfig`).
         max_tokens: a reply's most tokens; None for the task's own: the copy task's digits
@@ -350,6 +355,12 @@ class TrainConfig:
         1,
         int_within(1, 10**4),
         "checkpoints kept, the newest and those before it (--resume reads the newest)",
+    )
+    keep_best: bool = _option(
+        False,
+        attrs.validators.instance_of(bool),
+        "with --eval-every, also keep the checkpoint of the best held-out greedy reward so far "
+        "in RUN/checkpoints/best (a --model run's folder in best/model; --resume reads the newest)",
     )
     seed: int = _option(
         0, int_within(0, 2**32 - 1), "seeds the weights, the task order and the sampling"
@@ -578,6 +589,10 @@ class TrainConfig:
             raise ValueError(f"tasks must be >= batch_size {self.batch_size}, got {self.tasks}")
         if isinstance(self.admit, int) and self.admit > self.batch_size:
             raise ValueError(f"admit must be <= batch_size {self.batch_size}, got {self.admit}")
+        if self.keep_best and not self.eval_every:
+            raise ValueError(
+                "keep_best keeps the best evaluation's checkpoint: give eval_every too"
+            )
         if self.carry_over and self.admit is None:
             raise ValueError("carry_over needs admit: it carries the groups admit leaves out")
         if not self.hedge and not self.carry_over:

@@ -31,7 +31,7 @@ from dew.models.hf import lora, sharding
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.parallel import ProcessRows, default_pool
 from dew.serve._lora import serving
-from dew.train._checkpoint import COMMIT, _write_atomically, is_sharded
+from dew.train._checkpoint import COMMIT, _write_atomically, is_sharded, read_commit
 from dew.train._config import TrainConfig
 from dew.train._config_preflight import _check_task, _load_tokenizer, _mesh_sizes
 from dew.train._curves import write_curves
@@ -54,6 +54,8 @@ from dew.train._wandb import WandbLog
 
 ADAPTER = "adapter"
 """A `--lora` run's checkpoints hold its adapter in this folder, as PEFT saves it."""
+BEST = Path("checkpoints") / "best"
+"""Where `--keep-best` keeps the checkpoint of the run's best held-out greedy reward."""
 SAMPLES = "samples.jsonl"
 
 
@@ -114,6 +116,8 @@ def train(
         memory = _check_memory(config, tokenizer, processes)
         if record is not None and processes > 1:
             raise ValueError("--record traces a single process's run; run it without a pool")
+        if config.keep_best and processes > 1:
+            raise ValueError("--keep-best saves as process 0 evaluates; run it without a pool")
         if record is not None:
             _check_record(record)
     except ValueError as error:
@@ -556,10 +560,11 @@ class _FolderTrainer(Trainer):
         super().__init__(*args, **options)
         self.folder = folder
 
-    def save(self) -> Path:
-        if not is_sharded(self.variables):
-            self._write_folder()
-        return super().save()
+    def save(self, directory: Path | None = None, **options) -> Path:
+        # The best evaluation's folder goes with it, sharded or not (one process gathers it).
+        if directory is not None or not is_sharded(self.variables):
+            self._write_folder(directory)
+        return super().save(directory, **options)
 
     def export(self) -> None:
         """Write `checkpoints/model` of sharded params, gathered one tensor at a time; every
@@ -568,21 +573,23 @@ class _FolderTrainer(Trainer):
         if is_sharded(self.variables):
             self._write_folder()
 
-    def _write_folder(self) -> None:
+    def _write_folder(self, directory: Path | None = None) -> None:
+        """The folder beside the checkpoint in `directory` (`checkpoints` unless given)."""
         if self.folder is None or self.checkpoints is None:
             return
+        directory = self.checkpoints if directory is None else directory
         model = self.objective.model
         if isinstance(model, lora.LoRAModel):
             if self._writes:
                 lora.save_adapter(
-                    self.checkpoints / ADAPTER,
+                    directory / ADAPTER,
                     self.variables["adapter"],
                     model.lora,
                     base_model=self.folder,
                 )
             return
         if self._writes or is_sharded(self.variables):
-            hf.save(self.checkpoints / "model", model, self.variables, tokenizer_from=self.folder)
+            hf.save(directory / "model", model, self.variables, tokenizer_from=self.folder)
 
 
 def _optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -652,6 +659,8 @@ class _RunLogs:
         self.first_position = trainer.position
         self.on_step = on_step
         self.evaluation: Evaluation | None = None
+        # The greedy held-out reward `checkpoints/best` holds (a resumed run's too), to beat.
+        self.best = _best_greedy(run / BEST) if config.keep_best else None
         self.tensorboard = TensorBoard(run / "tensorboard") if config.tensorboard else None
         self.wandb = None
         if config.wandb is not None:
@@ -689,6 +698,10 @@ class _RunLogs:
         before the first update (0) goes to TensorBoard and is printed, as no step's line
         carries it."""
         result, shown = self.evaluation(self.trainer.variables, updates)
+        if self.config.keep_best and (self.best is None or result["greedy"] > self.best):
+            scores = {key: value for key, value in result.items() if key != "rewards"}
+            self.trainer.save(self.run / BEST, metadata={"eval": scores})
+            self.best = result["greedy"]
         _append_lines(self.run / EVALUATIONS, [result])
         _append_lines(self.run / EVAL_SAMPLES, shown)
         write_eval_samples(self.run / EVAL_SAMPLES, self.run / EVAL_SAMPLES_MD)
@@ -711,6 +724,21 @@ class _RunLogs:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.close()
+
+
+def _best_greedy(best: Path) -> float | None:
+    """The greedy held-out reward of the checkpoint in `best` (its record's `eval`), or None
+    where there is none yet."""
+    record = read_commit(best)
+    if record is None:
+        return None
+    try:
+        return float(record["metadata"]["eval"]["greedy"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(
+            f"{best / COMMIT} holds no evaluation (metadata eval greedy): not a --keep-best "
+            "checkpoint; move it away"
+        ) from None
 
 
 def _append_lines(path: Path, records: Sequence[Mapping[str, Any]]) -> None:

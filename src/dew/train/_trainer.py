@@ -467,9 +467,16 @@ class Trainer:
             self._rollout_state = checkpoint.metadata.get("rollout")
         return checkpoint
 
-    def save(self) -> Path:
+    def save(
+        self, directory: Path | None = None, *, metadata: Mapping[str, Any] | None = None
+    ) -> Path:
         """Checkpoint the trainer's state now (in a pool, process 0 writes it for every process;
         variables sharded over a mesh are written by every process, each its own shards).
+
+        Args:
+            directory: where to, instead of `checkpoints` (which keeps `keep_checkpoints` of
+                them), keeping that one alone: `dew train --keep-best`'s `checkpoints/best`.
+            metadata: added to the record's metadata.
 
         Returns:
             The commit record's path.
@@ -479,8 +486,11 @@ class Trainer:
         """
         if self.checkpoints is None:
             raise ValueError("the trainer has no directory to save checkpoints to")
+        keep = self.keep_checkpoints if directory is None else 1
+        directory = self.checkpoints if directory is None else Path(directory)
         metadata = {
             **self.metadata,
+            **(metadata or {}),
             "metrics_bytes": self._logged_bytes,
             "log_bytes": self._log_bytes,
             "elapsed": self.elapsed,
@@ -498,8 +508,8 @@ class Trainer:
         )
         # Sharded arrays are written by every process, each its own shards (`save_checkpoint`).
         if not self._writes and not is_sharded(self.variables):
-            return self.checkpoints / COMMIT
-        return save_checkpoint(self.checkpoints, checkpoint, keep=self.keep_checkpoints)
+            return directory / COMMIT
+        return save_checkpoint(directory, checkpoint, keep=keep)
 
     def run(
         self,
