@@ -5,6 +5,7 @@ start vLLM themselves, and the one docs/vllm.md shows, are the ones dew's own st
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import shlex
@@ -32,19 +33,20 @@ READY = re.compile(r"--engine-url (\S+) \(pid (\d+), log (.+)\)")
 
 
 def _printed(folder: Path, *options: str) -> tuple[dict[str, str], list[str]]:
-    """`dew serve FOLDER --print-command`'s output: its variables and its command line."""
-    done = subprocess.run(
-        [*DEW, "serve", str(folder), "--print-command", *options],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    words = shlex.split(done.stdout)
+    """`dew serve FOLDER --print-command`'s output: its variables and its command line.
+
+    The command runs in this process, as the refusals below do: what it prints is its parser's
+    and its printer's, which a process of its own (2-4 s each to import the library) added
+    nothing to; test_dew_serve_starts_a_server_dew_attaches_to_and_sigterm_stops_it runs `dew
+    serve` as a user types it."""
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        assert main(["serve", str(folder), "--print-command", *options]) == 0
+    words = shlex.split(output.getvalue())
     variables = dict(word.split("=", 1) for word in words if re.match(r"^[A-Z_]+=", word))
     return variables, words[len(variables) :]
 
 
-@pytest.mark.slow
 def test_print_command_is_what_start_runs(tmp_path):
     folder = tiny_qwen2(tmp_path / "tiny")
     variables, command = _printed(folder, "--port", "8123", "--max-model-len", "128")
@@ -60,8 +62,7 @@ def test_print_command_is_what_start_runs(tmp_path):
     assert _printed(folder)[1][command.index("--max-model-len") + 1] == "256"
 
 
-@pytest.mark.slow
-def test_print_command_with_a_lora_rank_serves_adapters_loaded_at_run_time(tmp_path):
+def test_print_command_with_a_lora_rank_serves_adapters_loaded_at_run_time(tmp_path, capsys):
     """`dew serve --lora-rank R`, the server `dew train --lora --engine-url` attaches to, runs
     with LoRA on for the smallest rank vLLM takes that holds R, and may load adapters while it
     runs; a rank vLLM cannot serve is refused naming the option."""
@@ -70,12 +71,9 @@ def test_print_command_with_a_lora_rank_serves_adapters_loaded_at_run_time(tmp_p
     at = command.index("--enable-lora")
     assert command[at : at + 5] == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"]
     assert variables["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
-    refused = subprocess.run(
-        [*DEW, "serve", str(folder), "--print-command", "--lora-rank", "1024"],
-        capture_output=True,
-        text=True,
-    )
-    assert refused.returncode == 2 and "--lora-rank" in refused.stderr
+    with pytest.raises(SystemExit) as refused:
+        main(["serve", str(folder), "--print-command", "--lora-rank", "1024"])
+    assert refused.value.code == 2 and "--lora-rank" in capsys.readouterr().err
 
 
 def test_the_docs_command_has_every_flag_and_variable_of_dews_start():
@@ -182,7 +180,6 @@ def test_a_server_that_is_not_vllm_is_named_in_one_line(tmp_path):
         web.wait()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("config", "options", "culprit"),
     [
@@ -192,18 +189,20 @@ def test_a_server_that_is_not_vllm_is_named_in_one_line(tmp_path):
         ("{}", ["--dtype=fp8"], "argument --dtype: invalid choice: 'fp8'"),
     ],
 )
-def test_a_bad_checkpoint_or_option_is_refused_in_one_line(tmp_path, config, options, culprit):
+def test_a_bad_checkpoint_or_option_is_refused_in_one_line(
+    tmp_path, capsys, config, options, culprit
+):
     """Before, --print-command printed a command for a folder that is none, and a --dtype vLLM
     refuses failed the start after a minute, in vLLM's log."""
     folder = tmp_path / "folder"
     folder.mkdir()
     if config is not None:
         (folder / "config.json").write_text(config)
-    done = subprocess.run(
-        [*DEW, "serve", str(folder), "--print-command", *options], capture_output=True, text=True
-    )
-    assert done.returncode == 2 and not done.stdout
-    first, hint = done.stderr.splitlines()
+    with pytest.raises(SystemExit) as refused:
+        main(["serve", str(folder), "--print-command", *options])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and not out
+    first, hint = err.splitlines()
     assert first.startswith("dew serve: error: ") and culprit in first, first
     assert hint == "(see `dew serve --help`)"
 
