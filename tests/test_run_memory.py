@@ -32,3 +32,67 @@ def test_a_step_reuses_the_buffers_of_the_weights_and_state_it_replaces(optimize
     assert trainer.updates == 2
     assert all(leaf.is_deleted() for leaf in replaced)
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(variables))
+
+
+def _compiled_step(layers: int, remat: bool):
+    """A tiny Qwen2-shaped checkpoint's donating GRPO step with Adam, compiled (never run) for
+    2 rows of 16 positions, where the params and moments outweigh the activations as a small
+    model's short replies do; its memory analysis, the model and its params' bytes."""
+    import jax.numpy as jnp
+
+    from dew.models import hf
+    from dew.objectives.rl.grpo import GRPOObjective
+
+    config = hf.HFConfig(
+        architecture="Qwen2ForCausalLM", vocab=512, hidden=64, intermediate=128, layers=layers,
+        heads=4, kv_heads=2, head_dim=16, max_len=256, rope_theta=10000.0, qkv_bias=True,
+        tied=False,
+    )  # fmt: skip
+    model = hf.HFModel(config, dtype="float32", remat=remat)
+    variables = jax.eval_shape(model.init, jax.random.key(0))
+    optimizer = optax.adam(1e-3)
+    state = jax.eval_shape(optimizer.init, variables)
+    ints = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    floats = jax.ShapeDtypeStruct((2, 16), jnp.float32)
+    batch = dict.fromkeys(("tokens", "positions", "segment_ids"), ints)
+    batch |= dict.fromkeys(
+        ("loss_mask", "advantages", "behavior_logprobs", "proximal_logprobs"), floats
+    )
+    step = GRPOObjective(model).update_fn(optimizer, donate=True).update
+    layout = (None,) * len(jax.tree.leaves((variables, state)))
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        lowered = step.lower(variables, state, batch, layout=layout)
+    memory = lowered.compile().memory_analysis()
+    params = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(variables))
+    return memory, model, params
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+def test_the_donating_step_holds_no_second_copy_of_the_weights_and_moments(remat):
+    """The step skips a non-finite (or empty) update by a branch, not by choosing between the
+    new and the old values: choosing needs both whole, so a donating step's scratch held a
+    second copy of the weights and Adam's moments (SmolLM2-135M's compiled step: 2.1 GiB of
+    scratch, 1.2 GiB with the branch). Its scratch is below the weights' and moments' bytes."""
+    memory, _, params = _compiled_step(8, remat)
+    assert memory.alias_size_in_bytes >= 3 * params  # the weights and moments are donated
+    assert memory.temp_size_in_bytes < 3 * params, (memory.temp_size_in_bytes, params)
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+def test_the_estimate_bounds_the_compiled_steps_scratch(remat):
+    """What the estimate counts for the step beyond its arguments (the gradient, one params'
+    worth of `weights`; under --remat the layers' params stacked for the scan over them; the
+    activations) is at least the compiled donating step's scratch, for a model of many layers
+    and narrow rows, where the layers' stacked copy is most of the difference."""
+    from dew.train._memory import estimate
+
+    memory, model, params = _compiled_step(8, remat)
+    needed = estimate(
+        model, rows=2, width=16, slots=1, max_len=16, ahead=0, remat=remat, reference=False
+    )
+    # Of the weights, the params, Adam's two moments and the engine's copy are held anyway.
+    step = needed.weights - 4 * params + needed.activations
+    assert memory.temp_size_in_bytes <= step <= 3 * memory.temp_size_in_bytes, (
+        memory.temp_size_in_bytes,
+        step,
+    )

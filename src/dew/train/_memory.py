@@ -1,8 +1,9 @@
 """What a `dew train` run will hold in memory, estimated before it starts, and the refusal of a
 run that cannot fit the machine.
 
-A run's memory is its weights (params, their gradient, Adam's two moments, the engine's copy),
-the engine's key/value cache (a slot per rollout in flight, each the task's longest sequence),
+A run's memory is its weights (params, their gradient, Adam's two moments, the engine's copy,
+and under remat the layers' params stacked for the scan over them), the engine's key/value
+cache (a slot per rollout in flight, each the task's longest sequence),
 the training step's activations and the packed batches, over what the process holds anyway
 (the interpreter, JAX and the compiled programs). The step runs the model over `row_chunk`
 rows at a time (`GRPOObjective`), so its activations are one chunk's, whatever the batch's rows:
@@ -44,7 +45,11 @@ class Estimate:
 
     Args:
         weights: params, their gradient and Adam's two moments (4 copies), the engine's copy
-            and, with a KL term, the reference's.
+            and, with a KL term, the reference's; with remat, a copy of the layers' params,
+            stacked for the scan over them (`dew.models.through_layers`). The step donates the
+            old weights and moments to the new (`GRPOObjective.update_fn(donate=True)`), and
+            the held-out evaluation's engine, which holds a copy while it runs, runs between
+            steps, when the gradient is gone.
         cache: the engine's key/value cache.
         activations: one row chunk's forward and backward pass through the model, the whole
             batch's final hidden states and their gradient, and a chunk of logits.
@@ -83,6 +88,16 @@ class Estimate:
 def _bytes(tree) -> int:
     return sum(
         math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree)
+    )
+
+
+def _layers_bytes(variables) -> int:
+    """The bytes of the leaves under a "layers" (a checkpoint's, a LoRA adapter's) or "blocks"
+    (dew's transformer's) key: what `through_layers` stacks."""
+    return sum(
+        math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        for path, leaf in jax.tree_util.tree_leaves_with_path(variables)
+        if any(getattr(key, "key", None) in ("layers", "blocks") for key in path)
     )
 
 
@@ -125,6 +140,8 @@ def estimate(
         weights = params * (3 if reference else 2) + adapter * 2 + (params - adapter)
     else:
         weights = params * (6 if reference else 5)
+    if remat:
+        weights += _layers_bytes(variables)
     cache = _bytes(jax.eval_shape(lambda: model.init_cache(slots=slots, max_len=max_len)))
     layers, heads, d_model, d_ff = _dimensions(model)
     chunk = min(rows, max(1, ATTENTION_CELLS // width**2))
