@@ -17,7 +17,8 @@ arm alike. The load average (1 minute) is printed before and after each run. The
 evaluation is `dew train --eval-every`'s: greedy and mean@k reward over `--eval-tasks` task ids
 the training never draws.
 
-    python benchmarks/options.py                      # 3 seeds x 3 arms, then the table
+    python benchmarks/options.py                      # 3 seeds x 3 arms, 60 updates, the table
+    python benchmarks/options.py --steps 200 --eval-every 20   # docs/concepts.md's longer one
     python benchmarks/options.py --seeds 0 --steps 40 --keep runs/
     python benchmarks/options.py --smoke              # every arm for 2 updates of a tiny run
 
