@@ -12,7 +12,7 @@ import trio
 
 from dew.data import ArrayDataset, Task
 from dew.envs.environment import EnvironmentSource, Episode, Score, Seated
-from dew.objectives.rl._packing import uniform_group
+from dew.objectives.rl._rewards import uniform_group
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import (
     Call,

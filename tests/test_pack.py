@@ -12,7 +12,8 @@ from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 
 from dew.data import Task
-from dew.objectives.rl._packing import _percentile, uniform_group
+from dew.objectives.rl._rewards import uniform_group
+from dew.objectives.rl._session_metrics import _percentile
 from dew.objectives.rl.sessions import (
     ESTIMATORS,
     TRUNCATION,

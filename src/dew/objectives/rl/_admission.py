@@ -49,7 +49,7 @@ from dew.objectives.rl._admission_values import (
     Submit,
     TimedOut,
 )
-from dew.objectives.rl._packing import uniform_group
+from dew.objectives.rl._rewards import uniform_group
 from dew.objectives.rl.sessions import Label, Session, Status
 
 # Under carry_over (with hedge), a group still running when the call two before its last

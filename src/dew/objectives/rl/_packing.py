@@ -1,4 +1,4 @@
-"""Fixed-shape packing of admitted groups, and the metrics of a step's sessions.
+"""Fixed-shape packing of admitted groups.
 
 The objective compiles once for one `[rows, width]` shape, so every step's rollouts are laid into
 that shape: each chain of a training rollout is one *segment* of a row (positions restart at 0,
@@ -6,40 +6,33 @@ attention stays inside it), groups go in whole, in admission order, or are *cut*
 group is the unit because its advantages are relative to each other: training half a group would
 train on a baseline its other half set.
 
-Public through `dew.objectives.rl.sessions`, which re-exports `Cut`, `Packed`, `pack` and
-`session_metrics`; this module builds on `_session` and `_chains`, which import neither it nor
-`sessions`.
+Public through `dew.objectives.rl.sessions`, which re-exports `Cut`, `Packed` and `pack`; this
+module builds on `_session`, `_chains` and `_rewards` (each group's advantages), which import
+neither it nor `sessions`. The step's figures over what it packed are `_session_metrics`'.
 """
 
 from __future__ import annotations
 
-import math
-import re
 from bisect import bisect_left, insort
-from collections import Counter
 from collections.abc import Sequence
 
 import attrs
 import numpy as np
 
 from dew._checks import check_int
-from dew.objectives.rl._chains import _Run, _runs, merge_ratio
-from dew.objectives.rl._session import (
-    ESTIMATORS,
-    TRUNCATION,
-    TRUNCATION_REASONS,
-    Session,
-    Status,
-    _fail,
+from dew.objectives.rl._chains import _Run, _runs
+from dew.objectives.rl._rewards import (
+    _advantages,
+    _seat_advantages,
+    _training_reward,
+    _training_statuses,
 )
+from dew.objectives.rl._session import ESTIMATORS, TRUNCATION, Session, Status, _fail
 
 CUT_REASONS = ("no_room", "too_long", "support")
 """Why `pack` leaves a complete group out (see `Cut`)."""
 PACKABLE = (Status.COMPLETED, Status.AGENT_ERROR, Status.TRUNCATED)
 """The statuses `pack` takes: the scored ones and truncations."""
-# A seat named NAME.K: one of several traces of agent NAME in one episode (see `_pool_of`).
-_NUMBERED = re.compile(r"(.+)\.\d+")
-_EPSILON = 1e-6  # keeps GRPO's division finite for a group with a tiny reward spread
 
 
 @attrs.frozen
@@ -92,146 +85,6 @@ class Packed:
 # keeps, its run, its rollout's advantage. A plain tuple: a step makes one per rollout, and
 # building records would cost more than placing them.
 _Piece = tuple[int, int, _Run, float]
-
-
-def _training_statuses(truncation: str) -> frozenset[Status]:
-    """The statuses that carry loss weight under a truncation policy."""
-    if truncation == "mask":
-        return frozenset((Status.COMPLETED, Status.AGENT_ERROR))
-    return frozenset((Status.COMPLETED, Status.AGENT_ERROR, Status.TRUNCATED))
-
-
-def _training_reward(session: Session, truncation: str) -> float:
-    """The reward a training session trains on under a truncation policy.
-
-    Raises:
-        SessionError: a TRUNCATED session without a reward under `score`.
-    """
-    if session.status is Status.TRUNCATED and truncation == "zero":
-        return 0.0
-    if session.reward is None:
-        raise _fail(
-            session,
-            "reward",
-            f"is missing on a {session.status.name} session under truncation={truncation!r} "
-            "(the scheduler resubmits those as unscored before packing)",
-        )
-    return float(session.reward)
-
-
-def uniform_group(group: Sequence[Session], truncation: str) -> bool:
-    """Whether a complete group carries no signal: its training rollouts' rewards (as
-    `truncation` makes them) are all equal, or fewer than two of them train. Every advantage
-    `pack` gives such a group is 0, under every estimator.
-
-    Args:
-        group: finished sessions of statuses `pack` takes; a TRUNCATED one under `score` has a
-            reward (the scheduler resubmits those without as unscored).
-        truncation: the truncation policy.
-    """
-    trains = _training_statuses(truncation)
-    training = [s for s in group if s.status in trains]
-    rewards = {_training_reward(s, truncation) for s in training}
-    on_rewards = any(_trains_on_reward(s) for s in training)
-    pools = _seat_pools(training, truncation)
-    return (len(rewards) <= 1 or not on_rewards) and all(
-        len(set(pool.values())) <= 1 for pool in pools.values()
-    )
-
-
-def _trains_on_reward(session: Session) -> bool:
-    """Whether some chain of a training session trains on the session's reward: it has no
-    seats, or a call of no seat (a chain's calls share their seat)."""
-    return session.seats is None or any(call.seat is None for call in session.calls)
-
-
-def _seat_reward(session: Session, seat: str, truncation: str) -> float:
-    """A seat's reward as a training session trains on it under a truncation policy."""
-    if session.status is Status.TRUNCATED and truncation == "zero":
-        return 0.0
-    return float(session.seats[seat])
-
-
-def _pool_of(seat: str) -> tuple[str, bool]:
-    """The pool a seat's baseline is taken over: the seat's own, or for a seat numbered
-    `NAME.K` (one of several traces one agent made in an episode, such as best-of-n's
-    attempts), NAME's, shared by all of them and apart from a seat named NAME itself."""
-    numbered = _NUMBERED.fullmatch(seat)
-    return (seat, False) if numbered is None else (numbered[1], True)
-
-
-def _seat_pools(
-    training: Sequence[Session], truncation: str
-) -> dict[tuple[str, bool], dict[tuple[int, str], float]]:
-    """Each pool's rewards over a group's training sessions, by (the session's index among
-    them, the seat): what a seat's baseline is taken over (see `_pool_of`)."""
-    pools: dict[tuple[str, bool], dict[tuple[int, str], float]] = {}
-    for i, session in enumerate(training):
-        for seat in session.seats or ():
-            pools.setdefault(_pool_of(seat), {})[i, seat] = _seat_reward(session, seat, truncation)
-    return pools
-
-
-def _seat_advantages(
-    training: Sequence[Session], truncation: str, estimator: str
-) -> list[dict[str, float] | None]:
-    """Per training session, each of its seats' advantage within the seat's pool over the
-    group (`Session.seats`), or None for a session without seats."""
-    seated: list[dict[str, float] | None] = [None if s.seats is None else {} for s in training]
-    for pool in _seat_pools(training, truncation).values():
-        advantages = _advantages(list(pool.values()), [len(pool)], estimator)
-        for (i, seat), advantage in zip(pool, advantages.tolist(), strict=True):
-            seated[i][seat] = advantage
-    return seated
-
-
-def _advantages(rewards: list[float], sizes: list[int], estimator: str) -> np.ndarray:
-    """Per-rollout advantages of every group's training rewards at once.
-
-    Groups of one size are the rows of one `[groups, size]` array: a row's reductions run over
-    it exactly as over a lone group's array, so each advantage is bit for bit what the group's
-    own formula gives, for a handful of numpy calls per step rather than per group.
-
-    Args:
-        rewards: float[n] the groups' training rewards, group after group.
-        sizes: how many of them each group has.
-
-    Returns:
-        float64[n] the advantages, in the order of `rewards`.
-    """
-    flat = np.array(rewards, np.float64)
-    if estimator == "batch":
-        # Centred in each group, scaled by the spread of the whole batch (TRL's scale_rewards
-        # "batch"): a group whose rewards barely differ keeps small advantages, where its own
-        # std would blow them up to the size of a decisive group's.
-        spread = flat.std() if flat.size else 0.0  # no training reward: nothing to scale
-        return _advantages(rewards, sizes, "mean") / (spread + _EPSILON)
-    if len(set(sizes)) == 1 and sizes[0] >= 2:
-        # The common case, every group of one size: one array of them, no indexing.
-        return _group_advantages(flat.reshape(len(sizes), sizes[0]), estimator).reshape(-1)
-    advantages = np.zeros_like(flat)
-    counts = np.array(sizes, np.intp)
-    starts = np.cumsum(counts) - counts
-    # A lone training rollout has no baseline: it keeps advantage 0.
-    for size in np.unique(counts[counts >= 2]):
-        at = starts[counts == size][:, None] + np.arange(size)
-        advantages[at] = _group_advantages(flat[at], estimator)
-    return advantages
-
-
-def _group_advantages(rewards: np.ndarray, estimator: str) -> np.ndarray:
-    """Advantages within groups of one size >= 2: float64[groups, size] -> float64[groups, size]."""
-    size = rewards.shape[1]
-    if estimator == "rloo":
-        advantages = rewards - (rewards.sum(axis=1, keepdims=True) - rewards) / (size - 1)
-    else:
-        advantages = rewards - rewards.mean(axis=1, keepdims=True)
-        if estimator == "group":
-            advantages = advantages / (rewards.std(axis=1, keepdims=True) + _EPSILON)
-    # A group whose rollouts all scored alike says nothing about which did better; exact zeros
-    # keep rounding in the mean from turning into a spurious signal.
-    alike = np.ptp(rewards, axis=1, keepdims=True) == 0
-    return np.where(alike, 0.0, advantages)
 
 
 def _extent(run: _Run, support: bool) -> tuple[int, int, int]:
@@ -765,103 +618,3 @@ def _support(laid: Sequence[Sequence[_Piece]], capacity: int) -> tuple[np.ndarra
         at.append(-1)
     sizes = np.fromiter(map(len, tokens), np.intp, len(tokens))
     return np.concatenate(tokens, dtype=np.int32), np.repeat(np.array(at, np.int32), sizes)
-
-
-def session_metrics(
-    sessions: Sequence[Session], packed: Packed, *, version: int | None = None
-) -> dict[str, float]:
-    """Figures of one step's sessions and their packed batch, for the scheduler's record.
-
-    A figure is present exactly when it is defined, and then it is a finite float: a share,
-    mean or quantile over nothing (no sessions, no calls, no rewards, no trained tokens) is left
-    out, as a reward component no session reported is, never 0.0, None or NaN. A step that
-    admitted nothing has only `tokens/trained` and `fill` (0.0 each); a reader of a log that
-    wants a number for every step writes `metrics.get(key, math.nan)`.
-
-    Args:
-        sessions: the step's rollouts.
-        packed: their packed batch; its truncation policy decides which sessions are masked.
-        version: the trainer's version at consumption, to measure each trained token's lag.
-
-    Returns:
-        `merge_ratio`; `status/<status>` shares; `masked/share` (sessions with no loss weight)
-        and `masked/<truncation reason>` shares; `reward/mean` and `reward/std` (over
-        sessions with a reward) and `reward/<component>` means (a component named `mean` or
-        `std` is shadowed by the overall figure); `length/mean` and `length/max`, the
-        completion tokens (every call's, summed) of the sessions that train; `latency/p50`,
-        `/p90`, `/p99`, `/max` of finished - submitted (where both are stamped);
-        `tokens/trained`; `lag/token_mean` and `lag/token_max` (with `version`);
-        `fill`.
-    """
-    metrics: dict[str, float] = {}
-    total = len(sessions)
-    if sum(len(s.calls) for s in sessions):
-        metrics["merge_ratio"] = merge_ratio(sessions)
-    if total:
-        # Counted in one pass each: a small step's metrics are a fixed cost of every call.
-        statuses = Counter(s.status for s in sessions)
-        for status in Status:
-            metrics[f"status/{status.value}"] = statuses[status] / total
-        trains = _training_statuses(packed.truncation)
-        masked = [s for s in sessions if s.status not in trains]
-        metrics["masked/share"] = len(masked) / total
-        reasons = Counter(s.truncation for s in masked)
-        for reason in TRUNCATION_REASONS:
-            metrics[f"masked/{reason}"] = reasons[reason] / total
-    for name in sorted({name for s in sessions for name in s.components}):
-        metrics[f"reward/{name}"] = float(
-            np.mean([float(s.components[name]) for s in sessions if name in s.components])
-        )
-    rewards = [float(s.reward) for s in sessions if s.reward is not None]
-    if rewards:
-        metrics["reward/mean"] = float(np.mean(rewards))
-        metrics["reward/std"] = float(np.std(rewards))
-    if total:
-        # What the policy wrote in the rollouts that train: a run whose replies grow to the
-        # token limit, or collapse to nothing, shows it here first.
-        lengths = [sum(len(c.completion) for c in s.calls) for s in sessions if s.status in trains]
-        if lengths:
-            metrics["length/mean"] = float(np.mean(lengths))
-            metrics["length/max"] = float(max(lengths))
-    latencies = [
-        s.finished - s.submitted
-        for s in sessions
-        if s.finished is not None and s.submitted is not None
-    ]
-    if latencies:
-        ordered = sorted(latencies)
-        p50, p90, p99 = (_percentile(ordered, q) for q in (50, 90, 99))
-        metrics |= {"latency/p50": p50, "latency/p90": p90, "latency/p99": p99}
-        metrics["latency/max"] = float(ordered[-1])
-    trained = packed.batch["loss_mask"] > 0
-    metrics["tokens/trained"] = float(trained.sum())
-    if version is not None and trained.any():
-        lags = version - packed.batch["versions"][trained].astype(np.int64)
-        metrics["lag/token_mean"] = float(lags.mean())
-        metrics["lag/token_max"] = float(lags.max())
-    metrics["fill"] = float(packed.fill)
-    return metrics
-
-
-def _percentile(ordered: Sequence[float], q: float) -> float:
-    """The q-th percentile of ascending values, as `np.percentile`'s default (linear) method
-    gives it, bit for bit.
-
-    In plain Python: numpy's own call costs more than a small step's other metrics together.
-    Numpy places the percentile at index (n - 1) * q / 100 between its neighbours a and b, at
-    fraction t, as a + (b - a) t below t = 0.5 and b - (b - a)(1 - t) from there.
-
-    Args:
-        ordered: finite values, ascending, at least one.
-        q: the percentile, in [0, 100].
-
-    Returns:
-        The percentile, a float.
-    """
-    index = (len(ordered) - 1) * (q / 100)
-    below = math.floor(index)
-    above = min(below + 1, len(ordered) - 1)
-    fraction = index - below
-    low, high = float(ordered[below]), float(ordered[above])
-    gap = high - low
-    return high - gap * (1 - fraction) if fraction >= 0.5 else low + gap * fraction

@@ -25,7 +25,7 @@ from dew.data import Batch, Task
 from dew.objectives.rl import _admission as core
 from dew.objectives.rl._admission import LogEvent
 from dew.objectives.rl._arguments import MAX_IN_FLIGHT
-from dew.objectives.rl._packing import _percentile, pack_narrow, uniform_group
+from dew.objectives.rl._packing import pack_narrow
 from dew.objectives.rl._records import (
     GroupStatus,
     SampleStatus,
@@ -33,6 +33,8 @@ from dew.objectives.rl._records import (
     SchedulerStatus,
     Variables,
 )
+from dew.objectives.rl._rewards import uniform_group
+from dew.objectives.rl._session_metrics import _percentile
 from dew.objectives.rl._shell_trio import (
     CLOSED,
     CLOSED_WAITING,

@@ -14,7 +14,7 @@ Truncation policies (`TRUNCATION`), for a TRUNCATED session:
 """
 
 from dew.objectives.rl._chains import Chain, chains, merge_ratio
-from dew.objectives.rl._packing import CUT_REASONS, PACKABLE, Cut, Packed, pack, session_metrics
+from dew.objectives.rl._packing import CUT_REASONS, PACKABLE, Cut, Packed, pack
 from dew.objectives.rl._session import (
     ESTIMATORS,
     TRUNCATION,
@@ -28,6 +28,7 @@ from dew.objectives.rl._session import (
     check_session,
     note_progress,
 )
+from dew.objectives.rl._session_metrics import session_metrics
 
 __all__ = [
     "CUT_REASONS",
