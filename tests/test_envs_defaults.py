@@ -92,7 +92,7 @@ def test_a_tool_environment_trains_at_the_default_context(tmp_path, tool_servers
 CANCELLED_EPISODE = """
 import asyncio, sys, threading
 import trio
-from dew.envs.verifiers import _run_loop
+from dew.envs._verifiers_loop import _run_loop
 
 started, cleaning = threading.Event(), threading.Event()
 

@@ -4,13 +4,17 @@ verifiers' own loader says "not found" for a package whose own import fails (a d
 its own missing: the package is installed, its `No module named ...` was hidden behind "is not
 installed"), and raises an AttributeError traceback for a package written for its older API (no
 `__all__` exporting a `vf.Taskset`). `taskset_class` resolves the taskset's class as verifiers
-does and says which of these it is.
+does and says which of these it is. `_import_verifiers` is verifiers itself, or one line saying
+how to install it (or that the installed release is one dew does not run).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from typing import Any
+
+from dew.envs._releases import check_release
 
 
 def _module(name: str) -> str:
@@ -58,3 +62,15 @@ def taskset_class(name: str) -> type[Any]:
             f"verifiers environment {name!r} does not import{where}: "
             f"{type(error).__name__}: {error}"
         ) from error
+
+
+def _import_verifiers():
+    try:
+        check_release("verifiers")
+    except importlib.metadata.PackageNotFoundError:
+        raise ImportError(
+            "verifiers environments need the verifiers package: pip install 'dew[verifiers]'"
+        ) from None
+    import verifiers.v1 as vf
+
+    return vf

@@ -12,11 +12,12 @@ environment's own episode (`Env.run_episode`: its setup, its protocol between ag
 and tools, its rewards) with a `ModelContext` whose client is the session's private URL, so
 every model call the environment's agents make reaches dew's engine through the gateway and is
 recorded token in / token out. verifiers is asyncio and dew runs trio: episodes run on an
-asyncio loop in a thread of their own, one per trio run.
+asyncio loop in a thread of their own, one per trio run (`_verifiers_loop`).
 
 Offline and in-process. verifiers' own harnesses install their program with `uv` (from the
 network) into a sandbox; dew runs each agent with `ChatHarness` instead (harness id
-`dew-chat`): the same chat loop, in-process, offering the task's MCP tools. An environment is
+`dew-chat`, built in `_verifiers_harness`): the same chat loop, in-process, offering the task's
+MCP tools. An environment is
 refused at load, naming what it needs, when it pins a harness other than `dew-chat`, runs an
 agent or a tool server outside a local subprocess runtime (docker, prime, modal: a sandbox
 service), needs a container for its tasks, or keeps taskset-wide tool servers or resources of
@@ -67,29 +68,24 @@ judge, a simulated user) on nothing.
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import concurrent.futures
-import contextlib
-import functools
-import importlib.metadata
 import json
 import logging
 import math
 import re
-import threading
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 import numpy as np
-import trio
 
 from dew._checks import int_at_least
 from dew._errors import ErrorCounts, error_kind
 from dew.data import ArrayDataset, Batch, Task
 from dew.envs._offline import no_downloads
-from dew.envs._releases import check_release
+from dew.envs._verifiers_harness import _chat_harness_classes
+from dew.envs._verifiers_loading import _import_verifiers
+from dew.envs._verifiers_loop import _run_loop
 from dew.envs.environment import describe
 from dew.envs.harness import _gateway, _optional_count, _optional_seconds, play_in_session
 from dew.objectives.rl.sessions import Call, Label, Session, Status
@@ -110,18 +106,6 @@ _LIMITS = {
     "max_total_tokens": "context",
     "compaction_failed": "context",
 }
-
-
-def _import_verifiers():
-    try:
-        check_release("verifiers")
-    except importlib.metadata.PackageNotFoundError:
-        raise ImportError(
-            "verifiers environments need the verifiers package: pip install 'dew[verifiers]'"
-        ) from None
-    import verifiers.v1 as vf
-
-    return vf
 
 
 def _value(text: str) -> Any:
@@ -384,115 +368,6 @@ class Verifiers:
         return VerifiersSource(gateway, self.env, taskset=self, **options)
 
 
-# --- the asyncio side ---------------------------------------------------------------------------
-
-
-class _Loop:
-    """An asyncio event loop in a thread of its own, for one trio run: verifiers' episodes run
-    there; a trio task awaits each without holding a thread."""
-
-    def __init__(self):
-        # Episodes download nothing either (a game built per episode may ask nltk).
-        self.offline = contextlib.ExitStack()
-        self.offline.enter_context(no_downloads())
-        self.loop = asyncio.new_event_loop()
-        self.closing = False
-        self.thread = threading.Thread(target=self._serve, name="dew-verifiers", daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        while not self.closing:
-            # asyncio lets a SystemExit or KeyboardInterrupt raised in a task (an environment
-            # calling sys.exit) out of the loop, after handing it to the task's awaiters: run on,
-            # so that the episodes of this run, that one's included, still end.
-            with contextlib.suppress(SystemExit, KeyboardInterrupt):
-                self.loop.run_forever()
-        # Stopped with the trio run: what is left ends here. The episodes it awaited were
-        # cancelled as it ended and are unwinding: they finish their cleanup first (verifiers
-        # stops an episode's tool servers under `wait_for` of a gather, and a second cancel
-        # there left the gather's CancelledError unretrieved, a traceback on stderr after the
-        # run's own error). Then what nobody cancelled (the environment's own helper tasks,
-        # and any the cleanup started) is cancelled, until no task is left.
-        unwinding = {task for task in asyncio.all_tasks(self.loop) if task.cancelling()}
-        self.loop.run_until_complete(asyncio.gather(*unwinding, return_exceptions=True))
-        while left := asyncio.all_tasks(self.loop):
-            for task in left:
-                task.cancel()
-            self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-        self.loop.close()
-
-    async def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
-        """Await `coroutine` on the asyncio loop; a trio cancel cancels its asyncio task.
-
-        Raises:
-            what the coroutine raised, but a SystemExit or KeyboardInterrupt as a RuntimeError
-                (`_contained`); `concurrent.futures.CancelledError`, saying so, where its task
-                was cancelled inside the loop (it raised asyncio's CancelledError), not by a
-                trio cancel.
-        """
-        future = asyncio.run_coroutine_threadsafe(_contained(coroutine), self.loop)
-        token = trio.lowlevel.current_trio_token()
-        done = trio.Event()
-
-        def wake(_) -> None:
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(done.set)
-
-        future.add_done_callback(wake)
-        try:
-            await done.wait()
-        except BaseException:
-            future.cancel()
-            raise
-        if future.cancelled():
-            raise concurrent.futures.CancelledError(
-                "the episode was cancelled inside the environment (it raised asyncio's "
-                "CancelledError), not by dew"
-            )
-        return future.result()
-
-    def close(self) -> None:
-        """Stop the loop; its thread cancels what is left and ends. An episode whose cleanup
-        does not end in a minute is left to the daemon thread (the process's exit ends it)."""
-        self.closing = True
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=60)
-        self.offline.close()
-
-
-async def _contained(coroutine: Coroutine[Any, Any, Any]) -> Any:
-    """`coroutine`, a SystemExit or KeyboardInterrupt it raises (an environment calling
-    `sys.exit`) raised as a RuntimeError instead: asyncio lets those two out of the loop, which
-    would end the loop's thread and leave every later episode waiting on it for good."""
-    try:
-        return await coroutine
-    except (SystemExit, KeyboardInterrupt) as error:
-        raise RuntimeError(f"the environment raised {describe(error)}") from error
-
-
-_LOOP = trio.lowlevel.RunVar("dew.envs.verifiers.loop")
-
-
-def _run_loop() -> _Loop:
-    """This trio run's asyncio loop, started on first use and stopped when the run ends."""
-    try:
-        return _LOOP.get()
-    except LookupError:
-        loop = _Loop()
-        _LOOP.set(loop)
-        trio.lowlevel.spawn_system_task(_close_when_the_run_ends, loop)
-        return loop
-
-
-async def _close_when_the_run_ends(loop: _Loop) -> None:
-    try:
-        await trio.sleep_forever()
-    finally:
-        loop.close()
-
-
 # --- the source ---------------------------------------------------------------------------------
 
 
@@ -749,110 +624,11 @@ def _session(session, result: Outcome | None) -> Session:
     )
 
 
-# --- the harness --------------------------------------------------------------------------------
-
-
-@functools.cache
-def _chat_harness_classes() -> tuple[type, type]:
-    """`ChatHarness` and its config, built once, on first use (verifiers is an optional
-    extra)."""
-    vf = _import_verifiers()
-    from verifiers.v1.dialects.chat import message_to_wire
-    from verifiers.v1.harnesses.utils.mcp import call_mcp, connect_mcp
-    from verifiers.v1.runtimes import ProgramResult
-
-    class ChatHarnessConfig(vf.HarnessConfig):
-        """`ChatHarness`'s config: verifiers' harness knobs (`tool_timeout` among them)."""
-
-        id: str = HARNESS_ID
-
-    class ChatHarness(vf.Harness[ChatHarnessConfig]):
-        """An agent's chat loop, in-process: the task's prompt, then one model call after
-        another through the rollout's interception endpoint, running each tool call on the
-        task's MCP servers, until a reply calls no tool. verifiers' `null` harness does the
-        same in a program it installs with uv; this one needs nothing installed."""
-
-        APPENDS_SYSTEM_PROMPT = True
-        SUPPORTS_MCP = True
-        SUPPORTS_RESUME = True
-        EXECUTES_CODE = False
-        NEEDS_CONTAINER = False
-
-        async def launch(
-            self,
-            ctx,
-            trace,
-            runtime,
-            endpoint: str,
-            secret: str,
-            mcp_urls: dict[str, str],
-            data,
-            tool_interception_url: str | None = None,
-        ):
-            import openai
-
-            system, prompt = self.resolve_prompt(data)
-            messages: list[dict[str, Any]] = (
-                [{"role": "system", "content": system}] if system else []
-            )
-            if isinstance(prompt, str):
-                messages.append({"role": "user", "content": prompt})
-            elif prompt is not None:
-                messages += [message_to_wire(message) for message in prompt]
-            servers = {
-                name: {"url": url, "timeout": self.config.tool_timeout}
-                for name, url in mcp_urls.items()
-            }
-            # No client timeout: on a busy machine a connect to the rollout's interception server
-            # can take longer than openai's 5 s, and the rollout's own limits (the source's
-            # wall_clock, verifiers' agent timeout) bound it.
-            client = openai.AsyncOpenAI(
-                base_url=endpoint, api_key=secret, max_retries=0, timeout=None
-            )
-            async with (
-                client,
-                contextlib.AsyncExitStack() as stack,
-            ):
-                tools, dispatch, connections = (
-                    await connect_mcp({"mcpServers": servers}, stack) if servers else ([], {}, {})
-                )
-                while True:
-                    options = {"tools": tools} if tools else {}
-                    answer = await client.chat.completions.create(
-                        model=ctx.model, messages=messages, **options
-                    )
-                    message = answer.choices[0].message
-                    messages.append(message.model_dump(exclude_none=True))
-                    if not message.tool_calls:
-                        return ProgramResult(exit_code=0, stdout="", stderr="")
-                    for call in message.tool_calls:
-                        content = await _run_tool(call, dispatch, connections, call_mcp)
-                        messages.append(
-                            {"role": "tool", "tool_call_id": call.id, "content": content}
-                        )
-
-    return ChatHarness, ChatHarnessConfig
-
-
-async def _run_tool(call, dispatch, connections, call_mcp: Callable) -> str:
-    """A tool call's result, as the model sees it: an MCP tool's answer, or what was wrong with
-    the call (a model's malformed call is the model's to fix, as verifiers' chat loop says)."""
-    try:
-        arguments = json.loads(call.function.arguments or "{}")
-    except json.JSONDecodeError as error:
-        return f"error: invalid JSON in tool arguments ({error})"
-    if not isinstance(arguments, dict):
-        return f"error: tool arguments must be a JSON object, got {type(arguments).__name__}"
-    if call.function.name not in dispatch:
-        return f"error: unknown tool {call.function.name!r}"
-    return await call_mcp(connections, dispatch, call.function.name, arguments)
-
-
 def __getattr__(name: str) -> Any:
     # ChatHarness subclasses verifiers' Harness: built when first asked for, so importing this
     # module needs no verifiers. It stays out of the module's namespace, so what the module
     # defines (its API page) does not depend on whether something asked for it first.
     if name in ("ChatHarness", "ChatHarnessConfig"):
-        harness, config = _chat_harness_classes()
+        harness, config = _chat_harness_classes(HARNESS_ID)
         return harness if name == "ChatHarness" else config
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
