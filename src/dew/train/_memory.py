@@ -1,11 +1,12 @@
 """What a `dew train` run will hold in memory, estimated before it starts, and the refusal of a
 run that cannot fit the machine.
 
-A run's memory is its weights (params, their gradient, Adam's two moments, the engine's copy,
+A run's memory is its weights (params, their gradient, Adam's two moments, the engine's copies,
 and under remat the layers' params stacked for the scan over them), the engine's key/value
 cache (a slot per rollout in flight, each the task's longest sequence),
 the training step's activations and the packed batches, over what the process holds anyway
-(the interpreter, JAX and the compiled programs). The step runs the model over `row_chunk`
+(the interpreter and JAX, and the programs compiled for the model and the allocator's share,
+which grow with it: measured). The step runs the model over `row_chunk`
 rows at a time (`GRPOObjective`), so its activations are one chunk's, whatever the batch's rows:
 a chunk's attention scores grow with the row's width squared, the rest of its activations with
 the width. The figures are shapes times bytes, read off the model's own `init` and
@@ -27,6 +28,7 @@ GIB = 2**30
 RUNTIME = GIB // 2
 """What a run's process holds whatever its shapes: the interpreter, JAX, the tokenizer, the
 compiled programs (the default copy run peaks at 0.66 GiB, 0.5 of them this)."""
+
 # Per layer and row, the step keeps about this many [heads, width, width] float32 arrays for
 # the backward pass (the scores, the masked scores, the softmax weights) and makes a fourth
 # in it (their gradient).
@@ -45,7 +47,8 @@ class Estimate:
 
     Args:
         weights: params, their gradient and Adam's two moments (4 copies), the engine's copy
-            and, with a KL term, the reference's; with remat, a copy of the layers' params,
+            and the pushed copy it holds beside it until its next step and, with a KL term,
+            the reference's; with remat, a copy of the layers' params,
             stacked for the scan over them (`dew.models.through_layers`). The step donates the
             old weights and moments to the new (`GRPOObjective.update_fn(donate=True)`), and
             the held-out evaluation's engine, which holds a copy while it runs, runs between
@@ -54,7 +57,8 @@ class Estimate:
         activations: one row chunk's forward and backward pass through the model, the whole
             batch's final hidden states and their gradient, and a chunk of logits.
         batches: the packed batches the trainer and the scheduler hold.
-        runtime: `RUNTIME`.
+        runtime: `RUNTIME`, and 3.5 times the params' bytes for the programs XLA compiles
+            for the model and the step's freed scratch the allocator keeps (measured).
         chunk: rows the step runs the model over at a time.
         width: the packed rows' width.
     """
@@ -134,12 +138,13 @@ def estimate(
     variables = jax.eval_shape(model.init, jax.random.key(0))
     params = _bytes(variables)
     if isinstance(variables, dict) and variables.keys() == {"adapter", "base"}:  # a LoRA model
-        # Adam and the engine hold the adapter alone, the engine the base merged with it; the
-        # gradient (zeros for the frozen base) and the reference are of every variable.
+        # Adam and the engine hold the adapter alone, the engine the base merged with it (and
+        # a pushed one beside it); the gradient (zeros for the frozen base) and the reference
+        # are of every variable.
         adapter = _bytes(variables["adapter"])
-        weights = params * (3 if reference else 2) + adapter * 2 + (params - adapter)
+        weights = params * (3 if reference else 2) + adapter * 2 + 2 * (params - adapter)
     else:
-        weights = params * (6 if reference else 5)
+        weights = params * (7 if reference else 6)
     if remat:
         weights += _layers_bytes(variables)
     cache = _bytes(jax.eval_shape(lambda: model.init_cache(slots=slots, max_len=max_len)))
@@ -156,7 +161,12 @@ def estimate(
         cache=cache,
         activations=chunk * kept + hidden + min(logits, 3 * rows * width * model.vocab * 4),
         batches=(ahead + 2) * rows * width * _BATCH_ARRAYS * 4,
-        runtime=RUNTIME,
+        # What a run holds beyond its arrays grows with its model: the programs XLA compiles
+        # for it and the step's freed scratch the allocator has not given back yet. At the
+        # peaks of the README's SmolLM2-135M run and of a 4-layer cut of it, 3.5 and 3.6 times
+        # the params' bytes beyond RUNTIME (docs/checkpoints.md, "Where a real model's run
+        # holds its memory").
+        runtime=RUNTIME + 7 * params // 2,
         chunk=chunk,
         width=width,
     )
