@@ -670,6 +670,29 @@ def test_keep_best_without_evaluations_is_refused_naming_it(capsys, tmp_path):
     assert "keep_best" in line and "eval_every" in line, line
 
 
+def test_a_best_checkpoint_without_its_evaluation_is_refused_at_resume_in_one_line(
+    capsys, tmp_path
+):
+    """A --keep-best run resumed over a checkpoints/best whose record holds no evaluation (not
+    written by --keep-best, or edited) is refused before anything starts, naming the file; it
+    was a traceback once the run had begun."""
+    run = tmp_path / "run"
+    argv = ["train", "--run", str(run), "--keep-best", "--eval-every", "1", "--eval-tasks", "2"]
+    argv += ["--batch-size", "2", "--groups", "2", "--tasks", "4", "--samples", "0"]
+    argv += ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32"]
+    from dew.cli import main
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        assert main([*argv, "--steps", "1"]) == 0
+    record = run / "checkpoints" / "best" / "checkpoint.json"
+    saved = json.loads(record.read_text())
+    saved["metadata"]["eval"] = "edited"
+    record.write_text(json.dumps(saved))
+    capsys.readouterr()
+    line = refusal(capsys, [*argv, "--steps", "2", "--resume"])
+    assert f"{record} holds no evaluation" in line, line
+
+
 def test_keeping_no_checkpoint_is_refused_naming_it(tmp_path):
     from dew.train import Checkpoint, save_checkpoint
 

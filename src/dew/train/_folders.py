@@ -13,7 +13,7 @@ from pathlib import Path
 import attrs
 
 from dew.envs.reasoning_gym import PREFIX
-from dew.train._checkpoint import COMMIT, STATE
+from dew.train._checkpoint import COMMIT, STATE, read_commit
 from dew.train._config import _LOGGING, HARNESS, TrainConfig, _read_json
 from dew.train._trainer import METRICS, check_log_lengths
 
@@ -21,6 +21,10 @@ from dew.train._trainer import METRICS, check_log_lengths
 class RunInUse(ValueError):
     """Another run holds the run folder: a `dew train` into it, in this process or another,
     has not ended."""
+
+
+BEST = Path("checkpoints") / "best"
+"""Where `--keep-best` keeps the checkpoint of the run's best held-out greedy reward."""
 
 
 class Misfit(ValueError):
@@ -124,6 +128,8 @@ def _check_run(config: TrainConfig, run: Path, *, resume: bool) -> None:
                 f"{run} was trained with other {', '.join(changed)}: {values} (a resumed run "
                 f"keeps its config; only {_free()} may change)"
             )
+    if resume and config.keep_best:
+        _best_greedy(run / BEST)  # a best checkpoint that holds no evaluation is refused
     if resume and history and not committed and not _in_use(run):
         # Resuming from nothing would train from the first step over the logs and remove the
         # arrays at its first checkpoint.
@@ -364,3 +370,18 @@ def _default_run(task: str) -> Path:
     name = task.removeprefix(PREFIX).removeprefix(HARNESS).split(",")[0]
     name = name.rsplit(":", 1)[-1]  # verifiers:NAME, textarena:GAME
     return Path("dew-runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _best_greedy(best: Path) -> float | None:
+    """The greedy held-out reward of the checkpoint in `best` (its record's `eval`), or None
+    where there is none yet."""
+    record = read_commit(best)
+    if record is None:
+        return None
+    try:
+        return float(record["metadata"]["eval"]["greedy"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(
+            f"{best / COMMIT} holds no evaluation (metadata eval greedy): not a --keep-best "
+            "checkpoint; move it away"
+        ) from None

@@ -31,7 +31,7 @@ from dew.models.hf import lora, sharding
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.parallel import ProcessRows, default_pool
 from dew.serve._lora import serving
-from dew.train._checkpoint import COMMIT, _write_atomically, is_sharded, read_commit
+from dew.train._checkpoint import COMMIT, _write_atomically, is_sharded
 from dew.train._config import TrainConfig
 from dew.train._config_preflight import _check_task, _load_tokenizer, _mesh_sizes
 from dew.train._curves import write_curves
@@ -42,7 +42,15 @@ from dew.train._evaluation import (
     Evaluation,
     write_eval_samples,
 )
-from dew.train._folders import Misfit, _check_record, _check_run, _check_split, _RunLock
+from dew.train._folders import (
+    BEST,
+    Misfit,
+    _best_greedy,
+    _check_record,
+    _check_run,
+    _check_split,
+    _RunLock,
+)
 from dew.train._interrupt import _Interrupted
 from dew.train._memory import GIB, Estimate, estimate, machine_memory
 from dew.train._reference import reference_sync, synced_reference
@@ -54,8 +62,6 @@ from dew.train._wandb import WandbLog
 
 ADAPTER = "adapter"
 """A `--lora` run's checkpoints hold its adapter in this folder, as PEFT saves it."""
-BEST = Path("checkpoints") / "best"
-"""Where `--keep-best` keeps the checkpoint of the run's best held-out greedy reward."""
 SAMPLES = "samples.jsonl"
 
 
@@ -724,21 +730,6 @@ class _RunLogs:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.close()
-
-
-def _best_greedy(best: Path) -> float | None:
-    """The greedy held-out reward of the checkpoint in `best` (its record's `eval`), or None
-    where there is none yet."""
-    record = read_commit(best)
-    if record is None:
-        return None
-    try:
-        return float(record["metadata"]["eval"]["greedy"])
-    except (KeyError, TypeError, ValueError):
-        raise ValueError(
-            f"{best / COMMIT} holds no evaluation (metadata eval greedy): not a --keep-best "
-            "checkpoint; move it away"
-        ) from None
 
 
 def _append_lines(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
