@@ -2,7 +2,8 @@
 tokenizers with their chat templates."""
 
 from dew.serve import chat_template, tokenizer
-from dew.serve._engine import EngineStats, RolloutServer, sample
+from dew.serve._draw import sample
+from dew.serve._engine import EngineStats, RolloutServer
 from dew.serve._failure import CallFailed
 from dew.serve._sampling import Sampling
 from dew.serve._served import ServedSource

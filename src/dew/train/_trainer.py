@@ -20,13 +20,13 @@ import optax
 from jax.experimental import multihost_utils
 
 from dew import _pool_guard
+from dew._arrays import copy_tree
 from dew._checks import check_int, check_number
 from dew.data import Batch, Dataset
 from dew.models.hf.lora import LoRAModel
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import SchedulerRecord
 from dew.parallel import DataParallelUpdate, local_copy, pool_fields
-from dew.serve._engine import _copy
 from dew.train._checkpoint import (
     COMMIT,
     Checkpoint,
@@ -280,7 +280,7 @@ def _apart(state: Any, variables: Variables) -> Any:
     that keeps the params it starts from, as `reference_sync`'s does): a step that donates both
     cannot take one buffer twice."""
     own = {id(leaf) for leaf in jax.tree.leaves(variables)}
-    return jax.tree.map(lambda leaf: _copy(leaf) if id(leaf) in own else leaf, state)
+    return jax.tree.map(lambda leaf: copy_tree(leaf) if id(leaf) in own else leaf, state)
 
 
 def _pooled(parallel: DataParallelUpdate) -> Callable:
@@ -401,7 +401,7 @@ class Trainer:
         # The step consumes the variables and state it is handed (`update_fn(donate=True)`:
         # the old and the new weights and moments are never held side by side), so the trainer
         # steps its own copy and the caller's arrays outlive its first step.
-        self.variables = _copy(variables)
+        self.variables = copy_tree(variables)
         self.opt_state = _apart(
             _state_beside(optimizer.init(self.variables), self.variables), self.variables
         )
