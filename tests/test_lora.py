@@ -74,6 +74,7 @@ def _peft_model(folder: Path, config: lora.LoRAConfig, seed: int):
             r=config.rank,
             lora_alpha=config.alpha,
             target_modules=list(config.targets),
+            lora_dropout=config.dropout,
             task_type="CAUSAL_LM",
         ),
     )
@@ -528,3 +529,101 @@ def test_the_lora_engine_serves_base_and_adapter_merged_once_as_the_lora_model_d
     assert merged[1].version == 1
     with pytest.raises(ValueError, match="tree layout of the LoRA model"):
         LoRAServer(model, params, slots=2, max_len=32)
+
+
+def _with_masks(reference, model: lora.LoRAModel, key, tokens: np.ndarray):
+    """`reference` (a PEFT model) with each adapter branch's dropout replaced by the mask dew
+    draws for it in a training forward handed `key` over `tokens` (one row), so PEFT's train-
+    mode computation meets dew's on the same mask."""
+    rate = model.lora.dropout
+
+    class Masked(torch.nn.Module):
+        def __init__(self, mask: np.ndarray):
+            super().__init__()
+            self.mask = torch.tensor(mask)
+
+        def forward(self, x):
+            return x * self.mask / (1 - rate)
+
+    drawn = 0
+    for name, module in reference.named_modules():
+        if not hasattr(module, "lora_dropout") or "default" not in module.lora_dropout:
+            continue
+        parts = name.split(".")
+        block, target = int(parts[parts.index("layers") + 1]), parts[-1]
+        width = module.in_features
+        mask = lora.dropout_mask(
+            model.dropout_key(key, block, target), (1, len(tokens), width), rate
+        )
+        module.lora_dropout["default"] = Masked(np.asarray(mask))
+        drawn += 1
+    assert drawn == model.base.config.layers * len(model.lora.targets)
+    return reference
+
+
+@EACH_FAMILY
+def test_a_training_forward_with_dropout_is_peft_s_on_the_same_mask(folders, family, tmp_path):
+    config = lora.LoRAConfig(rank=4, alpha=8, dropout=0.3)
+    reference = _peft_model(folders[family], config, seed=2)
+    reference.save_pretrained(tmp_path / "adapter")
+    saved = json.loads((tmp_path / "adapter" / lora.ADAPTER_CONFIG).read_text())
+    assert saved["lora_dropout"] == 0.3
+    base, params = hf.load(folders[family])
+    loaded, adapter = lora.load_adapter(tmp_path / "adapter", base)
+    assert loaded.dropout == 0.3
+    model = lora.LoRAModel(base, loaded)
+    variables = {"adapter": adapter, "base": params}
+    # dew saves it as PEFT does, and reads its own back.
+    lora.save_adapter(tmp_path / "ours", adapter, loaded)
+    saved = json.loads((tmp_path / "ours" / lora.ADAPTER_CONFIG).read_text())
+    assert saved["lora_dropout"] == 0.3
+    assert lora.load_adapter(tmp_path / "ours", base)[0] == loaded
+    sequence = _sequence(3)
+    key = jax.random.key(7)
+    want = _torch_logits(_with_masks(reference, model, key, sequence), sequence)
+    length = len(sequence)
+    got = np.asarray(
+        jax.jit(model)(
+            variables,
+            jnp.asarray(sequence)[None],
+            jnp.arange(length, dtype=jnp.int32)[None],
+            jnp.ones((1, length), jnp.int32),
+            key=key,
+        )[0]
+    )
+    # The masks move the logits well past the bound: matching them is the dropped branch.
+    merged = np.asarray(_forward(model, variables, jnp.asarray(sequence)))
+    assert np.abs(got - merged).max() > 1e-2
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_without_a_key_or_without_dropout_the_forward_is_the_merged_one_bit_for_bit(folders):
+    base, params = hf.load(folders["qwen2"])
+    dropped = lora.LoRAModel(base, lora.LoRAConfig(rank=4, alpha=8, dropout=0.5))
+    plain = lora.LoRAModel(base, lora.LoRAConfig(rank=4, alpha=8))
+    assert dropped.stochastic and not plain.stochastic
+    variables = plain.variables(params, jax.random.key(0))
+    variables["adapter"] = jax.tree.map(lambda leaf: leaf + 0.05, variables["adapter"])
+    tokens = jnp.asarray(_sequence(4))[None]
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    ones = jnp.ones_like(tokens)
+    want = np.asarray(plain(variables, tokens, positions, ones))
+    # Rescoring, sampling and evaluation give no key: no dropout, the merged weights.
+    np.testing.assert_array_equal(np.asarray(dropped(variables, tokens, positions, ones)), want)
+    # A run without dropout computes the merged forward even when handed a key.
+    keyed = plain(variables, tokens, positions, ones, key=jax.random.key(1))
+    np.testing.assert_array_equal(np.asarray(keyed), want)
+    # With dropout and a key, each key its own mask.
+    first, second = (
+        np.asarray(dropped(variables, tokens, positions, ones, key=jax.random.key(k)))
+        for k in (1, 2)
+    )
+    assert np.abs(first - want).max() > 1e-3 and np.abs(first - second).max() > 1e-3
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5])
+def test_a_dropout_outside_zero_to_one_is_refused_naming_it(rate):
+    with pytest.raises(ValueError) as refused:
+        lora.LoRAConfig(dropout=rate)
+    assert str(refused.value).startswith("dropout must be")
+    assert repr(rate) in str(refused.value) or str(rate) in str(refused.value)

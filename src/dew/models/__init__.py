@@ -51,6 +51,12 @@ class Model(Protocol):
     2.5 GB for one 4,096-token row over a 151,936-token vocabulary (`Transformer` and `HFModel`
     do).
 
+    A model whose training forward draws at random (a LoRA adapter's dropout,
+    `dew.models.hf.lora.LoRAModel`) says so with a true `stochastic` attribute: its `__call__`
+    and `hidden_states` then take a keyword `key`, a PRNG key, which a training step hands them
+    (`GRPOObjective.update_fn`, from the run's seed and its update count); every other call
+    (rescoring, sampling, evaluation) gives none and gets the deterministic forward.
+
     Attributes:
         vocab: the number of token ids; logits' last axis.
         max_len: the longest sequence (prompt + completion) it can take.

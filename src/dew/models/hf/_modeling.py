@@ -30,6 +30,7 @@ from dew.models import (
     cache_blocks,
     through_layers,
 )
+from dew.models._adapted import project
 from dew.models.hf import _params, sharding
 from dew.models.hf._config import HFConfig, check_dtype
 
@@ -58,9 +59,17 @@ def rope(x: jax.Array, positions: jax.Array, config: HFConfig) -> jax.Array:
     return x * cos + rotated * sin
 
 
+def _into_heads(x: jax.Array, weight: jax.Array) -> jax.Array:
+    return jnp.einsum("...h,hnd->...nd", x, weight)
+
+
+def _out_of_heads(x: jax.Array, weight: jax.Array) -> jax.Array:
+    return jnp.einsum("...nd,ndh->...h", x, weight)
+
+
 def _project(x: jax.Array, weight: jax.Array, bias: jax.Array | None) -> jax.Array:
     """x [..., hidden] into heads with weight [hidden, heads, head_dim] (+ bias)."""
-    out = jnp.einsum("...h,hnd->...nd", x, weight)
+    out = project(x, weight, _into_heads)
     return out if bias is None else out + _lead(bias, out.ndim)
 
 
@@ -79,13 +88,13 @@ def block_qkv(layer: dict, x: jax.Array, positions: jax.Array, config: HFConfig)
 
 def block_finish(layer: dict, x: jax.Array, attended: jax.Array, config: HFConfig) -> jax.Array:
     """Add the attention's output projection and the SwiGLU MLP to the residual stream."""
-    out = jnp.einsum("...nd,ndh->...h", attended.astype(x.dtype), layer["o"])
+    out = project(attended.astype(x.dtype), layer["o"], _out_of_heads)
     if "o_bias" in layer:
         out = out + _lead(layer["o_bias"], out.ndim)
     x = x + out
     h = rms_norm(x, layer["mlp_norm"], config.rms_eps)
-    gated = jax.nn.silu(h @ layer["gate"]) * (h @ layer["up"])
-    return x + gated @ layer["down"]
+    gated = jax.nn.silu(project(h, layer["gate"], jnp.matmul)) * project(h, layer["up"], jnp.matmul)
+    return x + project(gated, layer["down"], jnp.matmul)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:

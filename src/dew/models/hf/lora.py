@@ -14,8 +14,13 @@ merged folder go through one code path, and dew's logits are the merged model's 
 `merge_and_unload` gives. The price: each forward builds the targeted weights afresh (one
 [in, out] matmul of rank `rank` per weight, and the weights' size in transient memory), where
 a fused `x @ A @ B` beside each projection would not; the optimizer holds state for the adapter
-alone either way (`LoRAModel.frozen`). Dropout on the adapter's input, which a merged weight
-cannot express, is not offered.
+alone either way (`LoRAModel.frozen`).
+
+Dropout on the adapter branch's input (`LoRAConfig.dropout`, PEFT's `lora_dropout`) cannot be
+merged: a training step's forward, handed a dropout key, runs each targeted projection unmerged
+(`dew.models._adapted`), x W + alpha / rank * (dropout(x) A^T) B^T as PEFT computes it in
+train mode. Every other forward (rescoring, sampling, evaluation) is the merged one, without
+dropout, as PEFT's in eval mode; so is a training step's where the dropout is 0.
 
 `LoRAModel` serves and trains base + adapter as a `dew.models.Model`: its variables are
 `{"adapter": ..., "base": ...}`, the base under `stop_gradient`.
@@ -39,8 +44,9 @@ import optax
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from dew._checks import int_at_least
+from dew._checks import in_range, int_at_least
 from dew._documents import read_document
+from dew.models._adapted import Adapted, dropout_mask
 from dew.models.hf import _params
 from dew.models.hf._modeling import HFModel
 
@@ -50,6 +56,7 @@ __all__ = [
     "TARGETS",
     "LoRAConfig",
     "LoRAModel",
+    "dropout_mask",
     "footprint",
     "frozen",
     "init",
@@ -121,11 +128,14 @@ class LoRAConfig:
         alpha: its scale's numerator (PEFT's `lora_alpha`): the delta is alpha / rank * B @ A.
         targets: the modules adapted in every block, by their checkpoint names
             (PEFT's `target_modules`); `TARGETS` unless given.
+        dropout: the probability that a training step drops each feature of an adapter
+            branch's input (PEFT's `lora_dropout`), in [0, 1); 0: none.
     """
 
     rank: int = attrs.field(default=8, validator=int_at_least(1))
     alpha: float = attrs.field(default=16.0, validator=_positive)
     targets: tuple[str, ...] = attrs.field(default=TARGETS, converter=tuple, validator=_targets)
+    dropout: float = attrs.field(default=0.0, validator=in_range(0, 1, high_open=True))
 
     @property
     def scale(self) -> float:
@@ -142,7 +152,7 @@ class LoRAConfig:
             "base_model_name_or_path": base_model,
             "r": self.rank,
             "lora_alpha": alpha,
-            "lora_dropout": 0.0,
+            "lora_dropout": self.dropout,
             "target_modules": list(self.targets),
             "bias": "none",
             "lora_bias": False,
@@ -184,7 +194,12 @@ class LoRAConfig:
         if isinstance(targets, str) or not isinstance(targets, list):
             raise ValueError(f"{where}: target_modules must be a list of module names")
         try:
-            return cls(document["r"], document["lora_alpha"], tuple(sorted(targets)))
+            return cls(
+                document["r"],
+                document["lora_alpha"],
+                tuple(sorted(targets)),
+                document.get("lora_dropout", 0.0),
+            )
         except KeyError as missing:
             raise ValueError(f"{where} has no {missing.args[0]}") from None
         except ValueError as error:
@@ -389,9 +404,10 @@ class LoRAModel:
     """A checkpoint's decoder with a LoRA adapter, as a `dew.models.Model`: base + adapter.
 
     Its variables are `{"adapter": init's layout, "base": the checkpoint's params}`. Every
-    function runs the base model on `merged` params; the base is under `stop_gradient`, so a
-    training step differentiates the adapter alone (and `frozen` keeps no optimizer state
-    for the base).
+    function runs the base model on `merged` params, but a training forward with dropout
+    (`key` given, `lora.dropout` > 0), which runs the targeted projections unmerged; the base
+    is under `stop_gradient`, so a training step differentiates the adapter alone (and `frozen`
+    keeps no optimizer state for the base).
 
     Args:
         base: the checkpoint's model.
@@ -425,18 +441,63 @@ class LoRAModel:
         base_key, adapter_key = jax.random.split(key)
         return self.variables(self.base.init(base_key), adapter_key)
 
+    @property
+    def stochastic(self) -> bool:
+        """Whether its training forward draws at random (the adapter's dropout): a training
+        step then hands `__call__` and `hidden_states` a key (`dew.models.Model`)."""
+        return self.lora.dropout > 0
+
     def params(self, variables: dict) -> dict:
         """The base's params with the adapter merged in (the base under `stop_gradient`)."""
         base = jax.lax.stop_gradient(variables["base"])
         return merged(base, variables["adapter"], self.lora)
 
-    def __call__(self, variables, tokens, positions, segment_ids) -> jax.Array:
-        """Next-token logits of base + adapter over packed rows (`HFModel.__call__`)."""
-        return self.base(self.params(variables), tokens, positions, segment_ids)
+    def dropout_key(self, key: jax.Array, block: int, target: str) -> jax.Array:
+        """The dropout key of `target`'s branch in block `block` in a training forward
+        handed `key`: each branch draws its own mask."""
+        return jax.random.fold_in(
+            key, block * len(self.lora.targets) + self.lora.targets.index(target)
+        )
 
-    def hidden_states(self, variables, tokens, positions, segment_ids) -> jax.Array:
-        """The last layer's residual stream of base + adapter (`HFModel.hidden_states`)."""
-        return self.base.hidden_states(self.params(variables), tokens, positions, segment_ids)
+    def training_params(self, variables: dict, key: jax.Array) -> dict:
+        """The base's params (under `stop_gradient`) with each targeted weight beside its
+        adapter, unmerged (`dew.models._adapted.Adapted`), its branch's input dropped out with
+        `dropout_key(key, ...)`: what a training forward with dropout runs."""
+        out = jax.lax.stop_gradient(variables["base"])
+        out = {**out, "layers": [dict(layer) for layer in out["layers"]]}
+        projections = _projections()
+        for index, (layer, block) in enumerate(
+            zip(out["layers"], variables["adapter"]["layers"], strict=True)
+        ):
+            for target, factors in block.items():
+                entry = projections[target]
+                name = entry.path[-1]
+                layer[name] = Adapted(
+                    layer[name],
+                    factors["lora_A"],
+                    factors["lora_B"],
+                    self.dropout_key(key, index, target),
+                    scale=self.lora.scale,
+                    rate=self.lora.dropout,
+                    in_axes=2 if entry.layout is _params.FROM_HEADS else 1,
+                )
+        return out
+
+    def _forward_params(self, variables: dict, key: jax.Array | None) -> dict:
+        if key is None or not self.stochastic:
+            return self.params(variables)
+        return self.training_params(variables, key)
+
+    def __call__(self, variables, tokens, positions, segment_ids, *, key=None) -> jax.Array:
+        """Next-token logits of base + adapter over packed rows (`HFModel.__call__`); with a
+        dropout `key`, a training forward's (see the class)."""
+        return self.base(self._forward_params(variables, key), tokens, positions, segment_ids)
+
+    def hidden_states(self, variables, tokens, positions, segment_ids, *, key=None) -> jax.Array:
+        """The last layer's residual stream of base + adapter (`HFModel.hidden_states`); with
+        a dropout `key`, a training forward's (see the class)."""
+        params = self._forward_params(variables, key)
+        return self.base.hidden_states(params, tokens, positions, segment_ids)
 
     def head(self, variables, hidden: jax.Array) -> jax.Array:
         """The next-token logits of `hidden_states`' output (`HFModel.head`)."""

@@ -49,12 +49,16 @@ def laid_out(tree: Any, layout: tuple[jax.sharding.Sharding | None, ...]) -> Any
 @attrs.frozen(eq=False)
 class LaidOutStep:
     """`GRPOObjective.update_fn`'s step: the jitted `update(variables, opt_state, batch,
-    layout)`, handed the variables' and state's shardings (`layout`) to lay its own out as."""
+    layout, key)`, handed the variables' and state's shardings (`layout`) to lay its own out
+    as, and a stochastic model's training key (None for any other)."""
 
     update: Callable
 
-    def __call__(self, variables, opt_state, batch):
-        return self.update(variables, opt_state, batch, layout=layout((variables, opt_state)))
+    def __call__(self, variables, opt_state, batch, key=None):
+        placed = layout((variables, opt_state))
+        if key is None:
+            return self.update(variables, opt_state, batch, layout=placed)
+        return self.update(variables, opt_state, batch, layout=placed, key=key)
 
     def _cache_size(self) -> int:
         """The programs compiled, one per input signature, as a jitted function counts them."""

@@ -17,10 +17,11 @@ segment's tokens before `p`; it is 0 at a segment's first position and at paddin
 `kl_coef`, the batch also carries `reference_logprobs`, the frozen reference policy's log-probs
 rescored over the same rows (`RolloutScheduler(reference=...)`).
 
-Each packed batch is trained by one update at the weights it was rescored under (as `Trainer`
-does), so the proximal log-probs are the update's own current log-probs, held constant:
-`proximal="current"` takes them from the loss's forward pass instead of a rescoring pass, the
-same values for one forward pass less per step.
+Where each packed batch is trained by one update at the weights it was rescored under (as
+`Trainer` does by default), the proximal log-probs are the update's own current log-probs, held
+constant: `proximal="current"` takes them from the loss's forward pass instead of a rescoring
+pass, the same values for one forward pass less per step. A batch trained by several updates
+(`Trainer`'s `ppo_epochs` and `minibatches`) keeps the rescored ones, and the clip acts.
 
 The levers a practitioner tunes, each documented with its formula in docs/concepts.md: the
 behaviour importance weight's level (`importance_level`: per token, per sequence, or the
@@ -219,7 +220,8 @@ class GRPOObjective:
             by one update at the weights it would have been rescored under, as `Trainer` and
             `dew train` train: then the ratio current / proximal is 1 at every token either
             way, and only the behaviour importance weight moves the gradient. A loop that
-            trains one batch for several updates (epochs, minibatches) must `rescore`: under
+            trains one batch for several updates (epochs, minibatches: `Trainer`'s
+            `ppo_epochs` and `minibatches`, which refuse `current`) must `rescore`: under
             `current` its ratio would stay 1 and the clip would never act.
         logit_chunk: positions scored at a time, for a model that splits `hidden_states` from
             its `head` (see `dew.models.Model`): each chunk's logits are computed, reduced to
@@ -386,7 +388,9 @@ class GRPOObjective:
             metrics |= mismatch_metrics(batch, version=version)
         return metrics
 
-    def loss(self, variables, batch: Mapping[str, Any]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def loss(
+        self, variables, batch: Mapping[str, Any], *, key: jax.Array | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The importance-weighted clipped surrogate, to minimise, and what the step looked like.
 
         Pure: jit it and differentiate it with respect to `variables`.
@@ -396,6 +400,10 @@ class GRPOObjective:
             batch: the packed keys `packed_log_probs` reads, plus `loss_mask`, `advantages`,
                 `behavior_logprobs` and (with `proximal="rescore"`) `proximal_logprobs`,
                 float32[rows, width]; with a `kl_coef`, `reference_logprobs` too.
+            key: for a model whose training forward draws at random (`stochastic`, a LoRA
+                adapter's dropout: see `dew.models.Model`), the PRNG key of this forward,
+                handed to the model (a chunk of rows its own, folded from it); None: the
+                model's deterministic forward, as every forward outside training.
 
         Returns:
             The loss: per kept token t, l_t = -w_t x min(r_t x A_t, clip(r_t) x A_t) (+ kl_coef
@@ -429,8 +437,9 @@ class GRPOObjective:
         keys = SCORED + (SUPPORT if _support(batch) else ())
         current, entropy = self._scores(
             variables,
-            {key: batch[key] for key in keys},
+            {name: batch[name] for name in keys},
             entropy="trained" if self.entropy_coef > 0 else "metric",
+            key=key,
         )
         mask = jnp.asarray(batch["loss_mask"], jnp.float32)
         advantages = jnp.asarray(batch["advantages"], jnp.float32)
@@ -520,23 +529,24 @@ class GRPOObjective:
                 twice (an optimizer state holding the variables' own arrays).
 
         Returns:
-            `update(variables, opt_state, batch) -> (variables, opt_state, metrics)`: one
-            optimizer update; metrics are `loss`'s plus `grad_norm`, the gradient's global norm.
-            A step whose loss or gradient norm is not finite returns variables and opt_state
-            as they were, so NaN never reaches the weights; its metrics show the non-finite
-            value, for the caller to stop on. So does a step with no trained token: nothing to
-            learn from, and Adam's momentum alone would move the weights. Variables and state
-            placed on devices come back with the shardings they came in with (see `layout`),
-            so the step compiles once per batch shape, and so do the jitted functions the
-            weights are pushed to. Its `_cache_size()` counts its compilations, as jit's does.
+            `update(variables, opt_state, batch, key=None) -> (variables, opt_state, metrics)`: one
+            optimizer update (`key`: the training forward's, as `loss` takes it, for a `stochastic`
+            model); metrics are `loss`'s plus `grad_norm`, the gradient's global norm. A step whose
+            loss or gradient norm is not finite returns variables and opt_state as they were, so NaN
+            never reaches the weights; its metrics show the non-finite value, for the caller to stop
+            on. So does a step with no trained token: nothing to learn from, and Adam's momentum
+            alone would move the weights. Variables and state placed on devices come back with the
+            shardings they came in with (see `layout`), so the step compiles once per batch shape,
+            and so do the jitted functions the weights are pushed to. Its `_cache_size()` counts its
+            compilations, as jit's does.
         """
         value_and_grad = jax.value_and_grad(self.loss, has_aux=True)
 
         donated = ("variables", "opt_state") if donate else ()
 
         @functools.partial(jax.jit, static_argnames="layout", donate_argnames=donated)
-        def update(variables, opt_state, batch, layout):
-            (_, metrics), grads = value_and_grad(variables, batch)
+        def update(variables, opt_state, batch, layout, key=None):
+            (_, metrics), grads = value_and_grad(variables, batch, key=key)
             grad_norm = optax.tree.norm(grads)
             finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
             # A batch with no trained token carries nothing to learn: an optimizer's momentum
@@ -615,11 +625,16 @@ class GRPOObjective:
         return self._scores(variables, batch)[0]
 
     def _scores(
-        self, variables, batch: Mapping[str, Any], *, entropy: str | None = None
+        self,
+        variables,
+        batch: Mapping[str, Any],
+        *,
+        entropy: str | None = None,
+        key: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array | None]:
         """The packed rows' log-probs, float32[rows, width], and (with `entropy`, as
         `target_log_probs` takes it) the entropy of the distribution each is taken under, 0
-        where the log-prob is; traced by `packed_log_probs` and by `loss`."""
+        where the log-prob is; traced by `packed_log_probs` and by `loss` (with its `key`)."""
         tokens = jnp.asarray(batch["tokens"], jnp.int32)
         segment_ids = jnp.asarray(batch["segment_ids"], jnp.int32)
         positions = jnp.asarray(batch["positions"], jnp.int32)
@@ -628,12 +643,12 @@ class GRPOObjective:
             getattr(self.model, "head", None)
         ):
             hidden = self._by_rows(
-                self.model.hidden_states, variables, tokens, positions, segment_ids
+                self.model.hidden_states, variables, tokens, positions, segment_ids, key
             )
             head = functools.partial(self.model.head, variables)
             chunk = self.logit_chunk or max(1, LOGIT_CELLS // self.model.vocab)
         else:
-            hidden = self._by_rows(self.model, variables, tokens, positions, segment_ids)
+            hidden = self._by_rows(self.model, variables, tokens, positions, segment_ids, key)
             # The logits are whole already: one chunk of every predicted position.
             head, chunk = (lambda logits: logits), max(1, rows * (width - 1))
         support = None
@@ -657,28 +672,43 @@ class GRPOObjective:
 
         return placed(scored), None if spread is None else placed(spread)
 
-    def _by_rows(self, run, variables, tokens, positions, segment_ids) -> jax.Array:
+    def _by_rows(self, run, variables, tokens, positions, segment_ids, key=None) -> jax.Array:
         """`run(variables, tokens, positions, segment_ids)` over the rows `row_chunk` at a time.
 
         Each chunk runs in a `jax.checkpoint`ed step of a `lax.map`: the forward pass keeps only
         its output, the backward pass runs the chunk again for its gradient, so no pass holds
         more than one chunk's activations (a row's attention is width x width a head). Rows
         are padded to whole chunks with padding segments (id 0), which attend nowhere. One
-        chunk of every row is the plain call.
+        chunk of every row is the plain call. A training forward's `key` goes to `run` as
+        `key=`: whole to the plain call, folded with the chunk's index to each chunk (the
+        recomputation in the backward pass draws the same), so no two chunks share a mask.
         """
         rows, width = tokens.shape
         chunk = self.row_chunk or max(1, ATTENTION_CELLS // width**2)
         if chunk >= rows:
-            return run(variables, tokens, positions, segment_ids)
+            if key is None:
+                return run(variables, tokens, positions, segment_ids)
+            return run(variables, tokens, positions, segment_ids, key=key)
         count = -(-rows // chunk)
 
         def parts(array: jax.Array) -> jax.Array:
             padded = jnp.pad(array, ((0, count * chunk - rows), (0, 0)))
             return padded.reshape(count, chunk, width)
 
-        @jax.checkpoint
-        def step(part: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
-            return run(variables, *part)
+        chunks = (parts(tokens), parts(positions), parts(segment_ids))
+        if key is None:
 
-        out = jax.lax.map(step, (parts(tokens), parts(positions), parts(segment_ids)))
+            @jax.checkpoint
+            def step(part: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+                return run(variables, *part)
+
+            out = jax.lax.map(step, chunks)
+        else:
+
+            @jax.checkpoint
+            def step(part: tuple[jax.Array, tuple[jax.Array, ...]]) -> jax.Array:
+                index, arrays = part
+                return run(variables, *arrays, key=jax.random.fold_in(key, index))
+
+            out = jax.lax.map(step, (jnp.arange(count, dtype=jnp.int32), chunks))
         return out.reshape(count * chunk, *out.shape[2:])[:rows]
