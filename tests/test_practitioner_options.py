@@ -235,11 +235,13 @@ def test_the_defaults_are_the_symmetric_token_clip():
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_at_one_update_a_batch_the_clips_never_act_and_gspo_moves_only_the_weights(aggregation):
-    """docs/concepts.md's learning comparison: `dew train` trains each batch by one update at
-    the weights it rescored it under, so every ratio is 1. Clip-higher, the dual clip and
-    GSPO's tight clip then give the defaults' gradient; GSPO's sequence ratio gives it too
-    on-policy (one advantage a sequence, as packing lays them), and off-policy differs only
-    by each token taking its sequence's mean behaviour weight."""
+    """docs/concepts.md's learning comparison: at K = 1 only (`--ppo-epochs 1 --minibatches
+    1`, the defaults) `dew train` trains each batch by one update at the weights it rescored
+    it under, so every ratio is 1. Clip-higher, the dual clip and GSPO's tight clip then give
+    the defaults' gradient; GSPO's sequence ratio gives it too on-policy (one advantage a
+    sequence, as packing lays them), and off-policy differs only by each token taking its
+    sequence's mean behaviour weight. From a batch's second update on the ratio departs from
+    1 and the clips act (tests/test_ppo_epochs.py)."""
     rng = np.random.default_rng(5)
     variables = table(rng)
     batch = random_batch(rng, spread=0.3)
@@ -534,7 +536,8 @@ def test_a_dew_train_run_records_the_scheduled_learning_rate(tmp_path):
         (["--warmup-steps", "-1"], "warmup_steps must be"),
         (
             ["--steps", "10", "--warmup-steps", "10", "--lr-decay", "cosine"],
-            r"warmup_steps must be below steps \(10\) for lr_decay cosine.*got 10",
+            r"warmup_steps must be below steps x ppo_epochs x minibatches \(10, .*\) for lr_decay "
+            r"cosine.*got 10",
         ),
     ],
 )

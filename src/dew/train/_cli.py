@@ -40,7 +40,7 @@ from dew.train._folders import (
 )
 from dew.train._interrupt import INTERRUPTED, _CtrlC, _Interrupted, _say, any_process
 from dew.train._progress import Progress
-from dew.train._run import _check_memory, train
+from dew.train._run import _check_memory, _check_minibatches, train
 from dew.train._tasks import _check_checkpoint_task
 from dew.train._trainer import NothingTrained
 
@@ -218,6 +218,7 @@ def run_cli(args: argparse.Namespace) -> int:
         _check_checkpoint_task(config, tokenizer)
         if not joining:  # a pool's process checks it in train(), after jax.distributed starts
             _check_memory(config, tokenizer, args.processes or 1)
+            _check_minibatches(config, tokenizer, args.processes or 1)
         # A damaged checkpoint is refused here, before anything starts or is written.
         commit = read_commit(run / "checkpoints") if args.resume else None
     except ValueError as error:

@@ -82,16 +82,18 @@ class TrainConfig:
             environment, `verifiers:NAME[,key=value...]` (`dew.envs.verifiers`), or a TextArena
             game, `textarena:GAME[,key=value...]` (`dew.envs.textarena`); the last two as `dew train
             --env SPEC`.
-        steps: optimizer updates to train for.
+        steps: steps to train for, each one batch (one optimizer update, or `ppo_epochs` x
+            `minibatches` of them) and one weight push.
         batch_size: tasks per batch, one group each.
         groups: rollouts per task that train together.
         tasks: distinct task ids; the stream goes over them in a seeded order, epoch after epoch.
         learning_rate: Adam's step size: its peak under a warmup or a decay.
-        warmup_steps: updates over which the learning rate rises linearly from 0 to
+        warmup_steps: optimizer updates over which the learning rate rises linearly from 0 to
             learning_rate (the first update's is 0, as in optax's and Hugging Face's warmups).
         lr_decay: after the warmup, the learning rate stays (`constant`) or falls linearly
-            (`linear`) or along a half cosine (`cosine`) to 0 at `steps`; a resumed run that
-            extends `steps` stretches the rest of the decay.
+            (`linear`) or along a half cosine (`cosine`) to 0 at `steps` (x the optimizer
+            updates a step, `ppo_epochs` x `minibatches`); a resumed run that extends `steps`
+            stretches the rest of the decay.
         max_grad_norm: the gradient is scaled down to this global norm before Adam sees it
             (`optax.clip_by_global_norm`); None: not clipped. The record's `grad_norm` is the
             norm before the clip.
@@ -128,7 +130,7 @@ class TrainConfig:
             seed's initial weights), so checkpoints need not hold it.
         kl_estimator: the penalty's per-token estimate of the KL (`GRPOObjective`'s).
         ref_sync_every: with a kl_coef, re-sync the reference to the policy's weights after
-            every N-th update (kept in the optimizer's state, so checkpoints hold it and a
+            every N-th optimizer update (kept in the optimizer's state, so checkpoints hold it and a
             resumed run goes on against it); 0: the initial weights, for the whole run.
         entropy_coef: the weight of an entropy bonus (`GRPOObjective`'s); 0 for none.
         aggregation, importance_level, correction, importance_cap, importance_floor: the
@@ -138,7 +140,14 @@ class TrainConfig:
         proximal: `rescore` the proximal log-probs before each update, or take the update's
             own (`current`): the same values, since each batch trains one update, for a
             forward pass less per step (`GRPOObjective`'s proximal). A resumed run may
-            switch it.
+            switch it. Refused with more than one update a step (its ratio would stay 1).
+        ppo_epochs, minibatches: each step's batch, rescored once, is trained by `ppo_epochs`
+            passes over its rows, each split into `minibatches` minibatches in a seeded order:
+            `ppo_epochs` x `minibatches` optimizer updates, then one weight push (`Trainer`'s).
+            1 and 1: one update a step, the clip inert. `minibatches` must divide the packed
+            rows of every step. A step, a version, `max_lag`, `checkpoint_every` and
+            `eval_every` count batches; `warmup_steps`, the decay and `ref_sync_every` count
+            optimizer updates (the decay reaches 0 at `steps` x the updates a step).
         checkpoint_every: updates between checkpoints.
         keep_checkpoints: checkpoints kept in `checkpoints/`, the newest and those before it
             (`dew.train.read_kept` lists the earlier ones; a resumed run reads the newest, and
@@ -197,7 +206,12 @@ class TrainConfig:
         "reasoning-gym:NAME[,key=value...] (a reasoning-gym dataset and its config) or "
         "harness:NAME (a built-in agent harness, as --harness NAME)",
     )
-    steps: int = _option(400, int_within(1, 10**6), "optimizer updates to train for")
+    steps: int = _option(
+        400,
+        int_within(1, 10**6),
+        "steps to train for, each one batch: one optimizer update (x --ppo-epochs x "
+        "--minibatches) and one weight push",
+    )
     batch_size: int = _option(8, int_within(1, 4096), "tasks per batch, one group each")
     groups: int = _option(16, int_within(2, 4096), "rollouts per task that train together")
     tasks: int = _option(
@@ -290,8 +304,8 @@ class TrainConfig:
     ref_sync_every: int = _option(
         0,
         int_within(0, 10**9),
-        "re-sync the KL penalty's reference to the policy every N updates (0 = never: the "
-        "initial weights throughout)",
+        "re-sync the KL penalty's reference to the policy every N optimizer updates (0 = "
+        "never: the initial weights throughout)",
     )
     entropy_coef: float = _option(
         0.0,
@@ -349,6 +363,18 @@ class TrainConfig:
         _one_of(PROXIMALS),
         "rescore the proximal log-probs before each update, or take them from the update's "
         "own forward pass (current: the same values, one forward pass less per step)",
+    )
+    ppo_epochs: int = _option(
+        1,
+        int_within(1, 1024),
+        "passes over each batch's rows, rescored once before the first: with more than one "
+        "update a batch the ratio current / proximal departs from 1 and the clip acts",
+    )
+    minibatches: int = _option(
+        1,
+        int_within(1, 4096),
+        "minibatches each pass splits the batch's rows into, one optimizer update each (it "
+        "must divide the packed rows)",
     )
     checkpoint_every: int = _option(25, int_within(1, 10**6), "updates between checkpoints")
     keep_checkpoints: int = _option(
@@ -510,6 +536,11 @@ class TrainConfig:
         kind=str,
     )
 
+    @property
+    def optimizer_updates(self) -> int:
+        """The run's optimizer updates: `steps` x `ppo_epochs` x `minibatches`."""
+        return self.steps * self.ppo_epochs * self.minibatches
+
     def lora_config(self) -> LoRAConfig | None:
         """The adapter `lora` trains, or None for a run of every param."""
         if not self.lora:
@@ -543,10 +574,18 @@ class TrainConfig:
                 f"ref_sync_every re-syncs the KL penalty's reference: give kl_coef above 0 "
                 f"too, got ref_sync_every {self.ref_sync_every} with kl_coef 0"
             )
-        if self.lr_decay != "constant" and self.warmup_steps >= self.steps:
+        if self.lr_decay != "constant" and self.warmup_steps >= self.optimizer_updates:
             raise ValueError(
-                f"warmup_steps must be below steps ({self.steps}) for lr_decay {self.lr_decay}: "
-                f"the decay follows the warmup, got {self.warmup_steps}"
+                f"warmup_steps must be below steps x ppo_epochs x minibatches "
+                f"({self.optimizer_updates}, the run's optimizer updates) for lr_decay "
+                f"{self.lr_decay}: the decay follows the warmup, got {self.warmup_steps}"
+            )
+        if self.proximal == "current" and self.ppo_epochs * self.minibatches > 1:
+            raise ValueError(
+                f"proximal current takes the ratio's proximal log-probs from each update's own "
+                f"pass, so with ppo_epochs {self.ppo_epochs} x minibatches {self.minibatches} "
+                "updates a batch the ratio would stay 1 and the clip never act: give proximal "
+                "rescore"
             )
         if self.admit != "auto" and self.waste_budget != _WASTE_BUDGET:
             raise ValueError("waste_budget bounds the cuts of admit auto: give admit auto too")

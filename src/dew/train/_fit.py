@@ -210,6 +210,8 @@ def fit(
     ahead: int = 1,
     max_lag: int = 1,
     estimator: str = "group",
+    ppo_epochs: int = 1,
+    minibatches: int = 1,
     run: str | os.PathLike | None = None,
     on_step: Callable[[Mapping[str, Any]], None] | None = None,
     seed: int = 0,
@@ -234,7 +236,8 @@ def fit(
         require_stop: an environment's: whether a reply must end with a stop token to be an
             action; False makes a reply that fills `max_tokens` the action (a one-token move).
         max_tokens: the most tokens of one reply.
-        steps: optimizer updates.
+        steps: steps, each one batch and one weight push (`ppo_epochs` x `minibatches`
+            optimizer updates).
         batch_size: tasks per batch; each runs as a group of `groups` rollouts.
         groups: rollouts per task.
         model: the `dew.models.Model` to train; with `params` (its `init` of `seed` unless
@@ -248,6 +251,10 @@ def fit(
         estimator: the advantages, each rollout's reward less its group's mean, scaled by
             the group's reward std (`group`), the batch's (`batch`) or not at all (`mean`),
             or less the mean of the others (`rloo`) (`pack`).
+        ppo_epochs, minibatches: each step's batch, rescored once, trains by `ppo_epochs`
+            passes over its rows, each split into `minibatches` minibatches (ordered by
+            `seed`): that many optimizer updates a step, then one weight push (`Trainer`'s).
+            With more than one update the clip acts. `minibatches` must divide the rows.
         run: a folder for `metrics.jsonl` and checkpoints; None keeps neither.
         on_step: called with each step's metrics line.
         seed: the model's initialisation, the sampling and the task order.
@@ -278,6 +285,8 @@ def fit(
         check_number("wall_clock", wall_clock, low=0, low_open=True)
     batch_size = check_int("batch_size", batch_size, low=1)
     groups = check_int("groups", groups, low=1)
+    check_int("ppo_epochs", ppo_epochs, low=1)
+    check_int("minibatches", minibatches, low=1)
     if len(tasks) < batch_size:
         raise ValueError(f"batch_size {batch_size} exceeds the {len(tasks)} tasks")
     sampling = Sampling(seed=seed) if sampling is None else sampling
@@ -336,6 +345,9 @@ def fit(
         params,
         directory=run,
         on_step=on_step,
+        ppo_epochs=ppo_epochs,
+        minibatches=minibatches,
+        shuffle_seed=seed,
     )
     server = serving(model)(
         model,

@@ -120,6 +120,7 @@ def train(
         # the folder is written: one that cannot fit left a folder of only config.json.
         _check_checkpoint_task(config, tokenizer)
         memory = _check_memory(config, tokenizer, processes)
+        _check_minibatches(config, tokenizer, processes)
         if record is not None and processes > 1:
             raise ValueError("--record traces a single process's run; run it without a pool")
         if config.keep_best and processes > 1:
@@ -181,6 +182,9 @@ def _train(
         directory=run,
         checkpoint_every=config.checkpoint_every,
         keep_checkpoints=config.keep_checkpoints,
+        ppo_epochs=config.ppo_epochs,
+        minibatches=config.minibatches,
+        shuffle_seed=config.seed,
         deadline=deadline,
         logs=(SAMPLES, EVALUATIONS, EVAL_SAMPLES),
         folder=None if config.model is None else str(hf.resolve(config.model)),
@@ -340,6 +344,24 @@ def _shares(config: TrainConfig, processes: int) -> tuple[int, Any, int, int]:
     # Carry-over trains a batch's cut groups at a later step: a step may take a whole batch.
     full = not isinstance(admit, int) or config.carry_over  # auto may admit the whole batch
     return tasks, admit, slots, (tasks if full else admit) * config.groups
+
+
+def _check_minibatches(config: TrainConfig, tokenizer, processes: int) -> None:
+    """Refuse `--minibatches` that do not divide a step's packed rows (this process's share; a
+    narrowed batch has 2, 4, ... 16 times as many, which it divides too).
+
+    Raises:
+        ValueError: naming --minibatches and the rows.
+    """
+    if config.minibatches == 1:
+        return
+    rows = _task(config, tokenizer).shape.rows(_shares(config, processes)[3])
+    if rows % config.minibatches:
+        raise ValueError(
+            f"--minibatches {config.minibatches} must divide the {rows} rows a step packs "
+            f"(this task's rows for --batch-size {config.batch_size} x --groups {config.groups}"
+            f"{f' over {processes} processes' if processes > 1 else ''})"
+        )
 
 
 def memory_estimate(config: TrainConfig, tokenizer, processes: int = 1) -> Estimate:
@@ -603,11 +625,12 @@ def _optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax
     where `max_grad_norm` asks for one; and the schedule, for the record.
 
     The schedule is a linear warmup from 0 over `warmup_steps`, then `lr_decay` to 0 at
-    `steps`. A run of the defaults gets plain `optax.adam(learning_rate)`, whose state is
+    `steps` x the optimizer updates a step (`ppo_epochs` x `minibatches`): optax counts its
+    updates. A run of the defaults gets plain `optax.adam(learning_rate)`, whose state is
     that of every checkpoint written before these options: those resume as they were.
     """
     peak, warmup = config.learning_rate, config.warmup_steps
-    decay_steps = max(1, config.steps - warmup)
+    decay_steps = max(1, config.optimizer_updates - warmup)
     if config.lr_decay == "linear":
         decay = optax.linear_schedule(peak, 0.0, decay_steps)
     elif config.lr_decay == "cosine":

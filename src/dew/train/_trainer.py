@@ -1,4 +1,5 @@
-"""The Trainer: one jitted update per packed batch a Rollout returns, logged and checkpointed."""
+"""The Trainer: a packed batch a Rollout returns trained by jitted updates (one by default, or
+several passes over minibatches of its rows), logged and checkpointed."""
 
 from __future__ import annotations
 
@@ -193,6 +194,32 @@ def _check_finite(metrics: Mapping[str, Any], step: int) -> None:
         )
 
 
+LAST = ("loss", "clip_fraction", "clip_fraction/low", "clip_fraction/high", "ratio/mean")
+"""The loss metrics a step of several updates also gives as its last update's, `last/<name>`:
+where the clip acts, the last update is the one furthest from the proximal policy."""
+
+
+def _combined(updates: Sequence[Mapping[str, Any]], minibatches: int) -> dict[str, Any]:
+    """One line's loss metrics for a step of several updates (`ppo_epochs` x `minibatches`).
+
+    Each metric is its mean over the updates, with three exceptions: `tokens` is the batch's,
+    the sum over one pass's minibatches (every pass trains each row once); `importance/max`
+    is the greatest; and the metrics of `LAST` are also given as the last update's,
+    `last/<name>`. A mean is plain, each update weighing one whatever its minibatch's tokens.
+    """
+    combined: dict[str, Any] = {}
+    for name in updates[0]:
+        values = [float(update[name]) for update in updates]
+        if name == "tokens":
+            combined[name] = sum(values[:minibatches])
+        elif name == "importance/max":
+            combined[name] = max(values)
+        else:
+            combined[name] = sum(values) / len(values)
+    combined |= {f"last/{name}": updates[-1][name] for name in LAST if name in updates[-1]}
+    return combined
+
+
 def _stored(model: Any, variables: Variables) -> Variables:
     """What a checkpoint keeps of `variables`: a LoRA model's adapter alone (its frozen base is
     the checkpoint folder's, which a resumed run loads again), else all of them."""
@@ -294,12 +321,26 @@ def _pooled(parallel: DataParallelUpdate) -> Callable:
 class Trainer:
     """Trains `variables` with `optimizer` on the rows a Rollout packs; logs and checkpoints.
 
-    The trainer's state is its attributes `variables`, `opt_state`, `updates` (optimizer updates
-    applied) and `position` (the stream index of the next batch to hand over), plus `elapsed`,
-    its training seconds across resumes. Each step consumes the arrays of `variables` and
-    `opt_state` for the new ones' (buffer donation: a step never holds the old weights and
-    Adam's moments beside the new): an array read from them is good until the next step. The
-    variables it is given are copied first, so the caller's own stay good.
+    The trainer's state is its attributes `variables`, `opt_state`, `updates` (the steps
+    trained: each one packed batch, and the version of the weights it leaves) and `position`
+    (the stream index of the next batch to hand over), plus `elapsed`, its training seconds
+    across resumes, and `optimizer_updates`, the optimizer's updates applied. Each update
+    consumes the arrays of `variables` and `opt_state` for the new ones' (buffer donation: an
+    update never holds the old weights and Adam's moments beside the new): an array read from
+    them is good until the next step. The variables it is given are copied first, so the
+    caller's own stay good.
+
+    A step trains its batch by `ppo_epochs` passes, each over `minibatches` minibatches of the
+    batch's rows: `ppo_epochs` x `minibatches` optimizer updates (1 x 1 by default: one update
+    a step, and then `updates` counts optimizer updates too). The rollout rescores the batch
+    once, under the weights before the step's first update (the proximal policy, as decoupled
+    PPO defines it), so from the second update on the ratio current / proximal departs from 1
+    and the clip acts; the next step's call pushes the weights the step's last update left,
+    once. A version, `max_lag`, the scheduler's lag, `steps`, `checkpoint_every`, `measure`
+    and each line's `step` and `updates` count steps; the optimizer's own count (a learning-
+    rate schedule, `reference_sync`) counts its updates. A pass deals the rows out in an order
+    drawn from (`shuffle_seed`, the batch's position, the pass), so a resumed run trains as an
+    uninterrupted one; with one minibatch a pass trains the batch as it came.
 
     In a pool of `jax.distributed` processes, every process runs its own trainer over its own
     rows of each global batch (`dew.parallel.ProcessRows`), and the update is one jitted step
@@ -319,11 +360,13 @@ class Trainer:
     `directory/metrics.jsonl` — `step` (the updates before it), `updates` (after it), `position`
     (the batch it trained), the seconds it took (`seconds/step`, `seconds/rollout`,
     `seconds/update`, and `elapsed`), the rollout's record (`record_fields`) and the loss metrics
-    — and every `checkpoint_every` updates saves a checkpoint to `directory/checkpoints`, which
-    keeps the metrics log's length: `resume` cuts the log back to it, so the log of a resumed run
-    has each step exactly once. The files named in `logs` get the same care: a checkpoint keeps
-    their lengths too, and the next run cuts them back, so what a step appended to them in
-    `on_step` past the checkpoint is gone when that step trains again.
+    (a step of several updates: `_combined`'s, each metric's mean over them and the last one's,
+    with `optimizer_updates` after it) — and every `checkpoint_every` updates saves a checkpoint
+    to `directory/checkpoints`, which keeps the metrics log's length: `resume` cuts the log back
+    to it, so the log of a resumed run has each step exactly once. The files named in `logs`
+    get the same care: a checkpoint keeps their lengths too, and the next run cuts them back, so
+    what a step appended to them in `on_step` past the checkpoint is gone when that step trains
+    again. Checkpoints fall between steps only, never between a step's updates.
 
     Args:
         objective: the loss; its `update_fn(optimizer)` is the jitted step.
@@ -349,6 +392,11 @@ class Trainer:
         keep_checkpoints: how many checkpoints `directory/checkpoints` keeps, the newest and
             those before it (`save_checkpoint`'s `keep`; `read_kept` lists the earlier ones);
             `resume` reads the newest.
+        ppo_epochs: passes over each batch's rows a step trains (verl's `ppo_epochs`, TRL's
+            `num_iterations`).
+        minibatches: the minibatches a pass splits the batch's rows into, one update each; it
+            must divide every batch's rows (a batch it does not is refused at its step).
+        shuffle_seed: seeds the order a pass deals the rows into minibatches in.
 
     A run whose every step had no token to train on (every group abandoned, cut or failed)
     raises NothingTrained at its end, naming what became of the groups and the errors behind.
@@ -358,7 +406,11 @@ class Trainer:
     were (`GRPOObjective.update_fn`), so NaN never reaches them.
 
     Raises:
-        ValueError: naming the argument that is out of bounds.
+        ValueError: naming the argument that is out of bounds; naming `ppo_epochs`,
+            `minibatches` and the objective's `proximal` when a step of several updates meets
+            `proximal="current"` (whose ratio would stay 1 at every update: the clip would
+            never act); naming `minibatches` for variables sharded over a mesh that spans the
+            pool's processes, whose batch is one array over the pool.
     """
 
     def __init__(
@@ -376,6 +428,9 @@ class Trainer:
         metadata: Mapping[str, Any] | None = None,
         learning_rate: Callable[[int], Any] | None = None,
         keep_checkpoints: int = 1,
+        ppo_epochs: int = 1,
+        minibatches: int = 1,
+        shuffle_seed: int = 0,
     ):
         if isinstance(logs, str) or not all(isinstance(name, str) for name in logs):
             raise ValueError(f"logs must be a sequence of file names, got {logs!r}")
@@ -398,6 +453,15 @@ class Trainer:
         self.metadata = dict(metadata or {})
         self.learning_rate = learning_rate
         self.keep_checkpoints = check_int("keep_checkpoints", keep_checkpoints, low=1)
+        self.ppo_epochs = check_int("ppo_epochs", ppo_epochs, low=1)
+        self.minibatches = check_int("minibatches", minibatches, low=1)
+        self.shuffle_seed = check_int("shuffle_seed", shuffle_seed, low=0)
+        if ppo_epochs * minibatches > 1 and objective.proximal == "current":
+            raise ValueError(
+                f"ppo_epochs {ppo_epochs} x minibatches {minibatches} updates a batch needs the "
+                "objective's proximal='rescore': under proximal='current' the ratio current / "
+                "proximal stays 1 at every update and the clip never acts"
+            )
         # The step consumes the variables and state it is handed (`update_fn(donate=True)`:
         # the old and the new weights and moments are never held side by side), so the trainer
         # steps its own copy and the caller's arrays outlive its first step.
@@ -406,6 +470,7 @@ class Trainer:
             _state_beside(optimizer.init(self.variables), self.variables), self.variables
         )
         self.updates = 0
+        self.optimizer_updates = 0
         self.position = 0
         self.elapsed = 0.0
         self.processes = jax.process_count() if jax.distributed.is_initialized() else 1
@@ -413,6 +478,12 @@ class Trainer:
         # already: the step is the objective's own over them and the pool's batch
         # (`sharding.shard_batch`); a pool's whole variables are replicated for its step.
         self._global = _spans_processes(variables)
+        if self._global and minibatches > 1:
+            raise ValueError(
+                f"minibatches {minibatches} splits a batch's rows on each process, but variables "
+                "sharded over a mesh that spans the pool's processes train on one batch array "
+                "over the pool: give minibatches 1"
+            )
         pooled = self.processes > 1 and not self._global
         self._update = _update_fn(objective, optimizer, pooled=pooled)
         # Process 0 writes for the pool: the metrics log and the checkpoints.
@@ -461,6 +532,10 @@ class Trainer:
             self.opt_state = checkpoint.opt_state
             self.updates, self.position = checkpoint.updates, checkpoint.position
             self.elapsed = float(checkpoint.metadata.get("elapsed", 0.0))
+            # A checkpoint from before several updates a step: one update each.
+            self.optimizer_updates = int(
+                checkpoint.metadata.get("optimizer_updates", checkpoint.updates)
+            )
             self._logged_bytes = int(checkpoint.metadata.get("metrics_bytes", 0))
             kept = checkpoint.metadata.get("log_bytes", {})
             self._log_bytes = {name: kept.get(name) for name in self._log_bytes}
@@ -494,6 +569,7 @@ class Trainer:
             "metrics_bytes": self._logged_bytes,
             "log_bytes": self._log_bytes,
             "elapsed": self.elapsed,
+            "optimizer_updates": self.optimizer_updates,
             "processes": self.processes,
         }
         state = getattr(self._rollout, "checkpoint_state", None)
@@ -595,11 +671,8 @@ class Trainer:
         started = time.perf_counter()
         packed = rollout(batch, self.variables, self.updates)
         rolled = time.perf_counter()
-        self.variables, self.opt_state, metrics = self._update(
-            self.variables, self.opt_state, packed
-        )
-        metrics = local_copy(metrics) if self._global else jax.device_get(metrics)
-        _check_finite(metrics, self.updates)
+        first_update = self.optimizer_updates
+        metrics = self._updates_on(packed)
         if self._writes:
             _check_adapter_gradient(self.objective.model, metrics, packed, self.updates)
         self._tally.observe(self.updates, metrics, rollout)
@@ -616,7 +689,9 @@ class Trainer:
             "seconds/update": finished - rolled,
         }
         if self.learning_rate is not None:
-            fields["learning_rate"] = float(self.learning_rate(self.updates))
+            fields["learning_rate"] = float(self.learning_rate(first_update))
+        if self.ppo_epochs * self.minibatches > 1:
+            fields["optimizer_updates"] = self.optimizer_updates
         record = getattr(rollout, "last_record", None)
         if isinstance(record, SchedulerRecord):
             fields |= record_fields(record)
@@ -650,6 +725,41 @@ class Trainer:
         self._measure_logs()
         if self.checkpoint_every is not None and self.updates % self.checkpoint_every == 0:
             self.save()
+
+    def _updates_on(self, packed: Batch) -> dict[str, Any]:
+        """Train the step's batch by its `ppo_epochs` x `minibatches` updates: the loss metrics
+        as one update gives them, or `_combined` over several.
+
+        Raises:
+            ValueError: naming `minibatches` and the batch's rows when it does not divide them.
+            FloatingPointError: at the first update whose loss or gradient norm is not finite.
+        """
+        rows = len(packed["tokens"])
+        if rows % self.minibatches:
+            raise ValueError(
+                f"minibatches {self.minibatches} must divide the batch's rows, got a batch of "
+                f"{rows} rows (step {self.updates})"
+            )
+        size = rows // self.minibatches
+        updates = []
+        for epoch in range(self.ppo_epochs):
+            if self.minibatches == 1:
+                parts: list[Batch] = [packed]
+            else:
+                seed = (self.shuffle_seed, self.position, epoch)
+                order = np.random.default_rng(seed).permutation(rows)
+                # Each minibatch's rows in the order they were packed, so its loss sums alike.
+                taken = [np.sort(order[i * size : (i + 1) * size]) for i in range(self.minibatches)]
+                parts = [{key: value[part] for key, value in packed.items()} for part in taken]
+            for part in parts:
+                self.variables, self.opt_state, metrics = self._update(
+                    self.variables, self.opt_state, part
+                )
+                metrics = local_copy(metrics) if self._global else jax.device_get(metrics)
+                _check_finite(metrics, self.updates)
+                self.optimizer_updates += 1
+                updates.append(metrics)
+        return updates[0] if len(updates) == 1 else _combined(updates, self.minibatches)
 
     def _measured(self, updates: int, line: Mapping[str, Any]) -> Mapping[str, Any]:
         """What `measure` gives for the step's line.
