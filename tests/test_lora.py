@@ -627,3 +627,93 @@ def test_a_dropout_outside_zero_to_one_is_refused_naming_it(rate):
         lora.LoRAConfig(dropout=rate)
     assert str(refused.value).startswith("dropout must be")
     assert repr(rate) in str(refused.value) or str(rate) in str(refused.value)
+
+
+def _transformer():
+    from dew import models
+
+    config = models.TransformerConfig(vocab=VOCAB, d_model=32, heads=4, layers=2, d_ff=48)
+    model = models.Transformer(config)
+    return model, model.init(jax.random.key(5))
+
+
+def test_an_adapter_of_dew_s_transformer_adds_its_delta_to_each_block_weight():
+    base, params = _transformer()
+    model = lora.LoRAModel(base, lora.LoRAConfig(rank=4, alpha=8, targets=lora.TRANSFORMER_TARGETS))
+    variables = model.variables(params, jax.random.key(0))
+    tokens = jnp.asarray(_sequence(5))
+    # B = 0: exactly the base's logits.
+    np.testing.assert_array_equal(
+        np.asarray(_forward(model, variables, tokens)), np.asarray(_forward(base, params, tokens))
+    )
+    keys = iter(jax.random.split(jax.random.key(9), 64))
+    adapter = jax.tree.map(
+        lambda leaf: jax.random.normal(next(keys), leaf.shape) * 0.2, variables["adapter"]
+    )
+    # The base with each weight W [in, out] plus 2 (B A)^T, made in numpy, apart from dew.
+    want = jax.tree.map(np.asarray, params)
+    for block, factors in zip(want["blocks"], adapter["layers"], strict=True):
+        for name in lora.TRANSFORMER_TARGETS:
+            a, b = (np.asarray(factors[name][f]) for f in ("lora_A", "lora_B"))
+            block[name] = block[name] + 2.0 * (b @ a).T
+    got = np.asarray(_forward(model, {"adapter": adapter, "base": params}, tokens))
+    reference = np.asarray(_forward(base, want, tokens))
+    assert np.abs(reference - np.asarray(_forward(base, params, tokens))).max() > 1e-2
+    np.testing.assert_allclose(got, reference, atol=1e-5, rtol=0)
+    # With dropout, a training forward drops each branch's input (the masks differ per key).
+    dropped = lora.LoRAModel(base, attrs.evolve(model.lora, dropout=0.5))
+    length = len(tokens)
+    trained = np.asarray(
+        jax.jit(dropped)(
+            {"adapter": adapter, "base": params},
+            tokens[None],
+            jnp.arange(length, dtype=jnp.int32)[None],
+            jnp.ones((1, length), jnp.int32),
+            key=jax.random.key(3),
+        )[0]
+    )
+    assert np.abs(trained - got).max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("targets", "said"),
+    [
+        (
+            ("q_proj",),
+            "lora targets 'q_proj' matches no module of dew's transformer; the modules an "
+            "adapter can target are qkv, out, up, down",
+        ),
+    ],
+)
+def test_a_target_dew_s_transformer_lacks_is_refused_listing_its_modules(targets, said):
+    base, _ = _transformer()
+    with pytest.raises(ValueError) as refused:
+        lora.LoRAModel(base, lora.LoRAConfig(targets=targets))
+    assert str(refused.value) == said
+
+
+@pytest.mark.parametrize(
+    ("targets", "said"),
+    [
+        (
+            ("qkv", "query"),
+            "targets 'query' matches no module of the model; the modules an adapter can target "
+            "are qkv, out, up, down",
+        ),
+        (
+            ("qkv", "q_proj"),
+            "targets ['qkv', 'q_proj'] mixes a checkpoint's modules with dew's transformer's "
+            "(qkv, out, up, down): name one model's",
+        ),
+    ],
+)
+def test_targets_of_no_model_or_of_two_are_refused_in_one_line(targets, said):
+    with pytest.raises(ValueError) as refused:
+        lora.LoRAConfig(targets=targets)
+    assert str(refused.value) == said
+
+
+def test_a_checkpoint_s_adapter_is_refused_on_dew_s_transformer_and_back(folders):
+    base, _ = hf.load(folders["qwen2"])
+    with pytest.raises(ValueError, match="lora targets 'qkv', 'up' match no module of the chec"):
+        lora.LoRAModel(base, lora.LoRAConfig(targets=("qkv", "up")))

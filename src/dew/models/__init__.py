@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from dew._checks import int_at_least
+from dew.models._adapted import project
 
 Params = Any
 """A model's params: a pytree of arrays."""
@@ -190,7 +191,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.
 
 def block_qkv(block: dict, x: jax.Array, config: TransformerConfig):
     """The block's queries, keys and values of x: [..., T, d_model] -> 3 x [..., T, heads, hd]."""
-    qkv = layer_norm(block["ln1"], x) @ block["qkv"]
+    qkv = project(layer_norm(block["ln1"], x), block["qkv"], jnp.matmul)
     q, k, v = jnp.split(qkv, 3, axis=-1)
     shape = x.shape[:-1] + (config.heads, config.head_dim)
     return q.reshape(shape), k.reshape(shape), v.reshape(shape)
@@ -198,8 +199,9 @@ def block_qkv(block: dict, x: jax.Array, config: TransformerConfig):
 
 def block_finish(block: dict, x: jax.Array, attended: jax.Array) -> jax.Array:
     """Add the attention output and the MLP to the residual stream."""
-    x = x + attended.reshape(x.shape) @ block["out"]
-    return x + jax.nn.gelu(layer_norm(block["ln2"], x) @ block["up"]) @ block["down"]
+    x = x + project(attended.reshape(x.shape), block["out"], jnp.matmul)
+    up = jax.nn.gelu(project(layer_norm(block["ln2"], x), block["up"], jnp.matmul))
+    return x + project(up, block["down"], jnp.matmul)
 
 
 def embed(params: dict, tokens: jax.Array, positions: jax.Array) -> jax.Array:

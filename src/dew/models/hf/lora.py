@@ -1,4 +1,5 @@
-"""LoRA adapters of a Hugging Face checkpoint: trained in JAX, saved as PEFT saves them.
+"""LoRA adapters of a Hugging Face checkpoint (or of dew's own transformer): trained in JAX,
+saved as PEFT saves them.
 
 An adapter adds to each targeted projection W (torch's [out, in]) the low-rank delta
 `alpha / rank * B @ A`, A [rank, in] and B [out, rank], as PEFT's `LoraLayer` does; B starts at
@@ -23,7 +24,10 @@ train mode. Every other forward (rescoring, sampling, evaluation) is the merged 
 dropout, as PEFT's in eval mode; so is a training step's where the dropout is 0.
 
 `LoRAModel` serves and trains base + adapter as a `dew.models.Model`: its variables are
-`{"adapter": ..., "base": ...}`, the base under `stop_gradient`.
+`{"adapter": ..., "base": ...}`, the base under `stop_gradient`. Its base is a checkpoint's
+`HFModel` (targets by the checkpoint's module names, `TARGETS`) or dew's own `Transformer`
+(targets by its block weights' names, `TRANSFORMER_TARGETS`); PEFT and vLLM know only the
+first, so only its adapters are saved as PEFT folders.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from safetensors.numpy import save_file
 
 from dew._checks import in_range, int_at_least
 from dew._documents import read_document
+from dew.models import Transformer
 from dew.models._adapted import Adapted, dropout_mask
 from dew.models.hf import _params
 from dew.models.hf._modeling import HFModel
@@ -54,6 +59,7 @@ __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
     "TARGETS",
+    "TRANSFORMER_TARGETS",
     "LoRAConfig",
     "LoRAModel",
     "dropout_mask",
@@ -70,7 +76,10 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 """The adapter folder's tensors, under PEFT's names (`_tensor_name`)."""
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The modules an adapter targets unless told: every attention and MLP projection."""
+"""A checkpoint's modules an adapter targets unless told: every attention and MLP projection."""
+TRANSFORMER_TARGETS = ("qkv", "out", "up", "down")
+"""dew's transformer's modules (`dew.models.Transformer`'s block weights) an adapter can
+target, all of them unless told: attention's input and output projections, the MLP's two."""
 
 # PEFT's name of a module's tensors inside a causal LM it wraps: base_model.model is PEFT's
 # wrapper and the transformers model; the rest is the checkpoint's own module path.
@@ -88,6 +97,46 @@ def _projections() -> dict[str, _params.Entry]:
     }
 
 
+@attrs.frozen
+class _Module:
+    """A weight an adapter can target: its name in a block of the params, the layout torch's
+    [out, in] delta takes as it, and how many of its leading axes the input fills."""
+
+    leaf: str
+    layout: _params.Layout
+    in_axes: int = 1
+
+
+def _modules() -> dict[str, _Module]:
+    """Every module an adapter can target, by its name: a checkpoint block's projections
+    (`q_proj`, ...: their rows of the params table) and dew's transformer's block weights."""
+    checkpoint = {
+        name: _Module(entry.path[-1], entry.layout, 2 if entry.layout is _params.FROM_HEADS else 1)
+        for name, entry in _projections().items()
+    }
+    return checkpoint | {name: _Module(name, _params.TRANSPOSED) for name in TRANSFORMER_TARGETS}
+
+
+def _family(model: HFModel | Transformer) -> tuple[tuple[str, ...], str]:
+    """The modules an adapter of `model` can target, and what the model is, in words."""
+    if isinstance(model, Transformer):
+        return TRANSFORMER_TARGETS, "dew's transformer"
+    return tuple(_projections()), "the checkpoint"
+
+
+def _blocks(params: dict) -> str:
+    """The key of the params' list of blocks: a checkpoint's "layers", dew's "blocks"."""
+    return "layers" if "layers" in params else "blocks"
+
+
+def _no_module(field: str, unknown: list[str], known: tuple[str, ...], model: str) -> ValueError:
+    return ValueError(
+        f"{field} {', '.join(map(repr, unknown))} "
+        f"match{'es' if len(unknown) == 1 else ''} no module of {model}; "
+        f"the modules an adapter can target are {', '.join(known)}"
+    )
+
+
 def _module_path(target: str) -> str:
     """The module of `target` inside a block: "self_attn.q_proj", "mlp.gate_proj"."""
     return _projections()[target].name.removesuffix(_WEIGHT)
@@ -100,16 +149,24 @@ def _tensor_name(index: int, target: str, factor: str) -> str:
 
 
 def _targets(instance, attribute, value) -> None:
-    known = _projections()
+    """Module names of one model: a checkpoint's (`TARGETS`) or dew's transformer's; a name
+    of neither is refused listing the modules of the model the others name."""
     if not value:
         raise ValueError(f"{attribute.name} must name at least one module")
+    families = [
+        family
+        for family in (tuple(_projections()), TRANSFORMER_TARGETS)
+        if set(value) & set(family)
+    ]
+    if len(families) > 1:
+        raise ValueError(
+            f"{attribute.name} {list(value)} mixes a checkpoint's modules with dew's "
+            f"transformer's ({', '.join(TRANSFORMER_TARGETS)}): name one model's"
+        )
+    known = families[0] if families else tuple(_modules())
     unknown = [name for name in value if name not in known]
     if unknown:
-        raise ValueError(
-            f"{attribute.name} {', '.join(map(repr, unknown))} "
-            f"match{'es' if len(unknown) == 1 else ''} no module of the model; "
-            f"the modules an adapter can target are {', '.join(known)}"
-        )
+        raise _no_module(attribute.name, unknown, known, "the model")
     if len(set(value)) != len(value):
         raise ValueError(f"{attribute.name} names a module twice: {list(value)}")
 
@@ -206,14 +263,17 @@ class LoRAConfig:
             raise ValueError(f"{where}: {error}") from None
 
 
-def _shapes(model: HFModel, target: str) -> tuple[int, int]:
+def _shapes(model: HFModel | Transformer, target: str) -> tuple[int, int]:
     """The (in, out) widths of `target`'s weight in torch's [out, in] layout."""
+    if isinstance(model, Transformer):
+        d, f = model.config.d_model, model.config.d_ff
+        return {"qkv": (d, 3 * d), "out": (d, d), "up": (d, f), "down": (f, d)}[target]
     entry = _projections()[target]
     out, width = entry.layout.tensor_shape(entry.leaf_shape(model.config))
     return width, out
 
 
-def init(key: jax.Array, model: HFModel, lora: LoRAConfig) -> dict[str, Any]:
+def init(key: jax.Array, model: HFModel | Transformer, lora: LoRAConfig) -> dict[str, Any]:
     """A fresh adapter of `model`: per block and target, `lora_A` float32[rank, in] drawn as
     PEFT draws it (uniform within +-1/sqrt(in), the Kaiming bound of a=sqrt(5)) from `key`,
     and `lora_B` float32[out, rank] zeros, so the adapted model starts as the base.
@@ -242,16 +302,16 @@ def merged(params: dict, adapter: dict, lora: LoRAConfig) -> dict:
     """`params` with each targeted weight plus its adapter's delta alpha / rank * B @ A
     (computed in float32, added in float32, then in the params' dtype): the params PEFT's
     `merge_and_unload` gives. Pure; jit it or call it inside a jitted function."""
-    out = {**params, "layers": [dict(layer) for layer in params["layers"]]}
-    projections = _projections()
-    for layer, block in zip(out["layers"], adapter["layers"], strict=True):
+    blocks = _blocks(params)
+    out = {**params, blocks: [dict(layer) for layer in params[blocks]]}
+    modules = _modules()
+    for layer, block in zip(out[blocks], adapter["layers"], strict=True):
         for target, factors in block.items():
-            entry = projections[target]
-            name = entry.path[-1]
-            weight = layer[name]
+            module = modules[target]
+            weight = layer[module.leaf]
             delta = lora.scale * (factors["lora_B"] @ factors["lora_A"])
-            delta = entry.layout.to_leaf(delta, weight.shape)
-            layer[name] = (weight.astype(jnp.float32) + delta).astype(weight.dtype)
+            delta = module.layout.to_leaf(delta, weight.shape)
+            layer[module.leaf] = (weight.astype(jnp.float32) + delta).astype(weight.dtype)
     return out
 
 
@@ -335,6 +395,11 @@ def save_adapter(
 
 def _adapter_tensors(adapter: dict, config: LoRAConfig) -> Iterator[tuple[str, np.ndarray]]:
     """Each adapter tensor under PEFT's name, as float32 numpy, checked against `config`."""
+    if set(config.targets) <= set(TRANSFORMER_TARGETS):
+        raise ValueError(
+            "an adapter of dew's transformer has no PEFT folder (PEFT knows checkpoints' "
+            "modules): a run's checkpoints keep it"
+        )
     for index, block in enumerate(adapter["layers"]):
         if sorted(block) != sorted(config.targets):
             raise ValueError(
@@ -401,7 +466,8 @@ def load_adapter(folder: str | os.PathLike, model: HFModel) -> tuple[LoRAConfig,
 
 @attrs.frozen
 class LoRAModel:
-    """A checkpoint's decoder with a LoRA adapter, as a `dew.models.Model`: base + adapter.
+    """A checkpoint's decoder (or dew's transformer) with a LoRA adapter, as a
+    `dew.models.Model`: base + adapter.
 
     Its variables are `{"adapter": init's layout, "base": the checkpoint's params}`. Every
     function runs the base model on `merged` params, but a training forward with dropout
@@ -410,12 +476,23 @@ class LoRAModel:
     keeps no optimizer state for the base).
 
     Args:
-        base: the checkpoint's model.
-        lora: the adapter's config.
+        base: the checkpoint's model, or dew's transformer.
+        lora: the adapter's config, its targets among the base's modules.
+
+    Raises:
+        ValueError: naming the targets that match no module of the base, and those that do.
     """
 
-    base: HFModel = attrs.field(validator=attrs.validators.instance_of(HFModel))
+    base: HFModel | Transformer = attrs.field(
+        validator=attrs.validators.instance_of((HFModel, Transformer))
+    )
     lora: LoRAConfig = attrs.field(validator=attrs.validators.instance_of(LoRAConfig))
+
+    def __attrs_post_init__(self):
+        known, model = _family(self.base)
+        unknown = [name for name in self.lora.targets if name not in known]
+        if unknown:
+            raise _no_module("lora targets", unknown, known, model)
 
     @property
     def vocab(self) -> int:
@@ -429,8 +506,8 @@ class LoRAModel:
 
     @property
     def dtype(self) -> str:
-        """The base params' dtype (the adapter is float32)."""
-        return self.base.dtype
+        """The base params' dtype (the adapter is float32; dew's transformer is float32)."""
+        return getattr(self.base, "dtype", "float32")
 
     def variables(self, params: dict, key: jax.Array) -> dict:
         """The variables of a fresh adapter (`init` from `key`) of the checkpoint's `params`."""
@@ -464,22 +541,22 @@ class LoRAModel:
         adapter, unmerged (`dew.models._adapted.Adapted`), its branch's input dropped out with
         `dropout_key(key, ...)`: what a training forward with dropout runs."""
         out = jax.lax.stop_gradient(variables["base"])
-        out = {**out, "layers": [dict(layer) for layer in out["layers"]]}
-        projections = _projections()
+        blocks = _blocks(out)
+        out = {**out, blocks: [dict(layer) for layer in out[blocks]]}
+        modules = _modules()
         for index, (layer, block) in enumerate(
-            zip(out["layers"], variables["adapter"]["layers"], strict=True)
+            zip(out[blocks], variables["adapter"]["layers"], strict=True)
         ):
             for target, factors in block.items():
-                entry = projections[target]
-                name = entry.path[-1]
-                layer[name] = Adapted(
-                    layer[name],
+                module = modules[target]
+                layer[module.leaf] = Adapted(
+                    layer[module.leaf],
                     factors["lora_A"],
                     factors["lora_B"],
                     self.dropout_key(key, index, target),
                     scale=self.lora.scale,
                     rate=self.lora.dropout,
-                    in_axes=2 if entry.layout is _params.FROM_HEADS else 1,
+                    in_axes=module.in_axes,
                 )
         return out
 
