@@ -21,10 +21,16 @@ the training never draws.
     python benchmarks/options.py --steps 200 --eval-every 20   # docs/concepts.md's longer one
     python benchmarks/options.py --seeds 0 --steps 40 --keep runs/
     python benchmarks/options.py --smoke              # every arm for 2 updates of a tiny run
+    python benchmarks/options.py --ppo-epochs 2       # docs/concepts.md's: 2 updates a batch
+
+With `--ppo-epochs K` (and `--minibatches M`) every arm trains each batch K x M times, rescored
+once before the first: from the second update on the ratio current / proximal departs from 1,
+and the clips act. At the default, one update a batch, they never do.
 
 The table: arm | seed | updates to target (greedy, mean@k) | last greedy, mean@k | the most
-of a step's trained tokens the clip held (`clip_fraction`) | median seconds a step, then each
-arm's mean over its seeds. An update count is the first evaluation at or above the
+of a step's trained tokens the clip held (`clip_fraction`, a step's mean over its updates) and
+its mean over the steps | median seconds a step, then each arm's mean over its seeds (the most,
+for the most clipped). An update count is the first evaluation at or above the
 target, so it is a multiple of `--eval-every`; `-` is a run that never reached it.
 """
 
@@ -65,10 +71,19 @@ SMOKE = ["--batch-size", "2", "--groups", "4", "--d-model", "16", "--layers", "1
 
 
 def run_arm(
-    options: list[str], run: Path, *, seed: int, steps: int, every: int, tasks: int, samples: int
+    options: list[str],
+    run: Path,
+    *,
+    seed: int,
+    steps: int,
+    every: int,
+    tasks: int,
+    samples: int,
+    updates: tuple[int, int] = (1, 1),
 ):
     """Train one arm in a `dew train` process of its own (`options` beside `SHARED`, with the
-    run's seed, length and evaluation): its evaluations and its wall seconds.
+    run's seed, length and evaluation, and `updates`, its --ppo-epochs and --minibatches): its
+    evaluations and its wall seconds.
 
     Raises:
         SystemExit: naming the run folder and the end of its output when `dew train` fails.
@@ -77,6 +92,7 @@ def run_arm(
     command += ["--seed", str(seed), "--steps", str(steps), "--eval-every", str(every)]
     command += ["--eval-tasks", str(tasks), "--eval-samples", str(samples)]
     command += ["--checkpoint-every", str(steps), "--run", str(run)]
+    command += ["--ppo-epochs", str(updates[0]), "--minibatches", str(updates[1])]
     began = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     wall = time.perf_counter() - began
@@ -101,14 +117,14 @@ def table(rows: list[dict], target: float, sampled: str) -> str:
     `sampled` names the sampled reward's column (mean@k)."""
     lines = [
         f"| arm | seed | updates to {target} greedy | to {target} {sampled} | last greedy | "
-        f"last {sampled} | clipped, most | s/update |",
-        "|---|---|---|---|---|---|---|---|",
+        f"last {sampled} | clipped, most | clipped, mean | s/step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['arm']} | {row['seed']} | {_shown(row['to_greedy'])} | "
             f"{_shown(row['to_sampled'])} | {row['greedy']:.3f} | {row['sampled']:.3f} | "
-            f"{row['clipped']:.3f} | {row['s/update']:.2f} |"
+            f"{row['clipped']:.3f} | {row['clipped_mean']:.3f} | {row['s/update']:.2f} |"
         )
     for arm in ARMS:
         mine = [row for row in rows if row["arm"] == arm]
@@ -124,6 +140,7 @@ def table(rows: list[dict], target: float, sampled: str) -> str:
         lines.append(
             f"| **{arm}**, mean | | {cells[0]} | {cells[1]} | {means[0]:.3f} | {means[1]:.3f} | "
             f"{max(row['clipped'] for row in mine):.3f} | "
+            f"{statistics.mean(row['clipped_mean'] for row in mine):.3f} | "
             f"{statistics.mean(row['s/update'] for row in mine):.2f} |"
         )
     return "\n".join(lines)
@@ -139,8 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=0.7, help="held-out reward to reach")
     parser.add_argument("--keep", type=Path, help="keep the run folders here")
     parser.add_argument("--smoke", action="store_true", help="every arm for 2 updates, 1 seed")
+    parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over a batch (1)")
+    parser.add_argument("--minibatches", type=int, default=1, help="minibatches a pass (1)")
     args = parser.parse_args(argv)
-    for option in ("steps", "eval_every", "eval_tasks", "eval_samples"):
+    for option in (
+        "steps",
+        "eval_every",
+        "eval_tasks",
+        "eval_samples",
+        "ppo_epochs",
+        "minibatches",
+    ):
         if getattr(args, option) < 1:
             parser.error(
                 f"--{option.replace('_', '-')} must be at least 1, not {getattr(args, option)}"
@@ -170,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 every=args.eval_every,
                 tasks=args.eval_tasks,
                 samples=args.eval_samples,
+                updates=(args.ppo_epochs, args.minibatches),
             )
             sampled = f"mean@{args.eval_samples}"
             metrics = [
@@ -185,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                     "sampled": evaluations[-1][sampled],
                     "s/update": statistics.median(line["seconds/step"] for line in metrics),
                     "clipped": max(line["clip_fraction"] for line in metrics),
+                    "clipped_mean": statistics.mean(line["clip_fraction"] for line in metrics),
                 }
             )
             curve = "  ".join(
