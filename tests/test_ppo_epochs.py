@@ -334,3 +334,21 @@ def test_a_dew_train_run_of_two_passes_over_two_minibatches_records_them(tmp_pat
     for line in lines:
         for name in ("loss", "clip_fraction", "clip_fraction/low", "clip_fraction/high"):
             assert f"last/{name}" in line
+
+
+def test_a_non_finite_update_of_several_stops_the_run_naming_the_step_and_the_update():
+    """NaN advantages: the step's first update is not finite, and the run stops naming the
+    step and which of its updates, before the second update or any line; the weights stay."""
+
+    @attrs.define(eq=False)
+    class Broken(RescoringRollout):
+        def __call__(self, batch, variables, updates):
+            packed = super().__call__(batch, variables, updates)
+            return packed | {"advantages": np.full_like(packed["advantages"], np.nan)}
+
+    objective = GRPOObjective(bigram)
+    trainer = Trainer(objective, optax.sgd(0.1), variables(), ppo_epochs=2, minibatches=2)
+    with pytest.raises(FloatingPointError, match=r"^step 0, update 1 of 4: loss nan.*the update "):
+        trainer.run(Broken(objective), dataset(), steps=1, ahead=0)
+    assert_trees_equal(trainer.variables, variables())
+    assert (trainer.updates, trainer.optimizer_updates) == (0, 0)

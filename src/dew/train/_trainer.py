@@ -174,11 +174,12 @@ class _RunTally:
         raise NothingTrained(text)
 
 
-def _check_finite(metrics: Mapping[str, Any], step: int) -> None:
-    """Stop at a step whose loss or gradient norm is not finite.
+def _check_finite(metrics: Mapping[str, Any], step: int, update: tuple[int, int] = (1, 1)) -> None:
+    """Stop at a step whose loss or gradient norm is not finite; `update` is the update of the
+    step (1-based) that gave `metrics`, and the step's count of them.
 
     Raises:
-        FloatingPointError: naming the step and the values.
+        FloatingPointError: naming the step (and the update, of several) and the values.
     """
     bad = {
         name: float(metrics[name])
@@ -187,8 +188,11 @@ def _check_finite(metrics: Mapping[str, Any], step: int) -> None:
     }
     if bad:
         values = ", ".join(f"{name} {value}" for name, value in bad.items())
+        where, before = f"step {step}", "step"
+        if update[1] > 1:
+            where, before = f"step {step}, update {update[0]} of {update[1]}", "update"
         raise FloatingPointError(
-            f"step {step}: {values}; training stops, the weights left as the step before found "
+            f"{where}: {values}; training stops, the weights left as the {before} before found "
             "them (look for NaN or infinite rewards, advantages or log-probs in the batch, or "
             "token ids outside the model's vocabulary, which score as non-finite log-probs)"
         )
@@ -756,7 +760,8 @@ class Trainer:
                     self.variables, self.opt_state, part
                 )
                 metrics = local_copy(metrics) if self._global else jax.device_get(metrics)
-                _check_finite(metrics, self.updates)
+                count = self.ppo_epochs * self.minibatches
+                _check_finite(metrics, self.updates, (len(updates) + 1, count))
                 self.optimizer_updates += 1
                 updates.append(metrics)
         return updates[0] if len(updates) == 1 else _combined(updates, self.minibatches)
