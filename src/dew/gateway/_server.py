@@ -21,7 +21,6 @@ from typing import Any
 
 import hypercorn.config
 import numpy as np
-import orjson
 import trio
 
 from dew import _gc
@@ -33,9 +32,17 @@ from dew.gateway._answers import (
     completion_body,
     completion_chunks,
     cut,
-    sse,
 )
 from dew.gateway._connections import Connections, serve
+from dew.gateway._http import (
+    bearer,
+    content_length,
+    conversation,
+    model_object,
+    retry_count,
+    send_json,
+    send_stream,
+)
 from dew.gateway._record import GatewaySession, Template, Turn
 from dew.gateway._responses import Answer, chat_payload, named_sse
 from dew.gateway._schema import (
@@ -59,7 +66,6 @@ _log = logging.getLogger("dew.gateway")
 
 # Closed sessions remembered (to answer 410 rather than 404); older ones are forgotten.
 _CLOSED_KEPT = 100_000
-_JSON = [(b"content-type", b"application/json")]
 # A body at least this large is parsed and rendered in a worker thread: the event loop serves
 # every session, and reading a request of megabytes on it would hold them all (200,000 messages
 # in 6 MB took seconds). Smaller ones stay on the loop, where a thread's round trip would cost
@@ -82,54 +88,6 @@ def _check_seconds(name: str, value) -> float:
     return float(value)
 
 
-def _bearer(scope) -> str | None:
-    """The API key of the request's `Authorization: Bearer KEY` header, None without one.
-
-    Raises:
-        ApiError: 401 when the header is there but not a bearer key.
-    """
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            scheme, _, key = value.decode("latin-1").partition(" ")
-            if scheme.lower() != "bearer":
-                raise ApiError(
-                    401,
-                    "the Authorization header must be 'Bearer <the session's api_key>'",
-                    code="invalid_api_key",
-                )
-            return key.strip()
-    return None
-
-
-def _retry_count(scope) -> int:
-    for name, value in scope["headers"]:
-        if name == b"x-stainless-retry-count":
-            try:
-                return int(value)
-            except ValueError:
-                return 0
-    return 0
-
-
-def _thread(scope) -> str | None:
-    """The request's `X-Session-ID` header: the client's name for the conversation it continues
-    (verifiers names each agent trace so), or None."""
-    for name, value in scope["headers"]:
-        if name == b"x-session-id":
-            return value.decode("latin-1")
-    return None
-
-
-def _content_length(scope) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                raise invalid(None, "the content-length header is not an integer") from None
-    return None
-
-
 def _tokenizer(tokenizer: Any, servers) -> Tokenizer:
     """The gateway's tokenizer: `tokenizer`, else the first engine's, else the byte one; every
     engine that names its tokenizer must agree with it on the ids (vocabulary, stop and special
@@ -149,34 +107,6 @@ def _tokenizer(tokenizer: Any, servers) -> Tokenizer:
                     f"engine {index}'s tokenizer {other!r} differs from the gateway's {tokenizer!r}"
                 )
     return tokenizer
-
-
-async def _send_json(send, status: int, body: dict[str, Any], headers=()) -> None:
-    data = orjson.dumps(body)
-    length = [(b"content-length", str(len(data)).encode())]
-    await send(
-        {"type": "http.response.start", "status": status, "headers": [*_JSON, *length, *headers]}
-    )
-    await send({"type": "http.response.body", "body": data})
-
-
-async def _send_stream(send, events, encode=sse, done: bool = True) -> None:
-    """Send `events`, each encoded as one server-sent event, then chat's `[DONE]` unless not
-    `done` (the Responses stream ends with its last event)."""
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
-        }
-    )
-    for event in events:
-        await send({"type": "http.response.body", "body": encode(event), "more_body": True})
-    await send({"type": "http.response.body", "body": sse("[DONE]") if done else b""})
-
-
-def _model_object(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "dew"}
 
 
 def _takes(function, name: str) -> bool:
@@ -442,7 +372,7 @@ class Gateway:
             if error.code == "method_not_allowed":
                 headers.append((b"allow", error.param.encode()))
                 error.param = None
-            await _send_json(send, error.status, error.body(), headers)
+            await send_json(send, error.status, error.body(), headers)
         except Exception as error:
             # A fault of the gateway itself: logged with its traceback, answered as a server
             # error the client must not retry, and the session counts as an infrastructure fault.
@@ -451,7 +381,7 @@ class Gateway:
             if session is not None:
                 session.fail(f"gateway: {type(error).__name__}: {error}")
             failure = ApiError(500, f"the gateway failed: {error}", type="server_error")
-            await _send_json(send, 500, failure.body(), [(b"x-should-retry", b"false")])
+            await send_json(send, 500, failure.body(), [(b"x-should-retry", b"false")])
 
     def _session(self, token: str) -> GatewaySession:
         session = self._sessions.get(token)
@@ -475,7 +405,7 @@ class Gateway:
                 404, f"unknown URL {scope['path']!r}", type="not_found_error", code="unknown_url"
             )
         session = self._session(parts[1])
-        key = _bearer(scope)
+        key = bearer(scope)
         if key not in _NO_KEY and not secrets.compare_digest(
             key.encode("latin-1"), session.api_key.encode()
         ):
@@ -525,7 +455,7 @@ class Gateway:
             session.requests -= 1
 
     async def _body(self, scope, receive) -> bytes:
-        length = _content_length(scope)
+        length = content_length(scope)
         if length is not None and length > self.max_body:
             raise ApiError(
                 413,
@@ -595,12 +525,12 @@ class Gateway:
         return request, hashlib.sha256(body).digest()
 
     async def _models(self, session, scope, receive, send) -> None:
-        await _send_json(send, 200, {"object": "list", "data": [_model_object(self.model)]})
+        await send_json(send, 200, {"object": "list", "data": [model_object(self.model)]})
 
     async def _model(self, session, scope, receive, send) -> None:
         """`GET /v1/models/{model}`: every name is the one policy served (`model` is ignored)."""
         name = scope["path"].split("/v1/models/", 1)[1]
-        await _send_json(send, 200, _model_object(name))
+        await send_json(send, 200, model_object(name))
 
     async def _chat(self, session: GatewaySession, scope, receive, send) -> None:
         answered = await self._answer(session, scope, receive, "messages")
@@ -610,9 +540,9 @@ class Gateway:
         completion_id = "chatcmpl-" + secrets.token_urlsafe(18)
         parts = (completion_id, request.model, sample, reply, self.tokenizer, request)
         if request.sampled.stream:
-            await _send_stream(send, chat_chunks(*parts))
+            await send_stream(send, chat_chunks(*parts))
         else:
-            await _send_json(send, 200, chat_body(*parts))
+            await send_json(send, 200, chat_body(*parts))
 
     async def _responses(self, session: GatewaySession, scope, receive, send) -> None:
         answered = await self._answer(session, scope, receive, "input", as_chat=chat_payload)
@@ -622,9 +552,9 @@ class Gateway:
         response_id = "resp_" + secrets.token_urlsafe(18)
         answer = Answer(response_id, payload, sample, reply, self.tokenizer, request)
         if request.sampled.stream:
-            await _send_stream(send, answer.events(), encode=named_sse, done=False)
+            await send_stream(send, answer.events(), encode=named_sse, done=False)
         else:
-            await _send_json(send, 200, answer.response())
+            await send_json(send, 200, answer.response())
 
     async def _answer(
         self,
@@ -648,7 +578,7 @@ class Gateway:
             return None
         read = await self._off_loop(len(body), self._read_chat, body, as_chat)
         request_payload, payload, request, fingerprint = read
-        with session.admitted(fingerprint, retry=_retry_count(scope) > 0) as index:
+        with session.admitted(fingerprint, retry=retry_count(scope) > 0) as index:
             rendered = await self._off_loop(len(body), session.chat_prompt, request, field)
             self._count(rendered)
             sample = await self._sample(
@@ -664,7 +594,7 @@ class Gateway:
                 len(request.messages),
                 fingerprint,
                 templated=rendered if rendered.text is not None else None,
-                thread=_thread(scope),
+                thread=conversation(scope),
             )
             session.record(turn)
         session.transcript = [*payload["messages"], assistant_message(reply)]
@@ -692,7 +622,7 @@ class Gateway:
         except _Gone:
             return
         request, fingerprint = await self._off_loop(len(body), self._read_completion, body)
-        with session.admitted(fingerprint, retry=_retry_count(scope) > 0) as index:
+        with session.admitted(fingerprint, retry=retry_count(scope) > 0) as index:
             if isinstance(request.prompt, str):
                 prompt_text = request.prompt
                 prompt = await self._off_loop(len(body), session.text_prompt, request.prompt)
@@ -715,15 +645,15 @@ class Gateway:
                 fingerprint,
                 prompt_text + sample.text,
                 text_ids,
-                thread=_thread(scope),
+                thread=conversation(scope),
             )
             session.record(turn)
         completion_id = "cmpl-" + secrets.token_urlsafe(18)
         parts = (completion_id, request.model, sample, self.tokenizer, request, prompt_text)
         if request.sampled.stream:
-            await _send_stream(send, completion_chunks(*parts))
+            await send_stream(send, completion_chunks(*parts))
         else:
-            await _send_json(send, 200, completion_body(*parts))
+            await send_json(send, 200, completion_body(*parts))
 
     # --- the engine ------------------------------------------------------------------------------
 
