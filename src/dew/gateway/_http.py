@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from dew.gateway._answers import sse
-from dew.gateway._schema import ApiError, invalid
+from dew.gateway._api_error import ApiError, invalid
 
 _JSON = [(b"content-type", b"application/json")]
 

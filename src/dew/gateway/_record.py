@@ -24,7 +24,8 @@ import attrs
 import numpy as np
 import trio
 
-from dew.gateway._schema import ApiError, ChatRequest, Message
+from dew.gateway._api_error import ApiError
+from dew.gateway._schema import ChatRequest, Message
 from dew.gateway._template import message_text, system_text
 from dew.gateway._templated import Rendered, templated_prompt
 from dew.objectives.rl.sessions import Call, Label

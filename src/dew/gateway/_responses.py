@@ -20,8 +20,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from dew.gateway._answers import Sample, chat_logprobs, sse, text_deltas
+from dew.gateway._api_error import invalid, unsupported
+from dew.gateway._fields import CHAT_FIELDS
 from dew.gateway._schema import (
-    CHAT_FIELDS,
     MAX_MESSAGES,
     MAX_TOOLS,
     _check_fields,
@@ -30,8 +31,6 @@ from dew.gateway._schema import (
     _refuse_given,
     _text_of,
     check_count,
-    invalid,
-    unsupported,
 )
 from dew.gateway._template import Reply
 

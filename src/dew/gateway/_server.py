@@ -33,6 +33,7 @@ from dew.gateway._answers import (
     completion_chunks,
     cut,
 )
+from dew.gateway._api_error import ApiError, invalid
 from dew.gateway._connections import Connections, serve
 from dew.gateway._http import (
     bearer,
@@ -48,12 +49,10 @@ from dew.gateway._responses import Answer, chat_payload, named_sse
 from dew.gateway._schema import (
     MAX_MESSAGES,
     MAX_TOOLS,
-    ApiError,
     ChatRequest,
     CompletionRequest,
     chat_request,
     completion_request,
-    invalid,
     parse_json,
 )
 from dew.gateway._template import Reply, parse_reply, tool_format

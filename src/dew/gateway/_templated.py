@@ -35,7 +35,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from dew.gateway._schema import ApiError, ChatRequest, Message
+from dew.gateway._api_error import ApiError
+from dew.gateway._schema import ChatRequest, Message
 from dew.gateway._template import instruction_lines
 from dew.serve.chat_template import ChatTemplateError
 
