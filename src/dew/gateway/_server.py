@@ -24,6 +24,7 @@ import numpy as np
 import trio
 
 from dew import _gc
+from dew._checks import check_int
 from dew.gateway._answers import (
     Sample,
     assistant_message,
@@ -73,12 +74,6 @@ _OFF_LOOP_BYTES = 1 << 16
 # Keys that say "no key": none, an empty one, and the placeholder OpenAI-compatible local servers
 # (vLLM) document and verifiers sends when its key variable is unset. They name no session.
 _NO_KEY = (None, "", "EMPTY")
-
-
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
 
 
 def _check_seconds(name: str, value) -> float:
@@ -208,7 +203,7 @@ class Gateway:
         self.servers: tuple[Any, ...] = tuple(servers)
         # Which engines report top log-probs (`RolloutServer.generate(top_logprobs=...)`).
         self._reports_top = [_takes(server.generate, "top_logprobs") for server in servers]
-        self.max_context = _check_int("max_context", max_context, 2)
+        self.max_context = check_int("max_context", max_context, low=2)
         for index, server in enumerate(servers):
             longest = getattr(server, "max_len", None)
             if isinstance(longest, int) and self.max_context > longest:
@@ -218,7 +213,7 @@ class Gateway:
                     f"max_context must be at most engine {index}'s max_len {longest}, got "
                     f"{max_context}"
                 )
-        self.max_tokens = _check_int("max_tokens", max_tokens, 1)
+        self.max_tokens = check_int("max_tokens", max_tokens, low=1)
         self.sampling = Sampling() if sampling is None else sampling
         if not isinstance(self.sampling, Sampling):
             raise ValueError(f"sampling must be a Sampling, got {sampling!r}")
@@ -230,16 +225,16 @@ class Gateway:
         # and the gateway's turns tokenized from their text ("rerendered").
         self.rendering: collections.Counter[str] = collections.Counter()
         self.host = host
-        self.port = _check_int("port", port, 0)
+        self.port = check_int("port", port, low=0)
         self.model = model
-        self.max_body = _check_int("max_body", max_body, 1)
-        self.max_messages = _check_int("max_messages", max_messages, 1)
-        self.max_tools = _check_int("max_tools", max_tools, 0)
+        self.max_body = check_int("max_body", max_body, low=1)
+        self.max_messages = check_int("max_messages", max_messages, low=1)
+        self.max_tools = check_int("max_tools", max_tools, low=0)
         self.header_timeout = _check_seconds("header_timeout", header_timeout)
         self.body_timeout = _check_seconds("body_timeout", body_timeout)
-        self.max_session_requests = _check_int("max_session_requests", max_session_requests, 1)
+        self.max_session_requests = check_int("max_session_requests", max_session_requests, low=1)
         self.write_timeout = _check_seconds("write_timeout", write_timeout)
-        self.max_connections = _check_int("max_connections", max_connections, 1)
+        self.max_connections = check_int("max_connections", max_connections, low=1)
         self._connections: Connections | None = None
         self.announce = announce
         self.freeze_gc = freeze_gc
@@ -323,7 +318,7 @@ class Gateway:
         if self.url is None:
             raise RuntimeError("Gateway.open needs a serving gateway: use `async with gateway:`")
         if max_calls is not None:
-            _check_int("max_calls", max_calls, 1)
+            check_int("max_calls", max_calls, low=1)
         token = secrets.token_urlsafe(32)
         engine = min(range(len(self.servers)), key=lambda i: (self._pinned[i], i))
         self._pinned[engine] += 1
