@@ -56,6 +56,7 @@ def test_rollout_scheduler_signature_is_the_pages():
         ("waste_budget", keyword, 0.2),
         ("hedge", keyword, True),
         ("narrow", keyword, False),
+        ("align_starts", keyword, None),
     ]
     assert [p[0] for p in parameters(scheduler.RolloutScheduler.tasks)] == ["dataset"]
     assert parameters(scheduler.RolloutScheduler.close) == []

@@ -227,6 +227,9 @@ class Setting:
         default=WASTE_BUDGET, validator=in_range(0, 1, high_open=True)
     )
     hedge: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    # Start rollouts aligned to pushes (RolloutScheduler's align_starts, given the workload's
+    # slots).
+    align_starts: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self):
         if self.carry_over and self.admit is None:
@@ -528,6 +531,7 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
         carry_over=setting.carry_over,
         waste_budget=setting.waste_budget,
         hedge=setting.hedge,
+        align_starts=_aligned(workload, setting),
     )
     scheduler.long_wait = None  # a simulated trainer waits by design: nothing to report
     # The trainer prefetches `ahead` batches, as far as the scheduler may read ahead of it.
@@ -558,7 +562,9 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
     # worth a call on average, as without admit.
     full = setting.admit is None or setting.admit == "auto" or setting.carry_over
     admitted_groups = workload.tasks if full else setting.admit
-    wasted, spent, durations = _account(events, source.spans, simulated.model_time)
+    wasted, spent, durations = _account(
+        events, source.spans, simulated.model_time, from_submission=True
+    )
     slot_wasted, slot_spent, _ = _account(
         events, _on_slots(source.spans, source.slots), simulated.model_time
     )
@@ -583,6 +589,22 @@ async def _simulate(workload: Workload, setting: Setting) -> Outcome:
         slot_wait=engine.queued / engine.granted if engine.granted else math.nan,
         slot_wasted=slot_wasted / slot_spent if slot_spent > 0 else 0.0,
     )
+
+
+def _aligned(workload: Workload, setting: Setting) -> int | None:
+    """The scheduler's align_starts for a setting that aligns starts: the engine's slots.
+
+    Raises:
+        ValueError: for an engine of unbounded slots, where no slot is ever freed to wait.
+    """
+    if not setting.align_starts:
+        return None
+    if workload.slots is None:
+        raise ValueError(
+            f"setting {setting.name!r}: align_starts needs an engine of bounded slots, got "
+            "slots None"
+        )
+    return workload.slots
 
 
 def _length_ratio(records) -> float:
@@ -611,18 +633,27 @@ def _account(
     events: Sequence[LogEvent],
     spans: Mapping[Label, tuple[float, float]],
     model_time: Callable[[Task, Label], float],
+    *,
+    from_submission: bool = False,
 ) -> tuple[float, float, list[float]]:
-    """Rollout-seconds thrown away and spent, over every submission that ended, and the model
-    times of the admitted ones.
+    """Seconds thrown away and spent, over every submission that ended, each over its span,
+    and the model times of the admitted ones.
 
     A submission ends in exactly one of admitted, cancelled, discarded or failed; one still in
-    flight when the run ends has no such event and counts nowhere.
+    flight when the run ends has no such event and counts nowhere. One whose source never ran
+    (cancelled while the scheduler held it queued for a slot, under align_starts) has an empty
+    span at its end; `from_submission` counts each from its submission event where the log
+    holds it, the scheduler's queueing included, as the engine's is.
     """
     ends = {e.label: e for e in events if e.kind in ("admitted", *WASTED)}
+    submitted = (
+        {e.label: e.time for e in events if e.kind == "submitted"} if from_submission else {}
+    )
     wasted = spent = 0.0
     admitted = []
     for label, end_event in ends.items():
-        begin, end = spans[label]
+        begin, end = spans.get(label, (end_event.time, end_event.time))
+        begin = min(begin, submitted.get(label, begin))
         spent += end - begin
         if end_event.kind in WASTED:
             wasted += end - begin

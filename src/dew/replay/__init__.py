@@ -27,7 +27,8 @@ trainer's thread). Each later line has a `kind`:
   first call started (`note_progress(version=...)`), `first_call` [time, version], which replay
   says alike at that time, since the scheduler counts a running rollout's lag from it (added
   within version 4: a trace without it replays as recorded, its rollouts counted from their
-  submission as they were);
+  submission as they were); and, under `align_starts`, `started`: when the scheduler let the
+  rollout start, which replay runs it from (added within version 4);
 - `push`: a weight push (`version`, `time` it ended, and `began`: when it began, added within
   version 4; a thread trace without it replays each push at its call's hand-over);
 - `call`: one trainer call: its `step`, `batch`, `updates`, the `stream` and how many batches it

@@ -72,6 +72,7 @@ _OPTIONS: dict[str, Callable[[str], Any]] = {
     "waste_budget": number_option(0, 1),
     "hedge": _flag,
     "narrow": _flag,
+    "align_starts": _optional(int_option(1, 10**6)),
 }
 
 

@@ -51,6 +51,7 @@ CONFIG = (
     "waste_budget",
     "hedge",
     "narrow",
+    "align_starts",
 )
 """The RolloutScheduler arguments a trace holds: all but objective, source, weights, tasks, log."""
 # CONFIG names added after traces of this VERSION were first written: a trace without one ran
@@ -63,6 +64,7 @@ ADDED = {
     "waste_budget": 0.2,
     "hedge": True,
     "narrow": False,
+    "align_starts": None,
 }
 KINDS = ("stream", "batch", "session", "push", "call", "end")
 """The kinds of a trace's lines after its header."""

@@ -17,7 +17,7 @@ import trio
 import trio.testing
 
 from dew.data import Batch, Dataset, Task
-from dew.objectives.rl._session import oldest_call
+from dew.objectives.rl._session import oldest_call, released_at
 from dew.objectives.rl.scheduler import Publisher, RolloutScheduler, SchedulerRecord
 from dew.objectives.rl.sessions import Label, Session, SessionError, SessionSource, check_session
 from dew.replay._format import (
@@ -240,6 +240,7 @@ class Recorder:
             "waste_budget": scheduler.config.waste_budget,
             "hedge": scheduler.config.hedge,
             "narrow": scheduler.narrow,
+            "align_starts": scheduler.align_starts,
         }
         # Open until `_stop`: the recording spans a `with` of the caller's.
         if self.path.endswith(".gz"):
@@ -349,6 +350,9 @@ class Recorder:
         }
         if first is not None:
             line["first_call"] = list(first)
+        released = released_at()
+        if released is not None:
+            line["started"] = released
         if session is not None:
             line["session"] = session
         self._write(line)

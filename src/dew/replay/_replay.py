@@ -218,16 +218,22 @@ class ReplaySource:
             self.notes.append(ReplayNote(now, task.name, label, "never ran", f"ran at {now!r}"))
             return Session(Status.INFRA_ERROR, error="replay: this rollout is not in the trace")
         shift = 0.0
-        if now == self._submitted.get(label, recorded.submitted):
+        # Its run began at its submission, or where the scheduler held it queued for a slot
+        # (align_starts), when it let it start.
+        began = recorded.started
+        if began is None:
+            began = self._submitted.get(label, recorded.submitted)
+        if now == began:
             end = recorded.ended
         else:
-            shift = now - recorded.submitted
-            end = now + (recorded.ended - recorded.submitted)
+            began = recorded.submitted if recorded.started is None else recorded.started
+            shift = now - began
+            end = now + (recorded.ended - began)
         if recorded.first_call is not None:
             # Its engine said when its first call started: say it alike, for the scheduler
             # counts a running rollout's lag from it.
             time, version = recorded.first_call
-            await self.sleep_until(time if not shift else now + (time - recorded.submitted))
+            await self.sleep_until(time if not shift else now + (time - began))
             note_progress(version=version)
         if recorded.outcome == "cancelled":
             # Returns only by trio.Cancelled.

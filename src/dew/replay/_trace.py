@@ -48,6 +48,8 @@ class RecordedSession:
             `invalid`.
         first_call: when its oldest call started and its version, where its engine said so
             (note_progress): the scheduler counts a running rollout's lag from it.
+        started: when the scheduler let it start, where it held it queued for a slot
+            (align_starts): its run began then, not at its submission.
     """
 
     task: Task
@@ -58,6 +60,7 @@ class RecordedSession:
     session: Session | None = attrs.field(default=None, eq=False)
     error: str | None = None
     first_call: tuple[float, int] | None = None
+    started: float | None = None
 
 
 @attrs.frozen
@@ -540,6 +543,7 @@ def _read_trace(path: str, partial: bool) -> Trace:
                 session=session,
                 error=line.get("error", _OPTIONAL_STR),
                 first_call=_first_call(line),
+                started=line.optional_time("started") if "started" in line.data else None,
             )
         elif kind == "push":
             pushes.append((line.time("time"), line.get("version", (int,))))

@@ -260,6 +260,15 @@ def check_hedge(hedge) -> None:
         raise ValueError(f"hedge must be a bool, got {hedge!r}")
 
 
+def check_align_starts(align_starts) -> int | None:
+    """align_starts as a Python int, or None; anything else refused.
+
+    Raises:
+        ValueError: `align_starts must be an int >= 1, got ...` (the engines' decode slots).
+    """
+    return None if align_starts is None else check_int("align_starts", align_starts, low=1)
+
+
 def check_waste_budget(waste_budget) -> None:
     """Refuse a waste budget that is not a share in [0, 1).
 

@@ -166,6 +166,9 @@ class Progress:
     sampling: Sized | None = None
     waiting: str | None = None
     oldest: tuple[float, int] | None = None  # (time, version) of its oldest call's start
+    # When the scheduler let it start, where it held it queued for a slot (align_starts): its
+    # source runs from then, not from its submission. None: it started at its submission.
+    released: float | None = None
 
     def length(self) -> tuple[int, int]:
         """Its tokens and calls so far: a cancelled rollout's lower bounds."""
@@ -225,6 +228,14 @@ def oldest_call() -> tuple[float, int] | None:
     outside a scheduler's rollout). A trace records it, so that its replay says it alike."""
     progress = _PROGRESS.get()
     return None if progress is None else progress.oldest
+
+
+def released_at() -> float | None:
+    """The rollout running in this trio task: when the scheduler let it start, where it held
+    it queued for a slot (align_starts), or None. A trace records it, so that its replay starts
+    the rollout's recorded run then."""
+    progress = _PROGRESS.get()
+    return None if progress is None else progress.released
 
 
 @contextlib.contextmanager

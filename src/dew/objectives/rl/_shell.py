@@ -33,8 +33,10 @@ import trio
 from dew._errors import ErrorCounts
 from dew.data import Batch, Dataset, Task
 from dew.objectives.rl import _admission as core
+from dew.objectives.rl import _align
 from dew.objectives.rl._admission import LogEvent
 from dew.objectives.rl._arguments import (
+    check_align_starts,
     check_arguments,
     check_carry_over,
     check_filtering,
@@ -93,6 +95,7 @@ class _Scheduler(_TrainerSide, _TrioSide):
         waste_budget: float = 0.2,
         hedge: bool = True,
         narrow: bool = False,
+        align_starts: int | None = None,
     ):
         if not isinstance(narrow, bool):
             raise ValueError(f"narrow must be a bool, got {narrow!r}")
@@ -142,6 +145,7 @@ class _Scheduler(_TrainerSide, _TrioSide):
         self.vocab = resolve_vocab(objective, vocab)
         self.empty_streak = empty_streak
         self.filter_uniform = filter_uniform
+        self.align_starts = check_align_starts(align_starts)
         # The frozen reference policy rescored over the rows beside the proximal one, for the
         # objective's KL term.
         self.reference = reference
@@ -244,6 +248,18 @@ class _Scheduler(_TrainerSide, _TrioSide):
         self._no_room = NoRoom(rows, width)
         self._over_budget = OverBudget(float(waste_budget), max_lag)
         self._send, self._receive = trio.open_memory_channel[_Delivery | _Failure](math.inf)
+        # Under align_starts: the rollouts submitted and waiting for a slot, each as (its
+        # submission's time, group, sample, attempt, label, the event that starts it); those
+        # holding a slot, with when each got it; what the run has seen that a start's wait
+        # rests on; and the wait under way: since when its slots were last counted, how many,
+        # and the push it waits for.
+        self._queued: list[tuple] = []
+        self._on_slots: dict[Label, float] = {}
+        self._seen = _align.Seen()
+        self._holding: tuple[float, int, float] | None = None
+        # The starts that waited for a push and the slot-seconds held idle, since the last
+        # delivery (the record's align/waited and align/wait_seconds).
+        self._aligned = (0, 0.0)
 
     # --- the data stream ----------------------------------------------------------------------
 

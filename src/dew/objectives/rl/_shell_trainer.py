@@ -380,7 +380,8 @@ class _TrainerSide:
         rewards were all equal (`groups/uniform`: discarded under filter_uniform, else trained
         or cut) and those of them trained on (`groups/uniform_trained`); the behaviour
         importance (`GRPOObjective.importance_metrics`) and the mismatch split by version,
-        where the batch was rescored."""
+        where the batch was rescored; under align_starts, the starts that waited for a push
+        and the slot-seconds held for pushes (`align/*`)."""
         trained = [message.groups[i] for i in packed.packed]
         uniform_trained = sum(uniform_group(g, self.truncation) for g in trained)
         cut = [message.groups[c.group] for c in packed.cut]
@@ -410,6 +411,9 @@ class _TrainerSide:
                 metrics["carry/age_max"] = float(max(ages))
         if message.choice is not None:
             metrics |= message.choice.metrics()
+        if message.aligned is not None:
+            metrics["align/waited"] = float(message.aligned[0])
+            metrics["align/wait_seconds"] = float(message.aligned[1])
         if "proximal_logprobs" not in batch:
             importance = {}  # the update reports what it can (GRPOObjective.loss)
         elif isinstance(self.objective, GRPOObjective):

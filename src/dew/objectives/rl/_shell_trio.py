@@ -25,10 +25,11 @@ import trio.testing
 
 from dew._trio import exit_unwrapped
 from dew.objectives.rl import _admission as core
+from dew.objectives.rl import _align
 from dew.objectives.rl._admission import LogEvent
 from dew.objectives.rl._auto import Choice
 from dew.objectives.rl._records import Variables
-from dew.objectives.rl._session import Progress, track_progress, waits
+from dew.objectives.rl._session import Progress, track_progress, waiting_on, waits
 from dew.objectives.rl.sessions import Label, Session, SessionError, check_session
 
 # Logged under the public module's name, where a user configures the scheduler's logging.
@@ -54,6 +55,9 @@ class _Delivery:
     carried: tuple[int, ...] = ()  # under carry_over: the age in calls of each carried group
     in_play: int = 0  # carried groups still in play after the delivery
     choice: Choice | None = None  # under admit="auto": the call's cut and its estimate
+    # Under align_starts: the starts that waited for a push since the last delivery, and the
+    # slot-seconds held idle for pushes.
+    aligned: tuple[int, float] | None = None
 
 
 @attrs.frozen
@@ -238,7 +242,11 @@ class _TrioSide:
 
     def _settled(self) -> bool:
         """Whether the driver has applied everything posted: with every task waiting, the
-        instant is over (replay's clock keeper moves the clock only then)."""
+        instant is over (replay's clock keeper moves the clock only then). Under align_starts
+        the driver is also woken with nothing posted, to start a queued rollout on a freed slot:
+        until it has, the instant is not over either."""
+        if self.align_starts is not None and self._wake.is_set() and not self._ended:
+            return False
         return not self._pending
 
     async def _hand_over(self, handover: _HandOver) -> None:
@@ -399,12 +407,20 @@ class _TrioSide:
                 # gone, so what these events would submit has nowhere to run.
                 return
             self._apply(events)
+            if self.align_starts is not None:
+                self._start_queued()
 
     def _apply(self, events: list[core.Event]) -> None:
         for event in events:
             if isinstance(event, core.Finished) and event.label in self._batch_of:
-                batch, _ = self._batch_of[event.label]
+                batch, submitted = self._batch_of[event.label]
                 self._started[batch][event.label] = _length(event.session)
+                if self.align_starts is not None:
+                    start = self._on_slots.get(event.label, submitted)
+                    start = start if event.slot is None else max(start, event.slot)
+                    self._seen = _align.ran(self._seen, event.time - start, True)
+            elif isinstance(event, core.HandedOver) and self.align_starts is not None:
+                self._seen = _align.handed_over(self._seen, event.time)
         self._state, commands = core.run(self._state, events)
         for command in commands:
             self._carry_out(command)
@@ -464,6 +480,8 @@ class _TrioSide:
                 tokens, calls = self._progress.get(command.label, Progress()).length()
                 ran = trio.current_time() - submitted
                 self._started[batch].setdefault(command.label, (tokens, calls, ran))
+            if command.label in self._on_slots:
+                self._seen_cancelled(command.label)
             scope = self._scopes.get(command.label)
             if scope is not None:
                 scope.cancel(reason=command.reason)
@@ -471,8 +489,19 @@ class _TrioSide:
             events, self._events = tuple(self._events), []
             started = self._forget_lengths(command.batch)
             carried, in_play = command.carried, len(self._state.carried)
+            aligned = None
+            if self.align_starts is not None:
+                self._seen = _align.delivered(self._seen, trio.current_time())
+                aligned, self._aligned = self._aligned, (0, 0.0)
             message = _Delivery(
-                command.groups, events, command.uniform, started, carried, in_play, command.choice
+                command.groups,
+                events,
+                command.uniform,
+                started,
+                carried,
+                in_play,
+                command.choice,
+                aligned,
             )
             self._deliver(message)
         elif isinstance(command, core.Fail):
@@ -526,6 +555,8 @@ class _TrioSide:
         self._progress[label] = track_progress()  # this task's own: its engine calls count here
         try:
             with scope:
+                if self.align_starts is not None:
+                    await self._slot(label, submitted)
                 try:
                     session = await self.source.run(task, label)
                 except Exception as error:
@@ -552,6 +583,77 @@ class _TrioSide:
         finally:
             del self._scopes[label]
             del self._progress[label]
+            if self._on_slots.pop(label, None) is not None:
+                self._wake.set()  # a slot is free: the driver starts the next, or holds it
+
+    # --- align_starts: the rollouts' slots ------------------------------------------------------
+
+    async def _slot(self, label: Label, submitted: float) -> None:
+        """Wait until the driver gives this rollout one of align_starts' slots; a rollout
+        cancelled while it waits leaves the queue."""
+        started = trio.Event()
+        # Ordered by submission, whatever order trio runs the rollouts' tasks in.
+        entry = (submitted, label.group, label.sample, label.attempt, label, started)
+        self._queued.append(entry)
+        self._wake.set()
+        progress = self._progress[label]
+        try:
+            with waiting_on("a slot of align_starts"):
+                await started.wait()
+        finally:
+            if not started.is_set():
+                self._queued.remove(entry)
+        progress.released = self._on_slots[label]
+
+    def _start_queued(self) -> None:
+        """Give the free slots to the queued rollouts, oldest submission first, unless the
+        slots wait for the coming push (`_align.hold`); count what waited. A wait's end is the
+        next hand-over, or the push's expected time, when the driver looks again."""
+        now = trio.current_time()
+        if self._holding is not None:
+            since, slots, push = self._holding
+            waited, seconds = self._aligned
+            self._aligned = (waited, seconds + slots * (now - since))
+        ready = min(self.align_starts - len(self._on_slots), len(self._queued))
+        push = None
+        if ready > 0:
+            state = self._state
+            push = _align.hold(
+                self._seen,
+                now,
+                max_lag=self.config.max_lag,
+                behind=state.updates - state.served,
+                pushes=core.push_due(state.served, state.updates + 1, self.sync_every),
+            )
+        if push is not None:
+            if self._holding is None or self._holding[2] != push:
+                self._nursery.start_soon(self._look_again, push)
+            self._holding = (now, ready, push)
+            return
+        if self._holding is not None:
+            waited, seconds = self._aligned
+            self._aligned = (waited + min(ready, self._holding[1]), seconds)
+            self._holding = None
+        for entry in sorted(self._queued)[:ready]:
+            self._queued.remove(entry)
+            *_, label, started = entry
+            self._on_slots[label] = now
+            started.set()
+
+    async def _look_again(self, time: float) -> None:
+        """Wake the driver at `time`, the push a wait expects: a late push ends the wait."""
+        await trio.sleep_until(time)
+        self._wake.set()
+
+    def _seen_cancelled(self, label: Label) -> None:
+        """Count a rollout cancelled on its slot as censored at its seconds there (from its
+        first call's start where its engine said it before this instant)."""
+        now = trio.current_time()
+        start = self._on_slots[label]
+        oldest = self._progress[label].oldest if label in self._progress else None
+        if oldest is not None and oldest[0] < now:
+            start = max(start, oldest[0])
+        self._seen = _align.ran(self._seen, now - start, False)
 
     def _check_versions(self, session: Session, submission: core.Submit) -> None:
         """Refuse calls outside the versions served while the rollout ran: one older than its

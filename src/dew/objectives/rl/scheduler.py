@@ -209,6 +209,20 @@ class RolloutScheduler:
             than it), the selection it adds is small (docs/concepts.md, "Carry-over"). False
             resubmits a group whose straggler passes `max_lag` whole. No effect without
             carry_over.
+        align_starts: the engines' decode slots, to start rollouts aligned to pushes (None, the
+            default: every rollout starts at its submission and queues at the engine). The
+            scheduler then starts at most this many rollouts at once, in submission order, and
+            a slot freed while the trainer holds its batch waits for the coming push where a
+            rollout started now would likely spend its slot-seconds for nothing: started `r`
+            seconds before the push it has `r + (max_lag - 1)` periods to finish, after it
+            `max_lag`, and it waits when the slot-seconds a start now is expected to throw
+            away beyond one at the push (`W S(W) - M S(M)`, `S` this run's own chance that a
+            rollout outlives so many seconds on a slot) exceed the `r` seconds it idles. The
+            next hand-over ends every wait, and nothing waits while the trainer waits on the
+            scheduler, so no wait holds back what the trainer needs. The record counts the
+            starts that waited (`align/waited`) and the slot-seconds held idle for pushes
+            (`align/wait_seconds`); a run under the mock clock, and its replay, wait alike
+            (docs/concepts.md, "Push-aligned starts").
 
     Settings, assigned after construction (any other assignment is refused, naming them):
 
@@ -260,6 +274,7 @@ class RolloutScheduler:
         waste_budget: float = 0.2,
         hedge: bool = True,
         narrow: bool = False,
+        align_starts: int | None = None,
     ):
         inner = _Scheduler(
             objective,
@@ -288,6 +303,7 @@ class RolloutScheduler:
             waste_budget=waste_budget,
             hedge=hedge,
             narrow=narrow,
+            align_starts=align_starts,
         )
         object.__setattr__(self, "_inner", inner)
         finalizer = weakref.finalize(self, inner.dropped)
