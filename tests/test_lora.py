@@ -409,6 +409,9 @@ def test_export_merge_of_a_run_of_every_param_is_refused_in_one_line(chat_folder
         (["--lora-rank", "4"], "lora_rank shapes a LoRA adapter: give lora too"),
         (["--lora", "--lora-rank", "0"], "argument --lora-rank: lora_rank must be an int"),
         (["--lora", "--mesh", "1x1x1"], "lora keeps the adapter and its checkpoint on one device"),
+        (["--lora", "--lora-dropout", "1"], "argument --lora-dropout: lora_dropout must be"),
+        (["--lora", "--lora-dropout", "-0.5"], "argument --lora-dropout: lora_dropout must be"),
+        (["--lora-dropout", "0.1"], "lora_dropout shapes a LoRA adapter: give lora too"),
     ],
 )
 def test_dew_train_refuses_a_bad_lora_option_in_one_line(
@@ -717,3 +720,98 @@ def test_a_checkpoint_s_adapter_is_refused_on_dew_s_transformer_and_back(folders
     base, _ = hf.load(folders["qwen2"])
     with pytest.raises(ValueError, match="lora targets 'qkv', 'up' match no module of the chec"):
         lora.LoRAModel(base, lora.LoRAConfig(targets=("qkv", "up")))
+
+
+def test_a_resumed_trainer_with_dropout_draws_as_the_uninterrupted_one(folders, tmp_path):
+    """Each update's dropout key comes from the seed and the update count: a resumed run
+    draws the masks the uninterrupted one drew, another seed draws others, and an adapter
+    without dropout takes no key at all (the seed changes nothing)."""
+    from dew.objectives.rl.grpo import GRPOObjective
+    from dew.train import Trainer
+
+    base, params = hf.load(folders["llama"])
+
+    def trainer(directory: Path, *, dropout: float, seed: int = 0) -> Trainer:
+        config = lora.LoRAConfig(rank=2, targets=("k_proj", "o_proj", "up_proj"), dropout=dropout)
+        model = lora.LoRAModel(base, config)
+        objective = GRPOObjective(model)
+        variables = model.variables(params, jax.random.key(0))
+        made = Trainer(
+            objective,
+            lora.frozen(optax.adam(1e-2)),
+            variables,
+            directory=directory,
+            checkpoint_every=1,
+            dropout_seed=seed,
+        )
+        made.rows = _Rows(objective)
+        return made
+
+    def run(made: Trainer, steps: int) -> Trainer:
+        made.run(made.rows, _TaskPairs(), steps=steps)
+        return made
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        straight = run(trainer(tmp_path / "straight", dropout=0.5), 3)
+        run(trainer(tmp_path / "resumed", dropout=0.5), 1)
+        resumed = trainer(tmp_path / "resumed", dropout=0.5)
+        assert resumed.resume().updates == 1
+        run(resumed, 3)
+        other = run(trainer(tmp_path / "other", dropout=0.5, seed=1), 3)
+        plain = [
+            run(trainer(tmp_path / f"plain{seed}", dropout=0.0, seed=seed), 2) for seed in (0, 1)
+        ]
+    _assert_same(resumed.variables, straight.variables)
+    _assert_same(resumed.opt_state, straight.opt_state)
+    moved = jax.tree.leaves(straight.variables["adapter"])
+    drawn = jax.tree.leaves(other.variables["adapter"])
+    assert any(
+        not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(moved, drawn, strict=True)
+    )
+    _assert_same(plain[0].variables, plain[1].variables)
+
+
+TINY = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32"]
+
+
+def test_dew_train_lora_trains_an_adapter_of_dew_s_transformer_and_resumes_it(tmp_path, capsys):
+    from dew.cli import main
+
+    run = tmp_path / "run"
+    argv = ["train", "--run", str(run), "--lora", "--lora-dropout", "0.1", *TINY]
+    argv += ["--batch-size", "2", "--groups", "4", "--tasks", "8", "--checkpoint-every", "1"]
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        assert main([*argv, "--steps", "1"]) == 0
+        assert "LoRA: " in capsys.readouterr().out
+        assert main([*argv, "--steps", "2", "--resume"]) == 0
+    assert [line["updates"] for line in _lines(run)] == [1, 2]
+    # dew's checkpoint holds the adapter alone, of every block weight, and no PEFT folder.
+    from dew import models
+
+    config = models.TransformerConfig(vocab=260, d_model=16, heads=2, layers=1, d_ff=32)
+    model = lora.LoRAModel(
+        models.Transformer(config), lora.LoRAConfig(targets=lora.TRANSFORMER_TARGETS, dropout=0.1)
+    )
+    template = model.variables(model.base.init(jax.random.key(0)), jax.random.key(0))
+    state = load_checkpoint(
+        run / "checkpoints",
+        {"adapter": template["adapter"]},
+        lora.frozen(optax.adam(3e-4)).init(template),
+    )
+    assert state.updates == 2 and sorted(state.variables) == ["adapter"]
+    assert sorted(state.variables["adapter"]["layers"][0]) == sorted(lora.TRANSFORMER_TARGETS)
+    assert not (run / "checkpoints" / "adapter").exists()
+
+
+def test_dew_train_without_a_model_refuses_a_checkpoint_s_target_naming_its_own(tmp_path, capsys):
+    from dew.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--run", str(tmp_path / "run"), "--lora", "--lora-targets", "q_proj"])
+    assert exited.value.code == 2
+    said = capsys.readouterr().err
+    assert (
+        "lora_targets 'q_proj' matches no module of dew's transformer; the modules an adapter "
+        "can target are qkv, out, up, down\n"
+    ) in said
+    assert not (tmp_path / "run").exists()

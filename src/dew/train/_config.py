@@ -18,7 +18,7 @@ import attrs
 from dew import models
 from dew._checks import in_range, int_within
 from dew._documents import read_document
-from dew.models.hf.lora import TARGETS, LoRAConfig
+from dew.models.hf.lora import TARGETS, TRANSFORMER_TARGETS, LoRAConfig, LoRAModel
 from dew.objectives.rl._surrogate import KL_ESTIMATORS, RATIO_LEVELS, check_clip_dual
 from dew.objectives.rl.grpo import AGGREGATIONS, CORRECTIONS, IMPORTANCE_LEVELS, PROXIMALS
 from dew.objectives.rl.sessions import ESTIMATORS
@@ -515,12 +515,14 @@ class TrainConfig:
         "1x2x2 (none: one device)",
         kind=str,
     )
-    # A LoRA adapter of the --model checkpoint instead of all its params (docs/checkpoints.md).
+    # A LoRA adapter of the --model checkpoint (or of dew's transformer) instead of all its
+    # params (docs/checkpoints.md).
     lora: bool = _option(
         False,
         attrs.validators.instance_of(bool),
-        "train a LoRA adapter of the --model checkpoint, its params frozen (no optimizer state "
-        "for them); checkpoints hold the adapter as PEFT saves it",
+        "train a LoRA adapter of the --model checkpoint (or of dew's transformer), its params "
+        "frozen (no optimizer state for them); checkpoints hold a checkpoint's adapter as PEFT "
+        "saves it",
     )
     lora_rank: int = _option(8, int_within(1, 4096), "with --lora, the adapter's rank")
     lora_alpha: float = _option(
@@ -532,8 +534,15 @@ class TrainConfig:
         None,
         _lora_targets,
         "with --lora, the modules adapted in each block, comma-separated, e.g. q_proj,v_proj "
-        "(none: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)",
+        "(none: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj; for dew's "
+        "transformer, of qkv,out,up,down, all of them)",
         kind=str,
+    )
+    lora_dropout: float = _option(
+        0.0,
+        in_range(0, 1, high_open=True),
+        "with --lora, the probability that a training step drops each feature of an adapter's "
+        "input (PEFT's lora_dropout; never when sampling or rescoring)",
     )
 
     @property
@@ -546,9 +555,10 @@ class TrainConfig:
         if not self.lora:
             return None
         if self.lora_targets is None:
-            return LoRAConfig(self.lora_rank, self.lora_alpha, TARGETS)
-        targets = tuple(name.strip() for name in self.lora_targets.split(","))
-        return LoRAConfig(self.lora_rank, self.lora_alpha, targets)
+            targets = TARGETS if self.model is not None else TRANSFORMER_TARGETS
+        else:
+            targets = tuple(name.strip() for name in self.lora_targets.split(","))
+        return LoRAConfig(self.lora_rank, self.lora_alpha, targets, self.lora_dropout)
 
     def __attrs_post_init__(self):
         check_clip_dual(self.clip, self.clip_high, self.clip_dual)
@@ -560,13 +570,22 @@ class TrainConfig:
             raise ValueError("dtype is the dtype of a --model checkpoint: give model too")
         if self.engine == "vllm" and self.model is None:
             raise ValueError("engine vllm serves a --model checkpoint folder: give model too")
-        if self.lora and self.model is None:
-            raise ValueError("lora trains an adapter of a --model checkpoint: give model too")
         if self.lora and self.mesh is not None:
             raise ValueError(
                 "lora keeps the adapter and its checkpoint on one device: leave out mesh"
             )
-        for name, default in (("lora_rank", 8), ("lora_alpha", 16.0), ("lora_targets", None)):
+        lora_fields = (
+            ("lora_rank", 8),
+            ("lora_alpha", 16.0),
+            ("lora_targets", None),
+            ("lora_dropout", 0.0),
+        )
+        if self.lora and self.model is None:
+            try:  # the adapter of dew's transformer of any shape: its modules are the same
+                LoRAModel(models.Transformer(models.TransformerConfig()), self.lora_config())
+            except ValueError as error:
+                raise ValueError(str(error).replace("lora targets", "lora_targets", 1)) from None
+        for name, default in lora_fields:
             if not self.lora and getattr(self, name) != default:
                 raise ValueError(f"{name} shapes a LoRA adapter: give lora too")
         if self.ref_sync_every and self.kl_coef == 0:

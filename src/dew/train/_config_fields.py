@@ -109,7 +109,8 @@ def _mesh_or_none(instance, attribute, value):
 
 
 def _lora_targets(instance, attribute, value):
-    """Module names, comma-separated, each one an adapter can target (`LoRAConfig`'s check)."""
+    """Module names, comma-separated, each one an adapter can target (`LoRAConfig`'s check;
+    `TrainConfig` checks them against dew's transformer for a run without a --model)."""
     if value is None:
         return
     if not isinstance(value, str):

@@ -263,10 +263,12 @@ def fit(
             trainer as that step left it. None: no bound.
             A step that never ends (an environment whose `step` blocks) is bounded by the
             environment's own `wall_clock` instead (`EnvironmentSource`).
-        lora: train a LoRA adapter of `model` (a `dew.models.hf.HFModel`) and its `params`
+        lora: train a LoRA adapter of `model` (a `dew.models.hf.HFModel`, or dew's
+            transformer with targets among `lora.TRANSFORMER_TARGETS`) and its `params`
             instead of every param (`dew.models.hf.lora`): the params stay frozen, with no
             optimizer state, and the engine serves them with the adapter. The trainer's
-            variables are then `{"adapter": ..., "base": params}`.
+            variables are then `{"adapter": ..., "base": params}`; an adapter's dropout draws
+            from `seed` and the update count.
 
     Returns:
         The trainer after its last step: `trainer.variables` is the trained policy.
@@ -330,10 +332,11 @@ def fit(
         params = model.init(jax.random.key(seed))
     optimizer = optax.adam(1e-3) if optimizer is None else optimizer
     if lora is not None:
-        if not isinstance(model, HFModel) or not isinstance(lora, LoRAConfig):
+        if not isinstance(model, HFModel | models.Transformer) or not isinstance(lora, LoRAConfig):
             raise ValueError(
-                "lora adapts a Hugging Face checkpoint: give model= a dew.models.hf.HFModel "
-                "and lora= a dew.models.hf.lora.LoRAConfig"
+                "lora adapts a Hugging Face checkpoint or dew's transformer: give model= a "
+                "dew.models.hf.HFModel or dew.models.Transformer and lora= a "
+                "dew.models.hf.lora.LoRAConfig"
             )
         model = LoRAModel(model, lora)
         params = model.variables(params, jax.random.key(seed))
@@ -348,6 +351,7 @@ def fit(
         ppo_epochs=ppo_epochs,
         minibatches=minibatches,
         shuffle_seed=seed,
+        dropout_seed=seed,
     )
     server = serving(model)(
         model,

@@ -185,6 +185,7 @@ def _train(
         ppo_epochs=config.ppo_epochs,
         minibatches=config.minibatches,
         shuffle_seed=config.seed,
+        dropout_seed=config.seed,
         deadline=deadline,
         logs=(SAMPLES, EVALUATIONS, EVAL_SAMPLES),
         folder=None if config.model is None else str(hf.resolve(config.model)),
@@ -376,8 +377,8 @@ def memory_estimate(config: TrainConfig, tokenizer, processes: int = 1) -> Estim
         model = models.model(model_config, remat=config.remat)
     else:
         model = hf.model_of(config.model, dtype=config.dtype)
-        if config.lora:
-            model = lora.LoRAModel(model, config.lora_config())
+    if config.lora:
+        model = lora.LoRAModel(model, config.lora_config())
     return estimate(
         model,
         rows=shape.rows(rollouts),
@@ -421,7 +422,7 @@ def _check_memory(config: TrainConfig, tokenizer, processes: int) -> Estimate:
 def _model(config: TrainConfig, max_len: int, tokenizer) -> tuple[models.Model, Any]:
     """The run's model and its first params: the `--model` checkpoint folder's, or dew's
     transformer of the config's shape, seeded, with `max_len` positions and the tokenizer's
-    vocabulary.
+    vocabulary; with `--lora`, a fresh adapter of either (seeded) beside them.
 
     Raises:
         ValueError: naming the folder when the task's sequences are longer than the checkpoint
@@ -430,15 +431,16 @@ def _model(config: TrainConfig, max_len: int, tokenizer) -> tuple[models.Model, 
     if config.model is None:
         model_config = config.model_config(max_len, vocab=tokenizer.vocab_size)
         model = models.model(model_config, remat=config.remat)
-        return model, models.init(jax.random.key(config.seed), model_config)
-    model, params = hf.load(config.model, dtype=config.dtype)
-    if max_len > model.max_len:
-        raise ValueError(
-            f"--model {config.model}: the task's sequences reach {max_len} tokens, beyond its "
-            f"max_position_embeddings {model.max_len}"
-        )
-    # Rows past the tokenizer's ids decode to no text: never sampled, never scored.
-    model = attrs.evolve(model, vocab_limit=tokenizer.vocab_size, remat=config.remat)
+        params = models.init(jax.random.key(config.seed), model_config)
+    else:
+        model, params = hf.load(config.model, dtype=config.dtype)
+        if max_len > model.max_len:
+            raise ValueError(
+                f"--model {config.model}: the task's sequences reach {max_len} tokens, beyond "
+                f"its max_position_embeddings {model.max_len}"
+            )
+        # Rows past the tokenizer's ids decode to no text: never sampled, never scored.
+        model = attrs.evolve(model, vocab_limit=tokenizer.vocab_size, remat=config.remat)
     adapter = config.lora_config()
     if adapter is None:
         return model, params

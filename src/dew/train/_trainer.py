@@ -401,6 +401,10 @@ class Trainer:
         minibatches: the minibatches a pass splits the batch's rows into, one update each; it
             must divide every batch's rows (a batch it does not is refused at its step).
         shuffle_seed: seeds the order a pass deals the rows into minibatches in.
+        dropout_seed: seeds a stochastic model's training forward (a LoRA adapter's dropout,
+            `dew.models.Model`): the optimizer's update n draws with the key
+            `fold_in(key(dropout_seed), n)`, so a resumed run draws what an uninterrupted
+            one did. Unused by any other model.
 
     A run whose every step had no token to train on (every group abandoned, cut or failed)
     raises NothingTrained at its end, naming what became of the groups and the errors behind.
@@ -435,6 +439,7 @@ class Trainer:
         ppo_epochs: int = 1,
         minibatches: int = 1,
         shuffle_seed: int = 0,
+        dropout_seed: int = 0,
     ):
         if isinstance(logs, str) or not all(isinstance(name, str) for name in logs):
             raise ValueError(f"logs must be a sequence of file names, got {logs!r}")
@@ -489,6 +494,14 @@ class Trainer:
                 "over the pool: give minibatches 1"
             )
         pooled = self.processes > 1 and not self._global
+        self._dropout = None
+        if getattr(objective.model, "stochastic", False):
+            if pooled:
+                raise ValueError(
+                    "a LoRA adapter's dropout trains in one process: its pool's step takes no "
+                    "dropout key; give the adapter dropout 0 (--lora-dropout 0)"
+                )
+            self._dropout = jax.random.key(check_int("dropout_seed", dropout_seed, low=0))
         self._update = _update_fn(objective, optimizer, pooled=pooled)
         # Process 0 writes for the pool: the metrics log and the checkpoints.
         self._writes = self.processes == 1 or jax.process_index() == 0
@@ -757,7 +770,7 @@ class Trainer:
                 parts = [{key: value[part] for key, value in packed.items()} for part in taken]
             for part in parts:
                 self.variables, self.opt_state, metrics = self._update(
-                    self.variables, self.opt_state, part
+                    self.variables, self.opt_state, part, **self._dropout_key()
                 )
                 metrics = local_copy(metrics) if self._global else jax.device_get(metrics)
                 count = self.ppo_epochs * self.minibatches
@@ -765,6 +778,14 @@ class Trainer:
                 self.optimizer_updates += 1
                 updates.append(metrics)
         return updates[0] if len(updates) == 1 else _combined(updates, self.minibatches)
+
+    def _dropout_key(self) -> dict[str, jax.Array]:
+        """The next optimizer update's dropout key, as the step's `key` keyword, for a
+        stochastic model (see `dropout_seed`); nothing for any other, whose step is the one
+        that takes none."""
+        if self._dropout is None:
+            return {}
+        return {"key": jax.random.fold_in(self._dropout, self.optimizer_updates)}
 
     def _measured(self, updates: int, line: Mapping[str, Any]) -> Mapping[str, Any]:
         """What `measure` gives for the step's line.
