@@ -36,6 +36,8 @@ def test_parse_reads_name_and_json_options(legs):
         ("leg_counting,=3", ValueError, "'=3' is not key=value"),
         ("leg_counting,seed=1,seed=2", ValueError, "'seed' is given twice"),
         ("leg_counting,wings=2", ValueError, r"refuses leg_counting with options \{'wings': 2\}"),
+        ("leg_counting,shots=-1", ValueError, "shots must be an int >= 0, got -1"),
+        ("leg_counting,shots=one", ValueError, "shots must be an int >= 0, got 'one'"),
     ],
 )
 def test_parse_names_what_is_wrong(spec, error, match):
@@ -51,6 +53,28 @@ def test_tasks_carry_their_entries_and_prompts_are_the_questions(legs):
     assert "legs" in legs.prompt(tasks[1])
     with pytest.raises(ValueError, match=r"task id 40 is outside 0 \.\. 39"):
         legs.entry(40)
+
+
+def test_shots_open_each_prompt_with_solved_examples_drawn_with_the_next_seed():
+    """`shots=2` is dew's: reasoning-gym never sees it; each prompt is two solved entries of
+    the same dataset drawn with seed + 1, as chat turns, then the task's own question, and the
+    scorer is the one the question alone gets."""
+    gym = ReasoningGym.parse(LEGS + ",shots=2", size=40, seed=3)
+    plain = ReasoningGym.parse(LEGS, size=40, seed=3)
+    assert (gym.options, gym.shots, plain.shots) == (plain.options, 2, 0)
+    examples = ReasoningGym.parse(LEGS, size=2, seed=4)
+    task = gym.task(7)
+    assert task.payload == plain.entry(7)
+    assert gym.prompt(task) == [
+        {"role": "user", "content": examples.entry(0)["question"]},
+        {"role": "assistant", "content": examples.entry(0)["answer"]},
+        {"role": "user", "content": examples.entry(1)["question"]},
+        {"role": "assistant", "content": examples.entry(1)["answer"]},
+        {"role": "user", "content": plain.prompt(task)},
+    ]
+    assert examples.entry(0)["question"] != plain.entry(0)["question"]
+    for reply in (task.payload["answer"], task.payload["answer"] + " legs", "no idea"):
+        assert gym.verify(task, reply) == plain.verify(task, reply)
 
 
 def test_the_verifier_is_reasoning_gyms_scorer_on_the_tasks_entry(legs):

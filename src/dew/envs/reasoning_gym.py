@@ -7,6 +7,15 @@ tasks is a `Task` named by its index whose payload is the dataset's entry (`ques
 reply and the entry to the dataset's `score_answer`, so every task's own entry reaches the
 scorer.
 
+`shots=K` in the spec (dew's, not reasoning-gym's) opens each prompt with K solved examples: the
+question and answer of K entries of the same dataset drawn with the next seed, as earlier chat
+turns. It shows a model the answer's form, as reasoning-gym's own system prompts assume ("When
+an example is provided, you should strictly follow the format of the output/answer in that
+example"): a small instruct model that writes "6 + 5 = 11" when asked "Calculate 6 + 5." (0.2,
+the answer's share of the reply's characters) almost never writes the bare "11" (1.0), however
+its instruction is worded, but does after one example. The default, 0, is the question alone,
+as reasoning-gym's quickstart feeds it; the scorer is the same either way.
+
 The reply is the answer: the whole decoded reply, exactly as the model wrote it, without
 reasoning-gym's `<answer>` tags (a model trained from scratch never learns to write them first).
 Nothing is stripped: `str.strip` also drops separators such as `\x1e`, so a reply wrapped in them
@@ -68,20 +77,31 @@ class ReasoningGym:
         options: its configuration (reasoning-gym's config fields, e.g. `max_animals`).
         size: entries in the dataset; task ids are 0 .. size-1.
         seed: the dataset's seed; its entries are a function of it and the index.
+        shots: solved examples each prompt opens with (entries drawn with `seed + 1`).
 
     Raises:
         ImportError: naming the extra to install when reasoning-gym is missing.
-        ValueError: naming the dataset or the option reasoning-gym refuses, or dew's own
-            `size` or `seed` given among the options.
+        ValueError: naming the dataset or the option reasoning-gym refuses, dew's own
+            `size` or `seed` given among the options, or `shots` not a count.
     """
 
     name: str = attrs.field(validator=attrs.validators.instance_of(str))
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict, validator=_options)
     size: int = attrs.field(default=1000, kw_only=True, validator=int_at_least(1))
     seed: int = attrs.field(default=0, kw_only=True, validator=int_at_least(0))
+    shots: int = attrs.field(default=0, kw_only=True, validator=int_at_least(0))
     _dataset: Any = attrs.field(init=False, repr=False, eq=False)
+    _examples: tuple[dict[str, Any], ...] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self):
+        object.__setattr__(self, "_dataset", self._create(self.size, self.seed))
+        # The examples are another seed's entries, so that none is a task of this dataset by
+        # its index, and so that they do not change with `size`.
+        examples = self._create(self.shots, self.seed + 1) if self.shots else ()
+        object.__setattr__(self, "_examples", tuple(examples))
+
+    def _create(self, size: int, seed: int):
+        """reasoning-gym's dataset of this name and options, `size` entries drawn with `seed`."""
         try:
             import reasoning_gym
             from reasoning_gym.factory import DATASETS
@@ -95,26 +115,26 @@ class ReasoningGym:
                 f"reasoning-gym has no dataset {self.name!r}; it has {', '.join(sorted(DATASETS))}"
             )
         try:
-            dataset = reasoning_gym.create_dataset(
-                self.name, size=self.size, seed=self.seed, **self.options
-            )
+            return reasoning_gym.create_dataset(self.name, size=size, seed=seed, **self.options)
         except (TypeError, ValueError, AssertionError) as error:
             raise ValueError(
                 f"reasoning-gym refuses {self.name} with options {self.options}: {error}"
             ) from error
-        object.__setattr__(self, "_dataset", dataset)
 
     @classmethod
     def parse(cls, spec: str, *, size: int = 1000, seed: int = 0) -> ReasoningGym:
         """The dataset `spec` names: `NAME[,key=value...]`, with or without the
         `reasoning-gym:` prefix; values are JSON where they parse (`3`, `true`, `["+","-"]`),
-        else strings (`dew.envs.verifiers.parse_spec`).
+        else strings (`dew.envs.verifiers.parse_spec`). `shots=K` is dew's (the class's
+        `shots`); every other key is reasoning-gym's.
 
         Raises:
-            ValueError: naming the part of `spec` that is not `key=value`, or a repeated key.
+            ValueError: naming the part of `spec` that is not `key=value`, a repeated key, or
+                `shots` that is not a count.
         """
         name, options = parse_spec(spec, PREFIX)
-        return cls(name, options, size=size, seed=seed)
+        shots = options.pop("shots", 0)
+        return cls(name, options, size=size, seed=seed, shots=shots)
 
     def entry(self, index: int) -> dict[str, Any]:
         """The dataset's entry `index`: `question`, `answer` and `metadata`.
@@ -164,8 +184,9 @@ class ReasoningGym:
     def _entry_of(self, task: Task) -> Mapping[str, Any]:
         return task.payload if task.payload is not None else self.entry(task_id(task))
 
-    def prompt(self, task: Task) -> str:
-        """The user message of `task`: its entry's question.
+    def prompt(self, task: Task) -> str | list[dict[str, str]]:
+        """The user message of `task`: its entry's question, after `shots` solved examples
+        (each a user turn, its question, and an assistant turn, its answer) where there are any.
 
         Raises:
             ValueError: naming the dataset and the task when its entry has no question (a
@@ -177,7 +198,13 @@ class ReasoningGym:
                 f"reasoning-gym {self.name} task {task.name!r}: its entry has no question "
                 f"(a str under 'question'): {entry!r:.200}"
             )
-        return entry["question"]
+        if not self._examples:
+            return entry["question"]
+        turns = []
+        for example in self._examples:
+            turns.append({"role": "user", "content": example["question"]})
+            turns.append({"role": "assistant", "content": str(example["answer"])})
+        return [*turns, {"role": "user", "content": entry["question"]}]
 
     def verify(self, task: Task, reply: str) -> Score:
         """reasoning-gym's score of `reply`, verbatim, against `task`'s entry; `exact` is 1 when
