@@ -9,7 +9,8 @@ import pytest
 
 from _checkpoint import tiny_qwen2
 from dew.models import hf
-from dew.serve._vllm_nccl import pushed_shapes, pushed_tensors
+from dew.models.hf import lora
+from dew.serve._vllm_nccl import NCCLPublisher, pushed_shapes, pushed_tensors
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
@@ -31,3 +32,16 @@ def test_a_push_sends_every_checkpoint_tensor_and_a_tied_models_head(tmp_path, t
     else:
         assert names == saved
         assert "lm_head.weight" in names
+
+
+def test_a_lora_run_s_model_is_refused_naming_the_push_it_takes(tmp_path):
+    """An adapter is pushed through its folder (the engine's own load); before, a LoRA model
+    handed to the publisher went on to NCCL's set-up and failed at its first push, on the
+    LoRA model's missing `config`. The refusal comes before any server is reached, so none is
+    started here (NCCL itself needs a GPU)."""
+    model, _ = hf.load(tiny_qwen2(tmp_path / "model"))
+    adapted = lora.LoRAModel(model, lora.LoRAConfig(rank=4, targets=("q_proj",)))
+    with pytest.raises(ValueError) as refused:
+        NCCLPublisher(None, adapted, master_port=29500)
+    assert str(refused.value).startswith("NCCLPublisher broadcasts a checkpoint's full weights")
+    assert "\n" not in str(refused.value)

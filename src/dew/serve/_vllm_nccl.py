@@ -27,6 +27,7 @@ import numpy as np
 
 from dew._checks import check_int
 from dew.models import hf
+from dew.models.hf.lora import LoRAModel
 from dew.serve._vllm import VLLMEngine
 
 NCCL_SERVER_FLAGS = ("--weight-transfer-config", '{"backend": "nccl"}')
@@ -46,6 +47,8 @@ class NCCLPublisher:
 
     Raises:
         ImportError: without torch and vLLM's weight-transfer engines.
+        ValueError: for a LoRA run's model or engine: NCCL carries a checkpoint's full
+            weights, and an adapter push is the engine's own (its folder, loaded in place).
     """
 
     def __init__(
@@ -57,6 +60,12 @@ class NCCLPublisher:
         master_port: int,
         workers_per_server: int = 1,
     ):
+        if isinstance(model, LoRAModel) or getattr(engine, "lora", False):
+            raise ValueError(
+                "NCCLPublisher broadcasts a checkpoint's full weights; a LoRA run pushes its "
+                "adapter through the engine's own load (VLLMEngine.load: the adapter's folder, "
+                "loaded in place on every server)"
+            )
         import torch
         from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
