@@ -263,7 +263,8 @@ def test_dew_train_lora_trains_the_adapter_alone_resumes_and_exports_it(
     chat_folder, tmp_path, capsys
 ):
     run = tmp_path / "run"
-    assert _train(chat_folder, run, "--steps", "1") == 0
+    # With dropout on the adapter's input: a training step's forward runs unmerged.
+    assert _train(chat_folder, run, "--steps", "1", "--lora-dropout", "0.1") == 0
     summary = capsys.readouterr().out
     assert "LoRA: " in summary and "of optimizer state over the frozen" in summary
     # The checkpoint holds the adapter as PEFT saves it.
@@ -274,12 +275,12 @@ def test_dew_train_lora_trains_the_adapter_alone_resumes_and_exports_it(
     assert not (run / "checkpoints" / "model").exists()
     base, params = hf.load(chat_folder)
     config, after_one = lora.load_adapter(adapter_folder, base)
-    assert config == lora.LoRAConfig(4, 16.0, ("down_proj", "q_proj", "v_proj"))
+    assert config == lora.LoRAConfig(4, 16.0, ("down_proj", "q_proj", "v_proj"), dropout=0.1)
     # Resumed, the run goes on from the adapter and Adam's state it saved. (Its second batch is
     # sampled anew: a resumed `dew train` draws other samples than an uninterrupted one, LoRA
     # or not; the trainer's own resume is exact, as
     # `test_a_resumed_lora_trainer_equals_the_uninterrupted_one` checks.)
-    assert _train(chat_folder, run, "--steps", "2", "--resume") == 0
+    assert _train(chat_folder, run, "--steps", "2", "--lora-dropout", "0.1", "--resume") == 0
     assert [line["updates"] for line in _lines(run)] == [1, 2]
     assert all(line["grad_norm"] > 0 for line in _lines(run))  # rewards differed
     _, adapter = lora.load_adapter(adapter_folder, base)
@@ -815,3 +816,26 @@ def test_dew_train_without_a_model_refuses_a_checkpoint_s_target_naming_its_own(
         "can target are qkv, out, up, down\n"
     ) in said
     assert not (tmp_path / "run").exists()
+
+
+def test_each_row_chunk_of_a_training_forward_draws_its_own_masks(folders):
+    """Under `row_chunk`, each chunk's forward is handed the key folded with its index: two
+    equal rows scored in two chunks are dropped out apart (one key for both would give them
+    the same mask), and equal again without a key."""
+    from dew.objectives.rl.grpo import GRPOObjective
+
+    base, params = hf.load(folders["qwen2"])
+    model = lora.LoRAModel(base, lora.LoRAConfig(rank=4, alpha=8, dropout=0.5))
+    variables = model.variables(params, jax.random.key(0))
+    variables["adapter"] = jax.tree.map(lambda leaf: leaf + 0.1, variables["adapter"])
+    row = _sequence(6)[:12]
+    batch = {
+        "tokens": np.stack([row, row]),
+        "positions": np.tile(np.arange(12, dtype=np.int32), (2, 1)),
+        "segment_ids": np.ones((2, 12), np.int32),
+    }
+    objective = GRPOObjective(model, row_chunk=1)
+    keyed = np.asarray(jax.jit(objective._scores)(variables, batch, key=jax.random.key(4))[0])
+    plain = np.asarray(jax.jit(objective._scores)(variables, batch)[0])
+    assert np.abs(keyed[0] - keyed[1]).max() > 1e-4
+    np.testing.assert_array_equal(plain[0], plain[1])
