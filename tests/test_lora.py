@@ -1,7 +1,8 @@
 """LoRA adapters (dew.models.hf.lora) against transformers + PEFT: a fresh adapter gives the
-base's logits exactly, the same adapter weights give PEFT's logits, dew's saved adapter folder
-is PEFT's own and loads in `PeftModel.from_pretrained`, and targets that match no module are
-refused naming those that exist."""
+base's logits exactly, the same adapter weights give PEFT's logits (a training forward with
+dropout, PEFT's train-mode layers fed the same masks), dew's saved adapter folder is PEFT's own
+and loads in `PeftModel.from_pretrained`, targets that match no module are refused naming those
+that exist; adapters of dew's own transformer; runs that train, resume and export them."""
 
 from __future__ import annotations
 
