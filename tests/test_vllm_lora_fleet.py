@@ -1,6 +1,7 @@
 """LoRA adapter pushes into a fleet of real vLLM servers (its CPU build): each push loads the
 adapter into every server, and a server that dies in the middle of one is left out as a full
-push leaves it out, the push landing on the others.
+push leaves it out, the push landing on the others; an adapter trained with dropout serves
+without it.
 
 One engine of two servers started for adapters of rank 8, shared by the module; the adapters
 are PEFT's own, as tests/test_vllm_lora.py draws them.
@@ -8,13 +9,19 @@ are PEFT's own, as tests/test_vllm_lora.py draws them.
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import httpx
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from _checkpoint import tiny_qwen2
+from dew.models import hf
+from dew.models.hf import lora
 from dew.serve._vllm_push import LOAD_ADAPTER
 from dew.serve.vllm import VLLMEngine
 from test_vllm_lora import ATOL, MAX_LEN, PROMPT, RANK, peft_adapter, peft_logprobs, save_adapter
@@ -97,3 +104,35 @@ async def test_a_server_killed_mid_adapter_push_is_left_out_and_the_push_lands_o
         np.testing.assert_allclose(
             call.logprobs, peft_logprobs(adapters[1], call), rtol=0, atol=ATOL
         )
+
+
+@pytest.mark.slow
+async def test_an_adapter_trained_with_dropout_loads_and_serves_without_it(
+    engine, base, monkeypatch
+):
+    """dew's adapter of a run with `--lora-dropout` (its `adapter_config.json` saying
+    `lora_dropout`) loads into the fleet's live server, which draws from it as dew's merged
+    forward scores it: inference drops nothing, in vLLM as in dew."""
+    model, params = hf.load(base)
+    adapted = lora.LoRAModel(model, lora.LoRAConfig(RANK, 16, ("q_proj", "v_proj"), dropout=0.1))
+    variables = adapted.variables(params, jax.random.key(0))
+    variables["adapter"] = jax.tree.map(lambda leaf: leaf + 0.3, variables["adapter"])
+    # The engine writes this push as a dew train run's engine does: dew's own adapter folder.
+    monkeypatch.setattr(
+        engine, "_save", lambda to, pushed: lora.save_adapter(to, pushed["adapter"], adapted.lora)
+    )
+    await engine.load_async(variables, 3)
+    (held,) = _adapter_paths(engine, engine.urls[0])
+    assert json.loads((Path(held) / lora.ADAPTER_CONFIG).read_text())["lora_dropout"] == 0.1
+    for call in await _calls(engine, 2):
+        assert call.version == 3
+        ids = np.concatenate([call.prompt, call.completion]).astype(np.int32)
+        logits = adapted(
+            variables,
+            jnp.asarray(ids)[None],
+            jnp.arange(len(ids), dtype=jnp.int32)[None],
+            jnp.ones((1, len(ids)), jnp.int32),
+        )[0]
+        scored = np.asarray(jax.nn.log_softmax(logits, -1))[len(call.prompt) - 1 : -1]
+        ours = scored[np.arange(len(call.completion)), call.completion]
+        np.testing.assert_allclose(call.logprobs, ours, rtol=0, atol=ATOL)
