@@ -611,7 +611,7 @@ class _TrioSide:
         next hand-over, or the push's expected time, when the driver looks again."""
         now = trio.current_time()
         if self._holding is not None:
-            since, slots, push = self._holding
+            since, slots, _ = self._holding
             waited, seconds = self._aligned
             self._aligned = (waited, seconds + slots * (now - since))
         ready = min(self.align_starts - len(self._on_slots), len(self._queued))
