@@ -103,6 +103,27 @@ reward of the base model over 48 tasks, replies of at most the tokens named:
   updates. At 3e-4 it learned fastest (greedy 0.139 at 10 updates, 89 % credited), then
   overshot: 0.133 at 20, 0.019 at 30, its greedy replies "6 + 5" and a stop (the scorer pays a
   reply's share of answer characters, so shorter replies pay while they keep the answer).
+- Why the sums' gain stops at 0.15 (issue 41's target is >= 0.15): the trained reply "a + b = c"
+  earns 1/9 or 2/10, and were every held-out reply such an equation and right, the greedy
+  reward would be 0.1595, 0.1595 and 0.1608 on the 64 held-out sums of seeds 0, 1 and 2: a gain
+  of at most 0.148-0.150 over the base model's 0.011. Past it only shorter replies pay (the bare
+  "11" scores 1), and the model never writes them: the README's trained model (30 updates)
+  writes "6 + 5 = 11" and its stop with probability 0.90 on average over 32 held-out sums, the
+  bare answer and its stop with 1e-4 (transformers on the saved checkpoint). The base model
+  alike, 1e-4; an instruction raises it to 4e-4 - 3.5e-3 (twelve phrasings, appended to the
+  question or as the system message: "Reply with the number only.", "Respond with only the
+  final number.", ...), reasoning-gym's own system prompts ("direct", "default", "simple":
+  an answer in <answer> tags, scored after `extract_answer` as reasoning-gym's eval does) to
+  0: it never writes the tags (greedy 0.000 extracted over 16 sums). So no instruction was added.
+- One solved example (`shots=1` in the spec, dew's: "Calculate 4 + 1." answered "5" as an
+  earlier turn) raises the bare answer's probability to 0.08, and the base model's held-out
+  greedy to 0.126 (seed 0), but its bare answers are mostly wrong: "6 + 5" -> "10", "1 + 8"
+  -> "1", 8 of 64 exactly right. A 135M model adds only by writing the equation out. Trained
+  (the README's recipe, seed 0) it went back to the equation: greedy 0.126 -> 0.121 at 10
+  updates, exactly right held-out replies 8 -> 0 (credited 9 -> 55), the training reward
+  0.05-0.06 (sampled); stopped there (36-81 s a step at a load of 10-15, 6.8 GB peak).
+  Within 30 updates of 16 rollouts the sums clear 0.15 only if the model learns the sums by
+  heart, which it did not start to.
 - `letter_counting` (one word), 6 tokens: 0.000 ("The letter "r" appears ..."); its answers are
   96 % one class (1), so even a gain there would be a constant answer.
 - `syllogism`, 8 tokens (issue 41): 0.117; the one task of these within 5-60 %. Trained at

@@ -13,8 +13,9 @@ turns. It shows a model the answer's form, as reasoning-gym's own system prompts
 an example is provided, you should strictly follow the format of the output/answer in that
 example"): a small instruct model that writes "6 + 5 = 11" when asked "Calculate 6 + 5." (0.2,
 the answer's share of the reply's characters) almost never writes the bare "11" (1.0), however
-its instruction is worded, but does after one example. The default, 0, is the question alone,
-as reasoning-gym's quickstart feeds it; the scorer is the same either way.
+its instruction is worded, but does after one example (a wrong number more often than not:
+`benchmarks/learning.py`'s NOTES). The default, 0, is the question alone, as reasoning-gym's
+quickstart feeds it; the scorer is the same either way.
 
 The reply is the answer: the whole decoded reply, exactly as the model wrote it, without
 reasoning-gym's `<answer>` tags (a model trained from scratch never learns to write them first).
