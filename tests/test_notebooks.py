@@ -5,7 +5,8 @@ notebooks run from here).
 Each notebook's last cells assert what its reading says, so a notebook whose conclusions no
 longer hold fails here. The kernel draws with matplotlib-inline, whose figures are rendered by
 the Agg backend: no display is needed. The kernel inherits the session's compilation settings
-(tests/conftest.py): together they take about a minute on two cores.
+(tests/conftest.py): together they take about a minute on two cores. real_model.ipynb, which
+trains a real 135M-param model, runs in tests/test_real_model.py.
 """
 
 from __future__ import annotations
@@ -45,33 +46,25 @@ def test_the_docs_list_every_notebook():
     assert not [p.name for p in NOTEBOOKS if f"`notebooks/{p.name}`" not in listed]
 
 
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize(
-    "path",
-    # real_model.ipynb trains a real 135M-param model: its first update compiles for minutes on
-    # a loaded 2-core machine.
-    [
-        pytest.param(path, marks=pytest.mark.timeout(1800)) if path.stem == "real_model" else path
-        for path in NOTEBOOKS
-    ],
-    ids=lambda p: p.stem,
-)
-def test_notebook_runs_and_draws(path, monkeypatch, request):
-    # real_model.ipynb trains SmolLM2 for 6 steps as written (README's command): 1 here, on 4
-    # held-out tasks, evaluated before and after it (a second step took 35 s more). Its kernel
-    # compiles with XLA's optimisations, as test_readme.py's run of the same training does (see
-    # there: unoptimised, that model's steps and evaluations ran slower and compiled no faster),
-    # and the two compile alike: whichever runs second can load the other's from the cache.
-    monkeypatch.setenv("DEW_REAL_MODEL_STEPS", "1")
-    monkeypatch.setenv("DEW_REAL_MODEL_EVAL_TASKS", "4")
-    if path.stem == "real_model":
-        request.getfixturevalue("xla_optimizations")
+def run_notebook(path: pathlib.Path, cell_seconds: int = 300) -> None:
+    """Run the notebook at `path` top to bottom on a fresh kernel, in its folder: no cell may
+    fail, and it must print something and draw a figure. tests/test_real_model.py runs
+    real_model.ipynb with it."""
     notebook = nbformat.read(path, as_version=4)
-    cell_seconds = 1500 if path.stem == "real_model" else 300
     client = NotebookClient(notebook, timeout=cell_seconds, kernel_name="python3")
     client.execute(cwd=str(path.parent))
     outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert any(o.get("output_type") == "stream" for o in outputs)
     assert [o for o in outputs if "image/png" in o.get("data", {})], f"{path.name} drew nothing"
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+# real_model.ipynb trains a real 135M-param model: tests/test_real_model.py runs it after the
+# README's command, whose compiled programs it then loads.
+@pytest.mark.parametrize(
+    "path", [path for path in NOTEBOOKS if path.stem != "real_model"], ids=lambda p: p.stem
+)
+def test_notebook_runs_and_draws(path):
+    run_notebook(path)

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import re
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -32,43 +28,3 @@ def test_a_readme_block_runs(index, capsys):
     out, err = capsys.readouterr()
     assert out.strip(), f"README.md block {index} prints nothing"
     assert "running(attempt" not in err, err
-
-
-def real_model_command() -> list[str]:
-    """The README's "Train a real model" `dew train` command as argv (its lines joined)."""
-    text = README.read_text(encoding="utf-8").split("## Train a real model", 1)[1]
-    block = re.search(r"^```bash\n(.*?)^```$", text, re.M | re.S).group(1)
-    command = next(line for line in block.replace("\\\n", " ").splitlines() if "dew train" in line)
-    return shlex.split(command.split("#")[0])
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)  # a real 135M-param model: minutes to compile on a loaded CPU
-def test_the_readme_trains_a_real_model_as_written_in_2_steps(tmp_path, xla_optimizations):
-    """The README's command, its steps cut to 2 and its held-out set to 4 tasks (an evaluation
-    before the first update and after the second), run as a newcomer types it: `dew` in a
-    process of its own. Its peak (6.5 GB; 10 GB before issue 42's work) ends with it: run
-    inside a test worker, the worker kept that memory for the rest of the suite and the
-    machine swapped.
-
-    With XLA's optimisations, as a user's run has them (`xla_optimizations`): unoptimised, this
-    135M-param model's second step took 25 s against 9 s and the run 171 s against 125 s, its
-    compiles no faster (the first evaluation and step ended at 54 and 97 s against 55 and 94 s;
-    one run each, back to back)."""
-    argv = real_model_command()
-    assert argv[:4] == ["dew", "train", "--model", "smollm2"]
-    pairs = zip(argv, argv[1:], strict=False)
-    options = {option: value for option, value in pairs if option.startswith("--")}
-    assert int(options["--eval-tasks"]) >= 64 and "--run" in options
-    shortened = {"--steps": "2", "--eval-every": "2", "--eval-tasks": "4"}
-    argv = [shortened.get(argv[i - 1], arg) if i else arg for i, arg in enumerate(argv)]
-    run = tmp_path / "run"
-    argv[argv.index("--run") + 1] = str(run)
-    done = subprocess.run(
-        [sys.executable, "-m", *argv], capture_output=True, text=True, timeout=1700
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "held-out before training: greedy" in done.stdout, done.stdout[-3000:]
-    evaluations = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
-    assert [e["updates"] for e in evaluations] == [0, 2]
-    assert (run / "eval_samples.md").exists() and (run / "checkpoints" / "model").is_dir()
