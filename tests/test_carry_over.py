@@ -594,11 +594,20 @@ def test_a_checkpoint_keeps_carried_tasks_and_a_resumed_stream_submits_them_agai
     assert set(names) & set(admitted), "a resumed carried group is admitted"
 
 
-def test_restore_state_refuses_what_checkpoint_state_does_not_write():
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"carried": [[0, "1"]]},
+        {"carried": [], "stale": [], "next_group": -1},
+        {"carried": [], "stale": [], "next_group": "8"},
+        {"carried": [], "stale": [], "next_group": 8.0},
+    ],
+)
+def test_restore_state_refuses_what_checkpoint_state_does_not_write(bad):
     scheduler = _scheduler(SimulatedEngine(), 0, admit=1, carry_over=True)
     try:
-        with pytest.raises(ValueError, match="checkpoint state must be"):
-            scheduler.restore_state({"carried": [[0, "1"]]})
+        with pytest.raises(ValueError, match="checkpoint state must be.*'next_group': int >= 0"):
+            scheduler.restore_state(bad)
     finally:
         scheduler.close()
 
@@ -667,6 +676,9 @@ def test_a_recorded_run_checkpoints_its_carried_groups_and_a_recorded_resume_tra
     trace = read_trace(tmp_path / "again.trace")
     (stream,) = trace.streams
     assert stream.restored == len(stream.resumed) >= 1
+    # It numbered its groups on from the checkpoint's next id, which the replay numbers from.
+    assert stream.next_group > 0
+    assert min(label.group for label in trace.sessions) == stream.next_group
     names = [task.name for _, task, _ in stream.resumed]
     first = [e.task for e in trace.calls[0].events if e.kind == "submitted"]
     assert sorted(first[: 2 * len(names)]) == sorted(names * 2)

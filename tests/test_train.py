@@ -503,6 +503,32 @@ def test_bad_options_name_the_culprit(capsys, tmp_path, argv, culprit):
 
 
 @pytest.mark.slow
+def test_a_resumed_run_draws_the_rollouts_the_uninterrupted_one_draws(tmp_path):
+    """A run stopped after 2 steps and resumed to 4 trains on the rollouts of a run never
+    stopped: its checkpoint keeps the scheduler's next group id, so the resumed scheduler
+    numbers its groups, and `Sampling(seed=)` keys each call from its label, as the
+    uninterrupted run did. (A resumed scheduler numbered its groups from 0 again, and `dew
+    train` seeded a resumed process afresh to keep from drawing its first steps' keys: from its
+    first step on, it trained other rollouts than the uninterrupted run.) One batch in flight
+    at a time (`--ahead 0`), so the batches' versions are the same in both runs."""
+    argv = ["train", *TINY, "--task", "guess", "--batch-size", "4", "--ahead", "0"]
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam, as in the learning test
+        assert main([*argv, "--run", str(tmp_path / "straight"), "--steps", "4"]) == 0
+        assert main([*argv, "--run", str(tmp_path / "resumed"), "--steps", "2"]) == 0
+        checkpoint = json.loads((tmp_path / "resumed/checkpoints/checkpoint.json").read_text())
+        assert checkpoint["metadata"]["rollout"]["next_group"] == 2 * 4
+        resumed = ["--run", str(tmp_path / "resumed"), "--steps", "4", "--resume"]
+        assert main([*argv, *resumed]) == 0
+    straight, again = metrics_lines(tmp_path / "straight"), metrics_lines(tmp_path / "resumed")
+    assert [line["step"] for line in again] == [0, 1, 2, 3]
+    for name in ("reward/mean", "length/mean", "tokens"):
+        assert [line[name] for line in again] == [line[name] for line in straight], name
+    assert [line["loss"] for line in again] == pytest.approx(
+        [line["loss"] for line in straight], abs=1e-5
+    )
+
+
+@pytest.mark.slow
 def test_oversample_and_admit_train_the_first_groups_to_complete(tmp_path, capsys):
     # The long-tail knobs `dew tune` weighs, as `dew train` options: 4 tasks a batch, 2 trained,
     # each group's first 2 of 4 rollouts; the rest are cancelled, counted and never trained.

@@ -27,7 +27,10 @@ holds no weights to rescore them with): version 4 drops it, and a version 3 trac
 without it. Every array's own digest (`arrays`) is in both. A stream line's `restored_state`
 (the checkpoint state a resumed run's scheduler took, with its carried groups' tasks) was added
 within version 4: a dew that does not know it reads the line by its `restored` count alone
-(and refuses to replay it), and this one refuses to replay a trace that has the count alone."""
+(and refuses to replay it), and this one refuses to replay a trace that has the count alone.
+So was a stream line's `next_group` (the id a resumed run's scheduler gave its first group,
+from its checkpoint): a trace without it numbers its groups from 0, as resumed runs did
+before."""
 FACADES = ("async", "thread")
 """How a recorded trainer called the scheduler: `await scheduler.step` or the thread facade."""
 CONFIG = (

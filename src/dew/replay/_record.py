@@ -311,6 +311,8 @@ class Recorder:
             # The scheduler's thread starts at the trainer's first call.
             time, running = None, self._step > 0
         line = {"kind": "stream", "stream": stream, "time": time, "running": running}
+        if scheduler._next_group:
+            line["next_group"] = scheduler._next_group
         resumed = scheduler._resumed()
         if resumed:
             line["restored"] = len(resumed)

@@ -535,8 +535,11 @@ def _thread_pushes(trace: Trace) -> tuple[dict[int, float], list[float]]:
 
 
 def _open(scheduler: RolloutScheduler, stream: RecordedStream) -> Iterator[Batch]:
-    """Open a recorded stream in the replayed scheduler, with the carried groups the recorded
-    one resubmitted from a checkpoint: the trace holds their tasks, no dataset does."""
+    """Open a recorded stream in the replayed scheduler, its groups numbered from the recorded
+    one's first (a resumed run's), with the carried groups the recorded one resubmitted from a
+    checkpoint: the trace holds their tasks, no dataset does."""
+    if stream.next_group:
+        scheduler.restore_state({"carried": [], "stale": [], "next_group": stream.next_group})
     batches = scheduler.tasks(_Batches(stream.batches)).stream()
     if stream.resumed:
         scheduler._resume_groups(stream.resumed)

@@ -110,6 +110,8 @@ class RecordedStream:
         resumed: those groups, each as ((stream position, index in its batch), task, stale
             cycles), which a replay gives its scheduler; empty in a trace written before dew
             recorded them (`restored` counts them, and such a trace cannot be replayed).
+        next_group: the id a resumed run's scheduler gave its first group from this stream on
+            (its checkpoint's `next_group`), which a replay gives its scheduler; 0 otherwise.
         line: the stream's line in the trace file.
     """
 
@@ -118,6 +120,7 @@ class RecordedStream:
     batches: tuple[int, ...]
     restored: int = 0
     resumed: tuple[tuple[tuple[int, int], Task, int], ...] = ()
+    next_group: int = 0
     line: int | None = attrs.field(default=None, eq=False)
 
 
@@ -511,7 +514,12 @@ def _read_trace(path: str, partial: bool) -> Trace:
             if restored < 0:
                 line.fail(f"restored must be >= 0, got {restored}")
             resumed = _decode_resumed(line, restored) if "restored_state" in line.data else ()
-            streams.append((line.optional_time("time"), running, [], restored, resumed, number))
+            next_group = line.get("next_group", (int,)) if "next_group" in line.data else 0
+            if next_group < 0:
+                line.fail(f"next_group must be >= 0, got {next_group}")
+            streams.append(
+                (line.optional_time("time"), running, [], restored, resumed, next_group, number)
+            )
         elif kind == "batch":
             index = line.get("batch", (int,))
             if not 0 <= index < _MAX_BATCH:
@@ -610,9 +618,10 @@ def _read_trace(path: str, partial: bool) -> Trace:
             tuple(indices),
             restored,
             resumed,
+            next_group,
             number,
         )
-        for time, running, indices, restored, resumed, number in streams
+        for time, running, indices, restored, resumed, next_group, number in streams
     )
     if start is None or end is None:
         times = _times(opened, sessions.values(), pushes, calls)

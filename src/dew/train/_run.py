@@ -223,7 +223,7 @@ def _train(
             version=trainer.updates,
             tokenizer=tokenizer,
         )
-    source = task.source(server, _sampling(config, trainer.updates))
+    source = task.source(server, _sampling(config))
     samples = None
     logs = None
     if index == 0:  # one process writes the run's logs beside metrics.jsonl

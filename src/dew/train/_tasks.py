@@ -295,12 +295,13 @@ def _served_by_gateway(source: SessionSource, server: RolloutServer) -> SessionS
     return source
 
 
-def _sampling(config: TrainConfig, updates: int) -> Sampling:
-    """Each call's sampling key a function of the seed, its rollout's label and the updates the
-    process started at: reproducible whatever order trio runs the rollouts in, and afresh in a
-    resumed process (whose scheduler numbers its groups from 0 again). In a pool, each process
-    draws its own keys: its index is part of the seed."""
-    entropy = [config.seed, updates]
+def _sampling(config: TrainConfig) -> Sampling:
+    """Each call's sampling key a function of the seed and its rollout's label: reproducible
+    whatever order trio runs the rollouts in, and in a resumed process the keys the
+    uninterrupted run would have drawn (its scheduler numbers its groups on from the
+    checkpoint's `next_group`). In a pool, each process draws its own keys: its index is part
+    of the seed."""
+    entropy = [config.seed]
     if jax.process_count() > 1:
         entropy.append(jax.process_index())
     seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])

@@ -122,6 +122,7 @@ def run(state: State, events: Sequence[Event]) -> tuple[State, list[Command]]:
         elif isinstance(event, Reopened):
             work.log("reopened")
             work.reopen()
+            work.next_group = max(work.next_group, event.next_group)
         elif isinstance(event, Closed):
             work.stop_all("closed")
             work.closed = True

@@ -253,7 +253,12 @@ class SourceFailed:
 
 @attrs.frozen
 class Reopened:
+    """The trainer opened the task stream again. `next_group`: the least id the groups it
+    submits from then on take (a resumed run's, from its checkpoint: its groups, and so their
+    sampling keys, are numbered on from where the checkpointed run's were)."""
+
     time: float
+    next_group: int = 0
 
 
 @attrs.frozen

@@ -199,6 +199,7 @@ class _Scheduler(_TrainerSide, _TrioSide):
         self._origins: dict[int, tuple[int, int] | None] = {}
         self._resuming: collections.deque[tuple[int, int]] = collections.deque()
         self._restored: tuple[tuple[int, int, int], ...] = ()
+        self._next_group = 0  # a checkpoint's: the id its run would have given its next group
         self._resume: tuple[tuple[tuple[int, int], Task, int], ...] = ()
         self._next_batch = 0
         self._generation = 0
@@ -279,7 +280,10 @@ class _Scheduler(_TrainerSide, _TrioSide):
             generation = self._generation
             # A resumed trainer may go back in updates, and its restored weights must be pushed.
             self._updates = self._served = None
-        self._post_anywhere(lambda: core.Reopened(trio.current_time()))
+        # A trio side that runs takes the restored group ids with the reopening; one that starts
+        # later takes them as it starts (`_serve`).
+        next_group = self._next_group
+        self._post_anywhere(lambda: core.Reopened(trio.current_time(), next_group))
         return generation
 
     def _register(self, generation: int, batch: Batch, position: int) -> None:
@@ -289,14 +293,21 @@ class _Scheduler(_TrainerSide, _TrioSide):
                 self._registry.append((self._next_batch, batch))
                 self._next_batch += 1
 
-    # --- checkpoints under carry_over ---------------------------------------------------------
+    # --- checkpoints: the group ids, and the carried groups under carry_over -----------------
 
     def checkpoint_state(self) -> dict:
-        """What a checkpoint keeps for this scheduler: the carried groups of the batches handed
-        over so far, as [stream position, index in its batch] of each one's task (the batches
-        not yet handed over are read again by the resumed stream), and the stale cycles each
-        has run (see HOLD_AFTER in the admission core), which a resumed run counts on from: a
-        task that always outlives the window is held as soon as it would have been."""
+        """What a checkpoint keeps for this scheduler: the id of the next group, and the carried
+        groups of the batches handed over so far, as [stream position, index in its batch] of
+        each one's task (the batches not yet handed over are read again by the resumed stream),
+        and the stale cycles each has run (see HOLD_AFTER in the admission core), which a
+        resumed run counts on from: a task that always outlives the window is held as soon as
+        it would have been.
+
+        The next group's id is the least of the groups of batches not yet handed over (the
+        resumed stream submits those batches again), else the next the core would give: a
+        resumed run numbers its groups on from there as the checkpointed run did, so their
+        sampling keys (`Sampling(seed=...)` draws each call's from its label) are not the
+        first steps' again."""
         state = self._state
         carried, stale = [], []
         for group_id in state.carried:
@@ -305,19 +316,23 @@ class _Scheduler(_TrainerSide, _TrioSide):
             if group is not None and origin is not None and group.batch <= self._handed:
                 carried.append(list(origin))
                 stale.append(group.stale)
-        return {"carried": carried, "stale": stale}
+        ahead = [group_id for group_id, group in state.groups.items() if group.batch > self._handed]
+        next_group = min(ahead, default=state.next_group)
+        return {"carried": carried, "stale": stale, "next_group": next_group}
 
     def restore_state(self, state: dict) -> None:
         """Take a checkpoint's `checkpoint_state`: the next stream opened resubmits its carried
         groups' tasks, read again from the dataset at their positions, each counting on from
-        its stale cycles. A state without "stale" (a checkpoint written before they were kept)
-        counts from 0.
+        its stale cycles, and numbers its groups from the state's `next_group` on. A state
+        without "stale" (a checkpoint written before they were kept) counts from 0, one without
+        "next_group" numbers from 0.
 
         Raises:
             ValueError: when state is not what checkpoint_state writes.
         """
         carried = state.get("carried") if isinstance(state, dict) else None
         stale = state.get("stale", [0] * len(carried)) if isinstance(carried, list) else None
+        next_group = state.get("next_group", 0) if isinstance(state, dict) else None
         if (
             not isinstance(carried, list)
             or not all(
@@ -327,11 +342,15 @@ class _Scheduler(_TrainerSide, _TrioSide):
             or not isinstance(stale, list)
             or len(stale) != len(carried)
             or not all(type(n) is int and n >= 0 for n in stale)
+            or type(next_group) is not int
+            or next_group < 0
         ):
             raise ValueError(
                 "a scheduler's checkpoint state must be {'carried': [[position, index], ...], "
-                f"'stale': [count >= 0 for each carried group]}}, got {state!r}"
+                "'stale': [count >= 0 for each carried group], 'next_group': int >= 0}, "
+                f"got {state!r}"
             )
+        self._next_group = next_group
         self._restored = tuple(
             (int(p), int(i), int(n)) for (p, i), n in zip(carried, stale, strict=True)
         )

@@ -123,6 +123,11 @@ class _TrioSide:
         self._trio_thread = threading.get_ident()
         self._token = trio.lowlevel.current_trio_token()
         self._clock = trio.lowlevel.current_clock()
+        # A checkpoint's group ids (`restore_state`) for a stream opened before this side ran,
+        # whose `Reopened` found no trio side to post to.
+        self._state = attrs.evolve(
+            self._state, next_group=max(self._state.next_group, self._next_group)
+        )
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._drive)

@@ -357,16 +357,20 @@ class RolloutScheduler:
         return self._inner.status()
 
     def checkpoint_state(self) -> dict:
-        """What a trainer's checkpoint keeps for this scheduler: under carry_over, the carried
-        groups' tasks as [stream position, index in its batch], and the stale cycles each has
-        run (`{"carried": [...], "stale": [...]}`, JSON values)."""
+        """What a trainer's checkpoint keeps for this scheduler: the id its next group takes
+        (the least of the groups of batches not yet handed over, which a resumed stream reads
+        again), and under carry_over the carried groups' tasks as [stream position, index in
+        its batch], and the stale cycles each has run (`{"carried": [...], "stale": [...],
+        "next_group": n}`, JSON values)."""
         return self._inner.checkpoint_state()
 
     def restore_state(self, state: dict) -> None:
         """Take a checkpoint's `checkpoint_state` before the stream is opened again: the
-        reopened stream's first call submits the carried groups' tasks again, read from the
+        reopened stream's groups are numbered from its `next_group` on (so a `Sampling(seed=)`
+        source draws the keys the checkpointed run would have: each call's is a function of its
+        label), and its first call submits the carried groups' tasks again, read from the
         dataset at their positions, as carried groups whose stale cycles count on from the
-        checkpoint's.
+        checkpoint's. A state without `next_group` numbers from 0.
 
         Raises:
             ValueError: when state is not what checkpoint_state writes.
