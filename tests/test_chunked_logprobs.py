@@ -14,6 +14,7 @@ import pytest
 from _hf_params import drawn
 from dew import models
 from dew.models import hf
+from dew.objectives.rl import _logprobs
 from dew.objectives.rl.grpo import GRPOObjective
 
 VOCAB = 300
@@ -110,7 +111,7 @@ def packed(seed: int, rows: int = 3, width: int = 20, *, support: bool = True) -
 
 
 @pytest.mark.parametrize("support", [False, True])
-@pytest.mark.parametrize("chunk", [1, 7, None])
+@pytest.mark.parametrize("chunk", [1, 7, 25, None])
 def test_chunked_log_probs_equal_the_whole_logits(model_and_params, chunk, support):
     model, params = model_and_params
     batch = packed(2, support=support)
@@ -162,7 +163,7 @@ def test_the_entropy_rides_on_the_chunked_pass_and_matches_numpy(model_and_param
         assert abs(want - reference_entropy(model, params, plain, temperature=0.7)) > 0.1
 
 
-@pytest.mark.parametrize("chunk", [5, None])
+@pytest.mark.parametrize("chunk", [5, 25, None])
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.1])
 def test_chunked_loss_and_gradient_equal_the_whole_logits(model_and_params, chunk, entropy_coef):
     model, params = model_and_params
@@ -184,6 +185,30 @@ def test_chunked_loss_and_gradient_equal_the_whole_logits(model_and_params, chun
         got_grads,
         want_grads,
     )
+
+
+def test_the_positions_are_split_into_even_chunks_none_past_the_one_asked():
+    """Issue 42 item 4: 57 positions at 25 a chunk are scored in three chunks of 19, not of 25
+    with 18 padded positions' logits (and their gradients) computed for nothing; the log-probs
+    are the whole logits' all the same."""
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((8, VOCAB)).astype(np.float32)
+    hidden = rng.standard_normal((3, 19, 8)).astype(np.float32)
+    targets = rng.integers(0, VOCAB, (3, 19)).astype(np.int32)
+    seen = []
+
+    def head(states):
+        seen.append(states.shape[0])
+        return states @ weight
+
+    got, _ = _logprobs.target_log_probs(
+        head, hidden, targets, temperature=1.0, chunk=25, support=None
+    )
+    assert seen == [19]
+    logits = hidden.astype(np.float64) @ weight
+    picked = np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    want = picked - np.log(np.exp(logits).sum(-1))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5)
 
 
 def test_the_training_step_holds_no_full_logits():

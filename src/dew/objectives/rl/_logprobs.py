@@ -39,7 +39,8 @@ def target_log_probs(
         hidden: [rows, predicted, hidden], the states predicting `targets`.
         targets: int32[rows, predicted].
         temperature: the logits are divided by it.
-        chunk: positions (of rows x predicted, row-major) per step.
+        chunk: positions (of rows x predicted, row-major) per step at most: the positions
+            are split into as few steps as that allows, evened out between them.
         support: `support_tokens` and `support_positions`, int32[rows, S], positions in the
             batch's coordinates (1 .. predicted; others unused): where they cover a position,
             the softmax is over the tokens kept there (see `_support_normaliser`).
@@ -57,6 +58,10 @@ def target_log_probs(
     # A chunk past the positions there are would only pad them.
     chunk = max(1, min(chunk, cells))
     count = -(-cells // chunk)
+    # As many chunks, each as even as they go: no larger than asked, and padded by fewer than
+    # `count` positions in all, where `chunk`-sized ones would pad the last by up to a chunk
+    # (510 positions at 220 a chunk: 150 padded positions' logits and gradients, at 170 none).
+    chunk = -(-cells // count)
     padded = count * chunk
     flat = hidden.reshape(cells, hidden.shape[-1])
     flat = jnp.pad(flat, ((0, padded - cells), (0, 0))).reshape(count, chunk, hidden.shape[-1])
