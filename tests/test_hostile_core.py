@@ -42,7 +42,7 @@ from dew.objectives.rl.sessions import SessionError, Status
 from dew.replay import PROXIMAL, VERSION, Trace, TraceError, read_trace
 from dew.testing import assert_replays, run_simulated
 from dew.train import NothingTrained, fit
-from dew.train._trainer import _check_finite, _RunTally
+from dew.train._step_lines import RunTally, check_finite
 
 # A `dew train` small enough to compile and run in seconds.
 TINY_TRAIN = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32"]
@@ -457,7 +457,7 @@ def test_an_out_of_vocabulary_token_id_is_refused_by_name_under_the_default_voca
 
 def test_the_trainers_nan_message_names_token_ids_among_its_suspects():
     with pytest.raises(FloatingPointError, match="token ids outside the model's vocabulary"):
-        _check_finite({"loss": float("nan"), "grad_norm": 1.0}, 3)
+        check_finite({"loss": float("nan"), "grad_norm": 1.0}, 3)
 
 
 # Item 1: a run that trains on nothing says so at its end ---------------------------------------
@@ -515,12 +515,12 @@ def test_fit_raises_when_every_verifier_call_failed(tmp_path):
 def test_the_trainer_raises_only_when_no_step_of_the_run_trained(tmp_path):
     """A run with one step that trained is not a run that trained on nothing; a run of no
     steps (resumed at its end) trained on nothing it was asked to."""
-    tally = _RunTally()
+    tally = RunTally()
     tally.observe(0, {"tokens": 0.0}, None)
     tally.observe(1, {"tokens": 3.0}, None)
     tally.check()
-    _RunTally().check()
-    empty = _RunTally()
+    RunTally().check()
+    empty = RunTally()
     empty.observe(4, {"tokens": 0.0}, None)
     with pytest.raises(NothingTrained, match=r"none of its 1 steps \(updates 4..4\)"):
         empty.check()
@@ -531,7 +531,7 @@ async def test_a_run_of_only_truncated_rollouts_says_so_when_it_trained_nothing(
     the run's NothingTrained names the truncated share and its likely causes."""
     engine = Engine()
     plan = Plan(status=Status.TRUNCATED, truncation="context", reward=0.0, calls=0)
-    tally = _RunTally()
+    tally = RunTally()
     sched = RolloutScheduler(
         OBJECTIVE, Scripted(engine, lambda task, label: plan), engine, width=WIDTH, rows=ROWS,
         groups=2, truncation="score",

@@ -52,9 +52,10 @@ from dew.train._fit import Sizes, fit, measure, task_list
 from dew.train._progress import Progress
 from dew.train._run import train
 from dew.train._samples import SampleLog, sample_record
+from dew.train._step_lines import NothingTrained, record_fields
 from dew.train._tensorboard import TensorBoard
 from dew.train._timing import step_seconds
-from dew.train._trainer import METRICS, NothingTrained, Rollout, Trainer, record_fields
+from dew.train._trainer import METRICS, Rollout, Trainer
 
 __all__ = [
     "CHECKPOINT_FORMAT",

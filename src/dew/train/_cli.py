@@ -41,8 +41,8 @@ from dew.train._folders import (
 from dew.train._interrupt import INTERRUPTED, _CtrlC, _Interrupted, _say, any_process
 from dew.train._progress import Progress
 from dew.train._run import _check_memory, _check_minibatches, train
+from dew.train._step_lines import NothingTrained
 from dew.train._tasks import _check_checkpoint_task
-from dew.train._trainer import NothingTrained
 
 
 def configure_cli(parser: argparse.ArgumentParser) -> None:

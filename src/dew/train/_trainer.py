@@ -36,6 +36,14 @@ from dew.train._checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from dew.train._step_lines import (
+    RunTally,
+    call_errors,
+    check_finite,
+    combined_updates,
+    json_number,
+    record_fields,
+)
 
 METRICS = "metrics.jsonl"
 """The metrics log's file name in a run folder: one JSON line per step."""
@@ -64,164 +72,6 @@ class Rollout(Protocol):
             `[rows, width]` arrays under at least the keys `GRPOObjective.loss` reads.
         """
         ...
-
-
-def _json_number(value: Any) -> float | int | None:
-    """A metric as JSON holds it: ints stay ints, non-finite floats become null."""
-    if isinstance(value, bool | np.bool_):
-        return int(value)
-    if isinstance(value, int | np.integer):
-        return int(value)
-    number = float(value)
-    return number if math.isfinite(number) else None
-
-
-def record_fields(record: SchedulerRecord) -> dict[str, float | int | None]:
-    """A SchedulerRecord as flat metrics: its fields, `resubmitted/<cause>`, and its metrics under
-    their own names (`reward/mean`, `latency/p90`, ...); `updates` is left to the trainer."""
-    fields: dict[str, Any] = {
-        "version": record.version,
-        "lag": record.lag,
-        "groups": record.groups,
-        "cancelled": record.cancelled,
-        "abandoned": record.abandoned,
-        "cut": record.cut,
-        "waited": record.waited,
-    }
-    fields |= {f"resubmitted/{cause}": count for cause, count in record.resubmitted.items()}
-    fields |= dict(record.metrics)
-    return {name: _json_number(value) for name, value in fields.items()}
-
-
-# The most error texts a metrics line shows.
-ERRORS_SHOWN = 3
-
-
-def call_errors(events) -> dict[str, int]:
-    """The error texts of a call's failed submissions, the most frequent first (at most
-    ERRORS_SHOWN), with how often each came: a metrics line's `errors`, present only when a
-    submission failed with one."""
-    counts = collections.Counter(e.error for e in events if e.kind == "failed" and e.error)
-    return dict(counts.most_common(ERRORS_SHOWN))
-
-
-class NothingTrained(RuntimeError):
-    """A run none of whose steps had a token to train on: every group of every step was
-    abandoned, cut or failed (a verifier that raises, answers NaN or a bare float fails every
-    rollout it scores). Raised at the run's end, once its state is saved where checkpoints are
-    on; the message gives the steps, what became of their groups and the most frequent errors.
-    """
-
-
-class _RunTally:
-    """What one `Trainer.run` trained on, step by step, to say at its end that it trained on
-    nothing: a short run ends before the scheduler's warning of a streak of empty steps."""
-
-    def __init__(self):
-        self.steps: list[int] = []  # the updates before each step
-        self.trained = 0  # steps with at least one trained token
-        self.abandoned = 0
-        self.cut = 0
-        self.uniform = 0  # groups discarded as uniform (filter_uniform)
-        self.truncated: list[float] = []  # each step's share of rollouts that ended TRUNCATED
-        self.errors: collections.Counter[str] = collections.Counter()
-
-    def observe(self, updates: int, metrics: Mapping[str, Any], rollout: Any) -> None:
-        """Take one step's loss metrics and its rollout's record and event log."""
-        self.steps.append(updates)
-        # `tokens` is the loss mask's weight over the pool's batch, alike on every process.
-        if float(metrics.get("tokens", 1.0)) > 0:
-            self.trained += 1
-        record = getattr(rollout, "last_record", None)
-        if isinstance(record, SchedulerRecord):
-            self.abandoned += record.abandoned
-            self.cut += record.cut
-            if "status/truncated" in record.metrics:
-                self.truncated.append(record.metrics["status/truncated"])
-        events = getattr(rollout, "last_events", ())
-        self.errors.update(e.error for e in events if e.kind == "failed" and e.error)
-        self.uniform += sum(e.kind == "discarded" and e.reason == "uniform" for e in events)
-
-    def check(self) -> None:
-        """Raise if the run made steps and none trained on anything.
-
-        Raises:
-            NothingTrained: naming the steps, the groups abandoned and cut, and the errors.
-        """
-        if not self.steps or self.trained:
-            return
-        text = (
-            f"the run trained on nothing: none of its {len(self.steps)} steps (updates "
-            f"{self.steps[0]}..{self.steps[-1]}) had a token to train on; groups abandoned "
-            f"after failed attempts: {self.abandoned}, cut: {self.cut}"
-        )
-        if self.uniform:
-            text += (
-                f"; {self.uniform} groups were discarded as uniform (filter_uniform): every "
-                "rollout of each scored alike"
-            )
-        if self.truncated and max(self.truncated) > 0:
-            share = sum(self.truncated) / len(self.truncated)
-            text += (
-                f"; {share:.0%} of the rollouts delivered ended TRUNCATED, and one cut before "
-                "its first call has no token to train (nor, under truncation='mask', does any): "
-                "a context or max_tokens too small for the task, or episodes past their turn "
-                "limit"
-            )
-        if self.errors:
-            shown = ", ".join(f"{error!r} x{n}" for error, n in self.errors.most_common(3))
-            text += f"; rollouts failed with {shown}"
-        raise NothingTrained(text)
-
-
-def _check_finite(metrics: Mapping[str, Any], step: int, update: tuple[int, int] = (1, 1)) -> None:
-    """Stop at a step whose loss or gradient norm is not finite; `update` is the update of the
-    step (1-based) that gave `metrics`, and the step's count of them.
-
-    Raises:
-        FloatingPointError: naming the step (and the update, of several) and the values.
-    """
-    bad = {
-        name: float(metrics[name])
-        for name in ("loss", "grad_norm")
-        if name in metrics and not math.isfinite(float(metrics[name]))
-    }
-    if bad:
-        values = ", ".join(f"{name} {value}" for name, value in bad.items())
-        where, before = f"step {step}", "step"
-        if update[1] > 1:
-            where, before = f"step {step}, update {update[0]} of {update[1]}", "update"
-        raise FloatingPointError(
-            f"{where}: {values}; training stops, the weights left as the {before} before found "
-            "them (look for NaN or infinite rewards, advantages or log-probs in the batch, or "
-            "token ids outside the model's vocabulary, which score as non-finite log-probs)"
-        )
-
-
-LAST = ("loss", "clip_fraction", "clip_fraction/low", "clip_fraction/high", "ratio/mean")
-"""The loss metrics a step of several updates also gives as its last update's, `last/<name>`:
-where the clip acts, the last update is the one furthest from the proximal policy."""
-
-
-def _combined(updates: Sequence[Mapping[str, Any]], minibatches: int) -> dict[str, Any]:
-    """One line's loss metrics for a step of several updates (`ppo_epochs` x `minibatches`).
-
-    Each metric is its mean over the updates, with three exceptions: `tokens` is the batch's,
-    the sum over one pass's minibatches (every pass trains each row once); `importance/max`
-    is the greatest; and the metrics of `LAST` are also given as the last update's,
-    `last/<name>`. A mean is plain, each update weighing one whatever its minibatch's tokens.
-    """
-    combined: dict[str, Any] = {}
-    for name in updates[0]:
-        values = [float(update[name]) for update in updates]
-        if name == "tokens":
-            combined[name] = sum(values[:minibatches])
-        elif name == "importance/max":
-            combined[name] = max(values)
-        else:
-            combined[name] = sum(values) / len(values)
-    combined |= {f"last/{name}": updates[-1][name] for name in LAST if name in updates[-1]}
-    return combined
 
 
 def _stored(model: Any, variables: Variables) -> Variables:
@@ -360,17 +210,17 @@ class Trainer:
     hands over as one array over the mesh (`dew.models.hf.sharding.ShardedRollout`), and every
     process writes its shards of each checkpoint.
 
-    With a `directory`, each step appends one JSON line of flat metrics to
-    `directory/metrics.jsonl` — `step` (the updates before it), `updates` (after it), `position`
-    (the batch it trained), the seconds it took (`seconds/step`, `seconds/rollout`,
-    `seconds/update`, and `elapsed`), the rollout's record (`record_fields`) and the loss metrics
-    (a step of several updates: `_combined`'s, each metric's mean over them and the last one's,
-    with `optimizer_updates` after it) — and every `checkpoint_every` updates saves a checkpoint
-    to `directory/checkpoints`, which keeps the metrics log's length: `resume` cuts the log back
-    to it, so the log of a resumed run has each step exactly once. The files named in `logs`
-    get the same care: a checkpoint keeps their lengths too, and the next run cuts them back, so
-    what a step appended to them in `on_step` past the checkpoint is gone when that step trains
-    again. Checkpoints fall between steps only, never between a step's updates.
+    With a `directory`, each step appends one JSON line of flat metrics to `directory/metrics.jsonl`
+    — `step` (the updates before it), `updates` (after it), `position` (the batch it trained), the
+    seconds it took (`seconds/step`, `seconds/rollout`, `seconds/update`, and `elapsed`), the
+    rollout's record (`record_fields`) and the loss metrics (a step of several updates:
+    `combined_updates`'s, each metric's mean over them and the last one's, with `optimizer_updates`
+    after it) — and every `checkpoint_every` updates saves a checkpoint to `directory/checkpoints`,
+    which keeps the metrics log's length: `resume` cuts the log back to it, so the log of a resumed
+    run has each step exactly once. The files named in `logs` get the same care: a checkpoint keeps
+    their lengths too, and the next run cuts them back, so what a step appended to them in `on_step`
+    past the checkpoint is gone when that step trains again. Checkpoints fall between steps only,
+    never between a step's updates.
 
     Args:
         objective: the loss; its `update_fn(optimizer)` is the jitted step.
@@ -508,7 +358,7 @@ class Trainer:
         self._deadline = None
         if deadline is not None and self.processes > 1:
             self._deadline = _pool_guard.Deadline(deadline)
-        self._tally = _RunTally()  # what the current (or last) run trained on
+        self._tally = RunTally()  # what the current (or last) run trained on
         # The metrics log's length that goes with the state above: the next run cuts it there.
         self._logged_bytes = 0
         # The same for the other logs; a log of unknown length (a checkpoint older than the
@@ -645,7 +495,7 @@ class Trainer:
         if wall_clock is not None:
             check_number("wall_clock", wall_clock, low=0, low_open=True)
         ends = math.inf if wall_clock is None else time.monotonic() + wall_clock
-        self._tally = _RunTally()
+        self._tally = RunTally()
         self._rollout = rollout
         restore = getattr(rollout, "restore_state", None)
         if callable(restore) and self._rollout_state is not None:
@@ -718,7 +568,7 @@ class Trainer:
             fields["push/version"], fields["push/seconds"], pushed = push
             if pushed is not None:
                 fields["push/bytes"] = pushed
-        fields |= {name: _json_number(value) for name, value in metrics.items()}
+        fields |= {name: json_number(value) for name, value in metrics.items()}
         line: dict[str, Any] = {
             "step": self.updates,
             "updates": self.updates + 1,
@@ -745,7 +595,7 @@ class Trainer:
 
     def _updates_on(self, packed: Batch) -> dict[str, Any]:
         """Train the step's batch by its `ppo_epochs` x `minibatches` updates: the loss metrics
-        as one update gives them, or `_combined` over several.
+        as one update gives them, or `combined_updates` over several.
 
         Raises:
             ValueError: naming `minibatches` and the batch's rows when it does not divide them.
@@ -774,10 +624,10 @@ class Trainer:
                 )
                 metrics = local_copy(metrics) if self._global else jax.device_get(metrics)
                 count = self.ppo_epochs * self.minibatches
-                _check_finite(metrics, self.updates, (len(updates) + 1, count))
+                check_finite(metrics, self.updates, (len(updates) + 1, count))
                 self.optimizer_updates += 1
                 updates.append(metrics)
-        return updates[0] if len(updates) == 1 else _combined(updates, self.minibatches)
+        return updates[0] if len(updates) == 1 else combined_updates(updates, self.minibatches)
 
     def _dropout_key(self) -> dict[str, jax.Array]:
         """The next optimizer update's dropout key, as the step's `key` keyword, for a
