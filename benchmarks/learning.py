@@ -40,14 +40,16 @@ TASKS = {
     "arithmetic": {
         "task": (
             "reasoning-gym:basic_arithmetic,min_terms=2,max_terms=2,min_digits=1,max_digits=1,"
-            'operators=["+"],allow_negation=false,allow_parentheses=false'
+            'operators=["+"],allow_negation=false,allow_parentheses=false,shots=1'
         ),
-        "max_tokens": 16,
+        "max_tokens": 3,
     },
 }
 """Each task's `dew train` settings beyond the recipe: its spec and its replies' most tokens
-(syllogism's right replies are a token or two; a sum's reply needs room for the equation
-SmolLM2 writes before it learns to stop: at 6 tokens no reply held the answer)."""
+(syllogism's right replies are a token or two; a sum's bare answer is one or two digits and a
+stop, after one solved example in the prompt, `shots=1`: with room for the equation SmolLM2
+writes, "6 + 5 = 11", training settles on it, and its 0.2 caps the gain below 0.15; see
+`NOTES`)."""
 
 RECIPE = {
     "model": "smollm2",
@@ -83,38 +85,38 @@ reward of the base model over 48 tasks, replies of at most the tokens named:
 - `basic_arithmetic` (two one-digit terms, every operator), 6 tokens: 0.006. It starts "To
   calculate the sum of ..." and runs out of tokens before any number.
 - `basic_arithmetic` (two one-digit terms, `+` only), 16 tokens (the `arithmetic` task and the
-  README's command): greedy 0.011, and 9 of 12 groups of 16 sampled replies held a reply the
-  scorer credits ("10 + 8 equals 18." scores 0.118: reasoning-gym gives a reply holding the
-  answer the answer's share of its characters). Trained 30 steps (README's "Train a real
-  model", seed 0, dew's engine, 951 s, 20-25 s a step, 12.7 GB peak; after this wave's memory
-  cuts 547 s, 11 s a step, 7.0 GB, the same greedy curve): held-out greedy 0.011 ->
-  0.147 -> 0.155 -> 0.155 at 0, 10, 20, 30 updates, mean@2 0.008 -> 0.149, held-out replies
-  credited 20 % -> 97 %; "To calculate 6 + 5, we simply add them together. 6" became
-  "6 + 5 = 11" and a stop. A real gain, not a constant answer (the sums are 19 classes); the
-  bare answer (score 1) was not found in 30 steps. The same with `--engine vllm`: greedy
-  0.011 -> 0.083 -> 0.144 -> 0.155, mean@2 0.008 -> 0.151, credited 20 % -> 97 %, 719 s wall,
-  15 s a step, the dew process's peak 11.2 GB (the server's apart), mismatch/engine 5.7e-11.
-  The same with a LoRA adapter (`--tuning lora`: rank 16 of every projection, alpha 32, Adam
-  1e-4, ten times full fine-tuning's rate as LoRA practice advises): greedy 0.011 -> 0.095 ->
-  0.141 -> 0.132, mean@2 0.008 -> 0.124, credited 20 % -> 86 % (91 % at 20 updates), 1940 s
-  wall, 47 s a step under a load of 8-11, 9.0 GB peak (/usr/bin/time -v; the tree of that
-  hour, before later cuts of a run's memory), 18.6 MiB trained and 37.3 MiB of Adam's state
-  against 513 and 1026 MiB: it learns, a little short of full fine-tuning in the same 30
-  updates. At 3e-4 it learned fastest (greedy 0.139 at 10 updates, 89 % credited), then
-  overshot: 0.133 at 20, 0.019 at 30, its greedy replies "6 + 5" and a stop (the scorer pays a
-  reply's share of answer characters, so shorter replies pay while they keep the answer).
-- Why the sums' gain stops at 0.15 (issue 41's target is >= 0.15): the trained reply "a + b = c"
-  earns 1/9 or 2/10, and were every held-out reply such an equation and right, the greedy
-  reward would be 0.1595, 0.1595 and 0.1608 on the 64 held-out sums of seeds 0, 1 and 2: a gain
-  of at most 0.148-0.150 over the base model's 0.011. Past it only shorter replies pay (the bare
-  "11" scores 1), and the model never writes them: the README's trained model (30 updates)
+  README's command until `shots=1`, below): greedy 0.011, and 9 of 12 groups of 16 sampled replies
+  held a reply the scorer credits ("10 + 8 equals 18." scores 0.118: reasoning-gym gives a reply
+  holding the answer the answer's share of its characters). Trained 30 steps (README's "Train a
+  real model", seed 0, dew's engine, 951 s, 20-25 s a step, 12.7 GB peak; after this wave's memory
+  cuts 547 s, 11 s a step, 7.0 GB, the same greedy curve): held-out greedy 0.011 -> 0.147 -> 0.155
+  -> 0.155 at 0, 10, 20, 30 updates, mean@2 0.008 -> 0.149, held-out replies credited 20 % -> 97
+  %; "To calculate 6 + 5, we simply add them together. 6" became "6 + 5 = 11" and a stop. A real
+  gain, not a constant answer (the sums are 19 classes); the bare answer (score 1) was not found
+  in 30 steps. The same with `--engine vllm`: greedy 0.011 -> 0.083 -> 0.144 -> 0.155, mean@2
+  0.008 -> 0.151, credited 20 % -> 97 %, 719 s wall, 15 s a step, the dew process's peak 11.2 GB
+  (the server's apart), mismatch/engine 5.7e-11. The same with a LoRA adapter (`--tuning lora`:
+  rank 16 of every projection, alpha 32, Adam 1e-4, ten times full fine-tuning's rate as LoRA
+  practice advises): greedy 0.011 -> 0.095 -> 0.141 -> 0.132, mean@2 0.008 -> 0.124, credited 20 %
+  -> 86 % (91 % at 20 updates), 1940 s wall, 47 s a step under a load of 8-11, 9.0 GB peak
+  (/usr/bin/time -v; the tree of that hour, before later cuts of a run's memory), 18.6 MiB trained
+  and 37.3 MiB of Adam's state against 513 and 1026 MiB: it learns, a little short of full
+  fine-tuning in the same 30 updates. At 3e-4 it learned fastest (greedy 0.139 at 10 updates, 89 %
+  credited), then overshot: 0.133 at 20, 0.019 at 30, its greedy replies "6 + 5" and a stop (the
+  scorer pays a reply's share of answer characters, so shorter replies pay while they keep the
+  answer).
+- Why the sums' gain stopped at 0.15 at 16 tokens (issue 41's target: >= 0.15): the trained reply
+  "a + b = c" earns 1/9 or 2/10, and were every held-out reply such an equation and right, the
+  greedy reward would be 0.1595, 0.1595 and 0.1608 on the 64 held-out sums of seeds 0, 1 and 2: a
+  gain of at most 0.148-0.150 over the base model's 0.011. Past it only shorter replies pay (the
+  bare "11" scores 1), and the model never writes them: the README's trained model (30 updates)
   writes "6 + 5 = 11" and its stop with probability 0.90 on average over 32 held-out sums, the
-  bare answer and its stop with 1e-4 (transformers on the saved checkpoint). The base model
-  alike, 1e-4; an instruction raises it to 4e-4 - 3.5e-3 (twelve phrasings, appended to the
-  question or as the system message: "Reply with the number only.", "Respond with only the
-  final number.", ...), reasoning-gym's own system prompts ("direct", "default", "simple":
-  an answer in <answer> tags, scored after `extract_answer` as reasoning-gym's eval does) to
-  0: it never writes the tags (greedy 0.000 extracted over 16 sums). So no instruction was added.
+  bare answer and its stop with 1e-4 (transformers on the saved checkpoint). The base model alike,
+  1e-4; an instruction raises it to 4e-4 - 3.5e-3 (twelve phrasings, appended to the question or
+  as the system message: "Reply with the number only.", "Respond with only the final number.",
+  ...), reasoning-gym's own system prompts ("direct", "default", "simple": an answer in <answer>
+  tags, scored after `extract_answer` as reasoning-gym's eval does) to 0: it never writes the tags
+  (greedy 0.000 extracted over 16 sums). So no instruction was added.
 - One solved example (`shots=1` in the spec, dew's: "Calculate 4 + 1." answered "5" as an
   earlier turn) raises the bare answer's probability to 0.08, and the base model's held-out
   greedy to 0.126 (seed 0), but its bare answers are mostly wrong: "6 + 5" -> "10", "1 + 8"
@@ -124,6 +126,29 @@ reward of the base model over 48 tasks, replies of at most the tokens named:
   0.05-0.06 (sampled); stopped there (36-81 s a step at a load of 10-15, 6.8 GB peak).
   Within 30 updates of 16 rollouts the sums clear 0.15 only if the model learns the sums by
   heart, which it did not start to.
+- The recipe that clears it (`TASKS["arithmetic"]`, the README's command): one solved example
+  (`shots=1`) AND `--max-tokens 3`, room for the answer's digits and a stop, not the equation.
+  The bare answer is then the one reply that pays; the base model's greedy reply is the right
+  bare answer 8 times in 64, and group normalisation raises the right bare answers it samples
+  against its wrong ones. With room for the equation training settles on it (above); without
+  the example a bare answer is sampled with probability 1e-4 (that run was not made).
+
+  | task | engine | seed | held-out greedy 0 -> 30 | mean@2 | steps | s/step | wall | peak |
+  |---|---|---|---|---|---|---|---|---|
+  | arithmetic | dew | 0 | 0.125 -> 0.797 | 0.053 -> 0.773 | 30 | 18.0 | 761 s | 6.6 GB |
+
+  Seed 0: greedy 0.750 and 0.766 at 10 and 20 updates; exactly right held-out answers 8 -> 51
+  of 64, distinct right answers 4 -> 18 (of 19 sums): not a constant answer. Wall and peak by
+  /usr/bin/time -v at a load of 3-6.
+- A second task with free answers, base model over held-out items (transformers, greedy, 16
+  tokens, one solved example): one-digit products (`basic_arithmetic` with `operators=["*"]`)
+  0.366 over 24, one-digit differences (`["-"]`) 0.234 over 32 (majority answer 12 %),
+  `leg_counting` of one or two kinds 0.083 over 24 (it answers "2" to most). Products trained
+  (the README's recipe with `shots=1`, seed 0, dew's engine): held-out greedy 0.234 -> 0.160
+  at 10 updates over 64, exactly right 12 -> 0, distinct correct answers 6 -> 0, the same
+  drift: the base model's bare replies are mostly the first factor ("3 * 7" -> "3"), its
+  equations mostly right ("6 * 5 = 30", 0.2), and group normalisation takes the surer 0.2.
+  Stopped at 10 updates (11 min, 7.0 GB peak). Not a gain.
 - `letter_counting` (one word), 6 tokens: 0.000 ("The letter "r" appears ..."); its answers are
   96 % one class (1), so even a gain there would be a constant answer.
 - `syllogism`, 8 tokens (issue 41): 0.117; the one task of these within 5-60 %. Trained at
