@@ -141,7 +141,11 @@ reward of the base model over 48 tasks, replies of at most the tokens named:
   Seed 0: greedy 0.750 and 0.766 at 10 and 20 updates; exactly right held-out answers 8 -> 51
   of 64, distinct right answers 4 -> 18 (of 19 sums). Seed 1: 0.570 and 0.844 at 10 and 20;
   exactly right 15 -> 53, distinct right answers 8 -> 17. Not a constant answer. Wall and peak
-  by /usr/bin/time -v at a load of 3-6.
+  by /usr/bin/time -v at a load of 3-6. Seed 2, stopped at 10 updates for time (30-50 s a
+  step at a higher load): greedy 0.234 -> 0.466, mean@2 0.027 -> 0.419, but bare and right 13
+  -> 10: its replies were right sums with a period ("17." scores 0.67), half of them cut at
+  the third token; whether it drops the period by 30 updates was not measured. Not measured
+  either: `--engine vllm` on this recipe, and a second task that clears 0.15.
 - A second task with free answers, base model over held-out items (transformers, greedy, 16
   tokens, one solved example): one-digit products (`basic_arithmetic` with `operators=["*"]`)
   0.366 over 24, one-digit differences (`["-"]`) 0.234 over 32 (majority answer 12 %),
