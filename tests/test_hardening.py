@@ -390,6 +390,7 @@ VALID = {
     "waste_budget": st.sampled_from([0.0, 0.2, 0.5]),
     "hedge": st.booleans(),
     "narrow": st.booleans(),
+    "align_starts": st.none() | st.integers(1, 8),
 }
 # Collaborators: what each is when valid, and what it may be instead.
 COLLABORATORS = {

@@ -687,7 +687,12 @@ class _RunLogs:
         self.run = run
         self.trainer = trainer
         self.samples = samples
-        self.first_position = trainer.position
+        # The sample log numbers a rollout's batch by its group id (its scheduler's groups a
+        # batch apart); a resumed scheduler numbers its groups on from its checkpoint's next id
+        # (`checkpoint_state`), its first batch's.
+        restored = trainer._rollout_state if isinstance(trainer._rollout_state, dict) else {}
+        first_group = restored.get("next_group", 0)
+        self.first_batch = trainer.position - (first_group // samples.batch_size if samples else 0)
         self.on_step = on_step
         self.evaluation: Evaluation | None = None
         # The greedy held-out reward `checkpoints/best` holds (a resumed run's too), to beat.
@@ -705,8 +710,7 @@ class _RunLogs:
 
     def __call__(self, line: Mapping[str, Any]) -> None:
         if self.samples is not None:
-            # The scheduler numbers batches from the position its stream opened at.
-            batch = line["position"] - self.first_position
+            batch = line["position"] - self.first_batch
             records = [{"step": line["step"], **record} for record in self.samples.take(batch)]
             _append_lines(self.run / SAMPLES, records)
         if self.tensorboard is not None:

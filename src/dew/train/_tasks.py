@@ -301,7 +301,7 @@ def _sampling(config: TrainConfig) -> Sampling:
     uninterrupted run would have drawn (its scheduler numbers its groups on from the
     checkpoint's `next_group`). In a pool, each process draws its own keys: its index is part
     of the seed."""
-    entropy = [config.seed]
+    entropy = [config.seed, 0]  # the 0 keeps the keys runs drew when it was the start's updates
     if jax.process_count() > 1:
         entropy.append(jax.process_index())
     seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
