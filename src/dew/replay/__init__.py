@@ -115,6 +115,7 @@ from dew.replay._format import (
     TraceError,
 )
 from dew.replay._record import Recorder, RecordingPublisher, RecordingSource
+from dew.replay._recorded import RecordedCall, RecordedSession, RecordedStream, Trace
 from dew.replay._replay import (
     NoRescoring,
     ReplayPublisher,
@@ -123,7 +124,7 @@ from dew.replay._replay import (
     replay,
     replay_async,
 )
-from dew.replay._trace import RecordedCall, RecordedSession, RecordedStream, Trace, read_trace
+from dew.replay._trace import read_trace
 
 __all__ = [
     "CONFIG",

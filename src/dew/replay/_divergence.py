@@ -11,7 +11,7 @@ import attrs
 from dew.objectives.rl.scheduler import LogEvent, SchedulerRecord
 from dew.objectives.rl.sessions import Label
 from dew.replay._format import RESCORED, UNCOMPARED
-from dew.replay._trace import RecordedCall, Trace
+from dew.replay._recorded import RecordedCall, Trace
 
 
 @attrs.frozen

@@ -29,7 +29,8 @@ from dew.replay._format import (
     _describe,
     array_digests,
 )
-from dew.replay._trace import RecordedCall, RecordedStream, Trace, read_trace
+from dew.replay._recorded import RecordedCall, RecordedStream, Trace
+from dew.replay._trace import read_trace
 
 # Real seconds every task must stay blocked before the replay clock moves: any positive cushion
 # lets the scheduler's own zero-cushion waits settle an instant first.
