@@ -8,6 +8,7 @@ Every server shares one config and shape, so the engine compiles once for the wh
 
 import functools
 import inspect
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -250,6 +251,22 @@ async def test_the_server_keeps_its_own_copy_of_pushed_weights():
         engine.load(pushed, version=1)
         for leaf in jax.tree.leaves(pushed):
             leaf.delete()
+        call = await engine.generate(np.array([1, 2], np.int32), max_tokens=3, key=0)
+    assert call.version == 1
+    np.testing.assert_array_equal(call.completion, [FORCED] * 3)
+
+
+async def test_a_push_between_steps_frees_the_weights_it_replaces_at_once():
+    """An engine with no step under way serves pushed weights at once and lets its old ones go,
+    rather than holding both until its next step: a trainer pushes just before its update,
+    when an engine that has finished its rollouts would hold two copies through the update's
+    peak (issue 42: SmolLM2-135M's 0.5 GiB)."""
+    async with server() as engine:
+        await idle(engine)
+        served = [weakref.ref(leaf) for leaf in jax.tree.leaves(engine._params)]
+        engine.load(forced_params(), version=1)
+        assert [ref() for ref in served] == [None] * len(served)
+        assert engine.version == 1
         call = await engine.generate(np.array([1, 2], np.int32), max_tokens=3, key=0)
     assert call.version == 1
     np.testing.assert_array_equal(call.completion, [FORCED] * 3)

@@ -228,6 +228,9 @@ class RolloutServer:
         self._params = copy_tree(params)
         self._served = check_int("version", version, low=0)
         self._pending: tuple[object, int] | None = None
+        # Set (under the lock) from the moment a step takes the pending weights until it has
+        # run: a push meanwhile waits for the next step; at any other time it is served at once.
+        self._stepping = False
         self._lock = threading.Lock()
         self._cache = cache
         self._cache_placement = None
@@ -292,6 +295,10 @@ class RolloutServer:
 
         Calls already running continue under them; calls that start from now report `version`.
         The server keeps its own copy, so the caller may change or donate its arrays afterwards.
+        Between steps (an idle engine's, above all) the copy replaces the served weights at
+        once, so the old ones are freed now rather than held beside it until the next step: a
+        trainer pushes just before its update, when an engine that has finished its rollouts
+        would otherwise hold two copies through the update's peak (SmolLM2-135M: 0.5 GiB).
 
         Raises:
             ValueError: if `version` is not an int >= 0, or naming the leaf of `variables` whose
@@ -301,7 +308,12 @@ class RolloutServer:
         self._check_variables("variables", variables)
         copied = copy_tree(variables)
         with self._lock:
-            self._pending = (copied, version)
+            if self._stepping:
+                self._pending = (copied, version)
+            else:
+                self._pending = None
+                self._params, self._served = copied, version
+                self._lay_out_cache(self._params)
 
     def stats(self) -> EngineStats:
         """What the engine is doing now."""
@@ -451,6 +463,7 @@ class RolloutServer:
                     continue
                 with self._lock:
                     pending, self._pending = self._pending, None
+                    self._stepping = True
                 if pending is not None:
                     self._params, self._served = pending
                     self._lay_out_cache(self._params)
@@ -462,14 +475,18 @@ class RolloutServer:
                 joining = self._admit()
                 filtered = any(self._active[slot].filtered for slot in decoding)
                 top = MAX_TOP_LOGPROBS if any(self._active[s].top for s in decoding) else 0
-                drawn, first = await trio.to_thread.run_sync(
-                    self._compute,
-                    self._params,
-                    self._decode_inputs() if decoding else None,
-                    [self._prefill_inputs(slot) for slot in joining],
-                    filtered,
-                    top,
-                )
+                try:
+                    drawn, first = await trio.to_thread.run_sync(
+                        self._compute,
+                        self._params,
+                        self._decode_inputs() if decoding else None,
+                        [self._prefill_inputs(slot) for slot in joining],
+                        filtered,
+                        top,
+                    )
+                finally:
+                    with self._lock:
+                        self._stepping = False
                 self._steps += 1
                 if drawn is not None:
                     tokens, logprobs, kept, ids, values = drawn
