@@ -86,8 +86,9 @@ def test_the_activation_estimate_bounds_the_compiled_step():
 
 def test_a_lora_runs_weights_count_adam_for_the_adapter_alone(tmp_path):
     """Under --lora the trainer holds base and adapter and their gradient (zeros for the base),
-    Adam the adapter's two moments, the engine the base with the adapter merged and a pushed one
-    beside it: 4 bases and 4 adapters, where full fine-tuning holds 6 copies of every param."""
+    Adam the adapter's two moments, the engine the base with the adapter merged: 3 bases and 4
+    adapters, where full fine-tuning holds 5 copies of every param (a push frees the engine's
+    old copy between its steps, `RolloutServer.load`)."""
     from _checkpoint import tiny_qwen2
     from dew.models import hf
     from dew.models.hf import lora
@@ -98,9 +99,9 @@ def test_a_lora_runs_weights_count_adam_for_the_adapter_alone(tmp_path):
     base = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
     adapter = lora.init(jax.random.key(0), model, config.lora_config())
     adapter = sum(leaf.nbytes for leaf in jax.tree.leaves(adapter))
-    assert memory_estimate(config, BYTES).weights == 4 * base + 4 * adapter
+    assert memory_estimate(config, BYTES).weights == 3 * base + 4 * adapter
     full = memory_estimate(TrainConfig(model=str(folder)), BYTES).weights
-    assert full == 6 * base
+    assert full == 5 * base
 
 
 DOCS = Path(__file__).parent.parent / "docs" / "checkpoints.md"

@@ -47,8 +47,9 @@ class Estimate:
 
     Args:
         weights: params, their gradient and Adam's two moments (4 copies), the engine's copy
-            and the pushed copy it holds beside it until its next step and, with a KL term,
-            the reference's; with remat, a copy of the layers' params,
+            (a push replaces it between the engine's steps, so the old copy is gone before the
+            update that follows: `RolloutServer.load`) and, with a KL term, the reference's;
+            with remat, a copy of the layers' params,
             stacked for the scan over them (`dew.models.through_layers`). The step donates the
             old weights and moments to the new (`GRPOObjective.update_fn(donate=True)`), and
             the held-out evaluation's engine, which holds a copy while it runs, runs between
@@ -138,13 +139,12 @@ def estimate(
     variables = jax.eval_shape(model.init, jax.random.key(0))
     params = _bytes(variables)
     if isinstance(variables, dict) and variables.keys() == {"adapter", "base"}:  # a LoRA model
-        # Adam and the engine hold the adapter alone, the engine the base merged with it (and
-        # a pushed one beside it); the gradient (zeros for the frozen base) and the reference
-        # are of every variable.
+        # Adam holds the adapter alone, the engine the base merged with it; the gradient
+        # (zeros for the frozen base) and the reference are of every variable.
         adapter = _bytes(variables["adapter"])
-        weights = params * (3 if reference else 2) + adapter * 2 + 2 * (params - adapter)
+        weights = params * (3 if reference else 2) + adapter * 2 + (params - adapter)
     else:
-        weights = params * (7 if reference else 6)
+        weights = params * (6 if reference else 5)
     if remat:
         weights += _layers_bytes(variables)
     cache = _bytes(jax.eval_shape(lambda: model.init_cache(slots=slots, max_len=max_len)))
