@@ -96,3 +96,28 @@ def test_the_estimate_bounds_the_compiled_steps_scratch(remat):
         memory.temp_size_in_bytes,
         step,
     )
+
+
+def test_each_step_hands_the_heaps_freed_memory_back_before_its_update(monkeypatch):
+    """Before each step's update the trainer returns the C heap's free pages to the system
+    (glibc's `malloc_trim`, found here): what compilations left free there stood under every
+    update's peak (SmolLM2-135M: 0.40 GiB after its update compiled)."""
+    import platform
+
+    from dew import _gc
+    from dew.train import _trainer
+
+    if platform.libc_ver()[0] == "glibc":
+        assert _gc._malloc_trim() is not None
+    before = []
+
+    def spy():
+        before.append(trainer.optimizer_updates)
+        _gc.return_freed_memory()
+
+    monkeypatch.setattr(_trainer, "return_freed_memory", spy)
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+        trainer = Trainer(OBJECTIVE, optax.adam(1e-3), params())
+        trainer.run(FakeRollout(OBJECTIVE, []), CountingDataset([]), steps=3)
+    assert trainer.optimizer_updates == 3
+    assert before == [0, 1, 2]

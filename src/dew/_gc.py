@@ -5,11 +5,16 @@ thousands of them (its sessions, calls and events), so while the trace is read, 
 collection that the allocations set off walks all that was read so far, and while it is replayed,
 every one walks the whole trace again: together about a quarter of a replay's time, for garbage
 the trace does not hold (its records refer to no cycle).
+
+And handing the C heap's freed pages back to the operating system (`return_freed_memory`),
+which a training run's compilations leave resident.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import gc
 import threading
 from collections.abc import Iterator
@@ -80,3 +85,24 @@ def frozen_while_serving() -> Iterator[None]:
             if _serving["count"] == 0 and _serving["froze"]:
                 gc.unfreeze()
                 _serving["froze"] = False
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's `malloc_trim`, or None where the C library has none (macOS, musl)."""
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)
+
+
+def return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the operating system (glibc's `malloc_trim(0)`);
+    nothing where the C library has no such call.
+
+    XLA's compiler allocates and frees many small blocks while it compiles a program, and glibc
+    keeps what was freed in its arenas, resident: after SmolLM2-135M's update compiled, 0.40 GiB
+    of the process's 1.00 GiB was such free memory (0.60 after the trim). A training step's
+    buffers are allocated apart from it (mapped afresh), so it stood on top of every step's
+    peak. A trim takes milliseconds; memory freed again after it needs no other call.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -23,6 +23,7 @@ from jax.experimental import multihost_utils
 from dew import _pool_guard
 from dew._arrays import copy_tree
 from dew._checks import check_int, check_number
+from dew._gc import return_freed_memory
 from dew.data import Batch, Dataset
 from dew.models.hf.lora import LoRAModel
 from dew.objectives.rl.grpo import GRPOObjective
@@ -609,6 +610,9 @@ class Trainer:
             )
         size = rows // self.minibatches
         updates = []
+        # What the compilations before this step (the engine's, the rescoring's, the last
+        # update's own) left free in the C heap would otherwise stand under the update's peak.
+        return_freed_memory()
         for epoch in range(self.ppo_epochs):
             if self.minibatches == 1:
                 parts: list[Batch] = [packed]
