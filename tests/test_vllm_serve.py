@@ -1,11 +1,13 @@
 """`dew serve`: one real vLLM server (its CPU build) started by the command, attached to as
 `dew train --engine-url` attaches, and stopped by SIGTERM; the command it prints for those who
-start vLLM themselves, and the one docs/vllm.md shows, are the ones dew's own start runs."""
+start vLLM themselves, and the one docs/vllm.md shows (run by a shell), are the ones dew's own
+start runs."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import shlex
@@ -17,7 +19,6 @@ from pathlib import Path
 
 import httpx
 import jax
-import numpy as np
 import pytest
 
 from _checkpoint import tiny_qwen2
@@ -207,11 +208,18 @@ def test_a_bad_checkpoint_or_option_is_refused_in_one_line(
     assert hint == "(see `dew serve --help`)"
 
 
-@pytest.mark.slow
-async def test_the_docs_command_starts_a_server_dew_attaches_to(tmp_path):
+_SHOWN = """import json, os, sys, sitecustomize
+print(json.dumps({"argv": sys.argv[1:], "environment": dict(os.environ),
+                  "sitecustomize": sitecustomize.__file__}))"""
+
+
+def test_the_docs_command_run_by_a_shell_runs_what_dew_serve_starts(tmp_path):
     """docs/vllm.md's hand-written command, run by a shell as written but for the reader's own
-    parts (its checkpoint folder, the installation's folders, a free port): dew attaches to the
-    server it starts and draws a call from it."""
+    parts (its checkpoint folder, the installation's folders, a free port), runs vLLM's server
+    with the flags, variables and `sitecustomize` of the command dew's own start runs: its
+    Python is asked to show them in place of running the server module, whose start from that
+    command test_dew_serve_starts_a_server_dew_attaches_to_and_sigterm_stops_it proves (one
+    vLLM start for both: each takes half a minute of a CPU here)."""
     import dew
 
     text = DOCS.read_text()
@@ -221,29 +229,20 @@ async def test_the_docs_command_starts_a_server_dew_attaches_to(tmp_path):
     port = free_port()
     site = str(Path(dew.__file__).resolve().parents[1])
     command = block.replace("SITE-PACKAGES", site).replace("checkpoints/qwen2-0.5b", str(folder))
-    command = command.replace("--port 8000", f"--port {port}").replace(
-        "python -m", f"{sys.executable} -m"
+    command = command.replace("--port 8000", f"--port {port}")
+    server = "python -m vllm.entrypoints.openai.api_server"
+    assert command.count(server) == 1, command
+    command = command.replace(server, f"{shlex.quote(sys.executable)} -c {shlex.quote(_SHOWN)}")
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shown = json.loads(done.stdout)
+    flags = start_flags("qwen2-0.5b", dtype="float32", max_model_len=2048)
+    expected, added = server_command(
+        folder, host="127.0.0.1", port=port, arguments=flags, environment={}
     )
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(
-        ["bash", "-c", command], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "the docs' server was not ready in 600 s"
-            time.sleep(1)
-        engine = VLLMEngine.attach([url], checkpoint=folder, push_dir=tmp_path / "push")
-        async with engine:
-            call = await engine.generate(np.arange(6, dtype=np.int32), max_tokens=4, key=0)
-        assert len(call.completion) == 4
-        engine.close()
-    finally:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
-        log.close()
+    assert shown["argv"] == expected[3:]  # after `python -m vllm.entrypoints.openai.api_server`
+    for name, value in added.items():
+        if name != "PYTHONPATH":
+            assert shown["environment"][name] == value, name
+    assert Path(shown["sitecustomize"]).parent.name == "_vllm_site"
+    assert Path(shown["sitecustomize"]).parent == Path(added["PYTHONPATH"].split(os.pathsep)[0])
