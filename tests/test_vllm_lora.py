@@ -1,15 +1,21 @@
 """LoRA adapter pushes into a real vLLM server (its CPU build): with `lora_rank`, each push has
 the server load the adapter alone in place under one name, and its log-probs are then the base
-model's with that adapter, as transformers + PEFT compute them.
+model's with that adapter, as transformers + PEFT compute them; in a fleet, each push loads the
+adapter into every server, and a server that dies in the middle of one is left out as a full
+push leaves it out, the push landing on the others; an adapter trained with dropout serves
+without it.
 
-One server for the module (it takes a minute or more to start here), started for adapters of
-rank 8. The adapters are PEFT's own (`get_peft_model(...).save_pretrained`), their A and B drawn
-at random: PEFT starts B at 0, which would leave the base model's log-probs as they are.
+One engine of two servers for the module (a server takes a minute or more to start here),
+started for adapters of rank 8: the tests of one server's calls attach to its first server
+alone, the fleet's tests (last, as one kills the second server) push through both. The
+adapters are PEFT's own (`get_peft_model(...).save_pretrained`), their A and B drawn at random:
+PEFT starts B at 0, which would leave the base model's log-probs as they are.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -23,8 +29,10 @@ import trio
 from _checkpoint import tiny_qwen2
 from _hf_folders import answer_with_digits, chat_checkpoint
 from dew._torch_media import hide_broken_media_packages
+from dew.models import hf
+from dew.models.hf import lora
 from dew.objectives.rl._session import track_progress
-from dew.serve._vllm_push import lora_problem
+from dew.serve._vllm_push import LOAD_ADAPTER, lora_problem
 from dew.serve.vllm import CallFailed, VLLMEngine, VLLMError
 from test_vllm_push import dew_logprobs
 
@@ -111,15 +119,33 @@ def adapters(base):
 
 
 @pytest.fixture(scope="module")
-def engine(base, tmp_path_factory):
+def fleet(base, tmp_path_factory):
+    """An engine of two servers, started for adapters of rank `RANK`: the fleet's tests push
+    through it; the others through `engine`, attached to its first server alone."""
     with VLLMEngine.start(
         base,
+        servers=2,
         max_model_len=MAX_LEN,
         lora_rank=RANK,
         save=save_adapter,
-        work_dir=tmp_path_factory.mktemp("engine"),
+        work_dir=tmp_path_factory.mktemp("fleet"),
     ) as started:
         yield started
+
+
+@pytest.fixture(scope="module")
+def engine(fleet, base, tmp_path_factory):
+    """The fleet's first server as an engine of its own: a test of one server's calls and
+    pushes (a call in flight through a push, a server that lost the adapter) needs every call
+    on that server."""
+    with VLLMEngine.attach(
+        fleet.urls[:1],
+        checkpoint=base,
+        save=save_adapter,
+        push_dir=tmp_path_factory.mktemp("engine"),
+        lora=True,
+    ) as attached:
+        yield attached
 
 
 @pytest.mark.slow
@@ -130,8 +156,6 @@ async def test_each_adapter_push_serves_the_base_model_with_that_adapter(
     model; the calls report the pushed version (vLLM labels an adapter's calls "default"
     unless told) and draw with the base model + that adapter, as transformers + PEFT and dew's
     own `LoRAModel` (the adapter read back with `lora.load_adapter`) compute them."""
-    from dew.models import hf
-    from dew.models.hf import lora
 
     model, params = hf.load(base)
     for version, adapted in enumerate(adapters, start=1):
@@ -304,8 +328,6 @@ def test_dew_train_lora_starts_its_vllm_server_for_adapters_and_trains_through_i
     log-probs are dew's own base + adapter rescoring (`mismatch/engine`) at float rounding,
     with an adapter that moves them far more than that; the run's folder holds the adapter."""
     from dew.cli import main
-    from dew.models import hf
-    from dew.models.hf import lora
 
     run, rank = tmp_path / "run", 4
     argv = ["train", "--model", str(digits_folder), "--lora", "--lora-rank", str(rank)]
@@ -350,8 +372,6 @@ def test_attaching_a_lora_run_to_a_server_of_a_smaller_rank_is_refused_naming_th
 ):
     """A run whose adapter's rank is past the server's `--max-lora-rank` is refused as it
     attaches, naming the flags to start the server with, not at its first push."""
-    from dew.models import hf
-    from dew.models.hf import lora
 
     model = lora.LoRAModel(hf.load(base)[0], lora.LoRAConfig(rank=16, alpha=32.0))
     with pytest.raises(VLLMError) as refused:
@@ -369,3 +389,90 @@ def test_a_server_without_lora_is_named_with_the_flags_it_needs():
     )
     assert lora_problem({"vllm_config": {}}, 4) is None
     assert lora_problem({"vllm_config": {"lora_config": {"max_lora_rank": 8}}}, 8) is None
+
+
+# --- the fleet: run last, as one of them kills the second server ----------------------------
+
+
+async def _calls(fleet: VLLMEngine, count: int) -> list:
+    async with fleet:
+        return [await fleet.generate(PROMPT, max_tokens=6, key=key) for key in range(count)]
+
+
+def _adapter_paths(engine: VLLMEngine, url: str) -> list[str]:
+    """The folders of the adapters server `url` holds under the run's adapter name."""
+    cards = httpx.get(f"{url}/v1/models").raise_for_status().json()["data"]
+    return [card["root"] for card in cards if card["id"] == engine.adapter]
+
+
+@pytest.mark.slow
+async def test_an_adapter_push_loads_the_adapter_into_every_server_of_the_fleet(fleet, adapters):
+    await fleet.load_async(adapters[0], 1)
+    pushed = [_adapter_paths(fleet, url) for url in fleet.urls]
+    assert pushed[0] == pushed[1] and len(pushed[0]) == 1 and pushed[0][0].endswith("adapter-1")
+    for call in await _calls(fleet, 4):
+        assert call.version == 1
+        np.testing.assert_allclose(
+            call.logprobs, peft_logprobs(adapters[0], call), rtol=0, atol=ATOL
+        )
+
+
+@pytest.mark.slow
+async def test_a_server_killed_mid_adapter_push_is_left_out_and_the_push_lands_on_the_other(
+    fleet, adapters, caplog, monkeypatch
+):
+    """The second server dies once it is paused, as the push asks it to load the adapter: its
+    load fails, it is left out in one line, and the other serves the pushed adapter under the
+    pushed version, as a full push does (tests/test_vllm_fleet.py)."""
+    victim = fleet.processes[1]
+    post = fleet._post_async
+
+    async def dying(client, server, path, **options):
+        if path == LOAD_ADAPTER and server.url == victim.url:
+            victim.kill()  # its whole process group, as a crash in the middle of the push
+        return await post(client, server, path, **options)
+
+    monkeypatch.setattr(fleet, "_post_async", dying)
+    with caplog.at_level(logging.WARNING, logger="dew.serve._vllm"):
+        await fleet.load_async(adapters[1], 2)
+    assert fleet.version == 2
+    left_out = [r.getMessage() for r in caplog.records if "is left out" in r.getMessage()]
+    assert len(left_out) == 1 and victim.url in left_out[0] and "(1 left)" in left_out[0]
+    assert _adapter_paths(fleet, fleet.urls[0])[0].endswith("adapter-2")
+    for call in await _calls(fleet, 3):
+        assert call.version == 2
+        np.testing.assert_allclose(
+            call.logprobs, peft_logprobs(adapters[1], call), rtol=0, atol=ATOL
+        )
+
+
+@pytest.mark.slow
+async def test_an_adapter_trained_with_dropout_loads_and_serves_without_it(
+    fleet, base, monkeypatch
+):
+    """dew's adapter of a run with `--lora-dropout` (its `adapter_config.json` saying
+    `lora_dropout`) loads into the fleet's live server, which draws from it as dew's merged
+    forward scores it: inference drops nothing, in vLLM as in dew."""
+    model, params = hf.load(base)
+    adapted = lora.LoRAModel(model, lora.LoRAConfig(RANK, 16, ("q_proj", "v_proj"), dropout=0.1))
+    variables = adapted.variables(params, jax.random.key(0))
+    variables["adapter"] = jax.tree.map(lambda leaf: leaf + 0.3, variables["adapter"])
+    # The engine writes this push as a dew train run's engine does: dew's own adapter folder.
+    monkeypatch.setattr(
+        fleet, "_save", lambda to, pushed: lora.save_adapter(to, pushed["adapter"], adapted.lora)
+    )
+    await fleet.load_async(variables, 3)
+    (held,) = _adapter_paths(fleet, fleet.urls[0])
+    assert json.loads((Path(held) / lora.ADAPTER_CONFIG).read_text())["lora_dropout"] == 0.1
+    for call in await _calls(fleet, 2):
+        assert call.version == 3
+        ids = np.concatenate([call.prompt, call.completion]).astype(np.int32)
+        logits = adapted(
+            variables,
+            jnp.asarray(ids)[None],
+            jnp.arange(len(ids), dtype=jnp.int32)[None],
+            jnp.ones((1, len(ids)), jnp.int32),
+        )[0]
+        scored = np.asarray(jax.nn.log_softmax(logits, -1))[len(call.prompt) - 1 : -1]
+        ours = scored[np.arange(len(call.completion)), call.completion]
+        np.testing.assert_allclose(call.logprobs, ours, rtol=0, atol=ATOL)
