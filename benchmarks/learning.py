@@ -44,6 +44,13 @@ TASKS = {
         ),
         "max_tokens": 3,
     },
+    "products": {
+        "task": (
+            "reasoning-gym:basic_arithmetic,min_terms=2,max_terms=2,min_digits=1,max_digits=1,"
+            'operators=["*"],allow_negation=false,allow_parentheses=false,shots=1'
+        ),
+        "max_tokens": 3,
+    },
 }
 """Each task's `dew train` settings beyond the recipe: its spec and its replies' most tokens
 (syllogism's right replies are a token or two; a sum's bare answer is one or two digits and a
@@ -137,15 +144,19 @@ reward of the base model over 48 tasks, replies of at most the tokens named:
   |---|---|---|---|---|---|---|---|---|
   | arithmetic | dew | 0 | 0.125 -> 0.797 | 0.053 -> 0.773 | 30 | 18.0 | 761 s | 6.6 GB |
   | arithmetic | dew | 1 | 0.234 -> 0.828 | 0.085 -> 0.720 | 30 | 12.6 | 576 s | 6.6 GB |
+  | arithmetic | dew | 2 | 0.234 -> 0.633 | 0.073 -> 0.594 | 30 | 52.1 | 2186 s | 6.7 GB |
 
   Seed 0: greedy 0.750 and 0.766 at 10 and 20 updates; exactly right held-out answers 8 -> 51
   of 64, distinct right answers 4 -> 18 (of 19 sums). Seed 1: 0.570 and 0.844 at 10 and 20;
   exactly right 15 -> 53, distinct right answers 8 -> 17. Not a constant answer. Wall and peak
-  by /usr/bin/time -v at a load of 3-6. Seed 2, stopped at 10 updates for time (30-50 s a
-  step at a higher load): greedy 0.234 -> 0.466, mean@2 0.027 -> 0.419, but bare and right 13
-  -> 10: its replies were right sums with a period ("17." scores 0.67), half of them cut at
-  the third token; whether it drops the period by 30 updates was not measured. Not measured
-  either: `--engine vllm` on this recipe, and a second task that clears 0.15.
+  by /usr/bin/time -v at a load of 3-6. Seed 2 (at a load of 6-9, hence 52 s a step): greedy
+  0.570, 0.656 and 0.633 at 10, 20 and 30 updates, exactly right 14 -> 23 -> 26 -> 26 of 64,
+  distinct right answers 9 -> 10; a gain (+0.398), less of it bare answers than seeds 0 and
+  1: where it misses, it writes a "1" before the right one-digit sum ("3 + 6" -> "19", "5 +
+  3" -> "18"), which reasoning-gym's scorer pays 0.5 (the answer's share of the reply's
+  characters), so the group normalisation paid that too. An earlier seed-2 run, stopped at 10
+  updates (before the sampling seed's change in 0a54335), had its replies right sums with a
+  period ("17." scores 0.67).
 - A second task with free answers, base model over held-out items (transformers, greedy, 16
   tokens, one solved example): one-digit products (`basic_arithmetic` with `operators=["*"]`)
   0.366 over 24, one-digit differences (`["-"]`) 0.234 over 32 (majority answer 12 %),
@@ -202,15 +213,18 @@ def _lines(path: Path) -> list[dict]:
 
 
 def summary(run: Path, figures: dict) -> dict:
-    """A run's row: held-out before and after (greedy and mean@k), the step's seconds, sampled
-    tokens per second, per-class accuracy or distinct correct answers, before and after."""
+    """A run's row: held-out before and after (greedy and mean@k), the step's seconds, tokens
+    per second of the replies that trained, per-class accuracy or distinct correct answers,
+    before and after. A step whose groups all scored alike trained none (`filter_uniform`):
+    its line has no reward or length, and it counts its seconds and no tokens."""
     evaluations = _lines(run / "eval.jsonl")
     metrics = _lines(run / "metrics.jsonl")
     first, last = evaluations[0], evaluations[-1]
     sampled = next((key for key in first if key.startswith("mean@")), None)
     seconds = [line["seconds/step"] for line in metrics]
     rollouts = [line["groups"] * RECIPE["groups"] for line in metrics]
-    tokens = sum(line["length/mean"] * n for line, n in zip(metrics, rollouts, strict=True))
+    lengths = [line.get("length/mean", 0.0) for line in metrics]
+    tokens = sum(length * n for length, n in zip(lengths, rollouts, strict=True))
     row = {
         "greedy": (first["greedy"], last["greedy"]),
         "sampled": None if sampled is None else (sampled, first[sampled], last[sampled]),

@@ -111,3 +111,32 @@ def test_the_long_tail_tables_refuse_a_count_below_one_in_one_line(option, monke
     name, value = option.split("=")
     assert refused.value.code == 2, err
     assert err.splitlines()[-1] == f"long_tail.py: error: {name} must be at least 1, got {value}"
+
+
+def test_the_learning_summary_counts_a_step_whose_groups_all_scored_alike(tmp_path):
+    """benchmarks/learning.py's row of a run one of whose steps trained no group (every group
+    uniform, left out by `--filter-uniform`: its metrics line has no `reward/mean` or
+    `length/mean`, as a SmolLM2 sums run's steps 0, 2 and 7 had). The summary raised KeyError
+    after the run's 30 steps; the step counts its seconds and no tokens."""
+    import importlib.util
+    import json
+
+    (script,) = [b for b in BENCHMARKS if b.stem == "learning"]
+    spec = importlib.util.spec_from_file_location("learning_benchmark", script)
+    learning = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(learning)
+    run = tmp_path / "run"
+    run.mkdir()
+    trained = {"groups": 1, "seconds/step": 30.0, "reward/mean": 0.25, "length/mean": 2.5}
+    untrained = {"groups": 0, "seconds/step": 10.0}
+    (run / "metrics.jsonl").write_text(f"{json.dumps(untrained)}\n{json.dumps(trained)}\n")
+    evaluations = [
+        {"updates": 0, "greedy": 0.125, "mean@2": 0.05, "distinct_correct": 4},
+        {"updates": 2, "greedy": 0.5, "mean@2": 0.4, "distinct_correct": 9},
+    ]
+    (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evaluations))
+    row = learning.summary(run, {"wall": 60.0, "peak_gib": 6.2})
+    assert row["steps"] == 2 and row["s/step"] == 20.0
+    assert row["tokens/s"] == 2.5 * learning.RECIPE["groups"] / 40.0
+    assert row["reward"] == [None, 0.25]
+    assert row["greedy"] == (0.125, 0.5) and row["distinct_correct"] == (4, 9)
