@@ -163,16 +163,44 @@ def test_the_entropy_rides_on_the_chunked_pass_and_matches_numpy(model_and_param
         assert abs(want - reference_entropy(model, params, plain, temperature=0.7)) > 0.1
 
 
-@pytest.mark.parametrize("chunk", [5, 25, None])
-@pytest.mark.parametrize("entropy_coef", [0.0, 0.1])
-def test_chunked_loss_and_gradient_equal_the_whole_logits(model_and_params, chunk, entropy_coef):
+@pytest.fixture(scope="module")
+def whole_loss(model_and_params):
+    """The whole logits' loss and gradient on `packed(3)` per entropy coefficient, computed
+    once for the chunk sizes each is compared with (a gradient's compile is most of each
+    comparison's time)."""
     model, params = model_and_params
+    batch = loss_batch()
+    computed = {}
+
+    def loss(entropy_coef: float):
+        if entropy_coef not in computed:
+            plain = GRPOObjective(whole(model), kl_coef=0.1, entropy_coef=entropy_coef)
+            step = jax.jit(jax.value_and_grad(plain.loss, has_aux=True))
+            computed[entropy_coef] = step(params, batch)
+        return computed[entropy_coef]
+
+    return loss
+
+
+def loss_batch() -> dict:
+    """`packed(3)` with reference log-probs, for the loss's KL term."""
     batch = packed(3)
-    chunked = GRPOObjective(model, logit_chunk=chunk, kl_coef=0.1, entropy_coef=entropy_coef)
-    plain = GRPOObjective(whole(model), kl_coef=0.1, entropy_coef=entropy_coef)
     batch["reference_logprobs"] = batch["proximal_logprobs"] + np.float32(0.2) * batch["loss_mask"]
-    (got, _), got_grads = jax.jit(jax.value_and_grad(chunked.loss, has_aux=True))(params, batch)
-    (want, _), want_grads = jax.jit(jax.value_and_grad(plain.loss, has_aux=True))(params, batch)
+    return batch
+
+
+# 5: twelve chunks of the 60 positions; None: the default, one chunk of a vocabulary this small
+# (uneven and padded chunks: the log-prob tests and the even-chunks test below).
+@pytest.mark.parametrize("chunk", [5, None])
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.1])
+def test_chunked_loss_and_gradient_equal_the_whole_logits(
+    model_and_params, whole_loss, chunk, entropy_coef
+):
+    model, params = model_and_params
+    chunked = GRPOObjective(model, logit_chunk=chunk, kl_coef=0.1, entropy_coef=entropy_coef)
+    step = jax.jit(jax.value_and_grad(chunked.loss, has_aux=True))
+    (got, _), got_grads = step(params, loss_batch())
+    (want, _), want_grads = whole_loss(entropy_coef)
     np.testing.assert_allclose(float(got), float(want), rtol=0, atol=1e-6)
     for path, leaf in jax.tree_util.tree_leaves_with_path(want_grads):
         assert np.any(np.asarray(leaf) != 0) or "bias" in jax.tree_util.keystr(path)
