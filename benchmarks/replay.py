@@ -13,7 +13,7 @@ next. Its time is the scheduler's own cost over every rollout of the run (see
 engine's and the trainer's. So the ratio falls as the engine gets faster.
 
     python benchmarks/replay.py              # the default 400-step run, 3 replays
-    python benchmarks/replay.py --smoke      # 3 steps of a tiny model, 1 replay
+    python benchmarks/replay.py --smoke      # 2 steps of a tiny model, 1 replay
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 # The tests' tiny model and batch (as what_if.py's and train_step.py's smokes and most of
 # tests/): in a test session one run compiles its programs and the others read JAX's cache.
 SMOKE = {
-    "steps": 3,
+    "steps": 2,  # a push between them: the replay meets a second weight version
     "batch-size": 2,
     "groups": 2,
     "d-model": 16,
@@ -56,7 +56,7 @@ def timed(command: list[str]) -> tuple[float, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replays", type=int, default=3, help="replays of the trace (3)")
-    parser.add_argument("--smoke", action="store_true", help="3 steps of a tiny model")
+    parser.add_argument("--smoke", action="store_true", help="2 steps of a tiny model")
     args = parser.parse_args()
     if args.replays < 1:
         parser.error(f"--replays must be at least 1, got {args.replays}")
