@@ -17,7 +17,8 @@ import shutil
 import sys
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+_DEVICES = "--xla_force_host_platform_device_count=2"  # beside the flags the tests give
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES}"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -15,7 +15,8 @@ import shutil
 import sys
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+_DEVICES = "--xla_force_host_platform_device_count=4"  # beside the flags the tests give
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES}"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -27,6 +27,14 @@ turn the passes back on for themselves (the `xla_optimizations` fixture), and so
 train the real 135M-param model (the README's command and the real-model notebook), whose
 programs ran up to 2.7 times slower unoptimised and compiled no faster.
 
+Every program is also compiled by XLA's CPU emitters of before its MLIR fusion emitters
+(`--xla_cpu_use_fusion_emitters=false` in XLA_FLAGS, set here before JAX's backend starts and
+inherited through the environment like the settings above; a test that sets XLA_FLAGS for a
+process of its own adds to it). Those emitters are most of the compile time of the tests' tiny
+programs: a gradient of a two-layer model compiled in about a third of the time, and
+tests/test_train.py took 54 CPU-s against 76, the same tests passing. Users' runs keep XLA's
+default.
+
 The vLLM servers tests start run their model worker in their engine core's process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, inherited through the environment by every server a test,
 a `dew train` or a benchmark smoke run starts): vLLM's CPU build otherwise starts a worker
@@ -51,8 +59,13 @@ import signal
 import tempfile
 import threading
 
-import jax
-import pytest
+# Before JAX's backend starts (see the module's docstring); xdist's workers inherit it.
+_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+if _EMITTERS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_EMITTERS}".strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Files holding slow tests go to xdist's workers first (tests/_slow_first.py); pytester runs
 # the small suites that test it.

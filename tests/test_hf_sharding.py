@@ -40,7 +40,7 @@ def test_sharded_params_train_serve_and_restore_onto_another_mesh(tmp_path):
     reads it; orbax restores sharded state onto a mesh of another shape."""
     environment = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4",
     }
     finished = subprocess.run(
         [sys.executable, str(WORKER), str(tmp_path)],
@@ -75,7 +75,8 @@ def test_dew_train_splits_a_checkpoint_over_a_pools_mesh_and_resumes_on_another(
             **os.environ,
             "JAX_PLATFORMS": "cpu",
             "PYTHONPATH": os.pathsep.join(sys.path),
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+            f"--xla_force_host_platform_device_count={devices}",
             "JAX_LOG_COMPILES": "1",
         }
         finished = subprocess.run(

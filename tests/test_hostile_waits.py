@@ -41,6 +41,7 @@ from dew.train import COMMIT, fit
 
 DEW_TRAIN = [sys.executable, "-m", "dew", "train"]
 SMALL = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32"]
+DEVICES_2 = "--xla_force_host_platform_device_count=2"
 SMALL += ["--batch-size", "4", "--groups", "2", "--tasks", "32"]
 # Seconds a pool may take before the test kills it and fails.
 BOUND = 300
@@ -129,7 +130,7 @@ def test_a_pool_of_one_process_trains_on_a_mesh_of_its_devices(tmp_path, env):
     command += ["--groups", "2", "--tasks", "8", "--steps", "1"]
     finished = subprocess.run(
         [*command, "--processes", "1", "--mesh", "1x1x2"],
-        env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+        env={**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} {DEVICES_2}"},
         capture_output=True,
         text=True,
         timeout=BOUND,

@@ -30,7 +30,7 @@ def worker(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     scratch = tmp_path_factory.mktemp("sharded")
     environment = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4",
     }
     finished = subprocess.run(
         [sys.executable, str(WORKER), str(scratch)],
