@@ -246,3 +246,34 @@ def test_the_docs_command_run_by_a_shell_runs_what_dew_serve_starts(tmp_path):
             assert shown["environment"][name] == value, name
     assert Path(shown["sitecustomize"]).parent.name == "_vllm_site"
     assert Path(shown["sitecustomize"]).parent == Path(added["PYTHONPATH"].split(os.pathsep)[0])
+
+
+_START_METHOD = """import os, sys
+from vllm.engine.arg_utils import EngineArgs
+EngineArgs(model=sys.argv[1], max_model_len=128, dtype="float32",
+           enforce_eager=True).create_engine_config()
+print(os.environ["VLLM_WORKER_MULTIPROC_METHOD"])"""
+
+
+@pytest.mark.parametrize(("in_process", "method"), [("0", "fork"), ("1", "spawn")])
+def test_a_server_with_its_worker_in_the_engine_core_forks_that_engine_core(
+    tmp_path, in_process, method
+):
+    """With the model worker in the engine core's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), the
+    engine core is the only process a server starts, and dew's `sitecustomize` has vLLM fork it
+    (spawned, it imported torch and vLLM again: a tiny server took 22 CPU-s to be ready against
+    15); vLLM's own layout keeps the spawn its CPU platform asks for. Checked on the method vLLM
+    is left with once it has checked a configuration, in a process with a server's environment."""
+    folder = tiny_qwen2(tmp_path / "tiny")
+    _, added = server_command(folder, host="127.0.0.1", port=0, arguments=(), environment={})
+    environment = {**os.environ, **added, "VLLM_ENABLE_V1_MULTIPROCESSING": in_process}
+    environment.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+    done = subprocess.run(
+        [sys.executable, "-c", _START_METHOD, str(folder)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == method, done.stdout[-1000:]
