@@ -25,8 +25,8 @@ from dew.envs.lookup import HARNESSES
 from dew.models.hf import lora
 from dew.serve._vllm_process import VLLMError
 from dew.train._checkpoint import COMMIT, read_commit
-from dew.train._config import ENVIRONMENTS, HARNESS, TrainConfig
-from dew.train._config_fields import _check_harness
+from dew.train._config import TrainConfig
+from dew.train._config_fields import ENVIRONMENTS, HARNESS, _check_harness
 from dew.train._config_preflight import _check_task, _load_environment, _load_tokenizer, _mesh_sizes
 from dew.train._folders import (
     Misfit,

@@ -1,9 +1,9 @@
-"""`dew train`'s config: `TrainConfig`, how its fields go together, and reading it from a file.
+"""`dew train`'s config: `TrainConfig`, its fields documented, and reading it from a file.
 
 A run folder's `config.json` is a `TrainConfig` as JSON; `--config` reads one from TOML or JSON,
-with the command line's options over it. Each field's own check is `_config_fields`'s; what a
-run checks of the config against the files and the machine before it starts (the tokenizer, the
-mesh, the task) is `_config_preflight`'s.
+with the command line's options over it. Each field's own check is `_config_fields`'s, how the
+fields go together `_config_checks`'s; what a run checks of the config against the files and
+the machine before it starts (the tokenizer, the mesh, the task) is `_config_preflight`'s.
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ import attrs
 from dew import models
 from dew._checks import in_range, int_within
 from dew._documents import read_document
-from dew.models.hf.lora import TARGETS, TRANSFORMER_TARGETS, LoRAConfig, LoRAModel
-from dew.objectives.rl._surrogate import KL_ESTIMATORS, RATIO_LEVELS, check_clip_dual
+from dew.models.hf.lora import TARGETS, TRANSFORMER_TARGETS, LoRAConfig
+from dew.objectives.rl._surrogate import KL_ESTIMATORS, RATIO_LEVELS
 from dew.objectives.rl.grpo import AGGREGATIONS, CORRECTIONS, IMPORTANCE_LEVELS, PROXIMALS
 from dew.objectives.rl.sessions import ESTIMATORS
 from dew.serve.tokenizer import BYTES
+from dew.train._config_checks import WASTE_BUDGET, check_together
 from dew.train._config_fields import (
-    ENVIRONMENTS,
-    HARNESS,
     _admit,
     _admit_value,
     _dtype_or_none,
@@ -43,11 +42,6 @@ from dew.train._config_fields import (
 )
 from dew.train._wandb import WANDB_MODES
 
-MAX_IN_FLIGHT = 2**16
-"""The most rollouts a run has in flight, batch_size x (groups + oversample) x (ahead + 1): the
-engine holds a slot, and its cache, for each."""
-MAX_WEIGHTS = 2**31
-"""The most weights of a run's transformer blocks (8 GiB of float32, before Adam's two more)."""
 # Fields that change what a run logs, not what it trains: a resumed run may change them.
 _LOGGING = ("steps", "eval_every", "eval_samples", "samples", "tensorboard")
 # Where the vLLM servers run, not what they serve: a resumed run may use other servers.
@@ -62,8 +56,6 @@ _LOGGING += ("wandb", "wandb_mode")
 
 DEFAULT_MAX_TOKENS = 4
 """A reasoning-gym or environment reply's most tokens where `--max-tokens` gives none."""
-_WASTE_BUDGET = 0.2
-"""`--waste-budget`'s default, which a run without `--admit auto` keeps."""
 LR_DECAYS = ("constant", "linear", "cosine")
 """How the learning rate goes after its warmup: it stays, or falls linearly or along a cosine to
 0 at the run's last step (`dew.train._run._optimizer`)."""
@@ -263,7 +255,7 @@ class TrainConfig:
         converter=_no_cut,
     )
     waste_budget: float = _option(
-        _WASTE_BUDGET,
+        WASTE_BUDGET,
         in_range(0, 1, high_open=True),
         "with --admit auto, the most of the run's slot-seconds it may throw away (with "
         "--carry-over, a step past it cancels the carried groups beyond a batch's worth)",
@@ -561,105 +553,7 @@ class TrainConfig:
         return LoRAConfig(self.lora_rank, self.lora_alpha, targets, self.lora_dropout)
 
     def __attrs_post_init__(self):
-        check_clip_dual(self.clip, self.clip_high, self.clip_dual)
-        if self.mesh is not None and self.model is None:
-            raise ValueError("mesh splits a --model checkpoint over devices: give model too")
-        if self.model is not None and self.tokenizer is not None:
-            raise ValueError("model brings its folder's tokenizer: leave out tokenizer")
-        if self.dtype is not None and self.model is None:
-            raise ValueError("dtype is the dtype of a --model checkpoint: give model too")
-        if self.engine == "vllm" and self.model is None:
-            raise ValueError("engine vllm serves a --model checkpoint folder: give model too")
-        if self.lora and self.mesh is not None:
-            raise ValueError(
-                "lora keeps the adapter and its checkpoint on one device: leave out mesh"
-            )
-        lora_fields = (
-            ("lora_rank", 8),
-            ("lora_alpha", 16.0),
-            ("lora_targets", None),
-            ("lora_dropout", 0.0),
-        )
-        if self.lora and self.model is None:
-            try:  # the adapter of dew's transformer of any shape: its modules are the same
-                LoRAModel(models.Transformer(models.TransformerConfig()), self.lora_config())
-            except ValueError as error:
-                raise ValueError(str(error).replace("lora targets", "lora_targets", 1)) from None
-        for name, default in lora_fields:
-            if not self.lora and getattr(self, name) != default:
-                raise ValueError(f"{name} shapes a LoRA adapter: give lora too")
-        if self.ref_sync_every and self.kl_coef == 0:
-            raise ValueError(
-                f"ref_sync_every re-syncs the KL penalty's reference: give kl_coef above 0 "
-                f"too, got ref_sync_every {self.ref_sync_every} with kl_coef 0"
-            )
-        if self.lr_decay != "constant" and self.warmup_steps >= self.optimizer_updates:
-            raise ValueError(
-                f"warmup_steps must be below steps x ppo_epochs x minibatches "
-                f"({self.optimizer_updates}, the run's optimizer updates) for lr_decay "
-                f"{self.lr_decay}: the decay follows the warmup, got {self.warmup_steps}"
-            )
-        if self.proximal == "current" and self.ppo_epochs * self.minibatches > 1:
-            raise ValueError(
-                f"proximal current takes the ratio's proximal log-probs from each update's own "
-                f"pass, so with ppo_epochs {self.ppo_epochs} x minibatches {self.minibatches} "
-                "updates a batch the ratio would stay 1 and the clip never act: give proximal "
-                "rescore"
-            )
-        if self.admit != "auto" and self.waste_budget != _WASTE_BUDGET:
-            raise ValueError("waste_budget bounds the cuts of admit auto: give admit auto too")
-        if self.engine_url is not None and self.engine != "vllm":
-            raise ValueError("engine_url names vLLM servers: give engine vllm too")
-        if self.d_model % self.heads:
-            raise ValueError(
-                f"d_model must be a multiple of heads {self.heads}, got {self.d_model}"
-            )
-        # What the engine and the model allocate grows with products of the fields: each field
-        # within its bound can still multiply up to terabytes.
-        in_flight = self.batch_size * (self.groups + self.oversample) * (self.ahead + 1)
-        if in_flight > MAX_IN_FLIGHT:
-            raise ValueError(
-                f"batch_size x (groups + oversample) x (ahead + 1) is the rollouts in flight, "
-                f"which must be <= {MAX_IN_FLIGHT}, got {in_flight}"
-            )
-        weights = self.layers * (4 * self.d_model**2 + 2 * self.d_model * self.d_ff)
-        if weights > MAX_WEIGHTS:
-            raise ValueError(
-                f"layers x (4 d_model^2 + 2 d_model d_ff) is the transformer's weights, which "
-                f"must be <= {MAX_WEIGHTS}, got {weights}"
-            )
-        if self.correction == "truncate" and self.importance_floor != 0:
-            raise ValueError(
-                "importance_floor bounds masking only: give correction mask, or leave it 0"
-            )
-        if self.max_context is not None and not self.task.startswith(tuple(ENVIRONMENTS)):
-            raise ValueError(
-                f"max_context sizes an environment's episodes (--env); task {self.task!r} sets "
-                "its own"
-            )
-        own_turns = self.task in ("guess", "echo") or self.task.startswith(HARNESS)
-        if self.max_tokens is not None and own_turns:
-            raise ValueError(
-                f"max_tokens sizes a reply; task {self.task!r} sets its turns' own, got "
-                f"{self.max_tokens}"
-            )
-        if self.tasks < self.batch_size:
-            raise ValueError(f"tasks must be >= batch_size {self.batch_size}, got {self.tasks}")
-        if isinstance(self.admit, int) and self.admit > self.batch_size:
-            raise ValueError(f"admit must be <= batch_size {self.batch_size}, got {self.admit}")
-        if self.keep_best and not self.eval_every:
-            raise ValueError(
-                "keep_best keeps the best evaluation's checkpoint: give eval_every too"
-            )
-        if self.carry_over and self.admit is None:
-            raise ValueError("carry_over needs admit: it carries the groups admit leaves out")
-        if not self.hedge and not self.carry_over:
-            raise ValueError("hedge backs up carried groups' stragglers: give carry_over too")
-        if self.max_lag < self.ahead + self.sync_every - 1:
-            raise ValueError(
-                f"max_lag must be >= ahead + sync_every - 1 = {self.ahead + self.sync_every - 1}, "
-                f"got {self.max_lag}"
-            )
+        check_together(self)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], *, where: str = "config.json") -> TrainConfig:

@@ -14,7 +14,8 @@ import attrs
 
 from dew.envs.reasoning_gym import PREFIX
 from dew.train._checkpoint import COMMIT, STATE, read_commit
-from dew.train._config import _LOGGING, HARNESS, TrainConfig, _read_json
+from dew.train._config import _LOGGING, TrainConfig, _read_json
+from dew.train._config_fields import HARNESS
 from dew.train._trainer import METRICS, check_log_lengths
 
 

@@ -25,7 +25,8 @@ from dew.objectives.rl.sessions import SessionSource
 from dew.serve import RolloutServer, ServedSource
 from dew.serve.chat_template import ChatTemplateError
 from dew.serve.tokenizer import Tokenizer
-from dew.train._config import DEFAULT_MAX_TOKENS, HARNESS, TrainConfig
+from dew.train._config import DEFAULT_MAX_TOKENS, TrainConfig
+from dew.train._config_fields import HARNESS
 from dew.train._fit import measure
 
 
