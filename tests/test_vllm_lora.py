@@ -399,6 +399,14 @@ async def _calls(fleet: VLLMEngine, count: int) -> list:
         return [await fleet.generate(PROMPT, max_tokens=6, key=key) for key in range(count)]
 
 
+async def _served_under(fleet: VLLMEngine, adapter, version: int, *, calls: int) -> None:
+    """`calls` calls through the fleet report `version` and draw from the base model with
+    `adapter`, as transformers + PEFT compute it."""
+    for call in await _calls(fleet, calls):
+        assert call.version == version
+        np.testing.assert_allclose(call.logprobs, peft_logprobs(adapter, call), rtol=0, atol=ATOL)
+
+
 def _adapter_paths(engine: VLLMEngine, url: str) -> list[str]:
     """The folders of the adapters server `url` holds under the run's adapter name."""
     cards = httpx.get(f"{url}/v1/models").raise_for_status().json()["data"]
@@ -410,11 +418,7 @@ async def test_an_adapter_push_loads_the_adapter_into_every_server_of_the_fleet(
     await fleet.load_async(adapters[0], 1)
     pushed = [_adapter_paths(fleet, url) for url in fleet.urls]
     assert pushed[0] == pushed[1] and len(pushed[0]) == 1 and pushed[0][0].endswith("adapter-1")
-    for call in await _calls(fleet, 4):
-        assert call.version == 1
-        np.testing.assert_allclose(
-            call.logprobs, peft_logprobs(adapters[0], call), rtol=0, atol=ATOL
-        )
+    await _served_under(fleet, adapters[0], 1, calls=4)
 
 
 @pytest.mark.slow
@@ -439,11 +443,7 @@ async def test_a_server_killed_mid_adapter_push_is_left_out_and_the_push_lands_o
     left_out = [r.getMessage() for r in caplog.records if "is left out" in r.getMessage()]
     assert len(left_out) == 1 and victim.url in left_out[0] and "(1 left)" in left_out[0]
     assert _adapter_paths(fleet, fleet.urls[0])[0].endswith("adapter-2")
-    for call in await _calls(fleet, 3):
-        assert call.version == 2
-        np.testing.assert_allclose(
-            call.logprobs, peft_logprobs(adapters[1], call), rtol=0, atol=ATOL
-        )
+    await _served_under(fleet, adapters[1], 2, calls=3)
 
 
 @pytest.mark.slow
