@@ -98,7 +98,13 @@ def test_frozen_while_serving_holds_the_freeze_until_the_last_server_stops():
 
 def test_frozen_while_serving_leaves_a_freeze_made_before_it_as_it_was():
     gc.freeze()
-    before = gc.get_freeze_count()
-    with _gc.frozen_while_serving():
-        pass
-    assert gc.get_freeze_count() == before
+    try:
+        before = gc.get_freeze_count()
+        with _gc.frozen_while_serving():
+            pass
+        # Not unfrozen (the count would be 0) nor frozen again (it would grow by what was made
+        # since). Not `== before`: a frozen object can still be freed by its reference count,
+        # and another thread's were while a full suite ran (the count fell by 2 of 1.8 M).
+        assert 0 < gc.get_freeze_count() <= before
+    finally:
+        gc.unfreeze()  # the rest of this process's tests run as they would alone

@@ -231,21 +231,24 @@ async def test_a_cancelled_call_says_how_many_tokens_it_drew(engine, params):
             await engine.generate(PROMPT, max_tokens=budget, key=5)
 
         async with engine, trio.open_nursery() as nursery:
-            nursery.start_soon(rollout)
-            with trio.fail_after(120):
-                while progress is None or progress.length()[0] < 1:
-                    await trio.sleep(0)
-            # The call freezes where it is: its servers stopped at once (a pause over HTTP
-            # landed after the call had drawn its whole budget five times running in a loaded
-            # suite run).
             groups = [process.pid for process in engine.processes]
-            for group in groups:
-                os.killpg(group, signal.SIGSTOP)
+            signal_all(groups, signal.SIGSTOP)
+            nursery.start_soon(rollout)
             try:
+                # The servers run in slices of a few ms, stopped between them while the call
+                # reads what arrived, until its first token is in: the tiny model draws its
+                # whole budget in a few hundred ms, and a client slowed by a loaded machine
+                # read it all in its first read when the servers ran freely (a clean-clone CI
+                # run saw 122 of 122 tokens before a pause, five calls running).
+                with trio.fail_after(120):
+                    while progress is None or progress.length()[0] < 1:
+                        signal_all(groups, signal.SIGCONT)
+                        await trio.sleep(0.005)
+                        signal_all(groups, signal.SIGSTOP)
+                        await trio.sleep(0.05)
                 nursery.cancel_scope.cancel()
             finally:
-                for group in groups:
-                    os.killpg(group, signal.SIGCONT)
+                signal_all(groups, signal.SIGCONT)
         tokens, calls = progress.length()
         assert calls == 1 and tokens >= 1
         assert progress.sampling is None  # no call samples for it any more
@@ -254,14 +257,18 @@ async def test_a_cancelled_call_says_how_many_tokens_it_drew(engine, params):
         assert progress.oldest is not None and progress.oldest[1] == 12
         return tokens
 
-    # The tiny model draws its whole budget in a few hundred ms: on a loaded machine the stop
-    # can come after the call has ended (two clean-clone CI runs saw it draw all 122 tokens
-    # before a pause landed), so a call that finished is tried again, and one of a few must
-    # stop part-way.
+    # Should a slice still let a call draw its whole budget, it is tried again: one of a few
+    # must stop part-way.
     drawn = []
     while len(drawn) < 5 and (not drawn or drawn[-1] == budget):
         drawn.append(await cancelled_call())
     assert 1 <= drawn[-1] < budget, f"each call drew its whole budget before the pause: {drawn}"
+
+
+def signal_all(groups: list[int], number: int) -> None:
+    """Send a signal to every process of the servers' process groups."""
+    for group in groups:
+        os.killpg(group, number)
 
 
 def engine_mismatch(batch) -> float:
