@@ -8,6 +8,7 @@ server runs last. References are `transformers`' float32 forward pass of the sam
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import threading
 import time
+import types
 
 import httpx
 import jax
@@ -144,6 +146,26 @@ async def test_bad_calls_are_refused_naming_the_argument(engine):
             await engine.generate(np.array([100_000]), max_tokens=1)
     with pytest.raises(RuntimeError, match="async with"):
         await engine.generate(PROMPT, max_tokens=1)
+
+
+@pytest.mark.slow
+def test_servers_started_with_dews_flags_alone_are_not_asked_their_configuration(
+    engine, caplog, monkeypatch
+):
+    """They run as dew's flags say: `/server_info`, whose first answer took each server 4-8 s
+    of a loaded machine at every start, about 2.5 of its CPU-seconds (vLLM collects the
+    machine's environment on it, `pip list` included), is not asked, and the dtype dew gave
+    them is still checked against the model's. Runs before the tests that attach to these
+    servers, which ask it."""
+    logs = [process.log.read_text() for process in engine.processes]
+    assert all('"GET /is_paused' in log for log in logs)  # each request is in its log
+    assert not any('"GET /server_info' in log for log in logs)
+    monkeypatch.setattr(engine, "_model", types.SimpleNamespace(dtype="bfloat16"))
+    with caplog.at_level(logging.WARNING, logger="dew.serve._vllm"):
+        engine._check_serving(engine._servers[0])
+    named = [r.getMessage() for r in caplog.records if "computes in" in r.getMessage()]
+    assert len(named) == 1 and "computes in float32, the run's model in bfloat16" in named[0]
+    assert '"GET /server_info' not in engine.processes[0].log.read_text()
 
 
 @pytest.mark.slow

@@ -63,7 +63,7 @@ from dew.serve._vllm_http import (
     _Server,
     _ServerRequests,
 )
-from dew.serve._vllm_limits import START_FLAGS
+from dew.serve._vllm_limits import SERVED_DTYPES, START_FLAGS
 from dew.serve._vllm_process import (
     PortTaken,
     ServerProcess,
@@ -138,6 +138,10 @@ class VLLMEngine(_ServerRequests, _ServerChecks, _Pushes):
             (before it, the base model, which an adapter at its start equals). A `model` that
             is a `dew.models.hf.lora.LoRAModel` makes it so, and its adapter is written with
             `lora.save_adapter` unless `save` is given.
+        started_dtype: for servers dew started with flags it chose alone (`start` with no
+            `arguments`), the `--dtype` it gave them, one vLLM reports as given: their
+            configuration is then what those flags say, and is not asked of them
+            (`_vllm_checks`); None to ask each server.
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class VLLMEngine(_ServerRequests, _ServerChecks, _Pushes):
         api_key: str | None = None,
         read_timeout: float = READ_TIMEOUT,
         lora: bool = False,
+        started_dtype: str | None = None,
     ):
         if save is None and checkpoint is None and model is None:
             raise ValueError("a VLLMEngine needs the run's checkpoint or model (or save=)")
@@ -196,6 +201,7 @@ class VLLMEngine(_ServerRequests, _ServerChecks, _Pushes):
         self._pushed: Path | None = None
         self._closed = False
         self.lora = lora
+        self._started_dtype = started_dtype
         # Under LoRA: how many pushes were begun, each adapter folder pushed by the push's index
         # (1, 2, ...), and the calls in flight by the newest push made when they were submitted
         # (a call holds that push's folder or a later one until it ends: see `_vllm_push`).
@@ -258,7 +264,9 @@ class VLLMEngine(_ServerRequests, _ServerChecks, _Pushes):
                 default `dew.models.hf.save` of `model`, with the checkpoint's tokenizer.
             version: the version of the checkpoint's weights.
             ready_timeout: seconds to wait for all servers to be ready.
-            arguments: more vLLM flags.
+            arguments: more vLLM flags. With none, and a `dtype` vLLM reports as given, the
+                servers run as dew's flags say, unasked; with any, each server is asked for its
+                configuration (`/server_info`, seconds of its CPU) to check what they change.
             environment: more environment variables for the servers.
             work_dir: where logs and pushed checkpoints go; a temporary folder (removed at
                 close) unless given.
@@ -301,6 +309,9 @@ class VLLMEngine(_ServerRequests, _ServerChecks, _Pushes):
         environment[API_KEY_VARIABLE] = api_key or ""
         if lora_rank is None and _is_lora(model):
             lora_rank = model.lora.rank
+        # The caller's own flags may undo dew's (vLLM takes a flag's last value): then each
+        # server is asked what it runs with.
+        own_flags = not arguments and dtype in SERVED_DTYPES
         if lora_rank is not None:
             arguments = [*lora_flags(lora_rank), *arguments]
             environment |= LORA_ENVIRONMENT
@@ -358,6 +369,7 @@ class VLLMEngine(_ServerRequests, _ServerChecks, _Pushes):
                 api_key=api_key,
                 read_timeout=read_timeout,
                 lora=lora_rank is not None,
+                started_dtype=dtype if own_flags else None,
             )
             # Together: a first call takes tens of seconds on each server.
             with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:

@@ -5,9 +5,12 @@ every server, started or attached, must have vLLM's RL endpoints (development mo
 token-in/token-out endpoint, and log-probs of the distribution it draws from; a CPU server must
 run without chunked prefill (`dew.serve._vllm_limits`); a LoRA run's must load adapters of the
 run's rank while it runs (`_check_serving`). A server is refused naming all it lacks at once,
-since one started by hand takes minutes to start again. `_ServerChecks` is a part of
-`VLLMEngine` (`_vllm`), kept in a module of its own so that each part reads in one sitting: its
-methods use the state `VLLMEngine.__init__` sets.
+since one started by hand takes minutes to start again. Chunked prefill, the adapters' rank and
+the dtype (`_check_dtype`) are read from the server's configuration (`/server_info`), except on
+the servers dew started with flags it chose alone, which run as those flags say: that
+endpoint's first answer costs a server seconds of CPU (`dew.serve._vllm_limits.INFO`).
+`_ServerChecks` is a part of `VLLMEngine` (`_vllm`), kept in a module of its own so that each
+part reads in one sitting: its methods use the state `VLLMEngine.__init__` sets.
 """
 
 from __future__ import annotations
@@ -112,9 +115,12 @@ class _ServerChecks:
         else:
             logprobs = _call(server.url, np.zeros(1, np.int32), answer.json(), 0).logprobs
         # Its configuration is a development-mode endpoint too; a proxy may not pass it on. Its
-        # first answer takes seconds (vLLM collects its environment), whatever read_timeout is.
+        # first answer takes seconds (vLLM collects its environment), whatever read_timeout is:
+        # a server dew started with flags of its own alone runs as they say (`_started_dtype`).
         info = None
-        if paused.is_success:
+        if server.process is not None and self._started_dtype is not None:
+            self._check_dtype(server, self._started_dtype)
+        elif paused.is_success:
             info = self._send(server, "GET", INFO, params=INFO_OPTIONS, timeout=READ_TIMEOUT)
         if info is not None and info.status_code not in (200, 404):
             raise self._refused(server, INFO, info)

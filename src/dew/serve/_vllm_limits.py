@@ -19,8 +19,14 @@ from __future__ import annotations
 START_FLAGS = ("--no-enable-chunked-prefill",)
 """The flags every server dew starts runs with, for the bursts it sends (see the module)."""
 INFO = "/server_info"
-"""vLLM's endpoint (development mode) that answers its configuration."""
+"""vLLM's endpoint (development mode) that answers its configuration. Its first answer takes
+seconds of the server's CPU (vLLM 0.32 collects the machine's environment with it, `pip list`
+and `pip show` included, whatever the query asks), so dew asks it only of servers whose flags it
+did not choose alone (`_vllm_checks`)."""
 INFO_OPTIONS = {"config_format": "json"}
+SERVED_DTYPES = ("float32", "bfloat16", "float16")
+"""The `--dtype` values a server reports as given (`served_dtype`); vLLM resolves the others
+("auto": the checkpoint's, "half", "float") itself."""
 
 
 def burst_problem(info: object) -> str | None:
