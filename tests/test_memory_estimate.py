@@ -122,8 +122,8 @@ def docs_formula() -> list[tuple[str, str]]:
 
 
 def evaluate_docs_formula(**symbols) -> dict[str, int]:
-    """Each part of the docs' formula at `symbols` (P, Pl, L, S, T, Hkv, e, b, R, W, H, d, f,
-    V, k, r, κ, ρ), in bytes."""
+    """Each part of the docs' formula at `symbols` (P, L, S, T, Hkv, e, b, R, W, H, d, f, V, k,
+    r, κ), in bytes."""
     values = dict(symbols)
     for name, expression in docs_formula():
         values[name] = eval(expression, {"min": min, "max": max}, values)
@@ -159,7 +159,7 @@ def test_the_docs_formula_is_the_estimate_of_the_games_rows(game, env, tmp_path,
     rows, width = (int(n) for n in cells[1].split(" × "))
     slots, positions = (int(n) for n in cells[2].split(" × "))
     parts = evaluate_docs_formula(
-        P=params, κ=0, ρ=0, Pl=0, L=config.layers, S=slots, T=positions, Hkv=config.heads,
+        P=params, κ=0, L=config.layers, S=slots, T=positions, Hkv=config.heads,
         e=config.d_model // config.heads, b=4, R=rows, W=width, H=config.heads,
         d=config.d_model, f=config.d_ff, V=BYTES.vocab_size, k=config.ahead, r=config.layers,
     )  # fmt: skip
@@ -174,7 +174,7 @@ def test_the_docs_formula_is_the_estimate_of_the_games_rows(game, env, tmp_path,
 
 def test_the_docs_formula_is_the_estimate_of_a_checkpoint_with_remat_and_kl():
     """The docs' formula with its other terms in play: a checkpoint's model with fewer key/value
-    heads than query heads, --remat (r = 1, ρ = 1), a KL term (κ = 1), rows narrow enough to run
+    heads than query heads, --remat (r = 1), a KL term (κ = 1), rows narrow enough to run
     all at once and a batch's logits under a chunk's."""
     from dew.models import hf
 
@@ -190,12 +190,8 @@ def test_the_docs_formula_is_the_estimate_of_a_checkpoint_with_remat_and_kl():
         leaf.size * leaf.dtype.itemsize
         for leaf in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0)))
     )
-    layers = sum(
-        leaf.size * leaf.dtype.itemsize
-        for leaf in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))["layers"])
-    )
     parts = evaluate_docs_formula(
-        P=params, κ=1, ρ=1, Pl=layers, L=3, S=5, T=128, Hkv=2, e=16, b=4, R=3, W=96, H=4,
+        P=params, κ=1, L=3, S=5, T=128, Hkv=2, e=16, b=4, R=3, W=96, H=4,
         d=64, f=128, V=512, k=2, r=1,
     )  # fmt: skip
     names = ["weights", "cache", "activations", "batches", "runtime"]

@@ -1,9 +1,8 @@
 """What a `dew train` run will hold in memory, estimated before it starts, and the refusal of a
 run that cannot fit the machine.
 
-A run's memory is its weights (params, their gradient, Adam's two moments, the engine's copies,
-and under remat the layers' params stacked for the scan over them), the engine's key/value
-cache (a slot per rollout in flight, each the task's longest sequence),
+A run's memory is its weights (params, their gradient, Adam's two moments, the engine's copies),
+the engine's key/value cache (a slot per rollout in flight, each the task's longest sequence),
 the training step's activations and the packed batches, over what the process holds anyway
 (the interpreter and JAX, and the programs compiled for the model and the allocator's share,
 which grow with it: measured). The step runs the model over `row_chunk`
@@ -48,12 +47,10 @@ class Estimate:
     Args:
         weights: params, their gradient and Adam's two moments (4 copies), the engine's copy
             (a push replaces it between the engine's steps, so the old copy is gone before the
-            update that follows: `RolloutServer.load`) and, with a KL term, the reference's;
-            with remat, a copy of the layers' params,
-            stacked for the scan over them (`dew.models.through_layers`). The step donates the
-            old weights and moments to the new (`GRPOObjective.update_fn(donate=True)`), and
-            the held-out evaluation's engine, which holds a copy while it runs, runs between
-            steps, when the gradient is gone.
+            update that follows: `RolloutServer.load`) and, with a KL term, the reference's.
+            The step donates the old weights and moments to the new
+            (`GRPOObjective.update_fn(donate=True)`), and the held-out evaluation's engine,
+            which holds a copy while it runs, runs between steps, when the gradient is gone.
         cache: the engine's key/value cache.
         activations: one row chunk's forward and backward pass through the model, the whole
             batch's final hidden states and their gradient, and a chunk of logits.
@@ -96,16 +93,6 @@ def _bytes(tree) -> int:
     )
 
 
-def _layers_bytes(variables) -> int:
-    """The bytes of the leaves under a "layers" (a checkpoint's, a LoRA adapter's) or "blocks"
-    (dew's transformer's) key: what `through_layers` stacks."""
-    return sum(
-        math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
-        for path, leaf in jax.tree_util.tree_leaves_with_path(variables)
-        if any(getattr(key, "key", None) in ("layers", "blocks") for key in path)
-    )
-
-
 def _dimensions(model) -> tuple[int, int, int, int]:
     """(layers, heads, residual width, MLP width) of dew's transformer or a checkpoint's."""
     config = getattr(model, "base", model).config  # a LoRA model's base holds the shape
@@ -145,8 +132,6 @@ def estimate(
         weights = params * (3 if reference else 2) + adapter * 2 + (params - adapter)
     else:
         weights = params * (6 if reference else 5)
-    if remat:
-        weights += _layers_bytes(variables)
     cache = _bytes(jax.eval_shape(lambda: model.init_cache(slots=slots, max_len=max_len)))
     layers, heads, d_model, d_ff = _dimensions(model)
     chunk = min(rows, max(1, ATTENTION_CELLS // width**2))
