@@ -232,8 +232,10 @@ def workloads(
     Each row is one workload and one auto: auto's goodput (samples per second, mean over
     seeds) and slot waste (mean, and its worst seed), whether it held its budget (every seed
     within one point of it, in slot-seconds), the best fixed setting whose mean slot waste is
-    within the same budget, its goodput and slot waste, and auto's goodput over that one's
-    (`none fits` where no fixed setting is within the budget)."""
+    within the same budget, its goodput and slot waste, and auto's goodput over that one's:
+    the ratio of the means, and in brackets the least and greatest of the seeds' own ratios
+    (each seed's auto over the same setting on that seed), how far one seed strays (`none
+    fits` where no fixed setting is within the budget)."""
     settings = (*fixed, *autos)
     work = [
         (Workload(seed=seed, steps=steps, **WORKLOADS[name]), setting)
@@ -247,26 +249,32 @@ def workloads(
         f"the best of {len(fixed)} fixed settings within its budget; goodput in samples/s and "
         f"slot waste, means over seeds (slot waste's worst seed in brackets)",
         f"{'workload':<11}{'budget':>7}{'auto':>8}{'slot waste':>17}{'holds':>7}"
-        f"  {'best fixed within budget':<28}{'goodput':>8}{'slot waste':>11}{'auto/best':>11}",
+        f"  {'best fixed within budget':<28}{'goodput':>8}{'slot waste':>11}{'auto/best':>20}",
     ]
     for name in names:
-        # Per setting: goodput and slot waste, mean over seeds, and slot waste's worst seed.
-        figures = []
+        # Per setting: goodput and slot waste, mean over seeds, and slot waste's worst seed;
+        # and each seed's goodput.
+        figures, goodputs = [], []
         for _ in settings:
             rows = np.array([next(results)[1:] for _ in range(seeds)])
             figures.append((rows[:, 3].mean(), rows[:, 6].mean(), rows[:, 6].max()))
-        for auto, (goodput, slot, worst) in zip(autos, figures[len(fixed) :], strict=True):
+            goodputs.append(rows[:, 3])
+        for index, (auto, (goodput, slot, worst)) in enumerate(
+            zip(autos, figures[len(fixed) :], strict=True)
+        ):
             budget = auto.waste_budget
             holds = "yes" if worst <= budget + 0.01 else "no"
             kept = [
-                (g, v, s.name)
-                for s, (g, v, _) in zip(fixed, figures[: len(fixed)], strict=True)
+                (g, v, s.name, i)
+                for i, (s, (g, v, _)) in enumerate(zip(fixed, figures[: len(fixed)], strict=True))
                 if v <= budget
             ]
             row = f"{name:<11}{budget:>7}{goodput:>8.2f}{f'{slot:.1%} [{worst:.1%}]':>17}{holds:>7}"
             if kept:
-                g, v, best = max(kept)
-                row += f"  {best:<28}{g:>8.2f}{v:>11.1%}{goodput / g:>11.3f}"
+                g, v, best, i = max(kept)
+                ratios = goodputs[len(fixed) + index] / goodputs[i]
+                spread = f"{goodput / g:.3f} [{ratios.min():.2f}, {ratios.max():.2f}]"
+                row += f"  {best:<28}{g:>8.2f}{v:>11.1%}{spread:>20}"
             else:
                 row += f"  {'none fits':<28}"
             lines.append(row)
