@@ -408,8 +408,16 @@ def assert_all_end(processes: list) -> None:
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
 
 
+def a_thread_not_the_main(process: subprocess.Popen) -> int:
+    """The id of one of `process`'s threads other than its main one: a signal sent to it with
+    kill(2) is the process's, and Linux hands it to that thread, as it may any process signal
+    where the main thread already has one pending."""
+    return max(thread.id for thread in psutil.Process(process.pid).threads())
+
+
 @pytest.mark.slow
-def test_sigterm_stops_dew_train_in_order_and_ends_every_harness_process(tmp_path):
+@pytest.mark.parametrize("landing", ["main thread", "another thread"])
+def test_sigterm_stops_dew_train_in_order_and_ends_every_harness_process(tmp_path, landing):
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
     argv = [sys.executable, str(script), "train", "--harness", "sleeper", *TINY]
@@ -424,7 +432,10 @@ def test_sigterm_stops_dew_train_in_order_and_ends_every_harness_process(tmp_pat
     try:
         # Two tasks x two rollouts, each a shell and its two sleeps.
         started = wait_for_descendants(process, "sleep 300", 8)
-        process.send_signal(signal.SIGTERM)
+        if landing == "main thread":
+            process.send_signal(signal.SIGTERM)
+        else:  # while the trainer's thread waits on its first batch, which never comes
+            os.kill(a_thread_not_the_main(process), signal.SIGTERM)
         # The first SIGTERM asks for a stop after the step; the rollouts never end, so the
         # second stops the run at once. Signals sent together may merge: wait for the first's.
         asked = "dew train: SIGTERM: stopping after the step in progress"

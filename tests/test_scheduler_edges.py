@@ -27,6 +27,7 @@ from _scripted import OBJECTIVE, PARAMS, ROWS, WIDTH, Engine, Plan, Scripted, da
 from _trio_order import under_scheduling_seed
 from dew.data import Task
 from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
+from dew.objectives.rl import _shell_trainer
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Label, Status
 from dew.replay import replay_async
@@ -290,7 +291,7 @@ def test_close_just_before_the_trainer_thread_waits_still_answers_it(monkeypatch
     sched = scheduler(source, engine, ahead=0, max_lag=0)
     stream = sched.tasks(dataset(1, 1)).stream(0)
     before = set(threading.enumerate())
-    real_run = trio.from_thread.run
+    real_run = _shell_trainer.run_from_thread
 
     def late_trip(fn, *args, trio_token):
         if fn == sched._hand_over_and_wait:
@@ -299,7 +300,7 @@ def test_close_just_before_the_trainer_thread_waits_still_answers_it(monkeypatch
             closer.join()
         return real_run(fn, *args, trio_token=trio_token)
 
-    monkeypatch.setattr(trio.from_thread, "run", late_trip)
+    monkeypatch.setattr(_shell_trainer, "run_from_thread", late_trip)
     with pytest.raises(RuntimeError, match=r"is closed: close\(\) came while the trainer"):
         sched(next(stream), PARAMS, 0)
     assert set(threading.enumerate()) <= before

@@ -20,7 +20,7 @@ import numpy as np
 import trio
 
 from dew._checks import check_int
-from dew._trio import stop_in
+from dew._trio import run_from_thread, stop_in
 from dew.data import Batch, Task
 from dew.objectives.rl import _admission as core
 from dew.objectives.rl._admission import LogEvent
@@ -72,9 +72,7 @@ class _TrainerSide:
             handover = self._prepare(batch, variables, updates)
             # One trip into the trio thread hands over and waits: each trip costs a wake-up of
             # that thread and a hand-back of the GIL.
-            message = trio.from_thread.run(
-                self._hand_over_and_wait, handover, trio_token=self._token
-            )
+            message = run_from_thread(self._hand_over_and_wait, handover, trio_token=self._token)
         except (trio.RunFinishedError, trio.Cancelled) as stopped:
             message = self._left_behind()
             if message is None and (stop := stop_in(self._crash)) is not None:
