@@ -42,8 +42,9 @@ process of its own beside the engine core, one more Python process importing tor
 server was ready about 12-17 s later (42 s against 29-31 s; 57 s against 40 s on a loaded
 machine) and held several hundred MB more, over about twenty server starts in the suite. The
 tests check what dew asks of a server and sends it, which that layout leaves alike (its pushes
-reach the worker through the same `collective_rpc`); tests/test_vllm_fleet.py, which kills
-servers in the middle of pushes, runs its servers in vLLM's default layout, as users do.
+reach the worker through the same `collective_rpc`). One server runs in vLLM's default layout,
+as users do: tests/test_vllm.py's refused server, whose refusal stops its three processes (the
+fleet's three servers ran so, at 21 more CPU-seconds each).
 
 The vLLM servers tests start also run torch eagerly (TORCHDYNAMO_DISABLE, inherited through the
 environment like the settings above). vLLM's sampler compiles its log-prob gathering with

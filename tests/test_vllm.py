@@ -26,6 +26,7 @@ import pytest
 import trio
 
 from _checkpoint import tiny_qwen2
+from _process_groups import left_running
 from dew import replay
 from dew._torch_media import hide_broken_media_packages
 from dew.data import ArrayDataset, Task
@@ -431,13 +432,24 @@ def test_attaching_checks_the_model_and_the_server(engine, folders, tmp_path):
 
 @pytest.mark.slow
 def test_a_server_reporting_raw_logprobs_or_chunking_prefills_on_a_cpu_is_refused_naming_both(
-    folders, tmp_path
+    folders, tmp_path, monkeypatch
 ):
     """`start` refuses what attach refuses, each problem named in one error (one server start
     for both). vLLM's default logprobs mode reports log-probs before temperature, top-k and
     top-p: a run would train on log-probs of another distribution than the one its tokens were
     drawn from. A CPU server with chunked prefill on dies of a burst of seeded calls
-    (dew.serve._vllm_limits): refused before any call."""
+    (dew.serve._vllm_limits): refused before any call. The server runs in vLLM's default
+    process layout, as users run it, the suite's one that does (the others run their model
+    worker in their engine core: tests/conftest.py): a model worker process of its own beside
+    its engine core, both spawned, and the refusal stops all three processes of its group."""
+    started = []
+
+    class Recorded(_vllm.ServerProcess):
+        def __init__(self, checkpoint, **options):
+            super().__init__(checkpoint, **options)
+            started.append(self)
+
+    monkeypatch.setattr(_vllm, "ServerProcess", Recorded)
     with pytest.raises(VLLMError, match="cannot serve the run") as caught:
         VLLMEngine.start(
             folders[0],
@@ -445,9 +457,14 @@ def test_a_server_reporting_raw_logprobs_or_chunking_prefills_on_a_cpu_is_refuse
             max_model_len=MAX_LEN,
             work_dir=tmp_path,
             arguments=["--logprobs-mode", "raw_logprobs", "--enable-chunked-prefill"],
+            environment={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
         )
     assert "start it with --logprobs-mode processed_logprobs" in str(caught.value)
     assert "start it with --no-enable-chunked-prefill" in str(caught.value)
+    (server,) = started
+    log = server.log.read_text()
+    assert "(EngineCore pid=" in log and "(Worker pid=" in log, log[-3000:]
+    assert not left_running(server.pid)
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import jax
 import pytest
 
 from _checkpoint import tiny_qwen2
+from _process_groups import left_running
 from dew.cli import main
 from dew.serve._vllm import start_flags
 from dew.serve._vllm_process import SERVER_ENVIRONMENT, server_command
@@ -129,28 +130,11 @@ def test_dew_serve_starts_a_server_dew_attaches_to_and_sigterm_stops_it(tmp_path
         assert serve.returncode == 0, rest
         assert "stopping the server" in rest
         # Nothing of the server's process group runs on (the engine core included).
-        for _ in range(300):
-            if not _running_in_group(pid):
-                break
-            time.sleep(0.1)
-        assert not _running_in_group(pid)
+        assert not left_running(pid)
     finally:
         if serve.poll() is None:
             serve.kill()
             serve.wait()
-
-
-def _running_in_group(group: int) -> list[int]:
-    """The processes of process group `group` that have not exited: its zombies, which wait
-    for the system to reap them once their parent is gone, are not counted."""
-    running = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            # The fields after the command's closing parenthesis: state, ppid, pgrp, ...
-            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
-            if int(pgrp) == group and state not in ("Z", "X"):
-                running.append(int(stat.parent.name))
-    return running
 
 
 @pytest.mark.slow
