@@ -591,3 +591,48 @@ async def test_a_call_tells_its_rollout_the_version_it_starts_under_once_it_has_
     assert {progress[f"running {key}"].oldest[1] for key in range(SLOTS)} == {0}
     assert progress["queued"].oldest[1] == 1
     assert progress["queued"].calls == 1
+
+
+async def test_the_cache_holds_the_blocks_its_calls_reach_and_one_block_when_idle():
+    """A call past the first block (32 positions) adds the next while it runs, the engine lets
+    it go once idle, and calls running across the change score as if alone."""
+    reached = set()
+    calls = {}
+    async with server() as engine:
+        assert engine.stats().cache_positions == 32  # of max_len 64
+
+        async def run(index, prompt_length, max_tokens):
+            prompt = (np.arange(prompt_length, dtype=np.int32) * 7 + index) % CONFIG.vocab
+            calls[index] = await engine.generate(prompt, max_tokens=max_tokens, key=index)
+
+        async def watch():
+            while True:
+                reached.add(engine.stats().cache_positions)
+                await trio.sleep(0.001)  # a sample of what each step held, not an ordering
+
+        async with trio.open_nursery() as watching:
+            watching.start_soon(watch)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, 0, 4, 10)  # within the first block
+                nursery.start_soon(run, 1, 20, 30)  # past it while decoding
+                nursery.start_soon(run, 2, 40, 3)  # its prompt past it
+            watching.cancel_scope.cancel()
+        await idle(engine)
+        assert engine.stats().cache_positions == 32
+    assert reached == {32, 64}
+    assert_valid(*calls.values())
+    for call in calls.values():
+        scored = log_softmax(scored_logits(call))
+        expected = scored[np.arange(len(call.completion)), call.completion]
+        np.testing.assert_allclose(call.logprobs, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_server_of_a_long_context_holds_one_block_of_its_cache_until_calls_reach_further():
+    """At 4,096 positions a slot, 32 slots of the test's model would hold 64 MiB of keys and
+    values from the start; the engine holds the first block's 0.5 MiB."""
+    config = models.TransformerConfig(d_model=32, heads=2, layers=2, d_ff=64, max_len=4096)
+    engine = RolloutServer(config, models.init(jax.random.key(0), config), slots=32)
+    held = sum(leaf.nbytes for leaf in jax.tree.leaves(engine._cache))
+    whole = jax.eval_shape(lambda: models.init_cache(config, slots=32, max_len=4096))
+    assert engine.stats().cache_positions == 32
+    assert held * 128 == sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(whole))

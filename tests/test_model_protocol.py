@@ -104,6 +104,15 @@ class WrongLogits(NnxModel):
         return cache, logits[:1]
 
 
+@MODELS
+def test_the_engine_grows_a_cache_laid_out_as_dews_and_holds_any_other_whole(model):
+    """dew's blocks of positions let the engine hold only what its calls reach; a cache of one's
+    own layout (the nnx model's: positions before heads, one array a layer) is held whole."""
+    server = RolloutServer(model, model.init(jax.random.key(0)), slots=4, max_len=MAX_LEN)
+    whole = MAX_LEN if model is NNX else 32
+    assert server.stats().cache_positions == whole
+
+
 def test_the_engine_refuses_what_breaks_the_protocol():
     params = NNX.init(jax.random.key(0))
     with pytest.raises(TypeError, match="model must be a dew.models.Model .* got dict"):

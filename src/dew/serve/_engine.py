@@ -2,11 +2,13 @@
 
 It serves any `dew.models.Model` (the `dew.models` transformer, or a model of one's own behind
 the same methods), whose token ids a `dew.serve.tokenizer.Tokenizer` gives meaning. The engine
-keeps a key/value cache of fixed [slots, max_len] sequences. Each step runs in a worker
+keeps a key/value cache of [slots] sequences of up to max_len positions, holding only the blocks
+of positions its running calls reach (`dew.serve._cache`). Each step runs in a worker
 thread (`trio.to_thread.run_sync`), so the trio loop stays free: one decode step advances every
-running call by one token (one compiled function for the fixed [slots] shape), and calls that
-joined since the last step are prefilled into free slots (one compilation per power-of-two prompt
-bucket). Calls beyond `slots` queue in arrival order.
+running call by one token (one compiled function for the fixed [slots] shape and each count of
+cache blocks held), and calls that joined since the last step are prefilled into free slots (one
+compilation per power-of-two prompt bucket and count of blocks). Calls beyond `slots` queue in
+arrival order.
 
 Weights pushed with `load` are swapped in between steps: calls in flight continue under the new
 weights, and each call reports the version it started under (that of its first token), which
@@ -38,6 +40,7 @@ from dew._arrays import copy_tree
 from dew._checks import check_int, check_number
 from dew._trio import exit_unwrapped
 from dew.objectives.rl.sessions import Call, note_progress
+from dew.serve import _cache
 from dew.serve._draw import _decode_step, _prefill_step
 from dew.serve.tokenizer import BYTES, Tokenizer
 
@@ -56,6 +59,9 @@ class EngineStats:
         queued: calls waiting for a slot.
         steps: engine steps run (each decodes the running calls and prefills the joining ones).
         tokens: tokens drawn.
+        cache_positions: the positions of each slot its key/value cache holds now: the blocks
+            its calls reach (one block when idle), or every one for a model whose cache cannot
+            grow (see `dew.serve._cache`).
     """
 
     version: int
@@ -63,6 +69,7 @@ class EngineStats:
     queued: int
     steps: int
     tokens: int
+    cache_positions: int
 
 
 @attrs.define(eq=False)
@@ -223,8 +230,17 @@ class RolloutServer:
         self._seed = check_int("seed", seed, low=0)
         self._signature = _signature(jax.eval_shape(model.init, jax.random.key(0)))
         self._check_variables("params", params)
-        cache = model.init_cache(slots=self._slots, max_len=self._max_len)
-        _check_model(model, params, cache, self._slots)
+        _check_model(
+            model,
+            params,
+            jax.eval_shape(lambda: model.init_cache(slots=self._slots, max_len=self._max_len)),
+            self._slots,
+        )
+        # The cache holds the blocks its calls reach, where the model's layout allows it
+        # (`dew.serve._cache`), and every position from the start otherwise.
+        self._blocked = _cache.blocked(model, slots=self._slots, max_len=self._max_len)
+        self._reach = _cache.reach(self._max_len, 1) if self._blocked else self._max_len
+        cache = model.init_cache(slots=self._slots, max_len=self._reach)
         self._params = copy_tree(params)
         self._served = check_int("version", version, low=0)
         self._pending: tuple[object, int] | None = None
@@ -323,6 +339,7 @@ class RolloutServer:
             queued=len(self._queue),
             steps=self._steps,
             tokens=self._tokens,
+            cache_positions=self._reach,
         )
 
     async def __aenter__(self) -> RolloutServer:
@@ -458,6 +475,7 @@ class RolloutServer:
                     if request is not None and request.cancelled:
                         self._free(slot)
                 if not self._queue and not any(self._active):
+                    self._hold(1)  # idle, as through the trainer's update: one block
                     await self._wake.wait()
                     self._wake = trio.Event()
                     continue
@@ -473,6 +491,12 @@ class RolloutServer:
                     if request is not None and request.tokens
                 ]
                 joining = self._admit()
+                self._hold(
+                    max(
+                        [int(self._position[slot]) + 1 for slot in decoding]
+                        + [len(self._active[slot].prompt) for slot in joining]
+                    )
+                )
                 filtered = any(self._active[slot].filtered for slot in decoding)
                 top = MAX_TOP_LOGPROBS if any(self._active[s].top for s in decoding) else 0
                 try:
@@ -509,6 +533,21 @@ class RolloutServer:
             self._queue.clear()
             for slot in range(self._slots):
                 self._free(slot)
+
+    def _hold(self, needed: int) -> None:
+        """Hold the cache's blocks that positions 0..needed - 1 reach, no more: the blocks a
+        step writes and reads (a decode's at each slot's position, a prefill's at its prompt's),
+        added where the calls reach further, let go where the calls that reached them ended
+        (`dew.serve._cache`). Runs between steps only, never beside `_compute`."""
+        if not self._blocked:
+            return
+        reach = _cache.reach(self._max_len, needed)
+        if reach == self._reach:
+            return
+        self._cache = _cache.resized(self._model, self._cache, slots=self._slots, length=reach)
+        self._reach = reach
+        self._cache_placement = None  # the new blocks go where the others are
+        self._lay_out_cache(self._params)
 
     def _lay_out_cache(self, params) -> None:
         """Place the cache where the steps hand it back when they run on `params`, if that
