@@ -14,6 +14,7 @@ so a decode step reads only the blocks in use.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -59,12 +60,23 @@ def rope(x: jax.Array, positions: jax.Array, config: HFConfig) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def _into_heads(x: jax.Array, weight: jax.Array) -> jax.Array:
-    return jnp.einsum("...h,hnd->...nd", x, weight)
+def _product(spec: str) -> Callable:
+    """The einsum `spec` of x and a weight, summed in float32 and returned in x's dtype.
+
+    In bfloat16, XLA's CPU backend runs a product summed in float32 on the processor's
+    bfloat16 matrix units where it has them (AMX), and one summed in bfloat16 as float32
+    arithmetic: 850 against 150 GFLOP a CPU-second for SmolLM2-135M's [1952, 576] x [576, 1536]
+    on this repository's Xeon. In float32 it is the plain einsum."""
+
+    def product(x: jax.Array, weight: jax.Array) -> jax.Array:
+        return jnp.einsum(spec, x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    return product
 
 
-def _out_of_heads(x: jax.Array, weight: jax.Array) -> jax.Array:
-    return jnp.einsum("...nd,ndh->...h", x, weight)
+_into_heads = _product("...h,hnd->...nd")
+_out_of_heads = _product("...nd,ndh->...h")
+_matmul = _product("...i,io->...o")
 
 
 def _project(x: jax.Array, weight: jax.Array, bias: jax.Array | None) -> jax.Array:
@@ -93,8 +105,8 @@ def block_finish(layer: dict, x: jax.Array, attended: jax.Array, config: HFConfi
         out = out + _lead(layer["o_bias"], out.ndim)
     x = x + out
     h = rms_norm(x, layer["mlp_norm"], config.rms_eps)
-    gated = jax.nn.silu(project(h, layer["gate"], jnp.matmul)) * project(h, layer["up"], jnp.matmul)
-    return x + project(gated, layer["down"], jnp.matmul)
+    gated = jax.nn.silu(project(h, layer["gate"], _matmul)) * project(h, layer["up"], _matmul)
+    return x + project(gated, layer["down"], _matmul)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
@@ -107,8 +119,13 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.
     scores = scores / jnp.sqrt(jnp.float32(head_dim))
     mask = allowed[..., None, None, :, :]
     weights = jnp.where(mask, jax.nn.softmax(jnp.where(mask, scores, _NEGATIVE), axis=-1), 0.0)
-    out = jnp.einsum("...ngqk,...knd->...qngd", weights.astype(v.dtype), v)
-    return out.reshape(q.shape)
+    out = jnp.einsum(
+        "...ngqk,...knd->...qngd",
+        weights.astype(v.dtype),
+        v,
+        preferred_element_type=jnp.float32,  # on the matrix units in bfloat16 (`_product`)
+    )
+    return out.astype(v.dtype).reshape(q.shape)
 
 
 def embed(params: dict, tokens: jax.Array) -> jax.Array:
