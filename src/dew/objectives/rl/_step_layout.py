@@ -60,6 +60,14 @@ class LaidOutStep:
             return self.update(variables, opt_state, batch, layout=placed)
         return self.update(variables, opt_state, batch, layout=placed, key=key)
 
+    def compile(self, variables, opt_state, batch, key=None) -> None:
+        """Compile the step for these arguments' shapes without running it: jit keeps the
+        program for the call that follows, so a caller can hand what the compilation freed
+        back to the system before the step's own peak (`dew._gc.return_freed_memory`)."""
+        placed = layout((variables, opt_state))
+        keys = {} if key is None else {"key": key}
+        self.update.lower(variables, opt_state, batch, layout=placed, **keys).compile()
+
     def _cache_size(self) -> int:
         """The programs compiled, one per input signature, as a jitted function counts them."""
         return self.update._cache_size()
