@@ -30,10 +30,9 @@ from collections.abc import Sequence
 
 import attrs
 import jax
-import jax.numpy as jnp
 import numpy as np
 import trio
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from dew import models
 from dew._arrays import copy_tree
@@ -42,6 +41,7 @@ from dew._trio import exit_unwrapped
 from dew.objectives.rl.sessions import Call, note_progress
 from dew.serve import _cache
 from dew.serve._draw import _decode_step, _prefill_step
+from dew.serve._model_checks import _as_model, _check_model, _placement, _signature
 from dew.serve.tokenizer import BYTES, Tokenizer
 
 _MIN_BUCKET = 16
@@ -108,72 +108,6 @@ class _Request:
         )
 
 
-def _signature(variables) -> tuple:
-    """The tree layout and each leaf's shape and (canonical) dtype, without device work.
-
-    Read off the leaves themselves rather than traced with `jax.eval_shape`: `load` checks every
-    push, once per training step, and a trace costs far more than the check.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(variables)
-    return treedef, [_shape_and_dtype(leaf) for leaf in leaves]
-
-
-def _shape_and_dtype(leaf) -> tuple[tuple[int, ...], np.dtype]:
-    """A leaf's shape and its dtype as JAX would hold it (float64 as float32 without x64)."""
-    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
-    return np.shape(leaf), jax.dtypes.canonicalize_dtype(dtype)
-
-
-def _placement(params) -> Mesh | jax.Device | None:
-    """Where `params` are held: the device mesh they are sharded over, the one device they are
-    committed to, or None where they are not committed (jit runs them with its other inputs)."""
-    for leaf in jax.tree.leaves(params):
-        if isinstance(leaf, jax.Array):
-            if isinstance(leaf.sharding, NamedSharding):
-                return leaf.sharding.mesh
-            return next(iter(leaf.devices())) if leaf.committed else None
-    return None
-
-
-def _as_model(model) -> models.Model:
-    """The model to serve: a `TransformerConfig` stands for its `dew.models.Transformer`."""
-    if isinstance(model, models.TransformerConfig):
-        return models.Transformer(model)
-    if not isinstance(model, models.Model):
-        raise TypeError(
-            "model must be a dew.models.Model (vocab, max_len, init, __call__, init_cache, "
-            f"prefill, decode) or a TransformerConfig, got {type(model).__name__}"
-        )
-    return model
-
-
-def _check_logits(model: models.Model, method: str, logits, rows: int) -> None:
-    want = (rows, model.vocab)
-    if not (isinstance(logits, jax.ShapeDtypeStruct) and logits.shape == want):
-        raise ValueError(
-            f"model.{method} must return (cache, logits) with float logits{list(want)}, "
-            f"got {logits!r}"
-        )
-    if not jnp.issubdtype(logits.dtype, jnp.floating):
-        raise ValueError(f"model.{method}'s logits must be floating, got {logits.dtype}")
-
-
-def _check_model(model: models.Model, params, cache, slots: int) -> None:
-    """Trace (without computing) one prefill and one decode step, so that a model that breaks
-    the protocol's shapes is refused at construction rather than inside the step loop."""
-    cache_layout = jax.tree.structure(jax.eval_shape(lambda tree: tree, cache))
-    prompt = jax.ShapeDtypeStruct((_MIN_BUCKET,), jnp.int32)
-    slot = jax.ShapeDtypeStruct((), jnp.int32)
-    for method, args, rows in [
-        ("prefill", (prompt, slot), _MIN_BUCKET),
-        ("decode", (jax.ShapeDtypeStruct((slots,), jnp.int32),) * 2, slots),
-    ]:
-        written, logits = jax.eval_shape(getattr(model, method), params, cache, *args)
-        if jax.tree.structure(written) != cache_layout:
-            raise ValueError(f"model.{method} must return a cache laid out as init_cache's")
-        _check_logits(model, method, logits, rows)
-
-
 class RolloutServer:
     """An in-process sampling engine for a `dew.models.Model`; a Publisher of weights.
 
@@ -235,6 +169,7 @@ class RolloutServer:
             params,
             jax.eval_shape(lambda: model.init_cache(slots=self._slots, max_len=self._max_len)),
             self._slots,
+            _MIN_BUCKET,
         )
         # The cache holds the blocks its calls reach, where the model's layout allows it
         # (`dew.serve._cache`), and every position from the start otherwise.
