@@ -10,7 +10,6 @@ import logging
 import math
 import os
 import time
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
@@ -29,7 +28,7 @@ from dew.models.hf.lora import LoRAModel
 from dew.objectives.rl._step_layout import LaidOutStep
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import SchedulerRecord
-from dew.parallel import DataParallelUpdate, local_copy, pool_fields
+from dew.parallel import local_copy, pool_fields
 from dew.train._checkpoint import (
     COMMIT,
     Checkpoint,
@@ -46,6 +45,7 @@ from dew.train._step_lines import (
     json_number,
     record_fields,
 )
+from dew.train._update import _apart, _state_beside, _update_fn
 
 METRICS = "metrics.jsonl"
 """The metrics log's file name in a run folder: one JSON line per step."""
@@ -108,70 +108,6 @@ def _check_adapter_gradient(
             step,
             int(np.count_nonzero(signal)),
         )
-
-
-# Each objective's jitted step per optimizer, so trainers that share both (a trainer resumed in
-# the same process, a notebook's second run) compile it once.
-_UPDATE_FNS: weakref.WeakKeyDictionary[GRPOObjective, dict] = weakref.WeakKeyDictionary()
-
-
-def _update_fn(
-    objective: GRPOObjective, optimizer: optax.GradientTransformation, *, pooled: bool
-) -> Callable:
-    """The jitted step; in a pool of processes, one step over the pool's global batch that
-    hands back this process's copy of the replicated variables and state."""
-    steps = _UPDATE_FNS.setdefault(objective, {})
-    if (optimizer, pooled) not in steps:
-        # A pool's step hands back local copies of its variables: nothing there to donate.
-        update = objective.update_fn(optimizer, donate=not pooled)
-        if pooled:
-            update = _pooled(DataParallelUpdate(update))
-        steps[optimizer, pooled] = update
-    return steps[optimizer, pooled]
-
-
-def _state_beside(state: Any, variables: Variables) -> Any:
-    """An optimizer's initial state with its leaves that no device holds yet (a step count, which
-    optax makes on the default device) replicated where the variables are placed, as the step
-    hands them back: left unplaced, the first step would be compiled for them and the second
-    again for the placed ones. Leaves placed already (moments made like their variables) and the
-    state of variables placed nowhere stay as they are."""
-    placed = [
-        leaf.sharding
-        for leaf in jax.tree.leaves(variables)
-        if isinstance(leaf, jax.Array) and leaf.committed
-    ]
-    if not placed:
-        return state
-    if isinstance(placed[0], jax.sharding.NamedSharding):
-        replicated = jax.sharding.NamedSharding(placed[0].mesh, jax.sharding.PartitionSpec())
-    elif placed[0].is_fully_replicated:  # one device's
-        replicated = placed[0]
-    else:
-        return state
-
-    def beside(leaf):
-        if isinstance(leaf, jax.Array) and not leaf.committed:
-            return jax.device_put(leaf, replicated)
-        return leaf
-
-    return jax.tree.map(beside, state)
-
-
-def _apart(state: Any, variables: Variables) -> Any:
-    """`state` with each leaf that is one of `variables`' own arrays copied (an optimizer state
-    that keeps the params it starts from, as `reference_sync`'s does): a step that donates both
-    cannot take one buffer twice."""
-    own = {id(leaf) for leaf in jax.tree.leaves(variables)}
-    return jax.tree.map(lambda leaf: copy_tree(leaf) if id(leaf) in own else leaf, state)
-
-
-def _pooled(parallel: DataParallelUpdate) -> Callable:
-    def update(variables, opt_state, rows):
-        variables, opt_state, metrics = parallel(variables, opt_state, rows)
-        return local_copy(variables), local_copy(opt_state), metrics
-
-    return update
 
 
 class Trainer:
