@@ -429,7 +429,8 @@ class RolloutServer:
                 self._hold(
                     max(
                         [int(self._position[slot]) + 1 for slot in decoding]
-                        + [len(self._active[slot].prompt) for slot in joining]
+                        + [len(self._active[slot].prompt) for slot in joining],
+                        default=1,
                     )
                 )
                 filtered = any(self._active[slot].filtered for slot in decoding)
