@@ -162,11 +162,11 @@ reward of the base model over 48 tasks, replies of at most the tokens named:
   --tasks arithmetic --seeds 0 1 2 --steps 30 --engine vllm`, the machine otherwise idle; wall
   and peak as the script prints them, the peak the dew process's, the vLLM server's apart):
 
-  | task | engine | seed | held-out greedy at 0 / 10 / 20 / 30 updates | mean@2 | steps | s/step | wall | peak |
-  |---|---|---|---|---|---|---|---|---|
-  | arithmetic | vllm | 0 | 0.047 / 0.445 / 0.781 / 0.750 | 0.072 -> 0.652 | 30 | 10.2 | 459 s | 3.57 GiB |
-  | arithmetic | vllm | 1 | 0.156 / 0.523 / 0.706 / 0.766 | 0.047 -> 0.739 | 30 | 9.6 | 435 s | 3.46 GiB |
-  | arithmetic | vllm | 2 | 0.234 / 0.344 / 0.547 / 0.594 | 0.073 -> 0.615 | 30 | 9.7 | 431 s | 3.45 GiB |
+  | seed | held-out greedy, 0 / 10 / 20 / 30 updates | mean@2 | s/step | wall | peak GiB |
+  |---|---|---|---|---|---|
+  | 0 | 0.047 / 0.445 / 0.781 / 0.750 | 0.072 -> 0.652 | 10.2 | 459 s | 3.57 |
+  | 1 | 0.156 / 0.523 / 0.706 / 0.766 | 0.047 -> 0.739 | 9.6 | 435 s | 3.46 |
+  | 2 | 0.234 / 0.344 / 0.547 / 0.594 | 0.073 -> 0.615 | 9.7 | 431 s | 3.45 |
 
   Distinct right answers 3 -> 17, 5 -> 17 and 9 -> 10: not a constant answer. Every seed clears
   0.15 on vLLM's engine too (+0.703, +0.610, +0.360). The base model's greedy score differs from
