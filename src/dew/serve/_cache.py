@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from dew.models import cache_blocks
 
@@ -70,13 +71,16 @@ def reach(max_len: int, needed: int) -> int:
 
 def resized(model: Any, cache: list[dict], *, slots: int, length: int) -> list[dict]:
     """`cache` holding positions 0..length - 1 (a block's end): its own blocks up to there,
-    as they are, and empty ones from `model.init_cache` past its end."""
-    return _resized(cache, model.init_cache(slots=slots, max_len=length))
-
-
-def _resized(cache: list[dict], fresh: list[dict]) -> list[dict]:
-    """`fresh`'s layout, with `cache`'s blocks wherever `cache` has them."""
+    as they are, and zeros laid out as `model.init_cache`'s past its end. Only the added blocks
+    are allocated: the whole cache of the new length is never made, even for a moment."""
+    layout = jax.eval_shape(lambda: model.init_cache(slots=slots, max_len=length))
     return [
-        {name: [*held[name][: len(new)], *new[len(held[name]) :]] for name, new in empty.items()}
-        for held, empty in zip(cache, fresh, strict=True)
+        {
+            name: [
+                *held[name][: len(blocks)],
+                *(jnp.zeros(block.shape, block.dtype) for block in blocks[len(held[name]) :]),
+            ]
+            for name, blocks in shapes.items()
+        }
+        for held, shapes in zip(cache, layout, strict=True)
     ]
