@@ -426,12 +426,11 @@ class RolloutServer:
                     if request is not None and request.tokens
                 ]
                 joining = self._admit()
-                self._hold(
-                    max(
-                        [int(self._position[slot]) + 1 for slot in decoding]
-                        + [len(self._active[slot].prompt) for slot in joining],
-                        default=1,
-                    )
+                # The positions the step writes: each decoding slot's next one, each prompt's.
+                needed = max(
+                    [int(self._position[slot]) + 1 for slot in decoding]
+                    + [len(self._active[slot].prompt) for slot in joining],
+                    default=1,
                 )
                 filtered = any(self._active[slot].filtered for slot in decoding)
                 top = MAX_TOP_LOGPROBS if any(self._active[s].top for s in decoding) else 0
@@ -443,6 +442,7 @@ class RolloutServer:
                         [self._prefill_inputs(slot) for slot in joining],
                         filtered,
                         top,
+                        needed,
                     )
                 finally:
                     with self._lock:
@@ -474,7 +474,8 @@ class RolloutServer:
         """Hold the cache's blocks that positions 0..needed - 1 reach, no more: the blocks a
         step writes and reads (a decode's at each slot's position, a prefill's at its prompt's),
         added where the calls reach further, let go where the calls that reached them ended
-        (`dew.serve._cache`). Runs between steps only, never beside `_compute`."""
+        (`dew.serve._cache`). Runs at the start of a step's `_compute`, in its worker thread,
+        or on the loop while no step runs."""
         if not self._blocked:
             return
         reach = _cache.reach(self._max_len, needed)
@@ -563,13 +564,15 @@ class RolloutServer:
         )
         return inputs, request.top > 0
 
-    def _compute(self, params, decode, prefills, filtered: bool, top: int):
+    def _compute(self, params, decode, prefills, filtered: bool, top: int, needed: int):
         """The worker thread's part of a step: decode the running slots, then prefill the joining
         ones (after the decode, whose write at a free slot's position 0 the prefill overwrites).
 
         Args:
             filtered: whether a running call keeps its support, and so needs the kept masks.
             top: the alternatives a running call asks for (`MAX_TOP_LOGPROBS` or 0).
+            needed: the positions of each slot the step writes, which the cache is made to hold
+                first (here, off the trio loop: a growth allocates its blocks).
 
         Returns:
             The decode's tokens and log-probs (lists, one entry per slot), kept masks (bool
@@ -577,6 +580,7 @@ class RolloutServer:
             None without `top`), None without a decode; and each joining call's first token,
             log-prob, kept mask, and top ids and log-probs (None where it asks for none).
         """
+        self._hold(needed)
         drawn = None
         if decode is not None:
             self._cache, *drawn = _decode_step(
