@@ -4,15 +4,16 @@ Hypercorn's protocol serves a small ASGI app in the caller's trio run, beside th
 an accept loop of dew's own (`dew.gateway._connections`), so a request's engine call is an
 ordinary trio call: a closed session cancels it, a client that hangs up cancels it, and nothing
 runs in asyncio threads.
+
+Around the class, in modules of their own: reading a request's body and parsing it
+(`_reading`), the engine call and the engines' shared tokenizer (`_engine`), the answers'
+bodies and stream chunks (`_answers`, `_responses`), and the HTTP plumbing (`_http`).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import functools
-import hashlib
-import inspect
 import logging
 import secrets
 import sys
@@ -36,41 +37,28 @@ from dew.gateway._answers import (
 )
 from dew.gateway._api_error import ApiError, invalid
 from dew.gateway._connections import Connections, serve
+from dew.gateway._engine import engine_call, engines_tokenizer, takes
 from dew.gateway._http import (
     bearer,
-    content_length,
     conversation,
     model_object,
     retry_count,
     send_json,
     send_stream,
 )
+from dew.gateway._reading import Gone, off_loop, read_body, read_chat, read_completion
 from dew.gateway._record import GatewaySession, Template, Turn
 from dew.gateway._responses import Answer, chat_payload, named_sse
-from dew.gateway._schema import (
-    MAX_MESSAGES,
-    MAX_TOOLS,
-    ChatRequest,
-    CompletionRequest,
-    chat_request,
-    completion_request,
-    parse_json,
-)
+from dew.gateway._schema import MAX_MESSAGES, MAX_TOOLS, ChatRequest
 from dew.gateway._template import Reply, parse_reply, tool_format
-from dew.gateway._templated import Rendered
-from dew.objectives.rl.sessions import Call, Label
+from dew.gateway._templated import tally
+from dew.objectives.rl.sessions import Label
 from dew.serve._sampling import Sampling
-from dew.serve.tokenizer import BYTES, Tokenizer
 
 _log = logging.getLogger("dew.gateway")
 
 # Closed sessions remembered (to answer 410 rather than 404); older ones are forgotten.
 _CLOSED_KEPT = 100_000
-# A body at least this large is parsed and rendered in a worker thread: the event loop serves
-# every session, and reading a request of megabytes on it would hold them all (200,000 messages
-# in 6 MB took seconds). Smaller ones stay on the loop, where a thread's round trip would cost
-# more than the work.
-_OFF_LOOP_BYTES = 1 << 16
 # Keys that say "no key": none, an empty one, and the placeholder OpenAI-compatible local servers
 # (vLLM) document and verifiers sends when its key variable is unset. They name no session.
 _NO_KEY = (None, "", "EMPTY")
@@ -80,36 +68,6 @@ def _check_seconds(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e6:
         raise ValueError(f"{name} must be a number of seconds in (0, 1e6), got {value!r}")
     return float(value)
-
-
-def _tokenizer(tokenizer: Any, servers) -> Tokenizer:
-    """The gateway's tokenizer: `tokenizer`, else the first engine's, else the byte one; every
-    engine that names its tokenizer must agree with it on the ids (vocabulary, stop and special
-    ids), or the prompts the gateway renders would mean other text to it."""
-    own = [getattr(server, "tokenizer", None) for server in servers]
-    if tokenizer is None:
-        tokenizer = next((t for t in own if t is not None), BYTES)
-    if not isinstance(tokenizer, Tokenizer):
-        raise ValueError(
-            f"tokenizer must implement dew.serve.tokenizer.Tokenizer, got {tokenizer!r}"
-        )
-    ids = (tokenizer.vocab_size, tokenizer.eos_id, tokenizer.special_ids)
-    for index, other in enumerate(own):
-        if other is not None and other is not tokenizer:
-            if (other.vocab_size, other.eos_id, other.special_ids) != ids:
-                raise ValueError(
-                    f"engine {index}'s tokenizer {other!r} differs from the gateway's {tokenizer!r}"
-                )
-    return tokenizer
-
-
-def _takes(function, name: str) -> bool:
-    """Whether `function` takes a keyword argument `name`."""
-    try:
-        parameters = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 class Gateway:
@@ -202,7 +160,7 @@ class Gateway:
                 raise ValueError(f"engine {index} must have an async generate(), got {server!r}")
         self.servers: tuple[Any, ...] = tuple(servers)
         # Which engines report top log-probs (`RolloutServer.generate(top_logprobs=...)`).
-        self._reports_top = [_takes(server.generate, "top_logprobs") for server in servers]
+        self._reports_top = [takes(server.generate, "top_logprobs") for server in servers]
         self.max_context = check_int("max_context", max_context, low=2)
         for index, server in enumerate(servers):
             longest = getattr(server, "max_len", None)
@@ -217,7 +175,7 @@ class Gateway:
         self.sampling = Sampling() if sampling is None else sampling
         if not isinstance(self.sampling, Sampling):
             raise ValueError(f"sampling must be a Sampling, got {sampling!r}")
-        self.tokenizer = _tokenizer(tokenizer, self.servers)
+        self.tokenizer = engines_tokenizer(tokenizer, self.servers)
         self.template = Template.of(self.tokenizer)
         self.tool_format = tool_format(self.tokenizer)
         # Under a checkpoint's template: prompts that extended one of the gateway's calls
@@ -449,74 +407,10 @@ class Gateway:
             session.requests -= 1
 
     async def _body(self, scope, receive) -> bytes:
-        length = content_length(scope)
-        if length is not None and length > self.max_body:
-            raise ApiError(
-                413,
-                f"the request body holds {length} bytes, above {self.max_body}",
-                code="request_too_large",
-            )
-        chunks, size = [], 0
-        with trio.move_on_after(self.body_timeout):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise _Gone()
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > self.max_body:
-                    raise ApiError(
-                        413,
-                        f"the request body is above {self.max_body} bytes",
-                        code="request_too_large",
-                    )
-                chunks.append(chunk)
-                if not message.get("more_body"):
-                    return b"".join(chunks)
-        raise ApiError(
-            408,
-            f"the request body did not arrive within the gateway's body_timeout of "
-            f"{self.body_timeout:g} s",
-            code="request_timeout",
+        """The request's body, within the gateway's max_body and body_timeout."""
+        return await read_body(
+            scope, receive, max_body=self.max_body, body_timeout=self.body_timeout
         )
-
-    async def _off_loop(self, size: int, function: Callable, *args):
-        """`function(*args)`, in a worker thread when the request's body is `size` bytes or
-        more (see _OFF_LOOP_BYTES), where it holds no other session's request."""
-        if size < _OFF_LOOP_BYTES:
-            return function(*args)
-        return await trio.to_thread.run_sync(
-            functools.partial(function, *args), limiter=self._readers
-        )
-
-    def _read_chat(self, body: bytes, as_chat) -> tuple[dict, dict, ChatRequest, bytes]:
-        """A chat (or Responses, through `as_chat`) body's payload, the chat payload it stands
-        for, the parsed request and the body's fingerprint."""
-        request_payload = parse_json(body)
-        payload = request_payload
-        limit = self.max_messages
-        if as_chat is not None:
-            payload = as_chat(request_payload, max_messages=limit, max_tools=self.max_tools)
-            limit += 1  # `instructions` adds a leading system message to the items
-        request = chat_request(payload, max_messages=limit, max_tools=self.max_tools)
-        return request_payload, payload, request, hashlib.sha256(body).digest()
-
-    def _read_completion(self, body: bytes) -> tuple[CompletionRequest, bytes]:
-        """A completions body's request, checked against the vocabulary, and its fingerprint."""
-        request = completion_request(parse_json(body))
-        if isinstance(request.prompt, str):
-            if not request.prompt:
-                raise invalid("prompt", "'prompt' must not be empty")
-        else:
-            vocab = self.tokenizer.vocab_size
-            for index, token in enumerate(request.prompt):
-                if not 0 <= token < vocab:
-                    raise invalid(
-                        "prompt",
-                        f"prompt[{index}] is {token}: token ids must be in [0, {vocab}), the "
-                        "tokenizer's vocabulary",
-                    )
-        return request, hashlib.sha256(body).digest()
 
     async def _models(self, session, scope, receive, send) -> None:
         await send_json(send, 200, {"object": "list", "data": [model_object(self.model)]})
@@ -568,13 +462,14 @@ class Gateway:
         the session as it was."""
         try:
             body = await self._body(scope, receive)
-        except _Gone:
+        except Gone:
             return None
-        read = await self._off_loop(len(body), self._read_chat, body, as_chat)
+        limits = (self.max_messages, self.max_tools)
+        read = await off_loop(len(body), self._readers, read_chat, body, as_chat, *limits)
         request_payload, payload, request, fingerprint = read
         with session.admitted(fingerprint, retry=retry_count(scope) > 0) as index:
-            rendered = await self._off_loop(len(body), session.chat_prompt, request, field)
-            self._count(rendered)
+            rendered = await off_loop(len(body), self._readers, session.chat_prompt, request, field)
+            tally(self.rendering, rendered)
             sample = await self._sample(
                 session, rendered.ids, request.sampled, index, receive, field
             )
@@ -594,32 +489,21 @@ class Gateway:
         session.transcript = [*payload["messages"], assistant_message(reply)]
         return request_payload, request, sample, reply
 
-    def _count(self, rendered: Rendered) -> None:
-        """Count how a prompt under a checkpoint's template kept the gateway's turns, and say
-        once when the template first renders one of them other than as sampled."""
-        if rendered.text is None:
-            return
-        first = not (self.rendering["drift"] or self.rendering["rerendered"])
-        self.rendering["spliced"] += rendered.spliced
-        self.rendering["drift"] += rendered.drift
-        self.rendering["rerendered"] += rendered.rerendered
-        if first and (rendered.drift or rendered.rerendered):
-            _log.warning(
-                "dew gateway: the chat template renders one of the gateway's own turns other "
-                "than as the model sampled it (%s); Gateway.rendering counts these",
-                "its ids kept" if rendered.drift else "the session's chain breaks there",
-            )
-
     async def _completions(self, session: GatewaySession, scope, receive, send) -> None:
         try:
             body = await self._body(scope, receive)
-        except _Gone:
+        except Gone:
             return
-        request, fingerprint = await self._off_loop(len(body), self._read_completion, body)
+        vocab = self.tokenizer.vocab_size
+        request, fingerprint = await off_loop(
+            len(body), self._readers, read_completion, body, vocab
+        )
         with session.admitted(fingerprint, retry=retry_count(scope) > 0) as index:
             if isinstance(request.prompt, str):
                 prompt_text = request.prompt
-                prompt = await self._off_loop(len(body), session.text_prompt, request.prompt)
+                prompt = await off_loop(
+                    len(body), self._readers, session.text_prompt, request.prompt
+                )
                 if not len(prompt):  # a tokenizer may write no token for some text (engine's 500)
                     raise invalid("prompt", "'prompt' encodes to no tokens")
             else:
@@ -677,52 +561,14 @@ class Gateway:
                 param=field,
                 code="context_length_exceeded",
             )
-        call = await self._generate(session, prompt, budget, sampled.top_logprobs, index, receive)
+        options = self.sampling.options(session.label, index)
+        if sampled.top_logprobs and self._reports_top[session.engine]:
+            options["top_logprobs"] = sampled.top_logprobs
+        server = self.servers[session.engine]
+        stop = self.tokenizer.eos_id
+        call = await engine_call(
+            server, session, prompt, receive, max_tokens=budget, stop=stop, options=options
+        )
         if call is None:
             return None
         return cut(call, self.tokenizer, sampled.stop)
-
-    async def _generate(
-        self, session, prompt, budget: int, top: int, index: int, receive
-    ) -> Call | None:
-        server = self.servers[session.engine]
-        options = self.sampling.options(session.label, index)
-        if top and self._reports_top[session.engine]:
-            options["top_logprobs"] = top
-        outcome: dict[str, Any] = {}
-
-        async def watch(cancel_scope: trio.CancelScope) -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            outcome["gone"] = True
-            cancel_scope.cancel(reason="client hung up")
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch, nursery.cancel_scope)
-            with session.running():
-                try:
-                    outcome["call"] = await server.generate(
-                        prompt, max_tokens=budget, stop=(self.tokenizer.eos_id,), **options
-                    )
-                except Exception as error:
-                    outcome["error"] = error
-            nursery.cancel_scope.cancel(reason="call answered")
-        if "error" in outcome:
-            error = outcome["error"]
-            session.fail(f"engine: {type(error).__name__}: {error}")
-            raise ApiError(
-                500,
-                f"the engine failed the call: {error}",
-                type="server_error",
-                code="engine_error",
-            )
-        if "call" in outcome:
-            return outcome["call"]
-        if outcome.get("gone"):
-            return None
-        session.check_open()
-        raise ApiError(500, "the engine call was cancelled", type="server_error", code="cancelled")
-
-
-class _Gone(Exception):
-    """The client hung up before its request was read."""

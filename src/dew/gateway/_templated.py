@@ -28,7 +28,9 @@ the session and the gateway, and logged once per gateway.
 
 from __future__ import annotations
 
+import collections
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +41,8 @@ from dew.gateway._api_error import ApiError
 from dew.gateway._schema import ChatRequest, Message
 from dew.gateway._template import instruction_lines
 from dew.serve.chat_template import ChatTemplateError
+
+_log = logging.getLogger("dew.gateway")
 
 
 @attrs.frozen
@@ -63,6 +67,24 @@ class Rendered:
     spliced: bool = False
     drift: bool = False
     rerendered: int = 0
+
+
+def tally(rendering: collections.Counter[str], rendered: Rendered) -> None:
+    """Count in a gateway's `rendering` how a prompt under a checkpoint's template kept the
+    gateway's turns, and say once when the template first renders one of them other than as
+    sampled."""
+    if rendered.text is None:
+        return
+    first = not (rendering["drift"] or rendering["rerendered"])
+    rendering["spliced"] += rendered.spliced
+    rendering["drift"] += rendered.drift
+    rendering["rerendered"] += rendered.rerendered
+    if first and (rendered.drift or rendered.rerendered):
+        _log.warning(
+            "dew gateway: the chat template renders one of the gateway's own turns other "
+            "than as the model sampled it (%s); Gateway.rendering counts these",
+            "its ids kept" if rendered.drift else "the session's chain breaks there",
+        )
 
 
 def _arguments(text: str) -> Any:
