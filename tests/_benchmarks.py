@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import re
 import subprocess
 import sys
+import types
 
 BENCHMARKS = sorted((pathlib.Path(__file__).parent.parent / "benchmarks").glob("*.py"))
 
@@ -23,6 +25,15 @@ HEAVY = {
     "sharded_checkpoints",
     "train_step_torch",
 }
+
+
+def load_benchmark(name: str) -> types.ModuleType:
+    """The script `benchmarks/NAME.py` as a module (its tables, recipes and helpers), not run."""
+    (script,) = [b for b in BENCHMARKS if b.stem == name]
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_smoke(script: pathlib.Path) -> None:
