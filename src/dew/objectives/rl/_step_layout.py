@@ -1,19 +1,23 @@
-"""Where `GRPOObjective.update_fn`'s step puts its outputs: on the devices its inputs were on.
+"""`GRPOObjective.update_fn`'s step: one guarded optimizer update, its outputs on the devices its
+inputs were on.
 
 A jitted step whose outputs GSPMD lays out otherwise than its inputs compiles again the next
 call, and so does every jitted function the weights go to next (the rescoring, the engine's
 steps). The step reads its inputs' shardings here, takes them as a static argument and
-constrains its outputs to them. Kept apart from the objective: it is about placing arrays on
-devices, not about the loss.
+constrains its outputs to them. Kept apart from the objective: it is about applying an update
+and placing arrays on devices, not about the loss.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 import jax
+import jax.numpy as jnp
+import optax
 
 
 def layout(tree: Any) -> tuple[jax.sharding.Sharding | None, ...]:
@@ -71,3 +75,38 @@ class LaidOutStep:
     def _cache_size(self) -> int:
         """The programs compiled, one per input signature, as a jitted function counts them."""
         return self.update._cache_size()
+
+
+def update_step(
+    loss: Callable, optimizer: optax.GradientTransformation, *, donate: bool
+) -> LaidOutStep:
+    """The jitted step `GRPOObjective.update_fn` returns, on `loss(variables, batch, key=)`
+    (the objective's, with its metrics) and `optimizer`; `donate` as `update_fn` takes it."""
+    value_and_grad = jax.value_and_grad(loss, has_aux=True)
+
+    donated = ("variables", "opt_state") if donate else ()
+
+    @functools.partial(jax.jit, static_argnames="layout", donate_argnames=donated)
+    def update(variables, opt_state, batch, layout, key=None):
+        (_, metrics), grads = value_and_grad(variables, batch, key=key)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+        # A batch with no trained token carries nothing to learn: an optimizer's momentum
+        # alone would move the weights (uniform-group filtering can empty a step).
+        finite = finite & (metrics["tokens"] > 0)
+
+        def step(variables, opt_state, grads):
+            updates, new_state = optimizer.update(grads, opt_state, variables)
+            return optax.apply_updates(variables, updates), new_state
+
+        def keep(variables, opt_state, grads):
+            return variables, opt_state
+
+        # A branch, not a choice between the new and the old values: choosing needs both
+        # whole, side by side (a donating step's scratch doubled, to 2.1 GiB for SmolLM2's
+        # weights and moments), where the update writes into the old values' buffers.
+        new_variables, new_state = jax.lax.cond(finite, step, keep, variables, opt_state, grads)
+        new_variables, new_state = laid_out((new_variables, new_state), layout)
+        return new_variables, new_state, {**metrics, "grad_norm": grad_norm}
+
+    return LaidOutStep(update)

@@ -30,6 +30,9 @@ d = log reference - log current: k1 = -d (unbiased, negative at some tokens), k2
 RATIO_LEVELS = ("token", "sequence")
 """Where the PPO ratio current / proximal is taken: each token's own, or its sequence's
 geometric mean over trained tokens (GSPO), the same for each of the sequence's tokens."""
+# The reference KL's log-ratio is clamped here: beyond it exp overflows float32's gradient,
+# and a token the reference finds e^20 times likelier is held back hard enough.
+_KL_LOG_RATIO = 20.0
 
 
 def upper_clip(clip: float, clip_high: float | None) -> float:
@@ -57,7 +60,7 @@ def sequence_mean(
         values: float32[rows, width]; only trained cells count.
         trained: bool[rows, width].
         index, segments: each cell's sequence, int32[rows * width], and how many there can be
-            (`grpo._sequence_index`).
+            (`_importance.sequence_index`).
 
     Returns:
         float32[rows, width]: the mean at trained cells, 0 elsewhere (so nothing downstream
@@ -126,14 +129,22 @@ def clipped_surrogate(
     )
 
 
-def reference_kl(gap: jax.Array, estimator: str) -> jax.Array:
-    """Each token's `estimator` of KL(current || reference), float32[rows, width].
+def reference_kl(
+    reference: jax.Array, current: jax.Array, kept: jax.Array, estimator: str
+) -> jax.Array:
+    """Each kept token's `estimator` of KL(current || reference), float32[rows, width]; 0
+    where not kept.
 
     Args:
-        gap: d = log reference - log current per token, already clamped and masked by the
-            caller (so e^d cannot overflow).
+        reference, current: the reference and current log-probs, float32[rows, width].
+        kept: bool[rows, width], the tokens the loss keeps.
         estimator: one of `KL_ESTIMATORS`.
     """
+    # d = reference - current, over the behaviour's samples; clamped and masked first,
+    # so neither an untrained token nor a wild one overflows k3's e^d.
+    gap = jnp.clip(
+        jnp.where(kept, reference - current, jnp.float32(0)), -_KL_LOG_RATIO, _KL_LOG_RATIO
+    )
     if estimator == "k1":
         return -gap
     if estimator == "k2":

@@ -31,11 +31,12 @@ outside `[importance_floor, importance_cap]` masked out of the loss); how the lo
 (`entropy_coef`). The defaults are
 decoupled PPO as AReaL trains it: token-level weights truncated at 5, the token mean.
 
-This module holds the objective itself: its settings, the behaviour importance weights, the
-loss and its aggregation, and the update step. Beside it, each a formula or a mechanism a reader
-can take alone: `_surrogate` (the clipped surrogate's variants and the reference KL's
-estimators), `_logprobs` (the chunked log-prob and entropy pass over the model's head) and
-`_step_layout` (the step's outputs placed as its inputs were).
+This module holds the objective itself: its settings, its loss, its scoring of packed rows.
+Beside it, each a formula or a mechanism a reader can take alone: `_importance` (the behaviour
+importance weights, the mismatch figures, the loss's aggregation), `_surrogate` (the clipped
+surrogate's variants and the reference KL's estimators), `_logprobs` (the chunked log-prob and
+entropy pass over the model's head) and `_step_layout` (the guarded update step, its outputs
+placed as its inputs were).
 """
 
 from __future__ import annotations
@@ -51,8 +52,15 @@ import numpy as np
 import optax
 
 from dew._checks import at_least, in_range, int_at_least, is_callable, positive
+from dew.objectives.rl._importance import (
+    aggregate,
+    importance_weights,
+    mismatch_metrics,
+    require,
+    sequence_index,
+)
 from dew.objectives.rl._logprobs import target_log_probs
-from dew.objectives.rl._step_layout import LaidOutStep, laid_out
+from dew.objectives.rl._step_layout import update_step
 from dew.objectives.rl._surrogate import (
     KL_ESTIMATORS,
     RATIO_LEVELS,
@@ -62,6 +70,18 @@ from dew.objectives.rl._surrogate import (
     sequence_mean,
     upper_clip,
 )
+
+__all__ = [
+    "AGGREGATIONS",
+    "ATTENTION_CELLS",
+    "CORRECTIONS",
+    "GRPOObjective",
+    "IMPORTANCE_LEVELS",
+    "LOGIT_CELLS",
+    "PROXIMALS",
+    "QUANTILES",
+    "mismatch_metrics",
+]
 
 Model = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -90,15 +110,6 @@ ATTENTION_CELLS = 2**22
 """The query-key pairs of one row chunk's attention by default: `row_chunk` is this over the
 width squared, so a chunk's scores stay near 16 MiB a head however wide the rows (one row of
 2,048 positions a chunk, and every row of a narrow batch in one)."""
-# The reference KL's log-ratio is clamped here: beyond it exp overflows float32's gradient,
-# and a token the reference finds e^20 times likelier is held back hard enough.
-_KL_LOG_RATIO = 20.0
-
-
-def _require(batch: Mapping[str, Any], keys: tuple[str, ...]) -> None:
-    missing = [key for key in keys if key not in batch]
-    if missing:
-        raise KeyError(f"batch lacks {', '.join(map(repr, missing))}; it has {sorted(batch)}")
 
 
 def _one_of(choices: tuple[str, ...]):
@@ -116,58 +127,6 @@ def _support(batch: Mapping[str, Any]) -> bool:
     if any(present) and not all(present):
         raise KeyError(f"batch must carry both or neither of {SUPPORT}, got {sorted(batch)}")
     return all(present)
-
-
-def _sequence_index(batch: Mapping[str, Any]) -> tuple[jax.Array, int]:
-    """Each cell's sequence, int32[rows * width], and how many indices there can be: a
-    sequence is one segment of one row (segment ids restart in each row and are at most the
-    width), and padding, segment 0, is a sequence of its own that no trained token is in."""
-    segment_ids = jnp.asarray(batch["segment_ids"], jnp.int32)
-    rows, width = segment_ids.shape
-    row = jnp.arange(rows, dtype=jnp.int32)[:, None] * jnp.int32(width + 1)
-    return (row + segment_ids).reshape(-1), rows * (width + 1)
-
-
-def mismatch_metrics(batch: Mapping[str, Any], *, version: int) -> dict[str, float]:
-    """The behaviour–proximal mismatch of a packed batch, split by where it comes from.
-
-    Both are the k3 estimate of KL(behaviour || proximal), the mean over trained tokens of
-    (rho - 1) - log rho with rho = proximal / behaviour:
-
-    - `mismatch/engine`: over the tokens sampled at `version`, the proximal policy's own
-      version. Behaviour and proximal are then the same weights computed twice (by the engine
-      and by the trainer), so this is the engine–trainer difference alone: float noise for an
-      engine that computes as the trainer does, more for another kernel, dtype or quantisation.
-    - `staleness/kl`: over the tokens sampled at older versions: how far the policy moved since
-      they were sampled (plus the engine's own share, which `mismatch/engine` shows).
-
-    A figure over no tokens is left out (a synchronous run has no stale tokens).
-
-    Args:
-        batch: `loss_mask`, `behavior_logprobs`, `proximal_logprobs` float32[rows, width] and
-            `versions` int32[rows, width] (each completion token's call version), as
-            `RolloutScheduler` returns them.
-        version: the version the proximal log-probs were rescored under (the trainer's updates).
-
-    Returns:
-        The figures that are defined, as floats.
-
-    Raises:
-        KeyError: naming a missing key.
-    """
-    _require(batch, ("loss_mask", "behavior_logprobs", "proximal_logprobs", "versions"))
-    trained = np.asarray(batch["loss_mask"]) > 0
-    log_rho = (
-        np.asarray(batch["proximal_logprobs"], np.float64)[trained]
-        - np.asarray(batch["behavior_logprobs"], np.float64)[trained]
-    )
-    k3 = np.expm1(log_rho) - log_rho
-    current = np.asarray(batch["versions"])[trained] == version
-    metrics = {}
-    for name, where in (("mismatch/engine", current), ("staleness/kl", ~current)):
-        if where.any():
-            metrics[name] = float(k3[where].mean())
-    return metrics
 
 
 @attrs.frozen(eq=False)
@@ -324,7 +283,7 @@ class GRPOObjective:
         Raises:
             KeyError: naming a missing key, or a support key without its partner.
         """
-        _require(batch, SCORED)
+        require(batch, SCORED)
         keys = SCORED + (SUPPORT if _support(batch) else ())
         return self._jitted_log_probs(variables, {key: batch[key] for key in keys})
 
@@ -433,7 +392,7 @@ class GRPOObjective:
             KeyError: naming a missing key.
         """
         trained_keys = TRAINED if self.proximal == "rescore" else TRAINED[:-1]
-        _require(batch, SCORED + trained_keys + ((REFERENCE,) if self.kl_coef > 0 else ()))
+        require(batch, SCORED + trained_keys + ((REFERENCE,) if self.kl_coef > 0 else ()))
         keys = SCORED + (SUPPORT if _support(batch) else ())
         current, entropy = self._scores(
             variables,
@@ -452,7 +411,7 @@ class GRPOObjective:
         # Masked before exp, so an untrained token's ratio can't overflow into a NaN gradient.
         log_ratio = jnp.where(trained, current - proximal, jnp.float32(0))
         if self.ratio_level == "sequence":
-            log_ratio = sequence_mean(log_ratio, trained, *_sequence_index(batch))
+            log_ratio = sequence_mean(log_ratio, trained, *sequence_index(batch))
         ratio = jnp.exp(log_ratio)
         surrogate = clipped_surrogate(
             ratio,
@@ -474,18 +433,12 @@ class GRPOObjective:
         metrics = {}
         if self.kl_coef > 0:
             reference = jnp.asarray(batch[REFERENCE], jnp.float32)
-            # d = reference - current, over the behaviour's samples; clamped and masked first,
-            # so neither an untrained token nor a wild one overflows k3's e^d.
-            gap = jnp.clip(
-                jnp.where(kept, reference - current, jnp.float32(0)),
-                -_KL_LOG_RATIO,
-                _KL_LOG_RATIO,
-            )
-            kl = reference_kl(gap, self.kl_estimator)
+            kl = reference_kl(reference, current, kept, self.kl_estimator)
             per_token = per_token + jnp.float32(self.kl_coef) * kl
             kept_count = jnp.maximum(kept.sum().astype(jnp.float32), jnp.float32(1))
             metrics["kl/reference"] = jnp.where(kept, kl, 0.0).sum() / kept_count
-        loss = self._aggregate(jnp.where(kept, mask, jnp.float32(0)), per_token, batch)
+        weight = jnp.where(kept, mask, jnp.float32(0))
+        loss = aggregate(weight, per_token, batch, self.aggregation)
         # k3 = (r - 1) - log r with r = proximal / behaviour over behaviour's samples: unbiased
         # for KL(behaviour || proximal) and never negative, unlike the plain -log r.
         log_importance = jnp.where(
@@ -540,85 +493,27 @@ class GRPOObjective:
             and so do the jitted functions the weights are pushed to. Its `_cache_size()` counts its
             compilations, as jit's does.
         """
-        value_and_grad = jax.value_and_grad(self.loss, has_aux=True)
-
-        donated = ("variables", "opt_state") if donate else ()
-
-        @functools.partial(jax.jit, static_argnames="layout", donate_argnames=donated)
-        def update(variables, opt_state, batch, layout, key=None):
-            (_, metrics), grads = value_and_grad(variables, batch, key=key)
-            grad_norm = optax.tree.norm(grads)
-            finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-            # A batch with no trained token carries nothing to learn: an optimizer's momentum
-            # alone would move the weights (uniform-group filtering can empty a step).
-            finite = finite & (metrics["tokens"] > 0)
-
-            def step(variables, opt_state, grads):
-                updates, new_state = optimizer.update(grads, opt_state, variables)
-                return optax.apply_updates(variables, updates), new_state
-
-            def keep(variables, opt_state, grads):
-                return variables, opt_state
-
-            # A branch, not a choice between the new and the old values: choosing needs both
-            # whole, side by side (a donating step's scratch doubled, to 2.1 GiB for SmolLM2's
-            # weights and moments), where the update writes into the old values' buffers.
-            new_variables, new_state = jax.lax.cond(finite, step, keep, variables, opt_state, grads)
-            new_variables, new_state = laid_out((new_variables, new_state), layout)
-            return new_variables, new_state, {**metrics, "grad_norm": grad_norm}
-
-        return LaidOutStep(update)
+        return update_step(self.loss, optimizer, donate=donate)
 
     def _require_weighted(self, batch: Mapping[str, Any]) -> None:
         level = () if self.importance_level == "token" else ("segment_ids",)
-        _require(batch, ("loss_mask", "behavior_logprobs", "proximal_logprobs", *level))
-
-    def _aggregate(self, weight: jax.Array, per_token: jax.Array, batch: Mapping[str, Any]):
-        """The loss from per-token losses, float32[rows, width], each weighted by `weight` (the
-        loss mask at kept tokens, 0 elsewhere), as `aggregation` says."""
-        total = jnp.where(weight > 0, weight * per_token, jnp.float32(0))
-        if self.aggregation == "token_mean":
-            return total.sum() / jnp.maximum(weight.sum(), jnp.float32(1))
-        if self.aggregation == "constant":
-            return total.sum() / jnp.float32(weight.size)
-        index, segments = _sequence_index(batch)
-        sums = jax.ops.segment_sum(total.reshape(-1), index, num_segments=segments)
-        weights = jax.ops.segment_sum(weight.reshape(-1), index, num_segments=segments)
-        present = weights > 0
-        means = jnp.where(present, sums / jnp.where(present, weights, jnp.float32(1)), 0.0)
-        return means.sum() / jnp.maximum(present.sum().astype(jnp.float32), jnp.float32(1))
+        require(batch, ("loss_mask", "behavior_logprobs", "proximal_logprobs", *level))
 
     def _weights(
         self, batch: Mapping[str, Any], proximal: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """The behaviour importance over a batch, each bool or float32[rows, width]: trained
-        tokens; the log of the level's weight there (0 elsewhere, so nothing downstream
-        overflows on untrained tokens); `behavior_importance`; and the tokens the correction
-        keeps (the trained ones, less those masking leaves out). `proximal` is the batch's
+        """The behaviour importance over a batch under this objective's settings
+        (`_importance.importance_weights`): trained tokens, the level's log-weight, the
+        `behavior_importance` and the tokens the correction keeps. `proximal` is the batch's
         `proximal_logprobs` unless given."""
-        trained = jnp.asarray(batch["loss_mask"], jnp.float32) > 0
-        behavior = jnp.asarray(batch["behavior_logprobs"], jnp.float32)
-        if proximal is None:
-            proximal = jnp.asarray(batch["proximal_logprobs"], jnp.float32)
-        log_weight = jnp.where(trained, proximal - behavior, jnp.float32(0))
-        if self.importance_level == "geometric":
-            log_weight = sequence_mean(log_weight, trained, *_sequence_index(batch))
-        elif self.importance_level == "sequence":
-            index, segments = _sequence_index(batch)
-            sums = jax.ops.segment_sum(log_weight.reshape(-1), index, num_segments=segments)
-            log_weight = jnp.where(trained, sums[index].reshape(trained.shape), jnp.float32(0))
-        cap = jnp.float32(self.importance_cap)
-        if self.correction == "truncate":
-            # min after exp, so a token at the cap weighs the cap exactly; an overflow to inf
-            # is capped all the same, and the weight carries no gradient.
-            weight = jnp.where(trained, jnp.minimum(jnp.exp(log_weight), cap), jnp.float32(0))
-            return trained, log_weight, weight, trained
-        kept = trained & (log_weight <= jnp.log(cap))
-        if self.importance_floor > 0:
-            kept = kept & (log_weight >= jnp.log(jnp.float32(self.importance_floor)))
-        # Masked before exp: a kept weight is at most the cap, so it cannot overflow.
-        weight = jnp.exp(jnp.where(kept, log_weight, jnp.float32(0)))
-        return trained, log_weight, jnp.where(kept, weight, jnp.float32(0)), kept
+        return importance_weights(
+            batch,
+            proximal,
+            level=self.importance_level,
+            correction=self.correction,
+            cap=self.importance_cap,
+            floor=self.importance_floor,
+        )
 
     def _log_probs(self, variables, batch: Mapping[str, Any]) -> jax.Array:
         """`packed_log_probs` before jit."""
