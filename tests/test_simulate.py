@@ -17,6 +17,7 @@ from dew.envs import SimulatedConfig, SimulatedEngine, SimulatedSource
 from dew.objectives.rl._session import track_progress
 from dew.objectives.rl.scheduler import LogEvent
 from dew.objectives.rl.sessions import Label
+from dew.simulate import _run
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +331,7 @@ async def test_slot_waste_counts_from_a_rollouts_start_on_a_slot(autojump_clock)
         async def run(self, task: Task, label: Label) -> None:
             await engine.call(2.0, (task.name,))
 
-    timed = simulate._Timed(OneCall())
+    timed = _run._Timed(OneCall())
 
     async def rollout(name: str, label: Label, cancel_at: float) -> None:
         track_progress()  # as the scheduler gives each rollout's task its own
@@ -345,10 +346,10 @@ async def test_slot_waste_counts_from_a_rollouts_start_on_a_slot(autojump_clock)
     assert timed.slots == {a: 0.0, b: 2.0}
     events = [LogEvent("admitted", 2.0, 0, 0, "a", a), LogEvent("cancelled", 4.0, 0, 1, "b", b)]
     model_time = {a: 2.0, b: 2.0}.get
-    wasted, spent, _ = simulate._account(events, timed.spans, lambda task, label: model_time(label))
+    wasted, spent, _ = _run._account(events, timed.spans, lambda task, label: model_time(label))
     assert (wasted, spent) == (4.0, 6.0)
-    on_slots = simulate._on_slots(timed.spans, timed.slots)
-    wasted, spent, _ = simulate._account(events, on_slots, lambda task, label: model_time(label))
+    on_slots = _run._on_slots(timed.spans, timed.slots)
+    wasted, spent, _ = _run._account(events, on_slots, lambda task, label: model_time(label))
     assert (wasted, spent) == (2.0, 4.0)
 
 
