@@ -114,6 +114,16 @@ def int_within(low: int, high: int) -> Validator:
     return validate
 
 
+def one_of(choices: tuple[str, ...]) -> Validator:
+    """An attrs validator: the field is one of `choices`, named in the message."""
+
+    def validate(instance: Any, attribute: Any, value: Any) -> None:
+        if value not in choices:
+            raise ValueError(f"{attribute.name} must be one of {choices}, got {value!r}")
+
+    return validate
+
+
 def in_range(
     low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False
 ) -> Validator:

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from dew import models
-from dew._checks import in_range, int_within
+from dew._checks import in_range, int_within, one_of
 from dew._documents import read_document
 from dew.models.hf.lora import TARGETS, TRANSFORMER_TARGETS, LoRAConfig
 from dew.objectives.rl._surrogate import KL_ESTIMATORS, RATIO_LEVELS
@@ -32,7 +32,6 @@ from dew.train._config_fields import (
     _lora_targets,
     _mesh_or_none,
     _no_cut,
-    _one_of,
     _option,
     _optional_tuple,
     _path_or_none,
@@ -220,7 +219,7 @@ class TrainConfig:
     )
     lr_decay: str = _option(
         "constant",
-        _one_of(LR_DECAYS),
+        one_of(LR_DECAYS),
         "after the warmup the learning rate stays (constant), or falls linearly (linear) or "
         "along a cosine (cosine) to 0 at --steps",
     )
@@ -280,7 +279,7 @@ class TrainConfig:
     )
     estimator: str = _option(
         "group",
-        _one_of(ESTIMATORS),
+        one_of(ESTIMATORS),
         "the advantages: reward less the group's mean, over the group's reward std (group), "
         "the batch's (batch) or none (mean); or less the others' mean (rloo)",
     )
@@ -289,7 +288,7 @@ class TrainConfig:
     )
     kl_estimator: str = _option(
         "k3",
-        _one_of(KL_ESTIMATORS),
+        one_of(KL_ESTIMATORS),
         "the KL penalty's per-token estimate, d = log ref - log policy: k3 (e^d - d - 1), "
         "k1 (-d), k2 (d^2 / 2) or abs (|d|)",
     )
@@ -307,17 +306,17 @@ class TrainConfig:
     )
     aggregation: str = _option(
         "token_mean",
-        _one_of(AGGREGATIONS),
+        one_of(AGGREGATIONS),
         "how the loss averages: token_mean, sequence_mean, or constant (Dr. GRPO)",
     )
     importance_level: str = _option(
         "token",
-        _one_of(IMPORTANCE_LEVELS),
+        one_of(IMPORTANCE_LEVELS),
         "the behaviour importance weight per token, sequence (product) or geometric (mean)",
     )
     correction: str = _option(
         "truncate",
-        _one_of(CORRECTIONS),
+        one_of(CORRECTIONS),
         "truncate the importance weight at --importance-cap, or mask tokens outside "
         "[--importance-floor, --importance-cap]",
     )
@@ -343,7 +342,7 @@ class TrainConfig:
     )
     ratio_level: str = _option(
         "token",
-        _one_of(RATIO_LEVELS),
+        one_of(RATIO_LEVELS),
         "the surrogate's ratio per token, or per sequence (GSPO: the geometric mean of its "
         "tokens' ratios, so a sequence clips as one)",
     )
@@ -352,7 +351,7 @@ class TrainConfig:
     )
     proximal: str = _option(
         "rescore",
-        _one_of(PROXIMALS),
+        one_of(PROXIMALS),
         "rescore the proximal log-probs before each update, or take them from the update's "
         "own forward pass (current: the same values, one forward pass less per step)",
     )
@@ -427,7 +426,7 @@ class TrainConfig:
     )
     wandb_mode: str = _option(
         "offline",
-        _one_of(WANDB_MODES),
+        one_of(WANDB_MODES),
         "with --wandb: offline (files only; wandb sync uploads them later) or online",
     )
     max_context: int | None = _option(

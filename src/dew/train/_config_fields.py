@@ -121,14 +121,6 @@ def _lora_targets(instance, attribute, value):
         raise ValueError(str(error).replace("targets", attribute.name, 1)) from None
 
 
-def _one_of(choices: tuple[str, ...]) -> Callable:
-    def validate(instance, attribute, value) -> None:
-        if value not in choices:
-            raise ValueError(f"{attribute.name} must be one of {choices}, got {value!r}")
-
-    return validate
-
-
 _WORDS = ("auto", "none")
 """admit's values other than a number of groups."""
 

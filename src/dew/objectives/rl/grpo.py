@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dew._checks import at_least, in_range, int_at_least, is_callable, positive
+from dew._checks import at_least, in_range, int_at_least, is_callable, one_of, positive
 from dew.objectives.rl._importance import (
     aggregate,
     importance_weights,
@@ -110,16 +110,6 @@ ATTENTION_CELLS = 2**22
 """The query-key pairs of one row chunk's attention by default: `row_chunk` is this over the
 width squared, so a chunk's scores stay near 16 MiB a head however wide the rows (one row of
 2,048 positions a chunk, and every row of a narrow batch in one)."""
-
-
-def _one_of(choices: tuple[str, ...]):
-    """An attrs validator: the field is one of `choices`, named in the message."""
-
-    def validate(instance, attribute, value) -> None:
-        if value not in choices:
-            raise ValueError(f"{attribute.name} must be one of {choices}, got {value!r}")
-
-    return validate
 
 
 def _support(batch: Mapping[str, Any]) -> bool:
@@ -218,21 +208,21 @@ class GRPOObjective:
     clip_dual: float | None = attrs.field(
         default=None, kw_only=True, validator=attrs.validators.optional(in_range(1, 100))
     )
-    ratio_level: str = attrs.field(default="token", kw_only=True, validator=_one_of(RATIO_LEVELS))
+    ratio_level: str = attrs.field(default="token", kw_only=True, validator=one_of(RATIO_LEVELS))
     importance_cap: float = attrs.field(default=5.0, kw_only=True, validator=at_least(1))
     importance_level: str = attrs.field(
-        default="token", kw_only=True, validator=_one_of(IMPORTANCE_LEVELS)
+        default="token", kw_only=True, validator=one_of(IMPORTANCE_LEVELS)
     )
-    correction: str = attrs.field(default="truncate", kw_only=True, validator=_one_of(CORRECTIONS))
+    correction: str = attrs.field(default="truncate", kw_only=True, validator=one_of(CORRECTIONS))
     importance_floor: float = attrs.field(default=0.0, kw_only=True, validator=in_range(0, 1))
     aggregation: str = attrs.field(
-        default="token_mean", kw_only=True, validator=_one_of(AGGREGATIONS)
+        default="token_mean", kw_only=True, validator=one_of(AGGREGATIONS)
     )
     kl_coef: float = attrs.field(default=0.0, kw_only=True, validator=at_least(0))
-    kl_estimator: str = attrs.field(default="k3", kw_only=True, validator=_one_of(KL_ESTIMATORS))
+    kl_estimator: str = attrs.field(default="k3", kw_only=True, validator=one_of(KL_ESTIMATORS))
     entropy_coef: float = attrs.field(default=0.0, kw_only=True, validator=in_range(0, 100))
     temperature: float = attrs.field(default=1.0, kw_only=True, validator=positive)
-    proximal: str = attrs.field(default="rescore", kw_only=True, validator=_one_of(PROXIMALS))
+    proximal: str = attrs.field(default="rescore", kw_only=True, validator=one_of(PROXIMALS))
     logit_chunk: int | None = attrs.field(
         default=None, kw_only=True, validator=attrs.validators.optional(int_at_least(1))
     )
