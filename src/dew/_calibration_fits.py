@@ -2,8 +2,9 @@
 sample (Kaplan-Meier weights, a lognormal by maximum likelihood, weighted quantiles) and how much
 the trainer's and the engine's work slow each other (`contention_factor` over `Busy` spans).
 
-Apart from `calibrate.py`, which reads traces into these fits' inputs, because each is plain
-statistics over arrays, testable without a trace. Public through `dew.calibrate`.
+Apart from `calibrate.py` and `_calibration_traces.py`, which read traces into these fits'
+inputs, because each is plain statistics over arrays, testable without a trace. Public through
+`dew.calibrate`.
 """
 
 from __future__ import annotations

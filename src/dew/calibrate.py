@@ -57,25 +57,43 @@ import attrs
 import numpy as np
 
 from dew._calibration_fits import MAX_OVERLAP_SHARE as MAX_OVERLAP_SHARE
+from dew._calibration_fits import Busy as Busy
 from dew._calibration_fits import (
-    Busy,
     contention_factor,
     fit_lognormal,
     kaplan_meier_weights,
     weighted_quantiles,
 )
+from dew._calibration_traces import (
+    CalibrationError,
+    admitted_groups,
+    alternating,
+    delivered,
+    most_in_flight,
+    shared_cpu,
+    split_over_calls,
+    tasks_per_batch,
+    window_start,
+    windowed,
+)
 from dew.envs.simulated import ObservedRollout
 from dew.objectives.rl.sessions import Status
-from dew.replay import RecordedCall, RecordedSession, Trace, read_trace
+from dew.replay import Trace, read_trace
 from dew.simulate import WASTED, Contention, Workload
+
+__all__ = [
+    "CalibrationError",
+    "Calibration",
+    "RunFigures",
+    "calibrate",
+    "fit_table",
+    "report",
+    "observe",
+]
 
 INFRA = Status.INFRA_ERROR
 # Quantiles the goodness-of-fit table compares, observed (Kaplan-Meier) against fitted.
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
-
-
-class CalibrationError(ValueError):
-    """A trace that holds too little to calibrate from; the message names the trace."""
 
 
 @attrs.frozen
@@ -298,106 +316,6 @@ class Calibration:
         )
 
 
-def _delivered(trace: Trace) -> list[RecordedCall]:
-    """The trainer calls that delivered a batch, with their times (a call that raised has
-    no record, and from the trainer's thread no times)."""
-    return [c for c in trace.calls if c.record is not None and c.handed_over is not None]
-
-
-def _window_start(trace: Trace, warmup: int) -> float:
-    """The scheduler's clock at the hand-over of call `warmup`: where a trace's window opens.
-
-    Raises:
-        CalibrationError: when the trace has too few calls with times.
-    """
-    timed = _delivered(trace)
-    if len(timed) < warmup + 2:
-        raise CalibrationError(
-            f"{trace.path}: needs at least warmup + 2 = {warmup + 2} trainer calls that "
-            f"delivered a batch, has {len(timed)}"
-        )
-    return timed[warmup].handed_over
-
-
-def _window(trace: Trace, warmup: int, tasks: int) -> tuple[list[RecordedSession], int]:
-    """The rollouts of the batches that calls `warmup` on handed over and those read after,
-    and how many groups those batches hold (the scheduler numbers a batch's groups in a row,
-    `tasks` a batch, while the trainer keeps its one stream).
-
-    Raises:
-        CalibrationError: when the trace has too few calls, or no rollout of those batches.
-    """
-    _window_start(trace, warmup)
-    first = _delivered(trace)[warmup].batch
-    sessions = [s for s in trace.sessions.values() if s.label.group // tasks >= first]
-    if not sessions:
-        raise CalibrationError(f"{trace.path}: no rollout of batch {first} or later")
-    last = max(s.label.group for s in sessions) // tasks
-    return sessions, (last - first + 1) * tasks
-
-
-def _split(recorded: RecordedSession) -> ObservedRollout:
-    """A finished rollout as the simulation resamples it: its duration split over its calls
-    by completion tokens (evenly where none has any)."""
-    session = recorded.session
-    duration = recorded.ended - recorded.submitted
-    tokens = np.array([len(call.completion) for call in session.calls], np.float64)
-    if len(tokens) and tokens.sum() > 0:
-        seconds = duration * tokens / tokens.sum()
-    else:
-        seconds = np.full(len(tokens), duration / max(len(tokens), 1))
-    failing = None
-    if session.status is Status.INFRA_ERROR:
-        # A failure that made no call still held the engine until it failed.
-        failing = 0.0 if len(tokens) else duration
-    return ObservedRollout(
-        seconds=tuple(float(s) for s in seconds),
-        status=session.status,
-        truncation=session.truncation,
-        failing=failing,
-    )
-
-
-def _most_in_flight(sessions: Sequence[RecordedSession]) -> int:
-    """The most rollouts running at once; one ending as another starts does not overlap it."""
-    marks = sorted(
-        [(s.submitted, 1) for s in sessions] + [(s.ended, -1) for s in sessions],
-    )
-    running = most = 0
-    for _, change in marks:
-        running += change
-        most = max(most, running)
-    return most
-
-
-def _shared_cpu(trace: Trace, warmup: int, finished: Sequence[RecordedSession]):
-    """A trace's spans for the contention fit: its window's steps (seconds, engine overlap,
-    instrument) and its finished rollouts (seconds, trainer overlap, instrument, calls)."""
-    timed = _delivered(trace)
-    stepping = Busy([(a.returned, b.handed_over) for a, b in itertools.pairwise(timed)])
-    engine = Busy([(s.submitted, s.ended) for s in trace.sessions.values()])
-    steps = [(a.returned, b.handed_over) for a, b in itertools.pairwise(timed[warmup:])]
-    begin, end = np.array(steps, np.float64).reshape(-1, 2).T
-    stretch = float(np.median(end - begin)) if len(steps) else 0.0
-    step = (
-        end - begin,
-        engine.covered(begin, end),
-        engine.covered(begin, begin + stretch) / stretch if stretch > 0 else np.zeros(len(begin)),
-    )
-    submitted = np.array([s.submitted for s in finished], np.float64)
-    ended = np.array([s.ended for s in finished], np.float64)
-    stretch = float(np.median(ended - submitted)) if len(finished) else 0.0
-    rollout = (
-        ended - submitted,
-        stepping.covered(submitted, ended),
-        stepping.covered(submitted, submitted + stretch) / stretch
-        if stretch > 0
-        else np.zeros(len(finished)),
-        np.array([max(len(s.session.calls), 1) for s in finished], np.float64),
-    )
-    return step, rollout
-
-
 def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -> Calibration:
     """Fit the simulation's workload to one or more recorded runs.
 
@@ -419,34 +337,34 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
     if not traces:
         raise ValueError("calibrate needs at least one trace")
     read = [t if isinstance(t, Trace) else read_trace(t) for t in traces]
-    first = (read[0].config["groups"], _tasks_per_batch(read[0]))
+    first = (read[0].config["groups"], tasks_per_batch(read[0]))
     finished, cancelled, raised, steps, slots = [], [], 0, [], 0
     step_spans, rollout_spans = [], []
     # Each finished rollout's pool and run, beside it: a label names a rollout within its
     # trace only.
     pools_of: list[tuple[int, int]] = []
     for run, trace in enumerate(read):
-        shape = (trace.config["groups"], _tasks_per_batch(trace))
+        shape = (trace.config["groups"], tasks_per_batch(trace))
         if shape != first:
             raise CalibrationError(
                 f"{trace.path}: (groups, tasks per batch) {shape} differ from the first "
                 f"trace's {first}"
             )
-        sessions, pools = _window(trace, warmup, first[1])
+        sessions, pools = windowed(trace, warmup, first[1])
         returned = [s for s in sessions if s.outcome == "returned"]
         # Each recorded group is a pool, numbered so that the simulation's task n (its group n)
         # draws from the recorded group n while n is within the window: of one trace, picked
         # per task, where several traces hold a group n.
         pools_of += [(s.label.group % pools, run) for s in returned]
-        step, rollout = _shared_cpu(trace, warmup, returned)
+        step, rollout = shared_cpu(trace, warmup, returned)
         step_spans.append(step)
         rollout_spans.append(rollout)
         finished += returned
         cancelled += [s for s in sessions if s.outcome == "cancelled"]
         raised += sum(s.outcome in ("raised", "invalid") for s in sessions)
-        timed = _delivered(trace)
+        timed = delivered(trace)
         steps.append([b.handed_over - a.returned for a, b in itertools.pairwise(timed[warmup:])])
-        slots = max(slots, _most_in_flight(list(trace.sessions.values())))
+        slots = max(slots, most_in_flight(list(trace.sessions.values())))
     if not finished:
         raise CalibrationError(
             f"{', '.join(t.path for t in read)}: no rollout finished after the first "
@@ -456,13 +374,13 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
     censored = np.array([s.ended - s.submitted for s in cancelled])
     weights, beyond = kaplan_meier_weights(durations, censored)
     observed = tuple(
-        attrs.evolve(_split(s), weight=float(w), pool=pool, run=run)
+        attrs.evolve(split_over_calls(s), weight=float(w), pool=pool, run=run)
         for s, w, (pool, run) in zip(finished, weights, pools_of, strict=True)
         if w > 0
     )
     # The simulation's step i is step i of one trace, the traces taking turns, as its groups
     # are: several runs average, each step in step with its training.
-    order = _alternating([len(times) for times in steps])
+    order = alternating([len(times) for times in steps])
     # Pooled over the traces: traces of settings that overlap differently (a synchronous run
     # beside one ahead) tell the factors apart better than either alone.
     step_fit = [np.concatenate(parts) for parts in zip(*step_spans, strict=True)]
@@ -497,42 +415,13 @@ def calibrate(traces: Sequence[str | os.PathLike | Trace], *, warmup: int = 2) -
         tasks=tasks,
         groups=groups,
         aheads=tuple(t.config["ahead"] for t in read),
-        admitted=tuple(_admitted(t, tasks) for t in read),
+        admitted=tuple(admitted_groups(t, tasks) for t in read),
         step_overlaps=tuple(float(step_spans[j][1][i]) for j, i in order),
         overlaps=tuple(overlaps.tolist()),
         contention=Contention(
             trainer=contention_factor(*step_fit), engine=contention_factor(*rollout_fit)
         ),
     )
-
-
-def _alternating(lengths: Sequence[int]) -> list[tuple[int, int]]:
-    """(sequence, index) pairs, one per index up to the longest: index i taken from the
-    sequences long enough to hold it, in turn."""
-    order = []
-    for i in range(max(lengths, default=0)):
-        holding = [j for j, length in enumerate(lengths) if length > i]
-        order.append((holding[i % len(holding)], i))
-    return order
-
-
-def _admitted(trace: Trace, tasks: int) -> int:
-    """The groups a step of the trace's run trains: see Calibration.admitted."""
-    admit = trace.config.get("admit")
-    if (
-        isinstance(admit, int)
-        and not isinstance(admit, bool)
-        and not trace.config.get("carry_over")
-    ):
-        return admit
-    return tasks
-
-
-def _tasks_per_batch(trace: Trace) -> int:
-    """The tasks of the trace's first batch (the scheduler's batches have one size)."""
-    if not trace.batches:
-        raise CalibrationError(f"{trace.path}: holds no task batch")
-    return len(trace.batches[min(trace.batches)])
 
 
 def fit_table(calibration: Calibration) -> list[tuple[float, float, float]]:
@@ -633,8 +522,8 @@ def observe(trace: str | os.PathLike | Trace, *, warmup: int = 2) -> RunFigures:
         CalibrationError: when the trace has fewer than warmup + 2 calls that returned.
     """
     trace = trace if isinstance(trace, Trace) else read_trace(trace)
-    opens = _window_start(trace, warmup)
-    timed = _delivered(trace)
+    opens = window_start(trace, warmup)
+    timed = delivered(trace)
     window = timed[warmup:-1]
     ends = {
         e.label: e.kind
