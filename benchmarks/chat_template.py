@@ -27,6 +27,7 @@ from dew.gateway._answers import cut
 from dew.gateway._record import Turn
 from dew.gateway._schema import chat_request
 from dew.gateway._template import parse_reply
+from dew.gateway._templated import tally
 from dew.objectives.rl.sessions import Call
 from dew.serve.chat_template import ChatTemplate
 from dew.serve.tokenizer import BYTES, TemplateTokenizer
@@ -90,7 +91,7 @@ async def session_times(tokenizer, sessions: int, calls: int) -> tuple[np.ndarra
                 request = chat_request(json.loads(json.dumps(body)))
                 with session.admitted(b"", retry=False):
                     rendered = session.chat_prompt(request)
-                    gateway._count(rendered)
+                    tally(gateway.rendering, rendered)
                     call = await engine.generate(rendered.ids, max_tokens=64)
                     sample = cut(call, tokenizer, ())
                     reply = parse_reply(sample.text, tools=True, format=gateway.tool_format)
