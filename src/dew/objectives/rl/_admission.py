@@ -170,6 +170,7 @@ class _Step:
         self.seen, self.steps = state.seen, state.steps
         self.delivered_at, self.choice = state.delivered_at, state.choice
         self.spent, self.slot_spent = state.spent, state.slot_spent
+        self.stretch = state.stretch
         self.groups = dict(state.groups)
         self.batches = dict(state.batches)
         self.unsettled = dict(state.unsettled)
@@ -196,6 +197,7 @@ class _Step:
             choice=self.choice,
             spent=self.spent,
             slot_spent=self.slot_spent,
+            stretch=self.stretch,
         )
 
     # --- bookkeeping -------------------------------------------------------------------------
@@ -375,8 +377,24 @@ class _Step:
             if g.state is GroupState.RUNNING
         ]
         carried = [self.groups[i] for i in self.carried if self.groups[i].batch < batch]
+        size = len(self.batches[batch])
+        raised, budget = False, self.config.waste_budget
+        if self.config.carry_over:
+            # One admit held for a stretch of calls, re-chosen from the measured slot waste.
+            before = self.stretch
+            self.stretch = _auto.hold(
+                self.stretch,
+                size=size,
+                max_lag=self.config.max_lag,
+                budget=self.config.waste_budget,
+                slot_spent=(
+                    self.slot_spent[0] / self.config.samples,
+                    self.slot_spent[1] / self.config.samples,
+                ),
+            )
+            raised = before is not None and self.stretch.admit > before.admit
         self.choice = _auto.choose(
-            size=len(self.batches[batch]),
+            size=size,
             complete=sum(g.state is GroupState.COMPLETE for g in members),
             running=running,
             carried_complete=sum(g.state is GroupState.COMPLETE for g in carried),
@@ -393,10 +411,29 @@ class _Step:
                 self.slot_spent[0] / self.config.samples,
                 self.slot_spent[1] / self.config.samples,
             ),
+            admits=None if self.stretch is None else (self.stretch.admit,),
         )
+        if self.config.carry_over:
+            held = self.stretch.admit
+            if self.choice.admit != held:  # no estimate for it (too few groups yet, or none ends)
+                self.choice = _auto.Choice(
+                    held,
+                    step=self.choice.step,
+                    observed=self.choice.observed,
+                    wasted=self.choice.wasted,
+                    slot_wasted=self.choice.slot_wasted,
+                )
+            self.choice = attrs.evolve(
+                self.choice,
+                # No admit fits the budget: the whole batch, and even it was measured past it
+                # lately, or the run is still past its budget.
+                over_budget=held == size
+                and (self.stretch.overspent(size) or (self.choice.slot_wasted or 0.0) > budget),
+                stretch_wasted=self.stretch.wasted,
+            )
         if not self.config.carry_over:
             self.cut(batch)
-        elif self.choice.over_budget and self.past_budget():
+        elif raised or (self.choice.over_budget and self.past_budget()):
             self.drain(batch)
 
     def past_budget(self, margin: float = 0.0) -> bool:

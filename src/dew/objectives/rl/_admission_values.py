@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import attrs
 
 from dew.data import Task
-from dew.objectives.rl._auto import Choice
+from dew.objectives.rl._auto import Choice, Stretch
 from dew.objectives.rl.sessions import Label, Session
 
 
@@ -198,6 +198,8 @@ class State:
     # said counts from its submission (dew simulate's slot waste, as the core can know it).
     # The budget bounds this one: what the engines, not their queues, gave to work thrown away.
     slot_spent: tuple[float, float] = (0.0, 0.0)
+    # Under admit="auto" with carry_over: the admit held and how its stretch stands (_auto.hold).
+    stretch: Stretch | None = None
 
 
 # Events: what happened. `time` is the scheduler's clock.

@@ -31,6 +31,17 @@ import numpy as np
 WINDOW = 256
 # Recent trainer steps whose median is the step-time estimate.
 STEP_WINDOW = 16
+# Under carry_over, auto holds one admit for a stretch of this many times max_lag calls: the
+# first max_lag of them settle (a group a cut carries goes stale up to max_lag calls on, so a
+# change of admit shows in the measured waste only then) and the rest measure it.
+STRETCH = 3
+# A stretch steps down only where its measured waste is within this share of the budget: the
+# waste a lower admit adds shows calls after the step, so one near the budget would overshoot.
+DOWN_WITHIN = 0.8
+# Stretches after which an admit measured past the budget may be tried again: one stretch's
+# measure is noisy (on heavy tails 10 calls' waste ranges from 1 % to 30 %), and an admit
+# barred for good on one unlucky stretch kept runs at a higher admit than the budget needed.
+FORGET = 3
 
 
 @attrs.frozen
@@ -75,6 +86,9 @@ class Choice:
     # groups beyond a batch's worth, `drained` of them.
     over_budget: bool = False
     drained: int = 0
+    # Under carry_over, the slot waste measured over the last stretch's settled calls (see
+    # `hold`), which chose this admit (None before the first stretch has ended).
+    stretch_wasted: float | None = None
 
     def metrics(self) -> dict[str, float]:
         """The record's `auto/*` figures, those estimated and finite (a record's figures are
@@ -90,8 +104,94 @@ class Choice:
             "auto/slot_wasted": self.slot_wasted,
             "auto/over_budget": self.over_budget,
             "auto/drained": self.drained,
+            "auto/stretch_wasted": self.stretch_wasted,
         }
         return {k: float(v) for k, v in figures.items() if v is not None and math.isfinite(v)}
+
+
+@attrs.frozen
+class Stretch:
+    """Under carry_over, the admit auto holds and how its stretch stands.
+
+    admit: the batch's own groups each call of the stretch waits for; calls: the calls made at
+    it so far; mark: the run's slot-seconds (thrown away, all) once its settling calls had
+    passed (None before); over: (admit, stretch number) for each admit a stretch measured past
+    the budget in the last FORGET stretches, which the run does not step down to; wasted: the
+    last stretch's measured slot waste; number: the stretches ended so far.
+    """
+
+    admit: int
+    calls: int = 0
+    mark: tuple[float, float] | None = None
+    over: tuple[tuple[int, int], ...] = ()
+    wasted: float | None = None
+    number: int = 0
+
+    def overspent(self, admit: int) -> bool:
+        """Whether a stretch at `admit` was measured past the budget lately."""
+        return any(a == admit for a, _ in self.over)
+
+
+def hold(
+    stretch: Stretch | None,
+    *,
+    size: int,
+    max_lag: int,
+    budget: float,
+    slot_spent: tuple[float, float],
+) -> Stretch:
+    """Under carry_over, the stretch this call belongs to: the admit it holds, re-chosen only
+    once a stretch has ended, from the slot waste the run measured over the stretch.
+
+    Why a held admit and not each call's best: under carry_over a cut costs nothing at its own
+    call; the groups it carries go stale, if they do, up to max_lag calls later, so each call's
+    estimate of its cut's waste is a guess the measured waste confirms only calls on, and a
+    choice made afresh at every call swings between cutting too much and not at all (issue
+    46: on light tails the whole batch at four calls in five with the budget unspent, on heavy
+    ones cuts spending the budget faster than the run could sustain). A steady admit's waste is
+    steady, and measured. Each stretch is STRETCH x max_lag calls at one admit: the first
+    max_lag settle, the rest measure the slot waste it costs. Then the admit steps up by one
+    where the stretch spent more than the budget and what the run has saved below it (so a run
+    past its budget comes back), and that admit is barred for FORGET stretches; down by one
+    where the stretch was within DOWN_WITHIN of the budget, the run as a whole within it, and
+    the admit below not barred (a lower admit waits on fewer of the batch's groups: the trainer
+    waits less, and carry-over refills the call); else it holds. The run so settles at about the
+    least admit whose steady waste fits the budget. It starts at half the batch: a carried group
+    costs no work. The core drains the carried groups beyond a batch's worth at a step up: a
+    lower admit's backlog stays in play otherwise (a call admits at most a batch), and its
+    queueing keeps the waste up whatever the admit.
+
+    Args:
+        stretch: the previous call's (None at the run's first call).
+        size: the batch's groups.
+        max_lag: the scheduler's bound, in calls.
+        budget: the most slot waste the run may spend, a share of its slot-seconds.
+        slot_spent: the run's slot-seconds so far, thrown away and all, measured.
+
+    Returns:
+        the stretch, its admit the one this call waits for.
+    """
+    if stretch is None:
+        return Stretch(admit=-(-size // 2), calls=1)
+    calls = stretch.calls + 1
+    if calls <= STRETCH * max_lag:
+        mark = slot_spent if calls == max_lag + 1 else stretch.mark
+        return attrs.evolve(stretch, admit=min(stretch.admit, size), calls=calls, mark=mark)
+    mark = stretch.mark if stretch.mark is not None else (0.0, 0.0)
+    lost, total = slot_spent[0] - mark[0], slot_spent[1] - mark[1]
+    wasted = lost / total if total > 0 else 0.0
+    run = slot_spent[0] / slot_spent[1] if slot_spent[1] > 0 else 0.0
+    number = stretch.number + 1
+    over = tuple((a, n) for a, n in stretch.over if number - n <= FORGET)
+    admit = min(stretch.admit, size)
+    # The stretch may spend what the run has saved so far, no more: past it, one admit higher.
+    if wasted > budget + (budget - run):
+        over = (*((a, n) for a, n in over if a != admit), (admit, number))
+        admit = min(size, admit + 1)
+    elif wasted <= DOWN_WITHIN * budget and run <= budget and admit > 1:
+        if not any(a == admit - 1 for a, _ in over):
+            admit -= 1
+    return Stretch(admit=admit, calls=1, over=over, wasted=wasted, number=number)
 
 
 def survival(durations: Sequence[float], complete: Sequence[bool]):
@@ -144,6 +244,7 @@ def choose(
     carry_over: bool,
     spent: tuple[float, float] = (0.0, 0.0),
     slot_spent: tuple[float, float] = (0.0, 0.0),
+    admits: Sequence[int] | None = None,
 ) -> Choice:
     """The call's cut: the admit in 1..size of highest estimated goodput within the waste budget.
 
@@ -167,6 +268,8 @@ def choose(
             submission where the engine never said): the budget's measure. The estimate's
             group-seconds, which count from submission as `seen` does, are weighed in it at
             the run's measured share of a submission's seconds spent on a slot.
+        admits: the admits to weigh (by default 1..size); under carry_over the core weighs only
+            the one its stretch holds (`hold`), for the record's estimate.
     """
     wasted = spent[0] / spent[1] if spent[1] > 0 else None
     slot_wasted = slot_spent[0] / slot_spent[1] if slot_spent[1] > 0 else None
@@ -194,7 +297,7 @@ def choose(
     carried_sf = np.concatenate([carried_sf, np.zeros((waits.size, 1))], axis=1)
     expected = complete + p_own.sum(axis=1) + carried_complete + p_carried.sum(axis=1)
     best = least = None
-    for admit in range(1, size + 1):
+    for admit in range(1, size + 1) if admits is None else admits:
         # The call is ready once `admit` of its own are complete, or, under carry_over, once
         # complete groups fill it: the chance it is by each wait, the groups independent.
         own_enough = np.arange(own_pmf.shape[1]) + complete >= admit
