@@ -9,10 +9,94 @@ it kept. `GRPOObjective` runs the model over the rows and hands the hidden state
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+
+def summed_in_float32(
+    head: Callable[[Any, jax.Array], jax.Array], params: Any, states: jax.ShapeDtypeStruct
+) -> Callable[[jax.Array], jax.Array]:
+    """`head(params, ·)` for `target_log_probs`, whose backward pass differentiates the head in
+    float32 where the params it reads are narrower (bfloat16): the same logits, and a gradient
+    that differs by rounding only.
+
+    The log-prob pass runs the head once a chunk, and each chunk's backward pass adds the head
+    weights' gradient into a running sum held in the weights' dtype. For a bfloat16 head (the
+    tied embedding, [vocab, hidden]), every chunk then converted the whole weight to float32
+    for the hidden states' gradient (113 MB for SmolLM2-135M, 544 MB for Qwen2.5-0.5B) and
+    rounded the running sum to bfloat16 after adding its own. Here the weights the head reads
+    are converted to float32 once, before the chunks, and each chunk's backward pass runs the
+    head in float32 from that copy: the gradients add up in float32 and are rounded to the
+    weights' dtype once, after the last chunk. The forward pass (and its recomputation for the
+    softmax's gradient) still runs the head on the params as they are. The price is the float32
+    copy and the float32 sum, each the size of those weights, while the pass runs.
+
+    Args:
+        head: `head(params, states) -> logits` float32[n, vocab], as `dew.models.Model`'s.
+        params: the params `head` is given.
+        states: the shape and dtype of the hidden states a chunk hands the head, [n, hidden].
+
+    Returns:
+        `states -> logits`: `functools.partial(head, params)` itself where every param the
+        head reads is float32 already (nothing changes, bit for bit), else the head above.
+    """
+    leaves, tree = jax.tree.flatten(params)
+    read = _read_leaves(head, tree, leaves, states)
+    narrow = [i for i in read if jnp.dtype(leaves[i].dtype) != jnp.float32]
+    if not narrow:
+        return functools.partial(head, params)
+    wide = [leaves[i].astype(jnp.float32) for i in read]
+
+    def with_read(values: list[jax.Array]) -> Any:
+        # The leaves the head does not read stay as they are: it traces nothing of them.
+        held = list(leaves)
+        for i, value in zip(read, values, strict=True):
+            held[i] = value
+        return jax.tree.unflatten(tree, held)
+
+    @jax.custom_vjp
+    def logits(own: list[jax.Array], wide: list[jax.Array], hidden: jax.Array) -> jax.Array:
+        return head(with_read(own), hidden)
+
+    def forward(own, wide, hidden):
+        return logits(own, wide, hidden), (wide, hidden)
+
+    def backward(residuals, cotangent):
+        wide, hidden = residuals
+        _, pull = jax.vjp(
+            lambda values, states: head(with_read(values), states),
+            wide,
+            hidden.astype(jnp.float32),
+        )
+        wide_grads, hidden_grad = pull(cotangent)
+        # The params' own leaves get none: their gradient reaches them through `wide`, once.
+        return None, wide_grads, hidden_grad.astype(hidden.dtype)
+
+    logits.defvjp(forward, backward)
+    own = [leaves[i] for i in read]
+    return lambda hidden: logits(own, wide, hidden)
+
+
+def _read_leaves(
+    head: Callable[[Any, jax.Array], jax.Array],
+    tree: Any,
+    leaves: list[Any],
+    states: jax.ShapeDtypeStruct,
+) -> list[int]:
+    """The indices of the `leaves` of params (laid out as `tree`) that `head` reads, found by
+    tracing it (nothing is computed): a model's head reads its norm and output projection, not
+    the layers."""
+    structs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
+    traced = jax.make_jaxpr(lambda values, hidden: head(jax.tree.unflatten(tree, values), hidden))(
+        structs, states
+    ).jaxpr
+    used = {id(var) for eqn in traced.eqns for var in eqn.invars}
+    used |= {id(var) for var in traced.outvars}
+    return [i for i, var in enumerate(traced.invars[: len(leaves)]) if id(var) in used]
 
 
 def target_log_probs(

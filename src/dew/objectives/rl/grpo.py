@@ -41,7 +41,6 @@ placed as its inputs were).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -59,7 +58,7 @@ from dew.objectives.rl._importance import (
     require,
     sequence_index,
 )
-from dew.objectives.rl._logprobs import target_log_probs
+from dew.objectives.rl._logprobs import summed_in_float32, target_log_probs
 from dew.objectives.rl._step_layout import update_step
 from dew.objectives.rl._surrogate import (
     KL_ESTIMATORS,
@@ -530,7 +529,8 @@ class GRPOObjective:
             hidden = self._by_rows(
                 self.model.hidden_states, variables, tokens, positions, segment_ids, key
             )
-            head = functools.partial(self.model.head, variables)
+            states = jax.ShapeDtypeStruct((1, hidden.shape[-1]), hidden.dtype)
+            head = summed_in_float32(self.model.head, variables, states)
             chunk = self.logit_chunk or max(1, LOGIT_CELLS // self.model.vocab)
         else:
             hidden = self._by_rows(self.model, variables, tokens, positions, segment_ids, key)
