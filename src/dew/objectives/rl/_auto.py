@@ -9,8 +9,11 @@ counts as censored at its age rather than being dropped, which would favour shor
 how long the trainer's steps take. `choose` returns the cut that maximises the call's estimated
 goodput (groups delivered per second of the trainer's step and wait) among those whose
 estimated waste stays within the budget, or where none does the least wasteful (and says
-so); the `Choice` names the estimate, so each record says why its call cut where it did. The
-budget is held in slot-seconds (each submission from its
+so); the `Choice` names the estimate, so each record says why its call cut where it did.
+Under carry_over the core asks `hold` instead which admit to wait for: one held for a stretch of
+calls and re-chosen between stretches from the waste the run measured (a carried group's waste
+shows only calls after its cut, so each call's own best swings), and `choose` gives only that
+admit's estimate, for the record. The budget is held in slot-seconds (each submission from its
 start on an engine slot), what the engines gave to work thrown away: counted from submission,
 a queued rollout's wait would weigh as work, admitted or not.
 
