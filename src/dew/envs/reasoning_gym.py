@@ -96,8 +96,10 @@ class ReasoningGym:
 
     def __attrs_post_init__(self):
         object.__setattr__(self, "_dataset", self._create(self.size, self.seed))
-        # The examples are another seed's entries, so that none is a task of this dataset by
-        # its index, and so that they do not change with `size`.
+        # The examples are another seed's entries, so that they do not change with `size`. Most
+        # of reasoning-gym's datasets draw entry i with Random(seed + i), so there the K
+        # examples are this dataset's entries 1..K: the tasks of those indices open with their
+        # own solution (K of `size`; the held-out tasks, indices past the training ones, never).
         examples = self._create(self.shots, self.seed + 1) if self.shots else ()
         object.__setattr__(self, "_examples", tuple(examples))
 
