@@ -24,8 +24,8 @@ import pytest
 from _checkpoint import tiny_qwen2
 from _process_groups import left_running
 from dew.cli import main
-from dew.serve._vllm import start_flags
 from dew.serve._vllm_process import SERVER_ENVIRONMENT, server_command
+from dew.serve._vllm_start import start_flags
 from dew.serve.vllm import VLLMEngine, VLLMError, free_port
 from test_vllm import dew_train, metrics
 

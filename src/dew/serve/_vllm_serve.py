@@ -89,9 +89,10 @@ def _max_model_len(args: argparse.Namespace) -> int:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run `dew serve` from its parsed options; return the exit status."""
-    from dew.serve._vllm import VLLMEngine, start_flags
+    from dew.serve._vllm import VLLMEngine
     from dew.serve._vllm_process import VLLMError, server_command
     from dew.serve._vllm_push import LORA_ENVIRONMENT, lora_flags
+    from dew.serve._vllm_start import start_flags
 
     length = _max_model_len(args)
     if args.print_command:
