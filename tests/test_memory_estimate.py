@@ -16,7 +16,7 @@ from dew.objectives.rl.grpo import GRPOObjective
 from dew.serve.tokenizer import BYTES
 from dew.train import TrainConfig
 from dew.train._memory import GIB, estimate, machine_memory
-from dew.train._run import memory_estimate
+from dew.train._run_checks import memory_estimate
 from test_envs_verifiers import use_nltk_data
 from test_hostile_folders import refusal
 from test_row_chunks import packed

@@ -40,7 +40,8 @@ from dew.train._folders import (
 )
 from dew.train._interrupt import INTERRUPTED, _CtrlC, _Interrupted, _say, any_process
 from dew.train._progress import Progress
-from dew.train._run import _check_memory, _check_minibatches, train
+from dew.train._run import train
+from dew.train._run_checks import _check_memory, _check_minibatches
 from dew.train._step_lines import NothingTrained
 from dew.train._tasks import _check_checkpoint_task
 

@@ -1,5 +1,6 @@
 """`train`: one run of `dew train` in this process, end to end (the logs it writes step by step:
-`_run_logs`).
+`_run_logs`; the checks of what its options ask of the process: `_run_checks`; its vLLM
+servers: `_run_vllm`).
 
 A run folder holds `config.json` (which `--config` reads back), `metrics.jsonl` (one line per
 step, with the `eval/...` keys of the evaluation after it where there was one), `samples.jsonl`
@@ -15,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -49,9 +49,11 @@ from dew.train._folders import (
     _RunLock,
 )
 from dew.train._interrupt import _Interrupted
-from dew.train._memory import GIB, Estimate, estimate, machine_memory
+from dew.train._memory import machine_memory
 from dew.train._reference import reference_sync, synced_reference
+from dew.train._run_checks import _check_memory, _check_minibatches, _shares
 from dew.train._run_logs import SAMPLES, RunLogs
+from dew.train._run_vllm import _served_folder, _vllm_engine
 from dew.train._samples import SampleLog
 from dew.train._tasks import _check_checkpoint_task, _objective, _sampling, _task
 from dew.train._trainer import METRICS, Trainer
@@ -330,90 +332,6 @@ def _train(
     return trainer
 
 
-def _shares(config: TrainConfig, processes: int) -> tuple[int, Any, int, int]:
-    """This process's share of each batch: its tasks, the groups it admits (`--admit`), its
-    engine's slots (every rollout in flight, `--ahead` batches of them) and the rollouts a
-    step packs."""
-    tasks = config.batch_size // processes
-    admit = config.admit if not isinstance(config.admit, int) else config.admit // processes
-    slots = tasks * (config.groups + config.oversample) * (config.ahead + 1)
-    # Carry-over trains a batch's cut groups at a later step: a step may take a whole batch.
-    full = not isinstance(admit, int) or config.carry_over  # auto may admit the whole batch
-    return tasks, admit, slots, (tasks if full else admit) * config.groups
-
-
-def _check_minibatches(config: TrainConfig, tokenizer, processes: int) -> None:
-    """Refuse `--minibatches` that do not divide a step's packed rows (this process's share; a
-    narrowed batch has 2, 4, ... 16 times as many, which it divides too).
-
-    Raises:
-        ValueError: naming --minibatches and the rows.
-    """
-    if config.minibatches == 1:
-        return
-    rows = _task(config, tokenizer).shape.rows(_shares(config, processes)[3])
-    if rows % config.minibatches:
-        raise ValueError(
-            f"--minibatches {config.minibatches} must divide the {rows} rows a step packs "
-            f"(this task's rows for --batch-size {config.batch_size} x --groups {config.groups}"
-            f"{f' over {processes} processes' if processes > 1 else ''})"
-        )
-
-
-def memory_estimate(config: TrainConfig, tokenizer, processes: int = 1) -> Estimate:
-    """What one process of the run will hold (`dew.train._memory.estimate`), from the task's
-    shape and the model's, before anything is built: dew's transformer of the config, or the
-    `--model` checkpoint's from its config and headers. vLLM's cache is its server's, not
-    the run's."""
-    shape = _task(config, tokenizer).shape
-    _, _, slots, rollouts = _shares(config, processes)
-    if config.model is None:
-        model_config = config.model_config(shape.max_len, vocab=tokenizer.vocab_size)
-        model = models.model(model_config, remat=config.remat)
-    else:
-        model = hf.model_of(config.model, dtype=config.dtype)
-    if config.lora:
-        model = lora.LoRAModel(model, config.lora_config())
-    return estimate(
-        model,
-        rows=shape.rows(rollouts),
-        width=shape.width,
-        slots=0 if config.engine == "vllm" else slots,
-        max_len=shape.max_len,
-        ahead=config.ahead,
-        remat=config.remat,
-        reference=config.kl_coef > 0,
-    )
-
-
-def _check_memory(config: TrainConfig, tokenizer, processes: int) -> Estimate:
-    """The run's memory estimate, refused before anything is built or written when it exceeds
-    the machine's memory (the run was killed by the kernel minutes in, at 18.5 GiB).
-
-    Raises:
-        ValueError: naming the estimate, its largest part, the machine's memory and the
-            options that lower that part.
-    """
-    needed = memory_estimate(config, tokenizer, processes)
-    available = machine_memory()
-    if needed.total <= available:
-        return needed
-    parts = {
-        "weights and Adam": (needed.weights, "--d-model or --layers, or take a smaller --model"),
-        "the engine's cache": (needed.cache, "--batch-size, --groups, --ahead, --max-context"),
-        "the step's activations": (
-            needed.activations,
-            "--max-context, --batch-size, --groups" + ("" if config.remat else ", or pass --remat"),
-        ),
-        "the packed batches": (needed.batches, "--batch-size, --groups, --max-context"),
-    }
-    part, (size, knobs) = max(parts.items(), key=lambda item: item[1][0])
-    raise ValueError(
-        f"the run would need about {needed.total / GIB:.1f} GiB, {size / GIB:.1f} of them "
-        f"{part}, but this machine has {available / GIB:.1f} GiB: lower {knobs}"
-    )
-
-
 def _model(config: TrainConfig, max_len: int, tokenizer) -> tuple[models.Model, Any]:
     """The run's model and its first params: the `--model` checkpoint folder's, or dew's
     transformer of the config's shape, seeded, with `max_len` positions and the tokenizer's
@@ -494,75 +412,6 @@ def _mesh(config: TrainConfig, model) -> Mesh | None:
 def _split(rollout, mesh: Mesh | None):
     """The rollout whose packed rows go to the update split over the mesh's data axes."""
     return rollout if mesh is None else sharding.ShardedRollout(rollout, mesh)
-
-
-def _served_folder(config: TrainConfig, run: Path, model, variables) -> Path | None:
-    """The checkpoint folder the run's vLLM servers hold (None without `--engine vllm`): the
-    `--model` folder; for a GGUF file, which vLLM does not serve as dew reads it, the params
-    loaded from it written as a folder, the run's own `vllm/process-I/model` (each process
-    writes its copy from the params it loaded whole, before any mesh splits them)."""
-    if config.engine != "vllm":
-        return None
-    checkpoint = hf.resolve(config.model)
-    if not hf.is_gguf(checkpoint):
-        return checkpoint
-    folder = run / "vllm" / f"process-{jax.process_index()}" / "model"
-    if isinstance(model, lora.LoRAModel):  # the servers hold the base; pushes carry the rest
-        model, variables = model.base, variables["base"]
-    hf.save(folder, model, variables, tokenizer_from=checkpoint)
-    return folder
-
-
-def _vllm_engine(
-    config: TrainConfig, run: Path, served: Path, model, tokenizer, max_len: int, version: int
-):
-    """The run's vLLM servers (docs/vllm.md): this process's share of those at `--engine-url`
-    (process I of P takes every P-th URL from the I-th: each process pushes its own weights to
-    servers of its own), or `--engine-servers` started on loopback with the `served` folder,
-    their logs and pushed checkpoints under the run folder's `vllm/process-I/`. The servers
-    hold the folder's weights, the trainer's `version` ones only from the first push on, which
-    the scheduler makes before any rollout."""
-    # The vllm extra, only where it is asked for.
-    from dew.serve.vllm import VLLMEngine, VLLMError
-
-    index, processes = jax.process_index(), jax.process_count()
-    work = run / "vllm" / f"process-{index}"
-    began = time.monotonic()
-    if config.engine_url is not None:
-        urls = config.engine_url[index::processes]
-        print(f"attaching to vLLM at {', '.join(urls)}", flush=True)
-        engine = VLLMEngine.attach(
-            urls,
-            checkpoint=served,
-            model=model,
-            tokenizer=tokenizer,
-            push_dir=work,
-            version=version,
-            read_timeout=config.engine_timeout,
-        )
-        if engine.max_len < max_len:
-            engine.close()
-            raise VLLMError(
-                f"--engine-url: the servers take {engine.max_len} tokens (--max-model-len), "
-                f"the task's sequences reach {max_len}"
-            )
-        print(f"vLLM ready in {time.monotonic() - began:.0f}s", flush=True)
-        return engine
-    # A server takes a minute to start on a CPU, minutes on a loaded one: said, not silent.
-    print(f"starting {config.engine_servers} vLLM server(s), logs in {work}", flush=True)
-    engine = VLLMEngine.start(
-        served,
-        servers=config.engine_servers,
-        max_model_len=max_len,
-        dtype=model.dtype,
-        model=model,
-        tokenizer=tokenizer,
-        version=version,
-        work_dir=work,
-        read_timeout=config.engine_timeout,
-    )
-    print(f"vLLM ready in {time.monotonic() - began:.0f}s at {', '.join(engine.urls)}", flush=True)
-    return engine
 
 
 class _FolderTrainer(Trainer):
