@@ -108,3 +108,45 @@ def test_frozen_while_serving_leaves_a_freeze_made_before_it_as_it_was():
         assert 0 < gc.get_freeze_count() <= before
     finally:
         gc.unfreeze()  # the rest of this process's tests run as they would alone
+
+
+_LARGE_BLOCK_PROBE = """
+import ctypes, sys
+from dew._gc import map_large_blocks_apart
+
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "apart":
+    map_large_blocks_apart()
+libc.free(libc.malloc(8 << 20))  # glibc raises its own bound to this block's size
+mapped = libc.mallinfo2().hblks
+block = libc.malloc(4 << 20)
+print(libc.mallinfo2().hblks - mapped)
+libc.free(block)
+"""
+
+
+@pytest.mark.parametrize("setting", ["default", "apart"])
+def test_a_runs_weights_are_mapped_apart_from_the_heap_once_asked(setting):
+    """glibc raises the size from which it maps a block apart to that of each such block freed:
+    after an 8 MiB block came and went, a 4 MiB one (a layer's weights) is carved out of the
+    heap, where it stays resident once freed until a trim. After `map_large_blocks_apart` every
+    block of 1 MiB and more is mapped apart, and unmapped when freed. (In a process of its own:
+    the setting holds for the rest of the process.)"""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc":
+        assert _gc._mallopt() is None
+        return
+    probe = [sys.executable, "-c", _LARGE_BLOCK_PROBE, setting]
+    mapped = subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
+    assert mapped == ("1" if setting == "apart" else "0")
