@@ -47,8 +47,9 @@ from dew.objectives.rl._arguments import (
 from dew.objectives.rl._records import Publisher, SchedulerRecord, Variables
 from dew.objectives.rl._reports import EmptyStreak, NoRoom, OverBudget, TooLongChain
 from dew.objectives.rl._session import Progress
+from dew.objectives.rl._shell_messages import _Delivery, _Failure
 from dew.objectives.rl._shell_trainer import _TrainerSide
-from dew.objectives.rl._shell_trio import _Delivery, _Failure, _TrioSide
+from dew.objectives.rl._shell_trio import _TrioSide
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.sessions import Label, SessionSource
 from dew.parallel import LocalPool, Pool, default_pool

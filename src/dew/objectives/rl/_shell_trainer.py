@@ -35,7 +35,7 @@ from dew.objectives.rl._records import (
 )
 from dew.objectives.rl._rewards import uniform_group
 from dew.objectives.rl._session_metrics import _percentile
-from dew.objectives.rl._shell_trio import (
+from dew.objectives.rl._shell_messages import (
     CLOSED,
     CLOSED_WAITING,
     _Delivery,

@@ -3,10 +3,11 @@
 It turns happenings into the admission core's events and carries out the core's commands, with
 one cancel scope per rollout inside one nursery per task batch: it runs in the caller's trio run
 (`async with scheduler:`) or in a thread of its own started at the trainer's first call, and
-close() from any thread ends it. It also holds what passes between it and the trainer's side
-(`_shell_trainer`): the hand-over, the delivery or failure that answers it. `_TrioSide` is a
-part of `_Scheduler`, kept in a module of its own so that each part reads in one sitting: its
-methods use the state `_Scheduler.__init__` sets.
+close() from any thread ends it. What passes between it and the trainer's side
+(`_shell_trainer`), the hand-over and the delivery or failure that answers it, is
+`_shell_messages`'; the slots of `align_starts` are `_shell_slots`'. `_TrioSide` is a part of
+`_Scheduler`, kept in a module of its own so that each part reads in one sitting: its methods
+use the state `_Scheduler.__init__` sets.
 """
 
 from __future__ import annotations
@@ -27,45 +28,20 @@ from dew._trio import exit_unwrapped
 from dew.objectives.rl import _admission as core
 from dew.objectives.rl import _align
 from dew.objectives.rl._admission import LogEvent
-from dew.objectives.rl._auto import Choice
 from dew.objectives.rl._records import Variables
-from dew.objectives.rl._session import Progress, track_progress, waiting_on, waits
+from dew.objectives.rl._session import Progress, track_progress, waits
+from dew.objectives.rl._shell_messages import (
+    CLOSED_WAITING,
+    _Delivery,
+    _Failure,
+    _HandOver,
+    _length,
+)
+from dew.objectives.rl._shell_slots import _AlignedSlots
 from dew.objectives.rl.sessions import Label, Session, SessionError, check_session
 
 # Logged under the public module's name, where a user configures the scheduler's logging.
 logger = logging.getLogger("dew.objectives.rl.scheduler")
-
-
-@attrs.frozen
-class _HandOver:
-    """What the trainer side prepared for one call."""
-
-    event_fields: dict
-    variables: Variables = attrs.field(eq=False)
-
-
-@attrs.frozen
-class _Delivery:
-    groups: tuple[tuple[Session, ...], ...]
-    events: tuple[LogEvent, ...]
-    uniform: int = 0  # the batch's groups discarded as uniform
-    # (tokens, calls, seconds) of every submission the batch started: finished ones exactly,
-    # cancelled ones as far as they got (lower bounds).
-    started: tuple[tuple[float, float, float], ...] = ()
-    carried: tuple[int, ...] = ()  # under carry_over: the age in calls of each carried group
-    in_play: int = 0  # carried groups still in play after the delivery
-    choice: Choice | None = None  # under admit="auto": the call's cut and its estimate
-    # Under align_starts: the starts that waited for a push since the last delivery, and the
-    # slot-seconds held idle for pushes.
-    aligned: tuple[int, float] | None = None
-
-
-@attrs.frozen
-class _Failure:
-    """A call that fails, with the event log up to its failure."""
-
-    error: BaseException = attrs.field(eq=False)
-    events: tuple[LogEvent, ...] = ()
 
 
 def _event_order(item: tuple[int, core.Event]) -> tuple:
@@ -81,13 +57,7 @@ def _event_order(item: tuple[int, core.Event]) -> tuple:
     return (event.time, int(deadline), label.group, label.sample, label.attempt)
 
 
-# What a closed scheduler answers a call, a stream or a block; a call that waited when close()
-# came says so after it.
-CLOSED = "the scheduler is closed"
-CLOSED_WAITING = f"{CLOSED}: close() came while the trainer waited"
-
-
-class _TrioSide:
+class _TrioSide(_AlignedSlots):
     """The trio side of `_Scheduler`: its run, close, the driver, the rollouts and pushes."""
 
     async def __aenter__(self) -> Self:
@@ -591,75 +561,6 @@ class _TrioSide:
             if self._on_slots.pop(label, None) is not None:
                 self._wake.set()  # a slot is free: the driver starts the next, or holds it
 
-    # --- align_starts: the rollouts' slots ------------------------------------------------------
-
-    async def _slot(self, label: Label, submitted: float) -> None:
-        """Wait until the driver gives this rollout one of align_starts' slots; a rollout
-        cancelled while it waits leaves the queue."""
-        started = trio.Event()
-        # Ordered by submission, whatever order trio runs the rollouts' tasks in.
-        entry = (submitted, label.group, label.sample, label.attempt, label, started)
-        self._queued.append(entry)
-        self._wake.set()
-        progress = self._progress[label]
-        try:
-            with waiting_on("a slot of align_starts"):
-                await started.wait()
-        finally:
-            if not started.is_set():
-                self._queued.remove(entry)
-        progress.released = self._on_slots[label]
-
-    def _start_queued(self) -> None:
-        """Give the free slots to the queued rollouts, oldest submission first, unless the
-        slots wait for the coming push (`_align.hold`); count what waited. A wait's end is the
-        next hand-over, or the push's expected time, when the driver looks again."""
-        now = trio.current_time()
-        if self._holding is not None:
-            since, slots, _ = self._holding
-            waited, seconds = self._aligned
-            self._aligned = (waited, seconds + slots * (now - since))
-        ready = min(self.align_starts - len(self._on_slots), len(self._queued))
-        push = None
-        if ready > 0:
-            state = self._state
-            push = _align.hold(
-                self._seen,
-                now,
-                max_lag=self.config.max_lag,
-                behind=state.updates - state.served,
-                pushes=core.push_due(state.served, state.updates + 1, self.sync_every),
-            )
-        if push is not None:
-            if self._holding is None or self._holding[2] != push:
-                self._nursery.start_soon(self._look_again, push)
-            self._holding = (now, ready, push)
-            return
-        if self._holding is not None:
-            waited, seconds = self._aligned
-            self._aligned = (waited + min(ready, self._holding[1]), seconds)
-            self._holding = None
-        for entry in sorted(self._queued)[:ready]:
-            self._queued.remove(entry)
-            *_, label, started = entry
-            self._on_slots[label] = now
-            started.set()
-
-    async def _look_again(self, time: float) -> None:
-        """Wake the driver at `time`, the push a wait expects: a late push ends the wait."""
-        await trio.sleep_until(time)
-        self._wake.set()
-
-    def _seen_cancelled(self, label: Label) -> None:
-        """Count a rollout cancelled on its slot as censored at its seconds there (from its
-        first call's start where its engine said it before this instant)."""
-        now = trio.current_time()
-        start = self._on_slots[label]
-        oldest = self._progress[label].oldest if label in self._progress else None
-        if oldest is not None and oldest[0] < now:
-            start = max(start, oldest[0])
-        self._seen = _align.ran(self._seen, now - start, False)
-
     def _check_versions(self, session: Session, submission: core.Submit) -> None:
         """Refuse calls outside the versions served while the rollout ran: one older than its
         submission's, or one newer than any pushed (its lag would come out negative).
@@ -682,8 +583,3 @@ class _TrioSide:
                 f"{where}: a call reports version {newest}, newer than the newest version "
                 f"{self._newest_pushed} pushed (does the engine number versions itself?)"
             )
-
-
-def _length(session: Session) -> tuple[float, float, float]:
-    """A finished session's tokens, calls and seconds from submission to finish."""
-    return session.tokens, len(session.calls), session.finished - session.submitted
