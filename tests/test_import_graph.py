@@ -178,6 +178,18 @@ def test_a_source_never_imports_the_schedulers_rooms():
     assert not broken, broken
 
 
+def test_the_simulations_values_and_table_reach_none_of_the_schedulers_rooms():
+    # dew.simulate is split so: a Workload, its settings and outcomes are built, fitted
+    # (dew.calibrate) and tabulated without the scheduler, which only the run (_run) drives.
+    graph = import_graph(hints=True)
+    rooms = schedulers_rooms(graph)
+    parts = ("dew.simulate._workload", "dew.simulate._report")
+    assert set(parts) <= set(graph) and "dew.simulate._run" in graph
+    assert rooms & reached(graph, "dew.simulate._run")
+    broken = {part: sorted(reached(graph, part) & rooms) for part in parts}
+    assert not any(broken.values()), broken
+
+
 def test_the_gateway_takes_nothing_from_the_environments():
     # dew.envs builds its HarnessSource on the gateway; the gateway's engine settings (Sampling)
     # come from the engines' room, which both share.
