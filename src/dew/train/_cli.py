@@ -20,7 +20,6 @@ import attrs
 
 from dew import _pool_guard
 from dew._checks import int_option, number_option
-from dew._gc import map_large_blocks_apart
 from dew._launch import run_pool
 from dew.envs.lookup import HARNESSES
 from dew.models.hf import lora
@@ -242,9 +241,6 @@ def _train_until_interrupted(
     return the exit status: 0, INTERRUPTED after one line saying where it stopped, or 1 after
     one line saying that the run trained on nothing (`NothingTrained`)."""
     stopped = None
-    # A run's weights, freed and made again at every push, stay out of the C heap, where their
-    # holes stood resident under the first update's compilation and the updates' peaks.
-    map_large_blocks_apart()
     # The second press raises KeyboardInterrupt wherever the code is, even in the context's
     # exit: the outer handler takes it there too.
     try:

@@ -27,6 +27,7 @@ import optax
 from jax.sharding import Mesh
 
 from dew import models, replay
+from dew._gc import map_large_blocks_apart
 from dew.models import hf
 from dew.models.hf import lora, sharding
 from dew.objectives.rl.scheduler import RolloutScheduler
@@ -133,6 +134,9 @@ def train(
     # Process 0, the one that writes the folder, holds it for the run's length: a second run
     # into it (a --resume typed while the first still trains) would log and train alongside.
     with _RunLock(run) if index == 0 else contextlib.nullcontext():
+        # The run's weights, freed and made again at every push, stay out of the C heap, where
+        # their holes stood resident under the first update's compilation and the updates.
+        map_large_blocks_apart()
         return _train(config, run, resume=resume, on_step=on_step, record=record, deadline=deadline)
 
 
