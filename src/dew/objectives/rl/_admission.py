@@ -386,7 +386,7 @@ class _Step:
                 self.stretch,
                 size=size,
                 max_lag=self.config.max_lag,
-                budget=self.config.waste_budget,
+                budget=budget,
                 slot_spent=(
                     self.slot_spent[0] / self.config.samples,
                     self.slot_spent[1] / self.config.samples,
@@ -446,8 +446,9 @@ class _Step:
 
     def drain(self, batch: int) -> None:
         """Under carry_over, at a call where no cut keeps the run within its waste budget and
-        the run is past it, measured: cancel running carried groups, those whose samples have
-        run least first, until a batch's worth of carried groups is left in play. (While the
+        the run is past it, measured, or where the admit auto holds steps up (its stretch
+        overspent, _auto.hold): cancel running carried groups, those whose samples have run
+        least first, until a batch's worth of carried groups is left in play. (While the
         run is still within its budget the drained work would be waste the budget did not need:
         a run that drained on the estimate alone spent 23.0 % of its slot-seconds against 0.2
         in tests/test_auto_cut.py's queueing engine, 19.9 % without.)
