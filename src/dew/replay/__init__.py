@@ -92,8 +92,9 @@ so does the event log of one recorded on the real clock, whose event times are t
 own readings.
 
 The package's modules: `_format` (constants, errors, JSON encoding), `_trace` (the records and
-`read_trace`), `_record` (`Recorder` and the wrappers that feed it), `_replay` (`ReplaySource`,
-its clock keeping, `replay`), `_divergence` (comparing the two runs), `_cli` (`dew replay`).
+`read_trace`), `_record` (`Recorder` and the wrappers that feed it), `_replay_source`
+(`ReplaySource`, its clock keeping), `_replay` (`replay`), `_divergence` (comparing the two
+runs), `_cli` (`dew replay`).
 """
 
 from dew.replay._cli import configure_cli, run_cli
@@ -116,14 +117,8 @@ from dew.replay._format import (
 )
 from dew.replay._record import Recorder, RecordingPublisher, RecordingSource
 from dew.replay._recorded import RecordedCall, RecordedSession, RecordedStream, Trace
-from dew.replay._replay import (
-    NoRescoring,
-    ReplayPublisher,
-    ReplaySource,
-    ReplayStalled,
-    replay,
-    replay_async,
-)
+from dew.replay._replay import replay, replay_async
+from dew.replay._replay_source import NoRescoring, ReplayPublisher, ReplaySource, ReplayStalled
 from dew.replay._trace import read_trace
 
 __all__ = [
