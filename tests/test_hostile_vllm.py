@@ -23,7 +23,7 @@ import pytest
 
 from _checkpoint import tiny_qwen2
 from dew.models import hf
-from dew.serve import _vllm
+from dew.serve import _vllm_start
 from dew.serve._vllm_process import ServerProcess, free_port
 from dew.serve.vllm import VLLMEngine, VLLMError
 
@@ -270,7 +270,7 @@ def test_start_gives_the_servers_their_api_key_out_of_their_command_line(
         def stop(self, grace=20.0):
             pass
 
-    monkeypatch.setattr(_vllm, "ServerProcess", Refused)
+    monkeypatch.setattr(_vllm_start, "ServerProcess", Refused)
     monkeypatch.setenv("VLLM_API_KEY", "from-the-environment")
     for api_key, sent in [(KEY, KEY), (None, "from-the-environment"), ("", "")]:
         with pytest.raises(VLLMError, match="not started"):

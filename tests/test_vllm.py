@@ -38,7 +38,7 @@ from dew.objectives.rl._session import track_progress
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Label, Status
-from dew.serve import CallFailed, _vllm, tokenizer
+from dew.serve import CallFailed, _vllm, _vllm_start, tokenizer
 from dew.serve._vllm_process import free_port
 from dew.serve.vllm import VLLMEngine, VLLMError
 
@@ -449,7 +449,7 @@ def test_a_server_reporting_raw_logprobs_or_chunking_prefills_on_a_cpu_is_refuse
             super().__init__(checkpoint, **options)
             started.append(self)
 
-    monkeypatch.setattr(_vllm, "ServerProcess", Recorded)
+    monkeypatch.setattr(_vllm_start, "ServerProcess", Recorded)
     with pytest.raises(VLLMError, match="cannot serve the run") as caught:
         VLLMEngine.start(
             folders[0],
@@ -494,7 +494,7 @@ def test_a_checkpoint_vllm_refuses_fails_with_its_error(tmp_path, monkeypatch):
             picked.append(next(ports, None) or free_port(host))
             return picked[-1]
 
-        monkeypatch.setattr(_vllm, "free_port", pick)
+        monkeypatch.setattr(_vllm_start, "free_port", pick)
         with pytest.raises(VLLMError, match="exited with code") as caught:
             VLLMEngine.start(
                 folder,
