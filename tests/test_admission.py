@@ -744,6 +744,7 @@ AdmissionMachine.TestCase.settings = settings(
     database=None,
 )
 TestAdmission = AdmissionMachine.TestCase
+TestAdmission.pytestmark = [pytest.mark.medium]
 
 
 # --- examples ----------------------------------------------------------------------------------

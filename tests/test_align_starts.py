@@ -62,6 +62,7 @@ def seens(draw):
     behind=st.integers(0, 3),
     pushes=st.booleans(),
 )
+@pytest.mark.medium
 def test_a_slot_waits_only_for_a_push_that_needs_none_of_its_rollouts_and_never_past_it(
     seen, now, max_lag, behind, pushes
 ):

@@ -44,6 +44,7 @@ def test_the_long_tail_reference_table_shows_slot_waste_as_dew_simulate_measures
     assert outcome.slot_wasted != outcome.wasted  # queueing counted apart: the columns differ
 
 
+@pytest.mark.medium
 def test_the_long_tail_workloads_weigh_auto_against_the_best_fixed_setting_within_its_budget():
     """Issue 46 item 3: benchmarks/long_tail.py --workloads runs the six workloads (the bimodal
     mix 80 % short, 20 % ten times as long, of mean 10 s) and sets each auto beside the best

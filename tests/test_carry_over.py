@@ -612,6 +612,7 @@ def test_restore_state_refuses_what_checkpoint_state_does_not_write(bad):
         scheduler.close()
 
 
+@pytest.mark.medium
 def test_a_trainers_checkpoint_keeps_its_schedulers_state_and_a_resume_hands_it_back(tmp_path):
     """The Trainer saves `checkpoint_state()` with each checkpoint and hands it back through
     `restore_state` before the resumed run opens its stream."""
@@ -651,6 +652,7 @@ def test_a_trainers_checkpoint_keeps_its_schedulers_state_and_a_resume_hands_it_
     assert again.updates == 3
 
 
+@pytest.mark.medium
 def test_a_recorded_run_checkpoints_its_carried_groups_and_a_recorded_resume_trains_them(
     tmp_path,
 ):
@@ -737,6 +739,7 @@ def _tampered(path, target, change) -> int:
     return i + 1
 
 
+@pytest.mark.medium
 async def test_a_resumed_carry_over_run_replays_exactly_and_a_tampered_restore_diverges(
     tmp_path, autojump_clock
 ):

@@ -147,6 +147,7 @@ def reference_entropy(model, params, batch, temperature: float) -> float:
     return float(np.mean(entropies))
 
 
+@pytest.mark.medium
 @pytest.mark.parametrize("support", [False, True])
 @pytest.mark.parametrize("chunk", [1, 7, None])
 def test_the_entropy_rides_on_the_chunked_pass_and_matches_numpy(model_and_params, chunk, support):
@@ -191,6 +192,7 @@ def loss_batch() -> dict:
 
 # 5: twelve chunks of the 60 positions; None: the default, one chunk of a vocabulary this small
 # (uneven and padded chunks: the log-prob tests and the even-chunks test below).
+@pytest.mark.medium
 @pytest.mark.parametrize("chunk", [5, None])
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.1])
 def test_chunked_loss_and_gradient_equal_the_whole_logits(
@@ -292,6 +294,7 @@ def _tied_head_gradient(dtype: str, chunk: int | None) -> np.ndarray:
     return np.asarray(grads["embed"].astype(jnp.float32))
 
 
+@pytest.mark.medium
 def test_a_bfloat16_tied_heads_gradient_is_summed_over_the_chunks_in_float32():
     """Issue 42: the tied embedding's gradient through the head, a chunk at a time, is summed
     in float32 and rounded to bfloat16 once, where each chunk rounded the running sum (and
@@ -308,6 +311,7 @@ def test_a_bfloat16_tied_heads_gradient_is_summed_over_the_chunks_in_float32():
     assert np.abs(chunked - exact).max() <= 2**-7 * scale
 
 
+@pytest.mark.medium
 def test_a_float32_head_is_scored_as_it_always_was():
     """The float32 path is left bit for bit as it was: where every param the head reads is
     float32, the head the log-prob pass runs is the model's own, given the params."""

@@ -246,6 +246,7 @@ def test_modelled_contention_predicts_other_settings_where_ignoring_it_misses(
         assert abs(plain / measured.goodput - 1) > 0.15
 
 
+@pytest.mark.medium
 def test_a_contention_of_ones_own_and_the_report(shared):
     fitted = calibrate.calibrate([shared["ahead=1"]])
     mine = Contention(trainer=0.1, engine=0.2)
@@ -407,6 +408,7 @@ def test_dew_tune_takes_the_contention_fitted_or_given(shared, capsys):
     assert "argument --trainer-scaling: must be a finite number" in capsys.readouterr().err
 
 
+@pytest.mark.medium
 def test_the_calibration_knows_the_groups_each_recorded_step_trained(shared, tmp_path, capsys):
     cut = record_shared(tmp_path / "admit.trace", TRUE, admit=3)
     assert calibrate.calibrate([cut]).admitted == (3,)

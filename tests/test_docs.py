@@ -15,6 +15,7 @@ import sys
 
 import attrs
 import numpy as np
+import pytest
 
 from dew import simulate
 from dew.objectives.rl.grpo import GRPOObjective
@@ -197,6 +198,7 @@ def test_concepts_explains_every_column_of_dew_simulate():
     assert not unexplained, f"docs/concepts.md does not explain {unexplained}"
 
 
+@pytest.mark.medium
 def test_the_site_builds_strictly(tmp_path):
     """`mkdocs build --strict`: every page in the nav, every link and anchor resolves, every
     `::: module` renders (about 7 s on two cores)."""
@@ -271,6 +273,7 @@ CONCEPT_FIGURES = ("long_tail_goodput.png", "long_tail_cost.png")
 """The figures docs/figures/concepts.py draws and docs/concepts.md shows."""
 
 
+@pytest.mark.medium
 def test_the_concepts_figures_are_drawn_by_their_script_and_shown(tmp_path):
     """docs/figures/concepts.py draws every figure the concepts page shows (from
     `Workload.smoke()` here; the checked-in ones from the defaults), and the page shows each

@@ -103,6 +103,7 @@ def assert_valid(*calls):
     check_session(Session(Status.COMPLETED, calls, reward=0.0))
 
 
+@pytest.mark.medium
 async def test_logprobs_equal_the_models_scoring_of_the_sampled_tokens():
     async with server() as engine:
         call = await engine.generate(np.array([5, 9, 200, 31], np.int32), max_tokens=20, key=3)
@@ -627,6 +628,7 @@ async def test_the_cache_holds_the_blocks_its_calls_reach_and_one_block_when_idl
         np.testing.assert_allclose(call.logprobs, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.medium
 def test_a_server_of_a_long_context_holds_one_block_of_its_cache_until_calls_reach_further():
     """At 4,096 positions a slot, 32 slots of the test's model would hold 64 MiB of keys and
     values from the start; the engine holds the first block's 0.5 MiB."""

@@ -624,6 +624,7 @@ def test_prompt_source_rejects_bad_arguments():
 # On the real engine and transformer
 
 
+@pytest.mark.medium
 async def test_environment_source_on_the_real_engine():
     async with RolloutServer(CONFIG, forced(ord("a")), slots=SLOTS, version=2) as server:
         environment_source = source(server, turns=2, max_tokens=2, require_stop=False)

@@ -73,6 +73,7 @@ def test_a_tool_environments_first_prompt_counts_its_tools():
     assert counted > bare + len('"name": "lookup"')
 
 
+@pytest.mark.medium
 def test_a_tool_environment_trains_at_the_default_context(tmp_path, tool_servers):
     """At the default context a tool environment's first call fits: every step trains on tokens
     (before, every rollout was TRUNCATED `context` before its first call: trained on nothing)."""
@@ -121,6 +122,7 @@ print("ended")
 """
 
 
+@pytest.mark.medium
 def test_an_episode_cancelled_by_the_runs_end_finishes_its_cleanup_without_a_traceback():
     """A run that ends (its error, or its last step) while an environment's episode is still
     stopping its servers lets that cleanup finish: it is not cancelled a second time when the
@@ -165,6 +167,7 @@ def test_a_games_first_prompt_past_the_context_is_refused_before_the_run_folder(
 # --- build point 3: several agents per episode -------------------------------------------------
 
 
+@pytest.mark.medium
 def test_a_two_agent_environment_is_sized_for_both_chains_and_cuts_no_group(tmp_path, caplog):
     """`_vf_duo`'s episodes are two chains (one per agent): rows are sized for both, so no
     group is cut for room (before, half of them were, silently: `groups 1, cut 1`)."""
@@ -286,6 +289,7 @@ async def test_samples_are_drawn_uniformly_within_a_group_and_replay_alike(autoj
     assert await kept_samples(ByDuration(lambda sample: 1), seed=1) != quick_first
 
 
+@pytest.mark.medium
 async def test_errors_that_quote_each_reply_are_counted_as_one_kind_with_the_first_text(caplog):
     """`_vf_quote`'s reward raises quoting the reply, a text that differs every rollout: its
     errors are one kind (`TaskError / ValueError`), warned at its 1st and 10th time with that
@@ -338,6 +342,7 @@ SNIPPETS = re.findall(
 )
 
 
+@pytest.mark.medium
 def test_the_verifiers_snippet_of_the_docs_runs(capsys):
     """docs/environments.md's verifiers snippet, as written but for its taskset: the tests'
     `_vf_copy` stands for `my-taskset`."""
@@ -365,6 +370,7 @@ def test_the_verifiers_loader_snippet_of_the_docs_builds_the_environment_parse_b
     ]
 
 
+@pytest.mark.medium
 def test_the_textarena_snippet_of_the_docs_runs(capsys):
     """docs/environments.md's TextArena snippet, as written: a TicTacToe game, one step."""
     (snippet,) = [s for s in SNIPPETS if "TextArena.parse" in s]

@@ -129,6 +129,7 @@ def train(source, server, config, tmp_path, *, tasks, steps=2, batch=2, groups=2
 # --- verifiers: a single-turn environment with a rubric -----------------------------------------
 
 
+@pytest.mark.medium
 def test_a_single_turn_environment_trains_on_its_own_rubric(tmp_path):
     env = Verifiers.parse("verifiers:_vf_copy,digits=3", size=4)
     server = tiny_server()
@@ -168,6 +169,7 @@ def test_a_single_turn_environment_trains_on_its_own_rubric(tmp_path):
 # --- verifiers: a multi-turn environment with a tool --------------------------------------------
 
 
+@pytest.mark.medium
 async def test_a_tool_environment_looks_up_then_answers_in_one_chain(tool_servers):
     env = Verifiers.parse("_vf_lookup", size=3)
     engine = ScriptedEngine([tool_call("lookup", {"key": "a"}), TABLE["a"]])
@@ -181,6 +183,7 @@ async def test_a_tool_environment_looks_up_then_answers_in_one_chain(tool_server
     assert "7" in tokenizer.BYTES.decode(session.calls[1].prompt[len(session.calls[0].prompt) :])
 
 
+@pytest.mark.medium
 def test_a_tool_environment_trains_end_to_end(tmp_path, tool_servers):
     env = Verifiers.parse("_vf_lookup", size=2)
     config, server = engine(512)  # the tools turn (the tool's schema) takes about 400 tokens
@@ -211,6 +214,7 @@ def _best_of_two():
     return Verifiers(vf.load_environment(config), size=4)
 
 
+@pytest.mark.medium
 async def test_an_episode_of_several_traces_gives_each_its_own_reward_and_calls():
     """Best-of-n runs one agent twice: each attempt is a seat (`agent.0`, `agent.1`) with its
     own reward, its calls tagged by the trace id verifiers sends with them, and its rewards
@@ -237,6 +241,7 @@ async def test_an_episode_of_several_traces_gives_each_its_own_reward_and_calls(
     assert session.reward == pytest.approx(sum(session.seats.values()))
 
 
+@pytest.mark.medium
 def test_an_environment_of_several_traces_trains_each_on_its_own_reward(tmp_path):
     env = _best_of_two()
     server = tiny_server()
@@ -319,6 +324,7 @@ def test_bad_options_name_the_culprit():
 # --- TextArena ----------------------------------------------------------------------------------
 
 
+@pytest.mark.medium
 def test_wordle_trains_end_to_end_with_the_games_own_rewards(tmp_path, nltk_data):
     game = TextArena.parse("textarena:Wordle-v0")
     config, server = engine(1024)
@@ -370,6 +376,7 @@ def test_tictactoe_self_play_seats_both_players_each_seeing_the_others_moves():
     assert (score.components["player0/win"], score.components["player1/win"]) == (1.0, 0.0)
 
 
+@pytest.mark.medium
 def test_tictactoe_self_play_trains_each_player_on_its_own_reward(tmp_path):
     game = TextArena.parse("textarena:TicTacToe-v0,self_play=true")
     config, server = engine(1024)
@@ -408,6 +415,7 @@ def test_self_play_is_refused_for_a_game_of_one_player(nltk_data):
         TextArena.parse("textarena:TicTacToe-v0,self_play=yes")
 
 
+@pytest.mark.medium
 def test_wordle_without_its_nltk_data_is_refused_naming_it(monkeypatch, tmp_path):
     import nltk
 

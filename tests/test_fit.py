@@ -82,6 +82,7 @@ def test_task_list_names_each_row_by_index():
     assert lookup({"task_id": np.array([3, 0])}) == [TASKS[3], TASKS[0]]
 
 
+@pytest.mark.medium
 def test_fit_trains_a_model_and_tokenizer_of_ones_own_in_a_few_lines(tmp_path):
     lines = []
     bpe = HuggingFaceTokenizer.from_file(train_bpe(tmp_path / "tokenizer.json"))
@@ -139,6 +140,7 @@ def repeated(env: Repeat, episode) -> Score:
     return Score(sum(map(closeness, episode.actions)) / 2)
 
 
+@pytest.mark.medium
 def test_fit_trains_a_policy_on_an_environment():
     """fit(environment=...) plays real two-turn episodes on the engine, scores them with the
     verifier, and moves the parameters: each step trains its batch's episodes."""

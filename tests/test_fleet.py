@@ -24,6 +24,7 @@ async def ask(session, content: str = GREETING) -> None:
         )
 
 
+@pytest.mark.medium
 async def test_sessions_stick_to_the_least_loaded_engine():
     engines = [ScriptedEngine([f"from {i}"]) for i in range(3)]
     async with Fleet(engines) as fleet, Gateway(fleet, max_context=512, announce=False) as gw:
@@ -41,6 +42,7 @@ async def test_sessions_stick_to_the_least_loaded_engine():
     ]
 
 
+@pytest.mark.medium
 async def test_a_push_lands_on_every_engine_before_a_call_under_its_version():
     servers = [tiny_server(), tiny_server()]
     pushed = models.init(jax.random.key(1), CONFIG)

@@ -172,6 +172,7 @@ async def test_edited_histories_real_clients_send_still_match_the_gateways_turns
     assert [chain.calls for chain in cut] == [3, 2]
 
 
+@pytest.mark.medium
 async def test_recorded_tokens_and_logprobs_are_what_the_real_engine_sampled(client):
     server = tiny_server()
     async with server, gateway(server, max_tokens=12, max_context=128) as gw:
@@ -212,6 +213,7 @@ async def test_recorded_tokens_and_logprobs_are_what_the_real_engine_sampled(cli
     )
 
 
+@pytest.mark.medium
 async def test_streaming_and_non_streaming_agree_token_for_token(client):
     server = tiny_server()
     sampling = Sampling(seed=7)
@@ -627,6 +629,7 @@ async def test_sessions_are_unguessable_isolated_and_served_on_loopback(client):
     assert len(first.calls) == 1 and second.calls == ()
 
 
+@pytest.mark.medium
 async def test_serving_moves_the_objects_alive_then_out_of_the_collectors_reach():
     # A full collection walks every object the cyclic collector tracks, and with jax imported
     # that stalls every request in flight for tens of milliseconds: the p99 of
@@ -645,6 +648,7 @@ async def test_serving_moves_the_objects_alive_then_out_of_the_collectors_reach(
     assert gc.get_freeze_count() == 0
 
 
+@pytest.mark.medium
 async def test_64_sessions_of_20_calls_each_with_slow_clients_beside_them():
     engine = ScriptedEngine(["fine"])
     async with gateway(engine) as gw:

@@ -437,6 +437,7 @@ RESPONSE_BODIES = st.fixed_dictionaries(
     # What the engine writes: a tool call cut by max_tokens, or a short reply and its stop token.
     st.sampled_from(["ok", "", tool_call("lookup", {"key": "x"}, content="Let me see.")]),
 )
+@pytest.mark.medium
 async def test_no_request_body_gets_a_server_error_or_harms_its_session(case, reply):
     endpoint, body = case
     engine = ScriptedEngine([reply])

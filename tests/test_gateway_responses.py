@@ -75,6 +75,7 @@ async def test_a_multi_turn_agent_with_function_calls_merges_into_one_chain():
         np.testing.assert_array_equal(recorded.completion, served.completion)
 
 
+@pytest.mark.medium
 async def test_a_streamed_response_is_the_response_event_by_event():
     engine = ScriptedEngine([tool_call("lookup", {"key": "x"}, content="Looking."), "Done here."])
     async with gateway(engine) as gw:
@@ -108,6 +109,7 @@ async def test_a_streamed_response_is_the_response_event_by_event():
     assert plain[-1].response.output_text == "Done here." and len(session.calls) == 2
 
 
+@pytest.mark.medium
 async def test_log_probs_are_the_real_engines_and_a_cut_reply_is_incomplete():
     server = tiny_server()
     async with server, gateway(server, max_tokens=12, max_context=128) as gw:

@@ -137,6 +137,7 @@ def engine_parts(vocab: int):
     return config, models.init(jax.random.key(0), config)
 
 
+@pytest.mark.medium
 async def test_dews_engine_serves_the_checkpoints_template_token_in_token_out(qwen):
     tokenizer, hf = qwen
     config, params = engine_parts(tokenizer.vocab_size)
@@ -217,6 +218,7 @@ async def test_llama_and_mistral_tool_calls_parse_in_their_own_format(family, re
         assert calls[1].prompt.tolist() == expected_ids(hf, history, **kwargs)
 
 
+@pytest.mark.medium
 async def test_what_the_template_refuses_and_forged_special_tokens_answer_400(qwen):
     tokenizer, _ = qwen
     llama = template_tokenizer("llama3.2")
@@ -312,6 +314,7 @@ REPLIES = {"qwen2.5": QWEN_CALL, "llama3.2": LLAMA_CALL, "mistral": MISTRAL_CALL
         st.tuples(st.just("responses"), RESPONSE_BODIES),
     )
 )
+@pytest.mark.medium
 async def test_no_request_body_gets_a_server_error_under_a_checkpoints_template(family, case):
     """The hostile bodies of tests/test_gateway_hostile.py, under each family's template: what
     the template refuses (Mistral's alternation and call ids, Llama's one call a turn) is a 400

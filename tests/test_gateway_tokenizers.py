@@ -71,6 +71,7 @@ async def test_a_tool_using_chat_under_a_bpe_tokenizer_merges_into_one_chain(bpe
     )
 
 
+@pytest.mark.medium
 async def test_a_real_engine_with_a_bpe_tokenizer_records_what_it_answered(bpe):
     config, params = bpe_server_parts(bpe.vocab_size)
     server = RolloutServer(config, params, slots=2, tokenizer=bpe)

@@ -82,6 +82,7 @@ def test_frozen_unfreezes_after_an_error():
     assert gc.get_freeze_count() == 0
 
 
+@pytest.mark.medium
 def test_frozen_while_serving_holds_the_freeze_until_the_last_server_stops():
     with _gc.frozen_while_serving():
         frozen = gc.get_freeze_count()
@@ -96,6 +97,7 @@ def test_frozen_while_serving_holds_the_freeze_until_the_last_server_stops():
     assert gc.get_freeze_count() == 0
 
 
+@pytest.mark.medium
 def test_frozen_while_serving_leaves_a_freeze_made_before_it_as_it_was():
     gc.freeze()
     try:

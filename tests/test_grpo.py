@@ -87,6 +87,7 @@ def scored_alone(params, placed, rows: int, width: int, temperature: float = 1.0
     return expected
 
 
+@pytest.mark.medium
 @pytest.mark.parametrize("seed", range(3))
 def test_packed_log_probs_equal_each_chain_alone(params, seed):
     rng = np.random.default_rng(seed)
@@ -281,6 +282,7 @@ def test_loss_without_trained_tokens_is_zero(params):
     }
 
 
+@pytest.mark.medium
 def test_gradient_is_finite_and_nonzero(params):
     rng = np.random.default_rng(7)
     batch, _ = trained_batch(rng, params)
@@ -359,6 +361,7 @@ def test_hyper_parameters_are_keyword_only():
         GRPOObjective(transformer(), 0.2)
 
 
+@pytest.mark.medium
 def test_missing_keys_are_named(params):
     rng = np.random.default_rng(9)
     batch, _ = trained_batch(rng, params)

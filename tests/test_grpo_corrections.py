@@ -219,6 +219,7 @@ def objective_of(settings: dict, floor: float) -> GRPOObjective:
     seed=st.integers(0, 2**16),
     spread=st.sampled_from([0.05, 0.5, 2.0]),
 )
+@pytest.mark.medium
 def test_the_loss_and_weights_match_numpy(chosen, floor, seed, spread):
     rng = np.random.default_rng(seed)
     variables, batch = table(rng), random_batch(rng, spread=spread)
@@ -403,6 +404,7 @@ def test_the_current_proximal_trains_as_the_rescored_one_without_the_batch_carry
     np.testing.assert_allclose(after_c["table"], after["table"], **TOLERANCE)
 
 
+@pytest.mark.medium
 def test_the_current_proximal_is_the_update_start_not_a_later_weight():
     """Trained for a second update on the same batch, the rescored proximal stays at the first
     update's weights and the ratio moves off 1; the current one moves with the weights: the

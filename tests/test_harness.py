@@ -154,6 +154,7 @@ async def test_the_wall_clock_limit_truncates_and_cancels_the_engine_call():
     assert session.calls == () and engine.cancelled == 1
 
 
+@pytest.mark.medium
 async def test_engine_and_verifier_faults_are_infra_errors():
     async with gateway(ScriptedEngine(fail_on="q")) as gw:
         session = await HarnessSource(gw, tool_agent, exact).run(Task("q"), LABEL)
@@ -213,6 +214,7 @@ def command(script: str) -> list[str]:
     return [sys.executable, "-c", script]
 
 
+@pytest.mark.medium
 async def test_a_subprocess_harness_with_the_sync_client_completes():
     engine = ScriptedEngine([tool_call("lookup", {"q": 1}), "answer: 42"])
     async with gateway(engine) as gw:
@@ -223,6 +225,7 @@ async def test_a_subprocess_harness_with_the_sync_client_completes():
     assert b"task 7" in np.asarray(session.calls[0].prompt, np.uint8).tobytes()
 
 
+@pytest.mark.medium
 async def test_a_failing_subprocess_is_an_agent_error_with_its_stderr_tail():
     async with gateway(ScriptedEngine(["answer: 42"])) as gw:
         source = HarnessSource(gw, command(SYNC_AGENT), exact, env={"FAIL": "1"})
@@ -263,6 +266,7 @@ def alive(pid: int) -> bool:
         return stat.read().split(")")[-1].split()[0] != "Z"
 
 
+@pytest.mark.medium
 async def test_a_cancelled_rollout_kills_the_process_group_and_closes_the_session(tmp_path):
     engine = ScriptedEngine(hang_on="hang")
     pids = tmp_path / "pids.json"
@@ -312,6 +316,7 @@ OPTIONS = {
 }
 
 
+@pytest.mark.medium
 @pytest.mark.parametrize("cause", OPTIONS)
 async def test_rollouts_the_scheduler_cancels_stop_harness_and_engine_and_train_nothing(cause):
     engine = ScriptedEngine(["answer: 42"], hang_on="slow")
@@ -458,6 +463,7 @@ async def test_the_tools_lookup_truncates_on_a_short_context():
 # --- trained end to end ---------------------------------------------------------------------------
 
 
+@pytest.mark.medium
 def test_a_harness_trains_end_to_end_through_the_synchronous_facade(tmp_path):
     server = tiny_server()
 

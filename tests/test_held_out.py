@@ -67,6 +67,7 @@ def test_the_samples_file_sets_each_reply_beside_the_base_models(tmp_path):
     assert "| 9 | what is 9\\|? | 7 | seven<br>or so (0.00) | 7 (1.00) |" in after
 
 
+@pytest.mark.medium
 def test_a_run_evaluates_held_out_tasks_before_and_after_with_classes_and_replies(tmp_path):
     """On a tiny checkpoint, the copy task (a digit's answer: ten classes): an evaluation before
     the first update and every --eval-every, on the tasks past --tasks."""
@@ -105,6 +106,7 @@ def test_a_run_evaluates_held_out_tasks_before_and_after_with_classes_and_replie
         assert cell.replace("|", "\\|").replace("\n", "<br>") in after
 
 
+@pytest.mark.medium
 def test_an_evaluations_keys_are_in_the_metrics_line_of_its_update_and_on_tensorboard(tmp_path):
     """Issue 41: the held-out evaluation's figures (greedy, mean@k, per class, majority) are in
     `metrics.jsonl` at the update they were measured after, as in TensorBoard, not in
@@ -137,6 +139,7 @@ def test_an_evaluations_keys_are_in_the_metrics_line_of_its_update_and_on_tensor
         }
 
 
+@pytest.mark.medium
 def test_an_evaluation_holds_no_weights_between_its_runs():
     """Issue 42 (a real model's memory): the held-out evaluation's engine lives for one
     evaluation. Building the evaluation allocates no array, and once an evaluation is over no

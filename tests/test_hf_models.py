@@ -210,6 +210,7 @@ def test_a_saved_folder_loads_in_transformers_with_the_same_logits(folders, fami
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.medium
 def test_bfloat16_params_keep_their_dtype_and_give_float32_logits(folders, tmp_path):
     model, params = hf.load(folders["qwen3"], dtype="bfloat16")
     assert model.dtype == "bfloat16"
@@ -279,6 +280,7 @@ def ascii_first(task, reply: str) -> Score:
     return Score(float(reply[:1].isascii()))
 
 
+@pytest.mark.medium
 def test_a_loaded_checkpoint_trains_through_the_scheduler(folders):
     model, params = hf.load(folders["qwen3"])
     server = RolloutServer(model, params, slots=16, max_len=64)
@@ -423,6 +425,7 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.medium
 def test_dew_train_trains_a_checkpoint_folder_into_folders_transformers_loads(
     chat_folder, tmp_path
 ):
@@ -481,6 +484,7 @@ def test_dew_train_trains_a_checkpoint_folder_into_folders_transformers_loads(
         ),
     ],
 )
+@pytest.mark.medium
 def test_dew_train_refuses_a_bad_model_option_naming_it(
     chat_folder, tmp_path, capsys, options, culprit
 ):

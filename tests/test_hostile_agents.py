@@ -68,6 +68,7 @@ def _prompt(call) -> bytes:
 # --- 1: the answer's format under a checkpoint's own chat template ----------------------------
 
 
+@pytest.mark.medium
 @pytest.mark.parametrize("api", ["chat", "responses"])
 async def test_structured_output_reaches_the_model_under_a_checkpoints_template(api):
     """FAILED before the fix: under a checkpoint's own chat template (Qwen2.5's here), a

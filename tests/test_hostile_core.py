@@ -235,6 +235,7 @@ def check_race(offset: int, close_at: CloseAt, outcome: list) -> bool:
     return close_at.closer is not None
 
 
+@pytest.mark.medium
 @pytest.mark.parametrize("facade", ["thread", "async"])
 def test_close_from_another_thread_at_every_line_of_a_call(facade, monkeypatch):
     """close() from another thread at each line a trainer call runs in the scheduler, from
@@ -476,6 +477,7 @@ def failing_verifier(task, reply):
     return 1.0
 
 
+@pytest.mark.medium
 def test_fit_raises_when_every_verifier_call_failed(tmp_path):
     """Two steps, fewer than the scheduler's warning of a streak of empty steps waits for:
     every rollout's verifier fails (it raises, answers NaN, or a bare float), every group is
@@ -546,6 +548,7 @@ async def test_a_run_of_only_truncated_rollouts_says_so_when_it_trained_nothing(
         tally.check()
 
 
+@pytest.mark.medium
 def test_dew_train_ends_with_one_line_and_status_1_when_it_trained_on_nothing(
     tmp_path, capsys, monkeypatch
 ):
@@ -614,6 +617,7 @@ async def test_a_version_3_trace_is_read_without_its_digest_and_others_are_refus
 # Item 16: the first wait, on the engine's compilation, is one line -------------------------------
 
 
+@pytest.mark.medium
 async def test_the_wait_on_the_first_batch_is_one_line_and_later_waits_are_in_full(
     autojump_clock, caplog
 ):

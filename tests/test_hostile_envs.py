@@ -238,6 +238,7 @@ async def test_wordle_plays_as_many_guesses_as_its_options_give(nltk_data, guess
     assert game.max_turns == 2 * guesses and as_served(session, engine)
 
 
+@pytest.mark.medium
 def test_options_that_leave_no_game_to_play_are_refused_at_load(nltk_data):
     """A Wordle of 4 letters over a word list of 5-letter words has no word to draw: each
     rollout's reset would raise (an INFRA_ERROR, resubmitted until its group is abandoned)."""
@@ -340,6 +341,7 @@ async def test_a_weighted_rubric_of_several_rewards_is_verifiers_own_sum():
     assert as_served(session, engine)
 
 
+@pytest.mark.medium
 async def test_a_reward_that_raises_is_the_environments_failure_with_its_text_counted():
     """The rubric's own exception is the environment's failure (INFRA_ERROR, trained on
     nothing), not the agent's (AGENT_ERROR trained the reply on a reward of 0)."""
@@ -402,6 +404,7 @@ async def test_an_environment_that_cancels_or_exits_ends_its_episode_not_the_run
     assert source.errors.most_common(1) == ((error, 2),)
 
 
+@pytest.mark.medium
 async def test_a_tool_environment_scores_its_weighted_rubric(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
     task = {"rewards": {"answered": {"weight": 2.0}} | plugged("brevity", 0.5)}
@@ -443,6 +446,7 @@ def guess(**options) -> Verifiers:
     return Verifiers(Guess(GuessConfig.model_validate(data)), size=1)
 
 
+@pytest.mark.medium
 async def test_a_multi_turn_environment_trains_one_chain_on_its_rewards():
     env = guess()
     digits = env.task(0).payload.data.digits
@@ -461,6 +465,7 @@ async def test_a_multi_turn_environment_trains_one_chain_on_its_rewards():
     assert "higher" in hints and "lower" in hints
 
 
+@pytest.mark.medium
 async def test_a_multi_turn_environment_that_raises_is_an_agent_error_with_its_text():
     (session,), source, _ = await play(guess(fail_on_turn=1), ["000", "999"], max_context=512)
     assert session.status is Status.AGENT_ERROR and session.reward == 0.0
@@ -496,6 +501,7 @@ class HostileTaskset(vf.Taskset[HostileTask, HostileConfig]):
             yield HostileTask(HostileData(**row), self.config.task)
 
 
+@pytest.mark.medium
 async def test_a_dataset_with_extra_columns_scores_on_them_and_a_row_missing_one_is_named():
     env = Verifiers.parse("test_hostile_envs", size=4)
     assert env.prompt(env.task(3)) == [{"role": "user", "content": "say 3"}]

@@ -255,6 +255,7 @@ def test_resume_without_a_commit_record_refuses_a_folder_with_a_history(capsys, 
     assert files(run) == before
 
 
+@pytest.mark.medium
 @pytest.mark.parametrize("kept", ["metrics.jsonl", "samples.jsonl", "checkpoints/state"])
 def test_a_fresh_run_into_a_folder_with_a_history_is_refused(capsys, run, kept):
     """Item 2. Failed before for the samples log and for arrays without their record: a fresh
@@ -315,6 +316,7 @@ def test_resume_refuses_a_commit_record_whose_updates_was_edited(capsys, run, ar
     assert files(run) == before
 
 
+@pytest.mark.medium
 def test_resume_names_the_values_the_run_had_with_its_config_json_gone(capsys, run):
     """Items 21 and 13. Failed before: with config.json gone, `--resume` built the run from
     the defaults (ending in a traceback as the checkpoint did not fit, having written the
@@ -392,6 +394,7 @@ def full_disk_at(monkeypatch, *, step: int) -> list[Path]:
     return fired
 
 
+@pytest.mark.medium
 def test_a_fault_injected_into_the_checkpoint_writer_fires_and_the_run_resumes(
     capsys, tmp_path, monkeypatch
 ):
@@ -419,6 +422,7 @@ def test_a_fault_injected_into_the_checkpoint_writer_fires_and_the_run_resumes(
     assert [line["step"] for line in logged] == [0, 1, 2, 3, 4, 5]
 
 
+@pytest.mark.medium
 def test_a_full_disk_at_the_first_checkpoint_does_not_advise_a_resume_it_would_refuse(
     capsys, tmp_path, monkeypatch
 ):

@@ -69,6 +69,7 @@ async def test_two_large_requests_at_once_cannot_pass_max_calls():
     assert len(session.calls) == 1 and session.truncation == "turns"
 
 
+@pytest.mark.medium
 async def test_the_client_can_retrieve_the_model_it_names():
     # `client.models.retrieve` is GET /v1/models/{id}; the gateway serves one policy under any
     # name, so any name (an id may hold slashes, as Hugging Face names do) is found.

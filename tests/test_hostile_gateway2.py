@@ -407,6 +407,7 @@ async def test_a_large_request_whose_session_closes_while_it_renders_is_refused(
         ("chat", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "string"),
     ],
 )
+@pytest.mark.medium
 async def test_bad_inputs_are_400_naming_the_field_and_leave_the_session_alone(
     endpoint, fields, param, says
 ):

@@ -463,6 +463,7 @@ def test_a_folders_chat_template_gives_transformers_ids(
     assert ours.eos_id == reference.convert_tokens_to_ids("<|im_end|>")
 
 
+@pytest.mark.medium
 def test_a_folder_without_a_chat_template_says_how_to_give_one(tokenizer_folder):
     folder, reference = tokenizer_folder
     with pytest.raises(ValueError, match="has no chat template .*: pass chat_template="):

@@ -55,6 +55,7 @@ def with_support(rng, batch: dict) -> dict:
     return batch | {"support_tokens": tokens, "support_positions": positions}
 
 
+@pytest.mark.medium
 @pytest.mark.parametrize("aggregation", ["sequence_mean", "constant"])
 def test_the_current_proximal_trains_as_the_rescored_one_under_a_support_and_each_aggregation(
     aggregation,
@@ -97,6 +98,7 @@ class CountingPool:
         return True
 
 
+@pytest.mark.medium
 @pytest.mark.parametrize("proximal", ["rescore", "current"])
 async def test_the_scheduler_skips_only_the_proximal_rescoring_and_its_figures(
     autojump_clock, proximal
@@ -160,6 +162,7 @@ def test_a_step_with_no_trained_token_leaves_the_masked_share_out_under_the_curr
     assert 0 < lines[1]["importance/masked"] < 1
 
 
+@pytest.mark.medium
 def test_step_seconds_under_the_current_proximal_times_only_the_references_rescoring(
     tmp_path, monkeypatch
 ):

@@ -266,6 +266,7 @@ def test_a_resumed_trace_replays(resumed):
     assert replay(resumed).matched
 
 
+@pytest.mark.medium
 @pytest.mark.parametrize("compressed", [False, True], ids=["plain", "gzip"])
 def test_a_trace_cut_at_any_byte_replays_as_far_as_it_goes_or_names_its_file_and_line(
     resumed, tmp_path, compressed
@@ -430,6 +431,7 @@ def test_a_header_cut_partway_says_the_file_is_cut_off(resumed, tmp_path, capsys
         _refused(path, 1, "is cut off (the file is truncated) in its header line", capsys)
 
 
+@pytest.mark.medium
 def test_a_trace_that_restores_more_rollouts_than_a_batch_may_start_is_refused(
     resumed, tmp_path, capsys
 ):

@@ -72,6 +72,7 @@ def run(trained, tmp_path):
         (["--filter-uniform"], "--filter-uniform off, not on"),
     ],
 )
+@pytest.mark.medium
 def test_a_resume_with_another_option_names_it_and_both_values(capsys, run, options, named):
     """Failed before: the refusal named the field (`groups`, not `--groups`) and printed the
     whole earlier config, never the value given now."""
@@ -140,6 +141,7 @@ def test_resume_of_a_folder_without_a_checkpoint_says_it_starts_afresh(tmp_path,
     assert f"no checkpoint in {run / 'checkpoints'}: training from the first step" in out, out
 
 
+@pytest.mark.medium
 def test_a_second_run_into_a_folder_in_use_is_refused_and_writes_nothing(tmp_path, capsys):
     """Failed before: a `--resume` typed while the run still trained (here: from the first
     run's own step callback) trained alongside it into the same folder, its steps logged

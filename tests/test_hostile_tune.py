@@ -218,6 +218,7 @@ def test_dew_tune_refuses_a_trace_whose_rollouts_took_no_time(tmp_path, capsys):
         )
 
 
+@pytest.mark.medium
 def test_dew_tune_refuses_a_run_measured_over_no_time(tmp_path, capsys):
     """Rollouts of one duration, eight batches ahead and a free trainer: every measured batch
     is ready before the first measured step, the window lasts 0 s, and the goodput (samples

@@ -190,6 +190,7 @@ def test_the_simulations_values_and_table_reach_none_of_the_schedulers_rooms():
     assert not any(broken.values()), broken
 
 
+@pytest.mark.medium
 def test_the_gateway_takes_nothing_from_the_environments():
     # dew.envs builds its HarnessSource on the gateway; the gateway's engine settings (Sampling)
     # come from the engines' room, which both share.
@@ -220,6 +221,7 @@ def readme_layout() -> str:
     return text.split("## Layout", 1)[1].split("\n## ", 1)[0]
 
 
+@pytest.mark.medium
 def test_what_nothing_imports_and_each_work_around_says_where_it_lives():
     # A package of its own beside dew (the verifiers harness plugin), a module only another
     # program runs (the sitecustomize every vLLM server process imports) and the media

@@ -155,6 +155,7 @@ def _sorted_targets(config: lora.LoRAConfig) -> lora.LoRAConfig:
     return lora.LoRAConfig(config.rank, config.alpha, tuple(sorted(config.targets)))
 
 
+@pytest.mark.medium
 def test_a_saved_adapter_is_peft_s_own_folder_and_loads_in_peft(folders, tmp_path):
     folder = folders["qwen2"]
     config = lora.LoRAConfig(rank=4, alpha=8, targets=("q_proj", "v_proj", "down_proj"))
@@ -260,6 +261,7 @@ def _lines(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.medium
 def test_dew_train_lora_trains_the_adapter_alone_resumes_and_exports_it(
     chat_folder, tmp_path, capsys
 ):
@@ -356,6 +358,7 @@ def _fit(base, variables_or_params, *, steps: int = 2, **options):
     )
 
 
+@pytest.mark.medium
 def test_fit_with_lora_trains_the_adapter_alone_and_serves_it(folders, caplog):
     base, params = hf.load(folders["qwen2"])
     config = lora.LoRAConfig(rank=2, targets=("q_proj", "up_proj"))
@@ -464,6 +467,7 @@ class _TaskPairs:
             yield {"task_id": np.array([2 * index, 2 * index + 1])}
 
 
+@pytest.mark.medium
 def test_a_resumed_lora_trainer_equals_the_uninterrupted_one(folders, tmp_path):
     from dew.objectives.rl.grpo import GRPOObjective
     from dew.train import Trainer
@@ -496,6 +500,7 @@ def test_a_resumed_lora_trainer_equals_the_uninterrupted_one(folders, tmp_path):
     _assert_same(resumed.opt_state, straight.opt_state)
 
 
+@pytest.mark.medium
 def test_the_lora_engine_serves_base_and_adapter_merged_once_as_the_lora_model_does(folders):
     """`LoRAServer` (dew's engine in a LoRA run) merges each pushed adapter into the base once
     instead of at every step, and draws what a `RolloutServer` of the `LoRAModel` draws: the
@@ -566,6 +571,7 @@ def _with_masks(reference, model: lora.LoRAModel, key, tokens: np.ndarray):
     return reference
 
 
+@pytest.mark.medium
 @EACH_FAMILY
 def test_a_training_forward_with_dropout_is_peft_s_on_the_same_mask(folders, family, tmp_path):
     config = lora.LoRAConfig(rank=4, alpha=8, dropout=0.3)
@@ -602,6 +608,7 @@ def test_a_training_forward_with_dropout_is_peft_s_on_the_same_mask(folders, fam
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.medium
 def test_without_a_key_or_without_dropout_the_forward_is_the_merged_one_bit_for_bit(folders):
     base, params = hf.load(folders["qwen2"])
     dropped = lora.LoRAModel(base, lora.LoRAConfig(rank=4, alpha=8, dropout=0.5))
@@ -642,6 +649,7 @@ def _transformer():
     return model, model.init(jax.random.key(5))
 
 
+@pytest.mark.medium
 def test_an_adapter_of_dew_s_transformer_adds_its_delta_to_each_block_weight():
     base, params = _transformer()
     model = lora.LoRAModel(base, lora.LoRAConfig(rank=4, alpha=8, targets=lora.TRANSFORMER_TARGETS))
@@ -724,6 +732,7 @@ def test_a_checkpoint_s_adapter_is_refused_on_dew_s_transformer_and_back(folders
         lora.LoRAModel(base, lora.LoRAConfig(targets=("qkv", "up")))
 
 
+@pytest.mark.medium
 def test_a_resumed_trainer_with_dropout_draws_as_the_uninterrupted_one(folders, tmp_path):
     """Each update's dropout key comes from the seed and the update count: a resumed run
     draws the masks the uninterrupted one drew, another seed draws others, and an adapter
@@ -776,6 +785,7 @@ def test_a_resumed_trainer_with_dropout_draws_as_the_uninterrupted_one(folders, 
 TINY = ["--d-model", "16", "--heads", "2", "--layers", "1", "--d-ff", "32"]
 
 
+@pytest.mark.medium
 def test_dew_train_lora_trains_an_adapter_of_dew_s_transformer_and_resumes_it(tmp_path, capsys):
     from dew.cli import main
 
@@ -819,6 +829,7 @@ def test_dew_train_without_a_model_refuses_a_checkpoint_s_target_naming_its_own(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.medium
 def test_each_row_chunk_of_a_training_forward_draws_its_own_masks(folders):
     """Under `row_chunk`, each chunk's forward is handed the key folded with its index: two
     equal rows scored in two chunks are dropped out apart (one key for both would give them

@@ -36,6 +36,7 @@ def test_a_model_too_large_for_the_machine_is_refused_before_its_folder(capsys, 
     assert not run.exists()
 
 
+@pytest.mark.medium
 def test_a_game_too_wide_for_memory_names_max_context_and_remat(capsys, tmp_path, monkeypatch):
     use_nltk_data(tmp_path, monkeypatch)
     run = tmp_path / "run"

@@ -46,6 +46,7 @@ def _fields(model) -> dict:
     )
 
 
+@pytest.mark.medium
 @MODELS
 def test_prefill_then_decode_gives_the_logits_of_the_whole_sequence(model):
     params = model.init(jax.random.key(1))
@@ -71,6 +72,7 @@ def ascii_first(task, reply: str) -> Score:
     return Score(float(reply[:1].isascii()))
 
 
+@pytest.mark.medium
 @MODELS
 def test_served_and_trained_through_the_scheduler(model):
     params = model.init(jax.random.key(0))
@@ -113,6 +115,7 @@ def test_the_engine_grows_a_cache_laid_out_as_dews_and_holds_any_other_whole(mod
     assert server.stats().cache_positions == whole
 
 
+@pytest.mark.medium
 def test_the_engine_refuses_what_breaks_the_protocol():
     params = NNX.init(jax.random.key(0))
     with pytest.raises(TypeError, match="model must be a dew.models.Model .* got dict"):

@@ -133,6 +133,7 @@ def test_cache_blocks_double_from_32_and_stop_at_max_len(max_len, blocks):
     assert models.cache_blocks(max_len) == blocks
 
 
+@pytest.mark.medium
 def test_decoding_across_cache_blocks_equals_full_recomputation(params):
     """Slots whose positions lie in different blocks, each crossing a block boundary, decode to
     `apply`'s logits over their whole sequences; so every branch of the block-limited attention

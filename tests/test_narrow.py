@@ -30,6 +30,7 @@ from test_scheduler import train
     truncation=st.sampled_from(TRUNCATION),
     support_capacity=st.none() | st.integers(1, 30),
 )
+@pytest.mark.medium
 def test_a_narrowed_batch_trains_the_same_chains_as_the_full_width(
     groups, width, rows, estimator, truncation, support_capacity
 ):
@@ -118,6 +119,7 @@ def test_narrow_must_be_a_bool():
         RolloutScheduler(OBJECTIVE, Scripted(engine), engine, width=WIDTH, rows=ROWS, narrow="yes")
 
 
+@pytest.mark.medium
 def test_dew_train_builds_a_narrowing_scheduler(monkeypatch, tmp_path):
     """`dew train` asks its scheduler to narrow (its rows are the task's longest chain)."""
     import dew.train._run as run_module

@@ -194,6 +194,7 @@ def laid_segments(batch: dict[str, np.ndarray]) -> Counter:
     truncation=st.sampled_from(TRUNCATION),
     support_capacity=st.none() | st.integers(1, 30),
 )
+@pytest.mark.medium
 def test_each_trained_chain_is_laid_once_whole(
     groups, width, rows, estimator, truncation, support_capacity
 ):
@@ -564,6 +565,7 @@ def assert_packs_as_the_reference(groups: list[list[Session]], arguments: dict) 
         np.testing.assert_array_equal(result.batch[name], expected, err_msg=name, strict=True)
 
 
+@pytest.mark.medium
 @PROPERTY
 @given(case=pack_cases())
 def test_pack_lays_out_exactly_what_the_reference_does(case):

@@ -313,6 +313,7 @@ def test_bad_update_options_are_refused_naming_them(argv, message, capsys, tmp_p
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.medium
 def test_a_dew_train_run_of_two_passes_over_two_minibatches_records_them(tmp_path):
     """The built-in guess task, for real, on a tiny model: each step is one call (one version,
     the lag counted in steps) and 4 optimizer updates, and its line says so."""
@@ -336,6 +337,7 @@ def test_a_dew_train_run_of_two_passes_over_two_minibatches_records_them(tmp_pat
             assert f"last/{name}" in line
 
 
+@pytest.mark.medium
 def test_a_non_finite_update_of_several_stops_the_run_naming_the_step_and_the_update():
     """NaN advantages: the step's first update is not finite, and the run stops naming the
     step and which of its updates, before the second update or any line; the weights stay."""

@@ -97,6 +97,7 @@ def reference_clip_fractions(variables, batch, objective) -> dict[str, float]:
     return fractions
 
 
+@pytest.mark.medium
 @settings(max_examples=80, deadline=None, derandomize=True, database=None)
 @given(chosen=SURROGATES, seed=st.integers(0, 2**16), spread=st.sampled_from([0.05, 0.4, 3.0]))
 def test_the_clip_variants_and_the_sequence_ratio_match_numpy(chosen, seed, spread):
@@ -165,6 +166,7 @@ def one_token(gap: float, advantage: float) -> tuple[dict, dict]:
     return variables, batch
 
 
+@pytest.mark.medium
 def test_the_dual_clip_bounds_a_negative_advantage_token_far_above_its_proximal():
     variables, batch = one_token(50.0, -1.0)
     loss, _ = GRPOObjective(bigram).loss(variables, batch)
@@ -355,6 +357,7 @@ def test_an_entropy_bonus_alone_raises_the_policys_entropy():
         assert (entropy > before + 1e-3) if rises else entropy == pytest.approx(before, abs=1e-6)
 
 
+@pytest.mark.medium
 def test_a_dew_train_run_with_clip_higher_a_dual_clip_and_gspo_records_each_clip(tmp_path):
     """The built-in copy task on a tiny model, for real, with an entropy bonus: every step's
     line holds the split clip fractions, each a share in [0, 1], the low and high ones adding
@@ -506,6 +509,7 @@ def test_the_defaults_keep_plain_adam_so_older_checkpoints_resume():
     assert jax.tree.structure(optimizer.init(params)) == jax.tree.structure(plain)
 
 
+@pytest.mark.medium
 def test_a_dew_train_run_records_the_scheduled_learning_rate(tmp_path):
     from dew import train
 
@@ -586,6 +590,7 @@ def test_a_kept_checkpoint_whose_arrays_are_gone_is_no_longer_kept(tmp_path):
     assert [record["updates"] for record in read_kept(directory)] == [3, 2]
 
 
+@pytest.mark.medium
 def test_a_dew_train_run_keeps_its_last_checkpoints_and_resumes_from_the_newest(tmp_path):
     from dew import train
     from dew.train import read_kept
@@ -607,6 +612,7 @@ def test_a_dew_train_run_keeps_its_last_checkpoints_and_resumes_from_the_newest(
     assert len(held) == 2
 
 
+@pytest.mark.medium
 def test_keep_best_holds_the_best_evaluations_checkpoint_through_a_resume(tmp_path):
     """Issue 44 item 6 (a gap: only the newest checkpoints were kept): with keep_best,
     checkpoints/best holds the trainer's state at the first evaluation of the run's highest
@@ -644,6 +650,7 @@ def test_keep_best_holds_the_best_evaluations_checkpoint_through_a_resume(tmp_pa
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.medium
 def test_keep_best_of_a_model_run_holds_its_folder_beside_it(tmp_path):
     """A --model run's best checkpoint has its own checkpoint folder, best/model, holding
     the very params of dew's checkpoint beside it (a tiny random Qwen2 on the copy task)."""
@@ -673,6 +680,7 @@ def test_keep_best_without_evaluations_is_refused_naming_it(capsys, tmp_path):
     assert "keep_best" in line and "eval_every" in line, line
 
 
+@pytest.mark.medium
 def test_a_best_checkpoint_without_its_evaluation_is_refused_at_resume_in_one_line(
     capsys, tmp_path
 ):
@@ -742,6 +750,7 @@ def test_the_record_holds_reward_std_and_the_length_of_what_trains():
     seed=st.integers(0, 2**16),
     spread=st.sampled_from([0.05, 0.5, 30.0]),
 )
+@pytest.mark.medium
 def test_each_reference_kl_estimator_matches_numpy(estimator, aggregation, seed, spread):
     """The loss and `kl/reference` under each estimator, against the NumPy reference (which
     states each formula once); a spread of 30 nats meets the clamp at 20."""
@@ -791,6 +800,7 @@ def test_the_reference_sync_copies_the_updated_params_every_nth_update():
         synced_reference(optax.sgd(0.1).init(params), params, every=3)
 
 
+@pytest.mark.medium
 def test_a_re_synced_reference_is_checkpointed_so_a_resumed_run_goes_on_against_it(tmp_path):
     """`dew train --kl-coef 0.1 --ref-sync-every 2`, for real: a batch packed right after a
     sync meets a reference equal to the policy (kl/reference ~ 0), the others one update
@@ -878,6 +888,7 @@ def wandb_records(path) -> list:
     return records
 
 
+@pytest.mark.medium
 def test_a_dew_train_run_logs_its_config_and_every_line_to_wandb_offline(tmp_path):
     """`dew train --wandb PROJECT`, for real and offline (no network here): the W&B run file
     under RUN/wandb/ holds the run's config and, at each step `updates`, every finite number
@@ -931,6 +942,7 @@ def test_a_dew_train_run_logs_its_config_and_every_line_to_wandb_offline(tmp_pat
         (["--wandb", "p", "--wandb-mode", "cloud"], "wandb_mode must be one of"),
     ],
 )
+@pytest.mark.medium
 def test_bad_wandb_options_are_refused_naming_them(argv, message, capsys, tmp_path):
     line = refusal(capsys, ["train", "--run", str(tmp_path / "run"), *argv])
     assert message in line, line

@@ -20,6 +20,7 @@ from dew.train._run import _model
 from test_chunked_logprobs import MODELS, packed
 
 
+@pytest.mark.medium
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_remat_step_equals_the_plain_step(name):
     model = MODELS[name]
@@ -47,6 +48,7 @@ def test_a_remat_step_equals_the_plain_step(name):
     )
 
 
+@pytest.mark.medium
 def test_remat_keeps_less_for_the_backward_pass():
     """The compiled gradient of an 8-block transformer over 2 x 256 positions needs under half
     the scratch memory with remat: only each block's input is kept, not its attention scores

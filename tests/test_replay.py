@@ -831,6 +831,7 @@ def strict_promotion():
     jax.config.update("jax_numpy_rank_promotion", saved[1])
 
 
+@pytest.mark.medium
 def test_a_real_engine_run_replays_without_the_engine(tmp_path, strict_promotion):
     """A RolloutServer samples GuessDigit episodes in the scheduler's trio run, the trainer
     pushes changed weights at every call and reopens its stream once; the replay, with no

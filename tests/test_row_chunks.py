@@ -40,6 +40,7 @@ def test_log_probs_by_row_chunks_equal_every_row_at_once(model_and_params, suppo
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.medium
 def test_loss_and_gradient_by_row_chunks_equal_every_row_at_once(model_and_params):
     model, params = model_and_params
     batch = packed(3, rows=ROWS)

@@ -67,6 +67,7 @@ def _compiled_step(layers: int, remat: bool):
     return memory, model, params
 
 
+@pytest.mark.medium
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
 def test_the_donating_step_holds_no_second_copy_of_the_weights_and_moments(remat):
     """The step skips a non-finite (or empty) update by a branch, not by choosing between the
@@ -78,6 +79,7 @@ def test_the_donating_step_holds_no_second_copy_of_the_weights_and_moments(remat
     assert memory.temp_size_in_bytes < 3 * params, (memory.temp_size_in_bytes, params)
 
 
+@pytest.mark.medium
 def test_the_remat_step_holds_no_copy_of_the_layers_params():
     """Under remat the step keeps only each layer's input for the backward pass, and nothing
     more of the params than the plain step: at rows this narrow, where there are few
@@ -92,6 +94,7 @@ def test_the_remat_step_holds_no_copy_of_the_layers_params():
     )
 
 
+@pytest.mark.medium
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
 def test_the_estimate_bounds_the_compiled_steps_scratch(remat):
     """What the estimate counts for the step beyond its arguments (the gradient, one params'

@@ -222,6 +222,7 @@ SECONDS = st.just(0.0) | st.floats(1e-6, 9)
     admitted=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 4), SECONDS), max_size=6),
     started=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 4), SECONDS), max_size=9),
 )
+@pytest.mark.medium
 def test_selection_bias_matches_numpy(admitted, started):
     got = selection_bias(admitted, started)
     if not admitted or not started:

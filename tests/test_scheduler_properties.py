@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 
 import numpy as np
+import pytest
 import trio
 import trio.testing
 from hypothesis import given, settings
@@ -99,6 +100,7 @@ async def _drive(run: dict) -> tuple[list, list, RolloutScheduler]:
     return calls, scheduler
 
 
+@pytest.mark.medium
 def test_every_call_keeps_the_pages_promises():
     happened = collections.Counter()
 

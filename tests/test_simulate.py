@@ -166,6 +166,7 @@ def test_dew_simulate_smoke_prints_the_library_table(smoke, capsys):
     assert goodput["sync"] == pytest.approx(by_name(outcomes)["sync"].goodput, abs=0.005)
 
 
+@pytest.mark.medium
 def test_dew_simulates_process_never_imports_torch_or_transformers():
     """Issue 42 item 5: `dew simulate` runs no model, so its process loads neither torch nor
     transformers (seconds of import each); benchmarks/simulate_cli.py prints where its time

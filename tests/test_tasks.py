@@ -304,6 +304,7 @@ async def test_uniform_random_policy_earns_some_reward(game):
     assert (rewards > 0).mean() < 0.5, "a random policy mostly earns nothing"
 
 
+@pytest.mark.medium
 async def test_tasks_run_on_the_real_engine():
     copy, guess = CopyDigits(), GuessDigit(max_context=CONFIG.max_len)
     echo = EchoDigits(max_turns=2)

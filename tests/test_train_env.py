@@ -24,6 +24,7 @@ def lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.medium
 def test_dew_train_env_trains_a_verifiers_environment_and_evaluates_its_held_out_tasks(
     tmp_path, capsys
 ):
@@ -69,6 +70,7 @@ def test_a_bad_environment_is_refused_in_one_line(tmp_path, capsys, argv, culpri
         (["--harness", "lookup"], "harness"),  # its turns size their own replies
     ],
 )
+@pytest.mark.medium
 def test_the_runs_tokenizer_and_evaluations_reach_a_gateway_run(tmp_path, task, kind):
     """`--tokenizer` renders what the environment's or harness's agents send through the
     gateway (a small BPE trained here, not the byte tokenizer), and `--eval-every` evaluates its

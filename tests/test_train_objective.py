@@ -30,6 +30,7 @@ def metrics_lines(run) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.medium
 def test_a_filtered_run_reports_its_uniform_groups_and_trains_on_none(tmp_path):
     """Groups of 4 copy rollouts from a random tiny model mostly score alike (all 0)."""
     config = TrainConfig(steps=4, batch_size=4, groups=4, filter_uniform=True, **TINY)

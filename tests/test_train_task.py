@@ -105,6 +105,7 @@ def test_a_reasoning_gym_task_trains_end_to_end_with_its_scorer(tmp_path):
     assert TrainConfig.from_file(run / "config.json") == config
 
 
+@pytest.mark.medium
 def test_the_echo_task_trains_episodes_of_the_turns_its_tasks_set(tmp_path):
     config = TrainConfig(task="echo", steps=2, batch_size=2, groups=2, tasks=8, samples=2, **TINY)
     run = tmp_path / "run"
@@ -177,6 +178,7 @@ def test_a_bad_config_file_is_named_on_the_command_line(capsys, tmp_path):
     assert f"{path}: groups must be an int within [2, 4096], got 1" in capsys.readouterr().err
 
 
+@pytest.mark.medium
 def test_a_resumed_run_cuts_its_samples_and_evaluations_back_to_the_checkpoint(tmp_path):
     """A run that dies after its last checkpoint has logged samples and evaluations of a step it
     will train again: the resumed run logs each step once, as it does the metrics."""
@@ -251,6 +253,7 @@ def test_every_metrics_line_has_the_push_and_the_summary_the_wall_time(tmp_path,
     assert summary.startswith("trained 2 steps in ") and "s of wall time (" in summary
 
 
+@pytest.mark.medium
 def test_the_copy_task_replies_up_to_max_tokens_when_given(tmp_path):
     """`--max-tokens` sizes a copy reply (a BPE model such as SmolLM2 says more than a digit
     and a stop token: every reply was cut at 2 tokens whatever it asked); left out, the reply

@@ -179,6 +179,7 @@ def test_a_slowed_calibration_is_the_same_run_on_a_slower_clock(plain):
     assert halved.step_times == fitted.step_times
 
 
+@pytest.mark.medium
 def test_a_trainer_beside_another_runs_rollouts_predicts_the_run_that_had_both(plain, tmp_path):
     """Rollouts of half the mean (a policy that learned to take fewer turns) recorded beside a
     trainer three times as slow: the plain run's trainer with those rollouts predicts the run
@@ -308,6 +309,7 @@ def test_a_task_draws_its_group_whole_from_one_of_the_runs_its_pool_holds():
     assert picks != [source.model_time(Task(str(n)), Label(n, 0, 0)) for n in range(300)]
 
 
+@pytest.mark.medium
 def test_runs_of_one_setting_pooled_predict_between_them(tmp_path):
     """A slow recorded run and a fast one of the same setting, calibrated together, predict a
     run between the two each predicts alone: each simulated group is one of theirs, and the
@@ -416,6 +418,7 @@ def test_the_grid_takes_auto_among_the_admit_values():
     assert parse("all,auto,3") == (None, "auto", 3)
 
 
+@pytest.mark.medium
 def test_tune_is_deterministic_for_a_seed(rows):
     """A grid's rows are a pure function of the workload and its seed: a second tune of part
     of the grid repeats those rows exactly, and another seed changes them."""
@@ -606,6 +609,7 @@ def wasted(figures: list[str]) -> float:
     return float(figures[-3].rstrip("%")) / 100
 
 
+@pytest.mark.medium
 def test_dew_tune_predicts_each_waste_budget_and_a_tight_one_holds(auto_traces, capsys):
     """The run wastes as much as its budget lets it: a tight budget's prediction wastes no more
     than the budget, where a loose one's wastes more, and the rows name their budgets."""
@@ -624,6 +628,7 @@ def test_dew_tune_predicts_each_waste_budget_and_a_tight_one_holds(auto_traces, 
     assert tight != loose
 
 
+@pytest.mark.medium
 def test_dew_tune_predicts_at_the_budget_the_trace_recorded(auto_traces, plain, capsys):
     """A trace of `dew train --admit auto --waste-budget 0.1` is predicted at 0.1 unless told
     otherwise; one of a run without auto at the scheduler's default; traces of two budgets at

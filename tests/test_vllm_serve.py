@@ -197,6 +197,7 @@ print(json.dumps({"argv": sys.argv[1:], "environment": dict(os.environ),
                   "sitecustomize": sitecustomize.__file__}))"""
 
 
+@pytest.mark.medium
 def test_the_docs_command_run_by_a_shell_runs_what_dew_serve_starts(tmp_path):
     """docs/vllm.md's hand-written command, run by a shell as written but for the reader's own
     parts (its checkpoint folder, the installation's folders, a free port), runs vLLM's server
@@ -239,6 +240,7 @@ EngineArgs(model=sys.argv[1], max_model_len=128, dtype="float32",
 print(os.environ["VLLM_WORKER_MULTIPROC_METHOD"])"""
 
 
+@pytest.mark.medium
 @pytest.mark.parametrize(("in_process", "method"), [("0", "fork"), ("1", "spawn")])
 def test_a_server_with_its_worker_in_the_engine_core_forks_that_engine_core(
     tmp_path, in_process, method
