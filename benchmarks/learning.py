@@ -250,27 +250,32 @@ reward of the base model over 48 tasks, replies of at most the tokens named:
 
   The same on vLLM's engine (`python benchmarks/learning.py --tasks products --seeds 0 1 2
   --steps 40 --engine vllm`, 512 training tasks as above, `RECIPE`'s then; held-out greedy on
-  dew's engine as every evaluation; a load of 9-16 from other sessions' tests; wall the dew
-  process's life, from the run folders' times; peak its VmHWM, the server's apart, whose worker
-  held 3.2 GiB):
+  dew's engine as every evaluation; a load of 5-16 from other sessions' tests; wall and peak
+  as the script prints them, the peak the dew process's, the server's apart, whose worker held
+  3.2 GiB; /usr/bin/time -v over the three: 3.49 GiB):
 
-  | seed | held-out greedy, 0 / 10 / 20 / 30 / 40 updates | mean@2 | s/step | wall | peak GiB |
-  |---|---|---|---|---|---|
-  | 0 | 0.125 / 0.188 / 0.531 / 0.622 / 0.938 | 0.086 -> 0.883 | 40.6 | ~2290 s | 3.46 |
-  | 1 | 0.172 / 0.281 / 0.281 / 0.320 / 0.422 | 0.070 -> 0.370 | 34.8 | ~1980 s | 3.49 |
+  | task | engine | seed | held-out greedy before -> after | mean@2 | steps | s/step | wall | peak |
+  |---|---|---|---|---|---|---|---|---|
+  | products | vllm | 0 | 0.125 -> 0.938 | 0.086 -> 0.883 | 40 | 40.6 | 2278 s | 3.46 GiB |
+  | products | vllm | 1 | 0.172 -> 0.422 | 0.070 -> 0.370 | 40 | 34.8 | 1974 s | 3.49 GiB |
+  | products | vllm | 2 | 0.164 -> 0.359 | 0.084 -> 0.305 | 40 | 23.1 | 1323 s | 3.34 GiB |
 
-  The base model's figures equal the dew runs' (0.125 and 0.172, task by task on seed 0).
-  Seed 1 went as on dew's engine: +0.250, exactly right 11 -> 23 of 64, distinct right answers
-  3 -> 11, 21 of the 23 with a factor 0, 1 or 10 (of 27 such), elsewhere mostly a round guess
-  ("3 * 6" -> "10", "6 * 6" -> "60"); 17 of 40 steps had every group uniform (17 on dew's).
-  Seed 0 learned the products themselves: +0.813, exactly right 8 -> 60 of 64, 34 of the 38
-  without such a factor ("2 * 9" -> "18", "5 * 3" -> "15"; "4 * 9" -> "34" one of the 4
-  misses), distinct right answers 5 -> 28. On its way it wrote right products with a period
-  ("18." scores 0.67: 32 of the 64 held-out replies at 30 updates), which group normalisation
-  paid against the wrong bare answers, then dropped the period; 7 of its 40 steps were all
-  uniform (18 on dew's engine). Not the engine: the same seed's rollouts are drawn with other
-  randomness on each engine (vLLM's sampler, dew's keys), and seed 1 shows the same course on
-  both; one trajectory of 16 replies a step found the products, the others did not.
+  Greedy at 0 / 10 / 20 / 30 / 40 updates: 0.125 / 0.188 / 0.531 / 0.622 / 0.938, 0.172 /
+  0.281 / 0.281 / 0.320 / 0.422 and 0.164 / 0.234 / 0.297 / 0.312 / 0.359; every seed clears
+  0.15 by 40 updates (+0.813, +0.250, +0.195), seed 2 not at 30 (+0.148). The base model's
+  figures equal the dew runs' (task by task on seed 0). Seeds 1 and 2 went as on dew's
+  engine: exactly right 11 -> 23 and 10 -> 22 of 64, distinct right answers 3 -> 11 and 3 ->
+  10, 21 of the right ones with a factor 0, 1 or 10 on each (of 27 and 28 such), elsewhere
+  mostly a round guess ("3 * 6" -> "10" or "80", "6 * 6" -> "60"); 17 and 15 of their 40
+  steps had every group uniform (17 and 18 on dew's). Seed 0 learned the products themselves:
+  exactly right 8 -> 60 of 64, 34 of the 38 without such a factor ("2 * 9" -> "18", "5 * 3"
+  -> "15"; "4 * 9" -> "34" one of the 4 misses), distinct right answers 5 -> 28. On its way it
+  wrote right products with a period ("18." scores 0.67: 32 of the 64 held-out replies at 30
+  updates), which group normalisation paid against the wrong bare answers, then dropped the
+  period; 7 of its 40 steps were all uniform (18 on dew's engine). Not the engine: a seed's
+  rollouts are drawn with other randomness on each engine (vLLM's sampler, dew's keys), and
+  seeds 1 and 2 take the dew runs' course; one trajectory of 16 replies a step found the
+  products, five did not.
 - `letter_counting` (one word), 6 tokens: 0.000 ("The letter "r" appears ..."); its answers are
   96 % one class (1), so even a gain there would be a constant answer.
 - `syllogism`, 8 tokens (issue 41): 0.117; the one task of these within 5-60 %. Trained at
