@@ -51,7 +51,9 @@ with the steady admit under carry-over (one admit held for 3 x max_lag calls, re
 slot waste measured; the per-call rule before it in brackets): reference 0.932 / 0.941 (0.943 /
 0.928), sigma 0.5 0.941 / 0.941 (0.921), sigma 1.5 3.75 (only no cut fits 0.15; 3.58) / 1.012
 (1.000), sigma 2.0 2.83 (only no cut fits 0.15; 2.87) / 0.936 (0.871), T = 3 x mean 0.998 (0.995),
-bimodal 0.968 / 0.944 (0.863 / 0.969); its slot waste within a point of its budget on every seed
+bimodal 0.968 / 0.944 (0.863 / 0.969); over seeds 0..5 (steady admit only): reference 0.925 /
+0.941, sigma 0.5 0.943, sigma 1.5 3.81 / 0.994, sigma 2.0 2.82 / 0.908, T = 3 x mean 0.998,
+bimodal 0.970 / 0.942; its slot waste within a point of its budget on every seed
 but sigma 2.0 at 0.15 (16.03 % on seed 0; the per-call rule 16.04 %). What is left on the light
 tails is the climb from half the batch to admit 1, a stretch an admit, and `ahead` (the best
 fixed setting's second batch in flight); on the bimodal mix at 0.25 the per-call rule's cuts at
