@@ -179,7 +179,10 @@ class RolloutScheduler:
             would waste (the seconds of the groups it cancels; under carry_over, of those it
             carries that would pass `max_lag` before completing), and takes the admit of highest
             estimated goodput (groups per second of step and wait) within the budget, no cut
-            until a batch's worth of groups has completed. The budget is of what the run has
+            until a batch's worth of groups has completed. Under carry_over, where a cut's waste
+            shows only calls later, it holds one admit for a stretch of 3 x `max_lag` calls
+            instead, one up where the stretch spent past the budget, one down where it spent
+            well within it (docs/concepts.md, "The steady admit"). The budget is of what the run has
             really thrown away so far, in slot-seconds, measured from its own events (every
             ended submission's seconds from its start on an engine slot, as its engine said it,
             to its end, those not admitted thrown away: cancelled, stale, failed, unneeded
@@ -194,10 +197,12 @@ class RolloutScheduler:
             `auto/observed` (the completed groups the estimate rests on), `auto/wasted` (the
             run's measured share of rollout-seconds, from submission, thrown away so far),
             `auto/slot_wasted` (the same in slot-seconds, what the budget holds),
-            `auto/over_budget` (1 where no admit kept within the budget) and `auto/drained` (the
-            carried groups that call cancelled); ten calls in a row over the budget log a
-            warning, once a streak, since what they still waste is the staleness window's rather
-            than the cut's. A run under the mock clock, and its replay, choose alike.
+            `auto/over_budget` (1 where no admit kept within the budget), `auto/drained` (the
+            carried groups that call cancelled) and, under carry_over, `auto/stretch_wasted`
+            (the share the last stretch threw away, which chose the held admit); ten calls in a
+            row over the budget log a warning, once a streak, since what they still waste is the
+            staleness window's rather than the cut's. A run under the mock clock, and its
+            replay, choose alike.
         hedge: under carry_over, a carried group still running when the call two before its last
             admissible one hands over gets a fresh sample (a hedge) beside each of its running
             ones, once; a hedge replaces its original only where the original has not finished
