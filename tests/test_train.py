@@ -554,8 +554,11 @@ def test_oversample_and_admit_train_the_first_groups_to_complete(tmp_path, capsy
 @pytest.mark.parametrize("hedge", [True, False])
 def test_carry_over_trains_the_groups_admit_cut_at_later_steps(tmp_path, hedge):
     # 4 tasks a batch, the first 2 groups to complete train and the other 2 keep running, to
-    # train at a later step within max_lag: a step trains up to the whole batch, and what it
-    # took from earlier steps its record counts; with --no-hedge no straggler is backed up.
+    # train at a later step within max_lag: a step is answered once 2 of its own groups are
+    # complete or complete groups fill it, and trains every complete one, carried first, up to
+    # the whole batch (a third of its own, when the machine's load let it complete by then);
+    # what it took from earlier steps its record counts; with --no-hedge no straggler is
+    # backed up.
     run = tmp_path / "run"
     argv = ["train", "--run", str(run), *TINY, "--batch-size", "4", "--steps", "4"]
     argv += ["--groups", "2", "--admit", "2", "--carry-over", "--max-lag", "3"]
@@ -564,9 +567,11 @@ def test_carry_over_trains_the_groups_admit_cut_at_later_steps(tmp_path, hedge):
         assert main(argv) == 0
     lines = metrics_lines(run)
     assert all("carry/admitted" in line and "carry/in_play" in line for line in lines)
-    assert lines[0]["carry/admitted"] == 0 and lines[0]["groups"] == 2
-    carried = sum(line["carry/admitted"] for line in lines)
-    assert sum(line["groups"] for line in lines) == 2 * len(lines) + carried
+    assert lines[0]["carry/admitted"] == 0 and lines[0]["groups"] >= 2
+    for line in lines:
+        own = line["groups"] - line["carry/admitted"]
+        assert line["groups"] <= 4 and (own >= 2 or line["groups"] == 4), line
+    assert sum(line["carry/admitted"] for line in lines) >= 1
     assert all(line["cut"] == 0 and line["lag"] <= 3 for line in lines)
     if not hedge:
         assert all(line["carry/hedged"] == 0 for line in lines)
