@@ -188,8 +188,12 @@ class GGUF:
 
     def __init__(self, path: Path, reader: Any):
         self.path = path
-        self._reader = reader
-        self._tensors = {tensor.name: tensor for tensor in reader.tensors}
+        # What the reader parsed, kept as plain values and where each tensor lies, not the
+        # reader: its tensors map the file, whose pages a load touches (SmolLM2's 93 MB), and
+        # its fields hold an array a token (0.13 GiB more), all resident while the file is
+        # kept open (`GGUF.open`), through a whole run's peak.
+        self._fields = {key: field.contents() for key, field in reader.fields.items()}
+        self._tensors = {tensor.name: _Placed.of(tensor) for tensor in reader.tensors}
         self.architecture = self._field("general.architecture")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(
@@ -204,7 +208,7 @@ class GGUF:
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> GGUF:
-        """The GGUF file at `path`, its metadata read (its tensors are mapped, read on use).
+        """The GGUF file at `path`, its metadata read (its tensors are read on use).
 
         A run opens its file several times (its tokenizer, its model, each checkpoint's
         tokenizer files), and the gguf package parses the whole vocabulary each time (seconds
@@ -224,12 +228,11 @@ class GGUF:
         return _opened(path.resolve(), stat.st_mtime_ns, stat.st_size)
 
     def _field(self, key: str, default: Any = attrs.NOTHING) -> Any:
-        field = self._reader.fields.get(key)
-        if field is None:
+        if key not in self._fields:
             if default is attrs.NOTHING:
                 raise ValueError(f"{self.path} lacks the metadata key {key}")
             return default
-        return field.contents()
+        return self._fields[key]
 
     def _config_json(self) -> dict[str, Any]:
         """The `config.json` the metadata gives (its names as transformers' GGUF reader gives
@@ -348,7 +351,7 @@ class GGUF:
         gguf_name = self.gguf_name(name)
         tensor = self._tensors[gguf_name]
         shape = tuple(int(size) for size in reversed(tensor.shape))
-        value = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        value = gguf.quants.dequantize(tensor.read(self.path), tensor.tensor_type).reshape(shape)
         heads = PERMUTED.get(gguf_name.split(".", 2)[-1]) if gguf_name.startswith("blk.") else None
         if self.architecture == "llama" and heads is not None:
             count = getattr(self.config, heads)
@@ -496,6 +499,40 @@ class GGUF:
             "tokenizer.json": self.tokenizer().to_str(pretty=True),
             "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
         }
+
+
+@attrs.frozen
+class _Placed:
+    """Where a tensor's data lies in its file, read on use (`read`) rather than mapped.
+
+    Args:
+        shape: its dims as the file lists them (the innermost first).
+        tensor_type: its `gguf.GGMLQuantizationType`.
+        offset: its data's first byte in the file.
+        dtype: the data's items (a quantized tensor's bytes, uint8) in the file's byte order.
+        layout: the items' array shape, as the gguf package lays them.
+    """
+
+    shape: tuple[int, ...]
+    tensor_type: Any
+    offset: int
+    dtype: np.dtype
+    layout: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tensor: Any) -> _Placed:
+        """The place of a `gguf.ReaderTensor`, its mapped data left unread."""
+        data = tensor.data
+        shape = tuple(int(size) for size in tensor.shape)
+        return cls(shape, tensor.tensor_type, int(tensor.data_offset), data.dtype, data.shape)
+
+    def read(self, path: Path) -> np.ndarray:
+        """Its data, read from the file at `path` into memory of its own."""
+        count = int(np.prod(self.layout))
+        data = np.fromfile(path, dtype=self.dtype, count=count, offset=self.offset)
+        if data.size != count:
+            raise ValueError(f"{path} is truncated: a tensor's data ends past the file's end")
+        return data.reshape(self.layout)
 
 
 @functools.lru_cache(maxsize=4)
