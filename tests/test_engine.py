@@ -257,6 +257,30 @@ async def test_the_server_keeps_its_own_copy_of_pushed_weights():
     np.testing.assert_array_equal(call.completion, [FORCED] * 3)
 
 
+async def test_a_server_built_without_a_copy_serves_the_callers_arrays():
+    """`copy=False` (a held-out evaluation's engine, between a trainer's updates) holds no
+    second copy of the weights, and draws what a copying server draws."""
+    given = jax.tree.map(jnp.array, forced_params())
+    prompt = np.array([1, 2], np.int32)
+    async with RolloutServer(CONFIG, given, slots=2, copy=False) as engine:
+        assert all(
+            served is leaf
+            for served, leaf in zip(
+                jax.tree.leaves(engine._params), jax.tree.leaves(given), strict=True
+            )
+        )
+        call = await engine.generate(prompt, max_tokens=3, key=0)
+    async with RolloutServer(CONFIG, given, slots=2) as engine:
+        assert not set(map(id, jax.tree.leaves(engine._params))) & set(
+            map(id, jax.tree.leaves(given))
+        )
+        copied = await engine.generate(prompt, max_tokens=3, key=0)
+    np.testing.assert_array_equal(call.completion, copied.completion)
+    np.testing.assert_array_equal(call.completion, [FORCED] * 3)
+    with pytest.raises(TypeError, match="copy must be a bool, got 'no'"):
+        RolloutServer(CONFIG, given, copy="no")
+
+
 async def test_a_push_between_steps_frees_the_weights_it_replaces_at_once():
     """An engine with no step under way serves pushed weights at once and lets its old ones go,
     rather than holding both until its next step: a trainer pushes just before its update,
@@ -552,6 +576,7 @@ def test_the_public_surface_keeps_its_signatures():
         "version": 0,
         "seed": 0,
         "tokenizer": dew.serve.tokenizer.BYTES,
+        "copy": True,
     }
     assert list(init)[:3] == ["self", "model", "params"]
     assert list(inspect.signature(RolloutServer.load).parameters) == [

@@ -140,6 +140,48 @@ def test_an_evaluations_keys_are_in_the_metrics_line_of_its_update_and_on_tensor
 
 
 @pytest.mark.medium
+def test_an_evaluations_engine_serves_the_weights_it_evaluates_without_a_copy():
+    """Issue 42: the evaluation's engine ran on a copy of the trainer's weights, a fifth copy
+    of them beside the trainer's params, Adam's two moments and the rollout engine's
+    (SmolLM2-135M: 0.5 GiB more while it ran). It runs between the trainer's updates, on the
+    trainer's thread, so it serves the trainer's own arrays."""
+    import numpy as np
+
+    from dew import models
+    from dew.serve import RolloutServer
+    from dew.serve.tokenizer import BYTES
+    from dew.train import TrainConfig
+    from dew.train._evaluation import Evaluation
+    from dew.train._tasks import _task
+
+    config = TrainConfig(eval_tasks=2)
+    task = _task(config, BYTES)
+    model_config = config.model_config(task.shape.max_len, vocab=BYTES.vocab_size)
+    model = models.model(model_config)
+    variables = models.init(jax.random.key(0), model_config)
+    server = RolloutServer(model, variables, slots=4, max_len=task.shape.max_len)
+    served = []
+
+    class Watched:
+        """The run's task, noting the engine each rollout source is made for."""
+
+        def __getattr__(self, name):
+            return getattr(task, name)
+
+        def source(self, engine, sampling):
+            served.append(engine)
+            return task.source(engine, sampling)
+
+    evaluation = Evaluation(
+        Watched(), np.arange(8, 10), server, 4, samples=1, temperature=1.0, seed=0
+    )
+    line, _ = evaluation(variables, 0)
+    assert len(line["rewards"]) == 2 and len(served) == 2
+    own = [id(leaf) for leaf in jax.tree.leaves(variables)]
+    for engine in served:
+        assert [id(leaf) for leaf in jax.tree.leaves(engine._params)] == own
+
+
 def test_an_evaluation_holds_no_weights_between_its_runs():
     """Issue 42 (a real model's memory): the held-out evaluation's engine lives for one
     evaluation. Building the evaluation allocates no array, and once an evaluation is over no

@@ -125,9 +125,14 @@ class RolloutServer:
         seed: draws each call's randomness when the call gives no `key`, with its arrival index.
         tokenizer: what the token ids mean; its vocabulary must fit the model's. The byte
             tokenizer unless given.
+        copy: serve a copy of `params` of its own, so the caller may change or donate its
+            arrays afterwards; False serves `params`' own arrays, for a caller that leaves them
+            be while the server lives (a held-out evaluation between a trainer's updates holds
+            no second copy of the weights then). `load` copies either way.
 
     Raises:
-        TypeError: when `model` is neither a Model nor a TransformerConfig.
+        TypeError: when `model` is neither a Model nor a TransformerConfig, or `copy` not a
+            bool.
         ValueError: naming the argument that is out of bounds, the params leaf that does not
             match `model.init`'s, or the protocol's shape that the model's prefill or decode
             breaks.
@@ -143,6 +148,7 @@ class RolloutServer:
         version: int = 0,
         seed: int = 0,
         tokenizer: Tokenizer = BYTES,
+        copy: bool = True,
     ):
         self._model = model = _as_model(model)
         if not isinstance(tokenizer, Tokenizer):
@@ -176,7 +182,9 @@ class RolloutServer:
         self._blocked = _cache.blocked(model, slots=self._slots, max_len=self._max_len)
         self._reach = _cache.reach(self._max_len, 1) if self._blocked else self._max_len
         cache = model.init_cache(slots=self._slots, max_len=self._reach)
-        self._params = copy_tree(params)
+        if not isinstance(copy, bool):
+            raise TypeError(f"copy must be a bool, got {copy!r}")
+        self._params = copy_tree(params) if copy else params
         self._served = check_int("version", version, low=0)
         self._pending: tuple[object, int] | None = None
         # Set (under the lock) from the moment a step takes the pending weights until it has

@@ -86,11 +86,12 @@ class Evaluation:
     trio run of their own on the trainer's thread.
 
     The engine has the training engine's model and slots, so its steps reuse the compiled
-    functions. It is built for each evaluation from the weights evaluated and dropped after it,
-    so that through the updates between evaluations the run holds no second copy of the weights
-    and no second cache (SmolLM2-135M's float32 params are 0.5 GiB). The sampled rollouts draw
-    at the run's temperature with keys seeded by `seed` and the evaluation's updates: the same
-    in a replayed run, fresh at each evaluation.
+    functions. It is built for each evaluation on the weights evaluated, which it serves as
+    they are (no copy: nothing updates them while it runs), and dropped after it, so that the
+    run never holds another copy of the weights for it, and through the updates between
+    evaluations no second cache (SmolLM2-135M's float32 params are 0.5 GiB). The sampled
+    rollouts draw at the run's temperature with keys seeded by `seed` and the evaluation's
+    updates: the same in a replayed run, fresh at each evaluation.
 
     Args:
         task: the run's task (`dew.train._tasks._RunTask`).
@@ -140,6 +141,9 @@ class Evaluation:
             max_len=self.max_len,
             version=updates,
             tokenizer=self.tokenizer,
+            # The trainer's own arrays, not a copy of them: it runs this between its updates,
+            # on its thread, and nothing changes them until the server is gone (below).
+            copy=False,
         )
         greedy = [row[0] for row in trio.run(self._rollouts, server, Sampling(temperature=0.0), 1)]
         sampled: list[list] = [[] for _ in self.tasks]
