@@ -38,6 +38,11 @@ STEP_WINDOW = 16
 # first max_lag of them settle (a group a cut carries goes stale up to max_lag calls on, so a
 # change of admit shows in the measured waste only then) and the rest measure it.
 STRETCH = 3
+# Until the admit first turns back (a step up after steps down, or down after up), a stretch is
+# this many times max_lag calls: max_lag settle and max_lag measure. The run is still finding
+# its way from half the batch, and each stretch at an admit it is leaving is a stretch lost
+# (issue 46: on the light tails 45 of 300 calls above the admit the run settled at).
+FIRST_STRETCH = 2
 # A stretch steps down only where its measured waste is within this share of the budget: the
 # waste a lower admit adds shows calls after the step, so one near the budget would overshoot.
 DOWN_WITHIN = 0.8
@@ -118,17 +123,24 @@ class Stretch:
 
     admit: the batch's own groups each call of the stretch waits for; calls: the calls made at
     it so far; mark: the run's slot-seconds (thrown away, all) once its settling calls had
-    passed (None before); over: (admit, stretch number) for each admit a stretch measured past
-    the budget in the last FORGET stretches, which the run does not step down to; wasted: the
-    last stretch's measured slot waste; number: the stretches ended so far.
+    passed, or at its first call where the stretch before held the same admit (None before);
+    since: that stretch's mark, where the admit held (the waste is measured over both); over:
+    (admit, stretch number) for each admit a stretch measured past the budget in the last
+    FORGET stretches, which the run does not step down to; wasted: the last stretch's measured
+    slot waste; number: the stretches ended so far; way: the admit's last step (-1 down, 1 up,
+    0 none yet); turned: whether it has stepped both ways (then stretches are STRETCH x
+    max_lag calls, FIRST_STRETCH x max_lag before).
     """
 
     admit: int
     calls: int = 0
     mark: tuple[float, float] | None = None
+    since: tuple[float, float] | None = None
     over: tuple[tuple[int, int], ...] = ()
     wasted: float | None = None
     number: int = 0
+    way: int = 0
+    turned: bool = False
 
     def overspent(self, admit: int) -> bool:
         """Whether a stretch at `admit` was measured past the budget lately."""
@@ -152,17 +164,22 @@ def hold(
     choice made afresh at every call swings between cutting too much and not at all (issue
     46: on light tails the whole batch at four calls in five with the budget unspent, on heavy
     ones cuts spending the budget faster than the run could sustain). A steady admit's waste is
-    steady, and measured. Each stretch is STRETCH x max_lag calls at one admit: the first
-    max_lag settle, the rest measure the slot waste it costs. Then the admit steps up by one
-    where the stretch spent more than the budget and what the run has saved below it (so a run
-    past its budget comes back), and that admit is barred for FORGET stretches; down by one
-    where the stretch was within DOWN_WITHIN of the budget, the run as a whole within it, and
-    the admit below not barred (a lower admit waits on fewer of the batch's groups: the trainer
-    waits less, and carry-over refills the call); else it holds. The run so settles at about the
-    least admit whose steady waste fits the budget. It starts at half the batch: a carried group
-    costs no work. The core drains the carried groups beyond a batch's worth at a step up: a
-    lower admit's backlog stays in play otherwise (a call admits at most a batch), and its
-    queueing keeps the waste up whatever the admit.
+    steady, and measured. Each stretch is STRETCH x max_lag calls at one admit (FIRST_STRETCH
+    x max_lag until the admit first turns back, while the run is still finding its way): the
+    first max_lag settle, the rest measure the slot waste it costs. A stretch that holds the
+    admit of the one before settles nothing, so it is max_lag calls shorter, and it is judged on
+    its own measure and that one's together (one stretch's is noisy). Then the admit steps up by
+    one where the measure spent more than the budget and what the run has saved below it (so a
+    run past its budget comes back), and that admit is barred for FORGET stretches; down where
+    the measure was within DOWN_WITHIN of the budget and the run as a whole within it (a lower
+    admit waits on fewer of the batch's groups: the trainer waits less, and carry-over refills
+    the call), by as many admits as the measure's headroom below DOWN_WITHIN x budget reaches
+    were the waste to grow evenly to it at admit 1, one at least, never to or past an admit
+    barred; else it holds. The run so settles at about the least admit whose steady waste fits
+    the budget. It starts at half the batch: a carried group costs no work. The core drains the
+    carried groups beyond a batch's worth at a step up: a lower admit's backlog stays in play
+    otherwise (a call admits at most a batch), and its queueing keeps the waste up whatever the
+    admit.
 
     Args:
         stretch: the previous call's (None at the run's first call).
@@ -177,24 +194,57 @@ def hold(
     if stretch is None:
         return Stretch(admit=-(-size // 2), calls=1)
     calls = stretch.calls + 1
-    if calls <= STRETCH * max_lag:
-        mark = slot_spent if calls == max_lag + 1 else stretch.mark
+    # A stretch that holds the admit of the one before has nothing to settle: it only measures.
+    length = (STRETCH if stretch.turned else FIRST_STRETCH) - (stretch.since is not None)
+    if calls <= length * max_lag:
+        settled = stretch.mark is None and calls == max_lag + 1
+        mark = slot_spent if settled else stretch.mark
         return attrs.evolve(stretch, admit=min(stretch.admit, size), calls=calls, mark=mark)
-    mark = stretch.mark if stretch.mark is not None else (0.0, 0.0)
-    lost, total = slot_spent[0] - mark[0], slot_spent[1] - mark[1]
+    start = stretch.since or stretch.mark or (0.0, 0.0)
+    lost, total = slot_spent[0] - start[0], slot_spent[1] - start[1]
     wasted = lost / total if total > 0 else 0.0
     run = slot_spent[0] / slot_spent[1] if slot_spent[1] > 0 else 0.0
     number = stretch.number + 1
     over = tuple((a, n) for a, n in stretch.over if number - n <= FORGET)
     admit = min(stretch.admit, size)
+    target = admit
     # The stretch may spend what the run has saved so far, no more: past it, one admit higher.
     if wasted > budget + (budget - run):
         over = (*((a, n) for a, n in over if a != admit), (admit, number))
-        admit = min(size, admit + 1)
-    elif wasted <= DOWN_WITHIN * budget and run <= budget and admit > 1:
-        if not any(a == admit - 1 for a, _ in over):
-            admit -= 1
-    return Stretch(admit=admit, calls=1, over=over, wasted=wasted, number=number)
+        target = min(size, admit + 1)
+    elif wasted <= DOWN_WITHIN * budget and run <= budget:
+        # As far down as the stretch's headroom reaches, were the waste to grow evenly as the
+        # admit falls, to DOWN_WITHIN x budget at admit 1 (on a light tail a stretch at half
+        # the batch wastes next to nothing, and each admit above the least costs goodput: on
+        # the reference workload admit 4 at 0.82 of admit 1's); one at least, and never to or
+        # past an admit lately barred.
+        headroom = 1.0 - wasted / (DOWN_WITHIN * budget) if budget > 0 else 0.0
+        steps = max(1, round((admit - 1) * headroom))
+        target = max(1, admit - steps, *(a + 1 for a, _ in over if a < admit))
+    way = (target > admit) - (target < admit)
+    if way == 0:
+        # The admit holds, settled: the next stretch measures from its first call, and its
+        # decision weighs this stretch's measure with its own (one stretch's is noisy).
+        return Stretch(
+            admit=admit,
+            calls=1,
+            mark=slot_spent,
+            since=stretch.mark,
+            over=over,
+            wasted=wasted,
+            number=number,
+            way=stretch.way,
+            turned=stretch.turned,
+        )
+    return Stretch(
+        admit=target,
+        calls=1,
+        over=over,
+        wasted=wasted,
+        number=number,
+        way=way,
+        turned=stretch.turned or stretch.way == -way,
+    )
 
 
 def survival(durations: Sequence[float], complete: Sequence[bool]):
