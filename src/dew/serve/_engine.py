@@ -36,17 +36,16 @@ from jax.sharding import Mesh
 
 from dew import models
 from dew._arrays import copy_tree
-from dew._checks import check_int, check_number
+from dew._checks import check_int
 from dew._trio import exit_unwrapped
 from dew.objectives.rl.sessions import Call, note_progress
 from dew.serve import _cache
 from dew.serve._draw import _decode_step, _prefill_step
 from dew.serve._model_checks import _as_model, _check_model, _placement, _signature
+from dew.serve._requests import MAX_TOP_LOGPROBS, _Request, checked_request
 from dew.serve.tokenizer import BYTES, Tokenizer
 
 _MIN_BUCKET = 16
-MAX_TOP_LOGPROBS = 20
-"""The most alternatives per position `generate(top_logprobs=...)` reports (as OpenAI's API)."""
 
 
 @attrs.frozen
@@ -70,42 +69,6 @@ class EngineStats:
     steps: int
     tokens: int
     cache_positions: int
-
-
-@attrs.define(eq=False)
-class _Request:
-    """One call's arguments and progress; touched only by the trio thread."""
-
-    prompt: np.ndarray
-    max_tokens: int
-    temperature: np.float32
-    top_k: np.int32
-    top_p: np.float32
-    filtered: bool
-    stop: frozenset[int]
-    key: np.ndarray
-    top: int = 0
-    done: trio.Event = attrs.field(factory=trio.Event)
-    version: int | None = None
-    tokens: list[int] = attrs.field(factory=list)
-    logprobs: list[float] = attrs.field(factory=list)
-    support: list[np.ndarray] = attrs.field(factory=list)
-    alternatives: list[tuple[np.ndarray, np.ndarray]] = attrs.field(factory=list)
-    cancelled: bool = False
-    closed: bool = False
-    # The calling rollout's context: the step loop says in it the version the call starts
-    # under once it has its slot (note_progress), as the rollout's own task would.
-    context: contextvars.Context | None = None
-
-    def call(self) -> Call:
-        return Call(
-            prompt=self.prompt,
-            completion=np.array(self.tokens, np.int32),
-            logprobs=np.array(self.logprobs, np.float32),
-            version=self.version,
-            support=tuple(self.support) if self.filtered else None,
-            top_logprobs=tuple(self.alternatives) if self.top else None,
-        )
 
 
 class RolloutServer:
@@ -368,48 +331,22 @@ class RolloutServer:
     def _request(
         self, prompt, max_tokens, temperature, top_k, top_p, stop, key, top_logprobs
     ) -> _Request:
-        vocab = self._model.vocab
-        array = np.asarray(prompt)
-        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(
-                f"prompt must be 1-D integer ids, got {array.dtype}{list(array.shape)}"
-            )
-        if not 1 <= len(array) < self._max_len:
-            raise ValueError(
-                f"prompt must hold 1 to max_len - 1 = {self._max_len - 1} tokens, got {len(array)}"
-            )
-        if array.min() < 0 or array.max() >= vocab:
-            raise ValueError(
-                f"prompt ids must be in [0, {vocab}), got {array.min()}..{array.max()}"
-            )
-        max_tokens = check_int("max_tokens", max_tokens, low=1)
-        check_number("temperature", temperature, low=0)
-        if top_k is not None:
-            top_k = min(check_int("top_k", top_k, low=1), vocab)
-        if top_p is not None:
-            check_number("top_p", top_p, low=0, high=1, low_open=True)
-        top = check_int("top_logprobs", top_logprobs, low=0)
-        if top > MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be <= {MAX_TOP_LOGPROBS}, got {top}")
-        stop_ids = frozenset(check_int("stop id", token, low=0) for token in stop)
-        if any(token >= vocab for token in stop_ids):
-            raise ValueError(f"stop ids must be < vocab {vocab}, got {sorted(stop_ids)}")
-        if key is None:
-            entropy = [self._seed, self._arrivals]
-        else:
-            entropy = check_int("key", key, low=0)
-        self._arrivals += 1
-        return _Request(
-            prompt=array.astype(np.int32),
-            max_tokens=max_tokens,
-            temperature=np.float32(temperature),
-            top_k=np.int32(vocab if top_k is None else top_k),
-            top_p=np.float32(np.inf if top_p is None or top_p == 1 else top_p),
-            filtered=top_k is not None or top_p is not None or temperature == 0,
-            stop=stop_ids,
-            key=np.random.SeedSequence(entropy).generate_state(2, np.uint32),
-            top=top,
+        request = checked_request(
+            prompt,
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            stop,
+            key,
+            top_logprobs,
+            vocab=self._model.vocab,
+            max_len=self._max_len,
+            seed=self._seed,
+            arrival=self._arrivals,
         )
+        self._arrivals += 1
+        return request
 
     async def _loop(self) -> None:
         try:
