@@ -181,8 +181,9 @@ class RolloutScheduler:
             estimated goodput (groups per second of step and wait) within the budget, no cut
             until a batch's worth of groups has completed. Under carry_over, where a cut's waste
             shows only calls later, it holds one admit for a stretch of 3 x `max_lag` calls
-            instead, one up where the stretch spent past the budget, one down where it spent
-            well within it (docs/concepts.md, "The steady admit"). The budget is of what the run has
+            instead (2 x until the admit first turns back), one up where the stretch spent past
+            the budget, down where it spent well within it, as far as that headroom reaches
+            (docs/concepts.md, "The steady admit"). The budget is of what the run has
             really thrown away so far, in slot-seconds, measured from its own events (every
             ended submission's seconds from its start on an engine slot, as its engine said it,
             to its end, those not admitted thrown away: cancelled, stale, failed, unneeded
