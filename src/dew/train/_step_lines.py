@@ -1,22 +1,28 @@
 """What a training step's metrics line holds, and what a run's lines add up to: the scheduler's
 record as flat fields, the errors of the call's failed rollouts, the loss metrics of a step of
-several updates combined, the check that stops at a non-finite update, and the run's tally
-that raises `NothingTrained` when none of its steps had a token to train on.
+several updates combined, the checks of a step (a non-finite update stops the run, a LoRA
+adapter without gradient is warned of, what `measure` adds must not overwrite the line), and the
+run's tally that raises `NothingTrained` when none of its steps had a token to train on.
 
 Apart from `_trainer.py`, which runs the steps, because each is a pure function of a step's
-record and metrics (the tally is fed them step by step).
+record, metrics and rows (the tally is fed them step by step).
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from dew.data import Batch
+from dew.models.hf.lora import LoRAModel
 from dew.objectives.rl.scheduler import SchedulerRecord
+
+logger = logging.getLogger("dew.train")
 
 
 def json_number(value: Any) -> float | int | None:
@@ -149,6 +155,43 @@ def check_finite(metrics: Mapping[str, Any], step: int, update: tuple[int, int] 
             "them (look for NaN or infinite rewards, advantages or log-probs in the batch, or "
             "token ids outside the model's vocabulary, which score as non-finite log-probs)"
         )
+
+
+def check_adapter_gradient(
+    model: Any, metrics: Mapping[str, Any], packed: Batch, step: int
+) -> None:
+    """Say, in one warning, that a LoRA adapter received no gradient at a step whose rows had
+    something to learn (a trained token with a nonzero advantage): such an adapter attaches to
+    nothing the loss reaches, or its factors are both zero, and the run learns nothing."""
+    if not isinstance(model, LoRAModel) or float(metrics.get("grad_norm", 1.0)) != 0:
+        return
+    signal = np.asarray(packed["advantages"]) * np.asarray(packed["loss_mask"])
+    if np.any(signal != 0):
+        logger.warning(
+            "step %d: the LoRA adapter received no gradient (its gradient is all zeros, with "
+            "%d trained tokens of nonzero advantage): it learns nothing",
+            step,
+            int(np.count_nonzero(signal)),
+        )
+
+
+def check_measured(measured: Any, line: Mapping[str, Any]) -> Mapping[str, Any]:
+    """What a trainer's `measure` gave (`measured`), for the step's line.
+
+    Raises:
+        ValueError: naming what it gave when that is not a mapping of str keys, or a key
+            the step's line has already (the trainer's own figure would be overwritten).
+    """
+    if not isinstance(measured, Mapping) or not all(isinstance(k, str) for k in measured):
+        raise ValueError(
+            f"measure must return a mapping of str keys to metrics, got {measured!r:.200}"
+        )
+    if taken := sorted(set(measured) & set(line)):
+        raise ValueError(
+            f"measure returned {taken}, keys the trainer's line has already: name its "
+            "metrics apart (dew train's evaluation prefixes them with eval/)"
+        )
+    return measured
 
 
 LAST = ("loss", "clip_fraction", "clip_fraction/low", "clip_fraction/high", "ratio/mean")

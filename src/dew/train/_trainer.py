@@ -10,21 +10,19 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 import jax
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
 
 from dew import _pool_guard
 from dew._arrays import copy_tree
 from dew._checks import check_int, check_number
 from dew._gc import return_freed_memory
 from dew.data import Batch, Dataset
-from dew.models.hf.lora import LoRAModel
 from dew.objectives.rl._step_layout import LaidOutStep
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import SchedulerRecord
@@ -40,15 +38,24 @@ from dew.train._checkpoint import (
 from dew.train._step_lines import (
     RunTally,
     call_errors,
+    check_adapter_gradient,
     check_finite,
+    check_measured,
     combined_updates,
     json_number,
     record_fields,
 )
+from dew.train._trainer_files import (
+    METRICS,  # noqa: F401 (dew.train, _run and _folders take it from here)
+    _restored,
+    _same_checkpoint,
+    _stored,
+    check_log_lengths,
+    cut_logs,
+    measure_logs,
+    metrics_log,
+)
 from dew.train._update import _apart, _state_beside, _update_fn
-
-METRICS = "metrics.jsonl"
-"""The metrics log's file name in a run folder: one JSON line per step."""
 
 logger = logging.getLogger("dew.train")
 
@@ -74,40 +81,6 @@ class Rollout(Protocol):
             `[rows, width]` arrays under at least the keys `GRPOObjective.loss` reads.
         """
         ...
-
-
-def _stored(model: Any, variables: Variables) -> Variables:
-    """What a checkpoint keeps of `variables`: a LoRA model's adapter alone (its frozen base is
-    the checkpoint folder's, which a resumed run loads again), else all of them."""
-    if isinstance(model, LoRAModel):
-        return {"adapter": variables["adapter"]}
-    return variables
-
-
-def _restored(model: Any, variables: Variables, stored: Variables) -> Variables:
-    """The variables of a checkpoint's `stored` ones (`_stored`): a LoRA model's adapter
-    beside the base it was given, else `stored`."""
-    if isinstance(model, LoRAModel):
-        return {**variables, "adapter": stored["adapter"]}
-    return stored
-
-
-def _check_adapter_gradient(
-    model: Any, metrics: Mapping[str, Any], packed: Batch, step: int
-) -> None:
-    """Say, in one warning, that a LoRA adapter received no gradient at a step whose rows had
-    something to learn (a trained token with a nonzero advantage): such an adapter attaches to
-    nothing the loss reaches, or its factors are both zero, and the run learns nothing."""
-    if not isinstance(model, LoRAModel) or float(metrics.get("grad_norm", 1.0)) != 0:
-        return
-    signal = np.asarray(packed["advantages"]) * np.asarray(packed["loss_mask"])
-    if np.any(signal != 0):
-        logger.warning(
-            "step %d: the LoRA adapter received no gradient (its gradient is all zeros, with "
-            "%d trained tokens of nonzero advantage): it learns nothing",
-            step,
-            int(np.count_nonzero(signal)),
-        )
 
 
 class Trainer:
@@ -480,7 +453,7 @@ class Trainer:
         first_update = self.optimizer_updates
         metrics = self._updates_on(packed)
         if self._writes:
-            _check_adapter_gradient(self.objective.model, metrics, packed, self.updates)
+            check_adapter_gradient(self.objective.model, metrics, packed, self.updates)
         self._tally.observe(self.updates, metrics, rollout)
         if not float(metrics.get("tokens", 1.0)) > 0:
             # A share of the trained tokens: the record's figure, which the loss reports in its
@@ -521,7 +494,7 @@ class Trainer:
         self.updates += 1
         self.position += 1
         if self.measure is not None:
-            line |= self._measured(self.updates, line)
+            line |= check_measured(self.measure(self.updates), line)
         if log is not None:
             log.write(json.dumps(line, allow_nan=False).encode() + b"\n")
             log.flush()
@@ -592,82 +565,21 @@ class Trainer:
             return {}
         return {"key": jax.random.fold_in(self._dropout, self.optimizer_updates)}
 
-    def _measured(self, updates: int, line: Mapping[str, Any]) -> Mapping[str, Any]:
-        """What `measure` gives for the step's line.
-
-        Raises:
-            ValueError: naming what it gave when that is not a mapping of str keys, or a key
-                the step's line has already (the trainer's own figure would be overwritten).
-        """
-        measured = self.measure(updates)
-        if not isinstance(measured, Mapping) or not all(isinstance(k, str) for k in measured):
-            raise ValueError(
-                f"measure must return a mapping of str keys to metrics, got {measured!r:.200}"
-            )
-        if taken := sorted(set(measured) & set(line)):
-            raise ValueError(
-                f"measure returned {taken}, keys the trainer's line has already: name its "
-                "metrics apart (dew train's evaluation prefixes them with eval/)"
-            )
-        return measured
-
     def _measure_logs(self) -> None:
         """Note the logs' lengths after a step: the lengths that go with the trainer's state."""
-        if not self._writes:
-            return
-        for name in self._log_bytes:
-            path = self.directory / name
-            self._log_bytes[name] = path.stat().st_size if path.exists() else 0
+        if self._writes:
+            measure_logs(self.directory, self._log_bytes)
 
     def _cut_logs(self) -> None:
         """Cut the logs back to the lengths that go with the trainer's state."""
-        for name, length in self._log_bytes.items():
-            path = self.directory / name
-            if length is not None and path.exists():
-                with open(path, "r+b") as log:
-                    log.truncate(length)
+        cut_logs(self.directory, self._log_bytes)
 
-    @contextlib.contextmanager
-    def _metrics_log(self) -> Iterator[BinaryIO | None]:
+    def _metrics_log(self) -> contextlib.AbstractContextManager[BinaryIO | None]:
         """The metrics log, cut back to the length that goes with the trainer's state, and the
-        other logs cut back with it."""
+        other logs cut back with it; nothing where this process writes no log."""
         if self.directory is None or not self._writes:
-            yield None
-            return
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._cut_logs()
-        path = self.directory / METRICS
-        path.touch()
-        with open(path, "r+b") as log:
-            log.truncate(self._logged_bytes)
-            log.seek(self._logged_bytes)
-            yield log
-
-
-def check_log_lengths(
-    directory: Path, metadata: Mapping[str, Any], logs: Mapping[str, Any] | None = None
-) -> None:
-    """Refuse to resume from a checkpoint whose logs in `directory` (the metrics log, and those
-    of `logs`, by default every one its `metadata` measured) are now shorter than it measured
-    them: cutting them back to its lengths would pad them with NUL bytes, mid-line.
-
-    Raises:
-        ValueError: naming the log, its length and the checkpoint's.
-    """
-    kept = metadata.get("log_bytes") or {}
-    lengths = {METRICS: metadata.get("metrics_bytes", 0)}
-    lengths |= {name: kept.get(name) for name in (kept if logs is None else logs)}
-    for name, length in lengths.items():
-        path = directory / name
-        size = path.stat().st_size if path.exists() else 0
-        if not isinstance(length, int) or size >= length:
-            continue
-        if name != METRICS and not path.exists():
-            continue  # a log the run no longer keeps (--samples 0 on resume)
-        raise ValueError(
-            f"{path} is {size} bytes, shorter than the {length} its checkpoint goes with: it "
-            "was cut short or replaced since; restore it, or train a new run in another folder"
-        )
+            return contextlib.nullcontext()
+        return metrics_log(self.directory, self._logged_bytes, self._log_bytes)
 
 
 def _spans_processes(tree: Any) -> bool:
@@ -676,17 +588,3 @@ def _spans_processes(tree: Any) -> bool:
         isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
         for leaf in jax.tree.leaves(tree)
     )
-
-
-def _same_checkpoint(checkpoint: Checkpoint | None) -> None:
-    """Refuse, on every process of the pool, checkpoints that differ between the processes."""
-    mine = (-1, -1) if checkpoint is None else (checkpoint.updates, checkpoint.position)
-    every = multihost_utils.process_allgather(np.array(mine, np.int32))
-    differing = np.flatnonzero((every != every[0]).any(axis=1)).tolist()
-    if differing:
-        read = ", ".join(f"process {i}: {tuple(every[i].tolist())}" for i in differing)
-        raise ValueError(
-            f"the pool's processes read different checkpoints (updates, position): process 0 "
-            f"read {tuple(every[0].tolist())}, {read}; every process must read the same run "
-            f"folder ((-1, -1) is none)"
-        )
