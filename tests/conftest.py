@@ -35,6 +35,13 @@ programs: a gradient of a two-layer model compiled in about a third of the time,
 tests/test_train.py took 54 CPU-s against 76, the same tests passing. Users' runs keep XLA's
 default.
 
+Each program's machine code is generated in one piece (`--xla_cpu_parallel_codegen_split_count=1`
+in XLA_FLAGS, added and inherited as above): by default XLA splits a module into parts that LLVM
+compiles on threads of their own, which for the tests' tiny programs costs more CPU than it
+saves on two shared cores. The code is the same, only its compile is cheaper: tests/test_grpo.py
+with test_remat.py took 30.1 CPU-s against 35.3 and 36.3, test_engine.py, test_models.py and
+test_chunked_logprobs.py 51.1 against 62.6 (user + sys, one process each, load 7).
+
 The vLLM servers tests start run their model worker in their engine core's process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, inherited through the environment by every server a test,
 a `dew train` or a benchmark smoke run starts): vLLM's CPU build otherwise starts a worker
@@ -61,9 +68,9 @@ import tempfile
 import threading
 
 # Before JAX's backend starts (see the module's docstring); xdist's workers inherit it.
-_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-if _EMITTERS not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_EMITTERS}".strip()
+for _flag in ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1"):
+    if _flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
