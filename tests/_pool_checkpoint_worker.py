@@ -103,7 +103,7 @@ def run(directory: Path, mesh, *, resume=False, crash_at=None) -> Trainer:
 
 
 def gathered(tree) -> list[np.ndarray]:
-    from dew.models.hf import _gathered
+    from dew.models.hf._write import _gathered
 
     return [_gathered(leaf) for leaf in jax.tree.leaves(tree)]
 

@@ -26,7 +26,7 @@ import pytest  # noqa: E402
 
 from _hf_params import drawn  # noqa: E402
 from dew.models import hf  # noqa: E402
-from dew.models.hf import sharding  # noqa: E402
+from dew.models.hf import _write, sharding  # noqa: E402
 from dew.objectives.rl.grpo import GRPOObjective  # noqa: E402
 from dew.train import _checkpoint  # noqa: E402
 from dew.train._checkpoint import COMMIT, load_checkpoint, read_commit  # noqa: E402
@@ -231,14 +231,14 @@ def check_export(scratch: Path) -> None:
     params = sharding.shard(initial_params(), sharding.param_shardings(MODEL, mesh))
     # Gathered one at a time: no whole-params gather (a device_get of the tree) happens.
     gathered = []
-    real = hf._gathered
+    real = _write._gathered
 
     def counted(value):
         gathered.append(value.shape)
         return real(value)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(hf, "_gathered", counted)
+        patch.setattr(_write, "_gathered", counted)
         hf.save(scratch / "exported", MODEL, params)
     assert len(gathered) == len(jax.tree.leaves(params))
     loaded_model, loaded = hf.load(scratch / "exported")
