@@ -18,7 +18,9 @@ simulated source and engine), so the figures are deterministic.
         # seconds a call waited for a slot; last, the carry-over rows at max_lag 5 and 8 with
         # starts aligned to pushes (align_starts)
     python benchmarks/long_tail.py --workloads [--steps 300] [--seeds 10] [--jobs 2]
-        # auto told only max_lag 5 and its budget (0.15, 0.25; ahead the default, 1) against
+                                   [--auto-ahead 1]
+        # auto told only max_lag 5 and its budget (0.15, 0.25; ahead the default, 1, or
+        # --auto-ahead's: what a second batch in flight would buy it) against
         # the best of nine fixed settings at max_lag 5 whose slot waste is within the same
         # budget, on the reference workload, sigma 0.5, 1.5 and 2.0, T = 3 x mean and a
         # bimodal mix (80 % short, 20 % ten times as long), auto told nothing of which:
@@ -146,12 +148,20 @@ AT_LAG_5 = (
     Setting("carry ahead=2 admit=6", ahead=2, max_lag=5, admit=6, carry_over=True),
     Setting("carry ahead=2 admit=7", ahead=2, max_lag=5, admit=7, carry_over=True),
 )
-# Auto told only max_lag 5 and its budget (ahead the default, 1), under carry-over: at the
-# reference table's budget and at a looser one.
-AUTOS = tuple(
-    Setting(f"auto budget={b}", ahead=1, max_lag=5, admit="auto", carry_over=True, waste_budget=b)
-    for b in (0.15, 0.25)
-)
+AUTO_AT_LAG_5 = dict(max_lag=5, admit="auto", carry_over=True)
+
+
+def _autos(ahead: int = 1) -> tuple[Setting, ...]:
+    """Auto told only max_lag 5 and its budget, under carry-over, at the reference table's
+    budget and at a looser one; `ahead` the default, 1, unless `--auto-ahead` says otherwise
+    (what a second batch in flight would buy auto, which the default does not give it)."""
+    return tuple(
+        Setting(f"auto budget={b}", ahead=ahead, **AUTO_AT_LAG_5, waste_budget=b)
+        for b in (0.15, 0.25)
+    )
+
+
+AUTOS = _autos()
 
 
 def _one(
@@ -251,7 +261,8 @@ def workloads(
     ]
     results = iter(_run(work, jobs))
     lines = [
-        f"max_lag 5, {steps} steps, seeds 0..{seeds - 1}: auto (ahead 1, carry-over) against "
+        f"max_lag 5, {steps} steps, seeds 0..{seeds - 1}: auto (ahead {autos[0].ahead}, "
+        f"carry-over) against "
         f"the best of {len(fixed)} fixed settings within its budget; goodput in samples/s and "
         f"slot waste, means over seeds (slot waste's worst seed in brackets)",
         f"{'workload':<11}{'budget':>7}{'auto':>8}{'slot waste':>17}{'holds':>7}"
@@ -296,15 +307,17 @@ if __name__ == "__main__":
         parser.add_argument("--steps", type=int, default=300)
         parser.add_argument("--seeds", type=int, default=None)
         parser.add_argument("--jobs", type=int, default=2)
+        parser.add_argument("--auto-ahead", type=int, default=1)
         options = parser.parse_args(args)
-        for name in ("steps", "seeds", "jobs"):
+        for name in ("steps", "seeds", "jobs", "auto_ahead"):
             value = getattr(options, name)
             if value is not None and value < 1:
-                parser.error(f"--{name} must be at least 1, got {value}")
+                parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         if options.reference:
             print(reference(options.steps, options.seeds or 10, options.jobs))
         if options.workloads:
-            print(workloads(options.steps, options.seeds or 10, options.jobs))
+            autos = _autos(options.auto_ahead)
+            print(workloads(options.steps, options.seeds or 10, options.jobs, autos=autos))
         sys.exit(0)
     if "-h" in args or "--help" in args:  # this script's own modes, then dew simulate's options
         print(__doc__[: __doc__.index("Targets")])
