@@ -55,8 +55,8 @@ class Estimate:
         activations: one row chunk's forward and backward pass through the model, the whole
             batch's final hidden states and their gradient, and a chunk of logits.
         batches: the packed batches the trainer and the scheduler hold.
-        runtime: `RUNTIME`, and 3.5 times the params' bytes for the programs XLA compiles
-            for the model and the step's freed scratch the allocator keeps (measured).
+        runtime: `RUNTIME`, and the params' bytes once more for the programs XLA compiles
+            for the model and what the allocator keeps (a bound over what was measured).
         chunk: rows the step runs the model over at a time.
         width: the packed rows' width.
     """
@@ -147,11 +147,12 @@ def estimate(
         activations=chunk * kept + hidden + min(logits, 3 * rows * width * model.vocab * 4),
         batches=(ahead + 2) * rows * width * _BATCH_ARRAYS * 4,
         # What a run holds beyond its arrays grows with its model: the programs XLA compiles
-        # for it and the step's freed scratch the allocator has not given back yet. At the
-        # peaks of the README's SmolLM2-135M run and of a 4-layer cut of it, 3.5 and 3.6 times
-        # the params' bytes beyond RUNTIME (docs/checkpoints.md, "Where a real model's run
-        # holds its memory").
-        runtime=RUNTIME + 7 * params // 2,
+        # for it and what the allocator keeps. At the peaks of the README's SmolLM2-135M
+        # command at 64 new tokens and of the products recipe at 3, 0.08 and 0.06 times the
+        # params' bytes beyond RUNTIME and the other parts (3.5 times before the heap and the
+        # copies were cut: docs/checkpoints.md, "At 64 new tokens"); counted here as P, a
+        # bound with room, not a fit.
+        runtime=RUNTIME + params,
         chunk=chunk,
         width=width,
     )
