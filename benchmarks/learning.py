@@ -253,6 +253,16 @@ reward of the base model over 48 tasks, replies of at most the tokens named:
   | products | dew | 1 | 0.172 -> 0.375 | 0.070 -> 0.344 | 40 | 31.5 | 1625 s | 4.5 GB |
   | products | dew | 2 | 0.164 -> 0.352 | 0.084 -> 0.312 | 40 | 23.5 | 1285 s | 4.6 GB |
 
+  Those peaks (4.2 to 4.6 GiB) predate three memory cuts of issue 42 (docs/checkpoints.md, "At
+  64 new tokens": large blocks mapped apart from the C heap, the GGUF reader no longer kept,
+  the evaluation's engine on the trainer's own arrays). Since them, 4 updates of this recipe
+  (`--tasks products --seeds 0 --steps 4 --eval-every 4`, `RECIPE`'s 1000 tasks; under the
+  big-run lock, load 3.0 to 3.4): 3.55 GiB as the script prints it, 3,727,664 kB by
+  `/usr/bin/time -v` over the whole command, 283 s; its `dew train` command run by hand with
+  the process sampled: 3.60 GiB, the same losses, rewards and held-out scores. Its peak is an
+  update's, each a little above the last (3.51 to 3.60 GiB over the four); a 40-update run was
+  not measured again.
+
   The same on vLLM's engine (`python benchmarks/learning.py --tasks products --seeds 0 1 2
   --steps 40 --engine vllm`, 512 training tasks as above, `RECIPE`'s then; held-out greedy on
   dew's engine as every evaluation; a load of 5-16 from other sessions' tests; wall and peak
