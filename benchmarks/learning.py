@@ -260,8 +260,8 @@ reward of the base model over 48 tasks, replies of at most the tokens named:
   big-run lock, load 3.0 to 3.4): 3.55 GiB as the script prints it, 3,727,664 kB by
   `/usr/bin/time -v` over the whole command, 283 s; its `dew train` command run by hand with
   the process sampled: 3.60 GiB, the same losses, rewards and held-out scores. Its peak is an
-  update's, each a little above the last (3.51 to 3.60 GiB over the four); a 40-update run was
-  not measured again.
+  update's, the run's highest RSS rising a little through the updates (3.53, 3.57, 3.60 GiB);
+  a 40-update run was not measured again.
 
   The same on vLLM's engine (`python benchmarks/learning.py --tasks products --seeds 0 1 2
   --steps 40 --engine vllm`, 512 training tasks as above, `RECIPE`'s then; held-out greedy on
