@@ -21,13 +21,18 @@ samples, a `RolloutScheduler` keeps the rollouts in flight, and the trainer trai
 folder with `config.json`, `metrics.jsonl`, `checkpoints/` and `curves.png` (reward, loss, KL,
 lag, wait and row fill per step); `dew train --run DIR --resume` continues it.
 
-The package's modules: `_trainer` (the Rollout protocol, `Trainer`, `record_fields`),
-`_checkpoint` (writing and reading checkpoints), `_fit` (`fit`: your own task in a few lines),
-`_progress` (what `dew train` prints), `_curves` (`curves.png`, drawn with matplotlib),
-`_samples` and `_tensorboard` (what a run logs beside its metrics), `_timing` (`step_seconds`:
-a run's step timed at other row counts, for `dew tune`), and `dew train` itself:
-`_config` (`TrainConfig`), `_tasks` (what each task trains on), `_folders` (path checks),
-`_run` (`train`, one run end to end), `_interrupt` (Ctrl-C) and `_cli` (the command line).
+The package's modules: `_trainer` (the Rollout protocol, `Trainer`), `_step_lines` (a step's
+metrics line: `record_fields`, `NothingTrained`), `_trainer_files` (what a Trainer keeps in its
+run folder), `_update` (the jitted update), `_reference` (a KL reference that follows the
+policy), `_checkpoint` (writing and reading checkpoints), `_export` (`dew export`), `_fit`
+(`fit`: your own task in a few lines), `_progress` (what `dew train` prints), `_curves`
+(`curves.png`, drawn with matplotlib), `_samples`, `_tensorboard` and `_wandb` (what a run logs
+beside its metrics), `_timing` (`step_seconds`: a run's step timed at other row counts, for
+`dew tune`), and `dew train` itself: `_config` (`TrainConfig`, its fields, checks and
+preflight), `_tasks` (what each task trains on), `_folders` (path checks), `_memory` (the
+start-up memory estimate), `_evaluation` (held-out evaluation), `_run` (`train`, one run end to
+end, with its checks, logs and vLLM servers), `_interrupt` (Ctrl-C) and `_cli` (the command
+line).
 `ServedSource` lives in `dew.serve` and is re-exported here.
 """
 
