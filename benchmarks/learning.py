@@ -257,8 +257,9 @@ reward of the base model over 48 tasks, replies of at most the tokens named:
   64 new tokens": large blocks mapped apart from the C heap, the GGUF reader no longer kept,
   the evaluation's engine on the trainer's own arrays). Since them, 4 updates of this recipe
   (`--tasks products --seeds 0 --steps 4 --eval-every 4`, `RECIPE`'s 1000 tasks; under the
-  big-run lock, load 3.0 to 3.4): 3.55 GiB as the script prints it, 3,727,664 kB by
-  `/usr/bin/time -v` over the whole command, 283 s; its `dew train` command run by hand with
+  big-run lock, twice, load 3.0 to 3.4 and 1.4 to 4.9): 3.55 and 3.57 GiB as the script prints
+  it, 3,727,664 and 3,742,488 kB by `/usr/bin/time -v` over the whole command, 283 and 264 s,
+  the same rewards and held-out scores; its `dew train` command run by hand with
   the process sampled: 3.60 GiB, the same losses, rewards and held-out scores. Its peak is an
   update's, the run's highest RSS rising a little through the updates (3.53, 3.57, 3.60 GiB);
   a 40-update run was not measured again.
