@@ -84,12 +84,17 @@ def test_frozen_unfreezes_after_an_error():
 
 @pytest.mark.medium
 def test_frozen_while_serving_holds_the_freeze_until_the_last_server_stops():
+    # Not `== frozen` below: a frozen object can still be freed by its reference count, and
+    # another thread's were while a full suite ran (the count fell by 2 of 1.5 M). Objects made
+    # between the two servers would be frozen by a second freeze: the count would grow by them.
     with _gc.frozen_while_serving():
         frozen = gc.get_freeze_count()
         assert frozen > 0
+        made = [[] for _ in range(1000)]
         with _gc.frozen_while_serving():
-            assert gc.get_freeze_count() == frozen  # the second server freezes nothing more
-        assert gc.get_freeze_count() == frozen
+            assert 0 < gc.get_freeze_count() <= frozen  # the second server froze nothing more
+        assert 0 < gc.get_freeze_count() <= frozen  # nor did it unfreeze as it stopped
+        del made
     assert gc.get_freeze_count() == 0
     # And after a server stopped, a replay's freeze is its own again.
     with _gc.frozen():
