@@ -54,6 +54,27 @@ class _Request:
         )
 
 
+def checked_prompt(prompt, max_len: int, vocab: int | None = None) -> np.ndarray:
+    """`prompt` as an array of 1 to `max_len` - 1 token ids, each in [0, `vocab`) (>= 0 where
+    the vocabulary is not known here: a vLLM server checks its own).
+
+    Raises:
+        ValueError: naming what of the prompt is out of bounds.
+    """
+    array = np.asarray(prompt)
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"prompt must be 1-D integer ids, got {array.dtype}{list(array.shape)}")
+    if not 1 <= len(array) < max_len:
+        raise ValueError(
+            f"prompt must hold 1 to max_len - 1 = {max_len - 1} tokens, got {len(array)}"
+        )
+    if vocab is None and array.min() < 0:
+        raise ValueError(f"prompt ids must be >= 0, got {array.min()}")
+    if vocab is not None and (array.min() < 0 or array.max() >= vocab):
+        raise ValueError(f"prompt ids must be in [0, {vocab}), got {array.min()}..{array.max()}")
+    return array
+
+
 def checked_request(
     prompt,
     max_tokens,
@@ -76,15 +97,7 @@ def checked_request(
     Raises:
         ValueError: naming the argument that is out of bounds.
     """
-    array = np.asarray(prompt)
-    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"prompt must be 1-D integer ids, got {array.dtype}{list(array.shape)}")
-    if not 1 <= len(array) < max_len:
-        raise ValueError(
-            f"prompt must hold 1 to max_len - 1 = {max_len - 1} tokens, got {len(array)}"
-        )
-    if array.min() < 0 or array.max() >= vocab:
-        raise ValueError(f"prompt ids must be in [0, {vocab}), got {array.min()}..{array.max()}")
+    array = checked_prompt(prompt, max_len, vocab)
     max_tokens = check_int("max_tokens", max_tokens, low=1)
     check_number("temperature", temperature, low=0)
     if top_k is not None:

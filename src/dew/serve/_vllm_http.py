@@ -24,6 +24,7 @@ import numpy as np
 from dew._checks import check_int, check_number
 from dew.objectives.rl.sessions import Call
 from dew.serve._failure import CallFailed
+from dew.serve._requests import checked_prompt
 from dew.serve._vllm_process import ServerProcess, VLLMError
 
 _GENERATE = "/inference/v1/generate"
@@ -269,16 +270,7 @@ def _api_key(api_key: str | None) -> str | None:
 
 
 def _prompt_ids(prompt, max_len: int) -> list[int]:
-    array = np.asarray(prompt)
-    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"prompt must be 1-D integer ids, got {array.dtype}{list(array.shape)}")
-    if not 1 <= len(array) < max_len:
-        raise ValueError(
-            f"prompt must hold 1 to max_len - 1 = {max_len - 1} tokens, got {len(array)}"
-        )
-    if array.min() < 0:
-        raise ValueError(f"prompt ids must be >= 0, got {array.min()}")
-    return array.tolist()
+    return checked_prompt(prompt, max_len).tolist()
 
 
 def _sampling(temperature, top_k, top_p, key) -> dict[str, Any]:
