@@ -139,6 +139,24 @@ def test_an_evaluations_keys_are_in_the_metrics_line_of_its_update_and_on_tensor
         }
 
 
+def byte_task_and_engine():
+    """`dew train`'s default task over the byte tokenizer, its model's initial variables and a
+    RolloutServer of 4 slots on them: what an evaluation of the default run is built from."""
+    from dew import models
+    from dew.serve import RolloutServer
+    from dew.serve.tokenizer import BYTES
+    from dew.train import TrainConfig
+    from dew.train._tasks import _task
+
+    config = TrainConfig(eval_tasks=2)
+    task = _task(config, BYTES)
+    model_config = config.model_config(task.shape.max_len, vocab=BYTES.vocab_size)
+    variables = models.init(jax.random.key(0), model_config)
+    model = models.model(model_config)
+    server = RolloutServer(model, variables, slots=4, max_len=task.shape.max_len)
+    return task, variables, server
+
+
 @pytest.mark.medium
 def test_an_evaluations_engine_serves_the_weights_it_evaluates_without_a_copy():
     """Issue 42: the evaluation's engine ran on a copy of the trainer's weights, a fifth copy
@@ -147,19 +165,9 @@ def test_an_evaluations_engine_serves_the_weights_it_evaluates_without_a_copy():
     trainer's thread, so it serves the trainer's own arrays."""
     import numpy as np
 
-    from dew import models
-    from dew.serve import RolloutServer
-    from dew.serve.tokenizer import BYTES
-    from dew.train import TrainConfig
     from dew.train._evaluation import Evaluation
-    from dew.train._tasks import _task
 
-    config = TrainConfig(eval_tasks=2)
-    task = _task(config, BYTES)
-    model_config = config.model_config(task.shape.max_len, vocab=BYTES.vocab_size)
-    model = models.model(model_config)
-    variables = models.init(jax.random.key(0), model_config)
-    server = RolloutServer(model, variables, slots=4, max_len=task.shape.max_len)
+    task, variables, server = byte_task_and_engine()
     served = []
 
     class Watched:
@@ -193,19 +201,9 @@ def test_an_evaluation_holds_no_weights_between_its_runs():
 
     import numpy as np
 
-    from dew import models
-    from dew.serve import RolloutServer
-    from dew.serve.tokenizer import BYTES
-    from dew.train import TrainConfig
     from dew.train._evaluation import Evaluation
-    from dew.train._tasks import _task
 
-    config = TrainConfig(eval_tasks=2)
-    task = _task(config, BYTES)
-    model_config = config.model_config(task.shape.max_len, vocab=BYTES.vocab_size)
-    model = models.model(model_config)
-    variables = models.init(jax.random.key(0), model_config)
-    server = RolloutServer(model, variables, slots=4, max_len=task.shape.max_len)
+    task, variables, server = byte_task_and_engine()
 
     def new_bytes(before: set[int]) -> int:
         return sum(a.nbytes for a in jax.live_arrays() if id(a) not in before)
