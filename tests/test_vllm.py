@@ -26,7 +26,7 @@ import pytest
 import trio
 
 from _checkpoint import tiny_qwen2
-from _process_groups import left_running
+from _process_groups import left_running, slow_motion
 from dew import replay
 from dew._torch_media import hide_broken_media_packages
 from dew.data import ArrayDataset, Task
@@ -203,6 +203,7 @@ async def test_a_push_while_calls_run_keeps_them_running_under_their_version(
 ):
     engine.load(params[0], 10)
     results, progress = {}, {}
+    groups = [process.pid for process in engine.processes]
     async with engine:
 
         async def one(index):
@@ -210,21 +211,28 @@ async def test_a_push_while_calls_run_keeps_them_running_under_their_version(
             results[index] = await engine.generate(PROMPT, max_tokens=100, key=index)
 
         async with trio.open_nursery() as nursery:
-            for index in range(4):
-                nursery.start_soon(one, index)
-            with trio.fail_after(120):  # until each call has drawn a token under version 10
-                while len(progress) < 4 or min(p.length()[0] for p in progress.values()) < 1:
-                    await trio.sleep(0.01)
-            engine.pause()  # they freeze there; the push pauses them again, and resumes them
+            # In slow motion until the calls are paused, so that no call can run to its end
+            # between the client's read of its first token and the pause (as each did under a
+            # loaded machine when the servers ran freely: no call straddled the push).
+            with slow_motion(groups):
+                for index in range(4):
+                    nursery.start_soon(one, index)
+                with trio.fail_after(120):  # until each call has drawn a token under version 10
+                    while len(progress) < 4 or min(p.length()[0] for p in progress.values()) < 1:
+                        await trio.sleep(0.01)
+                # They freeze there; the push pauses them again, and resumes them.
+                await trio.to_thread.run_sync(engine.pause)
+            drawn = [progress[index].length()[0] for index in range(4)]
             await engine.load_async(params[1], 11)
             after = await engine.generate(PROMPT, max_tokens=10, key=9)
+    print(f"tokens drawn when the calls were paused: {drawn}")
     assert [len(results[index].completion) for index in range(4)] == [100] * 4
     assert {results[index].version for index in range(4)} == {10}
     assert after.version == 11
     np.testing.assert_allclose(after.logprobs, reference_logprobs(references[1], after), atol=2e-4)
     # A call drew its first tokens under the old weights and the rest under the new: its
     # log-probs are the old weights' up to some token, the new ones' from there on. (One that
-    # raced ahead of the others may have ended before the pause; the last to start cannot.)
+    # raced ahead of the others may have ended before the pause; in slow motion not all can.)
     straddled = 0
     for call in results.values():
         old, new = (reference_logprobs(model, call) for model in references)
@@ -253,25 +261,18 @@ async def test_a_cancelled_call_says_how_many_tokens_it_drew(engine, params):
             progress = track_progress()  # as the scheduler gives each rollout's task
             await engine.generate(PROMPT, max_tokens=budget, key=5)
 
+        groups = [process.pid for process in engine.processes]
         async with engine, trio.open_nursery() as nursery:
-            groups = [process.pid for process in engine.processes]
-            signal_all(groups, signal.SIGSTOP)
-            nursery.start_soon(rollout)
-            try:
-                # The servers run in slices of a few ms, stopped between them while the call
-                # reads what arrived, until its first token is in: the tiny model draws its
-                # whole budget in a few hundred ms, and a client slowed by a loaded machine
-                # read it all in its first read when the servers ran freely (a clean-clone CI
-                # run saw 122 of 122 tokens before a pause, five calls running).
+            # In slow motion until its first token is in: the tiny model draws its whole
+            # budget in a few hundred ms, and a client slowed by a loaded machine read it all
+            # in its first read when the servers ran freely (a clean-clone CI run saw 122 of
+            # 122 tokens before a pause, five calls running).
+            with slow_motion(groups):
+                nursery.start_soon(rollout)
                 with trio.fail_after(120):
                     while progress is None or progress.length()[0] < 1:
-                        signal_all(groups, signal.SIGCONT)
-                        await trio.sleep(0.005)
-                        signal_all(groups, signal.SIGSTOP)
-                        await trio.sleep(0.05)
+                        await trio.sleep(0.01)
                 nursery.cancel_scope.cancel()
-            finally:
-                signal_all(groups, signal.SIGCONT)
         tokens, calls = progress.length()
         assert calls == 1 and tokens >= 1
         assert progress.sampling is None  # no call samples for it any more
@@ -286,12 +287,6 @@ async def test_a_cancelled_call_says_how_many_tokens_it_drew(engine, params):
     while len(drawn) < 5 and (not drawn or drawn[-1] == budget):
         drawn.append(await cancelled_call())
     assert 1 <= drawn[-1] < budget, f"each call drew its whole budget before the pause: {drawn}"
-
-
-def signal_all(groups: list[int], number: int) -> None:
-    """Send a signal to every process of the servers' process groups."""
-    for group in groups:
-        os.killpg(group, number)
 
 
 def engine_mismatch(batch) -> float:

@@ -28,6 +28,7 @@ import trio
 
 from _checkpoint import tiny_qwen2
 from _hf_folders import answer_with_digits, chat_checkpoint
+from _process_groups import slow_motion
 from dew._torch_media import hide_broken_media_packages
 from dew.models import hf
 from dew.models.hf import lora
@@ -45,7 +46,8 @@ MAX_LEN = 512
 PROMPT = np.array([0, 1, 17, 42, 99, 7], np.int32)
 # The server's KV cache blocks hold 128 tokens on a CPU: prompts longer than that share blocks.
 BLOCK = 128
-# The call in flight through a push: it must still be drawing when a call after the push joins.
+# The call in flight through a push: it must still be drawing when a call after the push joins
+# (the servers run in slow motion until then: `slow_motion`).
 OLD_TOKENS = 240
 # What a push of float32 weights must land within: float32 rounding of the two forward passes.
 ATOL = 1e-5
@@ -206,42 +208,9 @@ async def test_a_prompt_sharing_cached_blocks_is_computed_under_the_pushed_adapt
     np.testing.assert_allclose(call.logprobs, peft_logprobs(adapters[1], call), rtol=0, atol=ATOL)
 
 
-async def swap_in_flight(engine, adapters, version):
-    """A call drawing under `adapters[0]` (pushed as `version`) through a push of `adapters[1]`
-    (`version` + 1), alone for 5 tokens after it, then joined by a new call: both calls, how
-    many tokens the old one had drawn when the new one was started (`alone`) and when the new
-    one drew its first token (`joined`; OLD_TOKENS when the old one had ended by then)."""
-    await engine.load_async(adapters[0], version)
-    results, progress, joined = {}, {}, []
-
-    async def call(name, max_tokens, key):
-        progress[name] = track_progress()
-        results[name] = await engine.generate(PROMPT, max_tokens=max_tokens, key=key)
-
-    async def drawn(name, at_least):
-        with trio.fail_after(300):
-            while name not in progress or progress[name].length()[0] < at_least:
-                await trio.sleep(0.01)
-
-    async def first_token_of_new():
-        await drawn("new", 1)
-        joined.append(progress["old"].length()[0] if "old" not in results else OLD_TOKENS)
-
-    async with engine:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(call, "old", OLD_TOKENS, 5)
-            await drawn("old", 5)
-            await engine.load_async(adapters[1], version + 1)
-            await drawn("old", progress["old"].length()[0] + 5)  # after the swap, alone
-            alone = progress["old"].length()[0]
-            nursery.start_soon(first_token_of_new)
-            nursery.start_soon(call, "new", 10, 6)
-    return results["old"], results["new"], alone, joined[0]
-
-
 @pytest.mark.slow
 async def test_a_call_in_flight_through_an_adapter_push_keeps_the_version_that_drew_it(
-    engine, adapters
+    engine, fleet, adapters
 ):
     """What vLLM does to a call in flight when the adapter is swapped in place: it goes on
     under the old adapter (read again from its folder at each step) while the server labels
@@ -250,17 +219,39 @@ async def test_a_call_in_flight_through_an_adapter_push_keeps_the_version_that_d
     the old one computed. So its record keeps the version it was submitted under (that of its
     first token's adapter), not the label; and the old folder stays until it ends (vLLM reads
     it at each step)."""
-    # Whether the new call joins the old one's batch before its last token is a race with the
-    # machine's load (under a load of 13 it came after the old call's 240th token, once): a try
-    # the new call joined too late is run again, with an old call's length the race leaves alone.
-    for attempt in range(3):
-        old_version = 20 + 2 * attempt
-        old, new, alone, joined = await swap_in_flight(engine, adapters, old_version)
-        if joined < OLD_TOKENS - 2:  # a margin for the old call's stream behind the new one's
-            break
-        print(f"try {attempt}: the new call drew its first token after the old call's last")
-    else:
-        pytest.fail("the new call never joined the old one's batch in 3 tries")
+    old_version = 20
+    await engine.load_async(adapters[0], old_version)
+    results, progress = {}, {}
+    groups = [fleet.processes[0].pid]  # the server `engine` is attached to
+
+    async def call(name, max_tokens, key):
+        progress[name] = track_progress()
+        results[name] = await engine.generate(PROMPT, max_tokens=max_tokens, key=key)
+
+    async def drawn(name, at_least):
+        with trio.move_on_after(120):
+            while name not in progress or progress[name].length()[0] < at_least:
+                await trio.sleep(0.01)
+            return
+        seen = {key: tracked.length() for key, tracked in progress.items()}
+        pytest.fail(f"the {name} call drew no {at_least} tokens in 120 s: (tokens, calls) {seen}")
+
+    # In slow motion, so that the old call cannot run to its end while the push and the new
+    # call are under way (under a load of 13 the new call's first token came after the old
+    # call's 240th, once, the servers running freely).
+    async with engine, trio.open_nursery() as nursery:
+        with slow_motion(groups):
+            nursery.start_soon(call, "old", OLD_TOKENS, 5)
+            await drawn("old", 5)
+            await engine.load_async(adapters[1], old_version + 1)
+            await drawn("old", progress["old"].length()[0] + 5)  # after the swap, alone
+            alone = progress["old"].length()[0]
+            nursery.start_soon(call, "new", 10, 6)
+            await drawn("new", 1)
+            joined = progress["old"].length()[0]  # when the new call drew its first token
+    old, new = results["old"], results["new"]
+    print(f"the old call had drawn {alone} tokens when the new one came, {joined} at its first")
+    assert joined < OLD_TOKENS - 2  # a margin for the old call's stream behind the new one's
     assert (old.version, new.version) == (old_version, old_version + 1)
     assert len(old.completion) == OLD_TOKENS
     np.testing.assert_allclose(new.logprobs, peft_logprobs(adapters[1], new), rtol=0, atol=ATOL)
