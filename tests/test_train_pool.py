@@ -62,28 +62,6 @@ def logs(run) -> dict[int, str]:
 
 
 @pytest.mark.slow
-def test_a_pool_of_processes_trains_an_agent_harness_through_the_gateway(tmp_path, env):
-    run, steps = tmp_path / "run", 2
-    done = subprocess.run(
-        dew_train(run, "--harness", "lookup", "--processes", "2", "--steps", str(steps), *SMALL),
-        capture_output=True,
-        text=True,
-        timeout=BOUND,
-        env=env,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr + str(logs(run))
-    lines = metrics_lines(run)
-    assert [line["step"] for line in lines] == list(range(steps))
-    for line in lines:
-        # The pool's global batch, two groups a process, every rollout the agent's session
-        # scored by the lookup verifier.
-        assert line["groups"] == 4 and line["status/completed"] == 1.0
-        assert {"reward/lookup", "reward/answer"} <= set(line) and line["tokens/trained"] > 0
-    assert sorted(logs(run)) == [0, 1]
-    assert all(f"trained {steps} steps" in text for text in logs(run).values())
-
-
-@pytest.mark.slow
 def test_a_pool_of_processes_trains_the_default_task_with_a_rising_reward(
     tmp_path, env, xla_optimizations
 ):
@@ -126,12 +104,16 @@ def test_a_pool_of_processes_trains_the_default_task_with_a_rising_reward(
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_pool_after_one_step_with_its_checkpoint(tmp_path, env):
-    # A terminal's Ctrl-C reaches the launcher alone (each process has a session of its own);
-    # it passes the interrupt on, and the processes agree after each step whether any was
-    # interrupted, so every one stops after the same step, whose checkpoint process 0 writes.
+    """A pool of two trains an agent harness through the gateway, each step the pool's global
+    batch of the agent's sessions, then a terminal's Ctrl-C stops it after a step. The Ctrl-C
+    reaches the launcher alone (each process has a session of its own); it passes the interrupt
+    on, and the processes agree after each step whether any was interrupted, so every one stops
+    after the same step, whose checkpoint process 0 writes. (One pool for both: a pool's start
+    is most of either's cost.)"""
     run = tmp_path / "run"
+    options = ["--harness", "lookup", "--processes", "2", "--steps", "400"]
     launcher = subprocess.Popen(
-        dew_train(run, *SMALL, "--processes", "2", "--steps", "400", "--checkpoint-every", "1000"),
+        dew_train(run, *SMALL, *options, "--checkpoint-every", "1000"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -153,8 +135,16 @@ def test_ctrl_c_stops_the_pool_after_one_step_with_its_checkpoint(tmp_path, env)
         err
         == "dew: interrupted: the pool stops after its step in progress (Ctrl-C again: at once)\n"
     )
-    stopped = len(metrics_lines(run))
+    lines = metrics_lines(run)
+    stopped = len(lines)
     assert 2 <= stopped < 400
+    assert [line["step"] for line in lines] == list(range(stopped))
+    for line in lines:
+        # The pool's global batch, two groups a process, every rollout the agent's session
+        # scored by the lookup verifier.
+        assert line["groups"] == 4 and line["status/completed"] == 1.0
+        assert {"reward/lookup", "reward/answer"} <= set(line) and line["tokens/trained"] > 0
+    assert sorted(logs(run)) == [0, 1]
     said = f"dew train: stopped after step {stopped}/400, its checkpoint saved"
     assert said in out and all(said in text for text in logs(run).values())
     commit = json.loads((run / "checkpoints" / COMMIT).read_text())
