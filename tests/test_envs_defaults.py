@@ -78,7 +78,9 @@ def test_a_tool_environment_trains_at_the_default_context(tmp_path, tool_servers
     """At the default context a tool environment's first call fits: every step trains on tokens
     (before, every rollout was TRUNCATED `context` before its first call: trained on nothing)."""
     run = tmp_path / "run"
-    argv = ["--env", "verifiers:_vf_lookup", "--run", str(run), *TINY]
+    # One task a step: each rollout starts its tool server, a process importing verifiers (about
+    # 4 CPU-s each), and one task's group shows what every step trains on as well as two.
+    argv = ["--env", "verifiers:_vf_lookup", "--run", str(run), *TINY, "--batch-size", "1"]
     assert train([*argv, "--steps", "2", "--max-tokens", "4"]) == 0
     metrics = lines(run / "metrics.jsonl")
     assert [line["updates"] for line in metrics] == [1, 2]
