@@ -5,9 +5,12 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 import re
+import runpy
 import subprocess
 import sys
 import types
+
+import jax
 
 BENCHMARKS = sorted((pathlib.Path(__file__).parent.parent / "benchmarks").glob("*.py"))
 
@@ -46,3 +49,21 @@ def run_smoke(script: pathlib.Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"\d+\.\d+", done.stdout), done.stdout
+
+
+def run_smoke_here(script: pathlib.Path, monkeypatch, capsys) -> None:
+    """Run `script --smoke` as `python script --smoke` runs it, but in this process: runpy runs
+    it as `__main__` with that argv, its folder first on `sys.path` and JAX's default
+    promotion, as in its own process (conftest's strict promotion is the tests'; optax's Adam
+    needs the default). It returns or exits 0 and prints at least one figure. A process of its
+    own added its interpreter's start and the imports (jax, the library) each time; the
+    processes the script starts run as before."""
+    monkeypatch.setattr(sys, "argv", [str(script), "--smoke"])
+    monkeypatch.syspath_prepend(str(script.parent))
+    try:
+        with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+            runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exit:
+        assert exit.code in (0, None), f"{script.name} --smoke exited {exit.code!r}"
+    out = capsys.readouterr().out
+    assert re.search(r"\d+\.\d+", out), out
