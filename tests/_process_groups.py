@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +41,23 @@ def signal_all(groups: list[int], number: int) -> None:
         os.killpg(group, number)
 
 
+_SLICER = """
+import os, signal, sys, time
+running, stopped, parent = float(sys.argv[1]), float(sys.argv[2]), os.getppid()
+groups = [int(group) for group in sys.argv[3:]]
+while os.getppid() == parent:  # a slicer whose test died ends, leaving the servers running
+    for group in groups:
+        os.killpg(group, signal.SIGSTOP)
+    if not sys.stdout.closed:  # the servers' first stop: the test goes on
+        print("stopped", flush=True)
+        sys.stdout.close()
+    time.sleep(stopped)
+    for group in groups:
+        os.killpg(group, signal.SIGCONT)
+    time.sleep(running)
+"""
+
+
 @contextlib.contextmanager
 def slow_motion(groups: list[int], running: float = 0.005, stopped: float = 0.05) -> Iterator[None]:
     """Run the process groups `groups` (vLLM servers) in slices while the body runs: `running`
@@ -50,23 +68,17 @@ def slow_motion(groups: list[int], running: float = 0.005, stopped: float = 0.05
     servers: under a loaded machine they had drawn every token by the client's first read. In
     slices, what the servers do between two of the test's reads is bounded by the CPU a slice
     gives them, whatever the machine's load, and their work for the test's own requests (a
-    pause, a push) takes slices in the same way. The slices are cut by a thread of their own,
-    so that the test's trio loop, busy for a while (a call's first request), cannot stretch
-    one (it did: two calls drew all their 100 tokens in a slice cut by a trio task)."""
-    done = threading.Event()
-
-    def slice_until_done() -> None:
-        while not done.is_set():
-            signal_all(groups, signal.SIGSTOP)
-            done.wait(stopped)
+    pause, a push) takes slices in the same way. The slices are cut by a process of its own:
+    cut by the test's trio loop, a slice lasted as long as the loop was busy (two calls drew
+    all their 100 tokens in one), and by a thread, as long as another thread held the GIL (an
+    old call drew all its 240 tokens while a push wrote its adapter)."""
+    command = [sys.executable, "-c", _SLICER, str(running), str(stopped), *map(str, groups)]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as slicer:
+        try:
+            if slicer.stdout.readline() != "stopped\n":
+                raise RuntimeError(f"the slow-motion process ended with {slicer.wait()}")
+            yield
+        finally:
+            slicer.kill()
+            slicer.wait()  # before the servers go on: it stops them no more
             signal_all(groups, signal.SIGCONT)
-            time.sleep(running)
-
-    slicer = threading.Thread(target=slice_until_done, name="slow motion", daemon=True)
-    slicer.start()
-    try:
-        yield
-    finally:
-        done.set()
-        slicer.join()
-        signal_all(groups, signal.SIGCONT)
