@@ -94,9 +94,10 @@ def test_the_workers_share_one_compilation_cache_removed_at_the_sessions_end(pyt
     # The session under test makes its own folder, as one started from a shell does.
     monkeypatch.delenv("DEW_TESTS_JAX_CACHE", raising=False)
     monkeypatch.setenv("FOLDERS", str(folders))
-    result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-p", "no:benchmark", "-n", "2", "--dist", "loadfile"
-    )  # fmt: skip
+    # The plugins these two tests do not use stay out of its three processes (each imports them).
+    unused = ("cacheprovider", "benchmark", "trio", "anyio", "hypothesispytest", "timeout")
+    plugins = [option for name in unused for option in ("-p", f"no:{name}")]
+    result = pytester.runpytest_subprocess(*plugins, "-n", "2", "--dist", "loadfile")
     result.assert_outcomes(passed=2)
     recorded = {path.name: path.read_text() for path in folders.iterdir()}
     assert sorted(recorded) == ["gw0", "gw1"]
