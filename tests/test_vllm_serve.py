@@ -233,33 +233,38 @@ def test_the_docs_command_run_by_a_shell_runs_what_dew_serve_starts(tmp_path):
     assert Path(shown["sitecustomize"]).parent == Path(added["PYTHONPATH"].split(os.pathsep)[0])
 
 
-_START_METHOD = """import os, sys
+_START_METHODS = """import os, sys
 from vllm.engine.arg_utils import EngineArgs
-EngineArgs(model=sys.argv[1], max_model_len=128, dtype="float32",
-           enforce_eager=True).create_engine_config()
-print(os.environ["VLLM_WORKER_MULTIPROC_METHOD"])"""
+for in_process in sys.argv[2:]:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = in_process
+    os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+    EngineArgs(model=sys.argv[1], max_model_len=128, dtype="float32",
+               enforce_eager=True).create_engine_config()
+    print("method", in_process, os.environ["VLLM_WORKER_MULTIPROC_METHOD"])"""
 
 
 @pytest.mark.medium
-@pytest.mark.parametrize(("in_process", "method"), [("0", "fork"), ("1", "spawn")])
-def test_a_server_with_its_worker_in_the_engine_core_forks_that_engine_core(
-    tmp_path, in_process, method
-):
+def test_a_server_with_its_worker_in_the_engine_core_forks_that_engine_core(tmp_path):
     """With the model worker in the engine core's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), the
     engine core is the only process a server starts, and dew's `sitecustomize` has vLLM fork it
     (spawned, it imported torch and vLLM again: a tiny server took 22 CPU-s to be ready against
     15); vLLM's own layout keeps the spawn its CPU platform asks for. Checked on the method vLLM
-    is left with once it has checked a configuration, in a process with a server's environment."""
+    is left with once it has checked a configuration, in a process with a server's environment:
+    one process checks both layouts, each in turn and each twice (a process each took 11 CPU-s
+    more, almost all of it importing torch and vLLM again)."""
     folder = tiny_qwen2(tmp_path / "tiny")
     _, added = server_command(folder, host="127.0.0.1", port=0, arguments=(), environment={})
-    environment = {**os.environ, **added, "VLLM_ENABLE_V1_MULTIPROCESSING": in_process}
-    environment.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+    environment = {**os.environ, **added}
+    layouts = ["0", "1", "0", "1"]
     done = subprocess.run(
-        [sys.executable, "-c", _START_METHOD, str(folder)],
+        [sys.executable, "-c", _START_METHODS, str(folder), *layouts],
         capture_output=True,
         text=True,
         env=environment,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[-1] == method, done.stdout[-1000:]
+    # vLLM's log shares the output: the script's lines are those it marked.
+    shown = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("method ")]
+    methods = {"0": "fork", "1": "spawn"}
+    assert shown == [[layout, methods[layout]] for layout in layouts], done.stdout[-1000:]

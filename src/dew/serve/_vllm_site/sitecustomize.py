@@ -29,11 +29,10 @@ def fork_engine_core() -> None:
     configuration, for the worker processes it binds to cores. With the worker in the engine
     core's process there are none: the engine core is the only process the API server starts,
     which vLLM forks on its GPU builds (its default method), and forked it inherits the modules
-    the API server imported. So after the CPU platform's check, the method is put back to fork.
-    In vLLM's default layout (a worker process beside the engine core) nothing changes.
+    the API server imported. So after the CPU platform's check, the method is put back to fork,
+    where the environment asks for that layout as vLLM checks. In vLLM's default layout (a
+    worker process beside the engine core) nothing changes.
     """
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
-        return
     sys.meta_path.insert(0, _ForkAfterCpuCheck())
 
 
@@ -57,12 +56,14 @@ class _ForkAfterCpuCheck(importlib.abc.MetaPathFinder):
 
 
 def _wrap_check(platform: type) -> None:
-    """Make `platform.check_and_update_config` leave vLLM's start method at fork."""
+    """Make `platform.check_and_update_config` leave vLLM's start method at fork when the
+    model worker runs in the engine core's process."""
     check = platform.check_and_update_config.__func__
 
     def check_and_update_config(cls, vllm_config):
         check(cls, vllm_config)
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
 
     platform.check_and_update_config = classmethod(check_and_update_config)
 
