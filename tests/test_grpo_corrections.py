@@ -212,7 +212,10 @@ def objective_of(settings: dict, floor: float) -> GRPOObjective:
     return GRPOObjective(bigram, importance_floor=floor, **settings)
 
 
-@settings(max_examples=120, deadline=None, derandomize=True, database=None)
+# 60 examples (was 120, half the CPU): each of three bugs put into the importance weights in a
+# scratch copy (no floor under masking; masking ignoring the cap at the sequence level; no cap
+# on truncated geometric weights) failed the test at 30 examples as at 60.
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
 @given(
     chosen=SETTINGS,
     floor=st.sampled_from([0.0, 0.5]),
