@@ -736,8 +736,11 @@ class Referee:
             )
 
 
+# 100 runs of up to 50 steps (was 200, half the CPU): three bugs put into the core of a scratch
+# copy (one attempt more than max_attempts; a batch admitted one group past `admit`; a rollout
+# in flight cancelled at max_lag, not past it) each failed it at 50 runs as at 100 and 200.
 AdmissionMachine.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=100,
     stateful_step_count=50,
     deadline=None,
     derandomize=True,
