@@ -58,6 +58,13 @@ environment like the settings above). vLLM's sampler compiles its log-prob gathe
 torch.compile even under `--enforce-eager`, and each server process pays for that compile: a
 lone server was ready in 42 s without it against 50 s with it (two runs each, idle machine),
 drawing the same tokens with the same log-probs to the last bit (a gather and a log-softmax).
+
+Every hypothesis test draws the same examples in every run (the `dew` profile: `derandomize`,
+seeded from the test's own code, no example database, no deadline): a property test is as
+deterministic as the rest, a failure in CI is the one a developer gets again, and a busy
+machine's slow example fails nothing. Four files' properties drew afresh each run
+(test_align_starts, test_tokenizer, test_hardening, test_narrow), and the tokenizer's ran under
+hypothesis's 200 ms deadline.
 """
 
 import gc
@@ -72,8 +79,12 @@ for _flag in ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen
     if _flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
+import hypothesis  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+hypothesis.settings.register_profile("dew", derandomize=True, database=None, deadline=None)
+hypothesis.settings.load_profile("dew")
 
 # Files holding slow tests go to xdist's workers first (tests/_slow_first.py); pytester runs
 # the small suites that test it.
