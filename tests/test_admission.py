@@ -866,6 +866,30 @@ def test_a_finished_rollout_past_the_bound_is_discarded_and_resubmitted_without_
     assert state.groups == {}
 
 
+def test_a_rollout_whose_calls_are_older_than_its_submission_is_judged_by_them_as_it_finishes():
+    """Submitted at version 1 but drawn by a server still at 0 (a push not yet landed there,
+    and the engine's word of the call's version not in before it finished): at the hand-over of
+    version 2 it is within the bound by its submission, so the sweep leaves it running; it
+    finishes 2 versions behind by its oldest call, one past max_lag 1, and is discarded there
+    and resubmitted, never delivered."""
+    config = Config(groups=1, max_lag=1)
+    state, answers = play(
+        config,
+        hand_over(0, "a"),
+        Finished(0.5, Label(0, 0, 0), session(versions=(0,))),
+        hand_over(1, "b", updates=1, ahead=[(2, ("c",))]),
+        Finished(1.5, Label(1, 0, 0), session(versions=(1,))),
+        hand_over(2, "c", updates=2),
+        Finished(2.5, Label(2, 0, 0), session(versions=(0,))),
+    )
+    assert of_type(answers[2], Submit)[-1].label == Label(2, 0, 0)  # submitted at version 1
+    assert not of_type(answers[4], Cancel)  # within the bound by its submission
+    finish = answers[5]
+    assert [(e.label, e.reason) for e in logs(finish, "discarded")] == [(Label(2, 0, 0), "stale")]
+    assert [c.label for c in of_type(finish, Submit)] == [Label(2, 0, 1)]
+    assert not of_type(finish, Deliver)
+
+
 @pytest.mark.parametrize("updates, stale", [(1, False), (2, True)])
 def test_a_running_rollout_past_the_bound_is_cancelled_at_the_hand_over(updates, stale):
     _, answers = play(
