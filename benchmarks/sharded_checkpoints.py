@@ -23,7 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+# Beside the environment's own flags (the tests' compile settings, say), not in their place.
+os.environ["XLA_FLAGS"] = (
+    f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+)
 
 import jax  # noqa: E402
 import optax  # noqa: E402
