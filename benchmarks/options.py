@@ -37,6 +37,8 @@ target, so it is a multiple of `--eval-every`; `-` is a run that never reached i
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import statistics
@@ -80,10 +82,12 @@ def run_arm(
     tasks: int,
     samples: int,
     updates: tuple[int, int] = (1, 1),
+    here: bool = False,
 ):
     """Train one arm in a `dew train` process of its own (`options` beside `SHARED`, with the
     run's seed, length and evaluation, and `updates`, its --ppo-epochs and --minibatches): its
-    evaluations and its wall seconds.
+    evaluations and its wall seconds. `here`: in this process instead (`dew.cli.main`, its
+    output dropped), as the smoke run trains the arms after its first.
 
     Raises:
         SystemExit: naming the run folder and the end of its output when `dew train` fails.
@@ -94,10 +98,21 @@ def run_arm(
     command += ["--checkpoint-every", str(steps), "--run", str(run)]
     command += ["--ppo-epochs", str(updates[0]), "--minibatches", str(updates[1])]
     began = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
+    if here:
+        import jax
+
+        from dew.cli import main as dew
+
+        # JAX's default promotion, as in a process of its own (optax's Adam needs it).
+        with contextlib.redirect_stdout(io.StringIO()), jax.numpy_dtype_promotion("standard"):
+            code = dew(command[3:])
+        if code != 0:
+            sys.exit(f"dew train failed ({code}) in {run}")
+    else:
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"dew train failed ({done.returncode}) in {run}:\n{done.stderr[-3000:]}")
     wall = time.perf_counter() - began
-    if done.returncode != 0:
-        sys.exit(f"dew train failed ({done.returncode}) in {run}:\n{done.stderr[-3000:]}")
     evaluations = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     return evaluations, wall
 
@@ -173,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             )
     if args.smoke:
         # One update of each arm, evaluated before and after it: every arm's options reach
-        # the trainer and the table fills; the figures mean nothing here.
+        # the trainer and the table fills; the figures mean nothing here. The first arm runs
+        # as every run does, in a `dew train` process; the others in this one, which saves a
+        # process's start and imports each (the arms differ in options alone).
         args.seeds, args.steps, args.eval_every, args.eval_tasks, args.eval_samples = (
             [0],
             1,
@@ -199,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                 tasks=args.eval_tasks,
                 samples=args.eval_samples,
                 updates=(args.ppo_epochs, args.minibatches),
+                here=args.smoke and bool(rows),
             )
             sampled = f"mean@{args.eval_samples}"
             metrics = [
