@@ -17,9 +17,12 @@ adapter and optimizer state held.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import pathlib
+import resource
 import subprocess
 import sys
 import tempfile
@@ -45,18 +48,32 @@ sys.exit(code)
 """
 
 
-def train(folder: pathlib.Path, run: pathlib.Path, steps: int, options: list[str]) -> dict:
-    """Peak RSS and seconds per step of one `dew train --model folder` process."""
+def train(
+    folder: pathlib.Path, run: pathlib.Path, steps: int, options: list[str], *, here: bool = False
+) -> dict:
+    """Peak RSS and seconds per step of one `dew train --model folder` process. `here`: in this
+    process instead (`dew.cli.main`, its output dropped), as the smoke run trains the LoRA
+    adapter: its peak is then this process's, and means nothing."""
     argv = ["train", "--model", str(folder), "--run", str(run), "--steps", str(steps)]
     argv += ["--batch-size", "2", "--groups", "4", "--tasks", "8", "--checkpoint-every", "1000"]
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, *argv, *options],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"dew train {' '.join(options)} failed:\n{done.stdout}\n{done.stderr}")
+    if here:
+        from dew.cli import main as dew
+
+        with contextlib.redirect_stdout(io.StringIO()), jax.numpy_dtype_promotion("standard"):
+            code = dew([*argv, *options])
+        if code != 0:
+            raise SystemExit(f"dew train {' '.join(options)} failed ({code})")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    else:
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, *argv, *options],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        if done.returncode != 0:
+            raise SystemExit(f"dew train {' '.join(options)} failed:\n{done.stdout}\n{done.stderr}")
+        peak = json.loads(done.stdout.strip().splitlines()[-1])["peak"]
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     later = lines[1:] or lines
 
@@ -64,7 +81,7 @@ def train(folder: pathlib.Path, run: pathlib.Path, steps: int, options: list[str
         return sum(line[key] for line in later) / len(later)
 
     return {
-        "peak": json.loads(done.stdout.strip().splitlines()[-1])["peak"],
+        "peak": peak,
         "step": mean("seconds/step"),
         "rollout": mean("seconds/rollout"),
         "update": mean("seconds/update"),
@@ -119,9 +136,10 @@ def main() -> None:
         folder = chat_checkpoint(scratch / "checkpoint", shape)
         pushed = push(folder, scratch, config)
         full = train(folder, scratch / "full-run", args.steps, [])
-        adapted = train(
-            folder, scratch / "lora-run", args.steps, ["--lora", "--lora-rank", str(args.rank)]
-        )
+        # The smoke run trains the adapter in this process: the full tuning's process ran the
+        # same code, and a second process would add only its start and imports.
+        options = ["--lora", "--lora-rank", str(args.rank)]
+        adapted = train(folder, scratch / "lora-run", args.steps, options, here=args.smoke)
     mib = 2**20
     print(f"checkpoint: {json.dumps(shape)}; LoRA rank {args.rank}, {', '.join(config.targets)}")
     print(f"{'':24}{'full':>14}{'LoRA':>14}")
