@@ -82,6 +82,46 @@ def test_frozen_unfreezes_after_an_error():
     assert gc.get_freeze_count() == 0
 
 
+def _cycle() -> weakref.ref:
+    """A reference cycle no name holds, which only a collection frees: a weak reference to it."""
+    node = _Node()
+    node.other = _Node()
+    node.other.other = node
+    return weakref.ref(node)
+
+
+def test_collected_frees_the_blocks_cycles_without_walking_what_was_alive_before():
+    before = _Node()
+    with _gc.collected():
+        assert not _walked(before)
+        watch = _cycle()
+    assert watch() is None
+    assert gc.get_freeze_count() == 0 and _walked(before)
+
+
+def test_collected_under_someone_elses_freeze_frees_the_blocks_cycles_and_keeps_theirs():
+    theirs = _Node()
+    gc.freeze()
+    with _gc.collected():
+        watch = _cycle()
+    assert watch() is None
+    assert gc.get_freeze_count() > 0 and not _walked(theirs)
+
+
+def test_collected_frees_the_blocks_cycles_after_an_error():
+    with pytest.raises(RuntimeError), _gc.collected():
+        watch = _cycle()
+        raise RuntimeError("evaluation failed")
+    assert watch() is None
+    assert gc.get_freeze_count() == 0
+
+
+def test_frozen_while_serving_frees_the_garbage_just_made_before_it_freezes():
+    watch = _cycle()
+    with _gc.frozen_while_serving():
+        assert watch() is None
+
+
 @pytest.mark.medium
 def test_frozen_while_serving_holds_the_freeze_until_the_last_server_stops():
     # Not `== frozen` below: a frozen object can still be freed by its reference count, and

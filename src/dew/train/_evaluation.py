@@ -13,7 +13,6 @@ which a mean alone hides (a syllogism run answered "No" to everything and scored
 from __future__ import annotations
 
 import collections
-import gc
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from dew import _gc
 from dew.envs.environment import Sampling
 from dew.models.hf import sharding
 from dew.objectives.rl.sessions import Label, Status
@@ -134,29 +134,30 @@ class Evaluation:
             in `rewards` (a rollout without a reward counts 0); and the first `SHOWN` tasks'
             greedy replies (`sample_record`'s, with `updates` and the task's `answer`).
         """
-        server = serving(self.model)(
-            self.model,
-            sharding.local_view(variables),
-            slots=self.slots,
-            max_len=self.max_len,
-            version=updates,
-            tokenizer=self.tokenizer,
-            # The trainer's own arrays, not a copy of them: it runs this between its updates,
-            # on its thread, and nothing changes them until the server is gone (below).
-            copy=False,
-        )
-        greedy = [row[0] for row in trio.run(self._rollouts, server, Sampling(temperature=0.0), 1)]
-        sampled: list[list] = [[] for _ in self.tasks]
-        if self.samples:
-            seed = int(np.random.SeedSequence([self.seed, updates]).generate_state(1)[0])
-            sampling = Sampling(self.temperature, seed=seed)
-            sampled = trio.run(self._rollouts, server, sampling, self.samples)
-        # Its weights and cache go before the trainer's next update. Its trio runs leave it in
-        # reference cycles (the tracebacks of its cancelled loop hold its frames), which only
-        # the cyclic collector frees: at once here, not whenever the collector next runs (a
-        # SmolLM2 run held the engine's 0.58 GiB through the next update).
-        del server
-        gc.collect()
+        # The engine's weights and cache go before the trainer's next update. Its trio runs leave
+        # it in reference cycles (the tracebacks of its cancelled loop hold its frames), which
+        # only the cyclic collector frees: as the block ends (`_gc.collected`), not whenever the
+        # collector next runs (a SmolLM2 run held the engine's 0.58 GiB through the next update).
+        with _gc.collected():
+            server = serving(self.model)(
+                self.model,
+                sharding.local_view(variables),
+                slots=self.slots,
+                max_len=self.max_len,
+                version=updates,
+                tokenizer=self.tokenizer,
+                # The trainer's own arrays, not a copy of them: it runs this between its updates,
+                # on its thread, and nothing changes them until the server is gone (below).
+                copy=False,
+            )
+            greedy = trio.run(self._rollouts, server, Sampling(temperature=0.0), 1)
+            greedy = [row[0] for row in greedy]
+            sampled: list[list] = [[] for _ in self.tasks]
+            if self.samples:
+                seed = int(np.random.SeedSequence([self.seed, updates]).generate_state(1)[0])
+                sampling = Sampling(self.temperature, seed=seed)
+                sampled = trio.run(self._rollouts, server, sampling, self.samples)
+            del server
         rewards = [_reward(session) for session in greedy]
         answers = None
         if self.task.answer is not None:
