@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -65,16 +66,25 @@ def test_the_readme_trains_a_real_model_as_written_in_1_step(tmp_path):
     evaluations = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["updates"] for e in evaluations] == [0, 1]
     assert (run / "eval_samples.md").exists() and (run / "checkpoints" / "model").is_dir()
+    shutil.rmtree(run)  # its checkpoints hold 2.1 GB, which pytest keeps for three sessions
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_the_real_model_notebook_runs_and_draws(monkeypatch):
+def test_the_real_model_notebook_runs_and_draws(monkeypatch, tmp_path):
     """notebooks/real_model.ipynb as test_notebooks.py runs every other notebook, trained for 1
     step on 4 held-out tasks (evaluated before and after it) where it reads 30 steps on 64 (a
     second step took 35 s more). Its kernel compiles as the README's run above does (without
-    XLA's most expensive passes), so that it finds that run's programs in the cache."""
+    XLA's most expensive passes), so that it finds that run's programs in the cache.
+
+    The notebook's run folder (`tempfile.mkdtemp()`, a checkpoint of 2.1 GB) goes under the
+    test's own folder (the kernel's TMPDIR), removed once the notebook ran: in the system's
+    temporary folder, every run of this test left one behind (14 of them, 29 GB, in /tmp)."""
     monkeypatch.setenv("DEW_REAL_MODEL_STEPS", "1")
     monkeypatch.setenv("DEW_REAL_MODEL_EVAL_TASKS", "4")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     run_notebook(ROOT / "notebooks" / "real_model.ipynb", cell_seconds=1500)
+    runs = list(tmp_path.glob("*/smollm2"))
+    assert len(runs) == 1, f"the notebook's run is not in the TMPDIR the test gave it: {runs}"
+    shutil.rmtree(runs[0].parent)
