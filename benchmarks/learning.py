@@ -454,7 +454,7 @@ def _tiny_checkpoint(folder: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from _hf_folders import chat_checkpoint
 
-    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1}
     shape |= {"num_attention_heads": 2, "num_key_value_heads": 1}
     return chat_checkpoint(folder, shape | {"max_position_embeddings": 4096})
 
