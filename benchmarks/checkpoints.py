@@ -42,7 +42,7 @@ QWEN_05B = {
     "qkv_bias": True,
     "tied": True,
 }
-SMOKE = {**QWEN_05B, "vocab": 512, "hidden": 64, "intermediate": 128, "layers": 2, "heads": 4}
+SMOKE = {**QWEN_05B, "vocab": 512, "hidden": 64, "intermediate": 128, "layers": 1, "heads": 4}
 SMOKE["head_dim"] = 16
 
 

@@ -54,7 +54,7 @@ def main() -> None:
     from dew.models.hf import sharding
     from dew.train import Checkpoint, load_checkpoint, save_checkpoint
 
-    layers, hidden, vocab = (2, 64, 512) if args.smoke else (args.layers, args.hidden, args.vocab)
+    layers, hidden, vocab = (1, 64, 512) if args.smoke else (args.layers, args.hidden, args.vocab)
     config = hf.HFConfig(
         architecture="Qwen3ForCausalLM",
         vocab=vocab,
