@@ -134,8 +134,9 @@ def train(folder: pathlib.Path, engine: VLLMEngine, root: pathlib.Path, args) ->
 
 def main(args) -> None:
     gpu = has_gpu()
-    jax.config.update("jax_default_matmul_precision", "highest")
-    with tempfile.TemporaryDirectory() as scratch:
+    # Set for this thread alone, where dew's side computes, not for the process: a test that
+    # runs this script in the test's process (run_smoke_here) keeps its own precision after it.
+    with jax.default_matmul_precision("highest"), tempfile.TemporaryDirectory() as scratch:
         root = pathlib.Path(scratch)
         started = time.perf_counter()
         folder = tiny_qwen2(
@@ -190,7 +191,7 @@ if __name__ == "__main__":
     args = parser.parse_args()
     args.train = []
     if args.smoke:
-        args.width, args.layers, args.calls, args.tokens = 128, 2, 4, 8
+        args.width, args.layers, args.calls, args.tokens = 128, 1, 4, 8
         args.steps, args.pushes = 2, 1
         args.train = ["--batch-size", "2", "--groups", "4", "--ahead", "1"]
     args.max_len = min(1024, 12 + args.tokens + 1 + 512)

@@ -28,6 +28,10 @@ HEAVY = {
     "sharded_checkpoints",
     "train_step_torch",
 }
+# Those of HEAVY that need a process of their own: a pool of processes (its signal handling) and
+# a device count forced in XLA_FLAGS before jax is imported. The rest run their `__main__` in
+# the test's process (`run_smoke_here`), starting their servers and processes as before.
+HEAVY_AS_PROCESS = {"parallel", "sharded_checkpoints"}
 
 
 def load_benchmark(name: str) -> types.ModuleType:
