@@ -68,7 +68,6 @@ machine's slow example fails nothing. Four files' properties drew afresh each ru
 hypothesis's 200 ms deadline.
 """
 
-import gc
 import os
 import shutil
 import signal
@@ -83,6 +82,8 @@ for _flag in ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen
 import hypothesis  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+from dew import _gc  # noqa: E402
 
 hypothesis.settings.register_profile("dew", derandomize=True, database=None, deadline=None)
 hypothesis.settings.load_profile("dew")
@@ -142,10 +143,16 @@ def _compiled_programs_freed():
     """Each test file's compiled programs are dropped after it (`jax.clear_caches`): a worker
     runs dozens of files, and kept, their executables and what they hold grew one worker of a
     two-worker suite run to 12 GB of a 24 GB machine, which then swapped. A later file that
-    compiles the same program loads it from the persistent cache above."""
-    yield
-    jax.clear_caches()
-    gc.collect()
+    compiles the same program loads it from the persistent cache above.
+
+    The garbage cycles a file leaves are freed as it ends (their finalizers' warnings are its
+    own), by a collection that walks only the objects made while it ran (`dew._gc.collected`:
+    what was alive as it began is frozen meanwhile). A full collection walked every object of
+    a worker that had imported torch, transformers and vLLM, 0.5 CPU-s each file, and so did
+    every automatic full collection while the file ran."""
+    with _gc.collected():
+        yield
+        jax.clear_caches()
 
 
 @pytest.fixture(autouse=True)
