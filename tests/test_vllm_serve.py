@@ -268,3 +268,42 @@ def test_a_server_with_its_worker_in_the_engine_core_forks_that_engine_core(tmp_
     shown = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("method ")]
     methods = {"0": "fork", "1": "spawn"}
     assert shown == [[layout, methods[layout]] for layout in layouts], done.stdout[-1000:]
+
+
+_SHOW_HIDDEN = """import json, os, subprocess, sys
+hidden = [name for name in ("torchvision", "torchaudio", "torchcodec")
+          if name in sys.modules and sys.modules[name] is None]
+print(json.dumps({"hidden": hidden, "torch": "torch" in sys.modules,
+                  "verdict": os.environ["_DEW_HIDDEN_MEDIA"]}), flush=True)
+if sys.argv[1:] != ["child"]:
+    subprocess.run([sys.executable, __file__, "child"], check=True)
+"""
+
+
+@pytest.mark.medium
+def test_the_processes_a_server_starts_hide_its_broken_media_packages_without_importing(
+    tmp_path,
+):
+    """A server's first process finds which media packages cannot load (importing them, torch
+    included) and leaves its verdict in the environment; each Python process started from it
+    (torch's probes at the first log-prob call, `pip` at `/server_info`: 1.8 CPU-s each, about
+    16 a server when each found out again) hides the same ones without importing anything."""
+    _, added = server_command(tmp_path, host="127.0.0.1", port=0, arguments=(), environment={})
+    script = tmp_path / "show.py"
+    script.write_text(_SHOW_HIDDEN)
+
+    def run(**verdict: str) -> list[dict]:
+        environment = {**os.environ, **added, **verdict}
+        if not verdict:
+            environment.pop("_DEW_HIDDEN_MEDIA", None)
+        command = [sys.executable, str(script)]
+        done = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [json.loads(line) for line in done.stdout.splitlines()]
+
+    first, child = run()
+    assert first["verdict"] == ",".join(first["hidden"])
+    assert child == {**first, "torch": False}
+    # A verdict naming a package: hidden, in the process and its children, with nothing imported.
+    told = {"hidden": ["torchvision"], "torch": False, "verdict": "torchvision"}
+    assert run(_DEW_HIDDEN_MEDIA="torchvision") == [told, told]

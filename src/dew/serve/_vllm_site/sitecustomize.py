@@ -4,6 +4,13 @@ vLLM's CPU build pulls in torchvision/torchaudio/torchcodec builds that cannot l
 CPU release, and vLLM imports them in each process it spawns (the model inspector, the engine
 core), not only in the one dew starts: each process hides them first (`dew._torch_media`).
 
+Finding which of them cannot load means importing them, torch included: 1.8 CPU-seconds, which
+every Python process a server starts paid again (torch's inductor starts six, probing the CPU's
+vector instructions at a server's first log-prob call, and `/server_info` three `pip` runs:
+about 16 CPU-seconds a server). The first process finds out and leaves its verdict in the
+environment (`MEDIA_VERDICT`, the names it hid, comma-separated), so that the processes it starts
+hide the same names without importing anything.
+
 A server whose model worker runs in its engine core's process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
 as the tests run theirs) forks that engine core from the API server rather than spawning it
 (`fork_engine_core`): vLLM's CPU platform asks for spawn for every process it starts, and a
@@ -20,6 +27,19 @@ import sys
 from dew._torch_media import hide_broken_media_packages
 
 _CPU_PLATFORM = "vllm.platforms.cpu"
+MEDIA_VERDICT = "_DEW_HIDDEN_MEDIA"
+"""The variable holding the media packages found broken by the process that started this one."""
+
+
+def hide_media_packages() -> None:
+    """Hide the broken media packages: those named in the inherited verdict, or, without one,
+    those `hide_broken_media_packages` finds, then recorded for the processes started later."""
+    verdict = os.environ.get(MEDIA_VERDICT)
+    if verdict is None:
+        os.environ[MEDIA_VERDICT] = ",".join(hide_broken_media_packages())
+        return
+    for name in filter(None, verdict.split(",")):
+        sys.modules.setdefault(name, None)
 
 
 def fork_engine_core() -> None:
@@ -68,5 +88,5 @@ def _wrap_check(platform: type) -> None:
     platform.check_and_update_config = classmethod(check_and_update_config)
 
 
-hide_broken_media_packages()
+hide_media_packages()
 fork_engine_core()
