@@ -27,6 +27,7 @@ HEAVY = {
     "parallel",
     "sharded_checkpoints",
     "train_step_torch",
+    "vllm_start",
 }
 # Those of HEAVY that need a process of their own: a pool of processes (its signal handling) and
 # a device count forced in XLA_FLAGS before jax is imported. The rest run their `__main__` in

@@ -17,6 +17,7 @@ import subprocess
 import threading
 import time
 import types
+from pathlib import Path
 
 import httpx
 import jax
@@ -38,7 +39,7 @@ from dew.objectives.rl._session import track_progress
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Label, Status
-from dew.serve import CallFailed, _vllm, _vllm_start, tokenizer
+from dew.serve import CallFailed, _vllm, _vllm_fork, _vllm_start, tokenizer
 from dew.serve._vllm_process import free_port
 from dew.serve.vllm import VLLMEngine, VLLMError
 
@@ -437,14 +438,7 @@ def test_a_server_reporting_raw_logprobs_or_chunking_prefills_on_a_cpu_is_refuse
     process layout, as users run it, the suite's one that does (the others run their model
     worker in their engine core: tests/conftest.py): a model worker process of its own beside
     its engine core, both spawned, and the refusal stops all three processes of its group."""
-    started = []
-
-    class Recorded(_vllm.ServerProcess):
-        def __init__(self, checkpoint, **options):
-            super().__init__(checkpoint, **options)
-            started.append(self)
-
-    monkeypatch.setattr(_vllm_start, "ServerProcess", Recorded)
+    started = record_servers(monkeypatch)
     with pytest.raises(VLLMError, match="cannot serve the run") as caught:
         VLLMEngine.start(
             folders[0],
@@ -501,12 +495,89 @@ def test_a_checkpoint_vllm_refuses_fails_with_its_error(tmp_path, monkeypatch):
     assert len(picked) == 2 and f":{picked[1]} exited" in str(caught.value)
 
 
-def test_a_server_never_ready_times_out_naming_it_and_its_log(folders, tmp_path):
+@pytest.mark.parametrize("zygote", ["1", "0"])
+def test_a_server_never_ready_times_out_naming_it_and_its_log(
+    folders, tmp_path, monkeypatch, zygote
+):
+    """Forked from a zygote (vLLM's CPU build) or, with DEW_VLLM_ZYGOTE=0, a fresh process."""
+    monkeypatch.setenv("DEW_VLLM_ZYGOTE", zygote)
+    started = record_servers(monkeypatch)
     with pytest.raises(VLLMError, match="was not ready within the timeout") as caught:
         VLLMEngine.start(folders[0], max_model_len=MAX_LEN, ready_timeout=1, work_dir=tmp_path)
     assert "http://127.0.0.1:" in str(caught.value) and str(tmp_path / "vllm-0.log") in str(
         caught.value
     )
+    (server,) = started
+    kind = _vllm_fork.ForkedServer if zygote == "1" else subprocess.Popen
+    assert isinstance(server._process, kind) and not left_running(server.pid)
+
+
+@pytest.mark.medium
+def test_a_zygote_that_cannot_import_vllm_fails_the_start_quoting_its_log(folders, tmp_path):
+    """vLLM's import fails in the zygote (here a broken `vllm` package first on the servers'
+    PYTHONPATH): the start fails with its error, as a fresh server's exit would."""
+    broken = tmp_path / "site" / "vllm"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise ImportError("this vLLM is broken")\n')
+    with pytest.raises(VLLMError, match="did not start: dew's vLLM zygote") as caught:
+        VLLMEngine.start(
+            folders[0],
+            max_model_len=MAX_LEN,
+            work_dir=tmp_path,
+            environment={"PYTHONPATH": str(broken.parent)},
+        )
+    assert "ImportError: this vLLM is broken" in str(caught.value)
+
+
+def record_servers(monkeypatch) -> list[_vllm.ServerProcess]:
+    """The server processes `VLLMEngine.start` starts from now on, in order."""
+    started = []
+
+    class Recorded(_vllm.ServerProcess):
+        def __init__(self, checkpoint, **options):
+            super().__init__(checkpoint, **options)
+            started.append(self)
+
+    monkeypatch.setattr(_vllm_start, "ServerProcess", Recorded)
+    return started
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.slow
+def test_servers_fork_from_a_zygote_that_imported_vllm_once(engine):
+    """Both servers of the module's engine are children of one zygote, this process's, which
+    imported vLLM's server before either started (`dew.serve._vllm_fork`)."""
+    (zygote,) = {parent(process.pid) for process in engine.processes}
+    assert parent(zygote) == os.getpid()
+    assert "dew_vllm_zygote.py" in Path(f"/proc/{zygote}/cmdline").read_text()
+
+
+@pytest.mark.slow
+async def test_servers_outlive_a_killed_zygote_and_the_next_start_gets_a_new_one(
+    folders, tmp_path, monkeypatch
+):
+    """A zygote killed while its server runs (the kernel's out-of-memory killer may pick it):
+    the server serves on and stops as usual, its exit code lost (-1); the next start of the same
+    environment forks from a new zygote. Its own environment (DEW_TEST), so that the zygote the
+    module's other servers come from lives on."""
+    started = record_servers(monkeypatch)
+    options = dict(max_model_len=MAX_LEN, environment={"DEW_TEST": "zygote"})
+    with VLLMEngine.start(folders[0], work_dir=tmp_path / "first", **options) as orphaned:
+        (server,) = started
+        zygote = parent(server.pid)
+        os.kill(zygote, signal.SIGKILL)
+        while parent(server.pid) == zygote:  # the system adopts the server once it died
+            await trio.sleep(0.05)
+        async with orphaned:
+            call = await orphaned.generate(PROMPT, max_tokens=4, key=3)
+        assert len(call.completion) == 4 and server.exit_code() is None
+    assert server.exit_code() == -1 and not left_running(server.pid)
+    with pytest.raises(VLLMError, match="was not ready within the timeout"):
+        VLLMEngine.start(folders[0], work_dir=tmp_path / "second", ready_timeout=1, **options)
+    assert started[1]._process._zygote.process.pid != zygote
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from dew._processes import kill_group, unwatch, watch
 from dew.serve._failure import CallFailed
+from dew.serve._vllm_fork import ZygoteFailed, fork_server, forks_servers
 
 if TYPE_CHECKING:
     import httpx
@@ -166,7 +167,9 @@ def server_command(
 
 
 class ServerProcess:
-    """One vLLM OpenAI-compatible server process that dew started, and its log.
+    """One vLLM OpenAI-compatible server process that dew started, and its log: a fresh
+    process, or with vLLM's CPU build a fork of a process that imported vLLM already
+    (`dew.serve._vllm_fork`), the same process but for the imports it skips.
 
     Args:
         checkpoint: the folder vLLM serves.
@@ -191,15 +194,21 @@ class ServerProcess:
         command, added = server_command(
             checkpoint, host=host, port=port, arguments=arguments, environment=environment
         )
-        with open(log, "wb") as output:
-            self._process = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **added},
-                start_new_session=True,
-            )
+        if forks_servers():
+            try:
+                self._process = fork_server(command, added=added, log=log)
+            except ZygoteFailed as error:
+                raise VLLMError(f"the vLLM server {self.url} did not start: {error}") from None
+        else:
+            with open(log, "wb") as output:
+                self._process = subprocess.Popen(
+                    command,
+                    stdin=subprocess.DEVNULL,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, **added},
+                    start_new_session=True,
+                )
         watch(self._process.pid)
         _RUNNING.add(self)
 
