@@ -201,13 +201,13 @@ class _Zygote:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` runs: it exists and is no zombie (an orphan waits as one until the
+    system's reaper reaps it, which some containers' first process never does)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
+    return state not in ("Z", "X")
 
 
 # The zygotes of this process, by the variables dew adds to their servers' environment.
