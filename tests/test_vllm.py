@@ -529,6 +529,17 @@ def test_a_zygote_that_cannot_import_vllm_fails_the_start_quoting_its_log(folder
     assert "ImportError: this vLLM is broken" in str(caught.value)
 
 
+def test_a_zygote_killed_before_it_forks_fails_the_fork_quoting_its_log(tmp_path):
+    """Killed as it imports vLLM (the kernel's out-of-memory killer, an operator): the fork it
+    was asked for fails naming its end, not waiting for an answer that never comes."""
+    zygote = _vllm_fork._Zygote(dict(os.environ))
+    zygote.process.kill()
+    with pytest.raises(_vllm_fork.ZygoteFailed, match="ended with code -9 before it forked"):
+        zygote.fork(["--help"], dict(os.environ), tmp_path / "server.log")
+    zygote.close()
+    assert not zygote.log.exists()
+
+
 def record_servers(monkeypatch) -> list[_vllm.ServerProcess]:
     """The server processes `VLLMEngine.start` starts from now on, in order."""
     started = []

@@ -143,8 +143,11 @@ class _Zygote:
             with self._changed:
                 self._changed.wait_for(lambda: self._ready or self._ended)
                 self._check_running()
-            self.process.stdin.write(json.dumps(request).encode() + b"\n")
-            self.process.stdin.flush()
+            try:
+                self.process.stdin.write(json.dumps(request).encode() + b"\n")
+                self.process.stdin.flush()
+            except BrokenPipeError:
+                pass  # it ended since: said below, with its log
             with self._changed:
                 self._changed.wait_for(lambda: self._forked or self._ended)
                 self._check_running()
