@@ -529,6 +529,15 @@ def test_a_zygote_that_cannot_import_vllm_fails_the_start_quoting_its_log(folder
     assert "ImportError: this vLLM is broken" in str(caught.value)
 
 
+@pytest.mark.parametrize("setting", ["false", "", "yes"])
+def test_a_zygote_setting_other_than_0_or_1_is_refused_naming_it(
+    folders, tmp_path, monkeypatch, setting
+):
+    monkeypatch.setenv("DEW_VLLM_ZYGOTE", setting)
+    with pytest.raises(ValueError, match=f"DEW_VLLM_ZYGOTE must be 0 or 1, not '{setting}'"):
+        VLLMEngine.start(folders[0], max_model_len=MAX_LEN, work_dir=tmp_path)
+
+
 def test_a_zygote_killed_before_it_forks_fails_the_fork_quoting_its_log(tmp_path):
     """Killed as it imports vLLM (the kernel's out-of-memory killer, an operator): the fork it
     was asked for fails naming its end, not waiting for an answer that never comes."""

