@@ -196,9 +196,10 @@ reward of the base model over 48 tasks, replies of at most the tokens named:
   Also seen: reasoning-gym draws entry i of seed s with `Random(s + i)`, so seed s's task i is
   seed 0's task s + i. The three seeds' training sets share 511 of their 512 tasks and their
   held-out sets 63 of 64; they differ in the order of the stream, the sampling keys and the
-  solved example (`shots=1` takes entry 0 of seed s + 1, which is the seed's own training task
-  1): with held-out sets 63 of 64 alike, the base model's held-out greedy read 0.047, 0.156
-  and 0.234, the example it is shown the main difference.
+  solved example (`shots=1` took entry 0 of seed s + 1, which is the seed's own training task
+  1; since then a task asking the example's question is shown the next entry instead,
+  `dew.envs.ReasoningGym.prompt`): with held-out sets 63 of 64 alike, the base model's
+  held-out greedy read 0.047, 0.156 and 0.234, the example it is shown the main difference.
 - A second task with free answers, base model over held-out items (transformers, greedy, 16
   tokens, one solved example): one-digit products (`basic_arithmetic` with `operators=["*"]`)
   0.366 over 24, one-digit differences (`["-"]`) 0.234 over 32 (majority answer 12 %),

@@ -77,6 +77,56 @@ def test_shots_open_each_prompt_with_solved_examples_drawn_with_the_next_seed():
         assert gym.verify(task, reply) == plain.verify(task, reply)
 
 
+# The README's real-model task: one-digit sums, 100 distinct questions among its entries.
+SUMS = (
+    "reasoning-gym:basic_arithmetic,min_terms=2,max_terms=2,min_digits=1,max_digits=1,"
+    'operators=["+"],allow_negation=false,allow_parentheses=false'
+)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_no_example_asks_the_tasks_own_question(seed):
+    """The examples' entry j is the task set's entry j + 1 (reasoning-gym draws entry i with
+    Random(seed + i)), and the sums repeat their questions: tasks asked an example's question
+    (task 1 among them) and were handed its answer just before, at seed 1 a held-out task of
+    the README's too. Such a task is shown the next entry drawn instead; every other task opens
+    with the first entries, as before."""
+    gym = ReasoningGym.parse(SUMS + ",shots=2", size=1064, seed=seed)
+    drawn = ReasoningGym.parse(SUMS, size=8, seed=seed + 1)
+    first = [drawn.entry(0), drawn.entry(1)]
+    asked = {entry["question"] for entry in first}
+    assert gym.entry(1)["question"] == first[0]["question"]
+    replaced = 0
+    for index in range(gym.size):
+        *turns, question = gym.prompt(gym.task(index))
+        shown = [turns[i]["content"] for i in range(0, len(turns), 2)]
+        assert len(shown) == 2 and question["content"] not in shown, index
+        if question["content"] in asked:
+            replaced += 1
+            rest = [e["question"] for e in map(drawn.entry, range(8))]
+            assert shown == [q for q in rest if q != question["content"]][:2], index
+        else:
+            assert turns == [
+                turn
+                for entry in first
+                for turn in (
+                    {"role": "user", "content": entry["question"]},
+                    {"role": "assistant", "content": entry["answer"]},
+                )
+            ], index
+    assert replaced >= 8
+
+
+def test_too_few_examples_of_another_question_are_refused_naming_the_task():
+    gym = ReasoningGym.parse(SUMS + ",shots=1", size=4, seed=0)
+    task = gym.task(1)
+    # Every example drawn asking task 1's question: as a dataset of one question would draw.
+    same = {"question": task.payload["question"], "answer": task.payload["answer"]}
+    object.__setattr__(gym, "_examples", (same,) * 17)
+    with pytest.raises(ValueError, match=r"basic_arithmetic task '1': only 0 of the 17 examples"):
+        gym.prompt(task)
+
+
 def test_the_verifier_is_reasoning_gyms_scorer_on_the_tasks_entry(legs):
     task = legs.task(7)
     answer = task.payload["answer"]

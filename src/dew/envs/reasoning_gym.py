@@ -9,13 +9,14 @@ scorer.
 
 `shots=K` in the spec (dew's, not reasoning-gym's) opens each prompt with K solved examples: the
 question and answer of K entries of the same dataset drawn with the next seed, as earlier chat
-turns. It shows a model the answer's form, as reasoning-gym's own system prompts assume ("When
-an example is provided, you should strictly follow the format of the output/answer in that
-example"): a small instruct model that writes "6 + 5 = 11" when asked "Calculate 6 + 5." (0.2,
-the answer's share of the reply's characters) almost never writes the bare "11" (1.0), however
-its instruction is worded, but does after one example (a wrong number more often than not:
-`benchmarks/learning.py`'s NOTES). The default, 0, is the question alone, as reasoning-gym's
-quickstart feeds it; the scorer is the same either way.
+turns, never one that asks the task's own question (the next entry drawn stands in for it:
+`ReasoningGym.prompt`). It shows a model the answer's form, as reasoning-gym's own system
+prompts assume ("When an example is provided, you should strictly follow the format of the
+output/answer in that example"): a small instruct model that writes "6 + 5 = 11" when asked
+"Calculate 6 + 5." (0.2, the answer's share of the reply's characters) almost never writes the
+bare "11" (1.0), however its instruction is worded, but does after one example (a wrong number
+more often than not: `benchmarks/learning.py`'s NOTES). The default, 0, is the question alone,
+as reasoning-gym's quickstart feeds it; the scorer is the same either way.
 
 The reply is the answer: the whole decoded reply, exactly as the model wrote it, without
 reasoning-gym's `<answer>` tags (a model trained from scratch never learns to write them first).
@@ -69,6 +70,10 @@ def _options(instance, attribute, value):
             )
 
 
+# Examples drawn beyond `shots`, to stand in for those that ask a task's own question.
+_SPARE_EXAMPLES = 16
+
+
 @attrs.frozen
 class ReasoningGym:
     """One reasoning-gym dataset: its tasks, their prompts and reasoning-gym's scorer.
@@ -78,7 +83,8 @@ class ReasoningGym:
         options: its configuration (reasoning-gym's config fields, e.g. `max_animals`).
         size: entries in the dataset; task ids are 0 .. size-1.
         seed: the dataset's seed; its entries are a function of it and the index.
-        shots: solved examples each prompt opens with (entries drawn with `seed + 1`).
+        shots: solved examples each prompt opens with (entries drawn with `seed + 1`, none
+            asking the task's own question).
 
     Raises:
         ImportError: naming the extra to install when reasoning-gym is missing.
@@ -96,11 +102,9 @@ class ReasoningGym:
 
     def __attrs_post_init__(self):
         object.__setattr__(self, "_dataset", self._create(self.size, self.seed))
-        # The examples are another seed's entries, so that they do not change with `size`. Most
-        # of reasoning-gym's datasets draw entry i with Random(seed + i), so there the K
-        # examples are this dataset's entries 1..K: the tasks of those indices open with their
-        # own solution (K of `size`; the held-out tasks, indices past the training ones, never).
-        examples = self._create(self.shots, self.seed + 1) if self.shots else ()
+        # The examples are another seed's entries, so that they do not change with `size`, and
+        # `_SPARE_EXAMPLES` more stand in for those that ask a task's own question.
+        examples = self._create(self.shots + _SPARE_EXAMPLES, self.seed + 1) if self.shots else ()
         object.__setattr__(self, "_examples", tuple(examples))
 
     def _create(self, size: int, seed: int):
@@ -201,13 +205,34 @@ class ReasoningGym:
                 f"reasoning-gym {self.name} task {task.name!r}: its entry has no question "
                 f"(a str under 'question'): {entry!r:.200}"
             )
-        if not self._examples:
+        if not self.shots:
             return entry["question"]
         turns = []
-        for example in self._examples:
+        for example in self._examples_for(task, entry["question"]):
             turns.append({"role": "user", "content": example["question"]})
             turns.append({"role": "assistant", "content": str(example["answer"])})
         return [*turns, {"role": "user", "content": entry["question"]}]
+
+    def _examples_for(self, task: Task, question: str) -> list[Mapping[str, Any]]:
+        """The first `shots` examples drawn whose question is not `question`: an example asking
+        the task's own question would hand it its answer. Most of reasoning-gym's datasets draw
+        entry i with Random(seed + i), so the examples' entry j is this dataset's entry j + 1
+        (task 1 opened with its own solution), and a small dataset repeats its questions (the
+        one-digit sums have 100: 8 of the README's 1,000 training tasks, at seed 1 one of its
+        64 held-out ones, asked the example's question).
+
+        Raises:
+            ValueError: naming the dataset and the task when fewer than `shots` of the examples
+                drawn ask another question.
+        """
+        examples = [e for e in self._examples if e["question"] != question][: self.shots]
+        if len(examples) < self.shots:
+            raise ValueError(
+                f"reasoning-gym {self.name} task {task.name!r}: only {len(examples)} of the "
+                f"{len(self._examples)} examples drawn for shots={self.shots} ask another "
+                "question than the task's; ask for fewer shots"
+            )
+        return examples
 
     def verify(self, task: Task, reply: str) -> Score:
         """reasoning-gym's score of `reply`, verbatim, against `task`'s entry; `exact` is 1 when
