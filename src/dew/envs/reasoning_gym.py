@@ -193,11 +193,13 @@ class ReasoningGym:
 
     def prompt(self, task: Task) -> str | list[dict[str, str]]:
         """The user message of `task`: its entry's question, after `shots` solved examples
-        (each a user turn, its question, and an assistant turn, its answer) where there are any.
+        (each a user turn, its question, and an assistant turn, its answer) where there are any,
+        none asking the task's own question.
 
         Raises:
             ValueError: naming the dataset and the task when its entry has no question (a
-                payload of another shape: `PromptSource` lets it propagate, a broken source).
+                payload of another shape: `PromptSource` lets it propagate, a broken source),
+                or when fewer than `shots` of the examples drawn ask another question.
         """
         entry = self._entry_of(task)
         if not isinstance(entry, Mapping) or not isinstance(entry.get("question"), str):
