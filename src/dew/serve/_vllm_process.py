@@ -194,7 +194,11 @@ class ServerProcess:
         command, added = server_command(
             checkpoint, host=host, port=port, arguments=arguments, environment=environment
         )
-        if forks_servers():
+        try:
+            forked = forks_servers()
+        except ValueError as error:  # DEW_VLLM_ZYGOTE misspelt: one line from `dew train`
+            raise VLLMError(f"the vLLM server {self.url} did not start: {error}") from None
+        if forked:
             try:
                 self._process = fork_server(command, added=added, log=log)
             except ZygoteFailed as error:
