@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import types
@@ -39,7 +40,7 @@ from dew.objectives.rl._session import track_progress
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.objectives.rl.sessions import Label, Status
-from dew.serve import CallFailed, _vllm, _vllm_fork, _vllm_start, tokenizer
+from dew.serve import CallFailed, _vllm, _vllm_fork, _vllm_process, _vllm_start, tokenizer
 from dew.serve._vllm_process import free_port
 from dew.serve.vllm import VLLMEngine, VLLMError
 
@@ -510,6 +511,47 @@ def test_a_server_never_ready_times_out_naming_it_and_its_log(
     (server,) = started
     kind = _vllm_fork.ForkedServer if zygote == "1" else subprocess.Popen
     assert isinstance(server._process, kind) and not left_running(server.pid)
+
+
+def test_servers_stop_together_and_one_still_starting_is_killed_after_a_short_grace():
+    """vLLM runs a SIGTERM that comes during its start only once its engine is built: a server
+    stopped before it was ready (a failed start, a Ctrl-C while the servers start) held its
+    stop for the whole 20-second grace. Here processes stand for the servers, their `wait`
+    recording the time it was given: one that was ready ends on its SIGTERM within the grace;
+    one still starting, which ignores SIGTERM, is killed 2 seconds after the same SIGTERM."""
+    programs = {
+        True: "import time; print(flush=True); time.sleep(60)",
+        False: "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print(flush=True); time.sleep(60)",
+    }
+
+    class Recorded:
+        def __init__(self, program):
+            self.popen = subprocess.Popen(
+                [sys.executable, "-c", program], stdout=subprocess.PIPE, start_new_session=True
+            )
+            self.popen.stdout.readline()  # its SIGTERM handling is set
+            self.popen.stdout.close()
+            self.pid, self.timeouts = self.popen.pid, []
+
+        def poll(self):
+            return self.popen.poll()
+
+        def wait(self, timeout=None):
+            self.timeouts.append(timeout)
+            return self.popen.wait(timeout)
+
+    servers = []
+    for ready in (True, False):
+        server = object.__new__(_vllm.ServerProcess)
+        server._process, server._ready = Recorded(programs[ready]), ready
+        servers.append(server)
+    _vllm_process.stop_servers(servers)
+    ready, starting = (server._process for server in servers)
+    assert _vllm_process._STARTING_GRACE < ready.timeouts[0] <= _vllm_process._GRACE
+    assert ready.poll() == -signal.SIGTERM
+    assert starting.timeouts[0] <= _vllm_process._STARTING_GRACE
+    assert starting.poll() == -signal.SIGKILL
 
 
 @pytest.mark.medium

@@ -57,9 +57,7 @@ from dew.serve._vllm_http import (
     _Server,
     _ServerRequests,
 )
-from dew.serve._vllm_process import (
-    ServerProcess,
-)
+from dew.serve._vllm_process import ServerProcess, stop_servers
 from dew.serve._vllm_push import _Pushes
 from dew.serve._vllm_start import _Starts, is_lora
 
@@ -207,9 +205,7 @@ class VLLMEngine(_Starts, _ServerRequests, _ServerChecks, _Pushes):
         if self._closed:
             return
         self._closed = True
-        for server in self._servers:
-            if server.process is not None:
-                server.process.stop()
+        stop_servers(server.process for server in self._servers if server.process is not None)
         self._pushes.close()
         if self._owned_dir is not None:
             shutil.rmtree(self._owned_dir, ignore_errors=True)

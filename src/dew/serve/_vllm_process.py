@@ -56,6 +56,11 @@ class PortTaken(VLLMError):
     ephemeral range)."""
 
 
+# Seconds `stop_servers` gives a server between its SIGTERM and its SIGKILL: one that was ready
+# (its requests drain), one still starting.
+_GRACE = 20.0
+_STARTING_GRACE = 2.0
+
 # What a server's log says when its port was taken before it bound it.
 _PORT_TAKEN = "Address already in use"
 
@@ -213,6 +218,7 @@ class ServerProcess:
                     env={**os.environ, **added},
                     start_new_session=True,
                 )
+        self._ready = False  # until it answers `wait_ready`'s check
         watch(self._process.pid)
         _RUNNING.add(self)
 
@@ -254,6 +260,7 @@ class ServerProcess:
                 )
             with contextlib.suppress(httpx.HTTPError):
                 if client.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    self._ready = True
                     return
             if time.monotonic() > deadline:
                 raise VLLMError(
@@ -273,20 +280,35 @@ class ServerProcess:
         kill_group(self._process.pid)
         self._process.wait()
 
-    def stop(self, grace: float = 20.0) -> None:
-        """Stop the server and every process of its group: SIGTERM, then SIGKILL after `grace`
-        seconds. Safe to call again."""
-        _RUNNING.discard(self)
-        group = self._process.pid
-        kill_group(group, signal.SIGTERM)
+    def stop(self, grace: float | None = None) -> None:
+        """Stop the server and every process of its group (`stop_servers`). Safe to call
+        again."""
+        stop_servers([self], grace)
+
+
+def stop_servers(servers: Iterable[ServerProcess], grace: float | None = None) -> None:
+    """Stop `servers` together, each with every process of its group: SIGTERM to all, then
+    SIGKILL to each group still there once its `grace` seconds have passed, counted from the
+    same moment for all. `grace` defaults to 20 seconds for a server that answered its
+    readiness check and 2 for one still starting: vLLM runs a SIGTERM that comes during its
+    start only once its engine is built, tens of seconds later, and such a server serves
+    nothing that a grace would let it finish (a failed start of an engine, a run's Ctrl-C
+    while its servers start)."""
+    servers = list(servers)
+    for server in servers:
+        _RUNNING.discard(server)
+        kill_group(server._process.pid, signal.SIGTERM)
+    signalled = time.monotonic()
+    for server in servers:
+        wait = grace if grace is not None else _GRACE if server._ready else _STARTING_GRACE
         try:
-            self._process.wait(timeout=grace)
+            server._process.wait(timeout=max(0.0, signalled + wait - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
         # The engine core may outlive the API server's exit: nothing of the group stays.
-        kill_group(group)
-        self._process.wait()
-        unwatch(group)
+        kill_group(server._process.pid)
+        server._process.wait()
+        unwatch(server._process.pid)
 
 
 def _dew_source() -> list[str]:
@@ -302,5 +324,4 @@ _RUNNING: set[ServerProcess] = set()
 
 @atexit.register
 def _stop_all() -> None:
-    for server in list(_RUNNING):
-        server.stop(grace=5.0)
+    stop_servers(list(_RUNNING), grace=5.0)

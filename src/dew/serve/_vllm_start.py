@@ -29,6 +29,7 @@ from dew.serve._vllm_process import (
     check_port_free,
     free_port,
     server_urls,
+    stop_servers,
 )
 from dew.serve._vllm_push import LORA_ENVIRONMENT, lora_flags
 
@@ -225,8 +226,7 @@ class _Starts:
         except BaseException:
             if engine is not None:
                 engine.close()  # its servers, its HTTP client and its folder
-            for process in started:
-                process.stop()
+            stop_servers(started)
             if owned is not None:
                 shutil.rmtree(owned, ignore_errors=True)
             raise
