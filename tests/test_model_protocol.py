@@ -115,13 +115,37 @@ def test_the_engine_grows_a_cache_laid_out_as_dews_and_holds_any_other_whole(mod
     assert server.stats().cache_positions == whole
 
 
+class Counted(NnxModel):
+    """Counts the traces of its prefill."""
+
+    traces = 0
+
+    def prefill(self, *args):
+        type(self).traces += 1
+        return super().prefill(*args)
+
+
+def test_an_engine_made_again_for_a_model_does_not_trace_its_check_again():
+    """A run makes an engine for each evaluation: the check of the model's protocol (a traced
+    prefill and decode, 2 CPU-s for a 135M-param model) runs once for each model, layouts of
+    params and cache, and slots."""
+    model = Counted(width=32, heads=2)
+    params = model.init(jax.random.key(0))
+    for slots in (4, 4, 2):
+        RolloutServer(model, params, slots=slots, max_len=MAX_LEN)
+    assert Counted.traces == 2
+    RolloutServer(Counted(width=32, heads=2), params, slots=4, max_len=MAX_LEN)  # an equal one
+    assert Counted.traces == 2
+
+
 @pytest.mark.medium
 def test_the_engine_refuses_what_breaks_the_protocol():
     params = NNX.init(jax.random.key(0))
     with pytest.raises(TypeError, match="model must be a dew.models.Model .* got dict"):
         RolloutServer({"vocab": 260}, params)
-    with pytest.raises(ValueError, match=r"decode must return .* logits\[4, 260\]"):
-        RolloutServer(WrongLogits(width=32, heads=2), params, slots=4)
+    for _ in range(2):  # a model refused is refused again: only what passed is remembered
+        with pytest.raises(ValueError, match=r"decode must return .* logits\[4, 260\]"):
+            RolloutServer(WrongLogits(width=32, heads=2), params, slots=4)
     small = NnxModel(vocab=200, width=32, heads=2)
     with pytest.raises(ValueError, match=r"tokenizer's vocabulary \(260 ids\) exceeds the model"):
         RolloutServer(small, small.init(jax.random.key(0)), tokenizer=tokenizer.BYTES)
