@@ -267,15 +267,15 @@ def test_start_gives_the_servers_their_api_key_out_of_their_command_line(
         def wait_ready(self, deadline, client):
             raise VLLMError("not started")
 
-        def stop(self, grace=20.0):
-            pass
-
+    stopped = []
     monkeypatch.setattr(_vllm_start, "ServerProcess", Refused)
+    monkeypatch.setattr(_vllm_start, "stop_servers", stopped.extend)
     monkeypatch.setenv("VLLM_API_KEY", "from-the-environment")
     for api_key, sent in [(KEY, KEY), (None, "from-the-environment"), ("", "")]:
         with pytest.raises(VLLMError, match="not started"):
             VLLMEngine.start(folder, max_model_len=SERVER_LEN, work_dir=tmp_path, api_key=api_key)
         options = started.pop()
+        assert isinstance(stopped.pop(), Refused) and not stopped  # what failed is stopped
         assert options["environment"]["VLLM_API_KEY"] == sent
         assert not any("key" in flag for flag in options["arguments"])
     with pytest.raises(ValueError, match="give the servers' API key as api_key="):
