@@ -12,7 +12,7 @@ scored the share of "No" items). The script prints each run's curve, then the ta
     task | engine | tuning | seed | held-out before -> after | steps | s/step | wall | ...
 
     python benchmarks/learning.py                          # sums and products, seed 0, dew
-    python benchmarks/learning.py --tasks copy --seeds 0 1 2
+    python benchmarks/learning.py --tasks products --seeds 0 1 2
     python benchmarks/learning.py --engine vllm            # rollouts on a vLLM server
     python benchmarks/learning.py --tuning full lora       # every param, then a LoRA adapter
     python benchmarks/learning.py --steps 40 --keep runs/  # longer, keeping the run folders
@@ -49,16 +49,20 @@ TASKS = {
     "products": {
         "task": (
             "reasoning-gym:basic_arithmetic,min_terms=2,max_terms=2,min_digits=1,max_digits=1,"
-            'operators=["*"],allow_negation=false,allow_parentheses=false,shots=1'
+            'operators=["*"],allow_negation=false,allow_parentheses=false,shots=3'
         ),
         "max_tokens": 3,
     },
 }
 """Each task's `dew train` settings beyond the recipe: its spec and its replies' most tokens
 (syllogism's right replies are a token or two; a sum's or a product's bare answer is one to
-three digits and a stop, after one solved example in the prompt, `shots=1`: with room for
-the equation SmolLM2 writes, "6 + 5 = 11", training settles on it, and its 0.2 caps the
-gain below 0.15; see `NOTES`)."""
+three digits and a stop, after solved examples in the prompt: with room for the equation
+SmolLM2 writes, "6 + 5 = 11", training settles on it, and its 0.2 caps the gain below 0.15;
+see `NOTES`). The sums show one example (`shots=1`), the products three: every prompt of a
+run shows the same examples, the first entries of the next seed, and seed 0's first product
+is "4 * 1" -> "4", seed 1's "1 * 5" -> "5", which read as "answer a factor" (the base
+model's commonest wrong reply), where the first three hold a real product ("5 * 9" -> "45")
+for each of seeds 0, 1 and 2."""
 
 RECIPE = {
     "model": "smollm2",
@@ -310,6 +314,38 @@ reward of the base model over 48 tasks, replies of at most the tokens named:
   rollouts are drawn with other randomness on each engine (vLLM's sampler, dew's keys), and
   seeds 1 and 2 take the dew runs' course; one trajectory of 16 replies a step found the
   products, five did not.
+- The products with three solved examples (`TASKS["products"]`, `shots=3`, since session 34),
+  at `RECIPE`'s 1000 tasks. With one, every prompt of seed 0 opens with "Calculate 4 * 1." ->
+  "4" (the first entry of seed 1; seed 1's is "1 * 5" -> "5"), an example that reads as
+  "answer the first factor", the base model's commonest wrong reply above; trained on, it
+  learned little at 1000 tasks: seed 0 greedy 0.188 -> 0.281 at 40 updates (the row above),
+  and run on to 80 (`--tasks products --seeds 0 --steps 80 --eval-every 20`, shots=1, 1262 s,
+  12.7 s a step, 3.69 GiB, a simulation of mine beside it for a while) 0.188 -> 0.203 ->
+  0.281 -> 0.268 -> 0.297 at 0, 20, 40, 60 and 80 updates (+0.109), mean@2 0.138 -> 0.293,
+  distinct right answers 6 -> 7: short of 0.15 in twice the updates. Three examples hold a
+  real product for each of seeds 0, 1 and 2 ("5 * 9" -> "45" among them), and the base model
+  then writes wrong products rather than a factor ("6 * 5" -> "10", "9 * 8" -> "18"). Trained
+  (`python benchmarks/learning.py --tasks products --seeds 0` and `--seeds 1 2`, `--steps 40`;
+  seed 0 beside a simulation of mine for its first half, hence its 20.6 s a step; wall, peak
+  and tokens/s as the script prints them, /usr/bin/time -v over seeds 1 and 2: 35:31 and
+  4,024,120 kB):
+
+  | seed | held-out greedy, 0 / 10 / 20 / 30 / 40 updates | mean@2 | s/step | wall | peak GiB |
+  |---|---|---|---|---|---|
+  | 0 | 0.156 / 0.227 / 0.320 / 0.453 / 0.495 | 0.061 -> 0.471 | 20.6 | 1181 s | 3.82 |
+  | 1 | 0.156 / 0.305 / 0.328 / 0.328 / 0.344 | 0.095 -> 0.309 | 19.4 | 1072 s | 3.84 |
+  | 2 | 0.109 / 0.219 / 0.219 / 0.328 / 0.336 | 0.102 -> 0.340 | 19.3 | 1051 s | 3.84 |
+
+  Every seed clears 0.15 by 30 updates (+0.297, +0.172, +0.219; by 40 +0.339, +0.188, +0.227;
+  seeds 0 and 1 by 20), within 4 GiB and 20 minutes on dew's engine. Exactly right held-out
+  replies 10 -> 29, 10 -> 22 and 7 -> 17 of 64, distinct right answers 5 -> 17, 3 -> 11 and 4 ->
+  8: not a constant answer. What it learned differs by seed: seed 1 the three rules of a factor 0,
+  1 or 10 alone (all 22 such held-out products right, no other); seed 0 those (22 of 22) and 7
+  held-out items of the table ("9 * 5" -> "45", "7 * 3" -> "21", "5 * 3" -> "15"); seed 2 6 items
+  of the table ("7 * 7" -> "49", "4 * 6" -> "24", "5 * 8" -> "40") and 11 of its 21 with such a
+  factor. 10, 19 and 10 of the 40 steps had every group uniform. A step costs more than with one
+  example (19-21 s against 11.7): each prompt is about 30 tokens longer, in every rollout's
+  prefill and every row of the update.
 - `letter_counting` (one word), 6 tokens: 0.000 ("The letter "r" appears ..."); its answers are
   96 % one class (1), so even a gain there would be a constant answer.
 - `syllogism`, 8 tokens (issue 41): 0.117; the one task of these within 5-60 %. Trained at
